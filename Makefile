@@ -1,0 +1,34 @@
+# Two commands: `make demo` (main job) and `make test` (whole test suite).
+# Both create .venv with the project installed when it is missing.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The stamp changes with pyproject.toml and with the checkout's path (the install is editable).
+STAMP := $(VENV)/.installed-$(shell (cat pyproject.toml; pwd) | sha256sum | cut -c1-16)
+
+.PHONY: demo test lint format venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@rm -f $(VENV)/.installed-*
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m benchmarks demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,294 @@
+"""The benchmarks and strategies the runner knows, with their reference protocols.
+
+A benchmark carries its protocol (how the tasks are built, which network, the training
+settings of the FROMP paper) and the published numbers to compare with. A strategy names an
+Avalanche strategy class by import path (imported lazily, so a missing optional strategy does
+not break the others), preset keyword arguments, and the module whose ``DEFAULTS`` holds the
+tuned per-benchmark settings (see ``strategies/``).
+
+Settings are merged in this order, later wins: benchmark defaults, the strategy module's
+``DEFAULTS[benchmark]``, the preset's own settings, command-line overrides.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from fromp.data import (
+    TaskSequence,
+    permuted_mnist,
+    split_cifar,
+    split_digits,
+    split_fashion_mnist,
+    split_mnist,
+)
+from fromp.models import CifarCNN, MultiHeadMLP
+
+__all__ = [
+    "BENCHMARKS",
+    "STRATEGIES",
+    "BenchmarkSpec",
+    "Published",
+    "StrategySpec",
+    "UnknownNameError",
+    "get_benchmark",
+    "get_strategy",
+]
+
+
+class UnknownNameError(ValueError):
+    """A benchmark or strategy name that the registry does not know."""
+
+
+@dataclass(frozen=True)
+class Published:
+    """A published score: mean of per-task test accuracies after the last task, in %."""
+
+    accuracy: float
+    std: float | None
+    source: str
+
+
+@dataclass(frozen=True)
+class BenchmarkSpec:
+    """A continual-learning benchmark and its reference protocol.
+
+    Attributes:
+        name: command-line name.
+        description: one line for ``--help`` and reports.
+        load: ``data_root -> TaskSequence``.
+        model: ``TaskSequence -> nn.Module`` (a :class:`fromp.models.MultiHeadModel`).
+        settings: training settings of the FROMP paper (``lr``, ``train_epochs``,
+            ``train_mb_size``, ``optimizer``).
+        published: strategy name -> published score.
+        needs: the data sets the benchmark reads (for messages).
+    """
+
+    name: str
+    description: str
+    load: Callable[[str | os.PathLike[str] | None], TaskSequence]
+    model: Callable[[TaskSequence], nn.Module]
+    settings: Mapping[str, Any]
+    published: Mapping[str, Published] = field(default_factory=dict)
+    needs: tuple[str, ...] = ()
+
+
+def _mlp(hidden: tuple[int, ...]) -> Callable[[TaskSequence], nn.Module]:
+    def make(seq: TaskSequence) -> nn.Module:
+        in_features = 1
+        for s in seq.input_shape:
+            in_features *= s
+        heads = len(seq) if seq.multi_head else 1
+        return MultiHeadMLP(in_features, hidden, n_heads=heads, head_size=seq.n_outputs)
+
+    return make
+
+
+def _cifar_cnn(seq: TaskSequence) -> nn.Module:
+    return CifarCNN(seq.input_shape[0], n_heads=len(seq), head_size=seq.n_outputs)
+
+
+_FROMP_CODE = "FROMP official code (Pan et al., NeurIPS 2020)"
+_SFSVI = "S-FSVI (Rudner et al., ICML 2022)"
+_VCL = "VCL paper (Nguyen et al., ICLR 2018)"
+
+BENCHMARKS: dict[str, BenchmarkSpec] = {
+    "split-mnist": BenchmarkSpec(
+        "split-mnist",
+        "Split MNIST: 5 tasks (0/1, 2/3, ...), raw pixels, MLP 784-256-256 with 5 two-way heads",
+        lambda root: split_mnist(root),
+        _mlp((256, 256)),
+        {"optimizer": "adam", "lr": 1e-4, "train_epochs": 15, "train_mb_size": 128},
+        {
+            "fromp": Published(99.3, 0.0, _FROMP_CODE),
+            "fromp-l2": Published(99.3, 0.0, _FROMP_CODE),
+            "s-fsvi": Published(99.54, 0.04, _SFSVI),
+            "vcl": Published(97.0, None, _VCL),
+            "vcl-coreset": Published(98.4, None, _VCL),
+            "ewc-avalanche": Published(98.44, None, "Avalanche EWC, lambda=1e4, measured here"),
+        },
+        ("MNIST",),
+    ),
+    "permuted-mnist": BenchmarkSpec(
+        "permuted-mnist",
+        "Permuted MNIST: 10 tasks (first unpermuted), MLP 784-100-100, one 10-way head",
+        lambda root: permuted_mnist(root),
+        _mlp((100, 100)),
+        {"optimizer": "adam", "lr": 1e-3, "train_epochs": 10, "train_mb_size": 128},
+        {
+            "fromp": Published(94.8, 0.1, _FROMP_CODE),
+            "fromp-l2": Published(94.6, 0.1, _FROMP_CODE),
+            "s-fsvi": Published(95.76, 0.02, _SFSVI),
+            "vcl-coreset": Published(93.0, None, _VCL),
+        },
+        ("MNIST",),
+    ),
+    "split-cifar": BenchmarkSpec(
+        "split-cifar",
+        "Split CIFAR: CIFAR-10, then CIFAR-100 classes 0-49 as 5 tasks; CNN with 6 ten-way heads",
+        lambda root: split_cifar(root),
+        _cifar_cnn,
+        {"optimizer": "adam", "lr": 1e-3, "train_epochs": 80, "train_mb_size": 256},
+        {
+            "fromp": Published(76.2, 0.4, _FROMP_CODE),
+            "fromp-l2": Published(74.6, 0.4, _FROMP_CODE),
+            "s-fsvi": Published(77.57, 0.84, _SFSVI),
+        },
+        ("CIFAR10", "CIFAR100"),
+    ),
+    "split-fashion-mnist": BenchmarkSpec(
+        "split-fashion-mnist",
+        "Split Fashion-MNIST: 5 tasks of 2 classes, raw pixels, MLP 784-256-256, 5 heads",
+        lambda root: split_fashion_mnist(root),
+        _mlp((256, 256)),
+        {"optimizer": "adam", "lr": 1e-4, "train_epochs": 15, "train_mb_size": 128},
+        {},
+        ("FashionMNIST",),
+    ),
+    "split-digits": BenchmarkSpec(
+        "split-digits",
+        "Split-Digits: scikit-learn's 8x8 digits, 5 tasks of 2 classes, MLP 64-256-256, 5 heads "
+        "(built in, no download)",
+        lambda root: split_digits(),
+        _mlp((256, 256)),
+        {"optimizer": "adam", "lr": 1e-3, "train_epochs": 20, "train_mb_size": 32},
+        {},
+        (),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """A strategy the runner can build.
+
+    Attributes:
+        name: command-line name.
+        target: ``"module:Class"`` of an Avalanche ``SupervisedTemplate`` subclass.
+        description: one line.
+        kwargs: preset keyword arguments for the class (e.g. the kernel of FROMP-L2).
+        defaults_module: module whose ``DEFAULTS[benchmark]`` holds tuned settings
+            (``optimizer``, ``lr``, ``train_epochs``, ``train_mb_size``, ``kwargs``).
+        settings: preset settings that override the defaults (e.g. ``optimizer="vogn"``).
+        joint: trains on all tasks at once (an upper bound, not a continual learner).
+    """
+
+    name: str
+    target: str
+    description: str
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    defaults_module: str | None = None
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    joint: bool = False
+
+    def load_class(self) -> type:
+        """Import the strategy class (raises ImportError when it is not installed)."""
+        module, _, cls = self.target.partition(":")
+        return getattr(importlib.import_module(module), cls)
+
+    def available(self) -> bool:
+        """Whether the strategy class can be imported."""
+        try:
+            self.load_class()
+        except (ImportError, AttributeError):
+            return False
+        return True
+
+    def defaults(self, benchmark: str) -> dict[str, Any]:
+        """The tuned settings of the strategy module for ``benchmark`` (may be empty)."""
+        if self.defaults_module is None:
+            return {}
+        try:
+            table = getattr(importlib.import_module(self.defaults_module), "DEFAULTS", {})
+        except ImportError:
+            return {}
+        return dict(table.get(self.name, {}).get(benchmark, table.get(benchmark, {})))
+
+
+STRATEGIES: dict[str, StrategySpec] = {
+    s.name: s
+    for s in [
+        StrategySpec(
+            "fromp",
+            "strategies.fromp:FROMP",
+            "FROMP: functional regularisation of memorable past, per-class DNN2GP kernels",
+            defaults_module="strategies.fromp",
+        ),
+        StrategySpec(
+            "fromp-l2",
+            "strategies.fromp:FROMP",
+            "FROMP-L2: FROMP with the kernel replaced by the identity",
+            kwargs={"kernel": "identity"},
+            defaults_module="strategies.fromp",
+        ),
+        StrategySpec(
+            "fromp-vogn",
+            "strategies.fromp:FROMP",
+            "FROMP trained with VOGN; the kernel uses VOGN's posterior",
+            kwargs={"posterior": "vogn"},
+            defaults_module="strategies.fromp",
+            settings={"optimizer": "vogn"},
+        ),
+        StrategySpec(
+            "vcl",
+            "strategies.vcl:VCL",
+            "VCL: mean-field variational continual learning",
+            defaults_module="strategies.vcl",
+        ),
+        StrategySpec(
+            "vcl-coreset",
+            "strategies.vcl:VCL",
+            "VCL with a random coreset, trained on before evaluation",
+            kwargs={"coreset_method": "random"},
+            defaults_module="strategies.vcl",
+        ),
+        StrategySpec(
+            "ewc",
+            "strategies.ewc:EWC",
+            "EWC with the per-example (sampled) Fisher diagonal",
+            defaults_module="strategies.ewc",
+        ),
+        StrategySpec(
+            "ewc-avalanche",
+            "avalanche.training:EWC",
+            "Avalanche's own EWC (squared mini-batch gradients as importance)",
+            kwargs={"ewc_lambda": 1e4, "mode": "separate"},
+            settings={"lr": 1e-3, "train_epochs": 15},
+        ),
+        StrategySpec(
+            "naive",
+            "avalanche.training:Naive",
+            "Naive: fine-tuning on each task in turn (lower bound)",
+        ),
+        StrategySpec(
+            "joint",
+            "avalanche.training:JointTraining",
+            "Joint: all tasks at once (upper bound, not continual)",
+            joint=True,
+        ),
+    ]
+}
+
+
+def _unknown(kind: str, name: str, known: Mapping[str, Any]) -> UnknownNameError:
+    return UnknownNameError(f"unknown {kind} {name!r}; choose from: {', '.join(known)}")
+
+
+def get_benchmark(name: str) -> BenchmarkSpec:
+    """The benchmark called ``name``; :class:`UnknownNameError` lists the valid names."""
+    if name not in BENCHMARKS:
+        raise _unknown("benchmark", name, BENCHMARKS)
+    return BENCHMARKS[name]
+
+
+def get_strategy(name: str) -> StrategySpec:
+    """The strategy called ``name``; :class:`UnknownNameError` lists the valid names."""
+    if name not in STRATEGIES:
+        raise _unknown("strategy", name, STRATEGIES)
+    return STRATEGIES[name]

@@ -1,0 +1,144 @@
+"""Curvature of the loss: generalised Gauss-Newton (GGN) and Fisher diagonals.
+
+For per-example Jacobians ``J_n [C, P]`` and output Hessians ``Lambda_n = L_n L_n^T``
+(:mod:`fromp.likelihood`), the GGN is ``G = sum_n J_n^T Lambda_n J_n``. Its diagonal is
+computed without forming ``G`` and without a backward pass per class:
+``diag(G) = sum_n sum_k (L_n^T J_n)_{k,:}^2``, with ``J`` evaluated in chunks of examples so
+that peak memory is ``chunk_size * C * P`` numbers.
+
+``data`` may be a tensor of inputs ``[N, ...]``, a tuple ``(x, y, ...)``, or an iterable of
+such batches (a ``DataLoader``). The GGN needs only inputs; the empirical Fisher needs
+targets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from fromp.jacobian import iter_jacobians, num_params, per_example_grads
+from fromp.likelihood import Likelihood, get_likelihood
+
+__all__ = ["DataArg", "diag_ef", "diag_fisher", "diag_ggn", "iter_batches"]
+
+DataArg = Tensor | tuple | list | Iterable
+
+
+def iter_batches(
+    data: DataArg, *, need_targets: bool = False
+) -> Iterator[tuple[Tensor, Tensor | None]]:
+    """Normalise ``data`` into ``(x, y)`` batches (``y`` None when absent)."""
+    if isinstance(data, Tensor):
+        if need_targets:
+            raise ValueError("data must include targets, e.g. (x, y) or a DataLoader of (x, y)")
+        yield data, None
+        return
+    if (
+        isinstance(data, tuple | list)
+        and len(data) > 0
+        and isinstance(data[0], Tensor)
+        and (len(data) == 1 or (isinstance(data[1], Tensor) and len(data[1]) == len(data[0])))
+    ):
+        y = data[1] if len(data) > 1 else None
+        if need_targets and y is None:
+            raise ValueError("data must include targets, e.g. (x, y)")
+        yield data[0], y
+        return
+    empty = True
+    for batch in data:
+        empty = False
+        if isinstance(batch, Tensor):
+            x, y = batch, None
+        else:
+            x, y = batch[0], (batch[1] if len(batch) > 1 else None)
+        if need_targets and y is None:
+            raise ValueError("data batches must include targets (x, y, ...)")
+        yield x, y
+    if empty:
+        raise ValueError("data is empty: expected at least one batch")
+
+
+def _device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
+    p = next(p for p in model.parameters() if p.requires_grad)
+    return p.device, p.dtype
+
+
+def diag_ggn(
+    model: nn.Module,
+    data: DataArg,
+    likelihood: str | Likelihood,
+    *,
+    chunk_size: int = 32,
+) -> Tensor:
+    """Exact diagonal of the GGN, ``diag(sum_n J_n^T Lambda(f_n) J_n)``, shape ``[P]``.
+
+    Args:
+        model: ``[N, ...] -> [N, C]`` (fix a multi-head model's head with
+            :func:`fromp.models.with_task`); batch norm / dropout must be in eval mode.
+        data: inputs, ``(x, ...)`` or an iterable of batches.
+        likelihood: a :class:`~fromp.likelihood.Likelihood` or its name.
+        chunk_size: examples per Jacobian chunk; memory is ``chunk_size * C * P`` numbers.
+
+    Returns:
+        ``[P]`` in the model's dtype, summed (not averaged) over examples.
+    """
+    lik = get_likelihood(likelihood)
+    device, dtype = _device_dtype(model)
+    out = torch.zeros(num_params(model), device=device, dtype=dtype)
+    for x, _ in iter_batches(data):
+        x = x.to(device)
+        with torch.no_grad():
+            f = model(x)
+        sqrt_lam = lik.sqrt_hessian(f)  # N, C, K
+        for rows, jac in iter_jacobians(model, x, chunk_size=chunk_size):
+            ltj = torch.einsum("nck,ncp->nkp", sqrt_lam[rows], jac)
+            out += ltj.pow(2).sum(dim=(0, 1))
+    return out
+
+
+def diag_ef(
+    model: nn.Module,
+    data: DataArg,
+    likelihood: str | Likelihood,
+    *,
+    chunk_size: int = 64,
+) -> Tensor:
+    """Diagonal of the empirical Fisher ``sum_n g_n g_n^T``, ``g_n = grad nll(y_n | f(x_n))``,
+    from exact per-example gradients. Shape ``[P]``; needs targets."""
+    lik = get_likelihood(likelihood)
+    device, dtype = _device_dtype(model)
+    out = torch.zeros(num_params(model), device=device, dtype=dtype)
+    for x, y in iter_batches(data, need_targets=True):
+        g = per_example_grads(model, x.to(device), y.to(device), lik.nll, chunk_size=chunk_size)
+        out += g.pow(2).sum(0)
+    return out
+
+
+def diag_fisher(
+    model: nn.Module,
+    data: DataArg,
+    likelihood: str | Likelihood,
+    *,
+    n_samples: int = 1,
+    generator: torch.Generator | None = None,
+    chunk_size: int = 64,
+) -> Tensor:
+    """Monte Carlo diagonal of the (true) Fisher ``sum_n E_{y ~ p(y|f_n)} g_n(y) g_n(y)^T``
+    with ``n_samples`` labels drawn per example. Shape ``[P]``. Its expectation equals
+    :func:`diag_ggn` for the likelihoods of :mod:`fromp.likelihood` (canonical links)."""
+    if n_samples < 1:
+        raise ValueError(f"n_samples must be >= 1, got {n_samples}")
+    lik = get_likelihood(likelihood)
+    device, dtype = _device_dtype(model)
+    out = torch.zeros(num_params(model), device=device, dtype=dtype)
+    for x, _ in iter_batches(data):
+        x = x.to(device)
+        with torch.no_grad():
+            f = model(x)
+        for _ in range(n_samples):
+            y = lik.sample(f, generator=generator)
+            g = per_example_grads(model, x, y, lik.nll, chunk_size=chunk_size)
+            out += g.pow(2).sum(0) / n_samples
+    return out

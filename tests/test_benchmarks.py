@@ -1,0 +1,163 @@
+"""The benchmark runner: results, reports, resumption and command-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.__main__ import main
+from benchmarks.registry import BENCHMARKS, STRATEGIES, get_benchmark, get_strategy
+from benchmarks.runner import RunConfig, expected_calibration_error, resolve_settings, run
+
+QUICK = {"train_epochs": 2, "train_mb_size": 32}
+
+
+def _cfg(tmp_path, strategy="naive", **kw):
+    base = dict(
+        benchmark="split-digits",
+        strategy=strategy,
+        seed=0,
+        overrides=dict(QUICK),
+        n_train=120,
+        n_test=60,
+        checkpoint=str(tmp_path / f"{strategy}.pt"),
+        progress=False,
+    )
+    base.update(kw)
+    return RunConfig(**base)
+
+
+def test_run_reports_matrix_and_scores(tmp_path):
+    res = run(_cfg(tmp_path))
+    assert res["complete"]
+    mat = res["accuracy_matrix"]
+    assert len(mat) == 5
+    for j, row in enumerate(mat):
+        assert all(v is not None for v in row[: j + 1]) and all(v is None for v in row[j + 1 :])
+    assert res["final_accuracies"] == mat[-1]
+    assert res["mean_accuracy"] == pytest.approx(sum(mat[-1]) / 5)
+    forgetting = [max(mat[j][k] for j in range(k, 4)) - mat[4][k] for k in range(4)]
+    assert res["forgetting"] == pytest.approx(sum(forgetting) / 4)
+    assert res["backward_transfer"] == pytest.approx(
+        sum(mat[4][k] - mat[k][k] for k in range(4)) / 4
+    )
+    assert res["mean_nll"] > 0 and 0 <= res["mean_ece"] <= 1
+    json.dumps(res, allow_nan=False)
+
+
+def test_resume_after_kill_gives_identical_results(tmp_path):
+    full = run(_cfg(tmp_path / "a", strategy="ewc-avalanche"))
+    part = run(_cfg(tmp_path / "b", strategy="ewc-avalanche", stop_after=2))
+    assert not part["complete"] and len(part["accuracy_matrix"]) == 2
+    resumed = run(_cfg(tmp_path / "b", strategy="ewc-avalanche", resume=True))
+    assert resumed["complete"]
+    assert resumed["accuracy_matrix"] == full["accuracy_matrix"]
+    assert resumed["per_task"] == full["per_task"]
+
+
+def test_resume_refuses_a_foreign_checkpoint(tmp_path):
+    run(_cfg(tmp_path, stop_after=1))
+    with pytest.raises(ValueError, match="different run"):
+        run(_cfg(tmp_path, seed=1, resume=True))
+
+
+def test_settings_precedence():
+    bench, strat = get_benchmark("split-mnist"), get_strategy("ewc-avalanche")
+    s = resolve_settings(bench, strat, {"lr": 0.5, "kwargs": {"ewc_lambda": 3.0}})
+    assert s["lr"] == 0.5 and s["train_epochs"] == 15 and s["train_mb_size"] == 128
+    assert s["kwargs"] == {"ewc_lambda": 3.0, "mode": "separate"}
+
+
+def test_ece_of_perfectly_calibrated_and_overconfident_predictions():
+    import torch
+
+    y = torch.tensor([0, 1, 0, 1])
+    exact = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 1.0]])
+    assert expected_calibration_error(exact, y) == pytest.approx(0.0)
+    wrong = torch.tensor([[0.9, 0.1]] * 4)
+    assert expected_calibration_error(wrong, y) == pytest.approx(0.4)
+
+
+def test_cli_writes_json_table_and_plot(tmp_path, capsys):
+    code = main(
+        [
+            "split-digits",
+            "--strategies",
+            "naive,joint",
+            "--seeds",
+            "2",
+            "--epochs",
+            "1",
+            "--n-train",
+            "80",
+            "--n-test",
+            "40",
+            "--out",
+            str(tmp_path),
+            "--no-progress",
+        ]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "| naive | 2 |" in out and "| joint | 2 |" in out
+    base = tmp_path / "split-digits"
+    payload = json.loads((base / "results.json").read_text())
+    assert len(payload["runs"]) == 4 and set(payload["aggregate"]) == {"naive", "joint"}
+    assert (base / "report.md").read_text().startswith("## split-digits")
+    assert (base / "accuracy.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["nope"], "unknown benchmark 'nope'"),
+        (["split-digits", "--strategies", "naive,foo"], "unknown strategy 'foo'"),
+        (["split-digits", "--set", "tau"], "--set expects key=value"),
+    ],
+)
+def test_cli_errors_are_one_line(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err and "Traceback" not in err
+
+
+def test_cli_missing_data_is_one_line(tmp_path, capsys, monkeypatch):
+    import torchvision.datasets as tvd
+
+    class Offline(tvd.MNIST):
+        def download(self):
+            raise RuntimeError("offline")
+
+    monkeypatch.setattr(tvd, "MNIST", Offline)
+    argv = ["split-mnist", "--strategies", "naive", "--data-root", str(tmp_path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fromp-bench: error: MNIST not found") and "\n" not in err
+
+
+def test_registry_is_consistent():
+    for name, spec in BENCHMARKS.items():
+        assert spec.name == name
+        assert {"lr", "train_epochs", "train_mb_size", "optimizer"} <= set(spec.settings)
+    for name, spec in STRATEGIES.items():
+        assert spec.name == name
+    for name in ("naive", "joint", "ewc-avalanche"):
+        assert STRATEGIES[name].available()
+
+
+def test_demo_falls_back_to_split_digits_and_says_why(tmp_path, capsys, monkeypatch):
+    import torchvision.datasets as tvd
+
+    class Offline(tvd.MNIST):
+        def download(self):
+            raise RuntimeError("offline")
+
+    monkeypatch.setattr(tvd, "MNIST", Offline)
+    argv = ["demo", "--data-root", str(tmp_path / "empty"), "--out", str(tmp_path / "out")]
+    argv += ["--strategies", "naive", "--epochs", "1", "--n-train", "60", "--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "demo: MNIST not found" in out and "running the built-in Split-Digits" in out
+    assert "| naive | 1 |" in out
+    assert (tmp_path / "out" / "split-digits" / "results.json").exists()

@@ -1,0 +1,100 @@
+"""Data discovery, task sequences and the clear error for missing data."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fromp import data as D
+
+
+def test_root_precedence(monkeypatch, tmp_path):
+    monkeypatch.delenv(D.DATA_ENV_VAR, raising=False)
+    assert str(D.resolve_data_root()) == "data"
+    monkeypatch.setenv(D.DATA_ENV_VAR, str(tmp_path / "env"))
+    assert D.resolve_data_root() == tmp_path / "env"
+    assert D.resolve_data_root(tmp_path / "arg") == tmp_path / "arg"
+
+
+def test_split_mnist_missing_data_gives_clear_error(tmp_path):
+    with pytest.raises(D.DataNotFoundError) as err:
+        D.split_mnist(tmp_path, download=False)
+    msg = str(err.value)
+    assert str((tmp_path / "MNIST" / "raw").resolve()) in msg
+    assert "train-images-idx3-ubyte" in msg and "t10k-labels-idx1-ubyte" in msg
+    assert "--data-root" in msg and "FROMP_DATA" in msg and "download=True" in msg
+    assert "\n" not in msg
+
+
+def test_failed_download_is_reported_on_one_line(tmp_path, monkeypatch):
+    import torchvision.datasets as tvd
+
+    class Offline(tvd.MNIST):
+        def download(self):
+            raise RuntimeError("Error downloading:\n  no network")
+
+    monkeypatch.setattr(tvd, "MNIST", Offline)
+    with pytest.raises(D.DataNotFoundError) as err:
+        D.split_mnist(tmp_path)
+    msg = str(err.value)
+    assert "Download failed: RuntimeError: Error downloading: no network" in msg
+    assert "\n" not in msg
+
+
+@pytest.mark.parametrize("loader", [D.load_fashion_mnist, D.load_cifar10, D.load_cifar100])
+def test_other_data_sets_missing(loader, tmp_path):
+    with pytest.raises(D.DataNotFoundError, match="Searched"):
+        loader(tmp_path, download=False)
+
+
+def test_split_digits_protocol():
+    seq = D.split_digits()
+    assert seq.name == "split-digits" and seq.multi_head and len(seq) == 5
+    assert seq.input_shape == (1, 8, 8) and seq.n_outputs == 2
+    total = 0
+    for t, task in enumerate(seq):
+        assert task.task_id == t and task.classes == [2 * t, 2 * t + 1]
+        assert task.train_x.shape[1:] == (1, 8, 8) and task.train_x.dtype == torch.float32
+        assert 0.0 <= task.train_x.min() and task.train_x.max() <= 1.0
+        assert set(task.train_y.tolist()) == {0, 1} and set(task.test_y.tolist()) == {0, 1}
+        total += len(task.train_x) + len(task.test_x)
+    assert total == 1797
+    # fixed split: the same seed gives the same tasks
+    again = D.split_digits()
+    assert torch.equal(again[3].test_x, seq[3].test_x)
+
+
+def test_split_tasks_relabels_and_rejects_empty():
+    x = torch.rand(20, 1, 4, 4)
+    y = torch.arange(20) % 4
+    tasks = D.split_tasks(x, y, x, y, [[0, 1], [2, 3]])
+    assert [t.classes for t in tasks] == [[0, 1], [2, 3]]
+    assert torch.equal(tasks[1].train_x, x[(y == 2) | (y == 3)])
+    assert set(tasks[1].train_y.tolist()) == {0, 1}
+    with pytest.raises(ValueError, match="no training examples of classes"):
+        D.split_tasks(x, y, x, y, [[7, 8]])
+    with pytest.raises(ValueError, match="class_groups"):
+        D.split_tasks(x, y, x, y, [])
+
+
+def test_synthetic_and_subsample():
+    seq = D.synthetic_split(n_tasks=3, n_train=40, n_test=10)
+    assert len(seq) == 3 and seq[0].train_x.shape == (40, 1, 28, 28)
+    small = seq.subsample(8, 4, seed=1)
+    assert [len(t.train_x) for t in small] == [8, 8, 8]
+    assert [len(t.test_x) for t in small] == [4, 4, 4]
+
+
+@pytest.mark.slow
+def test_real_mnist_sequences(mnist_root):
+    seq = D.split_mnist(mnist_root, download=False)
+    assert len(seq) == 5 and seq.input_shape == (1, 28, 28)
+    assert sum(len(t.train_x) for t in seq) == 60000
+    assert sum(len(t.test_x) for t in seq) == 10000
+    assert seq[0].train_x.max() == 1.0 and seq[0].train_x.min() == 0.0
+    perm = D.permuted_mnist(mnist_root, n_tasks=3, download=False)
+    assert not perm.multi_head and perm[0].train_x.shape == (60000, 784)
+    # the first permuted task is unpermuted MNIST; the others are permutations of it
+    x0, x1 = perm[0].train_x, perm[1].train_x
+    assert not torch.equal(x0, x1)
+    assert torch.equal(x0.sort(dim=1).values, x1.sort(dim=1).values)
