@@ -41,3 +41,31 @@ __all__ = [
     "unflatten",
     "vjp_sum",
 ]
+
+# --- core: GGN, Laplace, DNN2GP GP, evidence (fromp.gp is the module) ---
+from fromp import gp
+from fromp.ggn import ggn, ggn_vp
+from fromp.gp import GP, dnn2gp, log_marginal_likelihood, optimize_prior_precision
+from fromp.laplace import (
+    FullGaussian,
+    accumulate_ggn,
+    laplace,
+    laplace_full,
+    prior_precision_vector,
+)
+
+__all__ += [  # core: GGN, Laplace, DNN2GP GP, evidence
+    "GP",
+    "FullGaussian",
+    "accumulate_ggn",
+    "dnn2gp",
+    "ggn",
+    "ggn_vp",
+    "gp",
+    "laplace",
+    "laplace_full",
+    "log_marginal_likelihood",
+    "optimize_prior_precision",
+    "prior_precision_vector",
+]
+# --- end core ---

@@ -1,0 +1,674 @@
+"""DNN2GP: the Gaussian process of a linearised network under a Gaussian weight posterior.
+
+Linearising the network at the posterior mean ``m``, ``f_w(x) ~= f_m(x) + J(x) (w - m)``,
+and taking ``w ~ q = N(m, Sigma)`` (a Laplace or VOGN posterior) gives the GP
+
+    ``f(x) ~ GP( f_m(x),  k(x, x') = J(x) Sigma J(x')^T )``,   ``k(x, x') [C, C]``
+
+(Khan et al., 2019, "Approximate inference turns deep networks into Gaussian processes";
+the kernel FROMP regularises with). :class:`GP` evaluates its mean, kernel blocks and
+marginal (co)variances without ever forming ``Sigma`` densely for a diagonal posterior: with
+``A(x) = J(x) Sigma^{1/2}`` (``J * std`` for :class:`~fromp.posterior.DiagonalGaussian`,
+``J L^{-T}`` for a :class:`~fromp.laplace.FullGaussian` with precision ``L L^T``)
+``k(x, x') = A(x) A(x')^T``, and ``A`` is computed in chunks of examples.
+
+This module also holds the Laplace evidence ``log p(D | delta)`` used to choose the prior
+precision (:func:`log_marginal_likelihood`, :func:`optimize_prior_precision`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, jacrev, vmap
+
+from fromp.curvature import DataArg, diag_ggn, iter_batches
+from fromp.ggn import ggn
+from fromp.jacobian import _flatten_leading, _single_output_fn, flat_params, num_params, unflatten
+from fromp.laplace import FullGaussian, prior_precision_vector, require_eval
+from fromp.likelihood import (
+    BernoulliLikelihood,
+    CategoricalLikelihood,
+    GaussianLikelihood,
+    Likelihood,
+    get_likelihood,
+)
+from fromp.posterior import DiagonalGaussian
+
+__all__ = [
+    "GP",
+    "dnn2gp",
+    "log_marginal_likelihood",
+    "optimize_prior_precision",
+]
+
+Posterior = DiagonalGaussian | FullGaussian
+
+_PROBIT_SCALE = math.pi / 8
+
+
+def _check_inputs(x: Tensor, name: str) -> None:
+    if not isinstance(x, Tensor):
+        raise ValueError(f"{name} must be a Tensor of shape [N, ...], got {type(x).__name__}")
+    if x.ndim < 1 or len(x) == 0:
+        raise ValueError(f"{name} must have shape [N, ...] with N >= 1, got {tuple(x.shape)}")
+    if x.is_floating_point() and not torch.isfinite(x).all():
+        raise ValueError(f"{name} has non-finite entries (NaN or inf)")
+
+
+def _check_chunk(chunk_size: int) -> int:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    return chunk_size
+
+
+class GP:
+    """The DNN2GP Gaussian process of ``model`` linearised at ``posterior.mean``.
+
+    Args:
+        model: ``[N, ...] -> [N, C]`` (for a multi-head model,
+            :func:`fromp.models.with_task` ``(net, t)``); batch norm / dropout must be in eval
+            mode. Its own weights are not used: everything is evaluated at
+            ``posterior.mean`` through :func:`torch.func.functional_call` (buffers such as
+            batch-norm statistics are the module's).
+        posterior: :class:`~fromp.posterior.DiagonalGaussian` (``Sigma = diag(1/precision)``)
+            or :class:`~fromp.laplace.FullGaussian` over the ``P`` trainable parameters.
+        likelihood: a :class:`~fromp.likelihood.Likelihood` or its name (for
+            :meth:`predictive`).
+        chunk_size: examples per Jacobian chunk (default for every method).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        posterior: Posterior,
+        likelihood: str | Likelihood,
+        *,
+        chunk_size: int = 64,
+    ) -> None:
+        if not isinstance(posterior, DiagonalGaussian | FullGaussian):
+            raise ValueError(
+                "posterior must be a DiagonalGaussian or FullGaussian, got "
+                f"{type(posterior).__name__}"
+            )
+        require_eval(model)
+        p_total = num_params(model)
+        if posterior.num_params != p_total:
+            raise ValueError(
+                f"posterior has {posterior.num_params} parameters, model has P={p_total}"
+            )
+        self.model = model
+        self.posterior = posterior
+        self.likelihood = get_likelihood(likelihood)
+        self.chunk_size = _check_chunk(chunk_size)
+        ref = next(p for p in model.parameters() if p.requires_grad)
+        self._dtype, self._device = ref.dtype, ref.device
+        self._params = unflatten(model, posterior.mean.detach().to(ref))
+        self._buffers = dict(model.named_buffers())
+        self._jac = vmap(jacrev(_single_output_fn(model)), in_dims=(None, 0))
+        self._structured: _LinearStructure | bool | None = None
+        self._structured_reason = ""
+        if isinstance(posterior, DiagonalGaussian):
+            std = posterior.std.detach().to(ref)
+            self._whiten: Callable[[Tensor], Tensor] = lambda j: j * std
+        else:
+            post = posterior.detach().to(ref)
+            self._whiten = post.whiten
+
+    @property
+    def num_params(self) -> int:
+        return self.posterior.num_params
+
+    def _prep(self, x: Tensor, name: str = "x") -> Tensor:
+        _check_inputs(x, name)
+        x = x.to(self._device)
+        return x.to(self._dtype) if x.is_floating_point() else x
+
+    def mean(self, x: Tensor) -> Tensor:
+        """``f(x)`` at the posterior mean, ``[N, C]``."""
+        x = self._prep(x)
+        with torch.no_grad():
+            out = functional_call(self.model, (self._params, self._buffers), (x,))
+        if out.ndim != 2:
+            raise ValueError(f"model output must have shape [N, C], got {tuple(out.shape)}")
+        return out
+
+    def jacobians(self, x: Tensor, *, chunk_size: int | None = None) -> Tensor:
+        """``J(x) [N, C, P]`` at the posterior mean (dense: ``N * C * P`` numbers)."""
+        x = self._prep(x)
+        step = _check_chunk(chunk_size or self.chunk_size)
+        return torch.cat([self._jac_rows(x, slice(s, s + step)) for s in range(0, len(x), step)])
+
+    def _jac_rows(self, x: Tensor, rows: slice) -> Tensor:
+        return _flatten_leading(self._jac(self._params, x[rows]), 2).detach()
+
+    def _whitened(self, x: Tensor, rows: slice) -> Tensor:
+        """``A(x[rows]) = J Sigma^{1/2}`` ``[n, C, P]``."""
+        return self._whiten(self._jac_rows(x, rows))
+
+    def _chunks(self, n: int, step: int) -> list[slice]:
+        return [slice(s, min(s + step, n)) for s in range(0, n, step)]
+
+    def kernel(
+        self,
+        x1: Tensor,
+        x2: Tensor | None = None,
+        *,
+        diagonal_outputs: bool = False,
+        chunk_size: int | None = None,
+        max_cache_bytes: int = 1 << 30,
+        method: str = "auto",
+    ) -> Tensor:
+        """The kernel ``k(x1, x2) = J(x1) Sigma J(x2)^T``.
+
+        Args:
+            x1: ``[N1, ...]``.
+            x2: ``[N2, ...]``; None for ``x2 = x1`` (only the upper block triangle is
+                computed, the result is exactly symmetric).
+            diagonal_outputs: return only the per-output blocks ``K_c = J_c Sigma J_c^T``
+                (output ``c`` against output ``c``), as FROMP uses per class.
+            chunk_size: examples per Jacobian chunk (default ``self.chunk_size``).
+            max_cache_bytes: per-chunk features of ``x2`` (whitened Jacobians ``A(x2)``) of up
+                to this many bytes are kept for reuse; beyond it chunks are recomputed for
+                every ``x1`` chunk.
+            method: ``"jacobian"``: per-example Jacobians of all parameters, whitened, and
+                their products. ``"structured"`` (diagonal posteriors only): for every
+                ``nn.Linear`` layer ``z = W a + b`` the Jacobian of output ``c`` is
+                ``g_c a^T`` with ``g_c = df_c/dz``, so its kernel term is
+                ``sum_i g_ci(x) g_di(x') [sum_j s_ij a_j(x) a_j(x') + s_i^b]`` with ``s`` the
+                posterior variances: per-example ``g`` (one batched backward per output) and
+                ``a`` replace the per-example Jacobian of the layer, saving a factor ``C``
+                (``C^2`` for the full kernel) of the products; other parameters (convolutions,
+                normalisation) use the ``"jacobian"`` way. ``"auto"``: structured when the
+                posterior is diagonal, the model has such layers, each called once per forward
+                on ``[N, in]`` inputs, and a one-example check against ``"jacobian"`` agrees;
+                else ``"jacobian"``.
+
+        Returns:
+            ``[N1, C, N2, C]`` (entry ``[n, c, m, d] = k(x1_n, x2_m)_{cd}``), or ``[C, N1, N2]``
+            with ``diagonal_outputs=True``.
+
+        Memory: the output plus two chunks' features plus the cache; ``Sigma`` and the full
+        ``J`` are never formed. ``"jacobian"``: features ``chunk_size * C * P`` numbers, cost
+        ``N1 * N2 * C^2 * P`` multiply-adds (``N1 * N2 * C * P`` with ``diagonal_outputs``),
+        halved when ``x2`` is None. ``"structured"``: a Linear layer's features are
+        ``chunk_size * (in + C * out)`` numbers and its cost ``N1 * N2 * (in * out + C^2 * out)``
+        (``C * out`` with ``diagonal_outputs``). ``O(N1 + N2)`` feature evaluations when the
+        cache holds those of ``x2``.
+        """
+        step = _check_chunk(chunk_size or self.chunk_size)
+        x1 = self._prep(x1, "x1")
+        sym = x2 is None
+        x2 = x1 if sym else self._prep(x2, "x2")
+        if not sym and x1.shape[1:] != x2.shape[1:]:
+            raise ValueError(
+                f"x1 and x2 must have the same per-example shape, got {tuple(x1.shape[1:])} and "
+                f"{tuple(x2.shape[1:])}"
+            )
+        if method not in ("auto", "jacobian", "structured"):
+            raise ValueError(f"method must be 'auto', 'jacobian' or 'structured', got {method!r}")
+        n1, n2 = len(x1), len(x2)
+        c = self.mean(x1[:1]).shape[1]
+        if method == "jacobian":
+            feats, block_fn = self._whitened, self._jacobian_block
+        else:
+            structure = self._structure(x1[:1], required=method == "structured")
+            if structure is None:
+                feats, block_fn = self._whitened, self._jacobian_block
+            else:
+                feats, block_fn = structure.features, structure.block
+        opts = {"dtype": self._dtype, "device": self._device}
+        out = torch.empty((c, n1, n2) if diagonal_outputs else (n1, c, n2, c), **opts)
+        rows2 = self._chunks(n2, step)
+        cache: dict[int, Any] = {}
+        used = 0
+
+        def get2(j: int) -> Any:
+            nonlocal used
+            if j in cache:
+                return cache[j]
+            f = feats(x2, rows2[j])
+            size = _nbytes(f)
+            if used + size <= max_cache_bytes:
+                cache[j], used = f, used + size
+            return f
+
+        for i, r1 in enumerate(self._chunks(n1, step)):
+            f1 = get2(i) if sym else feats(x1, r1)
+            for j in range(i if sym else 0, len(rows2)):
+                r2 = rows2[j]
+                f2 = f1 if (sym and j == i) else get2(j)
+                block = block_fn(f1, f2, diagonal_outputs)
+                if diagonal_outputs:  # C, n, m
+                    if sym and j == i:  # BLAS rounding: make diagonal blocks exactly symmetric
+                        block = 0.5 * (block + block.transpose(1, 2))
+                    out[:, r1, r2] = block
+                    if sym and j != i:
+                        out[:, r2, r1] = block.transpose(1, 2)
+                else:  # n, C, m, C
+                    if sym and j == i:
+                        block = 0.5 * (block + block.permute(2, 3, 0, 1))
+                    out[r1, :, r2, :] = block
+                    if sym and j != i:
+                        out[r2, :, r1, :] = block.permute(2, 3, 0, 1)
+        return out
+
+    @staticmethod
+    def _jacobian_block(a1: Tensor, a2: Tensor, diagonal_outputs: bool) -> Tensor:
+        """``A1 A2^T`` for whitened Jacobians ``[n, C, P]``, ``[m, C, P]``: ``[C, n, m]``
+        (per-output blocks) or ``[n, C, m, C]``."""
+        if diagonal_outputs:
+            return torch.bmm(a1.transpose(0, 1), a2.permute(1, 2, 0))
+        n, c, p = a1.shape
+        return (a1.reshape(-1, p) @ a2.reshape(-1, p).T).view(n, c, a2.shape[0], c)
+
+    def _structure(self, x0: Tensor, required: bool) -> _LinearStructure | None:
+        """The structured kernel evaluator, or None (``required=False``) when it does not
+        apply; checked on one example against the Jacobian way."""
+        if not isinstance(self.posterior, DiagonalGaussian):
+            if required:
+                raise ValueError("method='structured' needs a DiagonalGaussian posterior")
+            return None
+        if self._structured is None:
+            try:
+                st = _LinearStructure(self)
+                f0 = st.features(x0, slice(0, 1))
+                a0 = self._whitened(x0, slice(0, 1))
+                ref = self._jacobian_block(a0, a0, False)
+                got = st.block(f0, f0, False)
+                tol = 1e-4 if self._dtype == torch.float32 else 1e-9
+                if not torch.allclose(got, ref, rtol=tol, atol=tol * float(ref.abs().max())):
+                    raise _NotStructured("one-example check against the Jacobian way failed")
+                self._structured = st
+            except _NotStructured as err:
+                self._structured = False
+                self._structured_reason = str(err)
+        if self._structured is False:
+            if required:
+                raise ValueError(f"method='structured' does not apply: {self._structured_reason}")
+            return None
+        return self._structured
+
+    def variance(self, x: Tensor, *, chunk_size: int | None = None) -> Tensor:
+        """Marginal covariance of ``f(x_n)``: ``J(x_n) Sigma J(x_n)^T`` ``[N, C, C]``,
+        computed per chunk of examples (never ``N x N``)."""
+        step = _check_chunk(chunk_size or self.chunk_size)
+        x = self._prep(x)
+        outs = []
+        for rows in self._chunks(len(x), step):
+            a = self._whitened(x, rows)
+            v = torch.bmm(a, a.transpose(1, 2))
+            outs.append(0.5 * (v + v.transpose(1, 2)))
+        return torch.cat(outs)
+
+    def predictive(
+        self,
+        x: Tensor,
+        method: str = "probit",
+        n_samples: int = 100,
+        *,
+        generator: torch.Generator | None = None,
+        chunk_size: int | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """The predictive distribution of ``y`` at ``x`` under the GP.
+
+        Classification (categorical / Bernoulli), returns probabilities ``[N, C]``:
+
+        * ``"probit"``: per-output probit approximation, ``softmax(m_c / sqrt(1 + pi/8
+          v_cc))`` (``sigmoid`` for Bernoulli), ``m = mean(x)``, ``v = variance(x)``;
+        * ``"mc"``: ``E[softmax(f)]`` with ``n_samples`` draws ``f ~ N(m, v)`` (full
+          ``C x C`` marginal covariance);
+        * ``"linear"``: the linearised network at the posterior mean, ``softmax(m)``
+          (variance ignored).
+
+        Gaussian likelihood: ``(m [N, C], v + sigma^2 I [N, C, C])``, exact for every method.
+        """
+        if method not in ("probit", "mc", "linear"):
+            raise ValueError(f"method must be 'probit', 'mc' or 'linear', got {method!r}")
+        if method == "mc" and (not isinstance(n_samples, int) or n_samples < 1):
+            raise ValueError(f"n_samples must be a positive int, got {n_samples!r}")
+        lik = self.likelihood
+        m = self.mean(x)
+        if isinstance(lik, GaussianLikelihood):
+            v = self.variance(x, chunk_size=chunk_size)
+            eye = torch.eye(m.shape[1], dtype=m.dtype, device=m.device)
+            return m, v + lik.sigma**2 * eye
+        if not isinstance(lik, CategoricalLikelihood | BernoulliLikelihood):
+            raise ValueError(f"predictive does not support likelihood {lik!r}")
+        if method == "linear":
+            return lik.inverse_link(m)
+        v = self.variance(x, chunk_size=chunk_size)
+        if method == "probit":
+            kappa = torch.rsqrt(1 + _PROBIT_SCALE * torch.diagonal(v, dim1=-2, dim2=-1))
+            return lik.inverse_link(m * kappa)
+        evals, evecs = torch.linalg.eigh(v)
+        root = evecs * evals.clamp_min(0).sqrt().unsqueeze(-2)  # N, C, C: v = root root^T
+        eps = torch.randn(
+            (n_samples, *m.shape), generator=generator, dtype=m.dtype, device=m.device
+        )
+        f = m + torch.einsum("ncd,snd->snc", root, eps)
+        return lik.inverse_link(f.reshape(-1, m.shape[1])).reshape(f.shape).mean(0)
+
+
+class _NotStructured(Exception):
+    """The model does not have the layer structure the structured kernel needs."""
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict | tuple | list):
+        items = obj.values() if isinstance(obj, dict) else obj
+        return sum(_nbytes(o) for o in items)
+    return 0
+
+
+class _LinearStructure:
+    """Kernel blocks ``J(x) Sigma J(x')^T`` (diagonal ``Sigma``) that use the outer-product
+    form of ``nn.Linear`` Jacobians; see :meth:`GP.kernel` (``method="structured"``)."""
+
+    def __init__(self, gp: GP) -> None:
+        self.gp = gp
+        model = gp.model
+        var = unflatten(model, gp.posterior.variance.detach().to(gp._dtype))
+        owners: dict[int, int] = {}
+        for mod in model.modules():
+            for prm in mod._parameters.values():
+                if prm is not None:
+                    owners[id(prm)] = owners.get(id(prm), 0) + 1
+        names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+        self.layers: dict[str, nn.Linear] = {}
+        self.weight_var: dict[str, Tensor] = {}
+        self.bias_var: dict[str, Tensor | None] = {}
+        lin_params: set[str] = set()
+        for mname, mod in model.named_modules():
+            if type(mod) is not nn.Linear or not mod.weight.requires_grad:
+                continue
+            w_name = names[id(mod.weight)]
+            if owners[id(mod.weight)] != 1:
+                continue  # tied weights: leave to the Jacobian way
+            self.layers[mname] = mod
+            self.weight_var[mname] = var[w_name]
+            lin_params.add(w_name)
+            b = mod.bias
+            if b is not None and b.requires_grad and owners[id(b)] == 1:
+                self.bias_var[mname] = var[names[id(b)]]
+                lin_params.add(names[id(b)])
+            else:
+                self.bias_var[mname] = None
+        if not self.layers:
+            raise _NotStructured("the model has no trainable nn.Linear layer")
+        self.other = [n for n in gp._params if n not in lin_params]
+        std = unflatten(model, gp.posterior.std.detach().to(gp._dtype))
+        self.other_std = torch.cat([std[n].reshape(-1) for n in self.other]) if self.other else None
+        self._mode = "off"
+        self._acts: dict[str, Tensor] = {}
+        self._probes: dict[str, Tensor] = {}
+
+    def _hook(self, name: str):
+        def hook(mod: nn.Module, inputs: tuple, output: Tensor):
+            if self._mode == "acts":
+                if name in self._acts:
+                    raise _NotStructured(f"layer {name!r} is called more than once per forward")
+                a = inputs[0]
+                if a.ndim != 2 or output.ndim != 2:
+                    raise _NotStructured(f"layer {name!r} is applied to non-[N, in] inputs")
+                self._acts[name] = a.detach()
+                return None
+            if self._mode == "probe":
+                return output + self._probes[name]
+            return None
+
+        return hook
+
+    def features(self, x: Tensor, rows: slice) -> tuple[dict[str, tuple[Tensor, Tensor]], Any]:
+        """``({layer: (a [n, in], g [C, n, out])}, A_other [n, C, P_other] or None)``."""
+        gp = self.gp
+        xr = x[rows]
+        n = len(xr)
+        handles = [m.register_forward_hook(self._hook(k)) for k, m in self.layers.items()]
+        try:
+            self._mode, self._acts = "acts", {}
+            with torch.no_grad():
+                out = functional_call(gp.model, (gp._params, gp._buffers), (xr,))
+            acts, c = self._acts, out.shape[1]
+            zeros = {
+                k: torch.zeros(n, m.out_features, dtype=gp._dtype, device=gp._device)
+                for k, m in self.layers.items()
+                if k in acts
+            }
+            self._mode = "probe"
+
+            def f(probes: dict[str, Tensor]) -> Tensor:
+                self._probes = probes
+                return functional_call(gp.model, (gp._params, gp._buffers), (xr,))
+
+            _, pull = torch.func.vjp(f, zeros)
+            basis = torch.eye(c, dtype=gp._dtype, device=gp._device)[:, None, :].expand(c, n, c)
+            (g,) = vmap(pull)(basis)  # {layer: [C, n, out]}
+            self._mode = "off"
+            a_other = None
+            if self.other:
+                other = {k: gp._params[k] for k in self.other}
+
+                def single(p: dict[str, Tensor], xi: Tensor) -> Tensor:
+                    full = {**gp._params, **p}
+                    return functional_call(gp.model, (full, gp._buffers), (xi.unsqueeze(0),))[0]
+
+                jac = vmap(jacrev(single), in_dims=(None, 0))(other, xr)
+                a_other = _flatten_leading(jac, 2).detach() * self.other_std
+        finally:
+            self._mode = "off"
+            self._probes = {}
+            for h in handles:
+                h.remove()
+        return {k: (acts[k], g[k].detach()) for k in zeros}, a_other
+
+    def block(self, f1: tuple, f2: tuple, diagonal_outputs: bool) -> Tensor:
+        """Kernel block ``[C, n, m]`` (per-output) or ``[n, C, m, C]``."""
+        (lin1, o1), (lin2, o2) = f1, f2
+        if o1 is not None:
+            out = GP._jacobian_block(o1, o2, diagonal_outputs)
+        else:
+            out = None
+        for name, (a1, g1) in lin1.items():
+            if name not in lin2:
+                continue
+            a2, g2 = lin2[name]
+            sw, sb = self.weight_var[name], self.bias_var[name]
+            n, m, d_out = len(a1), len(a2), sw.shape[0]
+            # t[n, m, i] = sum_j s_ij a1_nj a2_mj (+ s_i for the bias): one matmul of the
+            # [n * m, in] products of inputs with the [in, out] variances
+            t = ((a1[:, None, :] * a2[None, :, :]).reshape(n * m, -1) @ sw.T).view(n, m, d_out)
+            if sb is not None:
+                t = t + sb
+            if diagonal_outputs:
+                term = torch.einsum("cni,nmi,cmi->cnm", g1, t, g2)
+            else:
+                term = torch.einsum("cni,nmi,dmi->ncmd", g1, t, g2)
+            out = term if out is None else out + term
+        if out is None:
+            raise _NotStructured("no layer contributes")
+        return out
+
+
+def dnn2gp(
+    model: nn.Module,
+    posterior: Posterior,
+    likelihood: str | Likelihood,
+    *,
+    chunk_size: int = 64,
+) -> GP:
+    """The DNN2GP :class:`GP` of ``model`` under ``posterior`` (see :class:`GP`)."""
+    return GP(model, posterior, likelihood, chunk_size=chunk_size)
+
+
+# ----------------------------------------------------------------------------- evidence
+
+
+class _Evidence:
+    """The pieces of the Laplace evidence that do not depend on ``delta``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        data: DataArg,
+        likelihood: str | Likelihood,
+        prior_mean: Tensor | None,
+        curvature: str,
+        chunk_size: int,
+        max_params: int,
+    ) -> None:
+        if curvature not in ("diag", "full"):
+            raise ValueError(f"curvature must be 'diag' or 'full', got {curvature!r}")
+        lik = get_likelihood(likelihood)
+        require_eval(model)
+        self.w = flat_params(model)
+        if prior_mean is not None:
+            if not isinstance(prior_mean, Tensor) or prior_mean.shape != self.w.shape:
+                raise ValueError(f"prior_mean must be None or a [P]={tuple(self.w.shape)} tensor")
+            self.w = self.w - prior_mean.to(self.w)
+        batches = []
+        nll = torch.zeros((), dtype=self.w.dtype, device=self.w.device)
+        for x, y in iter_batches(data, need_targets=True):
+            _check_inputs(x, "data inputs")
+            x, y = x.to(self.w.device), y.to(self.w.device)
+            if x.is_floating_point():
+                x = x.to(self.w.dtype)
+            with torch.no_grad():
+                nll = nll + lik.nll(model(x), y).sum()
+            batches.append((x,))
+        self.nll = nll
+        self.curvature = curvature
+        if curvature == "diag":
+            self.g = diag_ggn(model, batches, lik, chunk_size=chunk_size)
+        else:
+            self.g = ggn(model, batches, lik, chunk_size=chunk_size, max_params=max_params)
+            self.g = 0.5 * (self.g + self.g.T)
+            self.eig = torch.linalg.eigvalsh(self.g).clamp_min(0)
+
+    def __call__(self, delta: Tensor) -> Tensor:
+        """``log p(D | delta)`` for ``delta`` a scalar or ``[P]`` tensor (differentiable)."""
+        p = self.w.numel()
+        vec = delta.ndim == 1
+        log_prior = -0.5 * (delta * self.w**2).sum() + 0.5 * (
+            delta.log().sum() if vec else p * delta.log()
+        )
+        if self.curvature == "diag":
+            logdet = (self.g + delta).log().sum()
+        elif vec:
+            logdet = torch.linalg.slogdet(self.g + torch.diag(delta))[1]
+        else:
+            logdet = (self.eig + delta).log().sum()
+        return -self.nll + log_prior - 0.5 * logdet
+
+
+def log_marginal_likelihood(
+    model: nn.Module,
+    data: DataArg,
+    likelihood: str | Likelihood,
+    prior_precision: float | Tensor,
+    *,
+    prior_mean: Tensor | None = None,
+    curvature: str = "diag",
+    chunk_size: int = 32,
+    max_params: int = 20_000,
+) -> Tensor:
+    """Laplace approximation of the evidence ``log p(D | delta)`` at the model's weights ``w*``.
+
+    ``log p(D | delta) ~= log p(D | w*) + log N(w* | m0, D^-1) + P/2 log(2 pi) - 1/2 log det H``
+    ``= -sum_n nll_n + 1/2 sum_j log delta_j - 1/2 sum_j delta_j (w*_j - m0_j)^2
+    - 1/2 log det(G + D)``, with ``D = diag(delta)`` and ``G`` the GGN: its diagonal
+    (``curvature="diag"``, ``log det H ~= sum_j log(G_jj + delta_j)``) or, for small models,
+    the full matrix (``curvature="full"``, ``P <= max_params``).
+
+    ``w*`` is kept fixed (the usual post-hoc choice); for a linear model with Gaussian
+    likelihood, ``curvature="full"`` and ``w*`` the exact MAP under ``delta``, this equals the
+    exact evidence ``log N(y | 0, sigma^2 I + X X^T / delta)``. By Hadamard's inequality the
+    diagonal version is never larger than the full one.
+
+    Args:
+        data: ``(x, y)`` or an iterable of ``(x, y)`` batches (targets needed).
+        prior_precision: ``delta``, a positive scalar or ``[P]`` tensor.
+        prior_mean: ``m0`` ``[P]`` (default 0).
+
+    Returns:
+        A scalar tensor.
+    """
+    ev = _Evidence(model, data, likelihood, prior_mean, curvature, chunk_size, max_params)
+    delta = prior_precision_vector(prior_precision, ev.w)
+    if not isinstance(prior_precision, Tensor) or prior_precision.ndim == 0:
+        delta = delta[0]
+    return ev(delta).detach()
+
+
+def _default_grid() -> list[float]:
+    return torch.logspace(-4, 4, 81, dtype=torch.float64).tolist()
+
+
+def optimize_prior_precision(
+    model: nn.Module,
+    data: DataArg,
+    likelihood: str | Likelihood,
+    method: str = "grid",
+    grid: Sequence[float] | Tensor | None = None,
+    *,
+    prior_mean: Tensor | None = None,
+    curvature: str = "diag",
+    init: float = 1.0,
+    max_iter: int = 200,
+    chunk_size: int = 32,
+    max_params: int = 20_000,
+    return_values: bool = False,
+) -> float | tuple[float, Tensor, Tensor]:
+    """The scalar prior precision ``delta`` maximising :func:`log_marginal_likelihood`.
+
+    The GGN is computed once; the evidence is then a closed-form function of ``delta``.
+
+    Args:
+        method: ``"grid"`` (best of ``grid``, default ``logspace(-4, 4, 81)``) or
+            ``"gradient"`` (L-BFGS on ``log delta`` from ``init``, exact autograd gradients).
+        return_values: also return ``(grid [G], log evidence [G])`` (grid method) or the
+            single evaluated point (gradient method), e.g. for plots.
+
+    Returns:
+        ``delta`` as a float (or ``(delta, deltas, values)`` with ``return_values``).
+    """
+    if method not in ("grid", "gradient"):
+        raise ValueError(f"method must be 'grid' or 'gradient', got {method!r}")
+    if method == "grid":
+        deltas = torch.as_tensor(_default_grid() if grid is None else grid, dtype=torch.float64)
+        deltas = deltas.reshape(-1)
+        if len(deltas) == 0 or not (torch.isfinite(deltas).all() and (deltas > 0).all()):
+            raise ValueError("grid must be a non-empty sequence of positive finite numbers")
+    elif not (isinstance(init, int | float) and init > 0 and math.isfinite(init)):
+        raise ValueError(f"init must be a positive finite number, got {init!r}")
+    ev = _Evidence(model, data, likelihood, prior_mean, curvature, chunk_size, max_params)
+    opts = {"dtype": ev.w.dtype, "device": ev.w.device}
+    if method == "grid":
+        deltas = deltas.to(**opts)
+        values = torch.stack([ev(d) for d in deltas])
+        best = float(deltas[int(torch.argmax(values))])
+        return (best, deltas, values) if return_values else best
+    log_delta = torch.tensor(math.log(init), **opts, requires_grad=True)
+    opt = torch.optim.LBFGS(
+        [log_delta], lr=1.0, max_iter=max_iter, line_search_fn="strong_wolfe",
+        tolerance_grad=1e-10, tolerance_change=1e-14,
+    )  # fmt: skip
+
+    def closure() -> Tensor:
+        opt.zero_grad()
+        loss = -ev(log_delta.exp())
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    best = float(log_delta.detach().exp())
+    if return_values:
+        value = ev(torch.tensor(best, **opts)).detach()
+        return best, torch.tensor([best], **opts), value.reshape(1)
+    return best

@@ -1,0 +1,303 @@
+"""DNN2GP (fromp.gp): kernel and variances against dense J Sigma J^T, the linearised-Laplace
+predictive, exact Bayesian linear regression, the evidence and prior-precision search."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from _dense import dense_jacobian, dense_kernel, flat, forward_at, tiny_cnn, tiny_mlp
+from torch import nn
+
+from fromp import DiagonalGaussian, FullGaussian, dnn2gp, laplace, laplace_full
+from fromp.gp import GP, log_marginal_likelihood, optimize_prior_precision
+from fromp.likelihood import BernoulliLikelihood, CategoricalLikelihood, GaussianLikelihood
+from fromp.models import MultiHeadMLP, with_task
+
+F64 = torch.float64
+
+
+def _random_posterior(p: int, full: bool):
+    mean = torch.randn(p, dtype=F64) * 0.5
+    if full:
+        a = torch.randn(p, p, dtype=F64) / math.sqrt(p)
+        return FullGaussian(mean, a @ a.T + 0.5 * torch.eye(p, dtype=F64))
+    return DiagonalGaussian(mean, torch.rand(p, dtype=F64) + 0.5)
+
+
+def _cov(post) -> torch.Tensor:
+    return post.covariance if isinstance(post, FullGaussian) else torch.diag(post.variance)
+
+
+MODELS = {
+    "mlp": (lambda: tiny_mlp(c=3), (4,)),
+    "cnn_bn": (lambda: tiny_cnn(c=3), (1, 6, 6)),
+    "multihead": (lambda: with_task(MultiHeadMLP(4, (5,), 3, 2).double(), 1), (4,)),
+}
+
+
+@pytest.fixture(params=[(m, full) for m in sorted(MODELS) for full in (False, True)],
+                ids=lambda v: f"{v[0]}-{'full' if v[1] else 'diag'}")  # fmt: skip
+def setup(request):
+    name, full = request.param
+    make, shape = MODELS[name]
+    model = make()
+    p = sum(q.numel() for q in model.parameters())
+    post = _random_posterior(p, full)
+    x1 = torch.randn(5, *shape, dtype=F64)
+    x2 = torch.randn(3, *shape, dtype=F64)
+    return model, post, x1, x2
+
+
+@pytest.mark.parametrize("method", ["jacobian", "structured"])
+def test_kernel_matches_dense_at_posterior_mean(setup, method):
+    model, post, x1, x2 = setup
+    gp = dnn2gp(model, post, "categorical", chunk_size=2)
+    if method == "structured" and isinstance(post, FullGaussian):
+        with pytest.raises(ValueError, match="needs a DiagonalGaussian"):
+            gp.kernel(x1, method=method)
+        method = "auto"  # falls back to the Jacobian way
+    # the module's own weights are NOT the posterior mean: everything must use the mean
+    j1 = dense_jacobian(model, x1, post.mean)
+    j2 = dense_jacobian(model, x2, post.mean)
+    cov = _cov(post)
+    ref12, ref11 = dense_kernel(j1, cov, j2), dense_kernel(j1, cov, j1)
+    torch.testing.assert_close(gp.mean(x1), forward_at(model, post.mean, x1))
+    assert not torch.allclose(gp.mean(x1), model(x1))
+    torch.testing.assert_close(gp.kernel(x1, x2, method=method), ref12, rtol=1e-9, atol=1e-12)
+    for cache in (0, 1 << 30):  # recomputed chunks and cached chunks
+        k11 = gp.kernel(x1, chunk_size=2, max_cache_bytes=cache, method=method)
+        torch.testing.assert_close(k11, ref11, rtol=1e-9, atol=1e-12)
+    kd = gp.kernel(x1, x2, diagonal_outputs=True, chunk_size=4, method=method)
+    c = ref12.shape[1]
+    torch.testing.assert_close(
+        kd, torch.stack([ref12[:, i, :, i] for i in range(c)]), rtol=1e-9, atol=1e-12
+    )
+    kd11 = gp.kernel(x1, diagonal_outputs=True, chunk_size=2, max_cache_bytes=0, method=method)
+    torch.testing.assert_close(
+        kd11, torch.stack([ref11[:, i, :, i] for i in range(c)]), rtol=1e-9, atol=1e-12
+    )
+    flat11 = k11.reshape(len(x1) * c, len(x1) * c)
+    assert torch.equal(flat11, flat11.T)  # exactly symmetric
+    assert torch.linalg.eigvalsh(flat11).min() > -1e-10  # PSD
+    var = gp.variance(x1, chunk_size=3)
+    torch.testing.assert_close(
+        var, torch.stack([ref11[n, :, n, :] for n in range(len(x1))]), rtol=1e-9, atol=1e-12
+    )
+
+
+def test_variance_equals_linearised_laplace_monte_carlo():
+    model = tiny_mlp(c=3)
+    post = laplace(model, torch.randn(30, 4, dtype=F64), "categorical", 2.0)
+    gp = dnn2gp(model, post, "categorical")
+    xs = torch.randn(4, 4, dtype=F64)
+    jac = dense_jacobian(model, xs)
+    w = post.sample(20000, generator=torch.Generator().manual_seed(1))
+    f_lin = model(xs).detach() + torch.einsum("ncp,sp->snc", jac, w - post.mean)
+    emp = torch.einsum("snc,snd->ncd", f_lin - f_lin.mean(0), f_lin - f_lin.mean(0)) / len(w)
+    torch.testing.assert_close(gp.variance(xs), emp, rtol=0.06, atol=0.02 * emp.abs().max())
+    torch.testing.assert_close(gp.mean(xs), f_lin.mean(0), rtol=0, atol=0.05)
+
+
+def test_predictive_classification():
+    model = tiny_mlp(c=3)
+    post = laplace(model, torch.randn(10, 4, dtype=F64), "categorical", 1.0)
+    gp = dnn2gp(model, post, CategoricalLikelihood())
+    xs = torch.randn(6, 4, dtype=F64)
+    m, v = gp.mean(xs), gp.variance(xs)
+    probit = gp.predictive(xs, "probit")
+    expect = torch.softmax(m / torch.sqrt(1 + math.pi / 8 * torch.diagonal(v, 0, 1, 2)), -1)
+    torch.testing.assert_close(probit, expect)
+    torch.testing.assert_close(gp.predictive(xs, "linear"), torch.softmax(m, -1))
+    mc = gp.predictive(xs, "mc", n_samples=20000, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(mc.sum(-1), torch.ones(6, dtype=F64))
+    # MC over f ~ N(m, v) equals MC over linearised weights w ~ q
+    jac = dense_jacobian(model, xs)
+    w = post.sample(20000, generator=torch.Generator().manual_seed(2))
+    f_lin = m + torch.einsum("ncp,sp->snc", jac, w - post.mean)
+    torch.testing.assert_close(mc, torch.softmax(f_lin, -1).mean(0), rtol=0, atol=0.01)
+    # Bernoulli: probit approximation close to the exact 1-d integral
+    mb = tiny_mlp(c=1)
+    gpb = dnn2gp(mb, laplace(mb, torch.randn(8, 4, dtype=F64), "bernoulli", 0.3), "bernoulli")
+    pb = gpb.predictive(xs, "probit")
+    mcb = gpb.predictive(xs, "mc", n_samples=40000, generator=torch.Generator().manual_seed(0))
+    assert pb.shape == (6, 1)
+    torch.testing.assert_close(pb, mcb, rtol=0, atol=0.02)
+    assert isinstance(gpb.likelihood, BernoulliLikelihood)
+
+
+# ------------------------------------------------------- exact Bayesian linear regression
+
+
+def _blr(bias: bool, c: int = 1, n: int = 12, d: int = 3, sigma: float = 0.4, delta: float = 1.7):
+    x = torch.randn(n, d, dtype=F64)
+    y = torch.randn(n, c, dtype=F64) if c > 1 else torch.randn(n, dtype=F64)
+    xt = torch.cat([x, torch.ones(n, 1, dtype=F64)], 1) if bias else x
+    precision = xt.T @ xt / sigma**2 + delta * torch.eye(xt.shape[1], dtype=F64)
+    w_map = torch.linalg.solve(precision, xt.T @ y.reshape(n, c) / sigma**2)  # [D', C]
+    model = nn.Linear(d, c, bias=bias).double()
+    with torch.no_grad():
+        model.weight.copy_(w_map[:d].T)
+        if bias:
+            model.bias.copy_(w_map[d])
+    return model, x, y, xt, precision, GaussianLikelihood(sigma), sigma, delta
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_full_posterior_equals_bayesian_linear_regression(bias):
+    model, x, y, xt, precision, lik, sigma, delta = _blr(bias)
+    post = laplace_full(model, (x, y), lik, delta)
+    torch.testing.assert_close(post.precision, precision, rtol=1e-12, atol=1e-12)
+    gp = dnn2gp(model, post, lik)
+    xs = torch.randn(5, 3, dtype=F64)
+    xst = torch.cat([xs, torch.ones(5, 1, dtype=F64)], 1) if bias else xs
+    mean, var = gp.predictive(xs)
+    # weight space
+    cov = torch.linalg.inv(precision)
+    w_map = cov @ xt.T @ y / sigma**2
+    torch.testing.assert_close(mean[:, 0], xst @ w_map, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(
+        var[:, 0, 0], (xst @ cov * xst).sum(1) + sigma**2, rtol=1e-10, atol=1e-10
+    )
+    # function space: GP with kernel x x'^T / delta
+    kxx = xt @ xt.T / delta + sigma**2 * torch.eye(len(x), dtype=F64)
+    ksx = xst @ xt.T / delta
+    gp_mean = ksx @ torch.linalg.solve(kxx, y)
+    gp_var = (xst * xst).sum(1) / delta - (ksx * torch.linalg.solve(kxx, ksx.T).T).sum(1)
+    torch.testing.assert_close(mean[:, 0], gp_mean, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(var[:, 0, 0], gp_var + sigma**2, rtol=1e-9, atol=1e-9)
+    # kernel on the training inputs: the posterior kernel J Sigma J^T
+    torch.testing.assert_close(gp.kernel(x)[:, 0, :, 0], xt @ cov @ xt.T, rtol=1e-10, atol=1e-12)
+    # evidence: exact log N(y | 0, sigma^2 I + X X^T / delta)
+    exact = torch.distributions.MultivariateNormal(torch.zeros(len(x), dtype=F64), kxx).log_prob(y)
+    lml = log_marginal_likelihood(model, (x, y), lik, delta, curvature="full")
+    assert abs(float(lml - exact)) < 1e-8
+
+
+def test_evidence_multi_output_and_vector_prior():
+    model, x, y, xt, _, lik, sigma, delta = _blr(True, c=2)
+    kxx = xt @ xt.T / delta + sigma**2 * torch.eye(len(x), dtype=F64)
+    mvn = torch.distributions.MultivariateNormal(torch.zeros(len(x), dtype=F64), kxx)
+    exact = mvn.log_prob(y.T).sum()
+    lml = log_marginal_likelihood(model, [(x[:5], y[:5]), (x[5:], y[5:])], lik, delta,
+                                  curvature="full")  # fmt: skip
+    assert abs(float(lml - exact)) < 1e-8
+    vec = torch.full((8,), delta, dtype=F64)
+    lml_vec = log_marginal_likelihood(model, (x, y), lik, vec, curvature="full")
+    assert abs(float(lml_vec - exact)) < 1e-8
+
+
+def test_diagonal_posterior_linear_regression_is_mean_field_on_the_diagonal():
+    """With the diagonal GGN the posterior keeps diag(X^T X)/sigma^2 + delta, so the GP variance
+    is sum_j x_j^2 / (sum_n x_nj^2 / sigma^2 + delta) and the evidence replaces log det H by
+    sum_j log H_jj, which by Hadamard's inequality never exceeds the exact evidence."""
+    model, x, y, _, precision, lik, _, delta = _blr(True)
+    post = laplace(model, (x, y), lik, delta)
+    h_diag = torch.diagonal(precision)
+    torch.testing.assert_close(post.precision, h_diag, rtol=1e-12, atol=1e-12)
+    gp = dnn2gp(model, post, lik)
+    xs = torch.randn(4, 3, dtype=F64)
+    xst = torch.cat([xs, torch.ones(4, 1, dtype=F64)], 1)
+    torch.testing.assert_close(gp.variance(xs)[:, 0, 0], (xst**2 / h_diag).sum(1), rtol=1e-10,
+                               atol=1e-12)  # fmt: skip
+    full = log_marginal_likelihood(model, (x, y), lik, delta, curvature="full")
+    diag = log_marginal_likelihood(model, (x, y), lik, delta, curvature="diag")
+    gap = 0.5 * (torch.log(h_diag).sum() - torch.logdet(precision))
+    torch.testing.assert_close(full - diag, gap, rtol=1e-10, atol=1e-10)
+    assert float(diag) <= float(full)
+
+
+@pytest.mark.parametrize("curvature", ["diag", "full"])
+def test_optimize_prior_precision_grid_and_gradient_agree(curvature):
+    model = tiny_mlp(c=3)
+    x = torch.randn(20, 4, dtype=F64)
+    y = torch.randint(0, 3, (20,))
+    data, lik = (x, y), CategoricalLikelihood()
+    grid = torch.logspace(-3, 3, 121, dtype=F64)
+    best_g, _, values = optimize_prior_precision(
+        model, data, lik, "grid", grid, curvature=curvature, return_values=True
+    )
+    best_d = optimize_prior_precision(model, data, lik, "gradient", curvature=curvature)
+    assert values.shape == (121,)
+    step = math.log(float(grid[1] / grid[0]))
+    assert abs(math.log(best_g) - math.log(best_d)) <= step
+    f = [float(log_marginal_likelihood(model, data, lik, best_d * s, curvature=curvature))
+         for s in (0.99, 1.0, 1.01)]  # fmt: skip
+    assert f[1] >= f[0] and f[1] >= f[2]  # a maximum
+    assert f[1] >= float(values.max()) - 1e-9
+
+
+class _TiedMLP(nn.Module):
+    """Two calls of one Linear layer (weight sharing across depth)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 5)
+        self.shared = nn.Linear(5, 5)
+        self.out = nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.shared(torch.tanh(self.inp(x))))
+        return self.out(torch.tanh(self.shared(h)))
+
+
+class _SeqLinear(nn.Module):
+    """A Linear applied to [N, T, D] inputs (no per-example outer-product structure)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.lin(x).mean(1)
+
+
+@pytest.mark.parametrize("make,shape", [(_TiedMLP, (4,)), (_SeqLinear, (2, 4))])
+def test_structured_kernel_falls_back_where_it_does_not_apply(make, shape):
+    model = make().double()
+    p = sum(q.numel() for q in model.parameters())
+    post = _random_posterior(p, full=False)
+    x = torch.randn(4, *shape, dtype=F64)
+    gp = dnn2gp(model, post, "categorical")
+    with pytest.raises(ValueError, match="method='structured' does not apply"):
+        gp.kernel(x, method="structured")
+    j = dense_jacobian(model, x, post.mean)
+    ref = dense_kernel(j, torch.diag(post.variance), j)
+    torch.testing.assert_close(gp.kernel(x), ref, rtol=1e-9, atol=1e-12)  # auto falls back
+
+
+def test_errors_named():
+    model = tiny_mlp()
+    p = 43
+    post = DiagonalGaussian(torch.zeros(p, dtype=F64), torch.ones(p, dtype=F64))
+    with pytest.raises(ValueError, match="posterior has 3 parameters"):
+        GP(model, DiagonalGaussian(torch.zeros(3), torch.ones(3)), "categorical")
+    with pytest.raises(ValueError, match="posterior must be a DiagonalGaussian or FullGaussian"):
+        GP(model, torch.zeros(p), "categorical")
+    with pytest.raises(ValueError, match="training mode"):
+        dnn2gp(tiny_cnn().train(), post, "categorical")
+    gp = dnn2gp(model, post, "categorical")
+    with pytest.raises(ValueError, match="x1 has non-finite"):
+        gp.kernel(torch.full((2, 4), float("nan"), dtype=F64))
+    with pytest.raises(ValueError, match="x1 and x2 must have the same per-example shape"):
+        gp.kernel(torch.zeros(2, 4, dtype=F64), torch.zeros(2, 5, dtype=F64))
+    with pytest.raises(ValueError, match="x must have shape"):
+        gp.variance(torch.zeros(0, 4, dtype=F64))
+    with pytest.raises(ValueError, match="method must be 'auto'"):
+        gp.kernel(torch.zeros(2, 4, dtype=F64), method="dense")
+    with pytest.raises(ValueError, match="method must be"):
+        gp.predictive(torch.zeros(2, 4, dtype=F64), "laplace")
+    with pytest.raises(ValueError, match="chunk_size"):
+        gp.variance(torch.zeros(2, 4, dtype=F64), chunk_size=-1)
+    with pytest.raises(ValueError, match="data must include targets"):
+        log_marginal_likelihood(model, torch.zeros(2, 4, dtype=F64), "categorical", 1.0)
+    with pytest.raises(ValueError, match="curvature must be"):
+        log_marginal_likelihood(model, (torch.zeros(2, 4), torch.zeros(2)), "categorical", 1.0,
+                                curvature="kfac")  # fmt: skip
+    with pytest.raises(ValueError, match="method must be 'grid' or 'gradient'"):
+        optimize_prior_precision(model, (torch.zeros(2, 4), torch.zeros(2)), "categorical", "em")
+    with pytest.raises(ValueError, match="grid must be"):
+        optimize_prior_precision(model, (torch.zeros(2, 4), torch.zeros(2)), "categorical",
+                                 grid=[1.0, -1.0])  # fmt: skip
+    assert flat(model).numel() == p
