@@ -236,6 +236,13 @@ STRATEGIES: dict[str, StrategySpec] = {
             settings={"optimizer": "vogn"},
         ),
         StrategySpec(
+            "vogn",
+            "strategies.vogn:VOGNStrategy",
+            "VOGN: variational online Gauss-Newton, each task's posterior is the next prior",
+            defaults_module="strategies.vogn",
+            settings={"optimizer": "vogn"},
+        ),
+        StrategySpec(
             "vcl",
             "strategies.vcl:VCL",
             "VCL: mean-field variational continual learning",

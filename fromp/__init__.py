@@ -69,3 +69,8 @@ __all__ += [  # core: GGN, Laplace, DNN2GP GP, evidence
     "prior_precision_vector",
 ]
 # --- end core ---
+
+# --- optimizers: VOGN / OGN ---
+from fromp.optim import OGN, VOGN  # noqa: E402
+
+__all__ += ["OGN", "VOGN"]

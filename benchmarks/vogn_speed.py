@@ -1,0 +1,160 @@
+"""Step time of VOGN (one posterior sample) relative to Adam, same models and batches.
+
+Three timings per model, batch of 128, interleaved step by step, median (and minimum)
+over ``--steps`` steps after warm-up:
+
+* ``adam``: ``zero_grad``, forward, mean cross-entropy, ``backward``, ``Adam.step``;
+* ``vogn``: the standalone ``VOGN.step(x, y)`` (sampling, exact per-example squared
+  gradients by ``vmap(grad)``, the update);
+* ``vogn_two_phase``: the Avalanche path of :class:`strategies.vogn.VOGNPlugin`
+  (sampling, forward with the layer inputs recorded, squared per-example gradients from a
+  partial backward of the data loss, the ordinary backward, ``VOGN.step()``).
+
+Usage::
+
+    python -m benchmarks.vogn_speed [--steps 20] [--threads 1] [--models mlp,cnn]
+
+Writes ``benchmarks/results/vogn_speed.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fromp.models import CifarCNN, MultiHeadMLP, with_task
+from fromp.optim import VOGN
+from fromp.optim.vogn import LayerCapture
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _models() -> dict[str, Callable[[], tuple[nn.Module, torch.Tensor, torch.Tensor]]]:
+    def mlp():
+        net = with_task(MultiHeadMLP(784, (256, 256), n_heads=5, head_size=2), 0)
+        return net, torch.rand(128, 1, 28, 28), torch.randint(0, 2, (128,))
+
+    def cnn():
+        net = with_task(CifarCNN(3, n_heads=6, head_size=10), 0)
+        return net, torch.rand(128, 3, 32, 32), torch.randint(0, 10, (128,))
+
+    return {"mlp": mlp, "cnn": cnn}
+
+
+def bench(name: str, steps: int, chunk_size: int | None, method: str) -> dict[str, float]:
+    make = _models()[name]
+    loss_fn = nn.CrossEntropyLoss()
+
+    torch.manual_seed(0)
+    net, x, y = make()
+    net.train()
+    adam = torch.optim.Adam(net.parameters(), lr=1e-4)
+
+    def adam_step():
+        adam.zero_grad()
+        loss_fn(net(x), y).backward()
+        adam.step()
+
+    torch.manual_seed(0)
+    net_v, _, _ = make()
+    net_v.train()
+    vogn = VOGN(
+        net_v,
+        lr=1e-4,
+        train_set_size=10_000,
+        init_precision=1e-3,
+        chunk_size=chunk_size,
+        method=method,
+    )
+
+    def vogn_step():
+        vogn.step(x, y)
+
+    torch.manual_seed(0)
+    net_2, _, _ = make()
+    net_2.train()
+    vogn2 = VOGN(
+        net_2,
+        lr=1e-4,
+        train_set_size=10_000,
+        init_precision=1e-3,
+        chunk_size=chunk_size,
+        method=method,
+    )
+
+    def vogn_two_phase():  # what VOGNPlugin does inside Avalanche's loop
+        vogn2.zero_grad()
+        vogn2.sample_params()
+        with LayerCapture(net_2) as capture:
+            out = net_2(x)
+        h = capture.squared_grads(vogn2.loss_fn(out, y))
+        loss_fn(out, y).backward()
+        vogn2.set_curvature(h)
+        vogn2.step()
+
+    # Interleave the three step by step so that machine load affects them alike.
+    fns = {"adam": adam_step, "vogn": vogn_step, "vogn_two_phase": vogn_two_phase}
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(steps):
+        for key, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - t0)
+    out: dict[str, float] = {}
+    for key, ts in times.items():
+        out[key] = statistics.median(ts)
+        out[key + "_min"] = min(ts)
+    out["ratio_vogn_adam"] = out["vogn"] / out["adam"]
+    out["ratio_two_phase_adam"] = out["vogn_two_phase"] / out["adam"]
+    out["ratio_vogn_adam_min"] = out["vogn_min"] / out["adam_min"]
+    out["num_params"] = sum(p.numel() for p in net.parameters())
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--models", default="mlp,cnn")
+    ap.add_argument("--chunk-size", type=int, default=None)
+    ap.add_argument("--method", default="auto", choices=["auto", "hooks", "vmap"])
+    ap.add_argument("--out", type=Path, default=RESULTS / "vogn_speed.json")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    result = {
+        "batch_size": 128,
+        "threads": args.threads,
+        "steps": args.steps,
+        "chunk_size": args.chunk_size,
+        "method": args.method,
+        "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "models": {},
+    }
+    for name in args.models.split(","):
+        r = bench(name, args.steps, args.chunk_size, args.method)
+        result["models"][name] = r
+        print(
+            f"{name}: adam {r['adam'] * 1e3:.1f} ms, vogn {r['vogn'] * 1e3:.1f} ms "
+            f"(x{r['ratio_vogn_adam']:.2f}), two-phase {r['vogn_two_phase'] * 1e3:.1f} ms "
+            f"(x{r['ratio_two_phase_adam']:.2f})",
+            flush=True,
+        )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

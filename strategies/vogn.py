@@ -1,0 +1,284 @@
+"""VOGN inside Avalanche: a plugin that turns Avalanche's ``backward(); optimizer.step()``
+loop into VOGN steps, and naive continual VOGN as a strategy.
+
+Per training iteration (:class:`VOGNPlugin`, optimizer a :class:`fromp.optim.VOGN`):
+
+* ``before_forward``: ``w ~ q`` is written into the model (``w = mu`` for OGN);
+* Avalanche computes the loss at ``w`` (plus whatever other plugins add, e.g. FROMP's
+  function-space regulariser) and back-propagates it: ``.grad`` is the mean gradient ``g``;
+* ``after_forward`` / ``after_backward``: the per-example curvature ``h`` of the *data*
+  loss only (squared per-example gradients, or the per-example GGN diagonal, see
+  :mod:`fromp.optim.vogn`) at ``w`` is handed to the optimizer. By default it is computed
+  from Avalanche's own forward pass (layer inputs recorded, one partial backward of the
+  per-example data losses); when that is not exact (batch norm in training mode, other
+  parametrised layers, ``curvature="ggn"``) a separate per-example pass is run (examples
+  grouped by task label, each group through its head);
+* ``optimizer.step()`` then applies the VOGN update with ``g`` (from ``.grad``) and ``h``
+  and writes ``mu`` back into the model, so evaluation happens at the posterior mean.
+
+One posterior sample per iteration: the optimizer's ``mc_samples`` must be 0 (OGN) or 1.
+The criterion must be the mean over the mini-batch of the optimizer's per-example loss
+(``nn.CrossEntropyLoss()`` with the categorical likelihood), so that ``.grad`` and ``h``
+are on the same per-example scale. Batch norm: see :mod:`fromp.optim.vogn` (per-example
+curvature uses the running statistics; ``g`` comes from the training-mode pass).
+
+The posterior state (``mu, s, m``, step, prior, ``N``) lives in the optimizer's
+``vogn_state``, not in ``optimizer.state``, so Avalanche's optimizer resets keep it; the
+plugin's ``state_dict`` holds it too, with the per-experience posteriors, so that a run can
+be resumed in a fresh process.
+
+VOGN as the optimizer of another method (e.g. FROMP): add ``VOGNPlugin(optimizer)`` to the
+strategy's plugins and use a :class:`fromp.optim.VOGN` optimizer. Terms that other plugins
+add to ``strategy.loss`` (computed at the sampled weights, which the parameters hold
+between ``before_forward`` and ``optimizer.step()``) enter ``g`` through ``.grad`` and never
+``h``. They must be on the scale of the mean per-example loss: a term ``R`` of the
+objective ``sum_n nll_n + R`` is added as ``R / N``.
+
+Naive continual VOGN (:class:`VOGNStrategy`): after each experience the posterior becomes
+the prior of the next one, ``m``, ``s`` and the step count restart, ``mu`` is kept and
+``N`` becomes the size of the new experience.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from avalanche.training.plugins import SupervisedPlugin
+from avalanche.training.plugins.evaluation import default_evaluator
+from avalanche.training.templates import SupervisedTemplate
+from torch import Tensor, nn
+
+from fromp.models import with_task
+from fromp.optim.vogn import VOGN, LayerCapture, per_example_grad_stats
+from fromp.posterior import DiagonalGaussian
+from strategies.models import unwrap
+
+__all__ = ["DEFAULTS", "VOGNPlugin", "VOGNStrategy", "minibatch_curvature"]
+
+
+def minibatch_curvature(
+    model: nn.Module, x: Tensor, y: Tensor, task_labels: Tensor | None, opt: VOGN
+) -> Tensor:
+    """``h = (1/M) sum_i h_i`` ``[P]`` of the data loss on a mini-batch at the model's
+    current weights, examples grouped by task label (each group through its head).
+
+    Args:
+        model: an Avalanche model (or a fromp model); its parameters must be those of ``opt``
+            in the same order.
+        x: ``[M, ...]``. y: ``[M]``. task_labels: ``[M]`` or None (single head).
+        opt: supplies the likelihood, the curvature type and the chunk size.
+    """
+    net = unwrap(model)
+    multi = getattr(net, "n_heads", 1) > 1
+    if not multi or task_labels is None:
+        if multi:
+            raise ValueError("task_labels are required for a multi-head model")
+        groups = [(None, slice(None))]
+    else:
+        groups = [(int(t), task_labels == t) for t in torch.unique(task_labels)]
+    total = None
+    for t, rows in groups:
+        stats = per_example_grad_stats(
+            with_task(net, t),
+            x[rows],
+            y[rows],
+            opt.likelihood,
+            curvature=opt.curvature,
+            chunk_size=opt.chunk_size,
+            method=opt.method,
+            need_grad=False,
+        )
+        part = stats.curv * stats.n
+        total = part if total is None else total + part
+    assert total is not None
+    return total / len(x)
+
+
+class VOGNPlugin(SupervisedPlugin):
+    """Drives a :class:`fromp.optim.VOGN` optimizer from Avalanche's training loop.
+
+    Args:
+        optimizer: the strategy's optimizer (also found as ``strategy.optimizer`` in the
+            hooks; given here so that :meth:`state_dict` works before training).
+        continual: at the end of each experience make the posterior the next prior
+            (naive continual VOGN) and restart ``m``, ``s`` and the step count.
+        reuse_forward: compute the squared per-example gradients from Avalanche's own
+            forward pass (layer inputs recorded by :class:`fromp.optim.vogn.LayerCapture`,
+            one extra partial backward of the data loss) instead of a separate pass; falls
+            back to the separate pass when that is not exact (batch norm in training mode,
+            layers outside Linear/Conv2d/batch norm, a layer called twice,
+            ``curvature="ggn"``).
+    """
+
+    def __init__(
+        self,
+        optimizer: VOGN | None = None,
+        *,
+        continual: bool = True,
+        reuse_forward: bool = True,
+    ) -> None:
+        super().__init__()
+        self.optimizer = optimizer
+        self.continual = bool(continual)
+        self.reuse_forward = bool(reuse_forward)
+        self._capture: LayerCapture | None = None
+        self._curv: Tensor | None = None
+        self.n_reused = 0  # mini-batches whose curvature came from the training forward
+        self.posteriors: list[DiagonalGaussian] = []
+        self.task_count = 0
+
+    def _opt(self, strategy: Any) -> VOGN:
+        opt = strategy.optimizer
+        if not isinstance(opt, VOGN):
+            raise TypeError(f"VOGNPlugin needs a fromp.optim.VOGN optimizer, got {type(opt)}")
+        if opt.mc_samples > 1:
+            raise ValueError(
+                f"VOGNPlugin draws one posterior sample per mini-batch: the optimizer's "
+                f"mc_samples must be 0 or 1, got {opt.mc_samples}"
+            )
+        self.optimizer = opt
+        return opt
+
+    # -------------------------------------------------------------- hooks
+    def before_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        opt = self._opt(strategy)
+        opt.train_set_size = len(strategy.experience.dataset)
+
+    def before_forward(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        opt = self._opt(strategy)
+        n = len(strategy.experience.dataset)
+        if opt.train_set_size != n:
+            opt.train_set_size = n
+        opt.sample_params()
+        self._curv = None
+        if self.reuse_forward and opt.curvature == "ef":
+            capture = LayerCapture(strategy.model)
+            if capture.supported:
+                self._capture = capture.__enter__()
+
+    def after_forward(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        capture, self._capture = self._capture, None
+        if capture is None:
+            return
+        capture.__exit__()
+        opt = self._opt(strategy)
+        losses = opt.loss_fn(strategy.mb_output, strategy.mb_y)
+        self._curv = capture.squared_grads(losses)
+
+    def after_backward(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        opt = self._opt(strategy)
+        h, self._curv = self._curv, None
+        if h is not None:
+            self.n_reused += 1
+        else:
+            h = minibatch_curvature(
+                strategy.model, strategy.mb_x, strategy.mb_y, strategy.mb_task_id, opt
+            )
+        opt.set_curvature(h)
+
+    def after_training_epoch(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        self._opt(strategy).load_mean()
+
+    def after_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        opt = self._opt(strategy)
+        opt.load_mean()
+        q = opt.posterior()
+        self.posteriors.append(q)
+        self.task_count += 1
+        if self.continual:
+            opt.set_prior(q, reset=True)
+
+    # -------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's posterior state, the per-experience posteriors and the task
+        counter (tensors cloned)."""
+        if self.optimizer is None:
+            raise ValueError("VOGNPlugin has no optimizer yet: pass optimizer= or train first")
+        return {
+            "vogn": self.optimizer.state_dict()["vogn"],
+            "posteriors": [
+                {k: v.clone() for k, v in q.state_dict().items()} for q in self.posteriors
+            ],
+            "task_count": self.task_count,
+            "continual": self.continual,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Inverse of :meth:`state_dict`; writes ``mu`` into the model's parameters."""
+        if self.optimizer is None:
+            raise ValueError("VOGNPlugin has no optimizer: construct it with optimizer=")
+        self.optimizer.load_vogn_state(state["vogn"])
+        self.posteriors = [DiagonalGaussian.from_state_dict(d) for d in state["posteriors"]]
+        self.task_count = int(state["task_count"])
+        self.continual = bool(state.get("continual", self.continual))
+
+
+class VOGNStrategy(SupervisedTemplate):
+    """Naive continual VOGN: each experience is fitted by VOGN with the previous posterior
+    as the prior (multi-head through the task labels, or single-head).
+
+    ``optimizer`` must be a :class:`fromp.optim.VOGN` built on ``model`` (its
+    ``train_set_size`` is set per experience). ``criterion`` must be the mean of the
+    optimizer's per-example loss (the default cross-entropy for the categorical likelihood).
+
+    Args:
+        continual: make the posterior the next prior (False: the prior stays the initial one).
+        reuse_forward: see :class:`VOGNPlugin`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        criterion: nn.Module | None = None,
+        *,
+        train_mb_size: int = 128,
+        train_epochs: int = 1,
+        eval_mb_size: int = 1000,
+        device: str | torch.device = "cpu",
+        plugins: list | None = None,
+        evaluator=default_evaluator,
+        eval_every: int = -1,
+        continual: bool = True,
+        reuse_forward: bool = True,
+    ) -> None:
+        if not isinstance(optimizer, VOGN):
+            raise TypeError(
+                f"optimizer must be a fromp.optim.VOGN built on the model, got {type(optimizer)}"
+            )
+        opt_ids = {id(p) for p in optimizer.params}
+        model_ids = [id(p) for p in model.parameters() if p.requires_grad]
+        if opt_ids != set(model_ids):
+            raise ValueError("optimizer must hold exactly the model's trainable parameters")
+        self.plugin = VOGNPlugin(optimizer, continual=continual, reuse_forward=reuse_forward)
+        super().__init__(
+            model=model,
+            optimizer=optimizer,
+            criterion=nn.CrossEntropyLoss() if criterion is None else criterion,
+            train_mb_size=train_mb_size,
+            train_epochs=train_epochs,
+            eval_mb_size=eval_mb_size,
+            device=device,
+            plugins=[self.plugin, *(plugins or [])],
+            evaluator=evaluator,
+            eval_every=eval_every,
+        )
+
+
+_SPLIT = {
+    "optimizer": "vogn",
+    "lr": 1e-3,
+    "train_epochs": 10,
+    "train_mb_size": 128,
+    "optimizer_kwargs": {"prior_precision": 100.0, "kl_weight": 0.05, "mc_samples": 1},
+    "kwargs": {},
+}
+
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "split-mnist": dict(_SPLIT),
+    "split-fashion-mnist": dict(_SPLIT),
+    "split-digits": {**_SPLIT, "train_epochs": 50, "train_mb_size": 32},
+    "permuted-mnist": {**_SPLIT, "train_epochs": 10},
+    "split-cifar": {**_SPLIT, "train_epochs": 20},
+}

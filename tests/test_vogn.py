@@ -1,0 +1,499 @@
+"""VOGN / OGN: closed-form Bayesian linear regression, exact per-example statistics against
+brute-force loops, the update rule, checkpoints and the Avalanche integration."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+from avalanche.models.dynamic_optimizers import update_optimizer
+from avalanche.training.plugins import SupervisedPlugin
+from torch import nn
+
+from fromp import OGN, VOGN
+from fromp.data import synthetic_split
+from fromp.likelihood import CategoricalLikelihood, GaussianLikelihood
+from fromp.models import MultiHeadMLP, with_task
+from fromp.optim.vogn import LayerCapture, per_example_grad_stats, predict_mc, predict_mean
+from fromp.posterior import DiagonalGaussian
+from strategies.benchmarks import to_avalanche
+from strategies.models import as_avalanche_model
+from strategies.vogn import VOGNStrategy, minibatch_curvature
+
+D = torch.float64
+
+
+def _blr(n: int = 50, d: int = 3, sigma: float = 0.5, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g, dtype=D)
+    y = x @ torch.randn(d, generator=g, dtype=D) + sigma * torch.randn(n, generator=g, dtype=D)
+    return x, y
+
+
+def _closed_form(x, y, sigma, delta, tau=1.0):
+    """Posterior of y = x w + eps, eps ~ N(0, sigma^2), w ~ N(0, I / delta), likelihood
+    tempered by 1 / tau: precision (X^T X / sigma^2) / tau + delta."""
+    a = x.T @ x / sigma**2 / tau + delta * torch.eye(x.shape[1], dtype=D)
+    return torch.linalg.solve(a, x.T @ y / sigma**2 / tau), a
+
+
+def _linear(d: int) -> nn.Module:
+    return nn.Linear(d, 1, bias=False).to(D)
+
+
+@pytest.mark.parametrize("tau", [1.0, 2.0])
+def test_ogn_ggn_recovers_exact_posterior_of_linear_regression(tau):
+    x, y = _blr()
+    sigma, delta = 0.5, 1.0
+    mean, prec = _closed_form(x, y, sigma, delta, tau)
+    opt = OGN(
+        _linear(3),
+        lr=0.3,
+        train_set_size=len(x),
+        prior_precision=delta,
+        kl_weight=tau,
+        likelihood=GaussianLikelihood(sigma),
+        curvature="ggn",
+    )
+    for _ in range(500):
+        opt.step(x, y)
+    q = opt.posterior()
+    # Deterministic full-batch iteration: converged to machine precision.
+    torch.testing.assert_close(q.mean, mean, atol=1e-9, rtol=0)
+    torch.testing.assert_close(q.precision, prec.diagonal(), atol=0, rtol=1e-9)
+
+
+def test_vogn_ggn_linear_regression_mean_and_precision():
+    """With sampling: the GGN of a linear model does not depend on w, so the precision is
+    exact; the mean fluctuates around the exact one (Polyak average within 0.1 std)."""
+    x, y = _blr()
+    sigma, delta = 0.5, 1.0
+    mean, prec = _closed_form(x, y, sigma, delta)
+    opt = VOGN(
+        _linear(3),
+        lr=0.1,
+        train_set_size=len(x),
+        prior_precision=delta,
+        likelihood=GaussianLikelihood(sigma),
+        curvature="ggn",
+        mc_samples=1,
+    )
+    avg = torch.zeros(3, dtype=D)
+    for i in range(500):
+        opt.step(x, y)
+        if i >= 250:
+            avg += opt.vogn_state["mu"] / 250
+    q = opt.posterior()
+    torch.testing.assert_close(q.precision, prec.diagonal(), atol=0, rtol=1e-9)
+    std = prec.diagonal().rsqrt()
+    assert ((avg - mean).abs() / std).max() < 0.1
+
+
+def test_ogn_squared_gradients_fixed_point():
+    """curvature='ef': s converges to the mean squared per-example gradient at the exact
+    posterior mean (brute-force loop), the mean to the exact posterior mean."""
+    x, y = _blr()
+    sigma, delta = 0.5, 1.0
+    mean, _ = _closed_form(x, y, sigma, delta)
+    opt = OGN(
+        _linear(3),
+        lr=0.3,
+        betas=(0.9, 0.9),
+        train_set_size=len(x),
+        prior_precision=delta,
+        likelihood=GaussianLikelihood(sigma),
+    )
+    for _ in range(600):
+        opt.step(x, y)
+    q = opt.posterior()
+    torch.testing.assert_close(q.mean, mean, atol=1e-9, rtol=0)
+    sq = torch.stack([(xi * (xi @ mean - yi) / sigma**2) ** 2 for xi, yi in zip(x, y)])
+    torch.testing.assert_close(q.precision, sq.sum(0) + delta, atol=0, rtol=1e-7)
+
+
+class _TinyCNN(nn.Module):
+    """Convolutions with weight sharing, a second conv with stride, a linear head."""
+
+    def __init__(self, bn: bool = False, dropout: bool = False) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Conv2d(1, 3, 3, padding=1)]
+        if bn:
+            layers.append(nn.BatchNorm2d(3))
+        layers += [nn.Tanh(), nn.Conv2d(3, 2, 3, stride=2), nn.Tanh(), nn.Flatten()]
+        if dropout:
+            layers.append(nn.Dropout(0.3))
+        layers.append(nn.Linear(2 * 3 * 3, 4))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _flat(grads, params):
+    return torch.cat(
+        [(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, params)]
+    )
+
+
+def _brute_stats(model, x, y, lik):
+    params = [p for p in model.parameters() if p.requires_grad]
+    gs, ggns = [], []
+    for xi, yi in zip(x, y):
+        loss = lik.nll(model(xi[None]), yi[None]).sum()
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        gs.append(_flat(grads, params))
+        f = model(xi[None])
+        rows = []
+        for c in range(f.shape[1]):
+            gc = torch.autograd.grad(f[0, c], params, retain_graph=True, allow_unused=True)
+            rows.append(_flat(gc, params))
+        jac = torch.stack(rows)  # C, P
+        lam = lik.hessian(f.detach())[0]
+        ggns.append(torch.einsum("cp,cd,dp->p", jac, lam, jac))
+    g = torch.stack(gs)
+    return g.mean(0), (g**2).mean(0), torch.stack(ggns).mean(0)
+
+
+class _Twice(nn.Module):
+    """One linear layer applied twice (parameter sharing across calls), optionally a
+    LayerNorm: not supported by the hook path, handled by vmap."""
+
+    def __init__(self, norm: bool = True) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 5)
+        self.norm = nn.LayerNorm(5) if norm else nn.Identity()
+        self.out = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.out(self.norm(torch.tanh(self.lin(torch.tanh(self.lin(x))))))
+
+
+def _case(arch):
+    if arch == "mlp":
+        net = with_task(MultiHeadMLP(12, (7, 5), n_heads=2, head_size=3).to(D), 1)
+        return net, torch.rand(9, 12, dtype=D), torch.randint(0, 3, (9,))
+    if arch in ("twice", "shared"):
+        net = _Twice(norm=arch == "twice").to(D)
+        return net, torch.randn(9, 5, dtype=D), torch.randint(0, 3, (9,))
+    net = _TinyCNN(bn=arch == "cnn-bn").to(D)
+    if arch == "cnn-bn":  # non-trivial running statistics and affine parameters
+        bn = net.net[1]
+        bn.running_mean.uniform_(-0.5, 0.5)
+        bn.running_var.uniform_(0.5, 2.0)
+        with torch.no_grad():
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.uniform_(-0.5, 0.5)
+    return net, torch.rand(9, 1, 8, 8, dtype=D), torch.randint(0, 4, (9,))
+
+
+@pytest.mark.parametrize("arch", ["mlp", "cnn", "cnn-bn", "twice", "shared"])
+def test_per_example_stats_match_brute_force(arch):
+    """Both exact implementations (vmap; layer hooks for Linear/Conv2d/BatchNorm) against a
+    loop over examples; batch norm is evaluated with its running statistics."""
+    lik = CategoricalLikelihood()
+    net, x, y = _case(arch)
+    net.eval()
+    g, sq, ggn = _brute_stats(net, x, y, lik)
+    net.train()  # the per-example pass switches batch norm to eval mode by itself
+    results = [
+        per_example_grad_stats(net, x, y, lik, curvature="ef", method="vmap", chunk_size=4),
+        per_example_grad_stats(net, x, y, lik, curvature="ef", method="auto", chunk_size=4),
+    ]
+    if arch not in ("twice", "shared"):
+        results.append(per_example_grad_stats(net, x, y, lik, method="hooks", chunk_size=5))
+    for ef in results:
+        torch.testing.assert_close(ef.grad, g, atol=1e-12, rtol=1e-10)
+        torch.testing.assert_close(ef.curv, sq, atol=1e-12, rtol=1e-10)
+        net.eval()
+        torch.testing.assert_close(ef.loss, lik.nll(net(x), y).mean(), atol=1e-12, rtol=0)
+        net.train()
+    gg = per_example_grad_stats(net, x, y, lik, curvature="ggn", chunk_size=5)
+    torch.testing.assert_close(gg.grad, g, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(gg.curv, ggn, atol=1e-12, rtol=1e-10)
+    assert sq.abs().max() > 0 and ggn.abs().max() > 0
+    if arch in ("twice", "shared"):
+        with pytest.raises(ValueError, match="hooks"):
+            per_example_grad_stats(net, x, y, lik, method="hooks")
+
+
+def test_one_step_formula_and_regulariser_only_in_gradient():
+    torch.manual_seed(1)
+    net = _TinyCNN().to(D)
+    x, y = torch.rand(6, 1, 8, 8, dtype=D), torch.randint(0, 4, (6,))
+    lik = CategoricalLikelihood()
+    params = list(net.parameters())
+    mu = torch.cat([p.detach().reshape(-1) for p in params]).clone()
+    target = torch.randn_like(mu)
+
+    def reg():
+        w = torch.cat([p.reshape(-1) for p in params])
+        return 0.5 * ((w - target) ** 2).sum() / 100
+
+    g, sq, _ = _brute_stats(net, x, y, lik)
+    loss0 = lik.nll(net(x), y).mean().detach()
+    n, delta, lr, (b1, b2) = 40, 0.5, 0.01, (0.8, 0.7)
+    opt = OGN(net, lr=lr, betas=(b1, b2), train_set_size=n, prior_precision=delta)
+    loss = opt.step(x, y, regularizer=reg)
+    torch.testing.assert_close(loss, loss0, atol=1e-12, rtol=0)
+    dt = delta / n
+    g_tot = g + (mu - target) / 100 + dt * mu
+    # bias-corrected: m^ = g_tot, s^ = h (squared data gradients only)
+    want = mu - lr * g_tot / (sq + dt)
+    torch.testing.assert_close(opt.vogn_state["mu"], want, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(opt.posterior().precision, n * sq + delta, atol=0, rtol=1e-10)
+    # the parameters hold mu after the step
+    torch.testing.assert_close(torch.cat([p.detach().reshape(-1) for p in params]), want)
+
+    # Two-phase API (as in Avalanche): same update from .grad and set_curvature.
+    net2 = _TinyCNN().to(D)
+    with torch.no_grad():
+        for p2, v in zip(net2.parameters(), mu.split([p.numel() for p in params])):
+            p2.copy_(v.view_as(p2))
+    params = list(net2.parameters())
+    opt2 = OGN(net2, lr=lr, betas=(b1, b2), train_set_size=n, prior_precision=delta)
+    opt2.sample_params()
+    (lik.nll(net2(x), y).mean() + reg()).backward()
+    opt2.set_curvature(per_example_grad_stats(net2, x, y, lik).curv)
+    opt2.step()
+    torch.testing.assert_close(opt2.vogn_state["mu"], want, atol=1e-12, rtol=1e-10)
+    with pytest.raises(ValueError, match="set_curvature"):
+        opt2.step()
+
+
+def test_sampling_uses_posterior_std_and_ogn_does_not_sample():
+    net = _linear(4)
+    opt = VOGN(net, train_set_size=10, prior_precision=torch.tensor([1.0, 4.0, 16.0, 100.0]))
+    ws = torch.stack([opt.sample_params() for _ in range(4000)])
+    torch.testing.assert_close(
+        ws.std(0), torch.tensor([1.0, 0.5, 0.25, 0.1], dtype=D), rtol=0.05, atol=0
+    )
+    torch.testing.assert_close(
+        torch.cat([p.detach().reshape(-1) for p in net.parameters()]), ws[-1]
+    )
+    ogn = OGN(_linear(4), train_set_size=10)
+    assert torch.equal(ogn.sample_params(), ogn.vogn_state["mu"])
+
+
+def test_state_survives_avalanche_reset_and_round_trips():
+    x, y = torch.rand(16, 1, 8, 8, dtype=D), torch.randint(0, 4, (16,))
+    torch.manual_seed(3)
+    net = _TinyCNN().to(D)
+    opt = VOGN(net, lr=0.01, train_set_size=100, init_precision=1e-3, prior_precision=0.1)
+    for _ in range(3):
+        opt.step(x, y)
+    before = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.vogn_state.items()}
+    update_optimizer(opt, dict(net.named_parameters()), None, reset_state=True)
+    assert isinstance(opt.state, defaultdict)
+    for k, v in before.items():
+        assert torch.equal(opt.vogn_state[k], v) if torch.is_tensor(v) else opt.vogn_state[k] == v
+    saved = opt.state_dict()
+
+    net2 = _TinyCNN().to(D)
+    opt2 = VOGN(net2, lr=0.5, train_set_size=1)
+    opt2.load_state_dict(saved)
+    assert opt2.param_groups[0]["lr"] == 0.01 and opt2.train_set_size == 100
+    for a, b in zip(net.parameters(), net2.parameters()):
+        assert torch.equal(a, b)
+    torch.manual_seed(7)
+    opt.step(x, y)
+    torch.manual_seed(7)
+    opt2.step(x, y)
+    assert torch.equal(opt.vogn_state["mu"], opt2.vogn_state["mu"])
+    assert torch.equal(opt.posterior().precision, opt2.posterior().precision)
+    with pytest.raises(ValueError, match="vogn"):
+        opt2.load_state_dict({k: v for k, v in saved.items() if k != "vogn"})
+
+
+def test_batchnorm_cnn_trains_and_updates_running_stats():
+    torch.manual_seed(0)
+    net = _TinyCNN(bn=True, dropout=True)
+    x, y = torch.rand(32, 1, 8, 8), torch.randint(0, 4, (32,))
+    opt = VOGN(net, lr=1e-2, train_set_size=3200, init_precision=1e-2)
+    bn = net.net[1]
+    mean0 = bn.running_mean.clone()
+
+    def loss_at_mean():
+        net.eval()
+        out = torch.nn.functional.cross_entropy(net(x), y).item()
+        net.train()
+        return out
+
+    before = loss_at_mean()
+    for _ in range(30):
+        assert torch.isfinite(opt.step(x, y))
+    assert not torch.equal(bn.running_mean, mean0)
+    assert net.training and bn.training  # modes restored
+    q = opt.posterior()
+    assert torch.isfinite(q.mean).all() and torch.isfinite(q.precision).all()
+    assert loss_at_mean() < before - 0.1
+    # Batch statistics couple the examples: no reuse of a training-mode forward pass.
+    assert not LayerCapture(net).supported
+    net.eval()
+    assert LayerCapture(net).supported
+
+
+def test_predict_helpers():
+    net = MultiHeadMLP(5, (4,), n_heads=1, head_size=3).to(D)
+    x = torch.rand(7, 5, dtype=D)
+    q = DiagonalGaussian.isotropic(net, 1e12)
+    torch.testing.assert_close(predict_mean(net, q, x), torch.softmax(net(x), -1))
+    torch.testing.assert_close(
+        predict_mc(net, q, x, 3), torch.softmax(net(x), -1), atol=1e-5, rtol=0
+    )
+    wide = DiagonalGaussian.isotropic(net, 1.0)
+    g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    mc = predict_mc(net, wide, x, 4, generator=g1)
+    want = 0
+    for _ in range(4):
+        w = wide.sample(generator=g2)
+        net2 = MultiHeadMLP(5, (4,), n_heads=1, head_size=3).to(D)
+        torch.nn.utils.vector_to_parameters(w, net2.parameters())
+        want = want + torch.softmax(net2(x), -1) / 4
+    torch.testing.assert_close(mc, want)
+    with pytest.raises(ValueError, match="n_samples"):
+        predict_mc(net, q, x, 0)
+
+
+def test_bad_arguments():
+    net = _linear(2)
+    with pytest.raises(ValueError, match="lr"):
+        VOGN(net, lr=-1.0)
+    with pytest.raises(ValueError, match="betas"):
+        VOGN(net, betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="mc_samples"):
+        OGN(net, mc_samples=2)
+    with pytest.raises(ValueError, match="prior_precision"):
+        VOGN(net, prior_precision=torch.ones(3))
+    with pytest.raises(ValueError, match="prior_precision"):
+        VOGN(net, prior_mean=DiagonalGaussian.isotropic(net, 2.0), prior_precision=1.0)
+    with pytest.raises(ValueError, match="curvature"):
+        VOGN(net, curvature="hessian")
+    with pytest.raises(ValueError, match="train_set_size"):
+        VOGN(net).step(torch.randn(3, 2, dtype=D), torch.randn(3, dtype=D))
+    prior = DiagonalGaussian(torch.ones(2, dtype=D), torch.full((2,), 3.0, dtype=D))
+    opt = VOGN(net, prior_mean=prior, train_set_size=5)
+    torch.testing.assert_close(opt.posterior().precision, prior.precision)
+
+
+class _Probe(SupervisedPlugin):
+    """Records the optimizer's prior and mean when each experience starts training."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[dict] = []
+
+    def before_training_epoch(self, strategy, **kwargs):
+        if strategy.clock.train_exp_epochs == 0:
+            opt = strategy.optimizer
+            self.seen.append(
+                {"prior": opt.prior(), "mu": opt.vogn_state["mu"].clone(), "state": opt.state}
+            )
+
+
+def _avalanche_setup(seed: int = 0):
+    torch.manual_seed(seed)
+    seq = synthetic_split(n_tasks=2, input_shape=(1, 6, 6), n_train=100, n_test=10)
+    net = MultiHeadMLP(36, (16,), n_heads=2, head_size=2)
+    model = as_avalanche_model(net)
+    opt = VOGN(model, lr=2e-2, train_set_size=1, init_precision=0.1, kl_weight=0.1)
+    probe = _Probe()
+    strat = VOGNStrategy(
+        model=model,
+        optimizer=opt,
+        train_mb_size=32,
+        train_epochs=3,
+        plugins=[probe],
+        evaluator=None,
+    )
+    return seq, to_avalanche(seq), model, opt, probe, strat
+
+
+def test_vogn_strategy_two_experiences_checkpoint_and_resume():
+    seq, scenario, model, opt, probe, strat = _avalanche_setup()
+    strat.train(scenario.train_stream[0])
+    q1 = strat.plugin.posteriors[0]
+    assert strat.plugin.task_count == 1
+    assert opt.train_set_size == len(seq[0].train_x)
+    torch.testing.assert_close(opt.prior().mean, q1.mean)  # posterior -> prior
+    torch.testing.assert_close(opt.prior().precision, q1.precision)
+    assert opt.vogn_state["step"] == 0 and opt.vogn_state["m"].abs().max() == 0
+    ckpt_plugin = strat.plugin.state_dict()
+    ckpt_opt = opt.state_dict()
+    ckpt_model = {k: v.clone() for k, v in model.state_dict().items()}
+
+    torch.manual_seed(11)
+    strat.train(scenario.train_stream[1])
+    # Avalanche rebuilt the optimizer state; the VOGN state was intact at the start of exp 2.
+    start2 = probe.seen[1]
+    torch.testing.assert_close(start2["prior"].mean, q1.mean, atol=0, rtol=0)
+    torch.testing.assert_close(start2["prior"].precision, q1.precision, atol=0, rtol=0)
+    torch.testing.assert_close(start2["mu"], q1.mean, atol=0, rtol=0)
+    assert len(start2["state"]) == 0
+    q2 = strat.plugin.posteriors[1]
+    assert not torch.equal(q2.mean, q1.mean)
+    assert (q2.precision >= q1.precision - 1e-6).float().mean() > 0.5
+    acc = [(model(t.test_x, t.task_id).argmax(-1) == t.test_y).float().mean().item() for t in seq]
+    assert min(acc) > 0.6, acc
+
+    # Resume exp 2 from the checkpoint in a fresh process-like setup: identical result.
+    _, scenario2, model2, opt2, _, strat2 = _avalanche_setup(seed=123)
+    model2.load_state_dict(ckpt_model)
+    strat2.plugin.load_state_dict(ckpt_plugin)
+    opt2.load_state_dict(ckpt_opt)
+    torch.testing.assert_close(opt2.posterior().mean, q1.mean, atol=0, rtol=0)
+    torch.manual_seed(11)
+    strat2.train(scenario2.train_stream[1])
+    torch.testing.assert_close(strat2.plugin.posteriors[1].mean, q2.mean, atol=0, rtol=0)
+    torch.testing.assert_close(strat2.plugin.posteriors[1].precision, q2.precision)
+    assert strat2.plugin.task_count == 2
+
+
+def test_vogn_strategy_rejects_other_optimizers():
+    net = MultiHeadMLP(4, (3,), n_heads=1, head_size=2)
+    with pytest.raises(TypeError, match="VOGN"):
+        VOGNStrategy(model=net, optimizer=torch.optim.Adam(net.parameters()))
+    with pytest.raises(ValueError, match="mc_samples"):
+        _, scenario, _, opt, _, strat = _avalanche_setup()
+        opt.param_groups[0]["mc_samples"] = 3
+        strat.train(scenario.train_stream[0])
+
+
+class _CurvatureCheck(SupervisedPlugin):
+    """After the backward pass (weights still at the sample), compares the curvature the
+    VOGN plugin handed to the optimizer with a separate per-example pass."""
+
+    def __init__(self):
+        super().__init__()
+        self.checked = 0
+
+    def after_backward(self, strategy, **kwargs):
+        opt = strategy.optimizer
+        want = minibatch_curvature(
+            strategy.model, strategy.mb_x, strategy.mb_y, strategy.mb_task_id, opt
+        )
+        torch.testing.assert_close(opt._pending_curv, want, atol=1e-10, rtol=1e-5)
+        assert want.abs().max() > 0
+        self.checked += 1
+
+
+@pytest.mark.parametrize("reuse_forward", [True, False])
+def test_plugin_curvature_from_training_forward_is_exact(reuse_forward):
+    torch.manual_seed(0)
+    seq = synthetic_split(n_tasks=2, input_shape=(1, 6, 6), n_train=40, n_test=10)
+    net = MultiHeadMLP(36, (8,), n_heads=2, head_size=2)
+    model = as_avalanche_model(net)
+    opt = VOGN(model, lr=1e-2, init_precision=0.1, kl_weight=0.1)
+    check = _CurvatureCheck()
+    strat = VOGNStrategy(
+        model=model,
+        optimizer=opt,
+        train_mb_size=16,
+        train_epochs=1,
+        plugins=[check],
+        evaluator=None,
+        reuse_forward=reuse_forward,
+    )
+    strat.train(to_avalanche(seq).train_stream[1])
+    assert check.checked == 3
+    assert strat.plugin.n_reused == (3 if reuse_forward else 0)
