@@ -74,3 +74,26 @@ __all__ += [  # core: GGN, Laplace, DNN2GP GP, evidence
 from fromp.optim import OGN, VOGN  # noqa: E402
 
 __all__ += ["OGN", "VOGN"]
+
+# --- FROMP: memorable past and functional regulariser ---
+from fromp.curvature import diag_ggn_linear  # noqa: E402
+from fromp.memorable import memorability_scores, select_memorable  # noqa: E402
+from fromp.regularizer import (  # noqa: E402
+    FROMPRegularizer,
+    FunctionalRegularizer,
+    MemorableSet,
+    prob_jacobian,
+    task_fn,
+)
+
+__all__ += [  # FROMP: memorable past and functional regulariser
+    "FROMPRegularizer",
+    "FunctionalRegularizer",
+    "MemorableSet",
+    "diag_ggn_linear",
+    "memorability_scores",
+    "prob_jacobian",
+    "select_memorable",
+    "task_fn",
+]
+# --- end FROMP ---

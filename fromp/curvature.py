@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from fromp.jacobian import iter_jacobians, num_params, per_example_grads
 from fromp.likelihood import Likelihood, get_likelihood
 
-__all__ = ["DataArg", "diag_ef", "diag_fisher", "diag_ggn", "iter_batches"]
+__all__ = ["DataArg", "diag_ef", "diag_fisher", "diag_ggn", "diag_ggn_linear", "iter_batches"]
 
 DataArg = Tensor | tuple | list | Iterable
 
@@ -142,3 +142,66 @@ def diag_fisher(
             g = per_example_grads(model, x, y, lik.nll, chunk_size=chunk_size)
             out += g.pow(2).sum(0) / n_samples
     return out
+
+
+def diag_ggn_linear(
+    model: nn.Module,
+    data: DataArg,
+    likelihood: str | Likelihood,
+) -> Tensor:
+    """Exact GGN diagonal, as :func:`diag_ggn`, for networks whose trainable parameters all
+    belong to ``nn.Linear`` layers (MLPs, multi-head MLPs), without per-example Jacobians.
+
+    For a linear layer ``z = W a + b`` on per-example inputs ``a_n`` the per-example
+    gradient of ``v^T f(x_n)`` is ``g_n a_n^T`` with ``g_n = dz_n`` (back-propagated ``v``),
+    so ``diag(G)_W = sum_n sum_k (g_{n,k})^2 (a_n^2)^T`` and ``diag(G)_b = sum_n sum_k
+    g_{n,k}^2``, where ``g_{n,k}`` is back-propagated from ``v = L_n[:, k]``
+    (``Lambda_n = L_n L_n^T``). Cost: ``K`` batched backward passes per batch.
+
+    Raises:
+        ValueError: a trainable parameter outside an ``nn.Linear``, a linear layer applied
+            twice in one forward pass, or a linear layer input that is not ``[B, in]``.
+    """
+    lik = get_likelihood(likelihood)
+    device, dtype = _device_dtype(model)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    owned = {id(p) for m in linears for p in m.parameters()}
+    for name, p in model.named_parameters():
+        if p.requires_grad and id(p) not in owned:
+            raise ValueError(f"parameter {name!r} is not in an nn.Linear layer; use diag_ggn")
+    acc = {id(p): torch.zeros_like(p) for p in model.parameters() if p.requires_grad}
+    store: dict[nn.Module, tuple[Tensor, Tensor]] = {}
+
+    def hook(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+        if module in store:
+            raise ValueError("an nn.Linear layer is applied twice in one forward; use diag_ggn")
+        if inputs[0].ndim != 2:
+            raise ValueError("nn.Linear inputs must be [B, in] for diag_ggn_linear; use diag_ggn")
+        store[module] = (inputs[0].detach(), output)
+
+    handles = [m.register_forward_hook(hook) for m in linears]
+    try:
+        for x, _ in iter_batches(data):
+            store.clear()
+            with torch.enable_grad():
+                f = model(x.to(device))
+            sqrt_lam = lik.sqrt_hessian(f.detach())  # B, C, K
+            mods = list(store)
+            outs = [store[m][1] for m in mods]
+            n_k = sqrt_lam.shape[-1]
+            for k in range(n_k):
+                grads = torch.autograd.grad(
+                    f, outs, grad_outputs=sqrt_lam[:, :, k], retain_graph=k < n_k - 1
+                )
+                for m, g in zip(mods, grads):
+                    g2 = g.pow(2)
+                    if m.weight.requires_grad:
+                        acc[id(m.weight)] += g2.T @ store[m][0].pow(2)
+                    if m.bias is not None and m.bias.requires_grad:
+                        acc[id(m.bias)] += g2.sum(0)
+    finally:
+        for h in handles:
+            h.remove()
+        store.clear()
+    out = torch.cat([acc[id(p)].reshape(-1) for p in model.parameters() if p.requires_grad])
+    return out.to(device=device, dtype=dtype)

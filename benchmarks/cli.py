@@ -1,0 +1,255 @@
+"""Command-line tools for trained networks: ``fromp-memorable`` and ``fromp-gp``.
+
+Both read a checkpoint written by ``fromp-bench`` (``runs/<benchmark>/checkpoints/*.pt``),
+rebuild the benchmark's network, and work on one task of the benchmark's data::
+
+    fromp-memorable runs/split-mnist/checkpoints/fromp-seed0.pt --task 0 --n-per-class 10
+    fromp-gp runs/split-mnist/checkpoints/fromp-seed0.pt --task 0 --n 100
+
+``fromp-memorable`` writes ``memorable.json`` (indices into the task's training set, their
+classes and scores) and ``memorable.png`` (a grid of the selected images per class).
+``fromp-gp`` fits a diagonal Laplace-GGN posterior on the task's training data (the prior
+precision chosen by the Laplace evidence unless given), converts the network into its DNN2GP
+Gaussian process and writes ``gp.npz`` (GP mean, kernel ``[N, C, N, C]``, marginal variances and
+predictive probabilities of ``--n`` test inputs sorted by class) and ``kernel.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from benchmarks.registry import UnknownNameError, get_benchmark
+from fromp.data import DataNotFoundError, TaskSequence
+from fromp.models import with_task
+
+__all__ = ["gp_main", "load_trained", "memorable_main"]
+
+warnings.filterwarnings("ignore", message="no QP solver found")
+
+
+class CheckpointError(ValueError):
+    """A file that is not a usable ``fromp-bench`` checkpoint."""
+
+
+def load_trained(
+    path: str | Path, data_root: str | None = None
+) -> tuple[nn.Module, TaskSequence, dict[str, Any]]:
+    """The trained network of a ``fromp-bench`` checkpoint, its task sequence and run config.
+
+    Returns:
+        ``(net, seq, config)``: ``net`` is the :mod:`fromp` model in eval mode (Avalanche
+        wrapper removed), ``seq`` the benchmark's tasks (subsampled as in the run).
+    """
+    from benchmarks.runner import load_sequence
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # pickle and zip errors come in many types
+        raise CheckpointError(f"checkpoint {path} cannot be read: {err}") from err
+    if not isinstance(state, dict) or "model" not in state or "config" not in state:
+        raise CheckpointError(f"{path} is not a fromp-bench checkpoint (no model/config)")
+    cfg = state["config"]
+    bench = get_benchmark(cfg["benchmark"])
+    seq = load_sequence(bench, data_root, cfg.get("n_train"), cfg.get("n_test"))
+    net = bench.model(seq)
+    weights = {k.removeprefix("net."): v for k, v in state["model"].items()}
+    net.load_state_dict(weights)
+    return net.eval(), seq, cfg
+
+
+def _task(seq: TaskSequence, task: int):
+    if not 0 <= task < len(seq):
+        raise CheckpointError(f"--task must be in [0, {len(seq)}), got {task}")
+    return seq[task]
+
+
+def _image_grid(images: np.ndarray, rows: list[str], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n_rows, n_cols = images.shape[:2]
+    fig, axes = plt.subplots(
+        n_rows, n_cols, figsize=(0.9 * n_cols + 1, 0.95 * n_rows + 0.4), squeeze=False
+    )
+    for i in range(n_rows):
+        for j in range(n_cols):
+            ax = axes[i][j]
+            img = images[i, j]
+            ax.imshow(img, cmap=None if img.ndim == 3 else "gray")
+            ax.set_xticks([])
+            ax.set_yticks([])
+        axes[i][0].set_ylabel(rows[i], rotation=0, ha="right", va="center", fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _to_image(x: torch.Tensor, shape: tuple[int, ...]) -> np.ndarray:
+    img = x.reshape(shape) if x.numel() == int(np.prod(shape)) else x
+    if img.ndim == 1:  # flattened MNIST
+        side = round(img.numel() ** 0.5)
+        img = img.reshape(side, side)
+    if img.ndim == 3:
+        img = img[0] if img.shape[0] == 1 else img.permute(1, 2, 0)
+    return img.numpy()
+
+
+def memorable_main(argv: list[str] | None = None) -> int:
+    """``fromp-memorable``: memorable examples of a trained network on one task."""
+    p = argparse.ArgumentParser(
+        prog="fromp-memorable",
+        description="Select the memorable training examples (largest tr Lambda, balanced per "
+        "class) of a trained fromp-bench checkpoint; write JSON and a PNG grid.",
+    )
+    p.add_argument("checkpoint", help="a fromp-bench checkpoint (.pt)")
+    p.add_argument("--task", type=int, default=0, help="task index (default 0)")
+    p.add_argument("--n-per-class", type=int, default=10, help="examples per class")
+    p.add_argument("--order", default="descending", choices=("descending", "ascending", "random"))
+    p.add_argument("--data-root", default=None, help="data root (default: $FROMP_DATA, ./data)")
+    p.add_argument("--out", default="memorable", help="output directory")
+    args = p.parse_args(argv)
+    from fromp.memorable import memorability_scores, select_memorable
+
+    try:
+        net, seq, cfg = load_trained(args.checkpoint, args.data_root)
+        task = _task(seq, args.task)
+        model = with_task(net, task.task_id if seq.multi_head else None)
+        with torch.no_grad():
+            idx = select_memorable(
+                model, task.train_x, task.train_y, n_per_class=args.n_per_class, order=args.order
+            )
+            scores = memorability_scores(model, task.train_x[idx])
+    except (CheckpointError, UnknownNameError, DataNotFoundError, ValueError) as err:
+        print(f"fromp-memorable: error: {err}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    labels = task.train_y[idx]
+    payload = {
+        "checkpoint": str(args.checkpoint),
+        "benchmark": cfg["benchmark"],
+        "task": args.task,
+        "order": args.order,
+        "indices": idx.tolist(),
+        "labels": labels.tolist(),
+        "classes": [task.classes[int(c)] for c in labels] if task.classes else labels.tolist(),
+        "scores": scores.tolist(),
+    }
+    (out / "memorable.json").write_text(json.dumps(payload, indent=2) + "\n")
+    classes = sorted(set(labels.tolist()))
+    grid = np.stack(
+        [
+            np.stack([_to_image(task.train_x[i], seq.input_shape) for i in idx[labels == c]])
+            for c in classes
+        ]
+    )
+    names = [f"class {task.classes[c] if task.classes else c}" for c in classes]
+    _image_grid(grid, names, out / "memorable.png", f"{args.order} tr Λ, task {args.task + 1}")
+    print(f"{len(idx)} memorable examples -> {out / 'memorable.json'}, {out / 'memorable.png'}")
+    return 0
+
+
+def gp_main(argv: list[str] | None = None) -> int:
+    """``fromp-gp``: the DNN2GP Gaussian process of a trained network on one task."""
+    p = argparse.ArgumentParser(
+        prog="fromp-gp",
+        description="Convert a trained fromp-bench checkpoint into its DNN2GP Gaussian "
+        "process on one task; write the kernel and predictive (.npz) and a kernel heatmap.",
+    )
+    p.add_argument("checkpoint", help="a fromp-bench checkpoint (.pt)")
+    p.add_argument("--task", type=int, default=0, help="task index (default 0)")
+    p.add_argument("--n", type=int, default=100, help="test inputs (sorted by class)")
+    p.add_argument(
+        "--n-fit", type=int, default=2000, help="training examples for the Laplace-GGN fit"
+    )
+    p.add_argument(
+        "--prior-precision",
+        default="auto",
+        help="delta, or 'auto' to maximise the Laplace evidence (default)",
+    )
+    p.add_argument("--data-root", default=None, help="data root (default: $FROMP_DATA, ./data)")
+    p.add_argument("--out", default="gp", help="output directory")
+    args = p.parse_args(argv)
+    from fromp.gp import dnn2gp, optimize_prior_precision
+    from fromp.laplace import laplace
+
+    try:
+        if args.n < 1 or args.n_fit < 1:
+            raise ValueError(f"--n and --n-fit must be >= 1, got {args.n} and {args.n_fit}")
+        net, seq, cfg = load_trained(args.checkpoint, args.data_root)
+        task = _task(seq, args.task)
+        model = with_task(net, task.task_id if seq.multi_head else None)
+        fit = (task.train_x[: args.n_fit], task.train_y[: args.n_fit])
+        if args.prior_precision == "auto":
+            delta = float(optimize_prior_precision(model, fit, "categorical"))
+        else:
+            delta = float(args.prior_precision)
+            if not delta > 0:
+                raise ValueError(f"--prior-precision must be > 0, got {delta}")
+        posterior = laplace(model, fit, "categorical", delta)
+        gp = dnn2gp(model, posterior, "categorical")
+        first = torch.arange(min(args.n, len(task.test_y)))  # the first n, sorted by class
+        order = first[torch.argsort(task.test_y[first], stable=True)]
+        x, y = task.test_x[order], task.test_y[order]
+        with torch.no_grad():
+            mean = gp.mean(x)
+            kernel = gp.kernel(x)
+            variance = gp.variance(x)
+            probs = gp.predictive(x, "probit")
+    except (CheckpointError, UnknownNameError, DataNotFoundError, ValueError) as err:
+        print(f"fromp-gp: error: {err}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(
+        out / "gp.npz",
+        test_indices=order.numpy(),
+        labels=y.numpy(),
+        mean=mean.numpy(),
+        kernel=kernel.numpy(),
+        variance=variance.numpy(),
+        probs=probs.numpy(),
+        prior_precision=np.array(delta),
+    )
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    k = torch.einsum("ncmc->nm", kernel).numpy()  # sum over outputs of the diagonal blocks
+    fig, ax = plt.subplots(figsize=(5, 4.4))
+    im = ax.imshow(k, cmap="viridis")
+    fig.colorbar(im, ax=ax)
+    ticks = [int(i) for i in np.flatnonzero(np.diff(y.numpy(), prepend=-1))]
+    ax.set_xticks(ticks)
+    ax.set_yticks(ticks)
+    ax.set_title(f"DNN2GP kernel Σ_c k_cc, task {args.task + 1} (δ={delta:.3g})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "kernel.png", dpi=120)
+    plt.close(fig)
+    acc = (probs.argmax(1) == y).double().mean().item() * 100
+    print(
+        f"DNN2GP of {cfg['benchmark']} task {args.task + 1}: prior precision {delta:.3g}, "
+        f"{len(y)} test inputs, GP accuracy {acc:.1f} % -> {out / 'gp.npz'}, "
+        f"{out / 'kernel.png'}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(memorable_main())

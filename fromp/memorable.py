@@ -1,0 +1,141 @@
+"""Memorable past: the training examples that FROMP keeps to regularise later tasks.
+
+FROMP (Pan et al., 2020) scores an example ``x`` by the trace of the output Hessian of the
+loss at the trained network, ``tr Lambda(f(x))``; for a softmax likelihood this is
+``sum_k p_k(x) (1 - p_k(x))``, large near the decision boundary. The examples with the
+largest scores are the ones whose function values are most informative about the
+boundary, so they are kept ("lambda descend"); ``"ascending"`` and ``"random"`` are the
+paper's ablations. Selection is balanced: the same number of examples per class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from fromp.likelihood import Likelihood, get_likelihood
+
+__all__ = ["memorability_scores", "select_memorable"]
+
+_ORDERS = ("descending", "ascending", "random")
+
+
+def _check_inputs(x: Tensor, name: str = "x") -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a Tensor, got {type(x).__name__}")
+    if x.ndim < 1 or len(x) == 0:
+        raise ValueError(f"{name} is empty: expected shape [N, ...] with N >= 1")
+    if x.is_floating_point() and bool(torch.isnan(x).any()):
+        raise ValueError(f"{name} contains NaN values")
+
+
+@torch.no_grad()
+def memorability_scores(
+    model: nn.Module,
+    x: Tensor,
+    likelihood: str | Likelihood = "categorical",
+    *,
+    batch_size: int = 1024,
+) -> Tensor:
+    """Memorability ``s_n = tr Lambda(f(x_n))`` of each example, shape ``[N]``.
+
+    For ``"categorical"`` ``s_n = sum_k p_k (1 - p_k)`` with ``p = softmax(f(x_n))``; for
+    ``"bernoulli"`` ``s_n = p (1 - p)``.
+
+    Args:
+        model: a module ``[B, ...] -> [B, C]`` (fix a multi-head model's head with
+            :func:`fromp.models.with_task`). Its train/eval mode is left as it is.
+        x: inputs ``[N, ...]`` (moved to the model's device batch by batch).
+        likelihood: a :class:`~fromp.likelihood.Likelihood` or its name.
+        batch_size: examples per forward pass.
+
+    Returns:
+        ``[N]`` scores on ``x``'s device, in the model's dtype.
+    """
+    _check_inputs(x)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size}")
+    lik = get_likelihood(likelihood)
+    p = next(iter(model.parameters()), None)
+    device = p.device if p is not None else x.device
+    out = []
+    for s in range(0, len(x), batch_size):
+        f = model(x[s : s + batch_size].to(device))
+        out.append(lik.hessian_trace(f).to(x.device))
+    return torch.cat(out)
+
+
+def select_memorable(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    likelihood: str | Likelihood = "categorical",
+    n_per_class: int = 20,
+    *,
+    order: str = "descending",
+    classes: Sequence[int] | None = None,
+    generator: torch.Generator | None = None,
+    batch_size: int = 1024,
+) -> Tensor:
+    """Indices of a class-balanced memorable set: ``n_per_class`` examples of each class.
+
+    Within each class ``c`` (examples with ``y == c``) the examples are ranked by
+    :func:`memorability_scores` (``tr Lambda``): ``"descending"`` keeps the largest
+    scores (FROMP's default), ``"ascending"`` the smallest, ``"random"`` a uniform draw
+    without replacement (scores are not computed). Ties keep the data order.
+
+    Args:
+        model: ``[B, ...] -> [B, C]`` (see :func:`memorability_scores`).
+        x: inputs ``[N, ...]``.
+        y: class labels ``[N]``.
+        likelihood: likelihood or its name, for the score.
+        n_per_class: examples kept per class.
+        order: ``"descending"``, ``"ascending"`` or ``"random"``.
+        classes: the classes to draw from, in output order (default: the sorted unique
+            values of ``y``).
+        generator: RNG for ``order="random"``.
+        batch_size: examples per forward pass.
+
+    Returns:
+        ``LongTensor [len(classes) * n_per_class]`` of indices into ``x``, grouped by class
+        in the order of ``classes``, each group in rank order.
+
+    Raises:
+        ValueError: empty data, NaN inputs, mismatched ``y``, unknown ``order``, or a class
+            with fewer than ``n_per_class`` examples.
+    """
+    _check_inputs(x)
+    if not isinstance(y, Tensor) or y.ndim != 1 or len(y) != len(x):
+        raise ValueError(
+            f"y must be a [N] tensor with N={len(x)} labels, got "
+            f"{tuple(y.shape) if isinstance(y, Tensor) else type(y).__name__}"
+        )
+    if order not in _ORDERS:
+        raise ValueError(f"order must be one of {_ORDERS}, got {order!r}")
+    if not isinstance(n_per_class, int) or n_per_class < 1:
+        raise ValueError(f"n_per_class must be a positive int, got {n_per_class!r}")
+    y = y.long().cpu()
+    cls = sorted(int(c) for c in y.unique()) if classes is None else [int(c) for c in classes]
+    if len(cls) == 0:
+        raise ValueError("classes is empty: expected at least one class")
+    members = {c: torch.nonzero(y == c).squeeze(1) for c in cls}
+    for c, idx in members.items():
+        if len(idx) < n_per_class:
+            raise ValueError(
+                f"class {c} has {len(idx)} examples, fewer than n_per_class={n_per_class}"
+            )
+    if order == "random":
+        picks = [
+            idx[torch.randperm(len(idx), generator=generator)[:n_per_class]]
+            for idx in members.values()
+        ]
+        return torch.cat(picks)
+    scores = memorability_scores(model, x, likelihood, batch_size=batch_size).cpu()
+    picks = []
+    for idx in members.values():
+        s = scores[idx]
+        rank = torch.sort(s, descending=order == "descending", stable=True).indices
+        picks.append(idx[rank[:n_per_class]])
+    return torch.cat(picks)

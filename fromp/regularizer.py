@@ -1,0 +1,476 @@
+"""FROMP's functional regulariser on the memorable past.
+
+After task ``t`` the network's predictions on a small memorable set ``X_t`` (``M`` inputs,
+see :mod:`fromp.memorable`) are stored as targets ``m_t = p(X_t; w_t) [M, C]`` (softmax
+probabilities, or the likelihood's inverse link in general), together with the GP kernel
+of the linearised network on those points,
+
+    ``K_t = (dp/dw) Sigma (dp/dw)^T``,  ``dp/dw = Lambda(f) J``
+
+(softmax: ``Lambda = diag(p) - p p^T``),
+
+where ``Sigma = diag(posterior_variance)`` is the (diagonal) posterior covariance of the
+weights, e.g. ``1 / (accumulated GGN diagonal + delta)``. While later tasks are learnt the
+regulariser
+
+    ``R(w) = 1/2 sum_s r_s^T K_s^{-1} r_s``,  ``r_s = p(X_s; w) - m_s``
+
+keeps the function on the memorable past close to its old values; its gradient is
+``sum_s (dp/dw)^T K_s^{-1} r_s``, the update of Pan et al. (2020). FROMP adds ``tau * R(w)``
+to the loss.
+
+Kernels (``kernel=``):
+
+* ``"per_class"`` (the paper's choice): one ``[M, M]`` kernel per output ``c``, built from
+  the ``c``-th column of ``dp/dw``, i.e. the block diagonal of the joint kernel.
+* ``"joint"``: the full ``[C M, C M]`` kernel (ordering class-major: ``(c, m)``); for
+  softmax it is singular (``sum_c p_c = 1``), so it relies on the jitter.
+* ``"identity"``: ``K = I`` (FROMP-L2), ``R = 1/2 ||p(X; w) - m||^2``.
+
+The kernels are factorised once per :meth:`FROMPRegularizer.add_task` / :meth:`update` call
+(float64 Cholesky, ``K + jitter I``; larger jitter, with a warning, when the factorisation
+fails), so every training step costs only forward/backward passes on the memorable
+inputs and ``[M, M]`` triangular solves.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+from fromp.jacobian import num_params, trainable_params
+from fromp.likelihood import Likelihood, get_likelihood
+from fromp.models import with_task
+
+__all__ = ["FROMPRegularizer", "FunctionalRegularizer", "MemorableSet", "prob_jacobian", "task_fn"]
+
+ModelFn = Callable[[Tensor, int], Tensor]
+_KERNELS = ("per_class", "joint", "identity")
+
+
+def task_fn(model: nn.Module) -> ModelFn:
+    """``(x, task) -> logits`` for a :mod:`fromp` multi-head model (the head is fixed with
+    :func:`fromp.models.with_task`); plain ``x -> logits`` modules ignore ``task``."""
+
+    def fn(x: Tensor, task: int) -> Tensor:
+        return with_task(model, task)(x)
+
+    return fn
+
+
+def _dtype_device(model: nn.Module) -> tuple[torch.dtype, torch.device]:
+    p = next((p for p in model.parameters() if p.requires_grad), None)
+    if p is None:
+        raise ValueError("model has no trainable parameters")
+    return p.dtype, p.device
+
+
+def prob_jacobian(
+    module: nn.Module,
+    x: Tensor,
+    output: int,
+    likelihood: str | Likelihood = "categorical",
+    *,
+    chunk_size: int = 64,
+) -> Tensor:
+    """``d p_c(x_m) / d w`` for one output ``c`` and every input: ``[M, P]``.
+
+    ``p = likelihood.inverse_link(module(x))`` (softmax probabilities for
+    ``"categorical"``), so the rows are those of ``Lambda(f) J`` for the canonical links.
+    Computed with ``vmap(grad)`` over chunks of ``chunk_size`` examples; memory is
+    ``M * P`` numbers for the result.
+    """
+    lik = get_likelihood(likelihood)
+    params = trainable_params(module)
+    buffers = dict(module.named_buffers())
+
+    def p_c(prm: dict[str, Tensor], xi: Tensor) -> Tensor:
+        f = functional_call(module, (prm, buffers), (xi.unsqueeze(0),))
+        return lik.inverse_link(f)[0, output]
+
+    g = vmap(grad(p_c), in_dims=(None, 0))
+    rows = []
+    for s in range(0, len(x), chunk_size):
+        d = g(params, x[s : s + chunk_size])
+        rows.append(torch.cat([t.reshape(t.shape[0], -1) for t in d.values()], dim=1))
+    return torch.cat(rows)
+
+
+class _NotLinear(Exception):
+    """The network has trainable parameters outside ``nn.Linear`` layers (or reuses one)."""
+
+
+def _prob_jacobians_linear(
+    module: nn.Module, x: Tensor, likelihood: Likelihood
+) -> Iterator[Tensor]:
+    """Yield ``d p_c(x_m) / d w`` ``[M, P]`` for ``c = 0..C-1`` for networks whose trainable
+    parameters all sit in ``nn.Linear`` layers applied once to ``[M, in]`` inputs: the
+    per-example gradient of a linear layer is the outer product of the back-propagated
+    signal and the layer input, so one batched backward pass per output suffices."""
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+    owned = {id(p) for m in linears for p in m.parameters()}
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if any(id(p) not in owned for _, p in named):
+        raise _NotLinear
+    store: dict[nn.Module, tuple[Tensor, Tensor]] = {}
+
+    def hook(mod: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+        if mod in store or inputs[0].ndim != 2:
+            store["bad"] = (output, output)  # type: ignore[index]
+        store[mod] = (inputs[0].detach(), output)
+
+    handles = [m.register_forward_hook(hook) for m in linears]
+    try:
+        with torch.enable_grad():
+            p = likelihood.inverse_link(module(x))
+    finally:
+        for h in handles:
+            h.remove()
+    if "bad" in store:
+        raise _NotLinear
+    mods = [m for m in linears if m in store]
+    outs = [store[m][1] for m in mods]
+    owner = {}
+    for m in mods:
+        owner[id(m.weight)] = (m, "weight")
+        if m.bias is not None:
+            owner[id(m.bias)] = (m, "bias")
+    n_out = p.shape[1]
+    for c in range(n_out):
+        grads = torch.autograd.grad(p[:, c].sum(), outs, retain_graph=c < n_out - 1)
+        by_mod = dict(zip(mods, grads))
+        cols = []
+        for _, prm in named:
+            if id(prm) not in owner:  # a layer this head does not use
+                cols.append(x.new_zeros(len(x), prm.numel(), dtype=prm.dtype))
+                continue
+            m, kind = owner[id(prm)]
+            g = by_mod[m]
+            if kind == "weight":
+                cols.append(torch.einsum("mo,mk->mok", g, store[m][0]).reshape(len(x), -1))
+            else:
+                cols.append(g)
+        yield torch.cat(cols, dim=1)
+
+
+def _weighted_gram(a: Tensor, b: Tensor, w: Tensor, col_chunk: int = 16384) -> Tensor:
+    """``a diag(w) b^T`` in float64, chunked over the ``P`` columns: ``[Ma, Mb]``."""
+    out = torch.zeros(len(a), len(b), dtype=torch.float64, device=a.device)
+    for s in range(0, a.shape[1], col_chunk):
+        sl = slice(s, s + col_chunk)
+        out += (a[:, sl].double() * w[sl]) @ b[:, sl].double().T
+    return out
+
+
+@dataclass
+class MemorableSet:
+    """One finished task's memorable past.
+
+    Attributes:
+        inputs: ``[M, ...]`` memorable inputs.
+        task: the head (task id) whose outputs are regularised.
+        targets: ``[M, C]`` float64 old predictions ``m``.
+        chol: float64 lower Cholesky factors of ``K + jitter I``: ``[C, M, M]`` per class,
+            ``[1, C M, C M]`` joint, None for the identity kernel.
+        jitter: the jitter that was added to the kernel diagonal.
+    """
+
+    inputs: Tensor
+    task: int
+    targets: Tensor
+    chol: Tensor | None
+    jitter: float = 0.0
+
+
+class FROMPRegularizer:
+    """Functional regulariser ``1/2 sum_s r_s^T K_s^{-1} r_s`` over finished tasks.
+
+    Args:
+        kernel: ``"per_class"``, ``"joint"`` or ``"identity"`` (FROMP-L2).
+        likelihood: defines ``p = inverse_link(f)`` (``"categorical"``: softmax).
+        jitter: added to every kernel's diagonal (FROMP uses 1e-6 on split MNIST, 1e-5 on
+            permuted MNIST).
+        max_tries: when the Cholesky factorisation fails, the jitter is multiplied by 10
+            (from at least ``1e-10 * mean(diag K)``) up to this many times, with a warning;
+            a ``RuntimeError`` is raised if it still fails.
+        chunk_size: examples per ``vmap(grad)`` call when computing kernels.
+
+    Example:
+        >>> reg = FROMPRegularizer()
+        >>> # after task t:  reg.add_task(net, x_mem, t, posterior_variance)
+        >>> # while training: loss = loss + tau * reg.penalty(task_fn(net))
+    """
+
+    def __init__(
+        self,
+        kernel: str = "per_class",
+        likelihood: str | Likelihood = "categorical",
+        *,
+        jitter: float = 1e-6,
+        max_tries: int = 8,
+        chunk_size: int = 64,
+    ) -> None:
+        if kernel not in _KERNELS:
+            raise ValueError(f"kernel must be one of {_KERNELS}, got {kernel!r}")
+        if not jitter >= 0:
+            raise ValueError(f"jitter must be >= 0, got {jitter!r}")
+        if max_tries < 0:
+            raise ValueError(f"max_tries must be >= 0, got {max_tries!r}")
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        self.kernel = kernel
+        self.likelihood = get_likelihood(likelihood)
+        self.jitter = float(jitter)
+        self.max_tries = int(max_tries)
+        self.chunk_size = int(chunk_size)
+        self.memories: list[MemorableSet] = []
+        self._cache: dict = {}
+
+    def __len__(self) -> int:
+        return len(self.memories)
+
+    @property
+    def num_points(self) -> int:
+        """Total number of memorable inputs over all tasks."""
+        return sum(len(m.inputs) for m in self.memories)
+
+    # ----------------------------------------------------------------------------- kernels
+    def kernel_matrix(
+        self, model: nn.Module, x: Tensor, task: int | None, posterior_variance: Tensor
+    ) -> Tensor:
+        """The kernel of ``x`` through head ``task`` (float64, before jitter):
+        ``[C, M, M]`` for ``"per_class"`` (``K_c = G_c Sigma G_c^T``, ``G_c = dp_c/dw``),
+        ``[1, C M, C M]`` for ``"joint"``, an identity ``[1, C M, C M]`` for ``"identity"``.
+        """
+        module = with_task(model, task)
+        var = self._check_variance(model, posterior_variance)
+        with torch.no_grad():
+            c_out = module(x[:1]).shape[1]
+        if self.kernel == "identity":
+            return torch.eye(c_out * len(x), dtype=torch.float64, device=x.device).unsqueeze(0)
+        try:
+            return self._kernel_from(_prob_jacobians_linear(module, x, self.likelihood), var)
+        except _NotLinear:
+            grads = (
+                prob_jacobian(module, x, c, self.likelihood, chunk_size=self.chunk_size)
+                for c in range(c_out)
+            )
+            return self._kernel_from(grads, var)
+
+    def _kernel_from(self, grads: Iterator[Tensor], var: Tensor) -> Tensor:
+        if self.kernel == "per_class":
+            return torch.stack([_weighted_gram(g, g, var) for g in grads])
+        g = torch.cat(list(grads))
+        return _weighted_gram(g, g, var).unsqueeze(0)
+
+    def _check_variance(self, model: nn.Module, v: Tensor) -> Tensor:
+        p = num_params(model)
+        if not isinstance(v, Tensor) or v.shape != (p,):
+            shape = tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__
+            raise ValueError(f"posterior_variance must have shape [P]=[{p}], got {shape}")
+        if not bool(torch.isfinite(v).all()) or bool((v < 0).any()):
+            raise ValueError("posterior_variance must be finite and non-negative")
+        return v.detach().double()
+
+    def _cholesky(self, k: Tensor, what: str) -> tuple[Tensor, float]:
+        eye = torch.eye(k.shape[-1], dtype=k.dtype, device=k.device)
+        jitter = self.jitter
+        chol, info = torch.linalg.cholesky_ex(k + jitter * eye)
+        if not bool((info != 0).any()):
+            return chol, jitter
+        scale = float(torch.diagonal(k, dim1=-2, dim2=-1).abs().mean())
+        jitter = max(jitter, 1e-10 * scale, 1e-12)
+        for _ in range(self.max_tries):
+            chol, info = torch.linalg.cholesky_ex(k + jitter * eye)
+            if not bool((info != 0).any()):
+                warnings.warn(
+                    f"kernel of {what} is not positive definite with jitter {self.jitter:g}; "
+                    f"added jitter {jitter:g} to its diagonal",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                return chol, jitter
+            jitter *= 10
+        raise RuntimeError(
+            f"Cholesky factorisation of the kernel of {what} failed even with jitter "
+            f"{jitter / 10:g} (max_tries={self.max_tries}); the kernel may contain NaN/inf"
+        )
+
+    def _build(
+        self, model: nn.Module, x: Tensor, task: int | None, variance: Tensor
+    ) -> MemorableSet:
+        module = with_task(model, task)
+        with torch.no_grad():
+            targets = self.likelihood.inverse_link(module(x)).double()
+        if self.kernel == "identity":
+            return MemorableSet(x, task, targets, None, 0.0)
+        k = self.kernel_matrix(model, x, task, variance)
+        chol, jitter = self._cholesky(k, f"task {task}")
+        return MemorableSet(x, task, targets, chol, jitter)
+
+    # ------------------------------------------------------------------------------ API
+    def add_task(
+        self,
+        model: nn.Module,
+        x_mem: Tensor,
+        task: int | None,
+        posterior_variance: Tensor,
+        *,
+        update_previous: bool = True,
+    ) -> None:
+        """Store task ``task``'s memorable set ``x_mem [M, ...]`` with targets and kernel
+        at the current parameters of ``model``.
+
+        Args:
+            model: the network, a :mod:`fromp` multi-head model (head ``task`` is used) or a
+                plain ``x -> [N, C]`` module. Put it in eval mode if it has dropout.
+            x_mem: memorable inputs (``M >= 1``).
+            task: head / task id (None or any int for single-head models).
+            posterior_variance: ``[P]`` diagonal of ``Sigma``.
+            update_previous: also recompute targets and kernels of the tasks stored before
+                at the current parameters and ``Sigma`` (what FROMP does at the start of
+                every task: it regularises towards the latest solution ``w_t``).
+        """
+        if not isinstance(x_mem, Tensor) or x_mem.ndim < 1 or len(x_mem) == 0:
+            raise ValueError("x_mem must be a non-empty [M, ...] tensor")
+        if x_mem.is_floating_point() and bool(torch.isnan(x_mem).any()):
+            raise ValueError("x_mem contains NaN values")
+        _, device = _dtype_device(model)
+        var = self._check_variance(model, posterior_variance)
+        if update_previous:
+            self.update(model, var)
+        self.memories.append(self._build(model, x_mem.detach().to(device), task, var))
+        self._cache = {}
+
+    def update(self, model: nn.Module, posterior_variance: Tensor) -> None:
+        """Recompute every stored task's targets and kernel at the current parameters and
+        ``posterior_variance`` (inputs and heads are kept)."""
+        var = self._check_variance(model, posterior_variance)
+        self.memories = [self._build(model, m.inputs, m.task, var) for m in self.memories]
+        self._cache = {}
+
+    def residuals(self, model_fn: ModelFn) -> list[Tensor]:
+        """``r_s = p(X_s; w) - m_s`` for every stored task, each ``[M, C]`` float64."""
+        out = []
+        for m in self.memories:
+            f = model_fn(m.inputs, m.task)
+            out.append(self.likelihood.inverse_link(f).double() - m.targets)
+        return out
+
+    def penalty(self, model_fn: ModelFn | nn.Module) -> Tensor:
+        """``R(w) = 1/2 sum_s r_s^T K_s^{-1} r_s``, a differentiable scalar.
+
+        ``K_s^{-1} r_s`` is a Cholesky solve that is differentiable in ``r_s``; since
+        ``K_s`` is constant, one backward pass gives exactly
+        ``sum_s (dp(X_s)/dw)^T K_s^{-1} r_s``. ``model_fn(x, task) -> logits`` is called once
+        per stored task. A :mod:`fromp` model (or a plain ``x -> logits`` module) may be
+        passed instead: then all memorable inputs go through one forward pass (a multi-head
+        model gets a ``[N]`` tensor of heads) and the solves of equal-sized kernels are
+        batched. Returns 0 when no task is stored.
+        """
+        if not self.memories:
+            return torch.zeros(())
+        if isinstance(model_fn, nn.Module):
+            residuals = self._residuals_batched(model_fn)
+        else:
+            residuals = self.residuals(model_fn)
+        if self.kernel == "identity":
+            return 0.5 * sum((r * r).sum() for r in residuals)
+        # group the right-hand sides by kernel size: one batched solve per group
+        groups: dict[int, list[int]] = {}
+        for i, m in enumerate(self.memories):
+            groups.setdefault(m.chol.shape[-1], []).append(i)
+        total = None
+        for idx in groups.values():
+            if self.kernel == "per_class":
+                rr = torch.cat([residuals[i].T.unsqueeze(-1) for i in idx])  # [sum C, M, 1]
+            else:
+                rr = torch.cat([residuals[i].T.reshape(1, -1, 1) for i in idx])
+            chol = self._stacked_chol(tuple(idx))
+            term = 0.5 * (rr * torch.cholesky_solve(rr, chol)).sum()
+            total = term if total is None else total + term
+        return total
+
+    def _stacked_chol(self, idx: tuple[int, ...]) -> Tensor:
+        key = ("chol", idx)
+        if key not in self._cache:
+            self._cache[key] = torch.cat([self.memories[i].chol for i in idx])
+        return self._cache[key]
+
+    def _residuals_batched(self, model: nn.Module) -> list[Tensor]:
+        if "x" not in self._cache:
+            self._cache["x"] = torch.cat([m.inputs for m in self.memories])
+            tasks = [0 if m.task is None else int(m.task) for m in self.memories]
+            self._cache["task"] = torch.cat(
+                [
+                    torch.full((len(m.inputs),), t, dtype=torch.long, device=m.inputs.device)
+                    for m, t in zip(self.memories, tasks)
+                ]
+            )
+            self._cache["sizes"] = [len(m.inputs) for m in self.memories]
+        x, task = self._cache["x"], self._cache["task"]
+        if getattr(model, "n_heads", 1) > 1:
+            f = model(x, task=task)
+        else:
+            f = model(x)
+        p = self.likelihood.inverse_link(f).double()
+        return [pi - m.targets for pi, m in zip(p.split(self._cache["sizes"]), self.memories)]
+
+    # ------------------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        """All state: settings and, per task, inputs, head, targets, Cholesky factors."""
+        return {
+            "kernel": self.kernel,
+            "likelihood": self.likelihood.name,
+            "jitter": self.jitter,
+            "max_tries": self.max_tries,
+            "chunk_size": self.chunk_size,
+            "memories": [
+                {
+                    "inputs": m.inputs,
+                    "task": m.task,
+                    "targets": m.targets,
+                    "chol": m.chol,
+                    "jitter": m.jitter,
+                }
+                for m in self.memories
+            ],
+        }
+
+    def load_state_dict(self, state: dict, *, device: torch.device | str | None = None) -> None:
+        """Restore :meth:`state_dict` (tensors moved to ``device`` when given)."""
+        missing = {"kernel", "memories"} - set(state)
+        if missing:
+            raise ValueError(f"state is missing keys {sorted(missing)}")
+        if state["kernel"] not in _KERNELS:
+            raise ValueError(f"state['kernel'] must be one of {_KERNELS}, got {state['kernel']!r}")
+        self.kernel = state["kernel"]
+        if "likelihood" in state and state["likelihood"] != self.likelihood.name:
+            self.likelihood = get_likelihood(state["likelihood"])
+        self.jitter = float(state.get("jitter", self.jitter))
+        self.max_tries = int(state.get("max_tries", self.max_tries))
+        self.chunk_size = int(state.get("chunk_size", self.chunk_size))
+
+        def mv(t: Tensor | None) -> Tensor | None:
+            return t if t is None or device is None else t.to(device)
+
+        self.memories = [
+            MemorableSet(
+                mv(d["inputs"]), d["task"], mv(d["targets"]), mv(d["chol"]), d.get("jitter", 0.0)
+            )
+            for d in state["memories"]
+        ]
+        self._cache = {}
+
+    def to(self, device: torch.device | str) -> FROMPRegularizer:
+        """Move all stored tensors to ``device`` (in place); returns ``self``."""
+        self.load_state_dict(self.state_dict(), device=device)
+        return self
+
+
+FunctionalRegularizer = FROMPRegularizer

@@ -1,0 +1,476 @@
+"""FROMP (Pan et al., NeurIPS 2020) as an Avalanche strategy.
+
+Training on task ``t`` minimises ``CE(current mini-batch) + tau * R(w)`` where
+``R(w) = 1/2 sum_{s<t} r_s^T K_s^{-1} r_s`` is the functional regulariser of
+:class:`fromp.regularizer.FROMPRegularizer` on the memorable past of the earlier tasks.
+This is the update of the reference code up to a factor ``tau`` (it uses
+``grad CE / tau + grad R``; Adam is invariant to the factor, and gradient clipping is
+applied at ``tau * grad_clip_norm`` so that it matches too).
+
+After every experience (task ``t``), with the model in eval mode:
+
+1. ``n_points`` memorable examples of the experience's training data are selected, the
+   same number per class (``n_points // n_classes``), by ``tr Lambda`` (``select``);
+2. the diagonal GGN of the whole training set of the task (through its head) is added to
+   the running sum ``G``; the posterior variance is ``Sigma = 1 / (G + prior_precision)``;
+3. targets ``m_s`` and kernels ``K_s`` of all memorable sets ``s <= t`` are (re)computed at
+   the current weights and ``Sigma`` (as in the reference code, which regularises towards
+   the latest solution) and factorised once.
+
+Multi-head models (task label ``t`` selects head ``t``) regularise each memorable set
+through its own head; single-head models (permuted MNIST, task label 0) through the one
+head.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from avalanche.core import SupervisedPlugin
+from avalanche.training.plugins.evaluation import default_evaluator
+from avalanche.training.templates import SupervisedTemplate
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+from fromp.curvature import diag_ggn, diag_ggn_linear
+from fromp.jacobian import num_params
+from fromp.memorable import select_memorable
+from fromp.models import with_task
+from fromp.regularizer import FROMPRegularizer
+from strategies.models import unwrap
+
+__all__ = ["DEFAULTS", "FROMP", "PRESETS", "FROMPPlugin", "experience_tensors"]
+
+_SELECT = ("descending", "ascending", "random")
+_POSTERIORS = ("ggn", "vogn")
+
+#: Strategy names of the runner and the keyword arguments they imply.
+PRESETS: dict[str, dict[str, Any]] = {
+    "fromp": {},
+    "fromp-l2": {"kernel": "identity"},
+    "fromp-vogn": {"posterior": "vogn"},
+}
+
+#: Settings of the reference code (``main_*.py`` / ``train_*.py`` of team-approx-bayes/fromp):
+#: ``n_points`` memorable points per task, ``tau``, prior precision, jitter and gradient
+#: clipping as there.
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "split-mnist": {
+        "optimizer": "adam",
+        "lr": 1e-4,
+        "train_epochs": 15,
+        "train_mb_size": 128,
+        "kwargs": {
+            "tau": 10.0,
+            "n_points": 40,
+            "prior_precision": 1e-3,
+            "jitter": 1e-6,
+            "grad_clip_norm": 0.1,
+        },
+    },
+    "split-fashion-mnist": {
+        "optimizer": "adam",
+        "lr": 1e-4,
+        "train_epochs": 15,
+        "train_mb_size": 128,
+        "kwargs": {
+            "tau": 10.0,
+            "n_points": 40,
+            "prior_precision": 1e-3,
+            "jitter": 1e-6,
+            "grad_clip_norm": 0.1,
+        },
+    },
+    "permuted-mnist": {
+        "optimizer": "adam",
+        "lr": 1e-3,
+        "train_epochs": 10,
+        "train_mb_size": 128,
+        "kwargs": {
+            "tau": 0.5,
+            "n_points": 200,
+            "prior_precision": 1e-5,
+            "jitter": 1e-5,
+            "grad_clip_norm": 0.01,
+        },
+    },
+    "split-cifar": {
+        "optimizer": "adam",
+        "lr": 1e-3,
+        "train_epochs": 80,
+        "train_mb_size": 256,
+        "kwargs": {
+            "tau": 10.0,
+            "n_points": 200,
+            "prior_precision": 1e-4,
+            "jitter": 1e-5,
+            "grad_clip_norm": 100.0,
+        },
+    },
+    "split-digits": {
+        "optimizer": "adam",
+        "lr": 1e-3,
+        "train_epochs": 20,
+        "train_mb_size": 32,
+        "kwargs": {
+            "tau": 10.0,
+            "n_points": 40,
+            "prior_precision": 1e-3,
+            "jitter": 1e-6,
+            "grad_clip_norm": 0.1,
+        },
+    },
+}
+
+
+def _vogn_defaults(bench: str) -> dict[str, Any]:
+    from strategies.vogn import DEFAULTS as VOGN_DEFAULTS
+
+    base = VOGN_DEFAULTS[bench]
+    return {
+        "optimizer": "vogn",
+        "lr": base["lr"],
+        "train_epochs": base["train_epochs"],
+        "train_mb_size": base["train_mb_size"],
+        "optimizer_kwargs": dict(base["optimizer_kwargs"]),
+        "kwargs": {**DEFAULTS[bench]["kwargs"], "posterior": "vogn"},
+    }
+
+
+#: FROMP with VOGN ("fromp-vogn"): VOGN's settings of :mod:`strategies.vogn` with FROMP's
+#: regulariser settings (not tuned), keyed by strategy name then benchmark as the runner's
+#: registry allows.
+DEFAULTS["fromp-vogn"] = {b: _vogn_defaults(b) for b in list(DEFAULTS)}
+
+
+def experience_tensors(dataset: Any, batch_size: int = 2048) -> tuple[Tensor, Tensor, Tensor]:
+    """All ``(x, y, task_labels)`` of an Avalanche dataset as three tensors (eval
+    transforms when the dataset has them)."""
+    if hasattr(dataset, "eval"):
+        dataset = dataset.eval()
+    xs, ys, ts = [], [], []
+    for batch in DataLoader(dataset, batch_size=batch_size, shuffle=False):
+        xs.append(batch[0])
+        ys.append(batch[1])
+        ts.append(batch[2] if len(batch) > 2 else torch.zeros_like(batch[1]))
+    if not xs:
+        raise ValueError("the experience's dataset is empty")
+    return torch.cat(xs), torch.cat(ys).long(), torch.cat(ts).long()
+
+
+class FROMPPlugin(SupervisedPlugin):
+    """The FROMP method state and hooks; see the module docstring.
+
+    Args:
+        tau: weight of the functional regulariser in the loss.
+        n_points: memorable points per task (the paper's setting: 40 on split MNIST, 200 on
+            permuted MNIST and split CIFAR), split evenly over the task's classes.
+        kernel: ``"per_class"`` (FROMP), ``"joint"`` or ``"identity"`` (FROMP-L2).
+        select: ``"descending"`` (largest ``tr Lambda``, FROMP), ``"ascending"`` or
+            ``"random"``.
+        prior_precision: ``delta`` in ``Sigma = 1 / (G + delta)``.
+        jitter: added to the kernels' diagonals before the Cholesky factorisation.
+        grad_clip_norm: clip the total gradient norm at ``tau * grad_clip_norm`` (None: no
+            clipping; ``grad_clip_norm`` when ``tau = 0``).
+        posterior: ``"ggn"``: ``Sigma = 1 / (G + prior_precision)`` with ``G`` the running
+            sum of the exact diagonal GGN over tasks; ``"vogn"``: the optimizer is a
+            :class:`fromp.optim.VOGN` driven by :class:`strategies.vogn.VOGNPlugin` and
+            ``Sigma`` is the variance of its posterior at the end of the task (no GGN pass;
+            the regulariser's gradient enters VOGN's mean gradient only, its curvature
+            uses the data loss only).
+        curvature_examples: use at most this many (random) training examples of a task for
+            its GGN, rescaled to the task size (None: all, as in the paper).
+        chunk_size: examples per Jacobian chunk for the GGN and kernels.
+        likelihood: ``"categorical"`` (softmax heads).
+        seed: seeds the generator for ``select="random"`` and ``curvature_examples``.
+    """
+
+    def __init__(
+        self,
+        tau: float = 10.0,
+        n_points: int = 40,
+        *,
+        kernel: str = "per_class",
+        select: str = "descending",
+        prior_precision: float = 1e-3,
+        jitter: float = 1e-6,
+        grad_clip_norm: float | None = None,
+        posterior: str = "ggn",
+        curvature_examples: int | None = None,
+        chunk_size: int = 64,
+        likelihood: str = "categorical",
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if not tau >= 0:
+            raise ValueError(f"tau must be >= 0, got {tau!r}")
+        if not isinstance(n_points, int) or n_points < 1:
+            raise ValueError(f"n_points must be a positive int, got {n_points!r}")
+        if select not in _SELECT:
+            raise ValueError(f"select must be one of {_SELECT}, got {select!r}")
+        if not prior_precision > 0:
+            raise ValueError(f"prior_precision must be > 0, got {prior_precision!r}")
+        if grad_clip_norm is not None and not grad_clip_norm > 0:
+            raise ValueError(f"grad_clip_norm must be > 0 or None, got {grad_clip_norm!r}")
+        if posterior not in _POSTERIORS:
+            raise ValueError(f"posterior must be one of {_POSTERIORS}, got {posterior!r}")
+        if curvature_examples is not None and curvature_examples < 1:
+            raise ValueError(f"curvature_examples must be >= 1 or None, got {curvature_examples}")
+        self.tau = float(tau)
+        self.n_points = n_points
+        self.select = select
+        self.prior_precision = float(prior_precision)
+        self.grad_clip_norm = grad_clip_norm
+        self.posterior = posterior
+        self.curvature_examples = curvature_examples
+        self.chunk_size = chunk_size
+        self.likelihood = likelihood
+        self.regularizer = FROMPRegularizer(
+            kernel, likelihood, jitter=jitter, chunk_size=chunk_size
+        )
+        self.generator = torch.Generator().manual_seed(seed)
+        # [P]: running sum of diagonal GGNs ("ggn") or the last VOGN posterior variance ("vogn")
+        self.curvature: Tensor | None = None
+        self.tasks_done = 0
+        self.timings: list[dict[str, float]] = []
+        self.last_penalty: float = 0.0
+
+    # ---------------------------------------------------------------------- helpers
+    @property
+    def kernel(self) -> str:
+        return self.regularizer.kernel
+
+    def posterior_variance(self) -> Tensor:
+        """``Sigma`` ``[P]``: ``1 / (G + prior_precision)`` for ``posterior="ggn"``; for
+        ``"vogn"`` the variance of the VOGN posterior stored after the last task."""
+        if self.curvature is None:
+            raise RuntimeError("no task has been learnt yet")
+        if self.posterior == "vogn":
+            return self.curvature
+        return 1.0 / (self.curvature + self.prior_precision)
+
+    def penalty(self, net: nn.Module) -> Tensor:
+        """``R(w)`` on the memorable past (eval mode for the forward passes)."""
+        was_training = net.training
+        net.eval()
+        try:
+            return self.regularizer.penalty(net)
+        finally:
+            net.train(was_training)
+
+    def learn_task(
+        self,
+        net: nn.Module,
+        x: Tensor,
+        y: Tensor,
+        task: int,
+        posterior_variance: Tensor | None = None,
+    ) -> dict[str, float]:
+        """Everything done after a task: select its memorable points, add its GGN (or,
+        for ``posterior="vogn"``, store ``posterior_variance``), rebuild the kernels.
+        ``net`` is the :mod:`fromp` model, ``x, y`` the task's training data, ``task`` its
+        head. Returns the wall times of the three steps (seconds)."""
+        if (posterior_variance is None) != (self.posterior == "ggn"):
+            raise ValueError("posterior_variance must be given iff posterior='vogn'")
+        was_training = net.training
+        net.eval()
+        device = next(net.parameters()).device
+        head = with_task(net, task)
+        try:
+            t0 = time.perf_counter()
+            classes = sorted(int(c) for c in y.unique())
+            per_class = self.n_points // len(classes)
+            if per_class < 1:
+                raise ValueError(
+                    f"n_points={self.n_points} is fewer than the task's {len(classes)} classes"
+                )
+            idx = select_memorable(
+                head,
+                x,
+                y,
+                self.likelihood,
+                per_class,
+                order=self.select,
+                classes=classes,
+                generator=self.generator,
+            )
+            t1 = time.perf_counter()
+            if posterior_variance is not None:
+                self.curvature = posterior_variance.detach().to(device).clone()
+            else:
+                xc, scale = x, 1.0
+                if self.curvature_examples is not None and self.curvature_examples < len(x):
+                    sub = torch.randperm(len(x), generator=self.generator)
+                    xc, scale = x[sub[: self.curvature_examples]], len(x) / self.curvature_examples
+                ggn = scale * self._diag_ggn(head, xc, device)
+                self.curvature = ggn if self.curvature is None else self.curvature + ggn
+            t2 = time.perf_counter()
+            self.regularizer.add_task(net, x[idx].to(device), task, self.posterior_variance())
+            t3 = time.perf_counter()
+        finally:
+            net.train(was_training)
+        self.tasks_done += 1
+        times = {"select_s": t1 - t0, "curvature_s": t2 - t1, "kernel_s": t3 - t2}
+        self.timings.append(times)
+        return times
+
+    def _diag_ggn(self, head: nn.Module, x: Tensor, device: torch.device) -> Tensor:
+        """Exact diagonal GGN of ``x``: the batched linear-layer formula for MLPs, per-example
+        Jacobians (:func:`fromp.curvature.diag_ggn`) otherwise."""
+        batches = ((x[s : s + 1024].to(device),) for s in range(0, len(x), 1024))
+        try:
+            return diag_ggn_linear(head, batches, self.likelihood)
+        except ValueError:
+            return diag_ggn(head, x.to(device), self.likelihood, chunk_size=self.chunk_size)
+
+    # ------------------------------------------------------------------------ hooks
+    def before_backward(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        if len(self.regularizer) == 0 or self.tau == 0:
+            return
+        pen = self.penalty(unwrap(strategy.model))
+        self.last_penalty = float(pen.detach())
+        strategy.loss = strategy.loss + self.tau * pen.to(strategy.loss.dtype)
+
+    def before_update(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        if self.grad_clip_norm is None:
+            return
+        max_norm = self.grad_clip_norm * (self.tau if self.tau > 0 else 1.0)
+        torch.nn.utils.clip_grad_norm_(strategy.model.parameters(), max_norm)
+
+    def after_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        exp = strategy.experience
+        x, y, t = experience_tensors(exp.dataset)
+        net = unwrap(strategy.model)
+        if self.curvature is not None and self.curvature.numel() != num_params(net):
+            raise RuntimeError("the model's number of parameters changed between experiences")
+        tasks = t.unique()
+        if len(tasks) != 1:
+            raise ValueError(f"an experience must hold one task label, got {tasks.tolist()}")
+        variance = None
+        if self.posterior == "vogn":
+            opt = strategy.optimizer
+            if not hasattr(opt, "posterior") or not hasattr(opt, "load_mean"):
+                raise TypeError(f"posterior='vogn' needs a fromp.optim.VOGN, got {type(opt)}")
+            opt.load_mean()  # the model holds the posterior mean
+            variance = opt.posterior().variance
+        self.learn_task(net, x, y, int(tasks[0]), variance)
+
+    # ------------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """All method state: settings, curvature sum, memorable sets with targets and
+        Cholesky factors, task counter, RNG state, timings."""
+        return {
+            "tau": self.tau,
+            "n_points": self.n_points,
+            "select": self.select,
+            "prior_precision": self.prior_precision,
+            "grad_clip_norm": self.grad_clip_norm,
+            "posterior": self.posterior,
+            "curvature_examples": self.curvature_examples,
+            "curvature": self.curvature,
+            "regularizer": self.regularizer.state_dict(),
+            "tasks_done": self.tasks_done,
+            "generator": self.generator.get_state(),
+            "timings": list(self.timings),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (e.g. in a fresh process after a checkpoint)."""
+        for key in (
+            "tau",
+            "n_points",
+            "select",
+            "prior_precision",
+            "grad_clip_norm",
+            "posterior",
+            "curvature_examples",
+            "tasks_done",
+        ):
+            if key in state:
+                setattr(self, key, state[key])
+        self.curvature = state.get("curvature")
+        self.regularizer.load_state_dict(state["regularizer"])
+        if "generator" in state:
+            self.generator.set_state(state["generator"])
+        self.timings = list(state.get("timings", []))
+
+
+class FROMP(SupervisedTemplate):
+    """FROMP strategy: Avalanche's supervised template with a :class:`FROMPPlugin`.
+
+    ``model`` is an Avalanche model wrapping a :mod:`fromp` model
+    (:func:`strategies.models.as_avalanche_model`). Method keyword arguments are those of
+    :class:`FROMPPlugin`; :data:`DEFAULTS` holds the reference settings per benchmark.
+    With ``posterior="vogn"`` the optimizer must be a :class:`fromp.optim.VOGN`; a
+    :class:`strategies.vogn.VOGNPlugin` drives it (``vogn_continual``: the task's posterior
+    becomes the next task's prior, naive continual VOGN, as in that plugin).
+    """
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        criterion: nn.Module | Callable | None = None,
+        train_mb_size: int = 128,
+        train_epochs: int = 1,
+        eval_mb_size: int | None = 1000,
+        device: str | torch.device = "cpu",
+        plugins: list[Any] | None = None,
+        evaluator: Any = default_evaluator,
+        eval_every: int = -1,
+        tau: float = 10.0,
+        n_points: int = 40,
+        kernel: str = "per_class",
+        select: str = "descending",
+        prior_precision: float = 1e-3,
+        jitter: float = 1e-6,
+        grad_clip_norm: float | None = None,
+        posterior: str = "ggn",
+        curvature_examples: int | None = None,
+        chunk_size: int = 64,
+        seed: int = 0,
+        vogn_continual: bool = True,
+        **base_kwargs: Any,
+    ) -> None:
+        extra: list[Any] = []
+        if posterior == "vogn":
+            from fromp.optim import VOGN
+            from strategies.vogn import VOGNPlugin
+
+            if not isinstance(optimizer, VOGN):
+                raise TypeError(
+                    f"posterior='vogn' needs a fromp.optim.VOGN optimizer, got {type(optimizer)}"
+                )
+            # after the FROMP plugin, so that FROMP reads the task's posterior before VOGN
+            # turns it into the next prior
+            extra.append(VOGNPlugin(optimizer, continual=vogn_continual))
+        self.plugin = FROMPPlugin(
+            tau,
+            n_points,
+            kernel=kernel,
+            select=select,
+            prior_precision=prior_precision,
+            jitter=jitter,
+            grad_clip_norm=grad_clip_norm,
+            posterior=posterior,
+            curvature_examples=curvature_examples,
+            chunk_size=chunk_size,
+            seed=seed,
+        )
+        super().__init__(
+            model=model,
+            optimizer=optimizer,
+            criterion=nn.CrossEntropyLoss() if criterion is None else criterion,
+            train_mb_size=train_mb_size,
+            train_epochs=train_epochs,
+            eval_mb_size=eval_mb_size,
+            device=device,
+            plugins=[self.plugin, *extra, *(plugins or [])],
+            evaluator=evaluator,
+            eval_every=eval_every,
+            **base_kwargs,
+        )

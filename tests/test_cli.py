@@ -1,0 +1,82 @@
+"""fromp-memorable and fromp-gp on a checkpoint written by the runner."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks.cli import gp_main, load_trained, memorable_main
+from benchmarks.runner import RunConfig, run
+from fromp.memorable import memorability_scores
+from fromp.models import with_task
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "naive.pt"
+    cfg = RunConfig(
+        "split-digits",
+        "naive",
+        overrides={"train_epochs": 3},
+        n_train=150,
+        n_test=50,
+        checkpoint=str(path),
+        progress=False,
+    )
+    run(cfg)
+    return path
+
+
+def test_load_trained_restores_the_network(checkpoint):
+    net, seq, cfg = load_trained(checkpoint)
+    assert cfg["benchmark"] == "split-digits" and len(seq) == 5
+    acc = (net(seq[0].test_x, task=0).argmax(1) == seq[0].test_y).float().mean()
+    assert acc > 0.9
+
+
+def test_memorable_cli(checkpoint, tmp_path, capsys):
+    assert (
+        memorable_main(
+            [str(checkpoint), "--task", "2", "--n-per-class", "4", "--out", str(tmp_path)]
+        )
+        == 0
+    )
+    payload = json.loads((tmp_path / "memorable.json").read_text())
+    net, seq, _ = load_trained(checkpoint)
+    task = seq[2]
+    idx = torch.tensor(payload["indices"])
+    assert sorted(payload["classes"]) == [4] * 4 + [5] * 4
+    # the selected examples are the 4 largest scores of each class (brute-force sort)
+    with torch.no_grad():
+        scores = memorability_scores(with_task(net, 2), task.train_x)
+    for c in (0, 1):
+        members = torch.nonzero(task.train_y == c).squeeze(1)
+        best = members[torch.argsort(scores[members], descending=True, stable=True)[:4]]
+        assert set(best.tolist()) == set(idx[task.train_y[idx] == c].tolist())
+    assert (tmp_path / "memorable.png").stat().st_size > 1000
+
+
+def test_gp_cli(checkpoint, tmp_path):
+    argv = [str(checkpoint), "--task", "1", "--n", "20", "--n-fit", "100", "--out", str(tmp_path)]
+    assert gp_main([*argv, "--prior-precision", "3.0"]) == 0
+    data = np.load(tmp_path / "gp.npz")
+    n = len(data["labels"])
+    assert data["kernel"].shape == (n, 2, n, 2) and data["variance"].shape == (n, 2, 2)
+    assert np.all(np.diff(data["labels"]) >= 0)
+    k = data["kernel"].reshape(2 * n, 2 * n)
+    assert np.allclose(k, k.T, atol=1e-6)
+    diag = np.stack([data["kernel"][i, :, i, :] for i in range(n)])
+    assert np.allclose(diag, data["variance"], rtol=1e-4, atol=1e-7)
+    assert np.allclose(data["probs"].sum(1), 1.0, atol=1e-5)
+    assert (tmp_path / "kernel.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("main", [memorable_main, gp_main])
+def test_clear_errors(main, checkpoint, tmp_path, capsys):
+    assert main([str(tmp_path / "missing.pt")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main([str(checkpoint), "--task", "9"]) == 2
+    assert "--task must be in [0, 5)" in capsys.readouterr().err

@@ -1,0 +1,192 @@
+"""FROMP as an Avalanche strategy: runs, checkpoints, and forgets less than Naive."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from avalanche.evaluation.metrics import accuracy_metrics
+from avalanche.training import Naive
+from avalanche.training.plugins import EvaluationPlugin
+
+from fromp.data import permuted_mnist, synthetic_split
+from fromp.models import MultiHeadMLP
+from strategies.benchmarks import to_avalanche
+from strategies.fromp import DEFAULTS, FROMP, FROMPPlugin
+from strategies.models import as_avalanche_model, unwrap
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _evaluator() -> EvaluationPlugin:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return EvaluationPlugin(accuracy_metrics(experience=True), loggers=[])
+
+
+def _accuracies(results: dict) -> list[float]:
+    keys = sorted(k for k in results if k.startswith("Top1_Acc_Exp/eval_phase/test_stream"))
+    return [float(results[k]) for k in keys]
+
+
+def _fromp(net, lr=1e-2, epochs=2, mb=32, **kw):
+    model = as_avalanche_model(net)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    return FROMP(
+        model=model,
+        optimizer=opt,
+        train_mb_size=mb,
+        train_epochs=epochs,
+        evaluator=_evaluator(),
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("multi_head", [True, False])
+def test_runs_and_checkpoint_restores_identical_penalty(multi_head):
+    seq = synthetic_split(
+        n_tasks=3, input_shape=(1, 6, 6), n_train=48, n_test=16, multi_head=multi_head
+    )
+    heads = 3 if multi_head else 1
+    net = MultiHeadMLP(36, (16,), n_heads=heads, head_size=2)
+    strategy = _fromp(net, tau=1.0, n_points=8, grad_clip_norm=1.0)
+    scenario = to_avalanche(seq)
+    for exp in list(scenario.train_stream)[:2]:
+        strategy.train(exp)
+    plugin = strategy.plugin
+    assert plugin.tasks_done == 2 and len(plugin.regularizer) == 2
+    assert plugin.regularizer.num_points == 16
+    assert [m.task for m in plugin.regularizer.memories] == ([0, 1] if multi_head else [0, 0])
+    assert plugin.last_penalty > 0  # the regulariser was active while learning task 2
+    assert set(plugin.timings[0]) == {"select_s", "curvature_s", "kernel_s"}
+
+    # checkpoint -> fresh process-like objects -> identical method state
+    state = plugin.state_dict()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    fresh = FROMPPlugin(tau=123.0, n_points=2)
+    fresh.load_state_dict(state)
+    assert fresh.tau == 1.0 and fresh.n_points == 8 and fresh.tasks_done == 2
+    assert fresh.penalty(net).item() == plugin.penalty(net).item() > 0
+    torch.testing.assert_close(fresh.posterior_variance(), plugin.posterior_variance())
+
+    strategy.train(list(scenario.train_stream)[2])
+    acc = _accuracies(strategy.eval(scenario.test_stream))
+    assert len(acc) == 3 and min(acc) > 0.6
+
+
+def test_curvature_is_sum_of_task_ggns_and_identity_kernel():
+    from fromp.curvature import diag_ggn
+    from fromp.models import with_task
+
+    seq = synthetic_split(n_tasks=2, input_shape=(1, 4, 4), n_train=20, n_test=8)
+    net = MultiHeadMLP(16, (8,), n_heads=2, head_size=2)
+    strategy = _fromp(net, epochs=1, tau=1.0, n_points=4, kernel="identity")
+    scenario = to_avalanche(seq)
+    strategy.train(scenario.train_stream[0])
+    net.eval()
+    g0 = diag_ggn(with_task(net, 0), seq[0].train_x, "categorical")
+    torch.testing.assert_close(strategy.plugin.curvature, g0)
+    assert strategy.plugin.regularizer.memories[0].chol is None
+    torch.testing.assert_close(
+        strategy.plugin.posterior_variance(), 1 / (g0 + strategy.plugin.prior_precision)
+    )
+
+
+def test_plugin_argument_errors():
+    with pytest.raises(ValueError, match="select must be one of"):
+        FROMPPlugin(select="top")
+    with pytest.raises(ValueError, match="n_points"):
+        FROMPPlugin(n_points=0)
+    with pytest.raises(ValueError, match="tau"):
+        FROMPPlugin(tau=-1.0)
+    with pytest.raises(ValueError, match="posterior must be one of"):
+        FROMPPlugin(posterior="laplace")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        FROMPPlugin(kernel="rbf")
+    assert set(DEFAULTS) >= {
+        "split-mnist",
+        "permuted-mnist",
+        "split-cifar",
+        "split-fashion-mnist",
+        "split-digits",
+    }
+    for bench, d in DEFAULTS.items():
+        if bench == "fromp-vogn":
+            continue
+        assert {"optimizer", "lr", "train_epochs", "train_mb_size", "kwargs"} <= set(d)
+        assert DEFAULTS["fromp-vogn"][bench]["optimizer"] == "vogn"
+        assert DEFAULTS["fromp-vogn"][bench]["kwargs"]["posterior"] == "vogn"
+
+
+@pytest.mark.slow
+def test_forgets_less_than_naive_on_real_permuted_mnist(mnist_root):
+    """Two permuted-MNIST tasks, 2000 training examples each: after task 2, FROMP keeps task
+    1 clearly better than plain fine-tuning."""
+    seq = permuted_mnist(mnist_root, n_tasks=2, download=False).subsample(2000, 1000, seed=0)
+    scenario = to_avalanche(seq)
+    results = {}
+    for name in ("naive", "fromp"):
+        torch.manual_seed(0)
+        net = MultiHeadMLP(784, (100, 100), n_heads=1, head_size=10)
+        model = as_avalanche_model(net)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        common = dict(train_mb_size=128, train_epochs=5, evaluator=_evaluator())
+        if name == "naive":
+            strategy = Naive(model=model, optimizer=opt, **common)
+        else:
+            strategy = FROMP(
+                model=model,
+                optimizer=opt,
+                tau=0.5,
+                n_points=200,
+                prior_precision=1e-5,
+                jitter=1e-5,
+                grad_clip_norm=0.01,
+                **common,
+            )
+        for exp in scenario.train_stream:
+            strategy.train(exp)
+        results[name] = _accuracies(strategy.eval(scenario.test_stream))
+        assert unwrap(model) is net
+    naive, fromp = results["naive"], results["fromp"]
+    assert fromp[0] > naive[0] + 0.02, results
+    assert fromp[1] > 0.85, results
+
+
+def test_fromp_vogn_uses_vogn_posterior_and_checkpoints():
+    from fromp.optim import VOGN
+
+    seq = synthetic_split(n_tasks=2, input_shape=(1, 4, 4), n_train=32, n_test=16)
+    net = MultiHeadMLP(16, (8,), n_heads=2, head_size=2)
+    model = as_avalanche_model(net)
+    opt = VOGN(model, lr=1e-2, train_set_size=32, prior_precision=1e-2, mc_samples=1)
+    strategy = FROMP(
+        model=model,
+        optimizer=opt,
+        train_mb_size=16,
+        train_epochs=2,
+        evaluator=_evaluator(),
+        tau=1.0,
+        n_points=4,
+        posterior="vogn",
+    )
+    scenario = to_avalanche(seq)
+    strategy.train(scenario.train_stream[0])
+    plugin = strategy.plugin
+    q_var = plugin.posterior_variance().clone()
+    # Sigma is VOGN's posterior variance at the end of task 1 (VOGN then made it the prior)
+    torch.testing.assert_close(q_var, 1 / opt.prior().precision)
+    strategy.train(scenario.train_stream[1])
+    assert len(plugin.regularizer) == 2 and plugin.last_penalty > 0
+    fresh = FROMPPlugin(posterior="vogn")
+    fresh.load_state_dict(plugin.state_dict())
+    assert fresh.penalty(net).item() == plugin.penalty(net).item()
+    with pytest.raises(TypeError, match="VOGN"):
+        FROMP(
+            model=as_avalanche_model(MultiHeadMLP(16, (8,), 2, 2)),
+            optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+            posterior="vogn",
+        )
