@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
 import sys
 import time
 import warnings
@@ -97,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="override a setting or a strategy keyword argument, e.g. --set tau=10",
     )
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: rebuild results.json, report.md and accuracy.png from the "
+        "per-run JSON files in <out>/<benchmark>/runs/",
+    )
     p.add_argument("--stop-after", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--list", action="store_true", help="list benchmarks and strategies")
@@ -146,7 +153,7 @@ def run_benchmark(
 
     Returns the payload written to ``results.json``.
     """
-    from benchmarks.report import aggregate, markdown_report, plot_accuracy, save_json
+    from benchmarks.report import save_json
     from benchmarks.runner import RunConfig, load_sequence, run
 
     bench = get_benchmark(benchmark)
@@ -191,14 +198,23 @@ def run_benchmark(
                     " tasks (checkpointed; rerun with --resume)",
                     flush=True,
                 )
+    return write_report(
+        benchmark,
+        base,
+        results,
+        command=" ".join(["fromp-bench", *sys.argv[1:]]),
+        total_time_s=time.perf_counter() - started,
+    )
+
+
+def write_report(bench_name: str, base: Path, results: list[dict[str, Any]], **extra: Any):
+    """Aggregate ``results`` and write ``results.json``, ``report.md`` and ``accuracy.png``
+    under ``base``; print the table. Returns the payload of ``results.json``."""
+    from benchmarks.report import aggregate, markdown_report, plot_accuracy, save_json
+
+    bench = get_benchmark(bench_name)
     agg = aggregate(results)
-    payload = {
-        "benchmark": benchmark,
-        "command": " ".join(["fromp-bench", *sys.argv[1:]]) if sys.argv else "",
-        "aggregate": agg,
-        "runs": results,
-        "total_time_s": time.perf_counter() - started,
-    }
+    payload = {"benchmark": bench_name, **extra, "aggregate": agg, "runs": results}
     save_json(base / "results.json", payload)
     if agg:
         report = markdown_report(bench, agg)
@@ -210,6 +226,16 @@ def run_benchmark(
         print(f"wall time per run: {times}")
         print(f"results: {base / 'results.json'}, {base / 'report.md'}, {base / 'accuracy.png'}")
     return payload
+
+
+def report_only(benchmark: str, out: Path) -> dict[str, Any]:
+    """Rebuild the report of ``benchmark`` from ``<out>/<benchmark>/runs/*.json``."""
+    base = out / benchmark
+    files = sorted((base / "runs").glob("*.json"))
+    if not files:
+        raise UsageError(f"no run results in {base / 'runs'}")
+    results = [json.loads(f.read_text()) for f in files]
+    return write_report(benchmark, base, results, command="report of " + str(base / "runs"))
 
 
 def demo(args: argparse.Namespace) -> dict[str, Any]:
@@ -261,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
             demo(args)
             return 0
         get_benchmark(args.benchmark)
+        if args.report_only:
+            report_only(args.benchmark, Path(args.out))
+            return 0
         names = (args.strategies or ",".join(DEMO_STRATEGIES)).split(",")
         for n in names:
             get_strategy(n)

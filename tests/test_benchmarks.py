@@ -161,3 +161,69 @@ def test_demo_falls_back_to_split_digits_and_says_why(tmp_path, capsys, monkeypa
     assert "demo: MNIST not found" in out and "running the built-in Split-Digits" in out
     assert "| naive | 1 |" in out
     assert (tmp_path / "out" / "split-digits" / "results.json").exists()
+
+
+def _cli_args(out):
+    return [
+        "split-digits",
+        "--strategies",
+        "naive",
+        "--epochs",
+        "4",
+        "--n-train",
+        "150",
+        "--n-test",
+        "60",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
+
+
+def test_killed_process_resumes_to_the_same_table(tmp_path):
+    """A run killed (SIGKILL) after its first checkpoint, then resumed, ends with the same
+    accuracy matrix as an uninterrupted run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import torch
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "benchmarks", *_cli_args(tmp_path / "killed")]
+    ckpt = tmp_path / "killed" / "split-digits" / "checkpoints" / "naive-seed0.pt"
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if ckpt.exists():
+            try:
+                done = torch.load(ckpt, weights_only=False)["done"]
+            except Exception:  # being written
+                done = 0
+            if done >= 1:
+                break
+        time.sleep(0.05)
+    if proc.poll() is not None:
+        pytest.skip("the run finished before it could be killed")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = torch.load(ckpt, weights_only=False)["done"]
+    assert 1 <= done < 5
+    assert main([*_cli_args(tmp_path / "killed"), "--resume"]) == 0
+    assert main(_cli_args(tmp_path / "fresh")) == 0
+    resumed = json.loads((tmp_path / "killed/split-digits/results.json").read_text())
+    fresh = json.loads((tmp_path / "fresh/split-digits/results.json").read_text())
+    assert resumed["runs"][0]["accuracy_matrix"] == fresh["runs"][0]["accuracy_matrix"]
+
+
+def test_report_only_rebuilds_from_run_files(tmp_path, capsys):
+    assert main(_cli_args(tmp_path)) == 0
+    base = tmp_path / "split-digits"
+    (base / "report.md").unlink()
+    capsys.readouterr()
+    assert main(["split-digits", "--report-only", "--out", str(tmp_path)]) == 0
+    assert "| naive | 1 |" in capsys.readouterr().out
+    assert (base / "report.md").exists()
+    assert main(["split-mnist", "--report-only", "--out", str(tmp_path)]) == 2
