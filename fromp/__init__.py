@@ -70,10 +70,37 @@ __all__ += [  # core: GGN, Laplace, DNN2GP GP, evidence
 ]
 # --- end core ---
 
+# --- baselines: mean-field Gaussian layers (VCL) and coresets ---
+from fromp.bayesian import (  # noqa: E402
+    BayesCifarCNN,
+    BayesConv2d,
+    BayesLayer,
+    BayesLinear,
+    BayesMultiHeadMLP,
+    BayesMultiHeadModel,
+    gaussian_kl,
+    to_bayesian,
+)
+from fromp.coreset import kcenter_coreset, random_coreset, select_coreset  # noqa: E402
+
+__all__ += [  # baselines: mean-field Gaussian layers (VCL) and coresets
+    "BayesCifarCNN",
+    "BayesConv2d",
+    "BayesLayer",
+    "BayesLinear",
+    "BayesMultiHeadMLP",
+    "BayesMultiHeadModel",
+    "gaussian_kl",
+    "kcenter_coreset",
+    "random_coreset",
+    "select_coreset",
+    "to_bayesian",
+]
+
 # --- optimizers: VOGN / OGN ---
 from fromp.optim import OGN, VOGN  # noqa: E402
 
-__all__ += ["OGN", "VOGN"]
+__all__ += ["OGN", "VOGN"]  # optimizers: VOGN / OGN
 
 # --- FROMP: memorable past and functional regulariser ---
 from fromp.curvature import diag_ggn_linear  # noqa: E402

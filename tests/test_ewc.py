@@ -1,0 +1,157 @@
+"""EWC with a per-example Fisher: importance vs brute force, penalty, strategy and state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from avalanche.evaluation.metrics import accuracy_metrics
+from avalanche.training.plugins import EvaluationPlugin
+
+from fromp.data import synthetic_split
+from fromp.jacobian import flat_params
+from fromp.models import MultiHeadMLP
+from strategies.benchmarks import to_avalanche
+from strategies.ewc import DEFAULTS, EWC, EWCPlugin, ewc_penalty
+from strategies.models import as_avalanche_model
+
+
+def _net():
+    torch.manual_seed(0)
+    return MultiHeadMLP(6, (5,), n_heads=2, head_size=3).double()
+
+
+def _grad(net, x, y, task):
+    loss = F.cross_entropy(net(x[None], task=task), y.view(1))
+    g = torch.autograd.grad(loss, list(net.parameters()), allow_unused=True)
+    return torch.cat(
+        [
+            (torch.zeros_like(p) if gi is None else gi).reshape(-1)
+            for gi, p in zip(g, net.parameters())
+        ]
+    )
+
+
+def _brute_force(net, x, y, task, kind):
+    """Per-example loop: empirical (observed labels) or true Fisher (exact expectation over
+    labels drawn from the model), averaged over examples."""
+    out = torch.zeros_like(flat_params(net))
+    for n in range(len(x)):
+        if kind == "empirical":
+            out += _grad(net, x[n], y[n], task) ** 2
+        else:
+            with torch.no_grad():
+                p = net(x[n : n + 1], task=task).softmax(-1)[0]
+            for c in range(len(p)):
+                out += p[c] * _grad(net, x[n], torch.tensor(c), task) ** 2
+    return out / len(x)
+
+
+@pytest.mark.parametrize("task", [0, 1])
+def test_fisher_matches_per_example_loop(task):
+    net = _net()
+    x = torch.rand(12, 6, dtype=torch.float64)
+    y = torch.randint(0, 3, (12,))
+    plugin = EWCPlugin(net, 1.0, fisher="empirical", chunk_size=5)
+    torch.testing.assert_close(
+        plugin.fisher_diagonal(x, y, task), _brute_force(net, x, y, task, "empirical")
+    )
+    true_f = _brute_force(net, x, y, task, "true")
+    plugin.fisher = "exact"
+    torch.testing.assert_close(plugin.fisher_diagonal(x, y, task), true_f)
+    # the other head's parameters get no importance
+    other = net.heads[1 - task]
+    offset = sum(p.numel() for n, p in net.named_parameters() if not n.startswith("heads"))
+    offset += sum(p.numel() for p in net.heads[: 1 - task].parameters())
+    size = sum(p.numel() for p in other.parameters())
+    assert torch.all(true_f[offset : offset + size] == 0)
+    # sampled labels: unbiased Monte Carlo estimate of the true Fisher
+    if task == 0:
+        plugin.fisher, plugin.fisher_samples = "sampled", 150
+        torch.manual_seed(1)
+        est = plugin.fisher_diagonal(x, y, task)
+        assert (est - true_f).abs().max() < 0.25 * true_f.abs().max()
+
+
+def test_penalty_value_and_online_accumulation():
+    w = torch.randn(10, dtype=torch.float64)
+    anchors = [torch.randn(10, dtype=torch.float64) for _ in range(2)]
+    imps = [torch.rand(10, dtype=torch.float64) for _ in range(2)]
+    ref = 0.5 * 3.0 * sum((f * (w - a) ** 2).sum() for a, f in zip(anchors, imps))
+    torch.testing.assert_close(ewc_penalty(w, anchors, imps, 3.0), ref)
+    with pytest.raises(ValueError, match="equal lengths"):
+        ewc_penalty(w, anchors, imps[:1], 1.0)
+
+    net = _net()
+    plugin = EWCPlugin(net, 2.0)
+    assert plugin.penalty() == 0
+    plugin.anchors = [flat_params(net).detach() + 0.1]
+    plugin.importances = [torch.full_like(plugin.anchors[0], 0.5)]
+    expected = 0.5 * 2.0 * (0.5 * 0.01 * plugin.anchors[0].numel())
+    torch.testing.assert_close(plugin.penalty(), torch.tensor(expected, dtype=torch.float64))
+    plugin.penalty().backward()  # differentiable in the live parameters
+    assert net.body[1].weight.grad is not None
+
+
+@pytest.mark.parametrize("bad", [{"mode": "x"}, {"fisher": "x"}, {"decay_factor": 2.0}])
+def test_plugin_rejects_bad_arguments(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        EWCPlugin(_net(), 1.0, **bad)
+
+
+def _strategy(net, **kw):
+    model = as_avalanche_model(net)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return EWC(
+        model=model,
+        optimizer=opt,
+        train_mb_size=16,
+        train_epochs=10,
+        eval_mb_size=64,
+        evaluator=EvaluationPlugin(accuracy_metrics(experience=True), loggers=[]),
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("mode", ["separate", "online"])
+def test_strategy_on_synthetic_split_and_state_round_trip(mode):
+    seq = synthetic_split(n_tasks=3, input_shape=(1, 4, 4), n_train=40, n_test=20)
+    scenario = to_avalanche(seq)
+    torch.manual_seed(0)
+    net = MultiHeadMLP(16, (12,), n_heads=3, head_size=2)
+    strat = _strategy(net, ewc_lambda=50.0, mode=mode, decay_factor=0.9)
+    for exp in scenario.train_stream[:2]:
+        strat.train(exp)
+    res = strat.eval(scenario.test_stream[:2])
+    accs = [v for k, v in res.items() if k.startswith("Top1_Acc_Exp")]
+    assert len(accs) == 2 and min(accs) > 0.6
+    n_expected = 2 if mode == "separate" else 1
+    assert len(strat.plugin.anchors) == n_expected and strat.plugin.task_count == 2
+    # importance of task 1 (head 1) is the per-example average; head 2 is untouched
+    assert torch.all(strat.plugin.importances[-1] >= 0)
+    state = strat.plugin.state_dict()
+    fresh = EWCPlugin(net, 50.0, mode=mode, decay_factor=0.9)
+    fresh.load_state_dict(state)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(0.05)
+    torch.testing.assert_close(fresh.penalty(), strat.plugin.penalty())
+    assert fresh.penalty() > 0
+    with pytest.raises(ValueError, match="missing"):
+        fresh.load_state_dict({"anchors": []})
+
+
+def test_single_head_strategy_runs():
+    seq = synthetic_split(n_tasks=2, input_shape=(8,), n_train=30, n_test=10, multi_head=False)
+    scenario = to_avalanche(seq)
+    net = MultiHeadMLP(8, (6,), n_heads=1, head_size=2)
+    strat = _strategy(net, ewc_lambda=10.0, fisher="exact")
+    for exp in scenario.train_stream:
+        strat.train(exp)
+    assert len(strat.plugin.importances) == 2 and strat.plugin.importances[0].sum() > 0
+
+
+def test_defaults_follow_the_contract():
+    for bench in ("split-mnist", "permuted-mnist", "split-cifar", "split-fashion-mnist"):
+        d = DEFAULTS[bench]
+        assert {"optimizer", "lr", "train_epochs", "train_mb_size", "kwargs"} <= set(d)
