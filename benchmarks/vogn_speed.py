@@ -92,7 +92,7 @@ def bench(name: str, steps: int, chunk_size: int | None, method: str) -> dict[st
 
     def vogn_two_phase():  # what VOGNPlugin does inside Avalanche's loop
         vogn2.zero_grad()
-        vogn2.sample_params()
+        vogn2.sample_params(copy=False)
         with LayerCapture(net_2) as capture:
             out = net_2(x)
         h = capture.squared_grads(vogn2.loss_fn(out, y))

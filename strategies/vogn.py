@@ -150,7 +150,7 @@ class VOGNPlugin(SupervisedPlugin):
         n = len(strategy.experience.dataset)
         if opt.train_set_size != n:
             opt.train_set_size = n
-        opt.sample_params()
+        opt.sample_params(copy=False)
         self._curv = None
         if self.reuse_forward and opt.curvature == "ef":
             capture = LayerCapture(strategy.model)

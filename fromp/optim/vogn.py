@@ -317,7 +317,7 @@ class LayerCapture:
                 parts.append(per_layer[m][pn][1].reshape(-1))
             else:
                 parts.append(torch.zeros(p.numel(), dtype=p.dtype, device=p.device))
-        return torch.cat(parts) / len(losses)
+        return torch.cat(parts).div_(len(losses))
 
 
 def per_example_grad_stats(
@@ -614,6 +614,7 @@ class VOGN(torch.optim.Optimizer):
         self._version = 0  # bumped when the prior or the state is replaced
         self._std_cache: tuple[tuple, Tensor] | None = None
         self._dt_cache: tuple[tuple, Tensor] | None = None
+        self._work: dict[str, Tensor] = {}  # [P] work buffers (see _buffer)
 
     # ---------------------------------------------------------------- hyper-parameters
     @property
@@ -726,10 +727,19 @@ class VOGN(torch.optim.Optimizer):
             parts.append(torch.zeros_like(p).reshape(-1) if p.grad is None else p.grad.reshape(-1))
         return torch.cat(parts).detach()
 
+    def _buffer(self, name: str) -> Tensor:
+        """A ``[P]`` work buffer like ``mu``, reused across steps. Fresh ``[P]`` temporaries
+        cost page faults on every step on a CPU; the hot path writes into these instead."""
+        mu = self.vogn_state["mu"]
+        buf = self._work.get(name)
+        if buf is None or buf.shape != mu.shape or buf.dtype != mu.dtype or buf.device != mu.device:
+            buf = self._work[name] = torch.empty_like(mu)
+        return buf
+
     @torch.no_grad()
-    def sample_params(self, generator: torch.Generator | None = None) -> Tensor:
-        """Write ``w ~ q`` (``w = mu`` when ``mc_samples == 0``) into the parameters; returns
-        ``w`` ``[P]``. Sampling uses the scaled std ``sqrt(tau / (N (s^ + delta~)))``."""
+    def _sample_into_params(self, generator: torch.Generator | None = None) -> Tensor:
+        """Write ``w ~ q`` into the parameters and return ``w`` ``[P]``, which lives in a work
+        buffer that the next call overwrites (``mu`` itself when ``mc_samples == 0``)."""
         self._sync_device()
         mu = self.vogn_state["mu"]
         if self.mc_samples == 0:
@@ -737,12 +747,28 @@ class VOGN(torch.optim.Optimizer):
         else:
             key = (self.vogn_state["step"], self._n(), self.kl_weight, self._version)
             if self._std_cache is None or self._std_cache[0] != key:
-                self._std_cache = (key, self.posterior_precision().rsqrt_())
-            w = torch.randn(mu.shape, generator=generator, dtype=mu.dtype, device=mu.device)
-            w.mul_(self._std_cache[1]).add_(mu)
+                std = self._buffer("std")
+                st = self.vogn_state
+                alpha = self._n() * self._s_scale() / self.kl_weight
+                torch.add(st["prior_precision"], st["s"], alpha=alpha, out=std).rsqrt_()
+                self._std_cache = (key, std)
+            w = self._buffer("sample")
+            w.normal_(generator=generator).mul_(self._std_cache[1]).add_(mu)
         self._write(w)
         self._sampled = True
         return w
+
+    @torch.no_grad()
+    def sample_params(
+        self, generator: torch.Generator | None = None, *, copy: bool = True
+    ) -> Tensor:
+        """Write ``w ~ q`` (``w = mu`` when ``mc_samples == 0``) into the parameters and return
+        ``w`` ``[P]``. Sampling uses the scaled std ``sqrt(tau / (N (s^ + delta~)))``.
+
+        With ``copy=False`` the returned tensor is an internal buffer that the next draw
+        overwrites (no ``[P]`` allocation per step: what the training loops use)."""
+        w = self._sample_into_params(generator)
+        return w.clone() if copy else w
 
     @torch.no_grad()
     def load_mean(self) -> None:
@@ -774,10 +800,11 @@ class VOGN(torch.optim.Optimizer):
         t = st["step"]
         m, s = st["m"], st["s"]
         m.mul_(beta1).add_(grad.to(mu), alpha=1 - beta1)
-        m.addcmul_(mu - st["prior_mean"], dt, value=1 - beta1)
+        diff = torch.sub(mu, st["prior_mean"], out=self._buffer("diff"))
+        m.addcmul_(diff, dt, value=1 - beta1)
         s.mul_(beta2).add_(curv.to(mu), alpha=1 - beta2)
         bc1 = 1 - beta1**t if group["bias_correction"] else 1.0
-        denom = torch.add(dt, s, alpha=self._s_scale())  # s^ + delta~
+        denom = torch.add(dt, s, alpha=self._s_scale(), out=self._buffer("denom"))  # s^ + δ~
         mu.addcdiv_(m, denom, value=-group["lr"] / bc1)
         self.load_mean()
 
@@ -820,7 +847,7 @@ class VOGN(torch.optim.Optimizer):
         draws = max(self.mc_samples, 1)
         g_acc = h_acc = loss_acc = None
         for d in range(draws):
-            self.sample_params()
+            self._sample_into_params()
             if d == 0 and net.training and _has_bn(net):
                 with torch.no_grad():
                     net(x)  # update the batch-norm running statistics at w
@@ -850,7 +877,9 @@ class VOGN(torch.optim.Optimizer):
             h_acc = stats.curv if h_acc is None else h_acc + stats.curv
             loss_acc = stats.loss if loss_acc is None else loss_acc + stats.loss
         assert g_acc is not None and h_acc is not None and loss_acc is not None
-        self.update(g_acc / draws, h_acc / draws)
+        if draws > 1:
+            g_acc, h_acc = g_acc.div_(draws), h_acc.div_(draws)
+        self.update(g_acc, h_acc)
         return loss_acc / draws
 
     # ---------------------------------------------------------------- (de)serialisation
