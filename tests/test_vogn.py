@@ -130,6 +130,29 @@ class _TinyCNN(nn.Module):
         return self.net(x)
 
 
+class _OddCNN(nn.Module):
+    """Convolutions whose per-example gradients are easy to get wrong: dilation with stride,
+    a non-square kernel with "same" padding, reflect and circular padding, rectangular
+    inputs whose size is not a multiple of the stride."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(2, 3, 3, stride=2, dilation=2, padding=1),
+            nn.Tanh(),
+            nn.Conv2d(3, 3, (3, 2), padding="same"),
+            nn.Tanh(),
+            nn.Conv2d(3, 2, 3, stride=(1, 2), padding=1, padding_mode="reflect"),
+            nn.Tanh(),
+            nn.Conv2d(2, 2, 2, padding=1, padding_mode="circular", bias=False),
+            nn.Flatten(),
+            nn.LazyLinear(4),
+        )
+
+    def forward(self, x):
+        return self.net(x)
+
+
 def _flat(grads, params):
     return torch.cat(
         [(torch.zeros_like(p) if g is None else g).reshape(-1) for g, p in zip(grads, params)]
@@ -176,6 +199,11 @@ def _case(arch):
     if arch in ("twice", "shared"):
         net = _Twice(norm=arch == "twice").to(D)
         return net, torch.randn(9, 5, dtype=D), torch.randint(0, 3, (9,))
+    if arch == "cnn-odd":
+        net = _OddCNN()
+        x = torch.rand(9, 2, 11, 13, dtype=D)
+        net(x.float())  # materialise the lazy layer
+        return net.to(D), x, torch.randint(0, 4, (9,))
     net = _TinyCNN(bn=arch == "cnn-bn").to(D)
     if arch == "cnn-bn":  # non-trivial running statistics and affine parameters
         bn = net.net[1]
@@ -187,7 +215,7 @@ def _case(arch):
     return net, torch.rand(9, 1, 8, 8, dtype=D), torch.randint(0, 4, (9,))
 
 
-@pytest.mark.parametrize("arch", ["mlp", "cnn", "cnn-bn", "twice", "shared"])
+@pytest.mark.parametrize("arch", ["mlp", "cnn", "cnn-bn", "cnn-odd", "twice", "shared"])
 def test_per_example_stats_match_brute_force(arch):
     """Both exact implementations (vmap; layer hooks for Linear/Conv2d/BatchNorm) against a
     loop over examples; batch norm is evaluated with its running statistics."""
