@@ -47,7 +47,9 @@ def load_trained(
 
     Returns:
         ``(net, seq, config)``: ``net`` is the :mod:`fromp` model in eval mode (Avalanche
-        wrapper removed), ``seq`` the benchmark's tasks (subsampled as in the run).
+        wrapper removed; for a mean-field Gaussian network, as trained by VCL, the
+        deterministic network at the posterior means), ``seq`` the benchmark's tasks
+        (subsampled as in the run).
     """
     from benchmarks.runner import load_sequence
 
@@ -65,8 +67,35 @@ def load_trained(
     seq = load_sequence(bench, data_root, cfg.get("n_train"), cfg.get("n_test"))
     net = bench.model(seq)
     weights = {k.removeprefix("net."): v for k, v in state["model"].items()}
-    net.load_state_dict(weights)
+    bayes = _bayesian_net_state(state)
+    if bayes is not None:
+        weights = bayes
+    if any(k.endswith("weight_mu") for k in weights):
+        # a mean-field Gaussian network (VCL): use its posterior means as the weights
+        weights = {
+            k.removesuffix("_mu"): v
+            for k, v in weights.items()
+            if k.endswith(("weight_mu", "bias_mu"))
+        }
+    try:
+        net.load_state_dict(weights)
+    except RuntimeError as err:
+        first = str(err).strip().splitlines()[0]
+        raise CheckpointError(
+            f"{path} does not match the {cfg['benchmark']} network: {first}"
+        ) from err
     return net.eval(), seq, cfg
+
+
+def _bayesian_net_state(state: dict[str, Any]) -> dict[str, Any] | None:
+    """The state of a mean-field Gaussian network kept by a strategy plugin (VCL trains its
+    own Bayesian copy of the network), or None."""
+    for plugin in state.get("plugins") or []:
+        net = (plugin or {}).get("state_dict", {}) if isinstance(plugin, dict) else {}
+        net = net.get("net") if isinstance(net, dict) else None
+        if isinstance(net, dict) and any(str(k).endswith("weight_mu") for k in net):
+            return net
+    return None
 
 
 def _task(seq: TaskSequence, task: int):

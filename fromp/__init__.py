@@ -103,7 +103,7 @@ from fromp.optim import OGN, VOGN  # noqa: E402
 __all__ += ["OGN", "VOGN"]  # optimizers: VOGN / OGN
 
 # --- FROMP: memorable past and functional regulariser ---
-from fromp.curvature import diag_ggn_linear  # noqa: E402
+from fromp.curvature import diag_ef, diag_fisher, diag_ggn, diag_ggn_linear  # noqa: E402
 from fromp.memorable import memorability_scores, select_memorable  # noqa: E402
 from fromp.regularizer import (  # noqa: E402
     FROMPRegularizer,
@@ -117,6 +117,9 @@ __all__ += [  # FROMP: memorable past and functional regulariser
     "FROMPRegularizer",
     "FunctionalRegularizer",
     "MemorableSet",
+    "diag_ef",
+    "diag_fisher",
+    "diag_ggn",
     "diag_ggn_linear",
     "memorability_scores",
     "prob_jacobian",

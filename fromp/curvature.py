@@ -29,18 +29,23 @@ DataArg = Tensor | tuple | list | Iterable
 def iter_batches(
     data: DataArg, *, need_targets: bool = False
 ) -> Iterator[tuple[Tensor, Tensor | None]]:
-    """Normalise ``data`` into ``(x, y)`` batches (``y`` None when absent)."""
+    """Normalise ``data`` into ``(x, y)`` batches (``y`` None when absent).
+
+    ``data`` is one batch, a tensor ``x`` or a *tuple* ``(x,)`` / ``(x, y, ...)`` of tensors,
+    or an iterable of batches (a DataLoader, a *list* of tensors or of tuples). A list is
+    always a sequence of batches, so ``[x1, x2]`` is two batches of inputs, never ``(x, y)``.
+    """
     if isinstance(data, Tensor):
         if need_targets:
             raise ValueError("data must include targets, e.g. (x, y) or a DataLoader of (x, y)")
         yield data, None
         return
-    if (
-        isinstance(data, tuple | list)
-        and len(data) > 0
-        and isinstance(data[0], Tensor)
-        and (len(data) == 1 or (isinstance(data[1], Tensor) and len(data[1]) == len(data[0])))
-    ):
+    if isinstance(data, tuple) and len(data) > 0 and isinstance(data[0], Tensor):
+        if len(data) > 1 and (not isinstance(data[1], Tensor) or len(data[1]) != len(data[0])):
+            raise ValueError(
+                "data=(x, y) needs x and y with the same number of examples, got "
+                f"{len(data[0])} and {len(data[1]) if isinstance(data[1], Tensor) else data[1]!r}"
+            )
         y = data[1] if len(data) > 1 else None
         if need_targets and y is None:
             raise ValueError("data must include targets, e.g. (x, y)")

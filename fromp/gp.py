@@ -121,6 +121,7 @@ class GP:
 
     @property
     def num_params(self) -> int:
+        """``P``, the number of parameters of the network and its posterior."""
         return self.posterior.num_params
 
     def _prep(self, x: Tensor, name: str = "x") -> Tensor:
@@ -313,10 +314,13 @@ class GP:
         *,
         generator: torch.Generator | None = None,
         chunk_size: int | None = None,
+        return_variance: bool = False,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """The predictive distribution of ``y`` at ``x`` under the GP.
 
-        Classification (categorical / Bernoulli), returns probabilities ``[N, C]``:
+        Classification (categorical / Bernoulli), returns probabilities ``[N, C]``, or
+        ``(probabilities [N, C], var f [N, C, C])`` with ``return_variance=True`` (the
+        marginal covariance of the latent ``f(x)``, :meth:`variance`):
 
         * ``"probit"``: per-output probit approximation, ``softmax(m_c / sqrt(1 + pi/8
           v_cc))`` (``sigmoid`` for Bernoulli), ``m = mean(x)``, ``v = variance(x)``;
@@ -339,19 +343,23 @@ class GP:
             return m, v + lik.sigma**2 * eye
         if not isinstance(lik, CategoricalLikelihood | BernoulliLikelihood):
             raise ValueError(f"predictive does not support likelihood {lik!r}")
-        if method == "linear":
+        if method == "linear" and not return_variance:
             return lik.inverse_link(m)
         v = self.variance(x, chunk_size=chunk_size)
+        if method == "linear":
+            return lik.inverse_link(m), v
         if method == "probit":
             kappa = torch.rsqrt(1 + _PROBIT_SCALE * torch.diagonal(v, dim1=-2, dim2=-1))
-            return lik.inverse_link(m * kappa)
+            probs = lik.inverse_link(m * kappa)
+            return (probs, v) if return_variance else probs
         evals, evecs = torch.linalg.eigh(v)
         root = evecs * evals.clamp_min(0).sqrt().unsqueeze(-2)  # N, C, C: v = root root^T
         eps = torch.randn(
             (n_samples, *m.shape), generator=generator, dtype=m.dtype, device=m.device
         )
         f = m + torch.einsum("ncd,snd->snc", root, eps)
-        return lik.inverse_link(f.reshape(-1, m.shape[1])).reshape(f.shape).mean(0)
+        probs = lik.inverse_link(f.reshape(-1, m.shape[1])).reshape(f.shape).mean(0)
+        return (probs, v) if return_variance else probs
 
 
 class _NotStructured(Exception):

@@ -16,6 +16,7 @@ The prior mean ``m0`` does not enter ``q``: it only moves ``w*``, which is taken
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -66,6 +67,7 @@ class FullGaussian:
 
     @property
     def num_params(self) -> int:
+        """``P``, the number of parameters."""
         return self.mean.numel()
 
     @property
@@ -102,17 +104,21 @@ class FullGaussian:
         w = self.mean + torch.linalg.solve_triangular(self._chol.T, eps.T, upper=True).T
         return w[0] if n is None else w
 
-    def to(self, *args, **kwargs) -> FullGaussian:
+    def to(self, *args: Any, **kwargs: Any) -> FullGaussian:
+        """Move or cast mean and precision (``torch.Tensor.to`` arguments)."""
         return FullGaussian(self.mean.to(*args, **kwargs), self.precision.to(*args, **kwargs))
 
     def detach(self) -> FullGaussian:
+        """The same Gaussian detached from the autograd graph."""
         return FullGaussian(self.mean.detach(), self.precision.detach())
 
     def state_dict(self) -> dict[str, Tensor]:
+        """``{"mean": [P], "precision": [P, P]}`` for ``torch.save``."""
         return {"mean": self.mean, "precision": self.precision}
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Tensor]) -> FullGaussian:
+        """Rebuild from :meth:`state_dict`."""
         return cls(state["mean"], state["precision"])
 
 

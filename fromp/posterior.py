@@ -8,6 +8,7 @@ are ``[P]``, parameters flattened in ``named_parameters()`` order.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -40,6 +41,7 @@ class DiagonalGaussian:
 
     @property
     def num_params(self) -> int:
+        """``P``, the number of parameters."""
         return self.mean.numel()
 
     @property
@@ -68,18 +70,21 @@ class DiagonalGaussian:
         diff = self.mean - other.mean
         return 0.5 * (var_ratio + other.precision * diff**2 - 1 - var_ratio.log()).sum()
 
-    def to(self, *args, **kwargs) -> DiagonalGaussian:
+    def to(self, *args: Any, **kwargs: Any) -> DiagonalGaussian:
         """Move or cast both vectors (``torch.Tensor.to`` arguments)."""
         return DiagonalGaussian(self.mean.to(*args, **kwargs), self.precision.to(*args, **kwargs))
 
     def detach(self) -> DiagonalGaussian:
+        """The same Gaussian with both vectors detached from the autograd graph."""
         return DiagonalGaussian(self.mean.detach(), self.precision.detach())
 
     def state_dict(self) -> dict[str, Tensor]:
+        """``{"mean": [P], "precision": [P]}`` for ``torch.save``."""
         return {"mean": self.mean, "precision": self.precision}
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Tensor]) -> DiagonalGaussian:
+        """Rebuild from :meth:`state_dict`."""
         return cls(state["mean"], state["precision"])
 
     @classmethod

@@ -196,10 +196,10 @@ class EWC(SupervisedTemplate):
 
     def __init__(
         self,
+        *,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         criterion: nn.Module | None = None,
-        *,
         train_mb_size: int = 128,
         train_epochs: int = 1,
         eval_mb_size: int = 1000,

@@ -80,3 +80,38 @@ def test_clear_errors(main, checkpoint, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert main([str(checkpoint), "--task", "9"]) == 2
     assert "--task must be in [0, 5)" in capsys.readouterr().err
+
+
+def test_vcl_checkpoint_loads_posterior_means(tmp_path):
+    """A VCL checkpoint (mean-field Gaussian layers) gives the deterministic network at the
+    posterior means, usable by both tools."""
+    path = tmp_path / "vcl.pt"
+    cfg = RunConfig(
+        "split-digits",
+        "vcl",
+        overrides={"train_epochs": 2},
+        n_train=60,
+        n_test=20,
+        checkpoint=str(path),
+        progress=False,
+    )
+    run(cfg)
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    bayes = state["plugins"][0]["state_dict"]["net"]  # VCL's own Bayesian network
+    net, _, _ = load_trained(path)
+    mu = {k: v for k, v in bayes.items() if k.endswith("weight_mu")}
+    assert mu
+    for name, value in mu.items():
+        torch.testing.assert_close(net.state_dict()[name.removesuffix("_mu")], value)
+    assert memorable_main([str(path), "--n-per-class", "2", "--out", str(tmp_path / "m")]) == 0
+
+
+def test_mismatched_checkpoint_is_one_line(checkpoint, tmp_path, capsys):
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    state["model"] = {k: v for k, v in state["model"].items() if "heads" not in k}
+    bad = tmp_path / "bad.pt"
+    torch.save(state, bad)
+    assert gp_main([str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fromp-gp: error:") and "does not match" in err
+    assert len(err.splitlines()) == 1

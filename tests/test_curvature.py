@@ -51,6 +51,20 @@ def test_diag_ggn_matches_dense(case):
     torch.testing.assert_close(got, torch.diagonal(ref), rtol=1e-9, atol=1e-12)
 
 
+def test_data_forms_tuple_is_one_batch_list_is_batches():
+    """A list of two equal-length input batches is two batches, never (x, y); a tuple is
+    one batch; a DataLoader is batches."""
+    model, shape, lik = CASES["mlp-categorical"]
+    model = model()
+    x = torch.randn(6, *shape, dtype=torch.float64)
+    ref = torch.diagonal(dense_ggn(model, x, lik))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=4)
+    for data in ([x[:3], x[3:]], (x,), loader):
+        torch.testing.assert_close(diag_ggn(model, data, lik), ref, rtol=1e-9, atol=1e-12)
+    with pytest.raises(ValueError, match="same number of examples"):
+        diag_ggn(model, (x, torch.zeros(5, dtype=torch.long)), lik)
+
+
 def test_ggn_vp_matches_dense(case):
     model, x, lik, ref = case
     v = torch.randn(ref.shape[0], dtype=torch.float64)

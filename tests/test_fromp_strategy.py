@@ -123,11 +123,12 @@ def test_plugin_argument_errors():
 
 @pytest.mark.slow
 def test_forgets_less_than_naive_on_real_permuted_mnist(mnist_root):
-    """Two permuted-MNIST tasks, 2000 training examples each: after task 2, FROMP keeps task
-    1 clearly better than plain fine-tuning."""
+    """Two permuted-MNIST tasks, 2000 training examples each: FROMP forgets task 1 (its
+    accuracy right after task 1 minus its accuracy after task 2) clearly less than plain
+    fine-tuning, and still learns task 2."""
     seq = permuted_mnist(mnist_root, n_tasks=2, download=False).subsample(2000, 1000, seed=0)
     scenario = to_avalanche(seq)
-    results = {}
+    results, forgetting = {}, {}
     for name in ("naive", "fromp"):
         torch.manual_seed(0)
         net = MultiHeadMLP(784, (100, 100), n_heads=1, head_size=10)
@@ -147,13 +148,15 @@ def test_forgets_less_than_naive_on_real_permuted_mnist(mnist_root):
                 grad_clip_norm=0.01,
                 **common,
             )
-        for exp in scenario.train_stream:
-            strategy.train(exp)
+        first, second = scenario.train_stream
+        strategy.train(first)
+        before = _accuracies(strategy.eval(scenario.test_stream[:1]))[0]
+        strategy.train(second)
         results[name] = _accuracies(strategy.eval(scenario.test_stream))
+        forgetting[name] = before - results[name][0]
         assert unwrap(model) is net
-    naive, fromp = results["naive"], results["fromp"]
-    assert fromp[0] > naive[0] + 0.02, results
-    assert fromp[1] > 0.85, results
+    assert forgetting["fromp"] < forgetting["naive"] - 0.02, (forgetting, results)
+    assert results["fromp"][1] > 0.85, results
 
 
 def test_fromp_vogn_uses_vogn_posterior_and_checkpoints():

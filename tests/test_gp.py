@@ -110,6 +110,13 @@ def test_predictive_classification():
     expect = torch.softmax(m / torch.sqrt(1 + math.pi / 8 * torch.diagonal(v, 0, 1, 2)), -1)
     torch.testing.assert_close(probit, expect)
     torch.testing.assert_close(gp.predictive(xs, "linear"), torch.softmax(m, -1))
+    # with return_variance: the same probabilities and var f = J Sigma J^T (dense)
+    jac_d = dense_jacobian(model, xs)
+    var_dense = torch.einsum("ncp,p,ndp->ncd", jac_d, 1 / post.precision, jac_d)
+    for method in ("probit", "linear"):
+        probs, var_f = gp.predictive(xs, method, return_variance=True)
+        torch.testing.assert_close(probs, gp.predictive(xs, method))
+        torch.testing.assert_close(var_f, var_dense, rtol=1e-9, atol=1e-12)
     mc = gp.predictive(xs, "mc", n_samples=20000, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(mc.sum(-1), torch.ones(6, dtype=F64))
     # MC over f ~ N(m, v) equals MC over linearised weights w ~ q
@@ -301,3 +308,24 @@ def test_errors_named():
         optimize_prior_precision(model, (torch.zeros(2, 4), torch.zeros(2)), "categorical",
                                  grid=[1.0, -1.0])  # fmt: skip
     assert flat(model).numel() == p
+
+
+def test_gp_at_a_vogn_iterate_matches_dense():
+    """A GP exists at any VOGN iterate: its kernel is J(x) diag(1 / (N s + delta)) J(x')^T
+    at the current mean, computed densely."""
+    from fromp.optim import VOGN
+
+    model = tiny_mlp(c=3)
+    x, y = torch.randn(12, 4, dtype=F64), torch.randint(0, 3, (12,))
+    opt = VOGN(model, lr=0.05, train_set_size=12, prior_precision=2.0, mc_samples=1)
+    for _ in range(5):
+        opt.step(x, y)
+    opt.load_mean()
+    q = opt.posterior()
+    gp = dnn2gp(model, q, "categorical")
+    xs = torch.randn(5, 4, dtype=F64)
+    jac = dense_jacobian(model, xs)
+    ref = torch.einsum("ncp,p,mdp->ncmd", jac, 1 / q.precision, jac)
+    torch.testing.assert_close(gp.kernel(xs), ref, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(q.mean, opt.vogn_state["mu"])
+    assert not torch.allclose(q.precision, torch.full_like(q.precision, 2.0))  # data counted
