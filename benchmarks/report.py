@@ -157,9 +157,17 @@ def plot_accuracy(bench: BenchmarkSpec, agg: dict[str, dict[str, Any]], path: Pa
         axes[0][0].legend(fontsize=7)
     ax = axes[0][-1]
     width = 0.8 / max(len(agg), 1)
+    n_tasks = 0
     for k, (name, row) in enumerate(agg.items()):
         finals = np.array(row["final_accuracies"], dtype=float)
-        ax.bar(np.arange(len(finals)) + k * width, finals, width, label=name)
+        n_tasks = max(n_tasks, len(finals))
+        ax.bar(
+            np.arange(1, len(finals) + 1) + (k - (len(agg) - 1) / 2) * width,
+            finals,
+            width,
+            label=name,
+        )
+    ax.set_xticks(np.arange(1, n_tasks + 1))
     ax.set_title("after the last task")
     ax.set_xlabel("task")
     ax.set_ylabel("test accuracy (%)")
@@ -168,7 +176,7 @@ def plot_accuracy(bench: BenchmarkSpec, agg: dict[str, dict[str, Any]], path: Pa
         default=0.0,
     )
     ax.set_ylim(max(0.0, lo - 5.0), 100.0)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.suptitle(bench.name)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -67,6 +67,11 @@ def test_settings_precedence():
     s = resolve_settings(bench, strat, {"lr": 0.5, "kwargs": {"ewc_lambda": 3.0}})
     assert s["lr"] == 0.5 and s["train_epochs"] == 15 and s["train_mb_size"] == 128
     assert s["kwargs"] == {"ewc_lambda": 3.0, "mode": "separate"}
+    # the two EWCs are compared under the same training settings (the benchmark's protocol)
+    ours = resolve_settings(bench, get_strategy("ewc"), {})
+    theirs = resolve_settings(bench, strat, {})
+    for key in ("optimizer", "lr", "train_epochs", "train_mb_size"):
+        assert ours[key] == theirs[key] == bench.settings[key], key
 
 
 def test_ece_of_perfectly_calibrated_and_overconfident_predictions():
