@@ -433,6 +433,10 @@ DEFAULTS: dict[str, dict[str, dict]] = {
     "vcl": {
         "split-mnist": _VCL_SPLIT,
         "split-fashion-mnist": _VCL_SPLIT,
+        # Split-Digits has about 290 training images per task: the KL to the previous
+        # posterior outweighs them and later tasks are learned poorly (seed 0: 85.8 %, Naive
+        # 98.0 %); sweeps of lr, epochs, batch size, prior and initial variance, MC samples
+        # and a coreset (85.1 %) gave no robust gain.
         "split-digits": {**_VCL_SPLIT, "train_epochs": 50, "train_mb_size": 64},
         "permuted-mnist": _VCL_PERM,
         "split-cifar": {**_VCL_SPLIT, "train_epochs": 20, "train_mb_size": 256},
