@@ -56,8 +56,9 @@ class BayesLayer(nn.Module):
 
     Parameters ``weight_mu``, ``weight_logvar`` (and ``bias_mu``, ``bias_logvar``);
     buffers ``weight_prior_mu``, ``weight_prior_var`` (and the bias ones). Subclasses
-    implement :meth:`_mean_var` (the Gaussian of the pre-activations) and
-    :meth:`_deterministic` (the map with ``W = mu``).
+    implement :meth:`_op`, the layer's linear map ``(x, W, b) -> x * W + b``; the Gaussian of
+    the pre-activations, ``N(op(x, mu_W, mu_b), op(x^2, var_W, var_b))`` (:meth:`_mean_var`),
+    and the map at the means (:meth:`_deterministic`) follow from it.
     """
 
     weight_mu: nn.Parameter
@@ -154,11 +155,16 @@ class BayesLayer(nn.Module):
                 raise ValueError("layer has no bias but this Bayesian layer has one")
             self.bias_mu.copy_(layer.bias)
 
-    def _mean_var(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def _op(self, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
         raise NotImplementedError
 
+    def _mean_var(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        mean = self._op(x, self.weight_mu, self.bias_mu)
+        bvar = None if self.bias_logvar is None else self.bias_logvar.exp()
+        return mean, self._op(x * x, self.weight_logvar.exp(), bvar)
+
     def _deterministic(self, x: Tensor) -> Tensor:
-        raise NotImplementedError
+        return self._op(x, self.weight_mu, self.bias_mu)
 
     def forward(self, x: Tensor, n_samples: int | None = None) -> Tensor:
         """One sampled pre-activation per example ``[N, ...]`` (``[S, N, ...]`` with
@@ -198,14 +204,8 @@ class BayesLinear(BayesLayer):
         self.in_features, self.out_features = in_features, out_features
         self._init_bayes((out_features, in_features), bias, prior_mean, prior_var, init_logvar)
 
-    def _mean_var(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        mean = F.linear(x, self.weight_mu, self.bias_mu)
-        bvar = None if self.bias_logvar is None else self.bias_logvar.exp()
-        var = F.linear(x * x, self.weight_logvar.exp(), bvar)
-        return mean, var
-
-    def _deterministic(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight_mu, self.bias_mu)
+    def _op(self, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+        return F.linear(x, w, b)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
@@ -238,17 +238,8 @@ class BayesConv2d(BayesLayer):
         shape = (out_channels, in_channels, *k)
         self._init_bayes(shape, bias, prior_mean, prior_var, init_logvar)
 
-    def _conv(self, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    def _op(self, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
         return F.conv2d(x, w, b, stride=self.stride, padding=self.padding)
-
-    def _mean_var(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        mean = self._conv(x, self.weight_mu, self.bias_mu)
-        bvar = None if self.bias_logvar is None else self.bias_logvar.exp()
-        var = self._conv(x * x, self.weight_logvar.exp(), bvar)
-        return mean, var
-
-    def _deterministic(self, x: Tensor) -> Tensor:
-        return self._conv(x, self.weight_mu, self.bias_mu)
 
     def extra_repr(self) -> str:
         return (
