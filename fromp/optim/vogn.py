@@ -691,11 +691,11 @@ class VOGN(torch.optim.Optimizer):
             self._dt_cache = (key, self.vogn_state["prior_precision"] * (key[1] / key[0]))
         return self._dt_cache[1]
 
-    def posterior_precision(self) -> Tensor:
-        """``N s^ / tau + delta`` ``[P]``."""
+    def posterior_precision(self, out: Tensor | None = None) -> Tensor:
+        """``N s^ / tau + delta`` ``[P]`` (written into ``out`` when given)."""
         st = self.vogn_state
         alpha = self._n() * self._s_scale() / self.kl_weight
-        return torch.add(st["prior_precision"], st["s"], alpha=alpha)
+        return torch.add(st["prior_precision"], st["s"], alpha=alpha, out=out)
 
     def posterior(self) -> DiagonalGaussian:
         """``q = N(mu, diag(1 / (N s^ / tau + delta)))`` (copies of the state)."""
@@ -774,10 +774,7 @@ class VOGN(torch.optim.Optimizer):
         else:
             key = (self.vogn_state["step"], self._n(), self.kl_weight, self._version)
             if self._std_cache is None or self._std_cache[0] != key:
-                std = self._buffer("std")
-                st = self.vogn_state
-                alpha = self._n() * self._s_scale() / self.kl_weight
-                torch.add(st["prior_precision"], st["s"], alpha=alpha, out=std).rsqrt_()
+                std = self.posterior_precision(out=self._buffer("std")).rsqrt_()
                 self._std_cache = (key, std)
             w = self._buffer("sample")
             w.normal_(generator=generator).mul_(self._std_cache[1]).add_(mu)
