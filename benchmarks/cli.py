@@ -91,8 +91,10 @@ def _bayesian_net_state(state: dict[str, Any]) -> dict[str, Any] | None:
     """The state of a mean-field Gaussian network kept by a strategy plugin (VCL trains its
     own Bayesian copy of the network), or None."""
     for plugin in state.get("plugins") or []:
-        net = (plugin or {}).get("state_dict", {}) if isinstance(plugin, dict) else {}
-        net = net.get("net") if isinstance(net, dict) else None
+        try:
+            net = plugin["state_dict"]["net"]
+        except (KeyError, TypeError):
+            continue
         if isinstance(net, dict) and any(str(k).endswith("weight_mu") for k in net):
             return net
     return None
