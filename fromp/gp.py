@@ -343,22 +343,21 @@ class GP:
             return m, v + lik.sigma**2 * eye
         if not isinstance(lik, CategoricalLikelihood | BernoulliLikelihood):
             raise ValueError(f"predictive does not support likelihood {lik!r}")
-        if method == "linear" and not return_variance:
-            return lik.inverse_link(m)
-        v = self.variance(x, chunk_size=chunk_size)
+        need_v = return_variance or method != "linear"
+        v = self.variance(x, chunk_size=chunk_size) if need_v else None
         if method == "linear":
-            return lik.inverse_link(m), v
-        if method == "probit":
+            probs = lik.inverse_link(m)
+        elif method == "probit":
             kappa = torch.rsqrt(1 + _PROBIT_SCALE * torch.diagonal(v, dim1=-2, dim2=-1))
             probs = lik.inverse_link(m * kappa)
-            return (probs, v) if return_variance else probs
-        evals, evecs = torch.linalg.eigh(v)
-        root = evecs * evals.clamp_min(0).sqrt().unsqueeze(-2)  # N, C, C: v = root root^T
-        eps = torch.randn(
-            (n_samples, *m.shape), generator=generator, dtype=m.dtype, device=m.device
-        )
-        f = m + torch.einsum("ncd,snd->snc", root, eps)
-        probs = lik.inverse_link(f.reshape(-1, m.shape[1])).reshape(f.shape).mean(0)
+        else:
+            evals, evecs = torch.linalg.eigh(v)
+            root = evecs * evals.clamp_min(0).sqrt().unsqueeze(-2)  # N, C, C: v = root root^T
+            eps = torch.randn(
+                (n_samples, *m.shape), generator=generator, dtype=m.dtype, device=m.device
+            )
+            f = m + torch.einsum("ncd,snd->snc", root, eps)
+            probs = lik.inverse_link(f.reshape(-1, m.shape[1])).reshape(f.shape).mean(0)
         return (probs, v) if return_variance else probs
 
 

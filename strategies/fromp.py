@@ -54,36 +54,26 @@ PRESETS: dict[str, dict[str, Any]] = {
     "fromp-vogn": {"posterior": "vogn"},
 }
 
+_REF_SPLIT_MNIST: dict[str, Any] = {
+    "optimizer": "adam",
+    "lr": 1e-4,
+    "train_epochs": 15,
+    "train_mb_size": 128,
+    "kwargs": {
+        "tau": 10.0,
+        "n_points": 40,
+        "prior_precision": 1e-3,
+        "jitter": 1e-6,
+        "grad_clip_norm": 0.1,
+    },
+}
+
 #: Settings of the reference code (``main_*.py`` / ``train_*.py`` of team-approx-bayes/fromp):
 #: ``n_points`` memorable points per task, ``tau``, prior precision, jitter and gradient
 #: clipping as there.
 REFERENCE: dict[str, dict[str, Any]] = {
-    "split-mnist": {
-        "optimizer": "adam",
-        "lr": 1e-4,
-        "train_epochs": 15,
-        "train_mb_size": 128,
-        "kwargs": {
-            "tau": 10.0,
-            "n_points": 40,
-            "prior_precision": 1e-3,
-            "jitter": 1e-6,
-            "grad_clip_norm": 0.1,
-        },
-    },
-    "split-fashion-mnist": {
-        "optimizer": "adam",
-        "lr": 1e-4,
-        "train_epochs": 15,
-        "train_mb_size": 128,
-        "kwargs": {
-            "tau": 10.0,
-            "n_points": 40,
-            "prior_precision": 1e-3,
-            "jitter": 1e-6,
-            "grad_clip_norm": 0.1,
-        },
-    },
+    "split-mnist": _REF_SPLIT_MNIST,
+    "split-fashion-mnist": _REF_SPLIT_MNIST,
     "permuted-mnist": {
         "optimizer": "adam",
         "lr": 1e-3,

@@ -764,9 +764,15 @@ class VOGN(torch.optim.Optimizer):
         return buf
 
     @torch.no_grad()
-    def _sample_into_params(self, generator: torch.Generator | None = None) -> Tensor:
-        """Write ``w ~ q`` into the parameters and return ``w`` ``[P]``, which lives in a work
-        buffer that the next call overwrites (``mu`` itself when ``mc_samples == 0``)."""
+    def sample_params(
+        self, generator: torch.Generator | None = None, *, copy: bool = True
+    ) -> Tensor:
+        """Write ``w ~ q`` (``w = mu`` when ``mc_samples == 0``) into the parameters and return
+        ``w`` ``[P]``. Sampling uses the scaled std ``sqrt(tau / (N (s^ + delta~)))``.
+
+        With ``copy=False`` the returned tensor is an internal buffer (``mu`` itself when
+        ``mc_samples == 0``) that the next draw overwrites: no ``[P]`` allocation per step,
+        what the training loops use."""
         self._sync_device()
         mu = self.vogn_state["mu"]
         if self.mc_samples == 0:
@@ -780,18 +786,6 @@ class VOGN(torch.optim.Optimizer):
             w.normal_(generator=generator).mul_(self._std_cache[1]).add_(mu)
         self._write(w)
         self._sampled = True
-        return w
-
-    @torch.no_grad()
-    def sample_params(
-        self, generator: torch.Generator | None = None, *, copy: bool = True
-    ) -> Tensor:
-        """Write ``w ~ q`` (``w = mu`` when ``mc_samples == 0``) into the parameters and return
-        ``w`` ``[P]``. Sampling uses the scaled std ``sqrt(tau / (N (s^ + delta~)))``.
-
-        With ``copy=False`` the returned tensor is an internal buffer that the next draw
-        overwrites (no ``[P]`` allocation per step: what the training loops use)."""
-        w = self._sample_into_params(generator)
         return w.clone() if copy else w
 
     @torch.no_grad()
@@ -871,7 +865,7 @@ class VOGN(torch.optim.Optimizer):
         draws = max(self.mc_samples, 1)
         g_acc = h_acc = loss_acc = None
         for d in range(draws):
-            self._sample_into_params()
+            self.sample_params(copy=False)
             if d == 0 and net.training and _has_bn(net):
                 with torch.no_grad():
                     net(x)  # update the batch-norm running statistics at w
