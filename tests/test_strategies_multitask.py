@@ -1,0 +1,190 @@
+"""Multi-task behaviour of the FROMP and EWC plugins after tasks 2 and 3: the running GGN sum,
+the head each task's memorable points, targets, kernels and Fisher go through, online-EWC
+decay, and non-default settings across a checkpoint. Small synthetic streams, no training:
+the weights are perturbed between tasks, as training would move them."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from fromp.curvature import diag_ggn
+from fromp.data import synthetic_split
+from fromp.jacobian import flat_params
+from fromp.memorable import select_memorable
+from fromp.models import MultiHeadMLP, with_task
+from strategies.ewc import EWCPlugin
+from strategies.fromp import FROMPPlugin
+
+D = torch.float64
+
+
+def _stream(n_tasks: int = 3, n_train: int = 24, seed: int = 0):
+    seq = synthetic_split(n_tasks=n_tasks, input_shape=(6,), n_train=n_train, n_test=4, seed=seed)
+    return [(t.train_x.to(D), t.train_y, t.task_id) for t in seq]
+
+
+def _net(n_heads: int = 3) -> MultiHeadMLP:
+    torch.manual_seed(0)
+    return MultiHeadMLP(6, (7,), n_heads=n_heads, head_size=2).double().eval()
+
+
+def _move(net: torch.nn.Module, seed: int, scale: float = 0.3) -> None:
+    """Stand-in for training on the next task: a seeded random move of every weight."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+
+def _kernel(net, x, task, var):
+    """Dense per-class kernels ``[C, M, M]`` of ``softmax(f(x; w))`` through head ``task``."""
+    w0 = flat_params(net)
+    from torch.func import functional_call
+
+    from fromp.jacobian import unflatten
+
+    def probs(w):
+        return torch.softmax(functional_call(net, unflatten(net, w), (x,), {"task": task}), -1)
+
+    g = torch.autograd.functional.jacobian(probs, w0)  # [M, C, P]
+    return torch.stack([(g[:, c] * var) @ g[:, c].T for c in range(g.shape[1])])
+
+
+def test_fromp_three_tasks_ggn_sum_heads_targets_and_kernels():
+    """After each of three tasks: ``Sigma = 1 / (sum_t G_t + delta)`` with ``G_t`` the diagonal
+    GGN of task ``t``'s data through head ``t`` at the weights after task ``t``; task ``t``'s
+    memorable points are the top-``tr Lambda`` points through head ``t``; every stored target
+    and kernel is refreshed at the latest weights through its own head."""
+    stream, net = _stream(), _net()
+    delta = 0.5
+    plugin = FROMPPlugin(tau=1.0, n_points=4, prior_precision=delta, jitter=1e-8)
+    g_sum = torch.zeros_like(flat_params(net))
+    expected_idx = []
+    for x, y, t in stream:
+        _move(net, seed=100 + t)
+        g_sum = g_sum + diag_ggn(with_task(net, t), x, "categorical")
+        expected_idx.append(select_memorable(with_task(net, t), x, y, "categorical", 2))
+        plugin.learn_task(net, x, y, t)
+        var = 1.0 / (g_sum + delta)
+        torch.testing.assert_close(plugin.posterior_variance(), var, rtol=1e-10, atol=0)
+        reg = plugin.regularizer
+        assert [m.task for m in reg.memories] == list(range(t + 1))
+        for s, mem in enumerate(reg.memories):
+            xs = stream[s][0][expected_idx[s]]
+            torch.testing.assert_close(mem.inputs, xs, rtol=0, atol=0)
+            with torch.no_grad():
+                p = torch.softmax(net(xs, task=s), -1)
+            torch.testing.assert_close(mem.targets, p, rtol=1e-12, atol=1e-14)
+            k = mem.chol @ mem.chol.transpose(-1, -2)
+            k = k - mem.jitter * torch.eye(k.shape[-1], dtype=D)
+            torch.testing.assert_close(k, _kernel(net, xs, s, var), rtol=1e-7, atol=1e-12)
+    assert plugin.tasks_done == 3
+    # the heads give different rankings, so the check above could tell them apart
+    other = select_memorable(with_task(net, 0), stream[2][0], stream[2][1], "categorical", 2)
+    assert not torch.equal(other, expected_idx[2])
+
+
+def _fake_strategy(net, x, y, t):
+    return SimpleNamespace(
+        experience=SimpleNamespace(dataset=TensorDataset(x, y, torch.full_like(y, t))),
+        model=net,
+    )
+
+
+@pytest.mark.parametrize("mode", ["separate", "online"])
+def test_ewc_three_tasks_fisher_through_each_head_and_online_decay(mode):
+    """The penalty after three tasks equals the closed form with ``F_t`` the exact Fisher
+    (the GGN diagonal, averaged over examples) of task ``t`` through head ``t`` at ``w*_t``:
+    separate ``sum_t F_t (w - w*_t)^2``; online ``F~ = g^2 F_1 + g F_2 + F_3`` around
+    ``w*_3``."""
+    stream, net = _stream(), _net()
+    lam, gamma = 3.0, 0.6
+    plugin = EWCPlugin(net, lam, mode=mode, decay_factor=gamma, fisher="exact")
+    anchors, fishers = [], []
+    for x, y, t in stream:
+        _move(net, seed=200 + t)
+        fishers.append(diag_ggn(with_task(net, t), x, "categorical") / len(x))
+        anchors.append(flat_params(net).clone())
+        plugin.after_training_exp(_fake_strategy(net, x, y, t))
+    _move(net, seed=300)
+    w = flat_params(net)
+    if mode == "separate":
+        want = sum((f * (w - a) ** 2).sum() for f, a in zip(fishers, anchors))
+    else:
+        f_tilde = gamma**2 * fishers[0] + gamma * fishers[1] + fishers[2]
+        want = (f_tilde * (w - anchors[2]) ** 2).sum()
+    assert float(want) > 1e-3  # not vacuous
+    torch.testing.assert_close(plugin.penalty().detach(), 0.5 * lam * want, rtol=1e-10, atol=0)
+    # a head's Fisher is zero on the other heads' parameters: task 3's importance is not
+    # task 1's (a Fisher through a fixed head would give the same support every task)
+    head2 = torch.cat([p.reshape(-1) for p in net.heads[2].parameters()])
+    n_body = sum(p.numel() for p in net.body.parameters())
+    n_head = head2.numel()
+    assert fishers[0][n_body + 2 * n_head :].abs().max() == 0
+    assert fishers[2][n_body + 2 * n_head :].abs().max() > 0
+
+
+def test_fromp_nondefault_settings_survive_a_checkpoint():
+    """A plugin restored from ``state_dict`` into one built with the defaults continues
+    exactly like the original on task 3 (random selection, curvature subsample, joint kernel,
+    prior precision and jitter all non-default)."""
+    stream, net = _stream(), _net()
+    kw = dict(
+        kernel="joint",
+        select="random",
+        prior_precision=0.3,
+        jitter=1e-5,
+        curvature_examples=10,
+        grad_clip_norm=2.0,
+        seed=7,
+    )
+    plugin = FROMPPlugin(tau=2.5, n_points=6, **kw)
+    for x, y, t in stream[:2]:
+        _move(net, seed=400 + t)
+        plugin.learn_task(net, x, y, t)
+    state = copy.deepcopy(plugin.state_dict())
+    fresh = FROMPPlugin()
+    fresh.load_state_dict(state)
+    for key in ("tau", "n_points", "kernel", "select", "prior_precision", "grad_clip_norm"):
+        assert getattr(fresh, key) == getattr(plugin, key), key
+    assert fresh.regularizer.jitter == plugin.regularizer.jitter
+    assert fresh.curvature_examples == plugin.curvature_examples
+    net2 = copy.deepcopy(net)
+    x, y, t = stream[2]
+    _move(net, seed=500)
+    _move(net2, seed=500)
+    plugin.learn_task(net, x, y, t)
+    fresh.learn_task(net2, x, y, t)
+    torch.testing.assert_close(fresh.posterior_variance(), plugin.posterior_variance())
+    for a, b in zip(plugin.regularizer.memories, fresh.regularizer.memories, strict=True):
+        assert torch.equal(a.inputs, b.inputs) and a.task == b.task
+        torch.testing.assert_close(a.chol, b.chol)
+    _move(net, seed=600)
+    _move(net2, seed=600)
+    assert fresh.penalty(net2).item() == pytest.approx(plugin.penalty(net).item(), rel=1e-12)
+    assert plugin.penalty(net).item() > 0
+
+
+def test_ewc_nondefault_settings_survive_a_checkpoint():
+    stream, net = _stream(), _net()
+    kw = dict(mode="online", decay_factor=0.5, fisher="exact")
+    plugin = EWCPlugin(net, 4.0, **kw)
+    for x, y, t in stream[:2]:
+        _move(net, seed=700 + t)
+        plugin.after_training_exp(_fake_strategy(net, x, y, t))
+    fresh = EWCPlugin(net, 4.0, **kw)
+    fresh.load_state_dict(copy.deepcopy(plugin.state_dict()))
+    x, y, t = stream[2]
+    _move(net, seed=800)
+    plugin.after_training_exp(_fake_strategy(net, x, y, t))
+    fresh.after_training_exp(_fake_strategy(net, x, y, t))
+    _move(net, seed=900)
+    assert fresh.penalty().item() == pytest.approx(plugin.penalty().item(), rel=1e-12)
+    assert plugin.penalty().item() > 0
+    with pytest.raises(ValueError, match="mode"):
+        EWCPlugin(net, 4.0).load_state_dict(plugin.state_dict())
