@@ -201,9 +201,18 @@ class FROMPRegularizer:
         chunk_size: examples per ``vmap(grad)`` call when computing kernels.
 
     Example:
+        >>> import torch
+        >>> from fromp.jacobian import num_params
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
         >>> reg = FROMPRegularizer()
-        >>> # after task t:  reg.add_task(net, x_mem, t, posterior_variance)
-        >>> # while training: loss = loss + tau * reg.penalty(task_fn(net))
+        >>> x_mem = torch.randn(5, 4)  # task 0's memorable inputs
+        >>> reg.add_task(net, x_mem, 0, torch.full((num_params(net),), 0.1))  # after task 0
+        >>> float(reg.penalty(net).detach())  # zero at the weights the targets were taken at
+        0.0
+        >>> with torch.no_grad():
+        ...     _ = net[2].bias.add_(0.5)
+        >>> bool(reg.penalty(net) > 0)  # while training: loss = loss + tau * penalty
+        True
     """
 
     def __init__(
