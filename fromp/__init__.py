@@ -1,5 +1,20 @@
 """fromp: continual learning in function space (FROMP, DNN2GP, VOGN) for PyTorch."""
 
+from fromp import gp
+from fromp.bayesian import (
+    BayesCifarCNN,
+    BayesConv2d,
+    BayesLayer,
+    BayesLinear,
+    BayesMultiHeadMLP,
+    BayesMultiHeadModel,
+    gaussian_kl,
+    to_bayesian,
+)
+from fromp.coreset import kcenter_coreset, random_coreset, select_coreset
+from fromp.curvature import diag_ef, diag_fisher, diag_ggn, diag_ggn_linear
+from fromp.ggn import ggn, ggn_vp
+from fromp.gp import GP, dnn2gp, log_marginal_likelihood, optimize_prior_precision
 from fromp.jacobian import (
     flat_params,
     jacobians,
@@ -10,42 +25,6 @@ from fromp.jacobian import (
     unflatten,
     vjp_sum,
 )
-from fromp.likelihood import (
-    BernoulliLikelihood,
-    CategoricalLikelihood,
-    GaussianLikelihood,
-    Likelihood,
-    get_likelihood,
-)
-from fromp.posterior import DiagonalGaussian
-
-__version__ = "0.1.0"
-
-__all__ = [
-    # likelihoods
-    "BernoulliLikelihood",
-    "CategoricalLikelihood",
-    # posteriors
-    "DiagonalGaussian",
-    "GaussianLikelihood",
-    "Likelihood",
-    "__version__",
-    # jacobians
-    "flat_params",
-    "get_likelihood",
-    "jacobians",
-    "jvp",
-    "num_params",
-    "per_example_grads",
-    "trainable_params",
-    "unflatten",
-    "vjp_sum",
-]
-
-# --- core: GGN, Laplace, DNN2GP GP, evidence (fromp.gp is the module) ---
-from fromp import gp
-from fromp.ggn import ggn, ggn_vp
-from fromp.gp import GP, dnn2gp, log_marginal_likelihood, optimize_prior_precision
 from fromp.laplace import (
     FullGaussian,
     accumulate_ggn,
@@ -53,37 +32,68 @@ from fromp.laplace import (
     laplace_full,
     prior_precision_vector,
 )
+from fromp.likelihood import (
+    BernoulliLikelihood,
+    CategoricalLikelihood,
+    GaussianLikelihood,
+    Likelihood,
+    get_likelihood,
+)
+from fromp.memorable import memorability_scores, select_memorable
+from fromp.optim import OGN, VOGN
+from fromp.posterior import DiagonalGaussian
+from fromp.regularizer import FROMPRegularizer, MemorableSet, prob_jacobian, task_fn
 
-__all__ += [  # core: GGN, Laplace, DNN2GP GP, evidence
-    "GP",
-    "FullGaussian",
-    "accumulate_ggn",
-    "dnn2gp",
+__version__ = "0.1.0"
+
+__all__ = [  # noqa: RUF022 (grouped by topic, sorted within each group)
+    "__version__",
+    # Jacobians and parameter vectors
+    "flat_params",
+    "jacobians",
+    "jvp",
+    "num_params",
+    "per_example_grads",
+    "trainable_params",
+    "unflatten",
+    "vjp_sum",
+    # likelihoods
+    "BernoulliLikelihood",
+    "CategoricalLikelihood",
+    "GaussianLikelihood",
+    "Likelihood",
+    "get_likelihood",
+    # curvature: diagonal GGN / Fisher, full GGN, GGN-vector products
+    "diag_ef",
+    "diag_fisher",
+    "diag_ggn",
+    "diag_ggn_linear",
     "ggn",
     "ggn_vp",
-    "gp",
+    # posteriors and the Laplace approximation
+    "DiagonalGaussian",
+    "FullGaussian",
+    "accumulate_ggn",
     "laplace",
     "laplace_full",
+    "prior_precision_vector",
+    # DNN2GP Gaussian process and the Laplace evidence
+    "GP",
+    "dnn2gp",
+    "gp",
     "log_marginal_likelihood",
     "optimize_prior_precision",
-    "prior_precision_vector",
-]
-# --- end core ---
-
-# --- baselines: mean-field Gaussian layers (VCL) and coresets ---
-from fromp.bayesian import (  # noqa: E402
-    BayesCifarCNN,
-    BayesConv2d,
-    BayesLayer,
-    BayesLinear,
-    BayesMultiHeadMLP,
-    BayesMultiHeadModel,
-    gaussian_kl,
-    to_bayesian,
-)
-from fromp.coreset import kcenter_coreset, random_coreset, select_coreset  # noqa: E402
-
-__all__ += [  # baselines: mean-field Gaussian layers (VCL) and coresets
+    # optimizers
+    "OGN",
+    "VOGN",
+    # FROMP: memorable past and functional regulariser
+    "FROMPRegularizer",
+    "MemorableSet",
+    "memorability_scores",
+    "prob_jacobian",
+    "select_memorable",
+    "task_fn",
+    # baselines: mean-field Gaussian layers (VCL) and coresets
     "BayesCifarCNN",
     "BayesConv2d",
     "BayesLayer",
@@ -97,33 +107,15 @@ __all__ += [  # baselines: mean-field Gaussian layers (VCL) and coresets
     "to_bayesian",
 ]
 
-# --- optimizers: VOGN / OGN ---
-from fromp.optim import OGN, VOGN  # noqa: E402
 
-__all__ += ["OGN", "VOGN"]  # optimizers: VOGN / OGN
+def __getattr__(name: str) -> object:
+    if name == "FunctionalRegularizer":  # the former name of FROMPRegularizer
+        import warnings
 
-# --- FROMP: memorable past and functional regulariser ---
-from fromp.curvature import diag_ef, diag_fisher, diag_ggn, diag_ggn_linear  # noqa: E402
-from fromp.memorable import memorability_scores, select_memorable  # noqa: E402
-from fromp.regularizer import (  # noqa: E402
-    FROMPRegularizer,
-    FunctionalRegularizer,
-    MemorableSet,
-    prob_jacobian,
-    task_fn,
-)
-
-__all__ += [  # FROMP: memorable past and functional regulariser
-    "FROMPRegularizer",
-    "FunctionalRegularizer",
-    "MemorableSet",
-    "diag_ef",
-    "diag_fisher",
-    "diag_ggn",
-    "diag_ggn_linear",
-    "memorability_scores",
-    "prob_jacobian",
-    "select_memorable",
-    "task_fn",
-]
-# --- end FROMP ---
+        warnings.warn(
+            "FunctionalRegularizer is deprecated: use FROMPRegularizer",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return FROMPRegularizer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,20 +15,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from fromp._checks import check_batch
 from fromp.likelihood import Likelihood, get_likelihood
 
 __all__ = ["memorability_scores", "select_memorable"]
 
 _ORDERS = ("descending", "ascending", "random")
-
-
-def _check_inputs(x: Tensor, name: str = "x") -> None:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"{name} must be a Tensor, got {type(x).__name__}")
-    if x.ndim < 1 or len(x) == 0:
-        raise ValueError(f"{name} is empty: expected shape [N, ...] with N >= 1")
-    if x.is_floating_point() and bool(torch.isnan(x).any()):
-        raise ValueError(f"{name} contains NaN values")
 
 
 @torch.no_grad()
@@ -54,12 +46,12 @@ def memorability_scores(
     Returns:
         ``[N]`` scores on ``x``'s device, in the model's dtype.
     """
-    _check_inputs(x)
+    check_batch(x, "x")
     if batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size}")
     lik = get_likelihood(likelihood)
     p = next(iter(model.parameters()), None)
-    device = p.device if p is not None else x.device
+    device = p.device if p is not None else x.device  # a model without parameters: x's
     out = []
     for s in range(0, len(x), batch_size):
         f = model(x[s : s + batch_size].to(device))
@@ -103,15 +95,15 @@ def select_memorable(
         in the order of ``classes``, each group in rank order.
 
     Raises:
-        ValueError: empty data, NaN inputs, mismatched ``y``, unknown ``order``, or a class
+        TypeError: ``x`` or ``y`` not a tensor.
+        ValueError: empty data, NaN/inf inputs, mismatched ``y``, unknown ``order``, or a class
             with fewer than ``n_per_class`` examples.
     """
-    _check_inputs(x)
-    if not isinstance(y, Tensor) or y.ndim != 1 or len(y) != len(x):
-        raise ValueError(
-            f"y must be a [N] tensor with N={len(x)} labels, got "
-            f"{tuple(y.shape) if isinstance(y, Tensor) else type(y).__name__}"
-        )
+    check_batch(x, "x")
+    if not isinstance(y, Tensor):
+        raise TypeError(f"y must be a Tensor of shape [N]=[{len(x)}], got {type(y).__name__}")
+    if y.ndim != 1 or len(y) != len(x):
+        raise ValueError(f"y must be a [N] tensor with N={len(x)} labels, got {tuple(y.shape)}")
     if order not in _ORDERS:
         raise ValueError(f"order must be one of {_ORDERS}, got {order!r}")
     if not isinstance(n_per_class, int) or n_per_class < 1:

@@ -27,27 +27,31 @@ Kernels (``kernel=``):
   softmax it is singular (``sum_c p_c = 1``), so it relies on the jitter.
 * ``"identity"``: ``K = I`` (FROMP-L2), ``R = 1/2 ||p(X; w) - m||^2``.
 
-The kernels are factorised once per :meth:`FROMPRegularizer.add_task` / :meth:`update` call
-(float64 Cholesky, ``K + jitter I``; larger jitter, with a warning, when the factorisation
-fails), so every training step costs only forward/backward passes on the memorable
-inputs and ``[M, M]`` triangular solves.
+``K`` is the DNN2GP kernel (:class:`fromp.gp.GP`) of ``p = inverse_link(f)`` linearised
+at the current weights under ``N(w, Sigma)``. The kernels are factorised once per
+:meth:`FROMPRegularizer.add_task` / :meth:`update` call (float64 Cholesky,
+``K + jitter I``; larger jitter, with a warning, when the factorisation fails), so every
+training step costs only forward/backward passes on the memorable inputs and ``[M, M]``
+triangular solves.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad, vmap
 
-from fromp.jacobian import num_params, trainable_params
+from fromp._checks import check_batch, check_vector, device_dtype
+from fromp.gp import GP
+from fromp.jacobian import flat_params, num_params
 from fromp.likelihood import Likelihood, get_likelihood
 from fromp.models import with_task
+from fromp.posterior import DiagonalGaussian
 
-__all__ = ["FROMPRegularizer", "FunctionalRegularizer", "MemorableSet", "prob_jacobian", "task_fn"]
+__all__ = ["FROMPRegularizer", "MemorableSet", "prob_jacobian", "task_fn"]
 
 ModelFn = Callable[[Tensor, int], Tensor]
 _KERNELS = ("per_class", "joint", "identity")
@@ -63,11 +67,33 @@ def task_fn(model: nn.Module) -> ModelFn:
     return fn
 
 
-def _dtype_device(model: nn.Module) -> tuple[torch.dtype, torch.device]:
-    p = next((p for p in model.parameters() if p.requires_grad), None)
-    if p is None:
-        raise ValueError("model has no trainable parameters")
-    return p.dtype, p.device
+class _InverseLink(nn.Module):
+    """``x -> likelihood.inverse_link(module(x))``: the probabilities ``p`` whose kernel FROMP
+    uses (softmax for ``"categorical"``)."""
+
+    def __init__(self, module: nn.Module, likelihood: Likelihood) -> None:
+        super().__init__()
+        self.module = module
+        self.likelihood = likelihood
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.likelihood.inverse_link(self.module(x))
+
+
+def _prob_gp(
+    module: nn.Module, likelihood: Likelihood, variance: Tensor | None, chunk_size: int
+) -> GP:
+    """The DNN2GP :class:`~fromp.gp.GP` of ``p = inverse_link(module(x))`` linearised at the
+    module's current weights, under ``Sigma = diag(variance)`` (``variance`` ``[P]``; None: the
+    identity). A zero variance is taken as the smallest positive float64 (its whitened
+    Jacobian column is then zero to working precision)."""
+    mean = flat_params(module)
+    if variance is None:
+        precision = torch.ones_like(mean)
+    else:
+        precision = variance.double().clamp_min(torch.finfo(torch.float64).tiny).reciprocal()
+    posterior = DiagonalGaussian(mean, precision.to(mean.device))
+    return GP(_InverseLink(module, likelihood), posterior, likelihood, chunk_size=chunk_size)
 
 
 def prob_jacobian(
@@ -82,89 +108,12 @@ def prob_jacobian(
 
     ``p = likelihood.inverse_link(module(x))`` (softmax probabilities for
     ``"categorical"``), so the rows are those of ``Lambda(f) J`` for the canonical links.
-    Computed with ``vmap(grad)`` over chunks of ``chunk_size`` examples; memory is
-    ``M * P`` numbers for the result.
+    Per-example Jacobians of the :class:`~fromp.gp.GP` of ``p`` (:meth:`~fromp.gp.GP.jacobians`)
+    over chunks of ``chunk_size`` examples; memory ``chunk_size * C * P`` numbers besides the
+    ``M * P`` of the result.
     """
-    lik = get_likelihood(likelihood)
-    params = trainable_params(module)
-    buffers = dict(module.named_buffers())
-
-    def p_c(prm: dict[str, Tensor], xi: Tensor) -> Tensor:
-        f = functional_call(module, (prm, buffers), (xi.unsqueeze(0),))
-        return lik.inverse_link(f)[0, output]
-
-    g = vmap(grad(p_c), in_dims=(None, 0))
-    rows = []
-    for s in range(0, len(x), chunk_size):
-        d = g(params, x[s : s + chunk_size])
-        rows.append(torch.cat([t.reshape(t.shape[0], -1) for t in d.values()], dim=1))
-    return torch.cat(rows)
-
-
-class _NotLinear(Exception):
-    """The network has trainable parameters outside ``nn.Linear`` layers (or reuses one)."""
-
-
-def _prob_jacobians_linear(
-    module: nn.Module, x: Tensor, likelihood: Likelihood
-) -> Iterator[Tensor]:
-    """Yield ``d p_c(x_m) / d w`` ``[M, P]`` for ``c = 0..C-1`` for networks whose trainable
-    parameters all sit in ``nn.Linear`` layers applied once to ``[M, in]`` inputs: the
-    per-example gradient of a linear layer is the outer product of the back-propagated
-    signal and the layer input, so one batched backward pass per output suffices."""
-    linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
-    owned = {id(p) for m in linears for p in m.parameters()}
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    if any(id(p) not in owned for _, p in named):
-        raise _NotLinear
-    store: dict[nn.Module, tuple[Tensor, Tensor]] = {}
-
-    def hook(mod: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
-        if mod in store or inputs[0].ndim != 2:
-            store["bad"] = (output, output)  # type: ignore[index]
-        store[mod] = (inputs[0].detach(), output)
-
-    handles = [m.register_forward_hook(hook) for m in linears]
-    try:
-        with torch.enable_grad():
-            p = likelihood.inverse_link(module(x))
-    finally:
-        for h in handles:
-            h.remove()
-    if "bad" in store:
-        raise _NotLinear
-    mods = [m for m in linears if m in store]
-    outs = [store[m][1] for m in mods]
-    owner = {}
-    for m in mods:
-        owner[id(m.weight)] = (m, "weight")
-        if m.bias is not None:
-            owner[id(m.bias)] = (m, "bias")
-    n_out = p.shape[1]
-    for c in range(n_out):
-        grads = torch.autograd.grad(p[:, c].sum(), outs, retain_graph=c < n_out - 1)
-        by_mod = dict(zip(mods, grads))
-        cols = []
-        for _, prm in named:
-            if id(prm) not in owner:  # a layer this head does not use
-                cols.append(x.new_zeros(len(x), prm.numel(), dtype=prm.dtype))
-                continue
-            m, kind = owner[id(prm)]
-            g = by_mod[m]
-            if kind == "weight":
-                cols.append(torch.einsum("mo,mk->mok", g, store[m][0]).reshape(len(x), -1))
-            else:
-                cols.append(g)
-        yield torch.cat(cols, dim=1)
-
-
-def _weighted_gram(a: Tensor, b: Tensor, w: Tensor, col_chunk: int = 16384) -> Tensor:
-    """``a diag(w) b^T`` in float64, chunked over the ``P`` columns: ``[Ma, Mb]``."""
-    out = torch.zeros(len(a), len(b), dtype=torch.float64, device=a.device)
-    for s in range(0, a.shape[1], col_chunk):
-        sl = slice(s, s + col_chunk)
-        out += (a[:, sl].double() * w[sl]) @ b[:, sl].double().T
-    return out
+    gp = _prob_gp(module, get_likelihood(likelihood), None, chunk_size)
+    return gp.jacobians(x)[:, output]
 
 
 @dataclass
@@ -255,35 +204,32 @@ class FROMPRegularizer:
         """The kernel of ``x`` through head ``task`` (float64, before jitter):
         ``[C, M, M]`` for ``"per_class"`` (``K_c = G_c Sigma G_c^T``, ``G_c = dp_c/dw``),
         ``[1, C M, C M]`` for ``"joint"``, an identity ``[1, C M, C M]`` for ``"identity"``.
+
+        ``K`` is the DNN2GP kernel of ``p = inverse_link(f)``:
+        ``GP(p, N(w, Sigma)).kernel(x, diagonal_outputs=True)`` (per class) or its full
+        ``[M, C, M, C]`` kernel reordered class-major (joint), computed in the model's dtype
+        and returned in float64; see :meth:`fromp.gp.GP.kernel` for cost and memory (chunks
+        of ``chunk_size`` examples, never a ``P x P`` matrix). Batch-norm and dropout layers
+        must be in eval mode.
         """
         module = with_task(model, task)
         var = self._check_variance(model, posterior_variance)
-        with torch.no_grad():
-            c_out = module(x[:1]).shape[1]
+        x = check_batch(x, "x")
         if self.kernel == "identity":
+            with torch.no_grad():
+                c_out = module(x[:1]).shape[1]
             return torch.eye(c_out * len(x), dtype=torch.float64, device=x.device).unsqueeze(0)
-        try:
-            return self._kernel_from(_prob_jacobians_linear(module, x, self.likelihood), var)
-        except _NotLinear:
-            grads = (
-                prob_jacobian(module, x, c, self.likelihood, chunk_size=self.chunk_size)
-                for c in range(c_out)
-            )
-            return self._kernel_from(grads, var)
-
-    def _kernel_from(self, grads: Iterator[Tensor], var: Tensor) -> Tensor:
+        gp = _prob_gp(module, self.likelihood, var, self.chunk_size)
         if self.kernel == "per_class":
-            return torch.stack([_weighted_gram(g, g, var) for g in grads])
-        g = torch.cat(list(grads))
-        return _weighted_gram(g, g, var).unsqueeze(0)
+            k = gp.kernel(x, diagonal_outputs=True).double()
+        else:
+            k = gp.kernel(x)  # [M, C, M, C] -> class-major [C M, C M]
+            m, c = k.shape[:2]
+            k = k.permute(1, 0, 3, 2).reshape(1, c * m, c * m).double()
+        return k if bool((var > 0).any()) else torch.zeros_like(k)  # Sigma = 0: K = 0
 
     def _check_variance(self, model: nn.Module, v: Tensor) -> Tensor:
-        p = num_params(model)
-        if not isinstance(v, Tensor) or v.shape != (p,):
-            shape = tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__
-            raise ValueError(f"posterior_variance must have shape [P]=[{p}], got {shape}")
-        if not bool(torch.isfinite(v).all()) or bool((v < 0).any()):
-            raise ValueError("posterior_variance must be finite and non-negative")
+        v = check_vector(v, num_params(model), "posterior_variance", nonnegative=True)
         return v.detach().double()
 
     def _cholesky(self, k: Tensor, what: str) -> tuple[Tensor, float]:
@@ -345,11 +291,8 @@ class FROMPRegularizer:
                 at the current parameters and ``Sigma`` (what FROMP does at the start of
                 every task: it regularises towards the latest solution ``w_t``).
         """
-        if not isinstance(x_mem, Tensor) or x_mem.ndim < 1 or len(x_mem) == 0:
-            raise ValueError("x_mem must be a non-empty [M, ...] tensor")
-        if x_mem.is_floating_point() and bool(torch.isnan(x_mem).any()):
-            raise ValueError("x_mem contains NaN values")
-        _, device = _dtype_device(model)
+        check_batch(x_mem, "x_mem")
+        device, _ = device_dtype(model)
         var = self._check_variance(model, posterior_variance)
         if update_previous:
             self.update(model, var)
@@ -482,4 +425,12 @@ class FROMPRegularizer:
         return self
 
 
-FunctionalRegularizer = FROMPRegularizer
+def __getattr__(name: str) -> object:
+    if name == "FunctionalRegularizer":  # the former name, kept for old imports
+        warnings.warn(
+            "FunctionalRegularizer is deprecated: use FROMPRegularizer",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return FROMPRegularizer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

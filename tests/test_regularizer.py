@@ -306,3 +306,13 @@ def test_prob_jacobian_and_conv_kernel_match_dense():
     for kernel in ("per_class", "joint"):
         k = FROMPRegularizer(kernel).kernel_matrix(conv, xc, None, v)
         torch.testing.assert_close(k, torch.stack(_dense_kernels(gc, v, kernel)))
+
+
+def test_former_name_is_deprecated():
+    import fromp
+    import fromp.regularizer as module
+
+    for where in (fromp, module):
+        with pytest.warns(DeprecationWarning, match="FROMPRegularizer"):
+            assert where.FunctionalRegularizer is FROMPRegularizer
+    assert "FunctionalRegularizer" not in fromp.__all__

@@ -1,0 +1,58 @@
+"""Input checks shared by the library, run before any work starts.
+
+One rule for every argument: a value of the wrong type raises ``TypeError``; a tensor of the
+wrong shape, an empty batch or non-finite entries (NaN or inf) raise ``ValueError``; every
+message names the argument and says what was expected.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["check_batch", "check_vector", "device_dtype"]
+
+
+def _require_tensor(x: object, name: str, expected: str) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a Tensor of shape {expected}, got {type(x).__name__}")
+    return x
+
+
+def _require_finite(x: Tensor, name: str) -> None:
+    if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{name} has non-finite entries (NaN or inf)")
+
+
+def check_batch(x: object, name: str = "x") -> Tensor:
+    """``x`` as a non-empty ``[N, ...]`` tensor with finite entries (returned unchanged)."""
+    x = _require_tensor(x, name, "[N, ...]")
+    if x.ndim < 1 or len(x) == 0:
+        raise ValueError(
+            f"{name} must be a non-empty [N, ...] tensor (N >= 1), got shape {tuple(x.shape)}"
+        )
+    _require_finite(x, name)
+    return x
+
+
+def check_vector(
+    v: object, size: int, name: str, *, nonnegative: bool = False, positive: bool = False
+) -> Tensor:
+    """``v`` as a finite ``[size]`` tensor (optionally ``>= 0`` or ``> 0``), returned unchanged."""
+    v = _require_tensor(v, name, f"[P]=[{size}]")
+    if v.shape != (size,):
+        raise ValueError(f"{name} must have shape [P]=[{size}], got {tuple(v.shape)}")
+    _require_finite(v, name)
+    if positive and bool((v <= 0).any()):
+        raise ValueError(f"{name} must be finite and strictly positive")
+    if nonnegative and bool((v < 0).any()):
+        raise ValueError(f"{name} must be finite and non-negative")
+    return v
+
+
+def device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
+    """Device and dtype of the first trainable parameter of ``model``."""
+    p = next((p for p in model.parameters() if p.requires_grad), None)
+    if p is None:
+        raise ValueError("model has no trainable parameters")
+    return p.device, p.dtype
