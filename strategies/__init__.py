@@ -5,7 +5,21 @@ maths to :mod:`fromp`, so it runs on any Avalanche benchmark with Avalanche's me
 loggers.
 """
 
+from strategies.benchmarks import experience_tensors, to_avalanche
+from strategies.ewc import EWC, EWCPlugin
 from strategies.fromp import FROMP, FROMPPlugin
+from strategies.vcl import VCL, VCLPlugin
 from strategies.vogn import VOGNPlugin, VOGNStrategy
 
-__all__ = ["FROMP", "FROMPPlugin", "VOGNPlugin", "VOGNStrategy"]
+__all__ = [
+    "EWC",
+    "FROMP",
+    "VCL",
+    "EWCPlugin",
+    "FROMPPlugin",
+    "VCLPlugin",
+    "VOGNPlugin",
+    "VOGNStrategy",
+    "experience_tensors",
+    "to_avalanche",
+]

@@ -33,40 +33,69 @@ from avalanche.training.plugins.evaluation import default_evaluator
 from avalanche.training.templates import SupervisedTemplate
 from torch import Tensor, nn
 
+from fromp._checks import device_dtype
 from fromp.curvature import diag_ef, diag_fisher, diag_ggn
-from fromp.jacobian import flat_params
+from fromp.jacobian import unflatten
+from fromp.likelihood import Likelihood, get_likelihood
 from fromp.models import with_task
+from strategies.benchmarks import experience_tensors
 from strategies.models import unwrap
-from strategies.vcl import dataset_tensors
 
 __all__ = ["DEFAULTS", "EWC", "EWCPlugin", "ewc_penalty"]
 
 _FISHERS = ("sampled", "empirical", "exact")
 
 
+Named = dict[str, Tensor]
+
+
 def ewc_penalty(
-    w: Tensor, anchors: list[Tensor], importances: list[Tensor], ewc_lambda: float
+    w: Tensor | Named,
+    anchors: list[Tensor] | list[Named],
+    importances: list[Tensor] | list[Named],
+    ewc_lambda: float,
 ) -> Tensor:
-    """``(lambda / 2) sum_t sum_p F_{t,p} (w_p - w*_{t,p})^2`` for flat ``w [P]``,
-    ``anchors`` and ``importances`` lists of ``[P]`` tensors (a scalar)."""
+    """``(lambda / 2) sum_t sum_p F_{t,p} (w_p - w*_{t,p})^2`` (a scalar).
+
+    ``w``, each anchor ``w*_t`` and each importance ``F_t`` are either flat ``[P]`` vectors
+    or dicts ``{parameter name: tensor}``; with dicts, a parameter that a task's importance
+    does not name (e.g. a head added after that task) gets no penalty from that task."""
     if len(anchors) != len(importances):
         raise ValueError(
             f"anchors and importances must have equal lengths, got {len(anchors)} "
             f"and {len(importances)}"
         )
-    total = w.new_zeros(())
+    terms = []
     for a, f in zip(anchors, importances):
-        total = total + (f * (w - a) ** 2).sum()
+        if isinstance(w, dict):
+            terms.append(
+                torch.cat([(f[n] * (p - a[n]) ** 2).reshape(-1) for n, p in w.items() if n in f])
+            )
+        else:
+            terms.append(f * (w - a) ** 2)
+    total = sum((t.sum() for t in terms), start=torch.zeros(()))
     return 0.5 * ewc_lambda * total
 
 
-def _flat_live(model: nn.Module) -> Tensor:
-    """The trainable parameters as one differentiable ``[P]`` vector (named_parameters order)."""
-    return torch.cat([p.reshape(-1) for p in model.parameters() if p.requires_grad])
+def _live(model: nn.Module) -> Named:
+    """The trainable parameters by name (differentiable)."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _named(model: nn.Module, value: Tensor | Named) -> Named:
+    """A flat ``[P]`` vector (the layout before names were used) or a dict, as a dict of
+    detached clones keyed by ``model``'s parameter names."""
+    if isinstance(value, Tensor):
+        value = unflatten(model, value)
+    return {n: v.detach().clone() for n, v in value.items()}
 
 
 class EWCPlugin(SupervisedPlugin):
     """EWC with a per-example Fisher diagonal (see the module docstring).
+
+    The state, anchors ``w*_t`` and importances ``F_t``, is kept per parameter name
+    (``{name: tensor}`` per task), so parameters added later (a new head) are simply not
+    penalised by the earlier tasks.
 
     Args:
         net: the fromp network inside the strategy's model (its parameters are the model's).
@@ -78,6 +107,8 @@ class EWCPlugin(SupervisedPlugin):
         max_examples: use at most this many (randomly chosen) training examples for the
             Fisher (None: all).
         chunk_size: examples per vectorised per-example-gradient call.
+        likelihood: the likelihood of the outputs (a :class:`fromp.likelihood.Likelihood`
+            or its name; ``"categorical"``: softmax and cross-entropy).
     """
 
     def __init__(
@@ -91,6 +122,7 @@ class EWCPlugin(SupervisedPlugin):
         fisher_samples: int = 1,
         max_examples: int | None = None,
         chunk_size: int = 128,
+        likelihood: str | Likelihood = "categorical",
     ) -> None:
         super().__init__()
         if ewc_lambda < 0:
@@ -109,16 +141,23 @@ class EWCPlugin(SupervisedPlugin):
         self.ewc_lambda, self.mode, self.decay_factor = float(ewc_lambda), mode, decay_factor
         self.fisher, self.fisher_samples = fisher, int(fisher_samples)
         self.max_examples, self.chunk_size = max_examples, int(chunk_size)
-        self.anchors: list[Tensor] = []  # w*_t [P]
-        self.importances: list[Tensor] = []  # F_t [P] (online: a single decayed sum)
+        self.likelihood = get_likelihood(likelihood)
+        self.anchors: list[Named] = []  # w*_t by parameter name
+        self.importances: list[Named] = []  # F_t by name (online: a single decayed sum)
         self.task_count = 0
 
     def penalty(self) -> Tensor:
         """The current penalty (scalar, differentiable in the network's parameters)."""
-        w = _flat_live(self.net)
+        w = _live(self.net)
         if not self.anchors:
-            return w.new_zeros(())
-        return ewc_penalty(w, self.anchors, self.importances, self.ewc_lambda)
+            return next(iter(w.values())).new_zeros(())
+
+        def named(v: Tensor | Named) -> Named:  # flat [P] vectors assigned by hand
+            return unflatten(self.net, v) if isinstance(v, Tensor) else v
+
+        anchors = [named(a) for a in self.anchors]
+        importances = [named(f) for f in self.importances]
+        return ewc_penalty(w, anchors, importances, self.ewc_lambda)
 
     def before_backward(self, strategy, **kwargs):
         if self.anchors and self.ewc_lambda > 0:
@@ -128,6 +167,7 @@ class EWCPlugin(SupervisedPlugin):
     def fisher_diagonal(self, x: Tensor, y: Tensor, task: int | None) -> Tensor:
         """Per-example-averaged Fisher diagonal ``[P]`` of ``(x, y)`` through head ``task``."""
         model = with_task(self.net, task)
+        lik = self.likelihood
         was_training = self.net.training
         self.net.eval()
         try:
@@ -136,47 +176,49 @@ class EWCPlugin(SupervisedPlugin):
                     f = diag_fisher(
                         model,
                         (x, y),
-                        "categorical",
+                        lik,
                         n_samples=self.fisher_samples,
                         chunk_size=self.chunk_size,
                     )
                 elif self.fisher == "empirical":
-                    f = diag_ef(model, (x, y), "categorical", chunk_size=self.chunk_size)
+                    f = diag_ef(model, (x, y), lik, chunk_size=self.chunk_size)
                 else:
-                    f = diag_ggn(model, x, "categorical", chunk_size=self.chunk_size)
+                    f = diag_ggn(model, x, lik, chunk_size=self.chunk_size)
         finally:
             self.net.train(was_training)
         return f / len(x)
 
     def after_training_exp(self, strategy, **kwargs):
-        x, y, t = dataset_tensors(strategy.experience.dataset)
+        x, y, t = experience_tensors(strategy.experience.dataset, eval_transforms=False)
         if self.max_examples is not None and len(x) > self.max_examples:
             idx = torch.randperm(len(x))[: self.max_examples]
             x, y, t = x[idx], y[idx], t[idx]
-        device = next(self.net.parameters()).device
+        device, _ = device_dtype(self.net)
         task = int(t[0]) if getattr(self.net, "n_heads", 1) > 1 else None
-        f = self.fisher_diagonal(x.to(device), y.to(device), task).detach()
-        w = flat_params(self.net).detach().clone()
+        f = _named(self.net, self.fisher_diagonal(x.to(device), y.to(device), task))
+        w = _named(self.net, _live(self.net))
         if self.mode == "separate":
             self.anchors.append(w)
             self.importances.append(f)
         else:
-            prev = self.importances[0] * self.decay_factor if self.importances else 0.0
+            prev = self.importances[0] if self.importances else {}
+            decayed = {n: v * self.decay_factor for n, v in prev.items()}
             self.anchors = [w]
-            self.importances = [prev + f]
+            self.importances = [{**decayed, **{n: decayed.get(n, 0.0) + v for n, v in f.items()}}]
         self.task_count += 1
 
     def state_dict(self) -> dict:
-        """Anchors, importances and the task counter."""
+        """Anchors and importances (``{name: tensor}`` per task), the task counter, the mode."""
         return {
-            "anchors": [a.detach().cpu().clone() for a in self.anchors],
-            "importances": [f.detach().cpu().clone() for f in self.importances],
+            "anchors": [{n: v.cpu().clone() for n, v in a.items()} for a in self.anchors],
+            "importances": [{n: v.cpu().clone() for n, v in f.items()} for f in self.importances],
             "task_count": self.task_count,
             "mode": self.mode,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what :meth:`state_dict` returned (flat ``[P]`` anchors and importances of
+        older checkpoints are read in the network's parameter order)."""
         missing = {"anchors", "importances", "task_count"} - set(state)
         if missing:
             raise ValueError(f"state is missing keys {sorted(missing)}")
@@ -184,9 +226,13 @@ class EWCPlugin(SupervisedPlugin):
             raise ValueError(
                 f"state was saved with mode={state['mode']!r}, plugin has {self.mode!r}"
             )
-        device = next(self.net.parameters()).device
-        self.anchors = [a.to(device) for a in state["anchors"]]
-        self.importances = [f.to(device) for f in state["importances"]]
+        device, _ = device_dtype(self.net)
+
+        def load(items: list) -> list[Named]:
+            return [{n: v.to(device) for n, v in _named(self.net, d).items()} for d in items]
+
+        self.anchors = load(state["anchors"])
+        self.importances = load(state["importances"])
         self.task_count = int(state["task_count"])
 
 
@@ -213,6 +259,7 @@ class EWC(SupervisedTemplate):
         fisher: str = "sampled",
         fisher_samples: int = 1,
         max_examples: int | None = None,
+        likelihood: str | Likelihood = "categorical",
     ) -> None:
         self.plugin = EWCPlugin(
             unwrap(model),
@@ -222,6 +269,7 @@ class EWC(SupervisedTemplate):
             fisher=fisher,
             fisher_samples=fisher_samples,
             max_examples=max_examples,
+            likelihood=likelihood,
         )
         super().__init__(
             model=model,

@@ -25,6 +25,7 @@ head.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -33,16 +34,16 @@ from avalanche.core import SupervisedPlugin
 from avalanche.training.plugins.evaluation import default_evaluator
 from avalanche.training.templates import SupervisedTemplate
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
 
 from fromp.curvature import diag_ggn, diag_ggn_linear
-from fromp.jacobian import num_params
+from fromp.jacobian import unflatten
 from fromp.memorable import select_memorable
 from fromp.models import with_task
 from fromp.regularizer import FROMPRegularizer
+from strategies.benchmarks import experience_tensors
 from strategies.models import unwrap
 
-__all__ = ["DEFAULTS", "FROMP", "PRESETS", "REFERENCE", "FROMPPlugin", "experience_tensors"]
+__all__ = ["DEFAULTS", "FROMP", "PRESETS", "REFERENCE", "FROMPPlugin"]
 
 _SELECT = ("descending", "ascending", "random")
 _POSTERIORS = ("ggn", "vogn")
@@ -129,6 +130,37 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+Named = dict[str, Tensor]
+
+
+def _named(net: nn.Module, value: Tensor | Named) -> Named:
+    """A flat ``[P]`` vector (in ``net``'s parameter order) or a dict as a dict of detached
+    clones by parameter name."""
+    if isinstance(value, Tensor):
+        value = unflatten(net, value.detach())
+    return {n: v.detach().clone() for n, v in value.items()}
+
+
+def _flat(value: Tensor | Named, net: nn.Module | None, fill: float) -> Tensor:
+    """``value`` (a dict by parameter name; a flat vector is returned as it is) as one ``[P]``
+    vector in ``net``'s parameter order, ``fill`` for parameters it lacks (default: the
+    dict's order)."""
+    if isinstance(value, Tensor):
+        return value
+    if net is None:
+        return torch.cat([v.reshape(-1) for v in value.values()])
+    ref = next(iter(value.values()))
+    return torch.cat(
+        [
+            value[n].reshape(-1)
+            if n in value
+            else torch.full((p.numel(),), fill, dtype=ref.dtype, device=ref.device)
+            for n, p in net.named_parameters()
+            if p.requires_grad
+        ]
+    )
+
+
 def _vogn_defaults(bench: str) -> dict[str, Any]:
     from strategies.vogn import DEFAULTS as VOGN_DEFAULTS
 
@@ -147,21 +179,6 @@ def _vogn_defaults(bench: str) -> dict[str, Any]:
 #: regulariser settings (not tuned), keyed by strategy name then benchmark as the runner's
 #: registry allows.
 DEFAULTS["fromp-vogn"] = {b: _vogn_defaults(b) for b in list(DEFAULTS)}
-
-
-def experience_tensors(dataset: Any, batch_size: int = 2048) -> tuple[Tensor, Tensor, Tensor]:
-    """All ``(x, y, task_labels)`` of an Avalanche dataset as three tensors (eval
-    transforms when the dataset has them)."""
-    if hasattr(dataset, "eval"):
-        dataset = dataset.eval()
-    xs, ys, ts = [], [], []
-    for batch in DataLoader(dataset, batch_size=batch_size, shuffle=False):
-        xs.append(batch[0])
-        ys.append(batch[1])
-        ts.append(batch[2] if len(batch) > 2 else torch.zeros_like(batch[1]))
-    if not xs:
-        raise ValueError("the experience's dataset is empty")
-    return torch.cat(xs), torch.cat(ys).long(), torch.cat(ts).long()
 
 
 class FROMPPlugin(SupervisedPlugin):
@@ -235,8 +252,10 @@ class FROMPPlugin(SupervisedPlugin):
             kernel, likelihood, jitter=jitter, chunk_size=chunk_size
         )
         self.generator = torch.Generator().manual_seed(seed)
-        # [P]: running sum of diagonal GGNs ("ggn") or the last VOGN posterior variance ("vogn")
-        self.curvature: Tensor | None = None
+        # by parameter name: running sum of the tasks' diagonal GGNs (posterior="ggn"), or
+        # the VOGN posterior variance after the last task (posterior="vogn")
+        self.ggn_sum: Named | None = None
+        self.vogn_variance: Named | None = None
         self.tasks_done = 0
         self.timings: list[dict[str, float]] = []
         self.last_penalty: float = 0.0
@@ -246,14 +265,32 @@ class FROMPPlugin(SupervisedPlugin):
     def kernel(self) -> str:
         return self.regularizer.kernel
 
-    def posterior_variance(self) -> Tensor:
-        """``Sigma`` ``[P]``: ``1 / (G + prior_precision)`` for ``posterior="ggn"``; for
-        ``"vogn"`` the variance of the VOGN posterior stored after the last task."""
-        if self.curvature is None:
+    @property
+    def curvature(self) -> Tensor | None:
+        """Deprecated: the flat ``[P]`` GGN sum (``"ggn"``) or VOGN variance (``"vogn"``);
+        use :attr:`ggn_sum` / :attr:`vogn_variance` (by parameter name) or
+        :meth:`posterior_variance`."""
+        warnings.warn(
+            "FROMPPlugin.curvature is deprecated: use ggn_sum or vogn_variance (by parameter "
+            "name) or posterior_variance()",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        state = self.vogn_variance if self.posterior == "vogn" else self.ggn_sum
+        return None if state is None else _flat(state, None, 0.0)
+
+    def posterior_variance(self, net: nn.Module | None = None) -> Tensor:
+        """``Sigma`` ``[P]``: ``1 / (G + prior_precision)`` for ``posterior="ggn"`` (``G``
+        the running GGN sum); for ``"vogn"`` the variance of the VOGN posterior stored after
+        the last task. In ``net``'s parameter order when given (a parameter added since, e.g.
+        a new head, gets the prior variance ``1 / prior_precision``), else in the order the
+        state was stored."""
+        state = self.vogn_variance if self.posterior == "vogn" else self.ggn_sum
+        if state is None:
             raise RuntimeError("no task has been learnt yet")
         if self.posterior == "vogn":
-            return self.curvature
-        return 1.0 / (self.curvature + self.prior_precision)
+            return _flat(state, net, 1.0 / self.prior_precision)
+        return 1.0 / (_flat(state, net, 0.0) + self.prior_precision)
 
     def penalty(self, net: nn.Module) -> Tensor:
         """``R(w)`` on the memorable past (eval mode for the forward passes)."""
@@ -302,16 +339,20 @@ class FROMPPlugin(SupervisedPlugin):
             )
             t1 = time.perf_counter()
             if posterior_variance is not None:
-                self.curvature = posterior_variance.detach().to(device).clone()
+                self.vogn_variance = _named(net, posterior_variance.to(device))
             else:
                 xc, scale = x, 1.0
                 if self.curvature_examples is not None and self.curvature_examples < len(x):
                     sub = torch.randperm(len(x), generator=self.generator)
                     xc, scale = x[sub[: self.curvature_examples]], len(x) / self.curvature_examples
-                ggn = scale * self._diag_ggn(head, xc, device)
-                self.curvature = ggn if self.curvature is None else self.curvature + ggn
+                ggn = _named(net, scale * self._diag_ggn(head, xc, device))
+                if self.ggn_sum is not None:
+                    old = _named(net, self.ggn_sum)  # by name: new parameters start at 0
+                    ggn = {n: old[n] + g if n in old else g for n, g in ggn.items()}
+                self.ggn_sum = ggn
             t2 = time.perf_counter()
-            self.regularizer.add_task(net, x[idx].to(device), task, self.posterior_variance())
+            variance = self.posterior_variance(net)
+            self.regularizer.add_task(net, x[idx].to(device), task, variance)
             t3 = time.perf_counter()
         finally:
             net.train(was_training)
@@ -347,8 +388,6 @@ class FROMPPlugin(SupervisedPlugin):
         exp = strategy.experience
         x, y, t = experience_tensors(exp.dataset)
         net = unwrap(strategy.model)
-        if self.curvature is not None and self.curvature.numel() != num_params(net):
-            raise RuntimeError("the model's number of parameters changed between experiences")
         tasks = t.unique()
         if len(tasks) != 1:
             raise ValueError(f"an experience must hold one task label, got {tasks.tolist()}")
@@ -373,7 +412,8 @@ class FROMPPlugin(SupervisedPlugin):
             "grad_clip_norm": self.grad_clip_norm,
             "posterior": self.posterior,
             "curvature_examples": self.curvature_examples,
-            "curvature": self.curvature,
+            "ggn_sum": self.ggn_sum,
+            "vogn_variance": self.vogn_variance,
             "regularizer": self.regularizer.state_dict(),
             "tasks_done": self.tasks_done,
             "generator": self.generator.get_state(),
@@ -394,7 +434,12 @@ class FROMPPlugin(SupervisedPlugin):
         ):
             if key in state:
                 setattr(self, key, state[key])
-        self.curvature = state.get("curvature")
+        self.ggn_sum, self.vogn_variance = state.get("ggn_sum"), state.get("vogn_variance")
+        if "curvature" in state:  # flat [P] state of older checkpoints
+            if self.posterior == "vogn":
+                self.vogn_variance = state["curvature"]
+            else:
+                self.ggn_sum = state["curvature"]
         self.regularizer.load_state_dict(state["regularizer"])
         if "generator" in state:
             self.generator.set_state(state["generator"])
@@ -435,6 +480,7 @@ class FROMP(SupervisedTemplate):
         posterior: str = "ggn",
         curvature_examples: int | None = None,
         chunk_size: int = 64,
+        likelihood: str = "categorical",
         seed: int = 0,
         vogn_continual: bool = True,
         **base_kwargs: Any,
@@ -462,6 +508,7 @@ class FROMP(SupervisedTemplate):
             posterior=posterior,
             curvature_examples=curvature_examples,
             chunk_size=chunk_size,
+            likelihood=likelihood,
             seed=seed,
         )
         super().__init__(

@@ -36,26 +36,32 @@ from avalanche.training.plugins import SupervisedPlugin
 from avalanche.training.plugins.evaluation import default_evaluator
 from avalanche.training.templates import SupervisedTemplate
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
 
 from fromp.bayesian import BayesLayer, BayesMultiHeadModel, to_bayesian
 from fromp.coreset import select_coreset
+from strategies.benchmarks import experience_tensors
 from strategies.models import as_avalanche_model, unwrap
 
-__all__ = ["DEFAULTS", "VCL", "VCLPlugin", "dataset_tensors"]
+__all__ = ["DEFAULTS", "VCL", "VCLPlugin"]
 
 
-def dataset_tensors(dataset, batch_size: int = 2048) -> tuple[Tensor, Tensor, Tensor]:
-    """All ``(x, y, task_labels)`` of an Avalanche dataset as tensors (in dataset order)."""
-    collate = getattr(dataset, "collate_fn", None)
-    xs, ys, ts = [], [], []
-    for batch in DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collate):
-        xs.append(batch[0])
-        ys.append(batch[1])
-        ts.append(batch[-1])
-    if not xs:
-        raise ValueError("dataset is empty")
-    return torch.cat(xs), torch.cat(ys), torch.cat(ts)
+def __getattr__(name: str) -> object:
+    if name == "dataset_tensors":  # the former name of strategies.benchmarks.experience_tensors
+        import warnings
+
+        warnings.warn(
+            "strategies.vcl.dataset_tensors is deprecated: use "
+            "strategies.benchmarks.experience_tensors",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return _train_tensors
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _train_tensors(dataset, batch_size: int = 2048) -> tuple[Tensor, Tensor, Tensor]:
+    """``(x, y, task_labels)`` of ``dataset`` with its own (training) transforms."""
+    return experience_tensors(dataset, batch_size, eval_transforms=False)
 
 
 def _head_arg(task_labels: Tensor, net: nn.Module):
@@ -167,13 +173,13 @@ class VCLPlugin(SupervisedPlugin):
                 f"{len(ds)} training examples"
             )
         if self.coreset_method == "kcenter":
-            x, y, _ = dataset_tensors(ds)
+            x, y, _ = _train_tensors(ds)
             idx = select_coreset(x, self.coreset_size, "kcenter")
             cx, cy = x[idx], y[idx]
         else:
             g = torch.Generator().manual_seed(self.seed * 1000 + self.task_count)
             idx = select_coreset(torch.empty(len(ds), 0), self.coreset_size, "random", g)
-            cx, cy, _ = dataset_tensors(ds.subset(idx.tolist()))
+            cx, cy, _ = _train_tensors(ds.subset(idx.tolist()))
         keep = torch.ones(len(ds), dtype=torch.bool)
         keep[idx] = False
         strategy.adapted_dataset = ds.subset(torch.nonzero(keep).flatten().tolist())
@@ -184,7 +190,7 @@ class VCLPlugin(SupervisedPlugin):
         self.n_train = len(strategy.adapted_dataset)
         epochs = strategy.train_epochs if self.ml_init_epochs is None else self.ml_init_epochs
         if self.task_count == 0 and epochs > 0:
-            x, y, _ = dataset_tensors(strategy.adapted_dataset)
+            x, y, _ = _train_tensors(strategy.adapted_dataset)
             self._ml_fit(strategy, x, y, epochs)
 
     def _ml_fit(self, strategy, x: Tensor, y: Tensor, epochs: int) -> None:

@@ -188,3 +188,55 @@ def test_ewc_nondefault_settings_survive_a_checkpoint():
     assert plugin.penalty().item() > 0
     with pytest.raises(ValueError, match="mode"):
         EWCPlugin(net, 4.0).load_state_dict(plugin.state_dict())
+
+
+def _add_head(net: MultiHeadMLP) -> None:
+    torch.manual_seed(5)
+    net.heads.append(torch.nn.Linear(net.heads[0].in_features, net.head_size).double())
+    net.n_heads += 1
+
+
+def test_fromp_and_ewc_state_survive_a_new_head():
+    """State is keyed by parameter name: a head added after two tasks (a network grown per
+    task) leaves the stored state valid; the new head starts at zero GGN / no EWC penalty."""
+    stream, net = _stream(), _net(n_heads=2)
+    fromp = FROMPPlugin(tau=1.0, n_points=4, prior_precision=0.5)
+    ewc = EWCPlugin(net, 2.0, fisher="exact")
+    for x, y, t in stream[:2]:
+        _move(net, seed=1000 + t)
+        fromp.learn_task(net, x, y, t)
+        ewc.after_training_exp(_fake_strategy(net, x, y, t))
+    g_before = {n: v.clone() for n, v in fromp.ggn_sum.items()}
+    ewc_before = ewc.penalty().item()
+    _add_head(net)
+    assert ewc.penalty().item() == pytest.approx(ewc_before, rel=1e-12)  # new head: no term
+    var = fromp.posterior_variance(net)
+    assert var.numel() == sum(p.numel() for p in net.parameters())
+    assert torch.all(var[-sum(p.numel() for p in net.heads[2].parameters()) :] == 1 / 0.5)
+    x, y, t = stream[2]
+    fromp.learn_task(net, x, y, t)
+    ewc.after_training_exp(_fake_strategy(net, x, y, t))
+    new = diag_ggn(with_task(net, 2), x, "categorical")
+    from fromp.jacobian import unflatten
+
+    new = unflatten(net, new)
+    for n, v in fromp.ggn_sum.items():
+        want = g_before[n] + new[n] if n in g_before else new[n]
+        torch.testing.assert_close(v, want, rtol=1e-12, atol=0)
+    assert [m.task for m in fromp.regularizer.memories] == [0, 1, 2]
+    assert len(ewc.anchors) == 3 and "heads.2.weight" in ewc.importances[2]
+    assert "heads.2.weight" not in ewc.importances[0]
+
+
+def test_strategy_package_exports_and_fromp_likelihood():
+    import strategies
+    from strategies.fromp import FROMP
+
+    for name in ("EWC", "VCL", "FROMP", "VOGNStrategy", "experience_tensors"):
+        assert name in strategies.__all__ and hasattr(strategies, name)
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    strategy = FROMP(model=net, optimizer=opt, evaluator=None, likelihood="bernoulli")
+    assert strategy.plugin.regularizer.likelihood.name == "bernoulli"
+    ewc = strategies.EWC(model=net, optimizer=opt, evaluator=None, likelihood="bernoulli")
+    assert ewc.plugin.likelihood.name == "bernoulli"
