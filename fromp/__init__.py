@@ -110,12 +110,7 @@ __all__ = [  # noqa: RUF022 (grouped by topic, sorted within each group)
 
 def __getattr__(name: str) -> object:
     if name == "FunctionalRegularizer":  # the former name of FROMPRegularizer
-        import warnings
+        from fromp.regularizer import _former_name
 
-        warnings.warn(
-            "FunctionalRegularizer is deprecated: use FROMPRegularizer",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return FROMPRegularizer
+        return _former_name(stacklevel=2)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

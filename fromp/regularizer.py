@@ -425,12 +425,17 @@ class FROMPRegularizer:
         return self
 
 
+def _former_name(stacklevel: int = 2) -> type[FROMPRegularizer]:
+    """``FunctionalRegularizer``, the former name of :class:`FROMPRegularizer` (deprecated)."""
+    warnings.warn(
+        "FunctionalRegularizer is deprecated: use FROMPRegularizer",
+        DeprecationWarning,
+        stacklevel=stacklevel + 1,
+    )
+    return FROMPRegularizer
+
+
 def __getattr__(name: str) -> object:
-    if name == "FunctionalRegularizer":  # the former name, kept for old imports
-        warnings.warn(
-            "FunctionalRegularizer is deprecated: use FROMPRegularizer",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return FROMPRegularizer
+    if name == "FunctionalRegularizer":
+        return _former_name(stacklevel=2)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

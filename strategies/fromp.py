@@ -35,8 +35,9 @@ from avalanche.training.plugins.evaluation import default_evaluator
 from avalanche.training.templates import SupervisedTemplate
 from torch import Tensor, nn
 
+from fromp._checks import check_batch, check_vector, device_dtype
 from fromp.curvature import diag_ggn, diag_ggn_linear
-from fromp.jacobian import unflatten
+from fromp.jacobian import num_params, unflatten
 from fromp.memorable import select_memorable
 from fromp.models import with_task
 from fromp.regularizer import FROMPRegularizer
@@ -315,9 +316,12 @@ class FROMPPlugin(SupervisedPlugin):
         head. Returns the wall times of the three steps (seconds)."""
         if (posterior_variance is None) != (self.posterior == "ggn"):
             raise ValueError("posterior_variance must be given iff posterior='vogn'")
+        check_batch(x, "x")
+        if posterior_variance is not None:
+            check_vector(posterior_variance, num_params(net), "posterior_variance", positive=True)
         was_training = net.training
         net.eval()
-        device = next(net.parameters()).device
+        device, _ = device_dtype(net)
         head = with_task(net, task)
         try:
             t0 = time.perf_counter()

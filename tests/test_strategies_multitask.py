@@ -240,3 +240,19 @@ def test_strategy_package_exports_and_fromp_likelihood():
     assert strategy.plugin.regularizer.likelihood.name == "bernoulli"
     ewc = strategies.EWC(model=net, optimizer=opt, evaluator=None, likelihood="bernoulli")
     assert ewc.plugin.likelihood.name == "bernoulli"
+
+
+def test_learn_task_checks_its_inputs_first():
+    stream, net = _stream(), _net()
+    x, y, _ = stream[0]
+    plugin = FROMPPlugin(n_points=4)
+    with pytest.raises(TypeError, match="x must be a Tensor"):
+        plugin.learn_task(net, x.tolist(), y, 0)
+    bad = x.clone()
+    bad[0, 0] = float("inf")
+    with pytest.raises(ValueError, match="x has non-finite"):
+        plugin.learn_task(net, bad, y, 0)
+    vogn = FROMPPlugin(n_points=4, posterior="vogn")
+    with pytest.raises(ValueError, match=r"posterior_variance must have shape \[P\]"):
+        vogn.learn_task(net, x, y, 0, torch.ones(3, dtype=D))
+    assert plugin.tasks_done == 0 and vogn.tasks_done == 0
