@@ -147,7 +147,7 @@ class FROMPRegularizer:
         max_tries: when the Cholesky factorisation fails, the jitter is multiplied by 10
             (from at least ``1e-10 * mean(diag K)``) up to this many times, with a warning;
             a ``RuntimeError`` is raised if it still fails.
-        chunk_size: examples per ``vmap(grad)`` call when computing kernels.
+        chunk_size: examples per Jacobian chunk when computing kernels (``GP.kernel``).
 
     Example:
         >>> import torch
@@ -159,7 +159,7 @@ class FROMPRegularizer:
         >>> float(reg.penalty(net).detach())  # zero at the weights the targets were taken at
         0.0
         >>> with torch.no_grad():
-        ...     _ = net[2].bias.add_(0.5)
+        ...     _ = net[2].bias[0].add_(1.0)  # the weights move: class 0 gains
         >>> bool(reg.penalty(net) > 0)  # while training: loss = loss + tau * penalty
         True
     """

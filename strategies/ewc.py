@@ -27,10 +27,10 @@ when ``lambda = 2 * lambda_av / B``, e.g. Avalanche's ``lambda_av = 1e4`` with b
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from avalanche.training.plugins import SupervisedPlugin
-from avalanche.training.plugins.evaluation import default_evaluator
-from avalanche.training.templates import SupervisedTemplate
 from torch import Tensor, nn
 
 from fromp._checks import device_dtype
@@ -40,6 +40,7 @@ from fromp.likelihood import Likelihood, get_likelihood
 from fromp.models import with_task
 from strategies.benchmarks import experience_tensors
 from strategies.models import unwrap
+from strategies.template import MethodStrategy
 
 __all__ = ["DEFAULTS", "EWC", "EWCPlugin", "ewc_penalty"]
 
@@ -236,23 +237,16 @@ class EWCPlugin(SupervisedPlugin):
         self.task_count = int(state["task_count"])
 
 
-class EWC(SupervisedTemplate):
-    """EWC with a per-example Fisher as an Avalanche strategy (keyword arguments of
-    :class:`EWCPlugin` besides the standard ones)."""
+class EWC(MethodStrategy):
+    """EWC with a per-example Fisher as an Avalanche strategy: the keyword arguments of
+    :class:`EWCPlugin`, and Avalanche's template arguments (``criterion``,
+    ``train_mb_size``, ...) as in :class:`strategies.template.MethodStrategy`."""
 
     def __init__(
         self,
         *,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        criterion: nn.Module | None = None,
-        train_mb_size: int = 128,
-        train_epochs: int = 1,
-        eval_mb_size: int = 1000,
-        device: str | torch.device = "cpu",
-        plugins: list | None = None,
-        evaluator=default_evaluator,
-        eval_every: int = -1,
         ewc_lambda: float = 100.0,
         mode: str = "separate",
         decay_factor: float = 1.0,
@@ -260,8 +254,9 @@ class EWC(SupervisedTemplate):
         fisher_samples: int = 1,
         max_examples: int | None = None,
         likelihood: str | Likelihood = "categorical",
+        **template_kwargs: Any,
     ) -> None:
-        self.plugin = EWCPlugin(
+        plugin = EWCPlugin(
             unwrap(model),
             ewc_lambda,
             mode=mode,
@@ -272,16 +267,10 @@ class EWC(SupervisedTemplate):
             likelihood=likelihood,
         )
         super().__init__(
+            [plugin],
             model=model,
             optimizer=optimizer,
-            criterion=criterion if criterion is not None else nn.CrossEntropyLoss(),
-            train_mb_size=train_mb_size,
-            train_epochs=train_epochs,
-            eval_mb_size=eval_mb_size,
-            device=device,
-            plugins=[self.plugin, *(plugins or [])],
-            evaluator=evaluator,
-            eval_every=eval_every,
+            **template_kwargs,
         )
 
 

@@ -26,13 +26,10 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from avalanche.core import SupervisedPlugin
-from avalanche.training.plugins.evaluation import default_evaluator
-from avalanche.training.templates import SupervisedTemplate
 from torch import Tensor, nn
 
 from fromp._checks import check_batch, check_vector, device_dtype
@@ -43,6 +40,7 @@ from fromp.models import with_task
 from fromp.regularizer import FROMPRegularizer
 from strategies.benchmarks import experience_tensors
 from strategies.models import unwrap
+from strategies.template import MethodStrategy
 
 __all__ = ["DEFAULTS", "FROMP", "PRESETS", "REFERENCE", "FROMPPlugin"]
 
@@ -450,12 +448,14 @@ class FROMPPlugin(SupervisedPlugin):
         self.timings = list(state.get("timings", []))
 
 
-class FROMP(SupervisedTemplate):
+class FROMP(MethodStrategy):
     """FROMP strategy: Avalanche's supervised template with a :class:`FROMPPlugin`.
 
     ``model`` is an Avalanche model wrapping a :mod:`fromp` model
     (:func:`strategies.models.as_avalanche_model`). Method keyword arguments are those of
     :class:`FROMPPlugin`; :data:`DEFAULTS` holds the reference settings per benchmark.
+    Avalanche's template arguments (``criterion``, ``train_mb_size``, ...) are those of
+    :class:`strategies.template.MethodStrategy`.
     With ``posterior="vogn"`` the optimizer must be a :class:`fromp.optim.VOGN`; a
     :class:`strategies.vogn.VOGNPlugin` drives it (``vogn_continual``: the task's posterior
     becomes the next task's prior, naive continual VOGN, as in that plugin).
@@ -466,14 +466,6 @@ class FROMP(SupervisedTemplate):
         *,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        criterion: nn.Module | Callable | None = None,
-        train_mb_size: int = 128,
-        train_epochs: int = 1,
-        eval_mb_size: int | None = 1000,
-        device: str | torch.device = "cpu",
-        plugins: list[Any] | None = None,
-        evaluator: Any = default_evaluator,
-        eval_every: int = -1,
         tau: float = 10.0,
         n_points: int = 40,
         kernel: str = "per_class",
@@ -487,7 +479,7 @@ class FROMP(SupervisedTemplate):
         likelihood: str = "categorical",
         seed: int = 0,
         vogn_continual: bool = True,
-        **base_kwargs: Any,
+        **template_kwargs: Any,
     ) -> None:
         extra: list[Any] = []
         if posterior == "vogn":
@@ -501,7 +493,7 @@ class FROMP(SupervisedTemplate):
             # after the FROMP plugin, so that FROMP reads the task's posterior before VOGN
             # turns it into the next prior
             extra.append(VOGNPlugin(optimizer, continual=vogn_continual))
-        self.plugin = FROMPPlugin(
+        plugin = FROMPPlugin(
             tau,
             n_points,
             kernel=kernel,
@@ -516,15 +508,8 @@ class FROMP(SupervisedTemplate):
             seed=seed,
         )
         super().__init__(
+            [plugin, *extra],
             model=model,
             optimizer=optimizer,
-            criterion=nn.CrossEntropyLoss() if criterion is None else criterion,
-            train_mb_size=train_mb_size,
-            train_epochs=train_epochs,
-            eval_mb_size=eval_mb_size,
-            device=device,
-            plugins=[self.plugin, *extra, *(plugins or [])],
-            evaluator=evaluator,
-            eval_every=eval_every,
-            **base_kwargs,
+            **template_kwargs,
         )

@@ -29,18 +29,18 @@ plugin and in the network, and is returned by :meth:`VCLPlugin.state_dict`.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from avalanche.training.plugins import SupervisedPlugin
-from avalanche.training.plugins.evaluation import default_evaluator
-from avalanche.training.templates import SupervisedTemplate
 from torch import Tensor, nn
 
 from fromp.bayesian import BayesLayer, BayesMultiHeadModel, to_bayesian
 from fromp.coreset import select_coreset
 from strategies.benchmarks import experience_tensors
 from strategies.models import as_avalanche_model, unwrap
+from strategies.template import MethodStrategy
 
 __all__ = ["DEFAULTS", "VCL", "VCLPlugin"]
 
@@ -295,7 +295,7 @@ class VCLPlugin(SupervisedPlugin):
         self.seed = int(state.get("seed", self.seed))
 
 
-class VCL(SupervisedTemplate):
+class VCL(MethodStrategy):
     """VCL (``coreset_size=0``) and VCL + coreset as an Avalanche strategy.
 
     ``model`` is an Avalanche model around a fromp ``MultiHeadModel`` (converted to mean-field
@@ -308,7 +308,9 @@ class VCL(SupervisedTemplate):
     standard deviations, as in the VCL reference code (None keeps the given weights): the
     prior's absolute precision (``1 / exp(init_logvar)``) protects weights of that scale.
     Adam's state is reset at the start of every task (a fresh optimizer per task, as in the
-    reference code). Other keyword arguments are those of :class:`VCLPlugin`.
+    reference code). Other keyword arguments are those of :class:`VCLPlugin` and Avalanche's
+    template arguments (``criterion``, ``train_mb_size``, ...) as in
+    :class:`strategies.template.MethodStrategy`.
     """
 
     def __init__(
@@ -316,14 +318,6 @@ class VCL(SupervisedTemplate):
         *,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        criterion: nn.Module | None = None,
-        train_mb_size: int = 128,
-        train_epochs: int = 1,
-        eval_mb_size: int = 1000,
-        device: str | torch.device = "cpu",
-        plugins: list | None = None,
-        evaluator=default_evaluator,
-        eval_every: int = -1,
         train_samples: int = 10,
         test_samples: int = 100,
         ml_init_epochs: int | None = None,
@@ -337,6 +331,7 @@ class VCL(SupervisedTemplate):
         init_logvar: float = -6.0,
         mean_init_std: float | None = 0.1,
         seed: int | None = None,
+        **template_kwargs: Any,
     ) -> None:
         net = unwrap(model)
         if not isinstance(net, BayesMultiHeadModel):
@@ -353,7 +348,7 @@ class VCL(SupervisedTemplate):
                 )
             optimizer.param_groups[0]["params"] = list(model.parameters())
             optimizer.state = defaultdict(dict)
-        self.plugin = VCLPlugin(
+        plugin = VCLPlugin(
             net,
             train_samples=train_samples,
             test_samples=test_samples,
@@ -367,16 +362,10 @@ class VCL(SupervisedTemplate):
             seed=seed,
         )
         super().__init__(
+            [plugin],
             model=model,
             optimizer=optimizer,
-            criterion=criterion if criterion is not None else nn.CrossEntropyLoss(),
-            train_mb_size=train_mb_size,
-            train_epochs=train_epochs,
-            eval_mb_size=eval_mb_size,
-            device=device,
-            plugins=[self.plugin, *(plugins or [])],
-            evaluator=evaluator,
-            eval_every=eval_every,
+            **template_kwargs,
         )
         self._mc_logits: Tensor | None = None
 

@@ -45,14 +45,13 @@ from typing import Any
 
 import torch
 from avalanche.training.plugins import SupervisedPlugin
-from avalanche.training.plugins.evaluation import default_evaluator
-from avalanche.training.templates import SupervisedTemplate
 from torch import Tensor, nn
 
 from fromp.models import with_task
 from fromp.optim.vogn import VOGN, LayerCapture, per_example_grad_stats
 from fromp.posterior import DiagonalGaussian
 from strategies.models import unwrap
+from strategies.template import MethodStrategy
 
 __all__ = ["DEFAULTS", "VOGNPlugin", "VOGNStrategy", "minibatch_curvature"]
 
@@ -214,7 +213,7 @@ class VOGNPlugin(SupervisedPlugin):
         self.continual = bool(state.get("continual", self.continual))
 
 
-class VOGNStrategy(SupervisedTemplate):
+class VOGNStrategy(MethodStrategy):
     """Naive continual VOGN: each experience is fitted by VOGN with the previous posterior
     as the prior (multi-head through the task labels, or single-head).
 
@@ -225,6 +224,8 @@ class VOGNStrategy(SupervisedTemplate):
     Args:
         continual: make the posterior the next prior (False: the prior stays the initial one).
         reuse_forward: see :class:`VOGNPlugin`.
+        **template_kwargs: Avalanche's template arguments (``criterion``, ``train_mb_size``,
+            ...), as in :class:`strategies.template.MethodStrategy`.
     """
 
     def __init__(
@@ -232,16 +233,9 @@ class VOGNStrategy(SupervisedTemplate):
         *,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        criterion: nn.Module | None = None,
-        train_mb_size: int = 128,
-        train_epochs: int = 1,
-        eval_mb_size: int = 1000,
-        device: str | torch.device = "cpu",
-        plugins: list | None = None,
-        evaluator=default_evaluator,
-        eval_every: int = -1,
         continual: bool = True,
         reuse_forward: bool = True,
+        **template_kwargs: Any,
     ) -> None:
         if not isinstance(optimizer, VOGN):
             raise TypeError(
@@ -251,18 +245,12 @@ class VOGNStrategy(SupervisedTemplate):
         model_ids = [id(p) for p in model.parameters() if p.requires_grad]
         if opt_ids != set(model_ids):
             raise ValueError("optimizer must hold exactly the model's trainable parameters")
-        self.plugin = VOGNPlugin(optimizer, continual=continual, reuse_forward=reuse_forward)
+        plugin = VOGNPlugin(optimizer, continual=continual, reuse_forward=reuse_forward)
         super().__init__(
+            [plugin],
             model=model,
             optimizer=optimizer,
-            criterion=nn.CrossEntropyLoss() if criterion is None else criterion,
-            train_mb_size=train_mb_size,
-            train_epochs=train_epochs,
-            eval_mb_size=eval_mb_size,
-            device=device,
-            plugins=[self.plugin, *(plugins or [])],
-            evaluator=evaluator,
-            eval_every=eval_every,
+            **template_kwargs,
         )
 
 
