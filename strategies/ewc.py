@@ -267,7 +267,7 @@ class EWC(MethodStrategy):
             likelihood=likelihood,
         )
         super().__init__(
-            [plugin],
+            method_plugins=[plugin],
             model=model,
             optimizer=optimizer,
             **template_kwargs,

@@ -508,7 +508,7 @@ class FROMP(MethodStrategy):
             seed=seed,
         )
         super().__init__(
-            [plugin, *extra],
+            method_plugins=[plugin, *extra],
             model=model,
             optimizer=optimizer,
             **template_kwargs,

@@ -33,8 +33,8 @@ class MethodStrategy(SupervisedTemplate):
 
     def __init__(
         self,
-        method_plugins: Sequence[Any],
         *,
+        method_plugins: Sequence[Any],
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         criterion: nn.Module | Callable | None = None,

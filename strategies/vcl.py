@@ -362,7 +362,7 @@ class VCL(MethodStrategy):
             seed=seed,
         )
         super().__init__(
-            [plugin],
+            method_plugins=[plugin],
             model=model,
             optimizer=optimizer,
             **template_kwargs,

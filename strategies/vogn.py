@@ -247,7 +247,7 @@ class VOGNStrategy(MethodStrategy):
             raise ValueError("optimizer must hold exactly the model's trainable parameters")
         plugin = VOGNPlugin(optimizer, continual=continual, reuse_forward=reuse_forward)
         super().__init__(
-            [plugin],
+            method_plugins=[plugin],
             model=model,
             optimizer=optimizer,
             **template_kwargs,
