@@ -94,6 +94,14 @@ def select_memorable(
         ``LongTensor [len(classes) * n_per_class]`` of indices into ``x``, grouped by class
         in the order of ``classes``, each group in rank order.
 
+    Example:
+        >>> import torch
+        >>> net = torch.nn.Linear(2, 3)
+        >>> x, y = torch.randn(30, 2), torch.arange(30) % 3
+        >>> idx = select_memorable(net, x, y, n_per_class=4)
+        >>> idx.shape, bool((y[idx] == torch.arange(3).repeat_interleave(4)).all())
+        (torch.Size([12]), True)
+
     Raises:
         TypeError: ``x`` or ``y`` not a tensor.
         ValueError: empty data, NaN/inf inputs, mismatched ``y``, unknown ``order``, or a class
