@@ -203,7 +203,8 @@ class FROMPPlugin(SupervisedPlugin):
         curvature_examples: use at most this many (random) training examples of a task for
             its GGN, rescaled to the task size (None: all, as in the paper).
         chunk_size: examples per Jacobian chunk for the GGN and kernels.
-        likelihood: ``"categorical"`` (softmax heads).
+        likelihood: the likelihood's name (``"categorical"``: softmax heads), for the
+            memorability scores, the GGN and the kernels' ``p = inverse_link(f)``.
         seed: seeds the generator for ``select="random"`` and ``curvature_examples``.
     """
 
