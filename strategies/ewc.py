@@ -39,15 +39,12 @@ from fromp.jacobian import unflatten
 from fromp.likelihood import Likelihood, get_likelihood
 from fromp.models import with_task
 from strategies.benchmarks import experience_tensors
-from strategies.models import unwrap
+from strategies.models import Named, by_name, unwrap
 from strategies.template import MethodStrategy
 
 __all__ = ["DEFAULTS", "EWC", "EWCPlugin", "ewc_penalty"]
 
 _FISHERS = ("sampled", "empirical", "exact")
-
-
-Named = dict[str, Tensor]
 
 
 def ewc_penalty(
@@ -81,14 +78,6 @@ def ewc_penalty(
 def _live(model: nn.Module) -> Named:
     """The trainable parameters by name (differentiable)."""
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
-
-
-def _named(model: nn.Module, value: Tensor | Named) -> Named:
-    """A flat ``[P]`` vector (the layout before names were used) or a dict, as a dict of
-    detached clones keyed by ``model``'s parameter names."""
-    if isinstance(value, Tensor):
-        value = unflatten(model, value)
-    return {n: v.detach().clone() for n, v in value.items()}
 
 
 class EWCPlugin(SupervisedPlugin):
@@ -196,8 +185,8 @@ class EWCPlugin(SupervisedPlugin):
             x, y, t = x[idx], y[idx], t[idx]
         device, _ = device_dtype(self.net)
         task = int(t[0]) if getattr(self.net, "n_heads", 1) > 1 else None
-        f = _named(self.net, self.fisher_diagonal(x.to(device), y.to(device), task))
-        w = _named(self.net, _live(self.net))
+        f = by_name(self.net, self.fisher_diagonal(x.to(device), y.to(device), task))
+        w = by_name(self.net, _live(self.net))
         if self.mode == "separate":
             self.anchors.append(w)
             self.importances.append(f)
@@ -230,7 +219,7 @@ class EWCPlugin(SupervisedPlugin):
         device, _ = device_dtype(self.net)
 
         def load(items: list) -> list[Named]:
-            return [{n: v.to(device) for n, v in _named(self.net, d).items()} for d in items]
+            return [{n: v.to(device) for n, v in by_name(self.net, d).items()} for d in items]
 
         self.anchors = load(state["anchors"])
         self.importances = load(state["importances"])

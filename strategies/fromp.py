@@ -34,12 +34,12 @@ from torch import Tensor, nn
 
 from fromp._checks import check_batch, check_vector, device_dtype
 from fromp.curvature import diag_ggn, diag_ggn_linear
-from fromp.jacobian import num_params, unflatten
+from fromp.jacobian import num_params
 from fromp.memorable import select_memorable
 from fromp.models import with_task
 from fromp.regularizer import FROMPRegularizer
 from strategies.benchmarks import experience_tensors
-from strategies.models import unwrap
+from strategies.models import Named, by_name, unwrap
 from strategies.template import MethodStrategy
 
 __all__ = ["DEFAULTS", "FROMP", "PRESETS", "REFERENCE", "FROMPPlugin"]
@@ -127,17 +127,6 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "kwargs": {**REFERENCE["split-mnist"]["kwargs"], "n_points": 200},
     },
 }
-
-
-Named = dict[str, Tensor]
-
-
-def _named(net: nn.Module, value: Tensor | Named) -> Named:
-    """A flat ``[P]`` vector (in ``net``'s parameter order) or a dict as a dict of detached
-    clones by parameter name."""
-    if isinstance(value, Tensor):
-        value = unflatten(net, value.detach())
-    return {n: v.detach().clone() for n, v in value.items()}
 
 
 def _flat(value: Tensor | Named, net: nn.Module | None, fill: float) -> Tensor:
@@ -342,15 +331,15 @@ class FROMPPlugin(SupervisedPlugin):
             )
             t1 = time.perf_counter()
             if posterior_variance is not None:
-                self.vogn_variance = _named(net, posterior_variance.to(device))
+                self.vogn_variance = by_name(net, posterior_variance.to(device))
             else:
                 xc, scale = x, 1.0
                 if self.curvature_examples is not None and self.curvature_examples < len(x):
                     sub = torch.randperm(len(x), generator=self.generator)
                     xc, scale = x[sub[: self.curvature_examples]], len(x) / self.curvature_examples
-                ggn = _named(net, scale * self._diag_ggn(head, xc, device))
+                ggn = by_name(net, scale * self._diag_ggn(head, xc, device))
                 if self.ggn_sum is not None:
-                    old = _named(net, self.ggn_sum)  # by name: new parameters start at 0
+                    old = by_name(net, self.ggn_sum)  # by name: new parameters start at 0
                     ggn = {n: old[n] + g if n in old else g for n, g in ggn.items()}
                 self.ggn_sum = ggn
             t2 = time.perf_counter()
