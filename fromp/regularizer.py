@@ -110,7 +110,7 @@ def prob_jacobian(
     ``"categorical"``), so the rows are those of ``Lambda(f) J`` for the canonical links.
     Per-example Jacobians of the :class:`~fromp.gp.GP` of ``p`` (:meth:`~fromp.gp.GP.jacobians`)
     over chunks of ``chunk_size`` examples; memory ``chunk_size * C * P`` numbers besides the
-    ``M * P`` of the result.
+    ``M * P`` of the result. Batch-norm and dropout layers must be in eval mode.
     """
     gp = _prob_gp(module, get_likelihood(likelihood), None, chunk_size)
     return gp.jacobians(x)[:, output]
