@@ -136,10 +136,10 @@ def test_kernel_above_the_column_chunk_matches_dense():
     g = torch.autograd.functional.jacobian(probs, flat_params(net))  # [M, C, P]
     dense = torch.stack([(g[:, c] * v) @ g[:, c].T for c in range(3)])
     got = FROMPRegularizer("per_class", chunk_size=3).kernel_matrix(net, x, 1, v)
-    torch.testing.assert_close(got, dense, rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(got, dense, rtol=1e-12, atol=1e-15)
     gj = g.permute(1, 0, 2).reshape(21, p)
     joint = FROMPRegularizer("joint", chunk_size=3).kernel_matrix(net, x, 1, v)
-    torch.testing.assert_close(joint[0], (gj * v) @ gj.T, rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(joint[0], (gj * v) @ gj.T, rtol=1e-12, atol=1e-15)
     # a network whose parameters are not all in linear layers takes the other path
     conv = torch.nn.Sequential(
         torch.nn.Unflatten(1, (1, 120)),
@@ -159,4 +159,4 @@ def test_kernel_above_the_column_chunk_matches_dense():
     )
     dense = torch.stack([(g[:, c] * v) @ g[:, c].T for c in range(3)])
     got = FROMPRegularizer("per_class", chunk_size=3).kernel_matrix(conv, x, None, v)
-    torch.testing.assert_close(got, dense, rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(got, dense, rtol=1e-12, atol=1e-15)
