@@ -71,7 +71,9 @@ def ewc_penalty(
             )
         else:
             terms.append(f * (w - a) ** 2)
-    total = sum((t.sum() for t in terms), start=torch.zeros(()))
+    total = (next(iter(w.values())) if isinstance(w, dict) else w).new_zeros(())
+    for t in terms:
+        total = total + t.sum()
     return 0.5 * ewc_lambda * total
 
 
