@@ -404,6 +404,8 @@ class FROMPPlugin(SupervisedPlugin):
             "grad_clip_norm": self.grad_clip_norm,
             "posterior": self.posterior,
             "curvature_examples": self.curvature_examples,
+            "chunk_size": self.chunk_size,
+            "likelihood": self.likelihood,
             "ggn_sum": self.ggn_sum,
             "vogn_variance": self.vogn_variance,
             "regularizer": self.regularizer.state_dict(),
@@ -422,6 +424,8 @@ class FROMPPlugin(SupervisedPlugin):
             "grad_clip_norm",
             "posterior",
             "curvature_examples",
+            "chunk_size",
+            "likelihood",
             "tasks_done",
         ):
             if key in state:

@@ -28,9 +28,9 @@ def _stream(n_tasks: int = 3, n_train: int = 24, seed: int = 0):
     return [(t.train_x.to(D), t.train_y, t.task_id) for t in seq]
 
 
-def _net(n_heads: int = 3) -> MultiHeadMLP:
+def _net(n_heads: int = 3, head_size: int = 2) -> MultiHeadMLP:
     torch.manual_seed(0)
-    return MultiHeadMLP(6, (7,), n_heads=n_heads, head_size=2).double().eval()
+    return MultiHeadMLP(6, (7,), n_heads=n_heads, head_size=head_size).double().eval()
 
 
 def _move(net: torch.nn.Module, seed: int, scale: float = 0.3) -> None:
@@ -133,7 +133,7 @@ def test_fromp_nondefault_settings_survive_a_checkpoint():
     """A plugin restored from ``state_dict`` into one built with the defaults continues
     exactly like the original on task 3 (random selection, curvature subsample, joint kernel,
     prior precision and jitter all non-default)."""
-    stream, net = _stream(), _net()
+    stream, net = _stream(), _net(head_size=1)  # one logit per task: Bernoulli
     kw = dict(
         kernel="joint",
         select="random",
@@ -141,6 +141,8 @@ def test_fromp_nondefault_settings_survive_a_checkpoint():
         jitter=1e-5,
         curvature_examples=10,
         grad_clip_norm=2.0,
+        chunk_size=5,
+        likelihood="bernoulli",
         seed=7,
     )
     plugin = FROMPPlugin(tau=2.5, n_points=6, **kw)
@@ -150,7 +152,8 @@ def test_fromp_nondefault_settings_survive_a_checkpoint():
     state = copy.deepcopy(plugin.state_dict())
     fresh = FROMPPlugin()
     fresh.load_state_dict(state)
-    for key in ("tau", "n_points", "kernel", "select", "prior_precision", "grad_clip_norm"):
+    keys = ("tau", "n_points", "kernel", "select", "prior_precision", "grad_clip_norm")
+    for key in (*keys, "likelihood", "chunk_size"):
         assert getattr(fresh, key) == getattr(plugin, key), key
     assert fresh.regularizer.jitter == plugin.regularizer.jitter
     assert fresh.curvature_examples == plugin.curvature_examples
