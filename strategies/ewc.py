@@ -205,19 +205,32 @@ class EWCPlugin(SupervisedPlugin):
             "anchors": [{n: v.cpu().clone() for n, v in a.items()} for a in self.anchors],
             "importances": [{n: v.cpu().clone() for n, v in f.items()} for f in self.importances],
             "task_count": self.task_count,
+            **self._settings(),
+        }
+
+    def _settings(self) -> dict:
+        """The settings a checkpoint must be resumed with."""
+        return {
             "mode": self.mode,
+            "decay_factor": self.decay_factor,
+            "fisher": self.fisher,
+            "fisher_samples": self.fisher_samples,
+            "likelihood": self.likelihood.name,
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` returned (flat ``[P]`` anchors and importances of
-        older checkpoints are read in the network's parameter order)."""
+        older checkpoints are read in the network's parameter order). Refuses a state saved
+        with other settings (mode, decay, Fisher type and samples, likelihood)."""
         missing = {"anchors", "importances", "task_count"} - set(state)
         if missing:
             raise ValueError(f"state is missing keys {sorted(missing)}")
-        if state.get("mode", self.mode) != self.mode:
-            raise ValueError(
-                f"state was saved with mode={state['mode']!r}, plugin has {self.mode!r}"
-            )
+        for key, value in self._settings().items():  # keys absent in older checkpoints
+            if state.get(key, value) != value:
+                raise ValueError(
+                    f"state was saved with {key}={state[key]!r}, plugin has {value!r}: "
+                    "resume with the settings of the run"
+                )
         device, _ = device_dtype(self.net)
 
         def load(items: list) -> list[Named]:

@@ -191,6 +191,10 @@ def test_ewc_nondefault_settings_survive_a_checkpoint():
     assert plugin.penalty().item() > 0
     with pytest.raises(ValueError, match="mode"):
         EWCPlugin(net, 4.0).load_state_dict(plugin.state_dict())
+    with pytest.raises(ValueError, match=r"decay_factor=0\.5"):
+        EWCPlugin(net, 4.0, **{**kw, "decay_factor": 0.9}).load_state_dict(plugin.state_dict())
+    with pytest.raises(ValueError, match="fisher='exact'"):
+        EWCPlugin(net, 4.0, **{**kw, "fisher": "sampled"}).load_state_dict(plugin.state_dict())
 
 
 def _add_head(net: MultiHeadMLP) -> None:
