@@ -113,7 +113,10 @@ def prob_jacobian(
     ``M * P`` of the result. Batch-norm and dropout layers must be in eval mode.
     """
     gp = _prob_gp(module, get_likelihood(likelihood), None, chunk_size)
-    return gp.jacobians(x)[:, output]
+    x = check_batch(x, "x")
+    return torch.cat(
+        [gp.jacobians(x[s : s + chunk_size])[:, output] for s in range(0, len(x), chunk_size)]
+    )
 
 
 @dataclass
