@@ -98,9 +98,9 @@ __all__ += [  # baselines: mean-field Gaussian layers (VCL) and coresets
 ]
 
 # --- optimizers: VOGN / OGN ---
-from fromp.optim import OGN, VOGN  # noqa: E402
+from fromp.optim import IVON, OGN, VOGN  # noqa: E402
 
-__all__ += ["OGN", "VOGN"]  # optimizers: VOGN / OGN
+__all__ += ["IVON", "OGN", "VOGN"]  # optimizers: VOGN / OGN / IVON
 
 # --- FROMP: memorable past and functional regulariser ---
 from fromp.curvature import diag_ef, diag_fisher, diag_ggn, diag_ggn_linear  # noqa: E402
