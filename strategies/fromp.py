@@ -45,13 +45,14 @@ from strategies.models import unwrap
 __all__ = ["DEFAULTS", "FROMP", "PRESETS", "REFERENCE", "FROMPPlugin", "experience_tensors"]
 
 _SELECT = ("descending", "ascending", "random")
-_POSTERIORS = ("ggn", "vogn")
+_POSTERIORS = ("ggn", "vogn", "ivon")
 
 #: Strategy names of the runner and the keyword arguments they imply.
 PRESETS: dict[str, dict[str, Any]] = {
     "fromp": {},
     "fromp-l2": {"kernel": "identity"},
     "fromp-vogn": {"posterior": "vogn"},
+    "fromp-ivon": {"posterior": "ivon"},
 }
 
 _REF_SPLIT_MNIST: dict[str, Any] = {
@@ -149,6 +150,26 @@ def _vogn_defaults(bench: str) -> dict[str, Any]:
 DEFAULTS["fromp-vogn"] = {b: _vogn_defaults(b) for b in list(DEFAULTS)}
 
 
+def _ivon_defaults(bench: str) -> dict[str, Any]:
+    from strategies.ivon import DEFAULTS as IVON_DEFAULTS
+
+    base = IVON_DEFAULTS[bench]
+    return {
+        "optimizer": "ivon",
+        "lr": base["lr"],
+        "train_epochs": DEFAULTS[bench]["train_epochs"],
+        "train_mb_size": base["train_mb_size"],
+        "optimizer_kwargs": dict(base["optimizer_kwargs"]),
+        "kwargs": {**DEFAULTS[bench]["kwargs"], "posterior": "ivon"},
+    }
+
+
+#: FROMP with IVON ("fromp-ivon"): IVON's settings of :mod:`strategies.ivon` with FROMP's
+#: regulariser settings and epochs; the weight-space prior stays IVON's weight decay
+#: (``ivon_continual=False``), the memory of the past is FROMP's alone.
+DEFAULTS["fromp-ivon"] = {b: _ivon_defaults(b) for b in REFERENCE}
+
+
 def experience_tensors(dataset: Any, batch_size: int = 2048) -> tuple[Tensor, Tensor, Tensor]:
     """All ``(x, y, task_labels)`` of an Avalanche dataset as three tensors (eval
     transforms when the dataset has them)."""
@@ -183,7 +204,10 @@ class FROMPPlugin(SupervisedPlugin):
             :class:`fromp.optim.VOGN` driven by :class:`strategies.vogn.VOGNPlugin` and
             ``Sigma`` is the variance of its posterior at the end of the task (no GGN pass;
             the regulariser's gradient enters VOGN's mean gradient only, its curvature
-            uses the data loss only).
+            uses the data loss only); ``"ivon"``: the same with a
+            :class:`fromp.optim.IVON` driven by :class:`strategies.ivon.IVONPlugin`
+            (``Sigma = 1 / (N (h + delta))``; the regulariser's gradient at the sampled
+            weights enters both IVON's gradient and its Hessian estimate).
         curvature_examples: use at most this many (random) training examples of a task for
             its GGN, rescaled to the task size (None: all, as in the paper).
         chunk_size: examples per Jacobian chunk for the GGN and kernels.
@@ -248,10 +272,11 @@ class FROMPPlugin(SupervisedPlugin):
 
     def posterior_variance(self) -> Tensor:
         """``Sigma`` ``[P]``: ``1 / (G + prior_precision)`` for ``posterior="ggn"``; for
-        ``"vogn"`` the variance of the VOGN posterior stored after the last task."""
+        ``"vogn"`` / ``"ivon"`` the variance of the optimizer's posterior stored after the
+        last task."""
         if self.curvature is None:
             raise RuntimeError("no task has been learnt yet")
-        if self.posterior == "vogn":
+        if self.posterior != "ggn":
             return self.curvature
         return 1.0 / (self.curvature + self.prior_precision)
 
@@ -273,11 +298,12 @@ class FROMPPlugin(SupervisedPlugin):
         posterior_variance: Tensor | None = None,
     ) -> dict[str, float]:
         """Everything done after a task: select its memorable points, add its GGN (or,
-        for ``posterior="vogn"``, store ``posterior_variance``), rebuild the kernels.
+        for ``posterior="vogn"`` or ``"ivon"``, store ``posterior_variance``), rebuild the
+        kernels.
         ``net`` is the :mod:`fromp` model, ``x, y`` the task's training data, ``task`` its
         head. Returns the wall times of the three steps (seconds)."""
         if (posterior_variance is None) != (self.posterior == "ggn"):
-            raise ValueError("posterior_variance must be given iff posterior='vogn'")
+            raise ValueError("posterior_variance must be given iff posterior is not 'ggn'")
         was_training = net.training
         net.eval()
         device = next(net.parameters()).device
@@ -359,6 +385,15 @@ class FROMPPlugin(SupervisedPlugin):
                 raise TypeError(f"posterior='vogn' needs a fromp.optim.VOGN, got {type(opt)}")
             opt.load_mean()  # the model holds the posterior mean
             variance = opt.posterior().variance
+        elif self.posterior == "ivon":
+            from fromp.optim import IVON
+
+            opt = strategy.optimizer
+            if not isinstance(opt, IVON):
+                raise TypeError(f"posterior='ivon' needs a fromp.optim.IVON, got {type(opt)}")
+            if opt.sampled:
+                opt.restore(accumulate=False)  # the model holds the posterior mean
+            variance = opt.posterior(net).variance
         self.learn_task(net, x, y, int(tasks[0]), variance)
 
     # ------------------------------------------------------------------------ state
@@ -409,7 +444,10 @@ class FROMP(SupervisedTemplate):
     :class:`FROMPPlugin`; :data:`DEFAULTS` holds the reference settings per benchmark.
     With ``posterior="vogn"`` the optimizer must be a :class:`fromp.optim.VOGN`; a
     :class:`strategies.vogn.VOGNPlugin` drives it (``vogn_continual``: the task's posterior
-    becomes the next task's prior, naive continual VOGN, as in that plugin).
+    becomes the next task's prior, naive continual VOGN, as in that plugin). With
+    ``posterior="ivon"`` it must be a :class:`fromp.optim.IVON`, driven by a
+    :class:`strategies.ivon.IVONPlugin` (``ivon_continual``, default False: the prior stays
+    IVON's weight decay).
     """
 
     def __init__(
@@ -437,6 +475,7 @@ class FROMP(SupervisedTemplate):
         chunk_size: int = 64,
         seed: int = 0,
         vogn_continual: bool = True,
+        ivon_continual: bool = False,
         **base_kwargs: Any,
     ) -> None:
         extra: list[Any] = []
@@ -451,6 +490,18 @@ class FROMP(SupervisedTemplate):
             # after the FROMP plugin, so that FROMP reads the task's posterior before VOGN
             # turns it into the next prior
             extra.append(VOGNPlugin(optimizer, continual=vogn_continual))
+        elif posterior == "ivon":
+            from fromp.optim import IVON
+            from strategies.ivon import IVONPlugin
+
+            if not isinstance(optimizer, IVON):
+                raise TypeError(
+                    f"posterior='ivon' needs a fromp.optim.IVON optimizer, got {type(optimizer)}"
+                )
+            # after the FROMP plugin: FROMP's gradient clipping (before_update) acts on the
+            # gradient IVON reads, and FROMP reads the task's posterior before IVON may turn
+            # it into the next prior
+            extra.append(IVONPlugin(optimizer, continual=ivon_continual))
         self.plugin = FROMPPlugin(
             tau,
             n_points,

@@ -114,11 +114,13 @@ def test_plugin_argument_errors():
         "split-digits",
     }
     for bench, d in DEFAULTS.items():
-        if bench == "fromp-vogn":
+        if bench in ("fromp-vogn", "fromp-ivon"):
             continue
         assert {"optimizer", "lr", "train_epochs", "train_mb_size", "kwargs"} <= set(d)
         assert DEFAULTS["fromp-vogn"][bench]["optimizer"] == "vogn"
         assert DEFAULTS["fromp-vogn"][bench]["kwargs"]["posterior"] == "vogn"
+        assert DEFAULTS["fromp-ivon"][bench]["optimizer"] == "ivon"
+        assert DEFAULTS["fromp-ivon"][bench]["kwargs"]["posterior"] == "ivon"
 
 
 @pytest.mark.slow
