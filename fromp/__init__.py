@@ -102,6 +102,15 @@ from fromp.optim import IVON, OGN, VOGN  # noqa: E402
 
 __all__ += ["IVON", "OGN", "VOGN"]  # optimizers: VOGN / OGN / IVON
 
+# --- memory perturbation: sensitivity and leave-one-out estimates ---
+from fromp.sensitivity import (  # noqa: E402
+    MemoryPerturbation,
+    memory_perturbation,
+    prediction_variance,
+)
+
+__all__ += ["MemoryPerturbation", "memory_perturbation", "prediction_variance"]
+
 # --- FROMP: memorable past and functional regulariser ---
 from fromp.curvature import diag_ef, diag_fisher, diag_ggn, diag_ggn_linear  # noqa: E402
 from fromp.memorable import memorability_scores, select_memorable  # noqa: E402

@@ -184,10 +184,10 @@ class IVONStrategy(SupervisedTemplate):
 
 _SPLIT = {
     "optimizer": "ivon",
-    "lr": 0.1,
+    "lr": 0.2,
     "train_epochs": 10,
     "train_mb_size": 128,
-    "optimizer_kwargs": {"hess_init": 0.1, "beta2": 0.999, "weight_decay": 1e-4},
+    "optimizer_kwargs": {"hess_init": 0.1, "beta2": 0.99999, "weight_decay": 1e-4},
     "kwargs": {},
 }
 
