@@ -36,15 +36,16 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from fromp.curvature import diag_ggn, diag_ggn_linear
-from fromp.jacobian import num_params
+from fromp.jacobian import flat_params, num_params
 from fromp.memorable import select_memorable
 from fromp.models import with_task
+from fromp.posterior import DiagonalGaussian
 from fromp.regularizer import FROMPRegularizer
 from strategies.models import unwrap
 
 __all__ = ["DEFAULTS", "FROMP", "PRESETS", "REFERENCE", "FROMPPlugin", "experience_tensors"]
 
-_SELECT = ("descending", "ascending", "random")
+_SELECT = ("descending", "ascending", "random", "sensitivity")
 _POSTERIORS = ("ggn", "vogn", "ivon")
 
 #: Strategy names of the runner and the keyword arguments they imply.
@@ -193,8 +194,10 @@ class FROMPPlugin(SupervisedPlugin):
         n_points: memorable points per task (the paper's setting: 40 on split MNIST, 200 on
             permuted MNIST and split CIFAR), split evenly over the task's classes.
         kernel: ``"per_class"`` (FROMP), ``"joint"`` or ``"identity"`` (FROMP-L2).
-        select: ``"descending"`` (largest ``tr Lambda``, FROMP), ``"ascending"`` or
-            ``"random"``.
+        select: ``"descending"`` (largest ``tr Lambda``, FROMP), ``"ascending"``,
+            ``"random"`` or ``"sensitivity"`` (largest memory-perturbation sensitivity
+            ``sum_k |e_k lambda_k v_k|`` under the task's posterior ``N(w, Sigma)``, see
+            :mod:`fromp.sensitivity`; ``Sigma`` is computed first, then the points).
         prior_precision: ``delta`` in ``Sigma = 1 / (G + delta)``.
         jitter: added to the kernels' diagonals before the Cholesky factorisation.
         grad_clip_norm: clip the total gradient norm at ``tau * grad_clip_norm`` (None: no
@@ -308,43 +311,62 @@ class FROMPPlugin(SupervisedPlugin):
         net.eval()
         device = next(net.parameters()).device
         head = with_task(net, task)
+        times = {"select_s": 0.0, "curvature_s": 0.0, "kernel_s": 0.0}
         try:
-            t0 = time.perf_counter()
             classes = sorted(int(c) for c in y.unique())
             per_class = self.n_points // len(classes)
             if per_class < 1:
                 raise ValueError(
                     f"n_points={self.n_points} is fewer than the task's {len(classes)} classes"
                 )
+            sensitivity = self.select == "sensitivity"
+            q = None
+            if sensitivity:  # the points need this task's posterior: curvature first
+                t0 = time.perf_counter()
+                self._add_curvature(head, x, device, posterior_variance)
+                times["curvature_s"] = time.perf_counter() - t0
+                q = DiagonalGaussian(flat_params(net), self.posterior_variance().reciprocal())
+            t0 = time.perf_counter()
             idx = select_memorable(
                 head,
-                x,
+                x.to(device) if sensitivity else x,
                 y,
                 self.likelihood,
                 per_class,
                 order=self.select,
                 classes=classes,
                 generator=self.generator,
+                posterior=q,
+                chunk_size=self.chunk_size,
             )
-            t1 = time.perf_counter()
-            if posterior_variance is not None:
-                self.curvature = posterior_variance.detach().to(device).clone()
-            else:
-                xc, scale = x, 1.0
-                if self.curvature_examples is not None and self.curvature_examples < len(x):
-                    sub = torch.randperm(len(x), generator=self.generator)
-                    xc, scale = x[sub[: self.curvature_examples]], len(x) / self.curvature_examples
-                ggn = scale * self._diag_ggn(head, xc, device)
-                self.curvature = ggn if self.curvature is None else self.curvature + ggn
-            t2 = time.perf_counter()
+            times["select_s"] = time.perf_counter() - t0
+            if not sensitivity:
+                t0 = time.perf_counter()
+                self._add_curvature(head, x, device, posterior_variance)
+                times["curvature_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
             self.regularizer.add_task(net, x[idx].to(device), task, self.posterior_variance())
-            t3 = time.perf_counter()
+            times["kernel_s"] = time.perf_counter() - t0
         finally:
             net.train(was_training)
         self.tasks_done += 1
-        times = {"select_s": t1 - t0, "curvature_s": t2 - t1, "kernel_s": t3 - t2}
         self.timings.append(times)
         return times
+
+    def _add_curvature(
+        self, head: nn.Module, x: Tensor, device: torch.device, posterior_variance: Tensor | None
+    ) -> None:
+        """Store ``posterior_variance`` (optimizer posteriors) or add the task's diagonal GGN
+        (on at most ``curvature_examples`` examples, rescaled) to the running sum."""
+        if posterior_variance is not None:
+            self.curvature = posterior_variance.detach().to(device).clone()
+            return
+        xc, scale = x, 1.0
+        if self.curvature_examples is not None and self.curvature_examples < len(x):
+            sub = torch.randperm(len(x), generator=self.generator)
+            xc, scale = x[sub[: self.curvature_examples]], len(x) / self.curvature_examples
+        ggn = scale * self._diag_ggn(head, xc, device)
+        self.curvature = ggn if self.curvature is None else self.curvature + ggn
 
     def _diag_ggn(self, head: nn.Module, x: Tensor, device: torch.device) -> Tensor:
         """Exact diagonal GGN of ``x``: the batched linear-layer formula for MLPs, per-example
