@@ -164,10 +164,10 @@ class IVON(torch.optim.Optimizer):
             "step": 0,
             "params": [self._fresh(p, g) for g, p in self._pairs()],
         }
-        self._noise: list[Tensor] | None = None  # eps of the current draw
-        self._mean: list[Tensor] | None = None  # m while the parameters hold theta
-        self._acc: list[tuple[Tensor, Tensor]] | None = None  # sum of g^, h^ over draws
-        self._n_acc = 0
+        self._work_cache: dict[int, dict[str, Any]] = {}
+        self._version = 0  # bumped when the prior or the loaded state changes
+        self._drawn = False  # the parameters hold theta, the mean is in the work buffers
+        self._n_acc = 0  # draws accumulated for the next step
 
     # ------------------------------------------------------------------ bookkeeping
     def _pairs(self) -> Iterator[tuple[dict[str, Any], Tensor]]:
@@ -223,56 +223,106 @@ class IVON(torch.optim.Optimizer):
             return st["prior_precision"] / group["ess"]
         return float(group["weight_decay"])
 
+    # ------------------------------------------------------------------ work buffers
+    def _work(self, gi: int, group: dict[str, Any]) -> dict[str, Any]:
+        """Flat ``[P_g]`` work buffers of group ``gi`` and their per-parameter views, reused
+        across steps (fresh temporaries cost page faults on every step on a CPU):
+        ``prec = N (h + delta)``, ``std = prec^{-1/2}``, ``z`` (the standard-normal draw),
+        ``mean`` (``m`` while the parameters hold ``theta``), ``ga`` / ``ha`` (sums of ``g^``
+        and ``h^`` over the draws)."""
+        params = group["params"]
+        p0 = params[0]
+        key = (tuple(p.shape for p in params), p0.dtype, p0.device)
+        work = self._work_cache.get(gi)
+        if work is None or work["key"] != key:
+            total = sum(p.numel() for p in params)
+            work = {"key": key, "prec_key": None}
+            for name in ("prec", "std", "z", "mean", "ga", "ha"):
+                flat = torch.empty(total, dtype=p0.dtype, device=p0.device)
+                views, i = [], 0
+                for p in params:
+                    views.append(flat[i : i + p.numel()].view_as(p))
+                    i += p.numel()
+                work[name] = flat
+                work[name + "_v"] = views
+            self._work_cache[gi] = work
+        return work
+
+    def _prec_key(self, group: dict[str, Any]) -> tuple[Any, ...]:
+        """What ``prec`` depends on besides ``h``: it is recomputed when this changes."""
+        return (group["ess"], group["weight_decay"], self._version, self.ivon_state["step"])
+
+    def _group_states(self) -> list[tuple[int, dict[str, Any], list[dict[str, Tensor]]]]:
+        states = self._states()
+        out, i = [], 0
+        for gi, group in enumerate(self.param_groups):
+            n = len(group["params"])
+            out.append((gi, group, states[i : i + n]))
+            i += n
+        return out
+
     # ------------------------------------------------------------------ sampling
     @property
     def sampled(self) -> bool:
         """Whether the parameters currently hold a draw ``theta`` (not the mean)."""
-        return self._mean is not None
+        return self._drawn
 
     @torch.no_grad()
     def draw(self, generator: torch.Generator | None = None) -> None:
-        """Write ``theta = m + eps``, ``eps ~ N(0, 1 / (N (h + delta)))``, into the parameters
-        (the mean is kept aside). Pair with :meth:`restore` (or use :meth:`sampled_params`)."""
-        if self._mean is not None:
+        """Write ``theta = m + sigma z``, ``z ~ N(0, I)``, ``sigma^2 = 1 / (N (h + delta))``,
+        into the parameters (the mean is kept aside). Pair with :meth:`restore` (or use
+        :meth:`sampled_params`).
+
+        Memory: six flat work buffers of the size of the parameters, kept between steps."""
+        if self._drawn:
             raise RuntimeError("IVON.draw(): the parameters already hold a draw; restore() first")
-        states = self._states()
-        means, noise = [], []
-        for (group, p), st in zip(self._pairs(), states):
-            std = torch.add(st["hess"], self._delta(group, st)).mul_(group["ess"]).rsqrt_()
-            eps = torch.randn(p.shape, generator=generator, dtype=p.dtype, device=p.device)
-            eps.mul_(std)
-            means.append(p.detach().clone())
-            noise.append(eps)
-            p.add_(eps)
-        self._mean, self._noise = means, noise
+        for gi, group, states in self._group_states():
+            w = self._work(gi, group)
+            params, n = group["params"], group["ess"]
+            if w["prec_key"] != self._prec_key(group):  # else computed by the last update
+                # the same operations as at the end of _update: N (h + delta)
+                torch._foreach_copy_(w["prec_v"], [st["hess"] for st in states])
+                if "prior_precision" in states[0]:  # delta = p0 / N
+                    p0 = [st["prior_precision"] for st in states]
+                    torch._foreach_add_(w["prec_v"], p0, alpha=1.0 / n)
+                else:
+                    w["prec"].add_(group["weight_decay"])
+                w["prec"].mul_(n)
+                w["prec_key"] = self._prec_key(group)
+            torch.rsqrt(w["prec"], out=w["std"])
+            w["z"].normal_(generator=generator)
+            torch._foreach_copy_(w["mean_v"], params)
+            torch._foreach_addcmul_(params, w["z_v"], w["std_v"])
+        self._drawn = True
 
     @torch.no_grad()
     def restore(self, accumulate: bool = True) -> None:
         """Write the mean back into the parameters. With ``accumulate``, first read the
         gradient ``g^`` at the draw from ``.grad`` (None counts as zero) and add ``g^`` and
-        ``h^ = g^ * eps * N (h + delta)`` to the sums that the next :meth:`step` averages."""
-        if self._mean is None or self._noise is None:
+        ``h^ = g^ (theta - m) / sigma^2 = g^ z / sigma`` to the sums that the next
+        :meth:`step` averages."""
+        if not self._drawn:
             raise RuntimeError("IVON.restore(): no draw to restore (call draw() first)")
-        means, noise = self._mean, self._noise
         try:
+            for gi, group, _ in self._group_states() if accumulate else ():
+                w = self._work(gi, group)
+                grads = [
+                    torch.zeros_like(p) if p.grad is None else p.grad.detach()
+                    for p in group["params"]
+                ]
+                if self._n_acc == 0:
+                    torch._foreach_copy_(w["ga_v"], grads)
+                    torch.mul(w["ga"], w["z"], out=w["ha"]).div_(w["std"])
+                else:
+                    torch._foreach_add_(w["ga_v"], grads)
+                    w["z"].div_(w["std"])
+                    torch._foreach_addcmul_(w["ha_v"], grads, w["z_v"])
             if accumulate:
-                states = self._states()
-                if self._acc is None:
-                    self._acc = [
-                        (torch.zeros_like(p), torch.zeros_like(p)) for _, p in self._pairs()
-                    ]
-                for (group, p), st, eps, (ga, ha) in zip(self._pairs(), states, noise, self._acc):
-                    if p.grad is None:
-                        continue
-                    g = p.grad.detach()
-                    prec = torch.add(st["hess"], self._delta(group, st)).mul_(group["ess"])
-                    ga.add_(g)
-                    ha.addcmul_(g, eps.mul_(prec))
                 self._n_acc += 1
         finally:
-            for p, m in zip(self.params, means):
-                p.copy_(m)
-            self._mean = self._noise = None
+            for gi, group in enumerate(self.param_groups):
+                torch._foreach_copy_(group["params"], self._work(gi, group)["mean_v"])
+            self._drawn = False
 
     @contextmanager
     def sampled_params(
@@ -309,43 +359,63 @@ class IVON(torch.optim.Optimizer):
                     value = closure()
                 total = total + value.detach()
             loss = total / self.mc_samples
-        if self._mean is not None:
+        if self._drawn:
             raise RuntimeError("IVON.step(): the parameters hold a draw; restore() it first")
-        if self._n_acc == 0 or self._acc is None:
+        if self._n_acc == 0:
             raise RuntimeError(
                 "IVON.step() needs gradients at sampled weights: compute the loss and "
                 "backward() inside `with opt.sampled_params(train=True):`, or pass a closure"
             )
-        self._update(self._acc, self._n_acc)
-        self._acc, self._n_acc = None, 0
+        self._update(self._n_acc)
+        self._n_acc = 0
         return loss
 
-    def _update(self, acc: list[tuple[Tensor, Tensor]], n: int) -> None:
-        states = self._states()
+    def _update(self, n_draws: int) -> None:
+        """The update of the module docstring, in place in the work buffers, from the sums
+        ``ga`` (``g^``) and ``ha`` (``h^``) over ``n_draws`` draws and ``prec = N (h +
+        delta)`` of the draws (old ``h``); leaves ``prec`` for the new ``h`` for the next
+        draw."""
         self.ivon_state["step"] += 1
         t = self.ivon_state["step"]
-        for (group, p), st, (ga, ha) in zip(self._pairs(), states, acc):
+        for gi, group, states in self._group_states():
+            w = self._work(gi, group)
+            params, n = group["params"], group["ess"]
             b1, b2 = group["beta1"], group["beta2"]
-            delta = self._delta(group, st)
-            g_hat, h_hat = ga.div_(n), ha.div_(n)
-            mom, h = st["momentum"], st["hess"]
-            mom.mul_(b1).add_(g_hat, alpha=1 - b1)
-            # h <- b2 h + (1-b2) h^ + (1-b2)^2 (h - h^)^2 / (2 (h + delta)), old h on the right
-            corr = torch.sub(h, h_hat).square_().div_(torch.add(h, delta)).mul_(0.5 * (1 - b2) ** 2)
-            h.mul_(b2).add_(h_hat, alpha=1 - b2).add_(corr)
-            denom = torch.add(h, delta)
-            if "prior_mean" in st:
-                num = torch.sub(p, st["prior_mean"]).mul_(delta)
+            bc1 = 1 - b1**t
+            mom = [st["momentum"] for st in states]
+            hess = [st["hess"] for st in states]
+            ga, ha, prec = w["ga"], w["ha"], w["prec"]
+            if n_draws > 1:
+                ga.div_(n_draws)
+                ha.div_(n_draws)
+            torch._foreach_lerp_(mom, w["ga_v"], 1 - b1)  # g <- b1 g + (1 - b1) g^
+            torch._foreach_sub_(w["ha_v"], hess)  # ha: h^ - h
+            torch.mul(ha, ha, out=ga).div_(prec)  # ga: (h - h^)^2 / (N (h + delta)), old h
+            # h <- h + (1 - b2)(h^ - h) + (1 - b2)^2 (h - h^)^2 / (2 (h + delta))
+            torch._foreach_add_(hess, w["ha_v"], alpha=1 - b2)
+            torch._foreach_add_(hess, w["ga_v"], alpha=n * (1 - b2) ** 2 / 2)
+            torch._foreach_copy_(w["prec_v"], hess)  # prec: h + delta (new h)
+            # ha: bc1 (g / bc1 + delta (m - m0)), the step before the 1 / bc1 factor
+            torch._foreach_copy_(w["ha_v"], mom)
+            if "prior_precision" in states[0]:
+                p0 = [st["prior_precision"] for st in states]
+                torch._foreach_add_(w["prec_v"], p0, alpha=1.0 / n)
+                torch._foreach_sub_(w["ga_v"], w["ga_v"])
+                torch._foreach_add_(w["ga_v"], params)
+                torch._foreach_sub_(w["ga_v"], [st["prior_mean"] for st in states])
+                torch._foreach_addcmul_(w["ha_v"], w["ga_v"], p0, value=bc1 / n)
             else:
-                num = torch.mul(p, delta)
-            num.add_(mom, alpha=1.0 / (1 - b1**t))
-            step = num.div_(denom)
+                prec.add_(group["weight_decay"])
+                torch._foreach_add_(w["ha_v"], params, alpha=group["weight_decay"] * bc1)
+            ha.div_(prec)
             if group["clip_radius"] is not None:
-                step.clamp_(-group["clip_radius"], group["clip_radius"])
+                ha.clamp_(-group["clip_radius"] * bc1, group["clip_radius"] * bc1)
             alpha = group["lr"]
             if group["rescale_lr"]:
                 alpha = alpha * (group["hess_init"] + group["weight_decay"])
-            p.add_(step, alpha=-alpha)
+            torch._foreach_add_(params, w["ha_v"], alpha=-alpha / bc1)
+            prec.mul_(n)  # N (h + delta) for the next draw
+            w["prec_key"] = self._prec_key(group)
 
     # ------------------------------------------------------------------ posterior
     def _order(self, model: nn.Module | None) -> list[int]:
@@ -368,7 +438,7 @@ class IVON(torch.optim.Optimizer):
             model: flatten in ``model.named_parameters()`` order (what :func:`fromp.dnn2gp`
                 and :func:`fromp.flat_params` use); None: parameter-group order.
         """
-        if self._mean is not None:
+        if self._drawn:
             raise RuntimeError("IVON.posterior(): the parameters hold a draw; restore() first")
         states = self._states()
         pairs = list(self._pairs())
@@ -417,7 +487,7 @@ class IVON(torch.optim.Optimizer):
 
         Returns the new prior.
         """
-        if self._mean is not None:
+        if self._drawn:
             raise RuntimeError("IVON.set_prior(): the parameters hold a draw; restore() first")
         prior = self.posterior(model) if prior is None else prior
         if not isinstance(prior, DiagonalGaussian):
@@ -440,13 +510,14 @@ class IVON(torch.optim.Optimizer):
                 st["hess"].fill_(group["hess_init"])
         if reset:
             self.ivon_state["step"] = 0
+        self._version += 1
         return self.prior(model)
 
     # ------------------------------------------------------------------ (de)serialisation
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state (the hyperparameters) plus ``"ivon"``: step count and
         per-parameter state (tensors cloned)."""
-        if self._mean is not None:
+        if self._drawn:
             raise RuntimeError("IVON.state_dict(): the parameters hold a draw; restore() first")
         out = super().state_dict()
         out["ivon"] = self._ivon_copy()
@@ -481,4 +552,5 @@ class IVON(torch.optim.Optimizer):
                 raise ValueError(f"ivon state shape {tuple(st['hess'].shape)} != {tuple(p.shape)}")
             loaded.append({k: v.detach().to(p).clone() for k, v in st.items()})
         self.ivon_state = {"step": int(ivon["step"]), "params": loaded}
-        self._acc, self._n_acc = None, 0
+        self._n_acc = 0
+        self._version += 1
