@@ -17,7 +17,12 @@ From these, without retraining:
 
 * leave-one-out outputs ``f_i^{\i} ~= f_i + e_i * v_i`` (``covariance="diagonal"``, the
   form of the paper's per-output estimate) or ``f_i + V_i e_i`` (``covariance="full"``; exact
-  to first order for any ``C``);
+  to first order for any ``C``). With ``correction=True`` the example's own curvature is
+  first taken out of the posterior (one Newton step from the posterior without it, exact for
+  a linear-Gaussian model): ``f_i + V_i (I - Lambda_i V_i)^{-1} e_i``, diagonal form
+  ``f_i + e_i v_i / (1 - lambda_i v_i)`` (denominator clamped at machine epsilon: an
+  approximate posterior can give ``lambda_i v_i >= 1``); it matters for the most sensitive
+  examples, where ``lambda_i v_i`` approaches 1;
 * the sensitivity ``s_i = sum_k |e_ik lambda_ik v_ik|`` (large: the model depends on the
   example; the examples FROMP memorises have large ``lambda``);
 * the estimated leave-one-out NLL ``(1/N) sum_i nll(f_i^{\i}, y_i)`` and accuracy, a
@@ -140,6 +145,7 @@ def memory_perturbation(
     likelihood: str | Likelihood = "categorical",
     *,
     covariance: str = "diagonal",
+    correction: bool = False,
     chunk_size: int = 64,
 ) -> MemoryPerturbation:
     """Prediction error, variance, sensitivity and leave-one-out estimates of ``(x, y)``.
@@ -155,6 +161,8 @@ def memory_perturbation(
         likelihood: its name or a :class:`~fromp.likelihood.Likelihood`.
         covariance: ``"diagonal"`` (``f + e * v``) or ``"full"`` (``f + V e``) for the
             leave-one-out outputs.
+        correction: remove the example's own curvature first (module docstring):
+            ``f + e v / (1 - lambda v)`` or ``f + V (I - Lambda V)^{-1} e``.
         chunk_size: examples per Jacobian chunk.
     """
     if covariance not in _COVARIANCES:
@@ -175,8 +183,15 @@ def memory_perturbation(
     var = torch.diagonal(cov, dim1=-2, dim2=-1)
     if covariance == "diagonal":
         shift = error * var
+        if correction:
+            shift = shift / (1 - lam * var).clamp_min(torch.finfo(var.dtype).eps)
     else:
-        shift = torch.einsum("ncd,nd->nc", cov, error)
+        rhs = error
+        if correction:  # (I - Lambda V)^{-1} e
+            eye = torch.eye(cov.shape[-1], dtype=cov.dtype, device=cov.device)
+            big_lam = lik.hessian(f)
+            rhs = torch.linalg.solve(eye - big_lam @ cov, error.unsqueeze(-1)).squeeze(-1)
+        shift = torch.einsum("ncd,nd->nc", cov, rhs)
     sens = (error * lam * var).abs().sum(-1)
     return MemoryPerturbation(
         logits=f,

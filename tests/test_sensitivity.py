@@ -69,6 +69,17 @@ def test_every_quantity_against_dense(kind, make):
     torch.testing.assert_close(mp.sensitivity, s, **tol)
     torch.testing.assert_close(mp.loo_logits, f + e * v, **tol)
     torch.testing.assert_close(mp_full.loo_logits, f + torch.einsum("ncd,nd->nc", big_v, e), **tol)
+    # the corrected forms: f + e v / (1 - lambda v) and f + V (I - Lambda V)^{-1} e
+    mp_c = memory_perturbation(net, q, x, y, correction=True)
+    eps = torch.finfo(D).eps  # 1 - lambda v <= 0 can happen with an approximate posterior
+    torch.testing.assert_close(mp_c.loo_logits, f + e * v / (1 - lam * v).clamp_min(eps), **tol)
+    mp_fc = memory_perturbation(net, q, x, y, covariance="full", correction=True)
+    big_lam = dense_nll_hessians(get_likelihood("categorical"), f, y)
+    want_fc = torch.stack(
+        [f[i] + big_v[i] @ torch.linalg.inv(torch.eye(3, dtype=D) - big_lam[i] @ big_v[i]) @ e[i]
+         for i in range(7)]
+    )  # fmt: skip
+    torch.testing.assert_close(mp_fc.loo_logits, want_fc, **tol)
     torch.testing.assert_close(prediction_variance(net, q, x, chunk_size=2), v, **tol)
     loo_nll = nn.functional.cross_entropy(f + e * v, y, reduction="none")
     torch.testing.assert_close(mp.loo_nll(), loo_nll, **tol)
@@ -135,6 +146,10 @@ def test_leave_one_out_matches_exact_retraining_to_first_order(lik_name):
     err = (est_shift - true_shift).norm(dim=1)
     true_size = true_shift.norm(dim=1)
     rel = err / true_size
+    # removing the example's own curvature first is closer still (exact for linear-Gaussian)
+    mp_c = memory_perturbation(net, q, x, y, lik_name, covariance="full", correction=True)
+    err_c = (mp_c.loo_logits[idx] - mp_c.logits[idx] - true_shift).norm(dim=1)
+    assert (err_c[:3] < err[:3]).all(), (err_c, err)
     assert (rel < 0.1).all(), (est_shift, true_shift)
     # the error is of second order: relatively smaller for the examples that move less
     assert rel[3:].max() < rel[:3].min(), rel
