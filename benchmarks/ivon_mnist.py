@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.vogn_mnist import _batches, _chunks, _metrics
+from benchmarks.vogn_mnist import _batches, _chunks, _metrics, adam_baseline
 from fromp.data import load_mnist
 from fromp.models import MultiHeadMLP
 from fromp.optim import IVON
@@ -59,23 +59,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
     if not args.skip_adam:
-        torch.manual_seed(args.seed)
-        net = MultiHeadMLP(784, hidden, n_heads=1, head_size=10)
-        adam = torch.optim.Adam(net.parameters(), lr=args.adam_lr)
-        g = torch.Generator().manual_seed(args.seed)
-        t0 = time.perf_counter()
-        for _ in range(args.epochs):
-            net.train()
-            for idx in _batches(n, args.batch_size, g):
-                adam.zero_grad()
-                F.cross_entropy(net(xtr[idx]), ytr[idx]).backward()
-                adam.step()
-        adam_time = time.perf_counter() - t0
-        net.eval()
-        with torch.no_grad():
-            probs = _chunks(net, lambda m, x: torch.softmax(m(x), -1), xte)
-        out["adam"] = {**_metrics(probs, yte), "train_time_s": adam_time}
-        print("adam", out["adam"], flush=True)
+        out["adam"] = adam_baseline(args, hidden, xtr, ytr, xte, yte)
 
     torch.manual_seed(args.seed)
     net = MultiHeadMLP(784, hidden, n_heads=1, head_size=10)
