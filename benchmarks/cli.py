@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import warnings
 from pathlib import Path
@@ -295,7 +296,12 @@ def memorable_main(argv: list[str] | None = None) -> int:
     print(f"{len(idx)} memorable examples -> {out / 'memorable.json'}, {out / 'memorable.png'}")
     if map_args is not None:
         posterior, sub, delta = map_args
-        meta = {"checkpoint": str(args.checkpoint), "task": args.task, "prior_precision": delta}
+        meta = {
+            "command": "fromp-memorable " + shlex.join(sys.argv[1:] if argv is None else argv),
+            "checkpoint": str(args.checkpoint),
+            "task": args.task,
+            "prior_precision": delta,
+        }
         payload = write_memory_map(
             model,
             posterior,

@@ -137,5 +137,6 @@ def test_memorable_cli_memory_map(checkpoint, tmp_path):
     np.testing.assert_allclose(payload["sensitivity"], mp.sensitivity.tolist(), rtol=1e-4)
     np.testing.assert_allclose(payload["variance_sum"], mp.variance.sum(-1).tolist(), rtol=1e-4)
     assert payload["loo"]["loo_nll"] >= payload["loo"]["train_nll"]
+    assert payload["command"].startswith("fromp-memorable ") and "--map" in payload["command"]
     assert (out / "memory_map.png").stat().st_size > 1000
     assert memorable_main([*args, "--map", "--n-fit", "0"]) == 2
