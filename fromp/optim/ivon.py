@@ -118,6 +118,10 @@ class IVON(torch.optim.Optimizer):
         clip_radius: clip each coordinate of the preconditioned step (None: no clipping).
         rescale_lr: ``alpha = lr * (hess_init + weight_decay)``.
 
+    Memory: the state (``g``, ``h``) and six flat work buffers, ``8 P`` numbers for ``P``
+    parameters (``10 P`` after :meth:`set_prior`), against Adam's ``2 P``: for a torchvision
+    ResNet-18 (11.7 M parameters, float32) about 375 MB.
+
     Attributes:
         ivon_state: ``{"step": t, "params": [per-parameter dict]}`` with ``"momentum"``
             ``g``, ``"hess"`` ``h`` and, after :meth:`set_prior`, ``"prior_mean"`` and
@@ -160,6 +164,12 @@ class IVON(torch.optim.Optimizer):
             for p in group["params"]:
                 if not p.is_floating_point():
                     raise ValueError(f"params must be floating point, got {p.dtype}")
+            kinds = {(p.dtype, p.device) for p in group["params"]}
+            if len(kinds) > 1:
+                raise ValueError(
+                    "params of one group must share dtype and device, got "
+                    f"{sorted(map(str, kinds))}"
+                )
         self.ivon_state: dict[str, Any] = {
             "step": 0,
             "params": [self._fresh(p, g) for g, p in self._pairs()],
