@@ -365,7 +365,7 @@ def test_bad_group_and_model_arguments():
     with pytest.raises(ValueError, match="params"):
         IVON(a, lr=0.1, ess=5)
     with pytest.raises(ValueError, match="dtype"):
-        IVON([a.weight, b.weight.double()], lr=0.1, ess=5)
+        IVON([a.weight, torch.nn.Parameter(b.weight.detach().double())], lr=0.1, ess=5)
     opt = IVON(a.parameters(), lr=0.1, ess=5)
     with pytest.raises(ValueError, match="exactly"):
         opt.posterior(b)
