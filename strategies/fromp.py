@@ -181,7 +181,7 @@ def _ivon_defaults(bench: str) -> dict[str, Any]:
 #: ``1e-6`` the penalty at IVON's own weight samples was 1e3-1e5 instead of about
 #: ``M C / 2``), no gradient-norm clipping (it stalls the non-adaptive IVON step on new
 #: tasks) but IVON's per-coordinate ``clip_radius = 0.1``. Chosen on split MNIST, seed 0,
-#: 2,000 examples per task, 3 epochs, among a handful of settings; not a good result (see
+#: 2,000 examples per task, 3 epochs, among about ten settings; not a good result (see
 #: README).
 DEFAULTS["fromp-ivon"] = {b: _ivon_defaults(b) for b in REFERENCE}
 
