@@ -40,9 +40,10 @@ from fromp.likelihood import (
     get_likelihood,
 )
 from fromp.memorable import memorability_scores, select_memorable
-from fromp.optim import OGN, VOGN
+from fromp.optim import IVON, OGN, VOGN
 from fromp.posterior import DiagonalGaussian
 from fromp.regularizer import FROMPRegularizer, MemorableSet, prob_jacobian, task_fn
+from fromp.sensitivity import MemoryPerturbation, memory_perturbation, prediction_variance
 
 __version__ = "0.1.0"
 
@@ -84,8 +85,13 @@ __all__ = [  # noqa: RUF022 (grouped by topic, sorted within each group)
     "log_marginal_likelihood",
     "optimize_prior_precision",
     # optimizers
+    "IVON",
     "OGN",
     "VOGN",
+    # memory perturbation: sensitivity and leave-one-out estimates
+    "MemoryPerturbation",
+    "memory_perturbation",
+    "prediction_variance",
     # FROMP: memorable past and functional regulariser
     "FROMPRegularizer",
     "MemorableSet",

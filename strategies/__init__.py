@@ -8,6 +8,7 @@ loggers.
 from strategies.benchmarks import experience_tensors, to_avalanche
 from strategies.ewc import EWC, EWCPlugin
 from strategies.fromp import FROMP, FROMPPlugin
+from strategies.ivon import IVONPlugin, IVONStrategy
 from strategies.vcl import VCL, VCLPlugin
 from strategies.vogn import VOGNPlugin, VOGNStrategy
 
@@ -17,6 +18,8 @@ __all__ = [
     "VCL",
     "EWCPlugin",
     "FROMPPlugin",
+    "IVONPlugin",
+    "IVONStrategy",
     "VCLPlugin",
     "VOGNPlugin",
     "VOGNStrategy",
