@@ -67,7 +67,9 @@ class BenchmarkSpec:
         settings: training settings of the FROMP paper (``lr``, ``train_epochs``,
             ``train_mb_size``, ``optimizer``).
         published: strategy name -> published score.
-        needs: the data sets the benchmark reads (for messages).
+        needs: the data sets the benchmark reads (for messages; empty for built-in data).
+        layout: ``(n_tasks, input_shape, n_outputs, multi_head)`` of the task sequence, so
+            that settings can be checked on the network before any data is loaded.
     """
 
     name: str
@@ -77,6 +79,7 @@ class BenchmarkSpec:
     settings: Mapping[str, Any]
     published: Mapping[str, Published] = field(default_factory=dict)
     needs: tuple[str, ...] = ()
+    layout: tuple[int, tuple[int, ...], int, bool] = (5, (1, 28, 28), 2, True)
 
 
 def _mlp(hidden: tuple[int, ...]) -> Callable[[TaskSequence], nn.Module]:
@@ -119,6 +122,7 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
             ),
         },
         ("MNIST",),
+        (5, (1, 28, 28), 2, True),
     ),
     "permuted-mnist": BenchmarkSpec(
         "permuted-mnist",
@@ -133,6 +137,7 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
             "vcl-coreset": Published(93.0, None, _VCL),
         },
         ("MNIST",),
+        (10, (784,), 10, False),
     ),
     "split-cifar": BenchmarkSpec(
         "split-cifar",
@@ -146,6 +151,7 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
             "s-fsvi": Published(77.57, 0.84, _SFSVI),
         },
         ("CIFAR10", "CIFAR100"),
+        (6, (3, 32, 32), 10, True),
     ),
     "split-fashion-mnist": BenchmarkSpec(
         "split-fashion-mnist",
@@ -155,6 +161,7 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
         {"optimizer": "adam", "lr": 1e-4, "train_epochs": 15, "train_mb_size": 128},
         {},
         ("FashionMNIST",),
+        (5, (1, 28, 28), 2, True),
     ),
     "split-digits": BenchmarkSpec(
         "split-digits",
@@ -165,6 +172,7 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
         {"optimizer": "adam", "lr": 1e-3, "train_epochs": 20, "train_mb_size": 32},
         {},
         (),
+        (5, (1, 8, 8), 2, True),
     ),
 }
 
