@@ -28,7 +28,6 @@ import math
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +50,6 @@ from benchmarks.runner import (
     validate_settings,
 )
 from fromp.data import CorruptDataError, DataNotFoundError
-
-# Avalanche imports an optional QP solver package that warns when no solver is installed.
-warnings.filterwarnings("ignore", message="no QP solver found")
 
 DEMO_STRATEGIES = ("fromp", "ewc", "vcl", "naive")
 # For each demo slot, the strategies to try in order (the first installed one runs).

@@ -544,7 +544,7 @@ def method_plugins(strategy: Any) -> dict[str, Any]:
     for p in strategy.plugins:
         if isinstance(p, (*_OWN, EvaluationPlugin)) or p is strategy.evaluator:
             continue
-        name, k = type(p).__qualname__, 1
+        name, k = type(p).__name__, 1
         while (name if k == 1 else f"{name}#{k}") in out:
             k += 1
         out[name if k == 1 else f"{name}#{k}"] = p
