@@ -31,7 +31,7 @@ import os
 import random
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -633,8 +633,14 @@ def _validation_view(seq: TaskSequence) -> TaskSequence | None:
     return TaskSequence(seq.name, tasks, seq.multi_head, seq.input_shape, seq.n_outputs)
 
 
-def run(cfg: RunConfig) -> dict[str, Any]:
+def run(
+    cfg: RunConfig, on_experience: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
     """Train ``cfg.strategy`` on ``cfg.benchmark`` and return the results.
+
+    ``on_experience`` is called after every experience, once its checkpoint is written, with
+    ``{"task", "tasks_done", "mean_accuracy", "mean_valid_accuracy", "checkpoint"}`` (mean
+    test / validation accuracy over the tasks seen so far; the sweep reports it to Ray Tune).
 
     Returns:
         A JSON-serialisable dict: ``accuracy_matrix`` (row ``j`` holds the test accuracy of
@@ -764,6 +770,18 @@ def run(cfg: RunConfig) -> dict[str, Any]:
                     "timing": timing,
                     "elapsed": elapsed,
                 },
+            )
+        if on_experience is not None:
+            seen_accs = [a for a in matrix[-1] if a is not None]
+            seen_valid = [a for a in valid_matrix[-1] if a is not None] if valid_matrix else []
+            on_experience(
+                {
+                    "task": seen,
+                    "tasks_done": done,
+                    "mean_accuracy": float(np.mean(seen_accs)),
+                    "mean_valid_accuracy": float(np.mean(seen_valid)) if seen_valid else None,
+                    "checkpoint": None if ckpt is None else str(ckpt),
+                }
             )
 
     complete = failed is None and done == len(steps)
