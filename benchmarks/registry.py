@@ -3,11 +3,11 @@
 A benchmark carries its protocol (how the tasks are built, which network, the training
 settings of the FROMP paper) and the published numbers to compare with. A strategy names an
 Avalanche strategy class by import path (imported lazily, so a missing optional strategy does
-not break the others), preset keyword arguments, and the module whose ``DEFAULTS`` holds the
-tuned per-benchmark settings (see ``strategies/``).
+not break the others) and preset keyword arguments; its tuned per-benchmark settings live in
+:data:`benchmarks.settings.SETTINGS`.
 
-Settings are merged in this order, later wins: benchmark defaults, the strategy module's
-``DEFAULTS[benchmark]``, the preset's own settings, command-line overrides.
+Settings are merged in this order, later wins: benchmark defaults,
+``SETTINGS[strategy][benchmark]``, the preset's own settings, command-line overrides.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 
 from torch import nn
 
+from benchmarks.settings import settings_for
 from fromp.data import (
     TaskSequence,
     permuted_mnist,
@@ -186,8 +187,6 @@ class StrategySpec:
         target: ``"module:Class"`` of an Avalanche ``SupervisedTemplate`` subclass.
         description: one line.
         kwargs: preset keyword arguments for the class (e.g. the kernel of FROMP-L2).
-        defaults_module: module whose ``DEFAULTS[benchmark]`` holds tuned settings
-            (``optimizer``, ``lr``, ``train_epochs``, ``train_mb_size``, ``kwargs``).
         settings: preset settings that override the defaults (e.g. ``optimizer="vogn"``).
         joint: trains on all tasks at once (an upper bound, not a continual learner).
     """
@@ -196,7 +195,6 @@ class StrategySpec:
     target: str
     description: str
     kwargs: Mapping[str, Any] = field(default_factory=dict)
-    defaults_module: str | None = None
     settings: Mapping[str, Any] = field(default_factory=dict)
     joint: bool = False
 
@@ -214,14 +212,9 @@ class StrategySpec:
         return True
 
     def defaults(self, benchmark: str) -> dict[str, Any]:
-        """The tuned settings of the strategy module for ``benchmark`` (may be empty)."""
-        if self.defaults_module is None:
-            return {}
-        try:
-            table = getattr(importlib.import_module(self.defaults_module), "DEFAULTS", {})
-        except ImportError:
-            return {}
-        return dict(table.get(self.name, {}).get(benchmark, table.get(benchmark, {})))
+        """The tuned settings for ``benchmark`` (:data:`benchmarks.settings.SETTINGS`; may be
+        empty)."""
+        return settings_for(self.name, benchmark)
 
 
 STRATEGIES: dict[str, StrategySpec] = {
@@ -231,48 +224,41 @@ STRATEGIES: dict[str, StrategySpec] = {
             "fromp",
             "strategies.fromp:FROMP",
             "FROMP: functional regularisation of memorable past, per-class DNN2GP kernels",
-            defaults_module="strategies.fromp",
         ),
         StrategySpec(
             "fromp-l2",
             "strategies.fromp:FROMP",
             "FROMP-L2: FROMP with the kernel replaced by the identity",
             kwargs={"kernel": "identity"},
-            defaults_module="strategies.fromp",
         ),
         StrategySpec(
             "fromp-vogn",
             "strategies.fromp:FROMP",
             "FROMP trained with VOGN; the kernel uses VOGN's posterior",
             kwargs={"posterior": "vogn"},
-            defaults_module="strategies.fromp",
             settings={"optimizer": "vogn"},
         ),
         StrategySpec(
             "vogn",
             "strategies.vogn:VOGNStrategy",
             "VOGN: variational online Gauss-Newton, each task's posterior is the next prior",
-            defaults_module="strategies.vogn",
             settings={"optimizer": "vogn"},
         ),
         StrategySpec(
             "vcl",
             "strategies.vcl:VCL",
             "VCL: mean-field variational continual learning",
-            defaults_module="strategies.vcl",
         ),
         StrategySpec(
             "vcl-coreset",
             "strategies.vcl:VCL",
             "VCL with a random coreset, trained on before evaluation",
             kwargs={"coreset_method": "random"},
-            defaults_module="strategies.vcl",
         ),
         StrategySpec(
             "ewc",
             "strategies.ewc:EWC",
             "EWC with the per-example (sampled) Fisher diagonal",
-            defaults_module="strategies.ewc",
         ),
         StrategySpec(
             "ewc-avalanche",

@@ -171,7 +171,7 @@ def _load_with_fingerprint(spec, data_root, n_train, n_test, valid_fraction, val
 def resolve_settings(
     bench: BenchmarkSpec, strat: StrategySpec, overrides: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
-    """Merge benchmark defaults < strategy ``DEFAULTS`` < preset < overrides.
+    """Merge benchmark defaults < :data:`benchmarks.settings.SETTINGS` < preset < overrides.
 
     Returns a dict with ``optimizer``, ``lr``, ``train_epochs``, ``train_mb_size``,
     ``optimizer_kwargs`` and ``kwargs`` (keyword arguments of the strategy class).

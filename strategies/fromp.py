@@ -42,111 +42,10 @@ from fromp.models import with_task
 from fromp.regularizer import FROMPRegularizer
 from strategies.models import unwrap
 
-__all__ = ["DEFAULTS", "FROMP", "PRESETS", "REFERENCE", "FROMPPlugin", "experience_tensors"]
+__all__ = ["FROMP", "FROMPPlugin", "experience_tensors"]
 
 _SELECT = ("descending", "ascending", "random")
 _POSTERIORS = ("ggn", "vogn")
-
-#: Strategy names of the runner and the keyword arguments they imply.
-PRESETS: dict[str, dict[str, Any]] = {
-    "fromp": {},
-    "fromp-l2": {"kernel": "identity"},
-    "fromp-vogn": {"posterior": "vogn"},
-}
-
-_REF_SPLIT_MNIST: dict[str, Any] = {
-    "optimizer": "adam",
-    "lr": 1e-4,
-    "train_epochs": 15,
-    "train_mb_size": 128,
-    "kwargs": {
-        "tau": 10.0,
-        "n_points": 40,
-        "prior_precision": 1e-3,
-        "jitter": 1e-6,
-        "grad_clip_norm": 0.1,
-    },
-}
-
-#: Settings of the reference code (``main_*.py`` / ``train_*.py`` of team-approx-bayes/fromp):
-#: ``n_points`` memorable points per task, ``tau``, prior precision, jitter and gradient
-#: clipping as there.
-REFERENCE: dict[str, dict[str, Any]] = {
-    "split-mnist": _REF_SPLIT_MNIST,
-    "split-fashion-mnist": _REF_SPLIT_MNIST,
-    "permuted-mnist": {
-        "optimizer": "adam",
-        "lr": 1e-3,
-        "train_epochs": 10,
-        "train_mb_size": 128,
-        "kwargs": {
-            "tau": 0.5,
-            "n_points": 200,
-            "prior_precision": 1e-5,
-            "jitter": 1e-5,
-            "grad_clip_norm": 0.01,
-        },
-    },
-    "split-cifar": {
-        "optimizer": "adam",
-        "lr": 1e-3,
-        "train_epochs": 80,
-        "train_mb_size": 256,
-        "kwargs": {
-            "tau": 10.0,
-            "n_points": 200,
-            "prior_precision": 1e-4,
-            "jitter": 1e-5,
-            "grad_clip_norm": 100.0,
-        },
-    },
-    "split-digits": {
-        "optimizer": "adam",
-        "lr": 1e-3,
-        "train_epochs": 20,
-        "train_mb_size": 32,
-        "kwargs": {
-            "tau": 10.0,
-            "n_points": 40,
-            "prior_precision": 1e-3,
-            "jitter": 1e-6,
-            "grad_clip_norm": 0.1,
-        },
-    },
-}
-
-
-#: The runner's defaults: the reference settings, except 200 memorable points per task on
-#: split MNIST instead of 40 (0.4 % of a task's training set; the kernel is then 200 x 200
-#: per class). Split MNIST, seeds 0-2 (benchmarks/results/fromp_split-mnist.json): 40 points
-#: 99.25 %, 200 points 99.65 %; the reference settings stay one ``--set n_points=40`` away.
-DEFAULTS: dict[str, dict[str, Any]] = {
-    **REFERENCE,
-    "split-mnist": {
-        **REFERENCE["split-mnist"],
-        "kwargs": {**REFERENCE["split-mnist"]["kwargs"], "n_points": 200},
-    },
-}
-
-
-def _vogn_defaults(bench: str) -> dict[str, Any]:
-    from strategies.vogn import DEFAULTS as VOGN_DEFAULTS
-
-    base = VOGN_DEFAULTS[bench]
-    return {
-        "optimizer": "vogn",
-        "lr": base["lr"],
-        "train_epochs": base["train_epochs"],
-        "train_mb_size": base["train_mb_size"],
-        "optimizer_kwargs": dict(base["optimizer_kwargs"]),
-        "kwargs": {**DEFAULTS[bench]["kwargs"], "posterior": "vogn"},
-    }
-
-
-#: FROMP with VOGN ("fromp-vogn"): VOGN's settings of :mod:`strategies.vogn` with FROMP's
-#: regulariser settings (not tuned), keyed by strategy name then benchmark as the runner's
-#: registry allows.
-DEFAULTS["fromp-vogn"] = {b: _vogn_defaults(b) for b in list(DEFAULTS)}
 
 
 def experience_tensors(dataset: Any, batch_size: int = 2048) -> tuple[Tensor, Tensor, Tensor]:
@@ -406,7 +305,7 @@ class FROMP(SupervisedTemplate):
 
     ``model`` is an Avalanche model wrapping a :mod:`fromp` model
     (:func:`strategies.models.as_avalanche_model`). Method keyword arguments are those of
-    :class:`FROMPPlugin`; :data:`DEFAULTS` holds the reference settings per benchmark.
+    :class:`FROMPPlugin`; :data:`benchmarks.settings.SETTINGS` holds the settings per benchmark.
     With ``posterior="vogn"`` the optimizer must be a :class:`fromp.optim.VOGN`; a
     :class:`strategies.vogn.VOGNPlugin` drives it (``vogn_continual``: the task's posterior
     becomes the next task's prior, naive continual VOGN, as in that plugin).
