@@ -270,3 +270,33 @@ def test_select_on_validation_reports_the_best_validation_setting(tmp_path, caps
     assert f"| {other} | 1 |" not in table  # the other candidate's test accuracy is not shown
     assert "Settings selected on validation accuracy" in report
     assert {r["config"]["valid_fraction"] for r in payload["runs"]} == {0.2}
+
+
+def test_demo_leaks_no_warnings_and_explains_a_low_vcl(tmp_path, capsys, monkeypatch, recwarn):
+    import warnings
+
+    import torchvision.datasets as tvd
+
+    class Offline(tvd.MNIST):
+        def download(self):
+            raise RuntimeError("offline")
+
+    monkeypatch.setattr(tvd, "MNIST", Offline)
+    warnings.simplefilter("always")
+    argv = ["demo", "--data-root", str(tmp_path / "empty"), "--out", str(tmp_path / "out")]
+    argv += ["--epochs", "1", "--n-train", "80", "--n-test", "40", "--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for name in ("fromp", "ewc", "vcl", "naive"):
+        assert f"| {name} | 1 |" in out
+    leaked = [
+        str(w.message)
+        for w in recwarn
+        if issubclass(w.category, UserWarning | RuntimeWarning)
+        and "QP solver" not in str(w.message)
+        and "No loggers specified" not in str(w.message)
+    ]
+    assert leaked == []
+    payload = json.loads((tmp_path / "out" / "split-digits" / "results.json").read_text())
+    acc = {k: v["mean_accuracy"]["mean"] for k, v in payload["aggregate"].items()}
+    assert ("VCL (" in out) == (acc["vcl"] < acc["naive"])
