@@ -534,6 +534,37 @@ def _demo_note(benchmark: str, agg: dict[str, Any]) -> str | None:
     )
 
 
+#: Errors reported as one line with exit status 2.
+USER_ERRORS = (
+    UnknownNameError,
+    DataNotFoundError,
+    CorruptDataError,
+    UsageError,
+    SettingsError,
+    CheckpointError,
+)
+
+
+def run_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of :func:`run_benchmark` (and the sweep) given on the command
+    line: seeds, output, data, device, settings, grid, subsample, validation, selection,
+    resume."""
+    return {
+        "seeds": list(range(args.seed_offset, args.seed_offset + args.seeds)),
+        "out": Path(args.out),
+        "data_root": args.data_root,
+        "device": args.device,
+        "overrides": _overrides(args),
+        "grid": parse_grid(args.grid),
+        "n_train": args.n_train,
+        "n_test": args.n_test,
+        "valid_fraction": args.valid_fraction,
+        "valid_seed": args.valid_seed,
+        "select_on": args.select_on,
+        "resume": args.resume,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 done, 2 a usage, data or checkpoint error (one line on stderr), 3 a run
     failed (non-finite loss, weights or predictions), 130 interrupted (Ctrl-C)."""
@@ -565,29 +596,11 @@ def main(argv: list[str] | None = None) -> int:
         payload = run_benchmark(
             args.benchmark,
             names,
-            seeds=list(range(args.seed_offset, args.seed_offset + args.seeds)),
-            out=out,
-            data_root=args.data_root,
-            device=args.device,
-            overrides=_overrides(args),
-            grid=parse_grid(args.grid),
-            n_train=args.n_train,
-            n_test=args.n_test,
-            valid_fraction=args.valid_fraction,
-            valid_seed=args.valid_seed,
-            select_on=args.select_on,
-            resume=args.resume,
+            **run_options(args),
             stop_after=args.stop_after,
             progress=not args.no_progress,
         )
-    except (
-        UnknownNameError,
-        DataNotFoundError,
-        CorruptDataError,
-        UsageError,
-        SettingsError,
-        CheckpointError,
-    ) as err:
+    except USER_ERRORS as err:
         print(f"fromp-bench: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

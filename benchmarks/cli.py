@@ -40,6 +40,10 @@ class CheckpointError(ValueError):
     """A file that is not a usable ``fromp-bench`` checkpoint."""
 
 
+# Errors reported as one line with exit status 2.
+_ERRORS = (CheckpointError, UnknownNameError, DataNotFoundError, CorruptDataError, ValueError)
+
+
 def load_trained(
     path: str | Path, data_root: str | None = None
 ) -> tuple[nn.Module, TaskSequence, dict[str, Any]]:
@@ -51,7 +55,7 @@ def load_trained(
         deterministic network at the posterior means), ``seq`` the benchmark's tasks
         (subsampled as in the run).
     """
-    from benchmarks.runner import load_sequence, sequence_fingerprint
+    from benchmarks.runner import load_sequence
 
     path = Path(path)
     if not path.is_file():
@@ -75,7 +79,7 @@ def load_trained(
     args += (cfg.get("valid_seed", 0),)
     seq = load_sequence(bench, root, *args)
     want = (cfg.get("data") or {}).get("hash")
-    if want is not None and sequence_fingerprint(bench, root, *args)["hash"] != want:
+    if want is not None and seq.fingerprint()["hash"] != want:
         raise CheckpointError(
             f"the data under {root or 'the default data root'} differ from those {path} was "
             "trained on (data fingerprints differ); pass the run's --data-root"
@@ -190,13 +194,7 @@ def memorable_main(argv: list[str] | None = None) -> int:
                 model, task.train_x, task.train_y, n_per_class=args.n_per_class, order=args.order
             )
             scores = memorability_scores(model, task.train_x[idx])
-    except (
-        CheckpointError,
-        UnknownNameError,
-        DataNotFoundError,
-        CorruptDataError,
-        ValueError,
-    ) as err:
+    except _ERRORS as err:
         print(f"fromp-memorable: error: {err}", file=sys.stderr)
         return 2
     out = Path(args.out)
@@ -273,13 +271,7 @@ def gp_main(argv: list[str] | None = None) -> int:
             kernel = gp.kernel(x)
             variance = gp.variance(x)
             probs = gp.predictive(x, "probit")
-    except (
-        CheckpointError,
-        UnknownNameError,
-        DataNotFoundError,
-        CorruptDataError,
-        ValueError,
-    ) as err:
+    except _ERRORS as err:
         print(f"fromp-gp: error: {err}", file=sys.stderr)
         return 2
     out = Path(args.out)

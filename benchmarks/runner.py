@@ -62,7 +62,6 @@ __all__ = [
     "method_plugins",
     "resolve_settings",
     "run",
-    "sequence_fingerprint",
     "validate_settings",
 ]
 
@@ -141,18 +140,6 @@ def load_sequence(
     """The benchmark's task sequence (cached per process): the validation split first (from
     the full training sets), then the optional per-task subsample of train and test."""
     return _load_with_fingerprint(spec, data_root, n_train, n_test, valid_fraction, valid_seed)[0]
-
-
-def sequence_fingerprint(
-    spec: BenchmarkSpec,
-    data_root: str | os.PathLike[str] | None,
-    n_train: int | None = None,
-    n_test: int | None = None,
-    valid_fraction: float | None = None,
-    valid_seed: int = 0,
-) -> dict[str, Any]:
-    """:meth:`fromp.data.TaskSequence.fingerprint` of :func:`load_sequence`'s sequence."""
-    return _load_with_fingerprint(spec, data_root, n_train, n_test, valid_fraction, valid_seed)[1]
 
 
 def _load_with_fingerprint(spec, data_root, n_train, n_test, valid_fraction, valid_seed):

@@ -34,20 +34,19 @@ import torch
 
 from benchmarks.__main__ import (
     DEMO_STRATEGIES,
+    USER_ERRORS,
     UsageError,
-    _overrides,
     build_parser,
     check_args,
     check_data,
     describe,
-    parse_grid,
     plan,
     run_name,
+    run_options,
     write_report,
 )
-from benchmarks.registry import UnknownNameError, get_benchmark
-from benchmarks.runner import CheckpointError, RunConfig, SettingsError, data_root_of, run
-from fromp.data import CorruptDataError, DataNotFoundError
+from benchmarks.registry import get_benchmark
+from benchmarks.runner import RunConfig, data_root_of, run
 
 __all__ = ["sweep", "sweep_main"]
 
@@ -105,31 +104,27 @@ def sweep(
     benchmark: str,
     strategies: list[str],
     *,
-    seeds: list[int],
-    out: Path,
-    data_root: str | None = None,
-    device: str = "cpu",
-    overrides: dict[str, Any] | None = None,
-    grid: list[dict[str, Any]] | None = None,
-    n_train: int | None = None,
-    n_test: int | None = None,
-    valid_fraction: float | None = None,
-    valid_seed: int = 0,
-    select_on: str | None = None,
     address: str | None = None,
     num_cpus: int | None = None,
     cpus_per_trial: float = 1.0,
     gpus_per_trial: float = 0.0,
     max_concurrent: int | None = None,
     max_failures: int = 2,
-    resume: bool = False,
     test_hooks: dict[str, Any] | None = None,
+    **options: Any,
 ) -> dict[str, Any]:
     """Run the grid as Ray Tune trials and write the same report as the plain runner.
 
-    Returns the payload of ``results.json``. Settings are validated (and, on a local Ray
-    instance, the data checked) before Ray starts.
+    ``options`` are those of :func:`benchmarks.__main__.run_benchmark` (``seeds``, ``out``,
+    ``data_root``, ``device``, ``overrides``, ``grid``, ``n_train``, ``n_test``,
+    ``valid_fraction``, ``valid_seed``, ``select_on``; ``resume`` restores an interrupted
+    sweep). Returns the payload of ``results.json``. Settings are validated (and, on a local
+    Ray instance, the data checked) before Ray starts.
     """
+    seeds, out = options["seeds"], Path(options["out"])
+    data_root, device = options.get("data_root"), options.get("device", "cpu")
+    n_train, n_test = options.get("n_train"), options.get("n_test")
+    valid_fraction, valid_seed = options.get("valid_fraction"), options.get("valid_seed", 0)
     try:
         import ray
         from ray import tune
@@ -139,10 +134,9 @@ def sweep(
             "without 'sweep')"
         ) from err
 
-    grid = grid or [{}]
-    jobs = plan(
-        benchmark, strategies, dict(overrides or {}), grid, device if not address else "cpu"
-    )
+    grid = options.get("grid") or [{}]
+    overrides = dict(options.get("overrides") or {})
+    jobs = plan(benchmark, strategies, overrides, grid, device if not address else "cpu")
     if address is None:
         check_data(benchmark, jobs, data_root, n_train, n_test, valid_fraction, valid_seed)
     bench = get_benchmark(benchmark)
@@ -178,7 +172,7 @@ def sweep(
         trainable = tune.with_resources(_trial, {"cpu": cpus_per_trial, "gpu": gpus_per_trial})
         storage = base / "ray"
         path = storage / "sweep"
-        if resume and tune.Tuner.can_restore(str(path)):
+        if options.get("resume") and tune.Tuner.can_restore(str(path)):
             tuner = tune.Tuner.restore(str(path), trainable, resume_errored=True)
         else:
             tuner = tune.Tuner(
@@ -202,7 +196,7 @@ def sweep(
         results,
         command=" ".join(["fromp-bench", "sweep", *sys.argv[2:]]),
         total_time_s=time.perf_counter() - started,
-        select_on=select_on,
+        select_on=options.get("select_on"),
         engine={"ray": ray.__version__, "address": address or "local"},
     )
 
@@ -267,33 +261,15 @@ def sweep_main(argv: list[str] | None = None) -> int:
         payload = sweep(
             args.benchmark,
             names,
-            seeds=list(range(args.seed_offset, args.seed_offset + args.seeds)),
-            out=out,
-            data_root=args.data_root,
-            device=args.device,
-            overrides=_overrides(args),
-            grid=parse_grid(args.grid),
-            n_train=args.n_train,
-            n_test=args.n_test,
-            valid_fraction=args.valid_fraction,
-            valid_seed=args.valid_seed,
-            select_on=args.select_on,
+            **run_options(args),
             address=args.address,
             num_cpus=args.num_cpus,
             cpus_per_trial=args.cpus_per_trial,
             gpus_per_trial=args.gpus_per_trial,
             max_concurrent=args.max_concurrent,
             max_failures=args.max_failures,
-            resume=args.resume,
         )
-    except (
-        UnknownNameError,
-        DataNotFoundError,
-        CorruptDataError,
-        UsageError,
-        SettingsError,
-        CheckpointError,
-    ) as err:
+    except USER_ERRORS as err:
         print(f"fromp-bench sweep: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
