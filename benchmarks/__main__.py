@@ -459,7 +459,10 @@ def write_report(
             plot_accuracy(bench, shown, base / "accuracy.png")
         print()
         print(report)
-        print(f"results: {base / 'results.json'}, {base / 'report.md'}, {base / 'accuracy.png'}")
+        files = [base / "results.json", base / "report.md"] + (
+            [base / "accuracy.png"] if agg else []
+        )
+        print(f"results: {', '.join(map(str, files))}")
     return payload
 
 

@@ -199,11 +199,14 @@ def markdown_report(
             "accuracy reported for the selected setting only.",
             "",
         ]
-    lines += [
-        "| strategy | seeds | accuracy (%) | published (%) | forgetting | BWT | NLL | ECE (%) "
-        "| time (s) |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    if agg:
+        lines += [
+            "| strategy | seeds | accuracy (%) | published (%) | forgetting | BWT | NLL | ECE (%) "
+            "| time (s) |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+    else:
+        lines.append("No complete run to report.")
     for name, row in agg.items():
         pub = bench.published.get(row.get("strategy", name))
         pub_s = "–"
