@@ -503,7 +503,7 @@ class _Progress(SupervisedPlugin):
         if self.bar is not None:
             self.bar.update(1)
             if self.bar.n % 20 == 0:
-                self.bar.set_postfix(loss=f"{float(strategy.loss):.4f}")
+                self.bar.set_postfix(loss=f"{float(strategy.loss.detach()):.4f}")
 
     def after_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
         if self.bar is not None:

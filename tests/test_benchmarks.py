@@ -284,7 +284,7 @@ def test_demo_leaks_no_warnings_and_explains_a_low_vcl(tmp_path, capsys, monkeyp
     monkeypatch.setattr(tvd, "MNIST", Offline)
     warnings.simplefilter("always")
     argv = ["demo", "--data-root", str(tmp_path / "empty"), "--out", str(tmp_path / "out")]
-    argv += ["--epochs", "1", "--n-train", "80", "--n-test", "40", "--no-progress"]
+    argv += ["--epochs", "1", "--n-train", "80", "--n-test", "40", "--batch-size", "4"]  # bars
     assert main(argv) == 0
     out = capsys.readouterr().out
     for name in ("fromp", "ewc", "vcl", "naive"):
