@@ -245,7 +245,9 @@ def squared_grad_sums(
             out["bias"] = gs.reshape(n_k, bsz, gs.shape[2], -1).sum(3).pow(2).sum((0, 1))
         if _gram_route(m, a, gs, n_k):
             out["weight"] = _conv_gram(m, a, gs)
-            return out
+        else:
+            out["weight"] = _conv_unfold_squares(m, a, gs, memory_budget)
+        return out
     # per-example gradients of (k, n) pairs, in sub-chunks bounded by the budget
     p_layer = sum(p.numel() for p in m.parameters(recurse=False))
     step = max(1, int(memory_budget // (3 * p_layer * gs.element_size())))
@@ -261,6 +263,30 @@ def squared_grad_sums(
             acc[name] = sq if name not in acc else acc[name] + sq
     out.update(acc)
     return out
+
+
+def _conv_unfold_squares(m: nn.Module, a: Tensor, gs: Tensor, memory_budget: int) -> Tensor:
+    """``sum_{k,n} (per-example weight gradient)^2`` of a convolution with per-example
+    gradients ``g_{kn} u_n^T`` formed by one batched GEMM per sub-chunk of examples
+    (``[K Cout/G, L] @ [L, Cin/G kk]`` per example and group, the ``K`` columns stacked so
+    that the unfolded input ``u_n`` is shared), squared and summed; sub-chunks hold at most
+    ``memory_budget`` bytes of gradients."""
+    n_k, bsz = gs.shape[:2]
+    ap, g2d, geo = _conv_geometry(m, a, gs.reshape(n_k * bsz, *gs.shape[2:]))
+    u = F.unfold(ap, geo["kernel"], dilation=geo["dil"], stride=geo["stride"])  # B, Cin kk, L
+    grp, pos = m.groups, u.shape[-1]
+    u = u.reshape(bsz * grp, -1, pos).transpose(1, 2)  # B G, L, J
+    g = g2d.reshape(n_k, bsz, grp, -1, pos).permute(1, 2, 0, 3, 4)  # B, G, K, O, L
+    g = g.reshape(bsz * grp, -1, pos)  # B G, K O, L
+    per_ex = n_k * m.weight.numel() * gs.element_size()
+    step = max(1, int(memory_budget // (2 * per_ex))) * grp
+    acc = None
+    for s in range(0, bsz * grp, step):
+        per = torch.bmm(g[s : s + step], u[s : s + step])  # b G, K O, J
+        sq = per.view(-1, grp, n_k, per.shape[1] // n_k, per.shape[2]).pow_(2).sum((0, 2))
+        acc = sq if acc is None else acc + sq
+    assert acc is not None
+    return acc.reshape(m.weight.shape)
 
 
 def _conv_gram(m: nn.Module, a: Tensor, gs: Tensor) -> Tensor:

@@ -12,6 +12,7 @@ from torch import nn
 from fromp.capture import (
     CapturePlan,
     _conv_gram,
+    _conv_unfold_squares,
     capture_calls,
     per_example_layer_grads,
     squared_grad_sums,
@@ -138,6 +139,9 @@ def test_layer_rules_match_autograd_per_example():
                 torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12)
         if isinstance(c.module, nn.Conv1d | nn.Conv2d):  # the Gram route at any L
             torch.testing.assert_close(_conv_gram(c.module, c.a, gs), want["weight"])
+            for budget in (1, 2**30):
+                got = _conv_unfold_squares(c.module, c.a, gs, budget)
+                torch.testing.assert_close(got, want["weight"])
         per = per_example_layer_grads(c.module, c.a, gs[0])
         for name, t in per.items():
             assert t.shape == (len(x), *getattr(c.module, name).shape)
