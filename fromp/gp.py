@@ -12,24 +12,28 @@ marginal (co)variances without ever forming ``Sigma`` densely for a diagonal pos
 ``J L^{-T}`` for a :class:`~fromp.laplace.FullGaussian` with precision ``L L^T``)
 ``k(x, x') = A(x) A(x')^T``, and ``A`` is computed in chunks of examples.
 
-This module also holds the Laplace evidence ``log p(D | delta)`` used to choose the prior
-precision (:func:`log_marginal_likelihood`, :func:`optimize_prior_precision`).
+The Laplace evidence lives beside the Laplace code (:mod:`fromp.laplace`);
+:func:`log_marginal_likelihood` and :func:`optimize_prior_precision` are re-exported here for
+existing callers.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vmap
 
-from fromp.curvature import DataArg, diag_ggn, iter_batches
-from fromp.ggn import ggn
-from fromp.jacobian import _flatten_leading, _single_output_fn, flat_params, num_params, unflatten
-from fromp.laplace import FullGaussian, prior_precision_vector, require_eval
+from fromp.jacobian import _flatten_leading, _single_output_fn, num_params, unflatten
+from fromp.laplace import (
+    FullGaussian,
+    log_marginal_likelihood,
+    optimize_prior_precision,
+    require_eval,
+)
 from fromp.likelihood import (
     BernoulliLikelihood,
     CategoricalLikelihood,
@@ -512,170 +516,3 @@ def dnn2gp(
 ) -> GP:
     """The DNN2GP :class:`GP` of ``model`` under ``posterior`` (see :class:`GP`)."""
     return GP(model, posterior, likelihood, chunk_size=chunk_size)
-
-
-# ----------------------------------------------------------------------------- evidence
-
-
-class _Evidence:
-    """The pieces of the Laplace evidence that do not depend on ``delta``."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        data: DataArg,
-        likelihood: str | Likelihood,
-        prior_mean: Tensor | None,
-        curvature: str,
-        chunk_size: int,
-        max_params: int,
-    ) -> None:
-        if curvature not in ("diag", "full"):
-            raise ValueError(f"curvature must be 'diag' or 'full', got {curvature!r}")
-        lik = get_likelihood(likelihood)
-        require_eval(model)
-        self.w = flat_params(model)
-        if prior_mean is not None:
-            if not isinstance(prior_mean, Tensor) or prior_mean.shape != self.w.shape:
-                raise ValueError(f"prior_mean must be None or a [P]={tuple(self.w.shape)} tensor")
-            self.w = self.w - prior_mean.to(self.w)
-        batches = []
-        nll = torch.zeros((), dtype=self.w.dtype, device=self.w.device)
-        for x, y in iter_batches(data, need_targets=True):
-            _check_inputs(x, "data inputs")
-            x, y = x.to(self.w.device), y.to(self.w.device)
-            if x.is_floating_point():
-                x = x.to(self.w.dtype)
-            with torch.no_grad():
-                nll = nll + lik.nll(model(x), y).sum()
-            batches.append((x,))
-        self.nll = nll
-        self.curvature = curvature
-        if curvature == "diag":
-            self.g = diag_ggn(model, batches, lik, chunk_size=chunk_size)
-        else:
-            self.g = ggn(model, batches, lik, chunk_size=chunk_size, max_params=max_params)
-            self.g = 0.5 * (self.g + self.g.T)
-            self.eig = torch.linalg.eigvalsh(self.g).clamp_min(0)
-
-    def __call__(self, delta: Tensor) -> Tensor:
-        """``log p(D | delta)`` for ``delta`` a scalar or ``[P]`` tensor (differentiable)."""
-        p = self.w.numel()
-        vec = delta.ndim == 1
-        log_prior = -0.5 * (delta * self.w**2).sum() + 0.5 * (
-            delta.log().sum() if vec else p * delta.log()
-        )
-        if self.curvature == "diag":
-            logdet = (self.g + delta).log().sum()
-        elif vec:
-            logdet = torch.linalg.slogdet(self.g + torch.diag(delta))[1]
-        else:
-            logdet = (self.eig + delta).log().sum()
-        return -self.nll + log_prior - 0.5 * logdet
-
-
-def log_marginal_likelihood(
-    model: nn.Module,
-    data: DataArg,
-    likelihood: str | Likelihood,
-    prior_precision: float | Tensor,
-    *,
-    prior_mean: Tensor | None = None,
-    curvature: str = "diag",
-    chunk_size: int = 32,
-    max_params: int = 20_000,
-) -> Tensor:
-    """Laplace approximation of the evidence ``log p(D | delta)`` at the model's weights ``w*``.
-
-    ``log p(D | delta) ~= log p(D | w*) + log N(w* | m0, D^-1) + P/2 log(2 pi) - 1/2 log det H``
-    ``= -sum_n nll_n + 1/2 sum_j log delta_j - 1/2 sum_j delta_j (w*_j - m0_j)^2
-    - 1/2 log det(G + D)``, with ``D = diag(delta)`` and ``G`` the GGN: its diagonal
-    (``curvature="diag"``, ``log det H ~= sum_j log(G_jj + delta_j)``) or, for small models,
-    the full matrix (``curvature="full"``, ``P <= max_params``).
-
-    ``w*`` is kept fixed (the usual post-hoc choice); for a linear model with Gaussian
-    likelihood, ``curvature="full"`` and ``w*`` the exact MAP under ``delta``, this equals the
-    exact evidence ``log N(y | 0, sigma^2 I + X X^T / delta)``. By Hadamard's inequality the
-    diagonal version is never larger than the full one.
-
-    Args:
-        data: ``(x, y)`` or an iterable of ``(x, y)`` batches (targets needed).
-        prior_precision: ``delta``, a positive scalar or ``[P]`` tensor.
-        prior_mean: ``m0`` ``[P]`` (default 0).
-
-    Returns:
-        A scalar tensor.
-    """
-    ev = _Evidence(model, data, likelihood, prior_mean, curvature, chunk_size, max_params)
-    delta = prior_precision_vector(prior_precision, ev.w)
-    if not isinstance(prior_precision, Tensor) or prior_precision.ndim == 0:
-        delta = delta[0]
-    return ev(delta).detach()
-
-
-def _default_grid() -> list[float]:
-    return torch.logspace(-4, 4, 81, dtype=torch.float64).tolist()
-
-
-def optimize_prior_precision(
-    model: nn.Module,
-    data: DataArg,
-    likelihood: str | Likelihood,
-    method: str = "grid",
-    grid: Sequence[float] | Tensor | None = None,
-    *,
-    prior_mean: Tensor | None = None,
-    curvature: str = "diag",
-    init: float = 1.0,
-    max_iter: int = 200,
-    chunk_size: int = 32,
-    max_params: int = 20_000,
-    return_values: bool = False,
-) -> float | tuple[float, Tensor, Tensor]:
-    """The scalar prior precision ``delta`` maximising :func:`log_marginal_likelihood`.
-
-    The GGN is computed once; the evidence is then a closed-form function of ``delta``.
-
-    Args:
-        method: ``"grid"`` (best of ``grid``, default ``logspace(-4, 4, 81)``) or
-            ``"gradient"`` (L-BFGS on ``log delta`` from ``init``, exact autograd gradients).
-        return_values: also return ``(grid [G], log evidence [G])`` (grid method) or the
-            single evaluated point (gradient method), e.g. for plots.
-
-    Returns:
-        ``delta`` as a float (or ``(delta, deltas, values)`` with ``return_values``).
-    """
-    if method not in ("grid", "gradient"):
-        raise ValueError(f"method must be 'grid' or 'gradient', got {method!r}")
-    if method == "grid":
-        deltas = torch.as_tensor(_default_grid() if grid is None else grid, dtype=torch.float64)
-        deltas = deltas.reshape(-1)
-        if len(deltas) == 0 or not (torch.isfinite(deltas).all() and (deltas > 0).all()):
-            raise ValueError("grid must be a non-empty sequence of positive finite numbers")
-    elif not (isinstance(init, int | float) and init > 0 and math.isfinite(init)):
-        raise ValueError(f"init must be a positive finite number, got {init!r}")
-    ev = _Evidence(model, data, likelihood, prior_mean, curvature, chunk_size, max_params)
-    opts = {"dtype": ev.w.dtype, "device": ev.w.device}
-    if method == "grid":
-        deltas = deltas.to(**opts)
-        values = torch.stack([ev(d) for d in deltas])
-        best = float(deltas[int(torch.argmax(values))])
-        return (best, deltas, values) if return_values else best
-    log_delta = torch.tensor(math.log(init), **opts, requires_grad=True)
-    opt = torch.optim.LBFGS(
-        [log_delta], lr=1.0, max_iter=max_iter, line_search_fn="strong_wolfe",
-        tolerance_grad=1e-10, tolerance_change=1e-14,
-    )  # fmt: skip
-
-    def closure() -> Tensor:
-        opt.zero_grad()
-        loss = -ev(log_delta.exp())
-        loss.backward()
-        return loss
-
-    opt.step(closure)
-    best = float(log_delta.detach().exp())
-    if return_values:
-        value = ev(torch.tensor(best, **opts)).detach()
-        return best, torch.tensor([best], **opts), value.reshape(1)
-    return best
