@@ -36,9 +36,10 @@ included). By default (``method="auto"``) squared gradients of models made of th
 that :mod:`fromp.capture` handles (``Linear``, ``Conv1d/2d``, batch norm, ``LayerNorm``,
 ``GroupNorm``) come from one forward and one backward pass with layer capture
 (``sum_i g_i^2 = (d^2)^T (a^2)`` for a linear layer; for a convolution the per-example
-weight gradients of that layer alone, from its unfolded input); anything else uses ``torch.func.vmap`` over ``grad`` (``jacrev`` for
-the GGN), chunked over examples so that peak memory is ``chunk_size * P`` numbers. Both are
-checked against loops over examples in ``tests/test_vogn.py``.
+weight gradients of that layer alone, from its unfolded input); anything else uses
+``torch.func.vmap`` over ``grad`` (``jacrev`` for the GGN), chunked over examples so that
+peak memory is ``chunk_size * P`` numbers. Both are checked against loops over examples in
+``tests/test_vogn.py``.
 
 Typical use::
 
