@@ -39,6 +39,7 @@ outputs, ``P`` trainable parameters flattened in ``named_parameters()`` order.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -246,7 +247,7 @@ def squared_grad_sums(
         if _gram_route(m, a, gs, n_k):
             out["weight"] = _conv_gram(m, a, gs)
         else:
-            out["weight"] = _conv_unfold_squares(m, a, gs, memory_budget)
+            out["weight"] = _conv_squares(m, a, gs, memory_budget)
         return out
     # per-example gradients of (k, n) pairs, in sub-chunks bounded by the budget
     p_layer = sum(p.numel() for p in m.parameters(recurse=False))
@@ -263,6 +264,48 @@ def squared_grad_sums(
             acc[name] = sq if name not in acc else acc[name] + sq
     out.update(acc)
     return out
+
+
+_CONV_ROUTE: dict[tuple, str] = {}
+
+
+def _conv_squares(m: nn.Module, a: Tensor, gs: Tensor, memory_budget: int) -> Tensor:
+    """``sum_{k,n} (per-example weight gradient)^2`` of a convolution by the faster of
+    :func:`_conv_unfold_squares` and :func:`_conv_grouped_squares` for this layer geometry
+    (both exact; timed once per geometry, batch size and device, then remembered)."""
+    key = (
+        type(m), tuple(m.weight.shape), tuple(a.shape), tuple(gs.shape), m.stride, m.dilation,
+        m.groups, a.dtype, a.device.type,
+    )  # fmt: skip
+    route = _CONV_ROUTE.get(key)
+    if route is not None:
+        fn = _conv_unfold_squares if route == "unfold" else _conv_grouped_squares
+        return fn(m, a, gs, memory_budget)
+    times, result = {}, None
+    for name, fn in (("unfold", _conv_unfold_squares), ("grouped", _conv_grouped_squares)):
+        if a.is_cuda:
+            torch.cuda.synchronize(a.device)
+        t0 = time.perf_counter()
+        result = fn(m, a, gs, memory_budget)
+        if a.is_cuda:
+            torch.cuda.synchronize(a.device)
+        times[name] = time.perf_counter() - t0
+    _CONV_ROUTE[key] = min(times, key=times.__getitem__)
+    assert result is not None
+    return result
+
+
+def _conv_grouped_squares(m: nn.Module, a: Tensor, gs: Tensor, memory_budget: int) -> Tensor:
+    """``sum_{k,n} (per-example weight gradient)^2`` of a convolution from per-example
+    gradients of one grouped weight-gradient convolution per column and sub-chunk of
+    examples (:func:`_conv_per_example`); sub-chunks hold at most ``memory_budget`` bytes."""
+    n_k, bsz = gs.shape[:2]
+    step = max(1, int(memory_budget // (2 * m.weight.numel() * gs.element_size())))
+    acc = torch.zeros_like(m.weight, dtype=gs.dtype)
+    for k in range(n_k):
+        for s in range(0, bsz, step):
+            acc += _conv_per_example(m, a[s : s + step], gs[k, s : s + step]).pow_(2).sum(0)
+    return acc
 
 
 def _conv_unfold_squares(m: nn.Module, a: Tensor, gs: Tensor, memory_budget: int) -> Tensor:

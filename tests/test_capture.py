@@ -12,6 +12,7 @@ from torch import nn
 from fromp.capture import (
     CapturePlan,
     _conv_gram,
+    _conv_grouped_squares,
     _conv_unfold_squares,
     capture_calls,
     per_example_layer_grads,
@@ -140,8 +141,8 @@ def test_layer_rules_match_autograd_per_example():
         if isinstance(c.module, nn.Conv1d | nn.Conv2d):  # the Gram route at any L
             torch.testing.assert_close(_conv_gram(c.module, c.a, gs), want["weight"])
             for budget in (1, 2**30):
-                got = _conv_unfold_squares(c.module, c.a, gs, budget)
-                torch.testing.assert_close(got, want["weight"])
+                for fn in (_conv_unfold_squares, _conv_grouped_squares):
+                    torch.testing.assert_close(fn(c.module, c.a, gs, budget), want["weight"])
         per = per_example_layer_grads(c.module, c.a, gs[0])
         for name, t in per.items():
             assert t.shape == (len(x), *getattr(c.module, name).shape)
