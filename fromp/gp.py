@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vmap
 
+from fromp.capture import DEFAULT_MEMORY_BUDGET, LayerCall, capture_calls
 from fromp.jacobian import _flatten_leading, _single_output_fn, num_params, unflatten
 from fromp.laplace import (
     FullGaussian,
@@ -83,7 +84,11 @@ class GP:
             or :class:`~fromp.laplace.FullGaussian` over the ``P`` trainable parameters.
         likelihood: a :class:`~fromp.likelihood.Likelihood` or its name (for
             :meth:`predictive`).
-        chunk_size: examples per Jacobian chunk (default for every method).
+        chunk_size: examples per Jacobian chunk (default for every method); None derives it
+            from ``memory_budget``: ``min(64, budget / (3 C P * bytes))`` examples, so that a
+            chunk's whitened Jacobians ``[chunk, C, P]`` and their temporaries fit (one
+            example of ResNet-18 with ``C = 10`` is 0.45 GB in float32).
+        memory_budget: bytes (default 2 GiB) for the default chunk size.
     """
 
     def __init__(
@@ -92,7 +97,8 @@ class GP:
         posterior: Posterior,
         likelihood: str | Likelihood,
         *,
-        chunk_size: int = 64,
+        chunk_size: int | None = None,
+        memory_budget: int = DEFAULT_MEMORY_BUDGET,
     ) -> None:
         if not isinstance(posterior, DiagonalGaussian | FullGaussian):
             raise ValueError(
@@ -108,7 +114,15 @@ class GP:
         self.model = model
         self.posterior = posterior
         self.likelihood = get_likelihood(likelihood)
-        self.chunk_size = _check_chunk(chunk_size)
+        if chunk_size is not None:
+            _check_chunk(chunk_size)
+        if (
+            isinstance(memory_budget, bool)
+            or not isinstance(memory_budget, int)
+            or (memory_budget < 1)
+        ):
+            raise ValueError(f"memory_budget must be a positive int (bytes), got {memory_budget!r}")
+        self._chunk_size, self.memory_budget = chunk_size, memory_budget
         ref = next(p for p in model.parameters() if p.requires_grad)
         self._dtype, self._device = ref.dtype, ref.device
         self._params = unflatten(model, posterior.mean.detach().to(ref))
@@ -122,6 +136,27 @@ class GP:
         else:
             post = posterior.detach().to(ref)
             self._whiten = post.whiten
+
+    @property
+    def chunk_size(self) -> int:
+        """Examples per Jacobian chunk (given, or derived from ``memory_budget``)."""
+        if self._chunk_size is None:
+            ref = next(p for p in self.model.parameters() if p.requires_grad)
+            c = getattr(self, "_n_out", None) or 10
+            per_example = 3 * c * self.num_params * ref.element_size()
+            return max(1, min(64, self.memory_budget // per_example))
+        return self._chunk_size
+
+    @chunk_size.setter
+    def chunk_size(self, value: int | None) -> None:
+        self._chunk_size = None if value is None else _check_chunk(value)
+
+    def _step(self, chunk_size: int | None, x: Tensor) -> int:
+        if chunk_size is not None:
+            return _check_chunk(chunk_size)
+        if self._chunk_size is None and getattr(self, "_n_out", None) is None and len(x):
+            self.mean(x[:1])  # the output width C sets the derived chunk size
+        return self.chunk_size
 
     @property
     def num_params(self) -> int:
@@ -140,12 +175,13 @@ class GP:
             out = functional_call(self.model, (self._params, self._buffers), (x,))
         if out.ndim != 2:
             raise ValueError(f"model output must have shape [N, C], got {tuple(out.shape)}")
+        self._n_out = out.shape[1]
         return out
 
     def jacobians(self, x: Tensor, *, chunk_size: int | None = None) -> Tensor:
         """``J(x) [N, C, P]`` at the posterior mean (dense: ``N * C * P`` numbers)."""
         x = self._prep(x)
-        step = _check_chunk(chunk_size or self.chunk_size)
+        step = self._step(chunk_size, x)
         return torch.cat([self._jac_rows(x, slice(s, s + step)) for s in range(0, len(x), step)])
 
     def _jac_rows(self, x: Tensor, rows: slice) -> Tensor:
@@ -205,8 +241,8 @@ class GP:
         (``C * out`` with ``diagonal_outputs``). ``O(N1 + N2)`` feature evaluations when the
         cache holds those of ``x2``.
         """
-        step = _check_chunk(chunk_size or self.chunk_size)
         x1 = self._prep(x1, "x1")
+        step = self._step(chunk_size, x1)
         sym = x2 is None
         x2 = x1 if sym else self._prep(x2, "x2")
         if not sym and x1.shape[1:] != x2.shape[1:]:
@@ -301,8 +337,8 @@ class GP:
     def variance(self, x: Tensor, *, chunk_size: int | None = None) -> Tensor:
         """Marginal covariance of ``f(x_n)``: ``J(x_n) Sigma J(x_n)^T`` ``[N, C, C]``,
         computed per chunk of examples (never ``N x N``)."""
-        step = _check_chunk(chunk_size or self.chunk_size)
         x = self._prep(x)
+        step = self._step(chunk_size, x)
         outs = []
         for rows in self._chunks(len(x), step):
             a = self._whitened(x, rows)
@@ -416,68 +452,51 @@ class _LinearStructure:
         self.other = [n for n in gp._params if n not in lin_params]
         std = unflatten(model, gp.posterior.std.detach().to(gp._dtype))
         self.other_std = torch.cat([std[n].reshape(-1) for n in self.other]) if self.other else None
-        self._mode = "off"
-        self._acts: dict[str, Tensor] = {}
-        self._probes: dict[str, Tensor] = {}
-
-    def _hook(self, name: str):
-        def hook(mod: nn.Module, inputs: tuple, output: Tensor):
-            if self._mode == "acts":
-                if name in self._acts:
-                    raise _NotStructured(f"layer {name!r} is called more than once per forward")
-                a = inputs[0]
-                if a.ndim != 2 or output.ndim != 2:
-                    raise _NotStructured(f"layer {name!r} is applied to non-[N, in] inputs")
-                self._acts[name] = a.detach()
-                return None
-            if self._mode == "probe":
-                return output + self._probes[name]
-            return None
-
-        return hook
+        self._name_of = {id(m): k for k, m in self.layers.items()}
 
     def features(self, x: Tensor, rows: slice) -> tuple[dict[str, tuple[Tensor, Tensor]], Any]:
-        """``({layer: (a [n, in], g [C, n, out])}, A_other [n, C, P_other] or None)``."""
+        """``({layer: (a [n, in], g [C, n, out])}, A_other [n, C, P_other] or None)``: the
+        layer inputs and output gradients of every output from one forward pass with layer
+        capture (:func:`fromp.capture.capture_calls`) and one batched backward pass."""
         gp = self.gp
         xr = x[rows]
         n = len(xr)
-        handles = [m.register_forward_hook(self._hook(k)) for k, m in self.layers.items()]
-        try:
-            self._mode, self._acts = "acts", {}
-            with torch.no_grad():
-                out = functional_call(gp.model, (gp._params, gp._buffers), (xr,))
-            acts, c = self._acts, out.shape[1]
-            zeros = {
-                k: torch.zeros(n, m.out_features, dtype=gp._dtype, device=gp._device)
-                for k, m in self.layers.items()
-                if k in acts
-            }
-            self._mode = "probe"
+        params = {k: v.detach().requires_grad_(True) for k, v in gp._params.items()}
+        with torch.enable_grad(), capture_calls(list(self.layers.values())) as calls:
+            out = functional_call(gp.model, (params, gp._buffers), (xr,))
+        seen: dict[str, LayerCall] = {}
+        for call in calls:
+            name = self._name_of[id(call.module)]
+            if name in seen:
+                raise _NotStructured(f"layer {name!r} is called more than once per forward")
+            if call.a.ndim != 2 or call.z.ndim != 2:
+                raise _NotStructured(f"layer {name!r} is applied to non-[N, in] inputs")
+            seen[name] = call
+        c = out.shape[1]
+        basis = torch.eye(c, dtype=gp._dtype, device=gp._device)[:, None, :].expand(c, n, c)
+        zs = [call.z for call in seen.values()]
+        grads = torch.autograd.grad(
+            out, zs, grad_outputs=basis, is_grads_batched=True, allow_unused=True
+        )  # each [C, n, out]
+        lin = {}
+        for (name, call), g in zip(seen.items(), grads):
+            g = (
+                torch.zeros(c, *call.z.shape, dtype=gp._dtype, device=gp._device)
+                if g is None
+                else g
+            )
+            lin[name] = (call.a, g.detach())
+        a_other = None
+        if self.other:
+            other = {k: gp._params[k] for k in self.other}
 
-            def f(probes: dict[str, Tensor]) -> Tensor:
-                self._probes = probes
-                return functional_call(gp.model, (gp._params, gp._buffers), (xr,))
+            def single(p: dict[str, Tensor], xi: Tensor) -> Tensor:
+                full = {**gp._params, **p}
+                return functional_call(gp.model, (full, gp._buffers), (xi.unsqueeze(0),))[0]
 
-            _, pull = torch.func.vjp(f, zeros)
-            basis = torch.eye(c, dtype=gp._dtype, device=gp._device)[:, None, :].expand(c, n, c)
-            (g,) = vmap(pull)(basis)  # {layer: [C, n, out]}
-            self._mode = "off"
-            a_other = None
-            if self.other:
-                other = {k: gp._params[k] for k in self.other}
-
-                def single(p: dict[str, Tensor], xi: Tensor) -> Tensor:
-                    full = {**gp._params, **p}
-                    return functional_call(gp.model, (full, gp._buffers), (xi.unsqueeze(0),))[0]
-
-                jac = vmap(jacrev(single), in_dims=(None, 0))(other, xr)
-                a_other = _flatten_leading(jac, 2).detach() * self.other_std
-        finally:
-            self._mode = "off"
-            self._probes = {}
-            for h in handles:
-                h.remove()
-        return {k: (acts[k], g[k].detach()) for k in zeros}, a_other
+            jac = vmap(jacrev(single), in_dims=(None, 0))(other, xr)
+            a_other = _flatten_leading(jac, 2).detach() * self.other_std
+        return lin, a_other
 
     def block(self, f1: tuple, f2: tuple, diagonal_outputs: bool) -> Tensor:
         """Kernel block ``[C, n, m]`` (per-output) or ``[n, C, m, C]``."""
@@ -512,7 +531,8 @@ def dnn2gp(
     posterior: Posterior,
     likelihood: str | Likelihood,
     *,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
 ) -> GP:
     """The DNN2GP :class:`GP` of ``model`` under ``posterior`` (see :class:`GP`)."""
-    return GP(model, posterior, likelihood, chunk_size=chunk_size)
+    return GP(model, posterior, likelihood, chunk_size=chunk_size, memory_budget=memory_budget)

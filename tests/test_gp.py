@@ -329,3 +329,17 @@ def test_gp_at_a_vogn_iterate_matches_dense():
     torch.testing.assert_close(gp.kernel(xs), ref, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(q.mean, opt.vogn_state["mu"])
     assert not torch.allclose(q.precision, torch.full_like(q.precision, 2.0))  # data counted
+
+
+def test_default_chunk_size_follows_memory_budget():
+    """Without chunk_size the chunk comes from the memory budget (at most 64 examples) and
+    the kernel does not depend on it."""
+    model = tiny_mlp(c=3)
+    post = DiagonalGaussian.isotropic(model, 2.0)
+    x = torch.randn(5, 4, dtype=F64)
+    big, small = GP(model, post, "categorical"), GP(model, post, "categorical", memory_budget=1)
+    ref = big.kernel(x, method="jacobian")
+    assert big.chunk_size == 64 and small.chunk_size == 1
+    torch.testing.assert_close(small.kernel(x, method="jacobian"), ref, rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match="memory_budget"):
+        GP(model, post, "categorical", memory_budget=0)
