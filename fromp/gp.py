@@ -24,10 +24,18 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vmap
 
-from fromp.capture import DEFAULT_MEMORY_BUDGET, LayerCall, capture_calls
+from fromp.capture import (
+    DEFAULT_MEMORY_BUDGET,
+    LayerCall,
+    _conv_geometry,
+    _norm_per_example,
+    capture_calls,
+    supported_layer,
+)
 from fromp.jacobian import _flatten_leading, _single_output_fn, num_params, unflatten
 from fromp.laplace import (
     FullGaussian,
@@ -128,7 +136,7 @@ class GP:
         self._params = unflatten(model, posterior.mean.detach().to(ref))
         self._buffers = dict(model.named_buffers())
         self._jac = vmap(jacrev(_single_output_fn(model)), in_dims=(None, 0))
-        self._structured: _LinearStructure | bool | None = None
+        self._structured: _CaptureStructure | bool | None = None
         self._structured_reason = ""
         if isinstance(posterior, DiagonalGaussian):
             std = posterior.std.detach().to(ref)
@@ -307,7 +315,7 @@ class GP:
         n, c, p = a1.shape
         return (a1.reshape(-1, p) @ a2.reshape(-1, p).T).view(n, c, a2.shape[0], c)
 
-    def _structure(self, x0: Tensor, required: bool) -> _LinearStructure | None:
+    def _structure(self, x0: Tensor, required: bool) -> _CaptureStructure | None:
         """The structured kernel evaluator, or None (``required=False``) when it does not
         apply; checked on one example against the Jacobian way."""
         if not isinstance(self.posterior, DiagonalGaussian):
@@ -316,7 +324,7 @@ class GP:
             return None
         if self._structured is None:
             try:
-                st = _LinearStructure(self)
+                st = _CaptureStructure(self)
                 f0 = st.features(x0, slice(0, 1))
                 a0 = self._whitened(x0, slice(0, 1))
                 ref = self._jacobian_block(a0, a0, False)
@@ -414,9 +422,23 @@ def _nbytes(obj: Any) -> int:
     return 0
 
 
-class _LinearStructure:
-    """Kernel blocks ``J(x) Sigma J(x')^T`` (diagonal ``Sigma``) that use the outer-product
-    form of ``nn.Linear`` Jacobians; see :meth:`GP.kernel` (``method="structured"``)."""
+class _CaptureStructure:
+    """Kernel blocks ``J(x) Sigma J(x')^T`` (diagonal ``Sigma``) from the layer structure of
+    the Jacobian, after Novak et al. (2022), "Fast finite width neural tangent kernel": for a
+    layer captured by :mod:`fromp.capture` with input ``a`` and output gradients
+    ``g_c = df_c / dz`` (one forward pass and ``C`` backward passes per chunk),
+
+    * *outer* layers (``Linear`` on ``[N, in]`` inputs, convolutions with one output position,
+      ``u = unfold(a)``): ``J_c = g_c u^T``, so their kernel term is
+      ``sum_o g_co(x) g_do(x') [sum_j s_oj u_j(x) u_j(x') + s^b_o]``: one ``[n m, J] @ [J, O]``
+      product per block, independent of ``C``;
+    * *dense* layers (convolutions with ``L > 1`` output positions, norm layers, sequence
+      ``Linear``): the layer's per-example Jacobians ``[n, C, P_layer]`` formed per block from
+      the stored ``(u, g)`` by one batched GEMM (``[C O, L] @ [L, J]`` per example), whitened,
+      and multiplied as in the Jacobian way;
+    * parameters of other layers: per-example Jacobians (``vmap(jacrev)``) of those alone.
+
+    Features per example are ``O(C * activations)`` numbers instead of ``C * P``."""
 
     def __init__(self, gp: GP) -> None:
         self.gp = gp
@@ -428,36 +450,25 @@ class _LinearStructure:
                 if prm is not None:
                     owners[id(prm)] = owners.get(id(prm), 0) + 1
         names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
-        self.layers: dict[str, nn.Linear] = {}
-        self.weight_var: dict[str, Tensor] = {}
-        self.bias_var: dict[str, Tensor | None] = {}
-        lin_params: set[str] = set()
+        self.layers: dict[str, nn.Module] = {}
+        self.var: dict[str, dict[str, Tensor]] = {}
+        captured: set[str] = set()
         for mname, mod in model.named_modules():
-            if type(mod) is not nn.Linear or not mod.weight.requires_grad:
+            own = {pn: p for pn, p in mod._parameters.items() if p is not None and p.requires_grad}
+            if not own or not supported_layer(mod) or any(owners[id(p)] != 1 for p in own.values()):
                 continue
-            w_name = names[id(mod.weight)]
-            if owners[id(mod.weight)] != 1:
-                continue  # tied weights: leave to the Jacobian way
             self.layers[mname] = mod
-            self.weight_var[mname] = var[w_name]
-            lin_params.add(w_name)
-            b = mod.bias
-            if b is not None and b.requires_grad and owners[id(b)] == 1:
-                self.bias_var[mname] = var[names[id(b)]]
-                lin_params.add(names[id(b)])
-            else:
-                self.bias_var[mname] = None
+            self.var[mname] = {pn: var[names[id(p)]] for pn, p in own.items()}
+            captured.update(names[id(p)] for p in own.values())
         if not self.layers:
-            raise _NotStructured("the model has no trainable nn.Linear layer")
-        self.other = [n for n in gp._params if n not in lin_params]
+            raise _NotStructured("the model has no layer with a capture rule")
+        self.other = [n for n in gp._params if n not in captured]
         std = unflatten(model, gp.posterior.std.detach().to(gp._dtype))
         self.other_std = torch.cat([std[n].reshape(-1) for n in self.other]) if self.other else None
         self._name_of = {id(m): k for k, m in self.layers.items()}
 
-    def features(self, x: Tensor, rows: slice) -> tuple[dict[str, tuple[Tensor, Tensor]], Any]:
-        """``({layer: (a [n, in], g [C, n, out])}, A_other [n, C, P_other] or None)``: the
-        layer inputs and output gradients of every output from one forward pass with layer
-        capture (:func:`fromp.capture.capture_calls`) and one batched backward pass."""
+    def features(self, x: Tensor, rows: slice) -> tuple[dict[str, tuple], Any]:
+        """``({layer: (kind, u or a, g [C, n, ...])}, A_other [n, C, P_other] or None)``."""
         gp = self.gp
         xr = x[rows]
         n = len(xr)
@@ -469,23 +480,20 @@ class _LinearStructure:
             name = self._name_of[id(call.module)]
             if name in seen:
                 raise _NotStructured(f"layer {name!r} is called more than once per forward")
-            if call.a.ndim != 2 or call.z.ndim != 2:
-                raise _NotStructured(f"layer {name!r} is applied to non-[N, in] inputs")
             seen[name] = call
+        # layers never called (other task heads) contribute nothing; the one-example check
+        # against the Jacobian way catches parameters used outside their layer's forward
         c = out.shape[1]
         basis = torch.eye(c, dtype=gp._dtype, device=gp._device)[:, None, :].expand(c, n, c)
         zs = [call.z for call in seen.values()]
         grads = torch.autograd.grad(
             out, zs, grad_outputs=basis, is_grads_batched=True, allow_unused=True
-        )  # each [C, n, out]
-        lin = {}
+        )  # each [C, n, ...]
+        feats = {}
         for (name, call), g in zip(seen.items(), grads):
-            g = (
-                torch.zeros(c, *call.z.shape, dtype=gp._dtype, device=gp._device)
-                if g is None
-                else g
-            )
-            lin[name] = (call.a, g.detach())
+            if g is None:  # a layer that does not reach the outputs
+                g = torch.zeros(c, *call.z.shape, dtype=gp._dtype, device=gp._device)
+            feats[name] = _layer_features(call.module, call.a, g.detach())
         a_other = None
         if self.other:
             other = {k: gp._params[k] for k in self.other}
@@ -496,34 +504,97 @@ class _LinearStructure:
 
             jac = vmap(jacrev(single), in_dims=(None, 0))(other, xr)
             a_other = _flatten_leading(jac, 2).detach() * self.other_std
-        return lin, a_other
+        return feats, a_other
 
     def block(self, f1: tuple, f2: tuple, diagonal_outputs: bool) -> Tensor:
         """Kernel block ``[C, n, m]`` (per-output) or ``[n, C, m, C]``."""
-        (lin1, o1), (lin2, o2) = f1, f2
-        if o1 is not None:
-            out = GP._jacobian_block(o1, o2, diagonal_outputs)
-        else:
-            out = None
-        for name, (a1, g1) in lin1.items():
-            if name not in lin2:
+        (lay1, o1), (lay2, o2) = f1, f2
+        out = None if o1 is None else GP._jacobian_block(o1, o2, diagonal_outputs)
+        for name, ft1 in lay1.items():
+            ft2 = lay2.get(name)
+            if ft2 is None:
                 continue
-            a2, g2 = lin2[name]
-            sw, sb = self.weight_var[name], self.bias_var[name]
-            n, m, d_out = len(a1), len(a2), sw.shape[0]
-            # t[n, m, i] = sum_j s_ij a1_nj a2_mj (+ s_i for the bias): one matmul of the
-            # [n * m, in] products of inputs with the [in, out] variances
-            t = ((a1[:, None, :] * a2[None, :, :]).reshape(n * m, -1) @ sw.T).view(n, m, d_out)
-            if sb is not None:
-                t = t + sb
-            if diagonal_outputs:
-                term = torch.einsum("cni,nmi,cmi->cnm", g1, t, g2)
+            m = self.layers[name]
+            if ft1[0] == "outer":
+                term = _outer_block(ft1, ft2, self.var[name], m, diagonal_outputs)
             else:
-                term = torch.einsum("cni,nmi,dmi->ncmd", g1, t, g2)
+                std = {k: v.sqrt() for k, v in self.var[name].items()}
+                j1 = _dense_jacobian(m, ft1, std)
+                j2 = j1 if ft2 is ft1 else _dense_jacobian(m, ft2, std)
+                term = GP._jacobian_block(j1, j2, diagonal_outputs)
             out = term if out is None else out + term
         if out is None:
             raise _NotStructured("no layer contributes")
         return out
+
+
+def _layer_features(m: nn.Module, a: Tensor, g: Tensor) -> tuple:
+    """Compact per-example features of one captured layer call: ``("outer", u [n, G, J],
+    g [C, n, O])`` or ``("dense", ...)`` (see :class:`_CaptureStructure`)."""
+    c, n = g.shape[:2]
+    if isinstance(m, nn.Linear):
+        if a.ndim == 2:
+            return ("outer", a.unsqueeze(1), g)
+        return ("dense", a, g)
+    if isinstance(m, nn.Conv1d | nn.Conv2d):
+        ap, g2d, geo = _conv_geometry(m, a, g.reshape(c * n, *g.shape[2:]))
+        u = F.unfold(ap, geo["kernel"], dilation=geo["dil"], stride=geo["stride"])  # n, J, L
+        grp, pos = m.groups, u.shape[-1]
+        if pos == 1:
+            return ("outer", u.reshape(n, grp, -1), g.reshape(c, n, -1))
+        u = u.reshape(n * grp, -1, pos).transpose(1, 2)  # n G, L, J/G
+        gg = g2d.reshape(c, n, grp, -1, pos).permute(1, 2, 0, 3, 4).reshape(n * grp, -1, pos)
+        return ("conv", u, gg, n, c)
+    return ("dense", a, g)
+
+
+def _outer_block(
+    ft1: tuple, ft2: tuple, var: dict[str, Tensor], m: nn.Module, diagonal_outputs: bool
+) -> Tensor:
+    """``sum_o g1_co g2_do [sum_j s_oj u1_j u2_j + s^b_o]`` for an outer-product layer."""
+    _, u1, g1 = ft1
+    _, u2, g2 = ft2
+    n, grp, jj = u1.shape
+    mm = len(u2)
+    sw = var["weight"].reshape(grp, -1, jj)  # G, O/G, J/G
+    prod = (u1[:, None] * u2[None]).reshape(n * mm, grp, jj)
+    t = torch.einsum("xgj,goj->xgo", prod, sw).reshape(n, mm, -1)  # n, m, O
+    if "bias" in var:
+        t = t + var["bias"]
+    if diagonal_outputs:
+        return torch.einsum("cni,nmi,cmi->cnm", g1, t, g2)
+    return torch.einsum("cni,nmi,dmi->ncmd", g1, t, g2)
+
+
+def _dense_jacobian(m: nn.Module, ft: tuple, std: dict[str, Tensor]) -> Tensor:
+    """Whitened per-example Jacobians ``[n, C, P_layer]`` of one dense layer (parameters in
+    ``named_parameters`` order of the layer)."""
+    kind = ft[0]
+    parts: dict[str, Tensor] = {}
+    if kind == "conv":
+        _, u, gg, n, c = ft
+        grp = m.groups
+        jw = torch.bmm(gg, u).view(n, grp, c, -1, u.shape[-1])  # n, G, C, O/G, J/G
+        parts["weight"] = jw.permute(0, 2, 1, 3, 4).reshape(n, c, -1)
+        if "bias" in std:
+            parts["bias"] = gg.view(n, grp, c, -1, gg.shape[-1]).sum(-1).permute(0, 2, 1, 3)
+            parts["bias"] = parts["bias"].reshape(n, c, -1)
+    else:
+        _, a, g = ft
+        c, n = g.shape[:2]
+        if isinstance(m, nn.Linear):
+            a3, g4 = a.reshape(n, -1, a.shape[-1]), g.reshape(c, n, -1, g.shape[-1])
+            parts["weight"] = torch.einsum("cnto,nti->ncoi", g4, a3).reshape(n, c, -1)
+            if "bias" in std:
+                parts["bias"] = g4.sum(2).transpose(0, 1)
+        else:
+            w_per, b_per = _norm_per_example(m, a, g)  # [C, n, ...]
+            if "weight" in std:
+                parts["weight"] = w_per.transpose(0, 1).reshape(n, c, -1)
+            if "bias" in std:
+                parts["bias"] = b_per.transpose(0, 1).reshape(n, c, -1)
+    order = [pn for pn, p in m.named_parameters(recurse=False) if pn in std]
+    return torch.cat([parts[pn] * std[pn].reshape(-1) for pn in order], dim=-1)
 
 
 def dnn2gp(
