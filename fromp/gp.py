@@ -342,15 +342,28 @@ class GP:
             return None
         return self._structured
 
-    def variance(self, x: Tensor, *, chunk_size: int | None = None) -> Tensor:
+    def variance(self, x: Tensor, *, chunk_size: int | None = None, method: str = "auto") -> Tensor:
         """Marginal covariance of ``f(x_n)``: ``J(x_n) Sigma J(x_n)^T`` ``[N, C, C]``,
-        computed per chunk of examples (never ``N x N``)."""
+        computed per chunk of examples (never ``N x N``). ``method`` as :meth:`kernel`: the
+        structured way evaluates the chunk's ``[n, C, n, C]`` block and keeps its diagonal
+        (no ``[n, C, P]`` Jacobians)."""
+        if method not in ("auto", "jacobian", "structured"):
+            raise ValueError(f"method must be 'auto', 'jacobian' or 'structured', got {method!r}")
         x = self._prep(x)
         step = self._step(chunk_size, x)
+        structure = None
+        if method != "jacobian":
+            structure = self._structure(x[:1], required=method == "structured")
         outs = []
         for rows in self._chunks(len(x), step):
-            a = self._whitened(x, rows)
-            v = torch.bmm(a, a.transpose(1, 2))
+            if structure is None:
+                a = self._whitened(x, rows)
+                v = torch.bmm(a, a.transpose(1, 2))
+            else:
+                f = structure.features(x, rows)
+                blk = structure.block(f, f, False)  # n, C, n, C
+                idx = torch.arange(blk.shape[0], device=blk.device)
+                v = blk[idx, :, idx, :]
             outs.append(0.5 * (v + v.transpose(1, 2)))
         return torch.cat(outs)
 

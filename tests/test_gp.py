@@ -366,3 +366,8 @@ def test_structured_kernel_of_conv_norm_layers_matches_dense(diagonal_outputs):
         got = gp.kernel(xa, xb, diagonal_outputs=diagonal_outputs, method="structured")
         torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-12)
     assert gp._structured is not False and gp._structured.other == ["scale.s"]
+    full = dense_kernel(j1, cov, j1)
+    want = torch.stack([full[n, :, n, :] for n in range(len(x1))])
+    for method in ("structured", "jacobian"):
+        got = gp.variance(x1, method=method)
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
