@@ -44,15 +44,15 @@ import torch
 from torch import nn
 
 RESULTS = Path(__file__).resolve().parent / "results"
-MODELS = ("mlp", "cnn", "resnet18")
+MODELS = ("resnet18", "cnn", "mlp")
 DEFAULTS: dict[str, dict[str, Any]] = {
     # inputs per case; laplace-torch is run on at most lt_max inputs (linear extrapolation)
-    "mlp": {"ggn": [1000, 10000], "kernel": [256, 1024], "pred": 256, "lt_max": 10000,
+    "mlp": {"ggn": [1000, 10000], "kernel": [256, 1024], "pred": 256, "lt_max": 1000,
             "lt_batch": 256, "gp_chunk": 64},
     "cnn": {"ggn": [1000, 10000], "kernel": [256], "pred": 256, "lt_max": 1000,
             "lt_batch": 32, "gp_chunk": 16},
-    "resnet18": {"ggn": [1000, 10000], "kernel": [], "pred": 16, "lt_max": 16,
-                 "lt_batch": 2, "gp_chunk": 1},
+    "resnet18": {"ggn": [1000, 10000], "kernel": [256], "pred": 256, "lt_max": 16,
+                 "lt_batch": 2, "gp_chunk": 32},
 }  # fmt: skip
 
 
@@ -208,9 +208,15 @@ def main(argv: list[str] | None = None) -> None:
             row["cpu_s_extrapolated"] = res["cpu_s"] * f
             row["wall_s_extrapolated"] = res["wall_s"] * f
         results.append(row)
+        _write(args.out, argv, results)
         shown = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
                  if k not in ("device", "threads", "lt_batch", "gp_chunk")}  # fmt: skip
         print(json.dumps(shown), flush=True)
+    print(f"wrote {args.out}")
+
+
+def _write(out: Path, argv: list[str] | None, results: list[dict[str, Any]]) -> None:
+    """Write the results so far (a killed run keeps what it measured)."""
     record = {
         "command": "python -m benchmarks.scale " + " ".join(sys.argv[1:] if argv is None else argv),
         "torch": torch.__version__,
@@ -218,9 +224,8 @@ def main(argv: list[str] | None = None) -> None:
         "processor": platform.processor(),
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
 
 
 if __name__ == "__main__":
