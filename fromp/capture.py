@@ -422,8 +422,14 @@ class CapturePlan:
             counts: dict[nn.Module, int] = {}
             for c in calls:
                 counts[c.module] = counts.get(c.module, 0) + 1
+            unused = [mod for mod in candidates if counts.get(mod, 0) == 0]
+            idle = _unused_without_gradient(f, unused, named, candidates)
             for mod, plist in candidates.items():
-                if counts.get(mod, 0) != 1:
+                if mod in idle:  # never called, no gradient (another task's head): zero
+                    for name, pn in plist:
+                        plan.captured_params[name] = (mod, pn)
+                        plan.param_of[(id(mod), pn)] = name
+                elif counts.get(mod, 0) != 1:
                     why = "never called" if counts.get(mod, 0) == 0 else "called more than once"
                     for name, _ in plist:
                         plan.reasons[name] = f"{type(mod).__name__} {why} per forward pass"
@@ -462,6 +468,35 @@ class CapturePlan:
         """Examples per chunk so that the estimated working memory stays within
         ``memory_budget`` bytes (half of it; the other half is for per-layer temporaries)."""
         return max(1, int(memory_budget // 2 // max(1, self.bytes_per_example)))
+
+
+def _unused_without_gradient(
+    f: Tensor,
+    unused: list[nn.Module],
+    params: dict[str, Tensor],
+    candidates: dict[nn.Module, list[tuple[str, str]]],
+) -> set[nn.Module]:
+    """Layers never called in the probe whose parameters get no gradient from ``v^T f``
+    either (e.g. the heads of other tasks): their curvature is exactly zero. A layer whose
+    weight is used outside its ``forward`` has a gradient and goes to the fallback."""
+    if not unused:
+        return set()
+    names = [n for m in unused for n, _ in candidates[m]]
+    gen = torch.Generator(device="cpu").manual_seed(4321)
+    v = torch.randn(f.shape, generator=gen, dtype=f.dtype).to(f.device)
+    grads = dict(
+        zip(
+            names,
+            torch.autograd.grad(
+                f, [params[n] for n in names], v, retain_graph=True, allow_unused=True
+            ),
+        )
+    )
+    return {
+        m
+        for m in unused
+        if all(grads[n] is None or not bool(grads[n].any()) for n, _ in candidates[m])
+    }
 
 
 def _self_check(

@@ -236,10 +236,18 @@ def diag_ggn_linear(
     callers; :func:`diag_ggn` takes this route by itself).
 
     Raises:
-        ValueError: a trainable parameter outside an ``nn.Linear`` layer.
+        ValueError: a trainable parameter outside an ``nn.Linear`` layer, or a layer applied
+            more than once per forward pass.
     """
-    for m in model.modules():
-        own = [p for p in m.parameters(recurse=False) if p.requires_grad]
-        if own and not isinstance(m, nn.Linear):
-            raise ValueError(f"{type(m).__name__} has trainable parameters; use diag_ggn")
-    return diag_ggn(model, data, likelihood, method="capture")
+    linear = {id(p) for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters()}
+    for name, p in model.named_parameters():
+        if p.requires_grad and id(p) not in linear:
+            raise ValueError(f"parameter {name!r} is not in an nn.Linear layer; use diag_ggn")
+    try:
+        return diag_ggn(model, data, likelihood, method="capture")
+    except ValueError as err:
+        if "more than once" in str(err):
+            raise ValueError(
+                "an nn.Linear layer is applied twice in one forward; use diag_ggn"
+            ) from err
+        raise
