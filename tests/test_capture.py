@@ -181,3 +181,21 @@ def test_bad_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match="mc_samples"):
         diag_ggn(model, x, "categorical", mc_samples=-1)
     assert flat(model).numel() == 43
+
+
+def test_laplace_on_the_fromp_mlp_takes_the_capture_route(monkeypatch):
+    """fromp.laplace on FROMP's multi-head MLP (a task view: the other heads are never
+    called) must not touch the per-example Jacobian fallback."""
+    import fromp.capture as capture
+    from fromp import laplace
+    from fromp.models import MultiHeadMLP, with_task
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the Jacobian fallback was used")
+
+    monkeypatch.setattr(capture, "_fallback_jacobian", forbidden)
+    net = with_task(MultiHeadMLP(6, (5, 4), n_heads=3, head_size=2).double().eval(), 1)
+    x = torch.randn(7, 6, dtype=F64)
+    q = laplace(net, x, "categorical", 1.0)
+    ref = torch.diagonal(dense_ggn(net, x, CategoricalLikelihood())) + 1.0
+    torch.testing.assert_close(q.precision, ref, rtol=1e-9, atol=1e-12)
