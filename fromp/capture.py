@@ -132,8 +132,8 @@ def _conv_geometry(m: nn.Module, a: Tensor, g: Tensor) -> tuple[Tensor, Tensor, 
 
 
 def _conv_per_example(m: nn.Module, a: Tensor, g: Tensor) -> Tensor:
-    """Per-example weight gradients ``[B, *weight.shape]`` of a convolution from its padded
-    2-d input ``a [B, Cin, H, W]`` and output gradient ``g [B, Cout, Ho, Wo]``: stacking the
+    """Per-example weight gradients ``[B, *weight.shape]`` of a convolution from its
+    input ``a [B, Cin, H, W]`` and output gradient ``g [B, Cout, Ho, Wo]``: stacking the
     batch along the channels turns the ``B`` problems into one convolution with
     ``groups = B * groups`` whose weight gradient holds the per-example gradients."""
     a, g, geo = _conv_geometry(m, a, g)
@@ -202,9 +202,9 @@ def _norm_per_example(m: nn.Module, a: Tensor, g: Tensor) -> tuple[Tensor, Tenso
 
 
 def _gram_route(m: nn.Module, a: Tensor, g: Tensor, k: int) -> bool:
-    # g: [K, B, Cout, *spatial]
     """Whether the ``L^2`` Gram contraction of a convolution is cheaper than forming its
-    per-example gradients for ``k`` columns (``L`` output positions): ``L^2 <= k (L + 1)``."""
+    per-example gradients for ``k`` columns (``L`` output positions of ``g [K, B, Cout,
+    *spatial]``): ``L^2 <= k (L + 1)``."""
     positions = math.prod(g.shape[3:])
     return positions * positions <= k * (positions + 1)
 
