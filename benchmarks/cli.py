@@ -7,7 +7,11 @@ rebuild the benchmark's network, and work on one task of the benchmark's data::
     fromp-gp runs/split-mnist/checkpoints/fromp-seed0.pt --task 0 --n 100
 
 ``fromp-memorable`` writes ``memorable.json`` (indices into the task's training set, their
-classes and scores) and ``memorable.png`` (a grid of the selected images per class).
+classes and scores) and ``memorable.png`` (a grid of the selected images per class); with
+``--map`` also the task's memory map (:func:`write_memory_map`): ``memory_map.png``, each
+training example's prediction error against its prediction variance under a diagonal
+Laplace-GGN posterior, memorable points marked, and ``memory_map.json`` with the
+per-example numbers (:mod:`fromp.sensitivity`).
 ``fromp-gp`` fits a diagonal Laplace-GGN posterior on the task's training data (the prior
 precision chosen by the Laplace evidence unless given), converts the network into its DNN2GP
 Gaussian process and writes ``gp.npz`` (GP mean, kernel ``[N, C, N, C]``, marginal variances and
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import warnings
 from pathlib import Path
@@ -31,7 +36,7 @@ from benchmarks.registry import UnknownNameError, get_benchmark
 from fromp.data import DataNotFoundError, TaskSequence
 from fromp.models import with_task
 
-__all__ = ["gp_main", "load_trained", "memorable_main"]
+__all__ = ["gp_main", "load_trained", "memorable_main", "write_memory_map"]
 
 warnings.filterwarnings("ignore", message="no QP solver found")
 
@@ -140,6 +145,88 @@ def _to_image(x: torch.Tensor, shape: tuple[int, ...]) -> np.ndarray:
     return img.numpy()
 
 
+def write_memory_map(
+    model: nn.Module,
+    posterior: Any,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    out: Path,
+    *,
+    indices: torch.Tensor | None = None,
+    memorable: torch.Tensor | None = None,
+    title: str = "memory map",
+    meta: dict[str, Any] | None = None,
+    chunk_size: int = 64,
+) -> dict[str, Any]:
+    """The memory map of ``(x, y)``: ``memory_map.png`` (prediction error ``|e_i|_1``
+    against prediction variance ``sum_k v_ik``, colour: sensitivity, memorable points
+    circled) and ``memory_map.json`` (per-example numbers of
+    :meth:`fromp.sensitivity.MemoryPerturbation.to_dict`, ``index`` into the data set,
+    ``memorable`` flags, the leave-one-out summary and ``meta``) in the directory ``out``.
+
+    Args:
+        model: ``[N, ...] -> [N, C]`` in eval mode. posterior: over its parameters.
+        x: ``[N, ...]``. y: ``[N]``.
+        indices: ``[N]`` indices of the examples in their data set (default ``arange``).
+        memorable: indices (same numbering as ``indices``) of the memorable examples.
+
+    Returns:
+        The JSON payload.
+    """
+    from fromp.sensitivity import memory_perturbation
+
+    idx = torch.arange(len(x)) if indices is None else indices.cpu()
+    mp = memory_perturbation(model, posterior, x, y, chunk_size=chunk_size)
+    per = mp.to_dict()
+    mem = set() if memorable is None else {int(i) for i in memorable}
+    flags = [int(i) in mem for i in idx]
+    payload = {
+        **(meta or {}),
+        "n": len(x),
+        "loo": mp.loo_summary(),
+        "index": idx.tolist(),
+        "memorable": flags,
+        **per,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "memory_map.json").write_text(json.dumps(payload) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    err = np.asarray(per["error_norm"])
+    var = np.asarray(per["variance_sum"])
+    sens = np.asarray(per["sensitivity"])
+    fig, ax = plt.subplots(figsize=(5.2, 4.2))
+    sc = ax.scatter(err, var, c=sens, s=6, cmap="viridis", norm=_log_norm(sens))
+    fig.colorbar(sc, ax=ax, label="sensitivity Σ|e λ v|")
+    flag = np.asarray(flags, dtype=bool)
+    if flag.any():
+        ax.scatter(
+            err[flag], var[flag], s=28, facecolors="none", edgecolors="red", label="memorable"
+        )
+        ax.legend(loc="lower right", fontsize=8)
+    ax.set_xscale("symlog", linthresh=1e-3)
+    ax.set_yscale("log")
+    ax.set_xlabel("prediction error |p − onehot(y)|₁")
+    ax.set_ylabel("prediction variance Σ_k v_k")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "memory_map.png", dpi=110)
+    plt.close(fig)
+    return payload
+
+
+def _log_norm(values: np.ndarray):
+    from matplotlib.colors import LogNorm
+
+    pos = values[values > 0]
+    if len(pos) == 0:
+        return None
+    return LogNorm(vmin=float(pos.min()), vmax=float(max(pos.max(), pos.min() * 1.0001)))
+
+
 def memorable_main(argv: list[str] | None = None) -> int:
     """``fromp-memorable``: memorable examples of a trained network on one task."""
     p = argparse.ArgumentParser(
@@ -153,6 +240,20 @@ def memorable_main(argv: list[str] | None = None) -> int:
     p.add_argument("--order", default="descending", choices=("descending", "ascending", "random"))
     p.add_argument("--data-root", default=None, help="data root (default: $FROMP_DATA, ./data)")
     p.add_argument("--out", default="memorable", help="output directory")
+    p.add_argument(
+        "--map",
+        action="store_true",
+        help="also write the memory map (memory_map.png/.json) of the first --n-fit training "
+        "examples and the memorable ones, under a diagonal Laplace-GGN posterior fitted on them",
+    )
+    p.add_argument(
+        "--n-fit", type=int, default=2000, help="training examples for --map (default 2000)"
+    )
+    p.add_argument(
+        "--prior-precision",
+        default="auto",
+        help="delta for --map, or 'auto' to maximise the Laplace evidence (default)",
+    )
     args = p.parse_args(argv)
     from fromp.memorable import memorability_scores, select_memorable
 
@@ -165,6 +266,7 @@ def memorable_main(argv: list[str] | None = None) -> int:
                 model, task.train_x, task.train_y, n_per_class=args.n_per_class, order=args.order
             )
             scores = memorability_scores(model, task.train_x[idx])
+        map_args = _map_inputs(args, model, task, idx) if args.map else None
     except (CheckpointError, UnknownNameError, DataNotFoundError, ValueError) as err:
         print(f"fromp-memorable: error: {err}", file=sys.stderr)
         return 2
@@ -192,7 +294,56 @@ def memorable_main(argv: list[str] | None = None) -> int:
     names = [f"class {task.classes[c] if task.classes else c}" for c in classes]
     _image_grid(grid, names, out / "memorable.png", f"{args.order} tr Λ, task {args.task + 1}")
     print(f"{len(idx)} memorable examples -> {out / 'memorable.json'}, {out / 'memorable.png'}")
+    if map_args is not None:
+        posterior, sub, delta = map_args
+        meta = {
+            "command": "fromp-memorable " + shlex.join(sys.argv[1:] if argv is None else argv),
+            "checkpoint": str(args.checkpoint),
+            "task": args.task,
+            "prior_precision": delta,
+        }
+        payload = write_memory_map(
+            model,
+            posterior,
+            task.train_x[sub],
+            task.train_y[sub],
+            out,
+            indices=sub,
+            memorable=idx,
+            title=f"memory map, {cfg['benchmark']} task {args.task + 1} (Laplace, δ={delta:.3g})",
+            meta=meta,
+        )
+        loo = payload["loo"]
+        print(
+            f"memory map of {payload['n']} examples: estimated leave-one-out NLL "
+            f"{loo['loo_nll']:.4f} (training {loo['train_nll']:.4f}), accuracy "
+            f"{100 * loo['loo_accuracy']:.2f} % -> {out / 'memory_map.png'}, "
+            f"{out / 'memory_map.json'}"
+        )
     return 0
+
+
+def _map_inputs(
+    args: argparse.Namespace, model: nn.Module, task: Any, memorable: torch.Tensor
+) -> tuple[Any, torch.Tensor, float]:
+    """``(posterior, example indices, delta)`` of ``--map``: the mapped examples are the
+    first ``--n-fit`` training examples and the memorable ones; the diagonal Laplace-GGN
+    posterior is fitted on exactly those (so that each is in the data its leave-one-out
+    estimate removes it from), the prior precision by the Laplace evidence unless given."""
+    from fromp.gp import optimize_prior_precision
+    from fromp.laplace import laplace
+
+    if args.n_fit < 1:
+        raise ValueError(f"--n-fit must be >= 1, got {args.n_fit}")
+    sub = torch.unique(torch.cat([torch.arange(min(args.n_fit, len(task.train_y))), memorable]))
+    fit = (task.train_x[sub], task.train_y[sub])
+    if args.prior_precision == "auto":
+        delta = float(optimize_prior_precision(model, fit, "categorical"))
+    else:
+        delta = float(args.prior_precision)
+        if not delta > 0:
+            raise ValueError(f"--prior-precision must be > 0, got {delta}")
+    return laplace(model, fit, "categorical", delta), sub, delta
 
 
 def gp_main(argv: list[str] | None = None) -> int:

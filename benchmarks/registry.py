@@ -241,6 +241,21 @@ STRATEGIES: dict[str, StrategySpec] = {
             settings={"optimizer": "vogn"},
         ),
         StrategySpec(
+            "fromp-ivon",
+            "strategies.fromp:FROMP",
+            "FROMP trained with IVON; the kernel uses IVON's posterior",
+            kwargs={"posterior": "ivon"},
+            defaults_module="strategies.fromp",
+            settings={"optimizer": "ivon"},
+        ),
+        StrategySpec(
+            "ivon",
+            "strategies.ivon:IVONStrategy",
+            "IVON: improved variational online Newton, each task's posterior is the next prior",
+            defaults_module="strategies.ivon",
+            settings={"optimizer": "ivon"},
+        ),
+        StrategySpec(
             "vogn",
             "strategies.vogn:VOGNStrategy",
             "VOGN: variational online Gauss-Newton, each task's posterior is the next prior",

@@ -148,7 +148,11 @@ def _make_optimizer(
         from fromp.optim import VOGN
 
         return VOGN(model, lr=lr, train_set_size=n_train, **extra)
-    raise ValueError(f"optimizer must be 'adam', 'sgd' or 'vogn', got {name!r}")
+    if name == "ivon":
+        from fromp.optim import IVON
+
+        return IVON(model.parameters(), lr=lr, ess=n_train, **extra)
+    raise ValueError(f"optimizer must be 'adam', 'sgd', 'vogn' or 'ivon', got {name!r}")
 
 
 def expected_calibration_error(probs: Tensor, y: Tensor, n_bins: int = 15) -> float:

@@ -1,6 +1,7 @@
-"""Step time of VOGN (one posterior sample) relative to Adam, same models and batches.
+"""Step time of VOGN and IVON (one posterior sample) relative to Adam, same models and
+batches.
 
-Three timings per model, batch of 128, interleaved step by step, median (and minimum)
+Four timings per model, batch of 128, interleaved step by step, median (and minimum)
 over ``--steps`` steps after warm-up:
 
 * ``adam``: ``zero_grad``, forward, mean cross-entropy, ``backward``, ``Adam.step``;
@@ -8,13 +9,16 @@ over ``--steps`` steps after warm-up:
   gradients by ``vmap(grad)``, the update);
 * ``vogn_two_phase``: the Avalanche path of :class:`strategies.vogn.VOGNPlugin`
   (sampling, forward with the layer inputs recorded, squared per-example gradients from a
-  partial backward of the data loss, the ordinary backward, ``VOGN.step()``).
+  partial backward of the data loss, the ordinary backward, ``VOGN.step()``);
+* ``ivon``: ``with IVON.sampled_params(): zero_grad, forward, cross-entropy, backward``,
+  then ``IVON.step()`` (only with ``--ivon``).
 
 Usage::
 
     python -m benchmarks.vogn_speed [--steps 20] [--threads 1] [--models mlp,cnn]
+    python -m benchmarks.vogn_speed --ivon --steps 40 --out benchmarks/results/ivon_speed.json
 
-Writes ``benchmarks/results/vogn_speed.json``.
+Writes ``benchmarks/results/vogn_speed.json`` (or ``--out``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shlex
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +37,7 @@ import torch
 from torch import nn
 
 from fromp.models import CifarCNN, MultiHeadMLP, with_task
-from fromp.optim import VOGN
+from fromp.optim import IVON, VOGN
 from fromp.optim.vogn import LayerCapture
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -49,7 +55,9 @@ def _models() -> dict[str, Callable[[], tuple[nn.Module, torch.Tensor, torch.Ten
     return {"mlp": mlp, "cnn": cnn}
 
 
-def bench(name: str, steps: int, chunk_size: int | None, method: str) -> dict[str, float]:
+def bench(
+    name: str, steps: int, chunk_size: int | None, method: str, ivon: bool = False
+) -> dict[str, float]:
     make = _models()[name]
     loss_fn = nn.CrossEntropyLoss()
 
@@ -100,8 +108,21 @@ def bench(name: str, steps: int, chunk_size: int | None, method: str) -> dict[st
         vogn2.set_curvature(h)
         vogn2.step()
 
-    # Interleave the three step by step so that machine load affects them alike.
+    # Interleave the steps so that machine load affects them alike.
     fns = {"adam": adam_step, "vogn": vogn_step, "vogn_two_phase": vogn_two_phase}
+    if ivon:
+        torch.manual_seed(0)
+        net_i, _, _ = make()
+        net_i.train()
+        opt_i = IVON(net_i.parameters(), lr=0.1, ess=10_000, hess_init=0.1)
+
+        def ivon_step():
+            with opt_i.sampled_params(train=True):
+                opt_i.zero_grad()
+                loss_fn(net_i(x), y).backward()
+            opt_i.step()
+
+        fns["ivon"] = ivon_step
     for fn in fns.values():
         for _ in range(3):
             fn()
@@ -118,6 +139,9 @@ def bench(name: str, steps: int, chunk_size: int | None, method: str) -> dict[st
     out["ratio_vogn_adam"] = out["vogn"] / out["adam"]
     out["ratio_two_phase_adam"] = out["vogn_two_phase"] / out["adam"]
     out["ratio_vogn_adam_min"] = out["vogn_min"] / out["adam_min"]
+    if ivon:
+        out["ratio_ivon_adam"] = out["ivon"] / out["adam"]
+        out["ratio_ivon_adam_min"] = out["ivon_min"] / out["adam_min"]
     out["num_params"] = sum(p.numel() for p in net.parameters())
     return out
 
@@ -129,10 +153,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--models", default="mlp,cnn")
     ap.add_argument("--chunk-size", type=int, default=None)
     ap.add_argument("--method", default="auto", choices=["auto", "hooks", "vmap"])
+    ap.add_argument("--ivon", action="store_true", help="also time IVON")
     ap.add_argument("--out", type=Path, default=RESULTS / "vogn_speed.json")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     result = {
+        "command": "python -m benchmarks.vogn_speed " + shlex.join(argv or sys.argv[1:]),
         "batch_size": 128,
         "threads": args.threads,
         "steps": args.steps,
@@ -143,12 +169,17 @@ def main(argv: list[str] | None = None) -> dict:
         "models": {},
     }
     for name in args.models.split(","):
-        r = bench(name, args.steps, args.chunk_size, args.method)
+        r = bench(name, args.steps, args.chunk_size, args.method, args.ivon)
         result["models"][name] = r
         print(
             f"{name}: adam {r['adam'] * 1e3:.1f} ms, vogn {r['vogn'] * 1e3:.1f} ms "
             f"(x{r['ratio_vogn_adam']:.2f}), two-phase {r['vogn_two_phase'] * 1e3:.1f} ms "
-            f"(x{r['ratio_two_phase_adam']:.2f})",
+            f"(x{r['ratio_two_phase_adam']:.2f})"
+            + (
+                f", ivon {r['ivon'] * 1e3:.1f} ms (x{r['ratio_ivon_adam']:.2f})"
+                if args.ivon
+                else ""
+            ),
             flush=True,
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -102,9 +102,18 @@ __all__ += [  # baselines: mean-field Gaussian layers (VCL) and coresets
 ]
 
 # --- optimizers: VOGN / OGN ---
-from fromp.optim import OGN, VOGN  # noqa: E402
+from fromp.optim import IVON, OGN, VOGN  # noqa: E402
 
-__all__ += ["OGN", "VOGN"]  # optimizers: VOGN / OGN
+__all__ += ["IVON", "OGN", "VOGN"]  # optimizers: VOGN / OGN / IVON
+
+# --- memory perturbation: sensitivity and leave-one-out estimates ---
+from fromp.sensitivity import (  # noqa: E402
+    MemoryPerturbation,
+    memory_perturbation,
+    prediction_variance,
+)
+
+__all__ += ["MemoryPerturbation", "memory_perturbation", "prediction_variance"]
 
 # --- FROMP: memorable past and functional regulariser ---
 from fromp.curvature import diag_ef, diag_fisher, diag_ggn, diag_ggn_linear  # noqa: E402

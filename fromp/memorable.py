@@ -5,7 +5,10 @@ loss at the trained network, ``tr Lambda(f(x))``; for a softmax likelihood this 
 ``sum_k p_k(x) (1 - p_k(x))``, large near the decision boundary. The examples with the
 largest scores are the ones whose function values are most informative about the
 boundary, so they are kept ("lambda descend"); ``"ascending"`` and ``"random"`` are the
-paper's ablations. Selection is balanced: the same number of examples per class.
+paper's ablations. ``"sensitivity"`` ranks by the memory-perturbation sensitivity
+``s_n = sum_k |e_nk lambda_nk v_nk|`` instead (Nickl et al., 2023; :mod:`fromp.sensitivity`):
+``tr Lambda`` weighted by how wrong the prediction is and how uncertain under a posterior.
+Selection is balanced: the same number of examples per class.
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ import torch
 from torch import Tensor, nn
 
 from fromp.likelihood import Likelihood, get_likelihood
+from fromp.posterior import DiagonalGaussian
 
 __all__ = ["memorability_scores", "select_memorable"]
 
-_ORDERS = ("descending", "ascending", "random")
+_ORDERS = ("descending", "ascending", "random", "sensitivity")
 
 
 def _check_inputs(x: Tensor, name: str = "x") -> None:
@@ -78,13 +82,18 @@ def select_memorable(
     classes: Sequence[int] | None = None,
     generator: torch.Generator | None = None,
     batch_size: int = 1024,
+    posterior: DiagonalGaussian | None = None,
+    chunk_size: int = 64,
 ) -> Tensor:
     """Indices of a class-balanced memorable set: ``n_per_class`` examples of each class.
 
     Within each class ``c`` (examples with ``y == c``) the examples are ranked by
     :func:`memorability_scores` (``tr Lambda``): ``"descending"`` keeps the largest
     scores (FROMP's default), ``"ascending"`` the smallest, ``"random"`` a uniform draw
-    without replacement (scores are not computed). Ties keep the data order.
+    without replacement (scores are not computed); ``"sensitivity"`` keeps the largest
+    memory-perturbation sensitivities under ``posterior``
+    (:func:`fromp.sensitivity.memory_perturbation`; a Jacobian per example, chunks of
+    ``chunk_size``: memory ``chunk_size * C * P``). Ties keep the data order.
 
     Args:
         model: ``[B, ...] -> [B, C]`` (see :func:`memorability_scores`).
@@ -92,11 +101,14 @@ def select_memorable(
         y: class labels ``[N]``.
         likelihood: likelihood or its name, for the score.
         n_per_class: examples kept per class.
-        order: ``"descending"``, ``"ascending"`` or ``"random"``.
+        order: ``"descending"``, ``"ascending"``, ``"random"`` or ``"sensitivity"``.
         classes: the classes to draw from, in output order (default: the sorted unique
             values of ``y``).
         generator: RNG for ``order="random"``.
         batch_size: examples per forward pass.
+        posterior: the weight posterior (mean: the model's weights), needed by
+            ``order="sensitivity"`` only; the model must then be in eval mode.
+        chunk_size: examples per Jacobian chunk for ``order="sensitivity"``.
 
     Returns:
         ``LongTensor [len(classes) * n_per_class]`` of indices into ``x``, grouped by class
@@ -116,6 +128,8 @@ def select_memorable(
         raise ValueError(f"order must be one of {_ORDERS}, got {order!r}")
     if not isinstance(n_per_class, int) or n_per_class < 1:
         raise ValueError(f"n_per_class must be a positive int, got {n_per_class!r}")
+    if order == "sensitivity" and posterior is None:
+        raise ValueError("posterior is required for order='sensitivity'")
     y = y.long().cpu()
     cls = sorted(int(c) for c in y.unique()) if classes is None else [int(c) for c in classes]
     if len(cls) == 0:
@@ -132,10 +146,20 @@ def select_memorable(
             for idx in members.values()
         ]
         return torch.cat(picks)
-    scores = memorability_scores(model, x, likelihood, batch_size=batch_size).cpu()
+    if order == "sensitivity":
+        from fromp.sensitivity import memory_perturbation
+
+        assert posterior is not None
+        dev = next(model.parameters()).device
+        mp = memory_perturbation(
+            model, posterior, x.to(dev), y.to(dev), likelihood, chunk_size=chunk_size
+        )
+        scores = mp.sensitivity.cpu()
+    else:
+        scores = memorability_scores(model, x, likelihood, batch_size=batch_size).cpu()
     picks = []
     for idx in members.values():
         s = scores[idx]
-        rank = torch.sort(s, descending=order == "descending", stable=True).indices
+        rank = torch.sort(s, descending=order != "ascending", stable=True).indices
         picks.append(idx[rank[:n_per_class]])
     return torch.cat(picks)

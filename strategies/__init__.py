@@ -6,6 +6,7 @@ loggers.
 """
 
 from strategies.fromp import FROMP, FROMPPlugin
+from strategies.ivon import IVONPlugin, IVONStrategy
 from strategies.vogn import VOGNPlugin, VOGNStrategy
 
-__all__ = ["FROMP", "FROMPPlugin", "VOGNPlugin", "VOGNStrategy"]
+__all__ = ["FROMP", "FROMPPlugin", "IVONPlugin", "IVONStrategy", "VOGNPlugin", "VOGNStrategy"]

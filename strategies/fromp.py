@@ -36,22 +36,24 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from fromp.curvature import diag_ggn, diag_ggn_linear
-from fromp.jacobian import num_params
+from fromp.jacobian import flat_params, num_params
 from fromp.memorable import select_memorable
 from fromp.models import with_task
+from fromp.posterior import DiagonalGaussian
 from fromp.regularizer import FROMPRegularizer
 from strategies.models import unwrap
 
 __all__ = ["DEFAULTS", "FROMP", "PRESETS", "REFERENCE", "FROMPPlugin", "experience_tensors"]
 
-_SELECT = ("descending", "ascending", "random")
-_POSTERIORS = ("ggn", "vogn")
+_SELECT = ("descending", "ascending", "random", "sensitivity")
+_POSTERIORS = ("ggn", "vogn", "ivon")
 
 #: Strategy names of the runner and the keyword arguments they imply.
 PRESETS: dict[str, dict[str, Any]] = {
     "fromp": {},
     "fromp-l2": {"kernel": "identity"},
     "fromp-vogn": {"posterior": "vogn"},
+    "fromp-ivon": {"posterior": "ivon"},
 }
 
 _REF_SPLIT_MNIST: dict[str, Any] = {
@@ -149,6 +151,41 @@ def _vogn_defaults(bench: str) -> dict[str, Any]:
 DEFAULTS["fromp-vogn"] = {b: _vogn_defaults(b) for b in list(DEFAULTS)}
 
 
+def _ivon_defaults(bench: str) -> dict[str, Any]:
+    from strategies.ivon import DEFAULTS as IVON_DEFAULTS
+
+    base = IVON_DEFAULTS[bench]
+    return {
+        "optimizer": "ivon",
+        "lr": base["lr"],
+        "train_epochs": DEFAULTS[bench]["train_epochs"],
+        "train_mb_size": base["train_mb_size"],
+        "optimizer_kwargs": {**base["optimizer_kwargs"], "clip_radius": 0.1},
+        "kwargs": {
+            **DEFAULTS[bench]["kwargs"],
+            "posterior": "ivon",
+            "tau": 1e-2,
+            "jitter": 1e-2,
+            "grad_clip_norm": None,
+        },
+    }
+
+
+#: FROMP with IVON ("fromp-ivon"): IVON's settings of :mod:`strategies.ivon` with FROMP's
+#: memorable points and epochs; the weight-space prior stays IVON's weight decay
+#: (``ivon_continual=False``), the memory of the past is FROMP's alone. IVON's posterior
+#: variance ``1 / (N (h + delta))`` is about ``1e-3`` for every weight (``h`` stays near
+#: ``h0`` with ``beta2 = 0.99999``), against up to ``1 / delta = 1e3`` for the Laplace
+#: posterior of the reference settings, so the kernels are orders of magnitude smaller and
+#: the regulariser orders of magnitude larger: ``tau = 1e-2``, ``jitter = 1e-2`` (with
+#: ``1e-6`` the penalty at IVON's own weight samples was 1e3-1e5 instead of about
+#: ``M C / 2``), no gradient-norm clipping (it stalls the non-adaptive IVON step on new
+#: tasks) but IVON's per-coordinate ``clip_radius = 0.1``. Chosen on split MNIST, seed 0,
+#: 2,000 examples per task, 3 epochs, among about ten settings; not a good result (see
+#: README).
+DEFAULTS["fromp-ivon"] = {b: _ivon_defaults(b) for b in REFERENCE}
+
+
 def experience_tensors(dataset: Any, batch_size: int = 2048) -> tuple[Tensor, Tensor, Tensor]:
     """All ``(x, y, task_labels)`` of an Avalanche dataset as three tensors (eval
     transforms when the dataset has them)."""
@@ -172,8 +209,10 @@ class FROMPPlugin(SupervisedPlugin):
         n_points: memorable points per task (the paper's setting: 40 on split MNIST, 200 on
             permuted MNIST and split CIFAR), split evenly over the task's classes.
         kernel: ``"per_class"`` (FROMP), ``"joint"`` or ``"identity"`` (FROMP-L2).
-        select: ``"descending"`` (largest ``tr Lambda``, FROMP), ``"ascending"`` or
-            ``"random"``.
+        select: ``"descending"`` (largest ``tr Lambda``, FROMP), ``"ascending"``,
+            ``"random"`` or ``"sensitivity"`` (largest memory-perturbation sensitivity
+            ``sum_k |e_k lambda_k v_k|`` under the task's posterior ``N(w, Sigma)``, see
+            :mod:`fromp.sensitivity`; ``Sigma`` is computed first, then the points).
         prior_precision: ``delta`` in ``Sigma = 1 / (G + delta)``.
         jitter: added to the kernels' diagonals before the Cholesky factorisation.
         grad_clip_norm: clip the total gradient norm at ``tau * grad_clip_norm`` (None: no
@@ -183,7 +222,10 @@ class FROMPPlugin(SupervisedPlugin):
             :class:`fromp.optim.VOGN` driven by :class:`strategies.vogn.VOGNPlugin` and
             ``Sigma`` is the variance of its posterior at the end of the task (no GGN pass;
             the regulariser's gradient enters VOGN's mean gradient only, its curvature
-            uses the data loss only).
+            uses the data loss only); ``"ivon"``: the same with a
+            :class:`fromp.optim.IVON` driven by :class:`strategies.ivon.IVONPlugin`
+            (``Sigma = 1 / (N (h + delta))``; the regulariser's gradient at the sampled
+            weights enters both IVON's gradient and its Hessian estimate).
         curvature_examples: use at most this many (random) training examples of a task for
             its GGN, rescaled to the task size (None: all, as in the paper).
         chunk_size: examples per Jacobian chunk for the GGN and kernels.
@@ -248,10 +290,11 @@ class FROMPPlugin(SupervisedPlugin):
 
     def posterior_variance(self) -> Tensor:
         """``Sigma`` ``[P]``: ``1 / (G + prior_precision)`` for ``posterior="ggn"``; for
-        ``"vogn"`` the variance of the VOGN posterior stored after the last task."""
+        ``"vogn"`` / ``"ivon"`` the variance of the optimizer's posterior stored after the
+        last task."""
         if self.curvature is None:
             raise RuntimeError("no task has been learnt yet")
-        if self.posterior == "vogn":
+        if self.posterior != "ggn":
             return self.curvature
         return 1.0 / (self.curvature + self.prior_precision)
 
@@ -273,52 +316,72 @@ class FROMPPlugin(SupervisedPlugin):
         posterior_variance: Tensor | None = None,
     ) -> dict[str, float]:
         """Everything done after a task: select its memorable points, add its GGN (or,
-        for ``posterior="vogn"``, store ``posterior_variance``), rebuild the kernels.
+        for ``posterior="vogn"`` or ``"ivon"``, store ``posterior_variance``), rebuild the
+        kernels.
         ``net`` is the :mod:`fromp` model, ``x, y`` the task's training data, ``task`` its
         head. Returns the wall times of the three steps (seconds)."""
         if (posterior_variance is None) != (self.posterior == "ggn"):
-            raise ValueError("posterior_variance must be given iff posterior='vogn'")
+            raise ValueError("posterior_variance must be given iff posterior is not 'ggn'")
         was_training = net.training
         net.eval()
         device = next(net.parameters()).device
         head = with_task(net, task)
+        times = {"select_s": 0.0, "curvature_s": 0.0, "kernel_s": 0.0}
         try:
-            t0 = time.perf_counter()
             classes = sorted(int(c) for c in y.unique())
             per_class = self.n_points // len(classes)
             if per_class < 1:
                 raise ValueError(
                     f"n_points={self.n_points} is fewer than the task's {len(classes)} classes"
                 )
+            sensitivity = self.select == "sensitivity"
+            q = None
+            if sensitivity:  # the points need this task's posterior: curvature first
+                t0 = time.perf_counter()
+                self._add_curvature(head, x, device, posterior_variance)
+                times["curvature_s"] = time.perf_counter() - t0
+                q = DiagonalGaussian(flat_params(net), self.posterior_variance().reciprocal())
+            t0 = time.perf_counter()
             idx = select_memorable(
                 head,
-                x,
+                x.to(device) if sensitivity else x,
                 y,
                 self.likelihood,
                 per_class,
                 order=self.select,
                 classes=classes,
                 generator=self.generator,
+                posterior=q,
+                chunk_size=self.chunk_size,
             )
-            t1 = time.perf_counter()
-            if posterior_variance is not None:
-                self.curvature = posterior_variance.detach().to(device).clone()
-            else:
-                xc, scale = x, 1.0
-                if self.curvature_examples is not None and self.curvature_examples < len(x):
-                    sub = torch.randperm(len(x), generator=self.generator)
-                    xc, scale = x[sub[: self.curvature_examples]], len(x) / self.curvature_examples
-                ggn = scale * self._diag_ggn(head, xc, device)
-                self.curvature = ggn if self.curvature is None else self.curvature + ggn
-            t2 = time.perf_counter()
+            times["select_s"] = time.perf_counter() - t0
+            if not sensitivity:
+                t0 = time.perf_counter()
+                self._add_curvature(head, x, device, posterior_variance)
+                times["curvature_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
             self.regularizer.add_task(net, x[idx].to(device), task, self.posterior_variance())
-            t3 = time.perf_counter()
+            times["kernel_s"] = time.perf_counter() - t0
         finally:
             net.train(was_training)
         self.tasks_done += 1
-        times = {"select_s": t1 - t0, "curvature_s": t2 - t1, "kernel_s": t3 - t2}
         self.timings.append(times)
         return times
+
+    def _add_curvature(
+        self, head: nn.Module, x: Tensor, device: torch.device, posterior_variance: Tensor | None
+    ) -> None:
+        """Store ``posterior_variance`` (optimizer posteriors) or add the task's diagonal GGN
+        (on at most ``curvature_examples`` examples, rescaled) to the running sum."""
+        if posterior_variance is not None:
+            self.curvature = posterior_variance.detach().to(device).clone()
+            return
+        xc, scale = x, 1.0
+        if self.curvature_examples is not None and self.curvature_examples < len(x):
+            sub = torch.randperm(len(x), generator=self.generator)
+            xc, scale = x[sub[: self.curvature_examples]], len(x) / self.curvature_examples
+        ggn = scale * self._diag_ggn(head, xc, device)
+        self.curvature = ggn if self.curvature is None else self.curvature + ggn
 
     def _diag_ggn(self, head: nn.Module, x: Tensor, device: torch.device) -> Tensor:
         """Exact diagonal GGN of ``x``: the batched linear-layer formula for MLPs, per-example
@@ -359,6 +422,15 @@ class FROMPPlugin(SupervisedPlugin):
                 raise TypeError(f"posterior='vogn' needs a fromp.optim.VOGN, got {type(opt)}")
             opt.load_mean()  # the model holds the posterior mean
             variance = opt.posterior().variance
+        elif self.posterior == "ivon":
+            from fromp.optim import IVON
+
+            opt = strategy.optimizer
+            if not isinstance(opt, IVON):
+                raise TypeError(f"posterior='ivon' needs a fromp.optim.IVON, got {type(opt)}")
+            if opt.sampled:
+                opt.restore(accumulate=False)  # the model holds the posterior mean
+            variance = opt.posterior(net).variance
         self.learn_task(net, x, y, int(tasks[0]), variance)
 
     # ------------------------------------------------------------------------ state
@@ -409,7 +481,10 @@ class FROMP(SupervisedTemplate):
     :class:`FROMPPlugin`; :data:`DEFAULTS` holds the reference settings per benchmark.
     With ``posterior="vogn"`` the optimizer must be a :class:`fromp.optim.VOGN`; a
     :class:`strategies.vogn.VOGNPlugin` drives it (``vogn_continual``: the task's posterior
-    becomes the next task's prior, naive continual VOGN, as in that plugin).
+    becomes the next task's prior, naive continual VOGN, as in that plugin). With
+    ``posterior="ivon"`` it must be a :class:`fromp.optim.IVON`, driven by a
+    :class:`strategies.ivon.IVONPlugin` (``ivon_continual``, default False: the prior stays
+    IVON's weight decay).
     """
 
     def __init__(
@@ -437,6 +512,7 @@ class FROMP(SupervisedTemplate):
         chunk_size: int = 64,
         seed: int = 0,
         vogn_continual: bool = True,
+        ivon_continual: bool = False,
         **base_kwargs: Any,
     ) -> None:
         extra: list[Any] = []
@@ -451,6 +527,18 @@ class FROMP(SupervisedTemplate):
             # after the FROMP plugin, so that FROMP reads the task's posterior before VOGN
             # turns it into the next prior
             extra.append(VOGNPlugin(optimizer, continual=vogn_continual))
+        elif posterior == "ivon":
+            from fromp.optim import IVON
+            from strategies.ivon import IVONPlugin
+
+            if not isinstance(optimizer, IVON):
+                raise TypeError(
+                    f"posterior='ivon' needs a fromp.optim.IVON optimizer, got {type(optimizer)}"
+                )
+            # after the FROMP plugin: FROMP's gradient clipping (before_update) acts on the
+            # gradient IVON reads, and FROMP reads the task's posterior before IVON may turn
+            # it into the next prior
+            extra.append(IVONPlugin(optimizer, continual=ivon_continual))
         self.plugin = FROMPPlugin(
             tau,
             n_points,

@@ -115,3 +115,28 @@ def test_mismatched_checkpoint_is_one_line(checkpoint, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("fromp-gp: error:") and "does not match" in err
     assert len(err.splitlines()) == 1
+
+
+def test_memorable_cli_memory_map(checkpoint, tmp_path):
+    from fromp.laplace import laplace
+    from fromp.sensitivity import memory_perturbation
+
+    out = tmp_path / "map"
+    args = [str(checkpoint), "--task", "1", "--n-per-class", "3", "--out", str(out)]
+    assert memorable_main([*args, "--map", "--n-fit", "20", "--prior-precision", "2.0"]) == 0
+    payload = json.loads((out / "memory_map.json").read_text())
+    chosen = json.loads((out / "memorable.json").read_text())["indices"]
+    idx = payload["index"]
+    assert set(range(20)) <= set(idx) and set(chosen) <= set(idx)
+    assert [i in chosen for i in idx] == payload["memorable"] and sum(payload["memorable"]) == 6
+    # the per-example numbers are those of the memory-perturbation equation
+    net, seq, _ = load_trained(checkpoint)
+    model = with_task(net, 1)
+    x, y = seq[1].train_x[idx], seq[1].train_y[idx]
+    mp = memory_perturbation(model, laplace(model, (x, y), "categorical", 2.0), x, y)
+    np.testing.assert_allclose(payload["sensitivity"], mp.sensitivity.tolist(), rtol=1e-4)
+    np.testing.assert_allclose(payload["variance_sum"], mp.variance.sum(-1).tolist(), rtol=1e-4)
+    assert payload["loo"]["loo_nll"] >= payload["loo"]["train_nll"]
+    assert payload["command"].startswith("fromp-memorable ") and "--map" in payload["command"]
+    assert (out / "memory_map.png").stat().st_size > 1000
+    assert memorable_main([*args, "--map", "--n-fit", "0"]) == 2

@@ -114,11 +114,13 @@ def test_plugin_argument_errors():
         "split-digits",
     }
     for bench, d in DEFAULTS.items():
-        if bench == "fromp-vogn":
+        if bench in ("fromp-vogn", "fromp-ivon"):
             continue
         assert {"optimizer", "lr", "train_epochs", "train_mb_size", "kwargs"} <= set(d)
         assert DEFAULTS["fromp-vogn"][bench]["optimizer"] == "vogn"
         assert DEFAULTS["fromp-vogn"][bench]["kwargs"]["posterior"] == "vogn"
+        assert DEFAULTS["fromp-ivon"][bench]["optimizer"] == "ivon"
+        assert DEFAULTS["fromp-ivon"][bench]["kwargs"]["posterior"] == "ivon"
 
 
 @pytest.mark.slow
@@ -193,3 +195,34 @@ def test_fromp_vogn_uses_vogn_posterior_and_checkpoints():
             optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
             posterior="vogn",
         )
+
+
+def test_sensitivity_selection_uses_the_task_posterior_after_tasks_1_to_3():
+    from fromp.curvature import diag_ggn
+    from fromp.jacobian import flat_params
+    from fromp.models import with_task
+    from fromp.posterior import DiagonalGaussian
+    from fromp.sensitivity import memory_perturbation
+
+    seq = synthetic_split(n_tasks=3, input_shape=(1, 4, 4), n_train=30, n_test=8)
+    torch.manual_seed(0)
+    net = MultiHeadMLP(16, (8,), n_heads=3, head_size=2)
+    strategy = _fromp(net, epochs=1, tau=1.0, n_points=6, select="sensitivity")
+    scenario = to_avalanche(seq)
+    ggn_sum = None
+    for t in range(3):
+        strategy.train(scenario.train_stream[t])
+        net.eval()
+        head = with_task(net, t)
+        x, y = seq[t].train_x, seq[t].train_y
+        g = diag_ggn(head, x, "categorical")
+        ggn_sum = g if ggn_sum is None else ggn_sum + g
+        q = DiagonalGaussian(flat_params(net), ggn_sum + strategy.plugin.prior_precision)
+        s = memory_perturbation(head, q, x, y).sensitivity
+        want = []
+        for c in (0, 1):
+            members = torch.nonzero(y == c).squeeze(1)
+            want += members[torch.argsort(s[members], descending=True)[:3]].tolist()
+        mem = strategy.plugin.regularizer.memories[t]
+        assert mem.task == t
+        torch.testing.assert_close(mem.inputs, x[want])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _dense import dense_jacobian
 from torch import nn
 
 from fromp.memorable import memorability_scores, select_memorable
@@ -83,3 +84,31 @@ def test_selection_errors():
         select_memorable(net, x, y, n_per_class=0)
     with pytest.raises(ValueError, match="class 7 has 0 examples"):
         select_memorable(net, x, y, n_per_class=1, classes=[0, 7])
+
+
+def test_sensitivity_order_keeps_largest_memory_perturbation_sensitivity_per_class():
+    from fromp.posterior import DiagonalGaussian
+    from fromp.sensitivity import memory_perturbation
+
+    net, x, y = _setup()
+    net.eval()
+    g = torch.Generator().manual_seed(0)
+    p = sum(t.numel() for t in net.parameters())
+    mean = torch.cat([t.detach().reshape(-1) for t in net.parameters()])
+    q = DiagonalGaussian(mean, torch.rand(p, generator=g, dtype=torch.float64) + 0.1)
+    idx = select_memorable(net, x, y, n_per_class=4, order="sensitivity", posterior=q, chunk_size=7)
+    # brute force: s_n = sum_k |e_nk lambda_nk v_nk| with v from the dense J Sigma J^T
+    jac = dense_jacobian(net, x, mean)
+    v = torch.einsum("ncp,p,ncp->nc", jac, q.variance, jac)
+    prob = torch.softmax(net(x), -1).detach()
+    e = prob - nn.functional.one_hot(y, 3).double()
+    s = (e * prob * (1 - prob) * v).abs().sum(-1)
+    torch.testing.assert_close(memory_perturbation(net, q, x, y).sensitivity, s)
+    for c in range(3):
+        members = torch.nonzero(y == c).squeeze(1)
+        best = members[torch.argsort(s[members], descending=True)[:4]]
+        assert idx[4 * c : 4 * c + 4].tolist() == best.tolist()
+    lam_idx = select_memorable(net, x, y, n_per_class=4)
+    assert idx.tolist() != lam_idx.tolist()  # a different criterion
+    with pytest.raises(ValueError, match="posterior"):
+        select_memorable(net, x, y, n_per_class=4, order="sensitivity")

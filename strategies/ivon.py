@@ -1,0 +1,201 @@
+"""IVON inside Avalanche: a plugin that turns Avalanche's ``backward(); optimizer.step()``
+loop into IVON steps, and continual IVON as a strategy.
+
+Per training iteration (:class:`IVONPlugin`, optimizer a :class:`fromp.optim.IVON`):
+
+* ``before_forward``: ``theta ~ q`` is written into the model (:meth:`IVON.draw`);
+* Avalanche computes the loss at ``theta`` (plus whatever other plugins add, e.g. FROMP's
+  function-space regulariser) and back-propagates it;
+* ``before_update`` (after the ``before_update`` of the plugins listed before this one, e.g.
+  FROMP's gradient clipping): the gradient at ``theta`` is read from ``.grad`` and the mean is
+  written back (:meth:`IVON.restore`); ``optimizer.step()`` then applies the IVON update, so
+  the model holds the mean outside the forward/backward window and evaluation happens at the
+  posterior mean.
+
+One posterior sample per iteration (``mc_samples`` of the optimizer is not used here). A draw
+left in the parameters by an exception inside an iteration is discarded (the mean restored)
+at the next iteration, epoch or experience boundary.
+
+The IVON state (momentum, Hessian estimate, step count, prior) lives in the optimizer's
+``ivon_state``, not in ``optimizer.state``, so Avalanche's optimizer resets keep it; the
+plugin's ``state_dict`` holds it too, with the per-experience posteriors, so that a run can be
+resumed in a fresh process.
+
+Continual IVON (:class:`IVONStrategy`): after each experience the posterior ``N(m, 1/(N (h +
+delta)))`` becomes the prior of the next one (:meth:`IVON.set_prior`), the momentum, ``h``
+and the step count restart, the mean is kept and ``N`` becomes the size of the new experience.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from avalanche.training.plugins import SupervisedPlugin
+from avalanche.training.plugins.evaluation import default_evaluator
+from avalanche.training.templates import SupervisedTemplate
+from torch import nn
+
+from fromp.optim.ivon import IVON
+from fromp.posterior import DiagonalGaussian
+from strategies.models import unwrap
+
+__all__ = ["DEFAULTS", "IVONPlugin", "IVONStrategy"]
+
+
+class IVONPlugin(SupervisedPlugin):
+    """Drives a :class:`fromp.optim.IVON` optimizer from Avalanche's training loop.
+
+    Args:
+        optimizer: the strategy's optimizer (also found as ``strategy.optimizer`` in the
+            hooks; given here so that :meth:`state_dict` works before training).
+        continual: at the end of each experience make the posterior the next prior
+            (continual IVON) and restart the momentum, ``h`` and the step count.
+        set_ess: set the optimizer's ``ess`` to the size of each experience's training set.
+    """
+
+    def __init__(
+        self, optimizer: IVON | None = None, *, continual: bool = True, set_ess: bool = True
+    ) -> None:
+        super().__init__()
+        self.optimizer = optimizer
+        self.continual = bool(continual)
+        self.set_ess = bool(set_ess)
+        self.posteriors: list[DiagonalGaussian] = []
+        self.task_count = 0
+
+    def _opt(self, strategy: Any) -> IVON:
+        opt = strategy.optimizer
+        if not isinstance(opt, IVON):
+            raise TypeError(f"IVONPlugin needs a fromp.optim.IVON optimizer, got {type(opt)}")
+        self.optimizer = opt
+        return opt
+
+    def _discard_draw(self, strategy: Any) -> None:
+        opt = self._opt(strategy)
+        if opt.sampled:
+            opt.restore(accumulate=False)
+
+    # -------------------------------------------------------------- hooks
+    def before_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        opt = self._opt(strategy)
+        if self.set_ess:
+            opt.ess = len(strategy.experience.dataset)
+
+    def before_training_iteration(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        self._discard_draw(strategy)
+
+    def before_forward(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        opt = self._opt(strategy)
+        if self.set_ess:  # again here: a resumed run loads the optimizer after the hook above
+            n = len(strategy.experience.dataset)
+            if opt.ess != n:
+                opt.ess = n
+        opt.draw()
+
+    def before_update(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        self._opt(strategy).restore(accumulate=True)
+
+    def after_training_epoch(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        self._discard_draw(strategy)
+
+    def after_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        self._discard_draw(strategy)
+        opt = self._opt(strategy)
+        net = unwrap(strategy.model)
+        q = opt.posterior(net)
+        self.posteriors.append(q)
+        self.task_count += 1
+        if self.continual:
+            opt.set_prior(q, model=net, reset=True)
+
+    # -------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's IVON state, the per-experience posteriors and the task counter
+        (tensors cloned)."""
+        if self.optimizer is None:
+            raise ValueError("IVONPlugin has no optimizer yet: pass optimizer= or train first")
+        return {
+            "ivon": self.optimizer.state_dict()["ivon"],
+            "posteriors": [
+                {k: v.clone() for k, v in q.state_dict().items()} for q in self.posteriors
+            ],
+            "task_count": self.task_count,
+            "continual": self.continual,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Inverse of :meth:`state_dict` (the mean is the model's: load the model too)."""
+        if self.optimizer is None:
+            raise ValueError("IVONPlugin has no optimizer: construct it with optimizer=")
+        self.optimizer.load_ivon_state(state["ivon"])
+        self.posteriors = [DiagonalGaussian.from_state_dict(d) for d in state["posteriors"]]
+        self.task_count = int(state["task_count"])
+        self.continual = bool(state.get("continual", self.continual))
+
+
+class IVONStrategy(SupervisedTemplate):
+    """Continual IVON: each experience is fitted by IVON with the previous posterior as the
+    prior (multi-head through the task labels, or single-head).
+
+    ``optimizer`` must be a :class:`fromp.optim.IVON` over exactly the model's trainable
+    parameters (its ``ess`` is set per experience).
+
+    Args:
+        continual: make the posterior the next prior (False: the weight-decay prior stays).
+    """
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        criterion: nn.Module | None = None,
+        train_mb_size: int = 128,
+        train_epochs: int = 1,
+        eval_mb_size: int = 1000,
+        device: str | torch.device = "cpu",
+        plugins: list | None = None,
+        evaluator=default_evaluator,
+        eval_every: int = -1,
+        continual: bool = True,
+    ) -> None:
+        if not isinstance(optimizer, IVON):
+            raise TypeError(
+                f"optimizer must be a fromp.optim.IVON built on the model, got {type(optimizer)}"
+            )
+        opt_ids = {id(p) for p in optimizer.params}
+        if opt_ids != {id(p) for p in model.parameters() if p.requires_grad}:
+            raise ValueError("optimizer must hold exactly the model's trainable parameters")
+        self.plugin = IVONPlugin(optimizer, continual=continual)
+        super().__init__(
+            model=model,
+            optimizer=optimizer,
+            criterion=nn.CrossEntropyLoss() if criterion is None else criterion,
+            train_mb_size=train_mb_size,
+            train_epochs=train_epochs,
+            eval_mb_size=eval_mb_size,
+            device=device,
+            plugins=[self.plugin, *(plugins or [])],
+            evaluator=evaluator,
+            eval_every=eval_every,
+        )
+
+
+_SPLIT = {
+    "optimizer": "ivon",
+    "lr": 0.2,
+    "train_epochs": 10,
+    "train_mb_size": 128,
+    "optimizer_kwargs": {"hess_init": 0.1, "beta2": 0.99999, "weight_decay": 1e-4},
+    "kwargs": {},
+}
+
+#: Per-benchmark settings of the runner (``ess`` is set per experience by the plugin).
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "split-mnist": dict(_SPLIT),
+    "split-fashion-mnist": dict(_SPLIT),
+    "split-digits": {**_SPLIT, "train_epochs": 50, "train_mb_size": 32},
+    "permuted-mnist": dict(_SPLIT),
+    "split-cifar": {**_SPLIT, "train_epochs": 20},
+}

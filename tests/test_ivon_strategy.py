@@ -1,0 +1,200 @@
+"""IVON inside Avalanche: continual IVON (posterior -> prior across Avalanche's optimizer
+resets, checkpoints, three tasks), FROMP with IVON's posterior as the kernel, and the
+runner's ``ivon`` / ``fromp-ivon`` strategies."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from avalanche.evaluation.metrics import accuracy_metrics
+from avalanche.training.plugins import EvaluationPlugin, SupervisedPlugin
+
+from fromp.data import synthetic_split
+from fromp.jacobian import flat_params
+from fromp.models import MultiHeadMLP
+from fromp.optim import IVON
+from strategies.benchmarks import to_avalanche
+from strategies.fromp import FROMP, FROMPPlugin
+from strategies.ivon import IVONPlugin, IVONStrategy
+from strategies.models import as_avalanche_model
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _evaluator() -> EvaluationPlugin:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return EvaluationPlugin(accuracy_metrics(experience=True), loggers=[])
+
+
+class _Probe(SupervisedPlugin):
+    """Records the IVON state at the start of every experience (after Avalanche has reset
+    the optimizer) and checks that the forward pass sees a draw and evaluation the mean."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[dict] = []
+        self.sampled_forwards = 0
+
+    def before_training_epoch(self, strategy, **kwargs):
+        if strategy.clock.train_exp_epochs == 0:
+            opt = strategy.optimizer
+            self.seen.append(
+                {
+                    "prior": opt.prior(strategy.model),
+                    "mean": flat_params(strategy.model).clone(),
+                    "step": opt.ivon_state["step"],
+                    "state": dict(opt.state),
+                    "ess": opt.ess,
+                }
+            )
+
+    def after_forward(self, strategy, **kwargs):
+        self.sampled_forwards += int(strategy.optimizer.sampled)
+
+    def before_eval_exp(self, strategy, **kwargs):
+        assert not strategy.optimizer.sampled
+
+
+def _setup(seed: int = 0, n_tasks: int = 3):
+    torch.manual_seed(seed)
+    seq = synthetic_split(n_tasks=n_tasks, input_shape=(1, 4, 4), n_train=48, n_test=24)
+    net = MultiHeadMLP(16, (16,), n_heads=n_tasks, head_size=2)
+    model = as_avalanche_model(net)
+    opt = IVON(model.parameters(), lr=0.5, ess=1.0, hess_init=0.5, beta2=0.99)
+    probe = _Probe()
+    strat = IVONStrategy(
+        model=model,
+        optimizer=opt,
+        train_mb_size=16,
+        train_epochs=8,
+        plugins=[probe],
+        evaluator=None,
+    )
+    return seq, to_avalanche(seq), net, model, opt, probe, strat
+
+
+def test_continual_ivon_three_tasks_posterior_becomes_prior_and_resumes():
+    seq, scenario, net, model, opt, probe, strat = _setup()
+    strat.train(scenario.train_stream[0])
+    q1 = strat.plugin.posteriors[0]
+    assert opt.ess == 48 and probe.sampled_forwards == 8 * 3
+    torch.testing.assert_close(q1.mean, flat_params(net), rtol=0, atol=0)  # mean restored
+    torch.testing.assert_close(opt.prior(net).mean, q1.mean, rtol=0, atol=0)
+    torch.testing.assert_close(opt.prior(net).precision, q1.precision, rtol=0, atol=0)
+    ckpt = (
+        strat.plugin.state_dict(),
+        opt.state_dict(),
+        {k: v.clone() for k, v in model.state_dict().items()},
+    )
+
+    torch.manual_seed(11)
+    strat.train(scenario.train_stream[1])
+    start2 = probe.seen[1]  # Avalanche reset optimizer.state; the IVON state was intact
+    assert len(start2["state"]) == 0 and start2["step"] == 0
+    torch.testing.assert_close(start2["prior"].precision, q1.precision, rtol=0, atol=0)
+    torch.testing.assert_close(start2["mean"], q1.mean, rtol=0, atol=0)
+    q2 = strat.plugin.posteriors[1]
+    assert not torch.equal(q2.mean, q1.mean)
+    # precision N2 h + p0: it grows from task to task where the new data has curvature
+    assert (q2.precision > q1.precision).float().mean() > 0.5
+    strat.train(scenario.train_stream[2])
+    assert strat.plugin.task_count == 3 and len(strat.plugin.posteriors) == 3
+    net.eval()
+    acc = [(net(t.test_x, t.task_id).argmax(-1) == t.test_y).float().mean().item() for t in seq]
+    assert min(acc) > 0.6, acc
+
+    # resume task 2 from the checkpoint in fresh objects: the same posterior
+    _, scenario2, _, model2, opt2, _, strat2 = _setup(seed=123)
+    model2.load_state_dict(ckpt[2])
+    strat2.plugin.load_state_dict(ckpt[0])
+    opt2.load_state_dict(ckpt[1])
+    torch.manual_seed(11)
+    strat2.train(scenario2.train_stream[1])
+    torch.testing.assert_close(strat2.plugin.posteriors[1].mean, q2.mean, rtol=0, atol=0)
+    torch.testing.assert_close(strat2.plugin.posteriors[1].precision, q2.precision)
+
+
+def test_non_continual_keeps_weight_decay_prior_and_type_checks():
+    seq = synthetic_split(n_tasks=2, input_shape=(1, 4, 4), n_train=32, n_test=8)
+    net = MultiHeadMLP(16, (8,), n_heads=2, head_size=2)
+    model = as_avalanche_model(net)
+    opt = IVON(model.parameters(), lr=0.1, ess=1.0, weight_decay=1e-3)
+    strat = IVONStrategy(
+        model=model, optimizer=opt, train_mb_size=16, evaluator=None, continual=False
+    )
+    strat.train(to_avalanche(seq).train_stream[0])
+    assert opt.prior().mean.abs().max() == 0 and opt.ivon_state["step"] == 2
+    with pytest.raises(TypeError, match="IVON"):
+        IVONStrategy(model=net, optimizer=torch.optim.Adam(net.parameters()))
+    with pytest.raises(ValueError, match="exactly"):
+        IVONStrategy(model=net, optimizer=IVON(list(net.parameters())[:1], lr=0.1, ess=1))
+    with pytest.raises(ValueError, match="no optimizer"):
+        IVONPlugin().load_state_dict({})
+
+
+def test_fromp_ivon_kernel_uses_ivon_posterior_over_three_tasks():
+    seq = synthetic_split(n_tasks=3, input_shape=(1, 4, 4), n_train=40, n_test=16)
+    torch.manual_seed(0)
+    net = MultiHeadMLP(16, (8,), n_heads=3, head_size=2)
+    model = as_avalanche_model(net)
+    opt = IVON(model.parameters(), lr=0.1, ess=1.0, hess_init=0.5, beta2=0.99)
+    strategy = FROMP(
+        model=model,
+        optimizer=opt,
+        train_mb_size=16,
+        train_epochs=2,
+        evaluator=_evaluator(),
+        tau=1.0,
+        n_points=4,
+        posterior="ivon",
+        grad_clip_norm=1.0,
+    )
+    scenario = to_avalanche(seq)
+    plugin = strategy.plugin
+    strategy.train(scenario.train_stream[0])
+    # Sigma is IVON's posterior variance 1 / (N (h + delta)) at the end of task 1
+    torch.testing.assert_close(plugin.posterior_variance(), opt.posterior(net).variance)
+    assert opt.prior(net).mean.abs().max() == 0  # ivon_continual=False: weight-decay prior
+    for t in (1, 2):
+        strategy.train(scenario.train_stream[t])
+        assert len(plugin.regularizer) == t + 1 and plugin.last_penalty > 0
+        torch.testing.assert_close(plugin.posterior_variance(), opt.posterior(net).variance)
+    assert not opt.sampled
+    fresh = FROMPPlugin(posterior="ivon")
+    fresh.load_state_dict(plugin.state_dict())
+    assert fresh.penalty(net).item() == plugin.penalty(net).item()
+    with pytest.raises(TypeError, match="IVON"):
+        FROMP(
+            model=as_avalanche_model(MultiHeadMLP(16, (8,), 2, 2)),
+            optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+            posterior="ivon",
+        )
+
+
+@pytest.mark.parametrize("strategy", ["ivon", "fromp-ivon"])
+def test_runner_strategies_run_and_resume(tmp_path, strategy):
+    from benchmarks.runner import RunConfig, run
+
+    def cfg(path, **kw):
+        return RunConfig(
+            benchmark="split-digits",
+            strategy=strategy,
+            seed=0,
+            overrides={"train_epochs": 1, "train_mb_size": 32, "kwargs": {}}
+            | ({"kwargs": {"n_points": 10}} if strategy == "fromp-ivon" else {}),
+            n_train=60,
+            n_test=30,
+            checkpoint=str(path / "run.pt"),
+            progress=False,
+            **kw,
+        )
+
+    full = run(cfg(tmp_path / "a"))
+    assert full["complete"] and full["settings"]["optimizer"] == "ivon"
+    part = run(cfg(tmp_path / "b", stop_after=2))
+    assert not part["complete"]
+    resumed = run(cfg(tmp_path / "b", resume=True))
+    assert resumed["accuracy_matrix"] == full["accuracy_matrix"]

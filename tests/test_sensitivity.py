@@ -1,0 +1,173 @@
+"""The memory-perturbation equation: every per-example quantity against dense float64
+brute force for Laplace (diagonal, full) and IVON posteriors, and the leave-one-out
+estimates against exact retraining of logistic regressions (exact to first order)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _dense import dense_jacobian, dense_nll_hessians, flat, forward_at, tiny_cnn, tiny_mlp
+from torch import nn
+
+import fromp
+from fromp.likelihood import get_likelihood
+from fromp.optim import IVON
+from fromp.sensitivity import memory_perturbation, prediction_variance
+
+D = torch.float64
+
+
+def _posterior(kind: str, net: nn.Module, x: torch.Tensor, y: torch.Tensor):
+    if kind == "laplace-diag":
+        return fromp.laplace(net, x, "categorical", prior_precision=0.5)
+    if kind == "laplace-full":
+        return fromp.laplace_full(net, x, "categorical", prior_precision=0.5)
+    opt = IVON(net.parameters(), lr=0.05, ess=len(x), hess_init=0.3, beta2=0.9)
+    for _ in range(3):
+        with opt.sampled_params():
+            opt.zero_grad()
+            nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    return opt.posterior(net)
+
+
+def _dense_cov(q) -> torch.Tensor:
+    if isinstance(q, fromp.DiagonalGaussian):
+        return torch.diag(q.variance)
+    return torch.linalg.inv(q.precision)
+
+
+@pytest.mark.parametrize("kind", ["laplace-diag", "laplace-full", "ivon"])
+@pytest.mark.parametrize("make", [tiny_mlp, tiny_cnn], ids=["mlp", "cnn"])
+def test_every_quantity_against_dense(kind, make):
+    torch.manual_seed(0)
+    net = make().eval()
+    x = torch.randn(7, 4, dtype=D) if make is tiny_mlp else torch.randn(7, 1, 6, 6, dtype=D)
+    y = torch.randint(0, 3, (7,))
+    q = _posterior(kind, net, x, y)
+    with torch.no_grad():  # perturb the model: everything must use the posterior mean
+        for p in net.parameters():
+            p.add_(0.3)
+    mp = memory_perturbation(net, q, x, y, chunk_size=3)  # 7 = 3 + 3 + 1: uneven chunks
+    mp_full = memory_perturbation(net, q, x, y, covariance="full", chunk_size=64)
+
+    jac = dense_jacobian(net, x, q.mean)  # N, C, P
+    big_v = torch.einsum("ncp,pq,ndq->ncd", jac, _dense_cov(q), jac)
+    v = torch.diagonal(big_v, dim1=-2, dim2=-1)
+    f = forward_at(net, q.mean, x).detach()
+    p = torch.softmax(f, -1)
+    e = p - nn.functional.one_hot(y, 3).to(D)
+    lam = torch.diagonal(dense_nll_hessians(get_likelihood("categorical"), f, y), dim1=1, dim2=2)
+    torch.testing.assert_close(lam, p * (1 - p))
+    s = torch.stack([sum(abs(e[i, k] * lam[i, k] * v[i, k]) for k in range(3)) for i in range(7)])
+    tol = dict(rtol=1e-8, atol=1e-12)
+    torch.testing.assert_close(mp.logits, f, **tol)
+    torch.testing.assert_close(mp.error, e, **tol)
+    torch.testing.assert_close(mp.lam, lam, **tol)
+    torch.testing.assert_close(mp.variance, v, **tol)
+    torch.testing.assert_close(mp.covariance, big_v, **tol)
+    torch.testing.assert_close(mp.sensitivity, s, **tol)
+    torch.testing.assert_close(mp.loo_logits, f + e * v, **tol)
+    torch.testing.assert_close(mp_full.loo_logits, f + torch.einsum("ncd,nd->nc", big_v, e), **tol)
+    # the corrected forms: f + e v / (1 - lambda v) and f + V (I - Lambda V)^{-1} e
+    mp_c = memory_perturbation(net, q, x, y, correction=True)
+    eps = torch.finfo(D).eps  # 1 - lambda v <= 0 can happen with an approximate posterior
+    torch.testing.assert_close(mp_c.loo_logits, f + e * v / (1 - lam * v).clamp_min(eps), **tol)
+    mp_fc = memory_perturbation(net, q, x, y, covariance="full", correction=True)
+    big_lam = dense_nll_hessians(get_likelihood("categorical"), f, y)
+    want_fc = torch.stack(
+        [f[i] + big_v[i] @ torch.linalg.inv(torch.eye(3, dtype=D) - big_lam[i] @ big_v[i]) @ e[i]
+         for i in range(7)]
+    )  # fmt: skip
+    torch.testing.assert_close(mp_fc.loo_logits, want_fc, **tol)
+    torch.testing.assert_close(prediction_variance(net, q, x, chunk_size=2), v, **tol)
+    loo_nll = nn.functional.cross_entropy(f + e * v, y, reduction="none")
+    torch.testing.assert_close(mp.loo_nll(), loo_nll, **tol)
+    summary = mp.loo_summary()
+    assert summary["loo_nll"] == pytest.approx(loo_nll.mean().item())
+    assert summary["loo_accuracy"] == pytest.approx(((f + e * v).argmax(-1) == y).double().mean())
+    assert summary["loo_nll"] >= summary["train_nll"]  # leaving an example out hurts it
+    assert len(mp.to_dict()["sensitivity"]) == 7
+
+
+def _fit(x: torch.Tensor, y: torch.Tensor, lik, c: int, delta: float, w0=None, iters: int = 30):
+    """Minimise ``sum_i nll_i + delta/2 |w|^2`` of a linear model ``f = x W^T + b`` by Newton's
+    method to machine precision; returns the flat ``[P]`` optimum."""
+    d = x.shape[1]
+    net = nn.Linear(d, c).to(D)
+    w = flat(net).zero_() if w0 is None else w0.clone()
+
+    def obj(v):
+        return lik.nll(forward_at(net, v, x), y).sum() + 0.5 * delta * (v * v).sum()
+
+    for _ in range(iters):
+        g = torch.autograd.functional.jacobian(obj, w)
+        h = torch.autograd.functional.hessian(obj, w)
+        w = w - torch.linalg.lstsq(h, g.unsqueeze(1)).solution.squeeze(1)
+        if g.abs().max() < 1e-12:
+            break
+    return w, net
+
+
+@pytest.mark.parametrize("lik_name", ["bernoulli", "categorical"])
+def test_leave_one_out_matches_exact_retraining_to_first_order(lik_name):
+    """Removing one example of a (multinomial) logistic regression, retrained exactly: the
+    change of its outputs is ``V_i e_i`` up to second-order terms (here < 10 % of the change,
+    relatively smaller where the change is smaller), and the sensitivity ranks the examples
+    as the true change does."""
+    g = torch.Generator().manual_seed(0)
+    n, d = 300, 3
+    c = 1 if lik_name == "bernoulli" else 3
+    lik = get_likelihood(lik_name)
+    x = torch.randn(n, d, generator=g, dtype=D)
+    w_true = torch.randn(max(c, 1), d, generator=g, dtype=D)
+    f_true = x @ w_true.T
+    if lik_name == "bernoulli":
+        y = torch.bernoulli(torch.sigmoid(f_true[:, 0]), generator=g)
+    else:
+        y = torch.multinomial(torch.softmax(f_true, -1), 1, generator=g).squeeze(1)
+    delta = 1.0
+    w_star, net = _fit(x, y, lik, c, delta)
+    with torch.no_grad():
+        net.weight.copy_(w_star[: c * d].view(c, d))
+        net.bias.copy_(w_star[c * d :])
+    net.eval()
+    q = fromp.laplace_full(net, x, lik_name, prior_precision=delta)
+    mp = memory_perturbation(net, q, x, y, lik_name, covariance="full")
+    idx = torch.argsort(mp.sensitivity, descending=True)[[0, 1, 2, 50, 150, 299]]
+    true_shift, est_shift = [], []
+    for i in idx.tolist():
+        keep = torch.arange(n) != i
+        w_i, _ = _fit(x[keep], y[keep], lik, c, delta, w0=w_star)
+        f_loo = forward_at(net, w_i, x[i : i + 1]).detach()[0]
+        true_shift.append(f_loo - mp.logits[i])
+        est_shift.append(mp.loo_logits[i] - mp.logits[i])
+    true_shift, est_shift = torch.stack(true_shift), torch.stack(est_shift)
+    err = (est_shift - true_shift).norm(dim=1)
+    true_size = true_shift.norm(dim=1)
+    rel = err / true_size
+    # removing the example's own curvature first is closer still (exact for linear-Gaussian)
+    mp_c = memory_perturbation(net, q, x, y, lik_name, covariance="full", correction=True)
+    err_c = (mp_c.loo_logits[idx] - mp_c.logits[idx] - true_shift).norm(dim=1)
+    assert (err_c[:3] < err[:3]).all(), (err_c, err)
+    assert (rel < 0.1).all(), (est_shift, true_shift)
+    # the error is of second order: relatively smaller for the examples that move less
+    assert rel[3:].max() < rel[:3].min(), rel
+    assert true_size[:3].min() > true_size[3:].max()  # most sensitive moved most
+    if lik_name == "bernoulli":  # C = 1: the diagonal form is the full one
+        mp_diag = memory_perturbation(net, q, x, y, lik_name)
+        torch.testing.assert_close(mp_diag.loo_logits, mp.loo_logits)
+
+
+def test_bad_arguments():
+    net = tiny_mlp().eval()
+    x, y = torch.randn(4, 4, dtype=D), torch.randint(0, 3, (4,))
+    q = fromp.DiagonalGaussian.isotropic(net, 1.0)
+    with pytest.raises(ValueError, match="covariance"):
+        memory_perturbation(net, q, x, y, covariance="dense")
+    with pytest.raises(ValueError, match="y must"):
+        memory_perturbation(net, q, x, y[:3])
+    with pytest.raises(ValueError, match="chunk_size"):
+        memory_perturbation(net, q, x, y, chunk_size=0)
+    with pytest.raises(ValueError, match="posterior"):
+        memory_perturbation(net, fromp.DiagonalGaussian.isotropic(torch.zeros(3), 1.0), x, y)
