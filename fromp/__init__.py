@@ -47,7 +47,9 @@ from fromp import gp
 from fromp.ggn import ggn, ggn_vp
 from fromp.gp import GP, dnn2gp, log_marginal_likelihood, optimize_prior_precision
 from fromp.laplace import (
+    DiagLaplace,
     FullGaussian,
+    FullLaplace,
     accumulate_ggn,
     laplace,
     laplace_full,
@@ -56,7 +58,9 @@ from fromp.laplace import (
 
 __all__ += [  # core: GGN, Laplace, DNN2GP GP, evidence
     "GP",
+    "DiagLaplace",
     "FullGaussian",
+    "FullLaplace",
     "accumulate_ggn",
     "dnn2gp",
     "ggn",
