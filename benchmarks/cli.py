@@ -32,8 +32,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from benchmarks.registry import UnknownNameError, get_benchmark
-from fromp.data import DataNotFoundError, TaskSequence
+from benchmarks.registry import STRATEGIES, UnknownNameError, get_benchmark
+from fromp.data import CorruptDataError, DataNotFoundError, TaskSequence
 from fromp.models import with_task
 
 __all__ = ["gp_main", "load_trained", "memorable_main", "write_memory_map"]
@@ -43,6 +43,10 @@ warnings.filterwarnings("ignore", message="no QP solver found")
 
 class CheckpointError(ValueError):
     """A file that is not a usable ``fromp-bench`` checkpoint."""
+
+
+# Errors reported as one line with exit status 2.
+_ERRORS = (CheckpointError, UnknownNameError, DataNotFoundError, CorruptDataError, ValueError)
 
 
 def load_trained(
@@ -61,15 +65,32 @@ def load_trained(
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"checkpoint {path} is empty")
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:  # pickle and zip errors come in many types
-        raise CheckpointError(f"checkpoint {path} cannot be read: {err}") from err
+    except Exception as err:  # pickle, zip and EOF errors come in many types
+        detail = " ".join(str(err).split())[:200]
+        raise CheckpointError(
+            f"checkpoint {path} cannot be read ({type(err).__name__}: {detail})"
+        ) from err
     if not isinstance(state, dict) or "model" not in state or "config" not in state:
         raise CheckpointError(f"{path} is not a fromp-bench checkpoint (no model/config)")
-    cfg = state["config"]
+    cfg = dict(state["config"])
+    cfg["tasks_trained"] = int(state.get("done", 0))
     bench = get_benchmark(cfg["benchmark"])
-    seq = load_sequence(bench, data_root, cfg.get("n_train"), cfg.get("n_test"))
+    root = data_root if data_root is not None else cfg.get("data_root")
+    args = (cfg.get("n_train"), cfg.get("n_test"), cfg.get("valid_fraction"))
+    args += (cfg.get("valid_seed", 0),)
+    seq = load_sequence(bench, root, *args)
+    want = (cfg.get("data") or {}).get("hash")
+    if want is not None and seq.fingerprint()["hash"] != want:
+        raise CheckpointError(
+            f"the data under {root or 'the default data root'} differ from those {path} was "
+            "trained on (data fingerprints differ); pass the run's --data-root"
+        )
+    if cfg.get("strategy") in STRATEGIES and STRATEGIES[cfg["strategy"]].joint:
+        cfg["tasks_trained"] = len(seq) if cfg["tasks_trained"] else 0  # one step, all tasks
     net = bench.model(seq)
     weights = {k.removeprefix("net."): v for k, v in state["model"].items()}
     bayes = _bayesian_net_state(state)
@@ -95,7 +116,8 @@ def load_trained(
 def _bayesian_net_state(state: dict[str, Any]) -> dict[str, Any] | None:
     """The state of a mean-field Gaussian network kept by a strategy plugin (VCL trains its
     own Bayesian copy of the network), or None."""
-    for plugin in state.get("plugins") or []:
+    plugins = state.get("plugins") or {}
+    for plugin in plugins.values() if isinstance(plugins, dict) else plugins:
         try:
             net = plugin["state_dict"]["net"]
         except (KeyError, TypeError):
@@ -105,9 +127,16 @@ def _bayesian_net_state(state: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def _task(seq: TaskSequence, task: int):
+def _task(seq: TaskSequence, task: int, cfg: dict[str, Any] | None = None):
+    """Task ``task`` of ``seq``; refused when out of range or not trained by the checkpoint."""
     if not 0 <= task < len(seq):
         raise CheckpointError(f"--task must be in [0, {len(seq)}), got {task}")
+    trained = (cfg or {}).get("tasks_trained")
+    if trained is not None and task >= trained:
+        raise CheckpointError(
+            f"--task {task}: the checkpoint was saved after {trained} task(s), so it never "
+            f"trained task {task} (choose --task in [0, {trained}))"
+        )
     return seq[task]
 
 
@@ -259,7 +288,7 @@ def memorable_main(argv: list[str] | None = None) -> int:
 
     try:
         net, seq, cfg = load_trained(args.checkpoint, args.data_root)
-        task = _task(seq, args.task)
+        task = _task(seq, args.task, cfg)
         model = with_task(net, task.task_id if seq.multi_head else None)
         with torch.no_grad():
             idx = select_memorable(
@@ -267,7 +296,7 @@ def memorable_main(argv: list[str] | None = None) -> int:
             )
             scores = memorability_scores(model, task.train_x[idx])
         map_args = _map_inputs(args, model, task, idx) if args.map else None
-    except (CheckpointError, UnknownNameError, DataNotFoundError, ValueError) as err:
+    except _ERRORS as err:
         print(f"fromp-memorable: error: {err}", file=sys.stderr)
         return 2
     out = Path(args.out)
@@ -374,7 +403,7 @@ def gp_main(argv: list[str] | None = None) -> int:
         if args.n < 1 or args.n_fit < 1:
             raise ValueError(f"--n and --n-fit must be >= 1, got {args.n} and {args.n_fit}")
         net, seq, cfg = load_trained(args.checkpoint, args.data_root)
-        task = _task(seq, args.task)
+        task = _task(seq, args.task, cfg)
         model = with_task(net, task.task_id if seq.multi_head else None)
         fit = (task.train_x[: args.n_fit], task.train_y[: args.n_fit])
         if args.prior_precision == "auto":
@@ -393,7 +422,7 @@ def gp_main(argv: list[str] | None = None) -> int:
             kernel = gp.kernel(x)
             variance = gp.variance(x)
             probs = gp.predictive(x, "probit")
-    except (CheckpointError, UnknownNameError, DataNotFoundError, ValueError) as err:
+    except _ERRORS as err:
         print(f"fromp-gp: error: {err}", file=sys.stderr)
         return 2
     out = Path(args.out)

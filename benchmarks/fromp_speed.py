@@ -2,9 +2,9 @@
 
 Both strategies are trained in one process, one after the other, on the same Avalanche
 stream with the same settings (by default the official code's split-MNIST settings,
-:data:`strategies.fromp.REFERENCE`, 40 memorable points per task; ``--settings default`` uses
-the runner's :data:`strategies.fromp.DEFAULTS`; Naive uses the same optimiser, epochs and
-batch size).
+:data:`benchmarks.settings.FROMP_REFERENCE`, 40 memorable points per task;
+``--settings default`` uses the runner's :data:`benchmarks.settings.SETTINGS`; Naive uses the
+same optimiser, epochs and batch size).
 Reported: total training wall time of each, the ratio FROMP / Naive, and FROMP's per-task
 cost of memorable-point selection, curvature (diagonal GGN) and kernel construction.
 
@@ -30,10 +30,11 @@ from avalanche.evaluation.metrics import accuracy_metrics
 from avalanche.training import Naive
 from avalanche.training.plugins import EvaluationPlugin
 
+from benchmarks.settings import FROMP_REFERENCE, SETTINGS
 from fromp.data import split_digits, split_mnist
 from fromp.models import MultiHeadMLP
 from strategies.benchmarks import to_avalanche
-from strategies.fromp import DEFAULTS, FROMP, REFERENCE
+from strategies.fromp import FROMP
 from strategies.models import as_avalanche_model
 
 
@@ -60,7 +61,7 @@ def measure(
         seq = seq.subsample(n_train, None, seed=0)
     if settings not in ("reference", "default"):
         raise ValueError(f"settings must be 'reference' or 'default', got {settings!r}")
-    d = (REFERENCE if settings == "reference" else DEFAULTS)[benchmark]
+    d = (FROMP_REFERENCE if settings == "reference" else SETTINGS["fromp"])[benchmark]
     n_epochs = int(epochs if epochs is not None else d["train_epochs"])
     scenario = to_avalanche(seq)
     in_features = 1
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--benchmark", choices=["split-mnist", "split-digits"], default="split-mnist")
     ap.add_argument("--data-root", default=None)
     ap.add_argument("--n-train", type=int, default=None, help="train examples per task")
-    ap.add_argument("--epochs", type=int, default=None, help="default: FROMP's DEFAULTS")
+    ap.add_argument("--epochs", type=int, default=None, help="default: FROMP's SETTINGS")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--settings",

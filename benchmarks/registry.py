@@ -3,11 +3,11 @@
 A benchmark carries its protocol (how the tasks are built, which network, the training
 settings of the FROMP paper) and the published numbers to compare with. A strategy names an
 Avalanche strategy class by import path (imported lazily, so a missing optional strategy does
-not break the others), preset keyword arguments, and the module whose ``DEFAULTS`` holds the
-tuned per-benchmark settings (see ``strategies/``).
+not break the others) and preset keyword arguments; its tuned per-benchmark settings live in
+:data:`benchmarks.settings.SETTINGS`.
 
-Settings are merged in this order, later wins: benchmark defaults, the strategy module's
-``DEFAULTS[benchmark]``, the preset's own settings, command-line overrides.
+Settings are merged in this order, later wins: benchmark defaults,
+``SETTINGS[strategy][benchmark]``, the preset's own settings, command-line overrides.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 
 from torch import nn
 
+from benchmarks.settings import settings_for
 from fromp.data import (
     TaskSequence,
     permuted_mnist,
@@ -67,7 +68,9 @@ class BenchmarkSpec:
         settings: training settings of the FROMP paper (``lr``, ``train_epochs``,
             ``train_mb_size``, ``optimizer``).
         published: strategy name -> published score.
-        needs: the data sets the benchmark reads (for messages).
+        needs: the data sets the benchmark reads (for messages; empty for built-in data).
+        layout: ``(n_tasks, input_shape, n_outputs, multi_head)`` of the task sequence, so
+            that settings can be checked on the network before any data is loaded.
     """
 
     name: str
@@ -77,6 +80,7 @@ class BenchmarkSpec:
     settings: Mapping[str, Any]
     published: Mapping[str, Published] = field(default_factory=dict)
     needs: tuple[str, ...] = ()
+    layout: tuple[int, tuple[int, ...], int, bool] = (5, (1, 28, 28), 2, True)
 
 
 def _mlp(hidden: tuple[int, ...]) -> Callable[[TaskSequence], nn.Module]:
@@ -119,6 +123,7 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
             ),
         },
         ("MNIST",),
+        (5, (1, 28, 28), 2, True),
     ),
     "permuted-mnist": BenchmarkSpec(
         "permuted-mnist",
@@ -133,6 +138,7 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
             "vcl-coreset": Published(93.0, None, _VCL),
         },
         ("MNIST",),
+        (10, (784,), 10, False),
     ),
     "split-cifar": BenchmarkSpec(
         "split-cifar",
@@ -146,6 +152,7 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
             "s-fsvi": Published(77.57, 0.84, _SFSVI),
         },
         ("CIFAR10", "CIFAR100"),
+        (6, (3, 32, 32), 10, True),
     ),
     "split-fashion-mnist": BenchmarkSpec(
         "split-fashion-mnist",
@@ -155,6 +162,7 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
         {"optimizer": "adam", "lr": 1e-4, "train_epochs": 15, "train_mb_size": 128},
         {},
         ("FashionMNIST",),
+        (5, (1, 28, 28), 2, True),
     ),
     "split-digits": BenchmarkSpec(
         "split-digits",
@@ -165,6 +173,7 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
         {"optimizer": "adam", "lr": 1e-3, "train_epochs": 20, "train_mb_size": 32},
         {},
         (),
+        (5, (1, 8, 8), 2, True),
     ),
 }
 
@@ -178,8 +187,6 @@ class StrategySpec:
         target: ``"module:Class"`` of an Avalanche ``SupervisedTemplate`` subclass.
         description: one line.
         kwargs: preset keyword arguments for the class (e.g. the kernel of FROMP-L2).
-        defaults_module: module whose ``DEFAULTS[benchmark]`` holds tuned settings
-            (``optimizer``, ``lr``, ``train_epochs``, ``train_mb_size``, ``kwargs``).
         settings: preset settings that override the defaults (e.g. ``optimizer="vogn"``).
         joint: trains on all tasks at once (an upper bound, not a continual learner).
     """
@@ -188,7 +195,6 @@ class StrategySpec:
     target: str
     description: str
     kwargs: Mapping[str, Any] = field(default_factory=dict)
-    defaults_module: str | None = None
     settings: Mapping[str, Any] = field(default_factory=dict)
     joint: bool = False
 
@@ -206,14 +212,9 @@ class StrategySpec:
         return True
 
     def defaults(self, benchmark: str) -> dict[str, Any]:
-        """The tuned settings of the strategy module for ``benchmark`` (may be empty)."""
-        if self.defaults_module is None:
-            return {}
-        try:
-            table = getattr(importlib.import_module(self.defaults_module), "DEFAULTS", {})
-        except ImportError:
-            return {}
-        return dict(table.get(self.name, {}).get(benchmark, table.get(benchmark, {})))
+        """The tuned settings for ``benchmark`` (:data:`benchmarks.settings.SETTINGS`; may be
+        empty)."""
+        return settings_for(self.name, benchmark)
 
 
 STRATEGIES: dict[str, StrategySpec] = {
@@ -223,21 +224,18 @@ STRATEGIES: dict[str, StrategySpec] = {
             "fromp",
             "strategies.fromp:FROMP",
             "FROMP: functional regularisation of memorable past, per-class DNN2GP kernels",
-            defaults_module="strategies.fromp",
         ),
         StrategySpec(
             "fromp-l2",
             "strategies.fromp:FROMP",
             "FROMP-L2: FROMP with the kernel replaced by the identity",
             kwargs={"kernel": "identity"},
-            defaults_module="strategies.fromp",
         ),
         StrategySpec(
             "fromp-vogn",
             "strategies.fromp:FROMP",
             "FROMP trained with VOGN; the kernel uses VOGN's posterior",
             kwargs={"posterior": "vogn"},
-            defaults_module="strategies.fromp",
             settings={"optimizer": "vogn"},
         ),
         StrategySpec(
@@ -245,41 +243,35 @@ STRATEGIES: dict[str, StrategySpec] = {
             "strategies.fromp:FROMP",
             "FROMP trained with IVON; the kernel uses IVON's posterior",
             kwargs={"posterior": "ivon"},
-            defaults_module="strategies.fromp",
             settings={"optimizer": "ivon"},
         ),
         StrategySpec(
             "ivon",
             "strategies.ivon:IVONStrategy",
             "IVON: improved variational online Newton, each task's posterior is the next prior",
-            defaults_module="strategies.ivon",
             settings={"optimizer": "ivon"},
         ),
         StrategySpec(
             "vogn",
             "strategies.vogn:VOGNStrategy",
             "VOGN: variational online Gauss-Newton, each task's posterior is the next prior",
-            defaults_module="strategies.vogn",
             settings={"optimizer": "vogn"},
         ),
         StrategySpec(
             "vcl",
             "strategies.vcl:VCL",
             "VCL: mean-field variational continual learning",
-            defaults_module="strategies.vcl",
         ),
         StrategySpec(
             "vcl-coreset",
             "strategies.vcl:VCL",
             "VCL with a random coreset, trained on before evaluation",
             kwargs={"coreset_method": "random"},
-            defaults_module="strategies.vcl",
         ),
         StrategySpec(
             "ewc",
             "strategies.ewc:EWC",
             "EWC with the per-example (sampled) Fisher diagonal",
-            defaults_module="strategies.ewc",
         ),
         StrategySpec(
             "ewc-avalanche",

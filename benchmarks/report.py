@@ -11,7 +11,7 @@ import numpy as np
 
 from benchmarks.registry import BenchmarkSpec
 
-__all__ = ["aggregate", "markdown_report", "plot_accuracy", "save_json"]
+__all__ = ["aggregate", "group_key", "markdown_report", "plot_accuracy", "save_json", "select"]
 
 
 def _mean_std(values: Sequence[float | None]) -> tuple[float | None, float | None, int]:
@@ -27,30 +27,97 @@ def _nan_to_none(rows: Any) -> Any:
     return None if rows is None or np.isnan(rows) else float(rows)
 
 
+_PHASES = ("training_s", "memorable_s", "curvature_s", "kernel_s", "evaluation_s")
+
+
+def group_key(run: dict[str, Any]) -> str:
+    """What must be identical for two runs to be seeds of one experiment: the benchmark,
+    strategy, resolved settings, subsample sizes, validation split and data fingerprint."""
+    cfg = run.get("config", {})
+    data = run.get("data") or {}
+    key = {
+        "benchmark": run.get("benchmark"),
+        "strategy": run.get("strategy"),
+        "settings": run.get("settings"),
+        "n_train": cfg.get("n_train"),
+        "n_test": cfg.get("n_test"),
+        "valid_fraction": cfg.get("valid_fraction"),
+        "valid_seed": cfg.get("valid_seed", 0),
+        "data": (data.get("fingerprint") or {}).get("hash"),
+    }
+    return json.dumps(key, sort_keys=True)
+
+
+def _flat(settings: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in settings.items() if k not in ("kwargs", "optimizer_kwargs")}
+    out.update(settings.get("kwargs") or {})
+    out.update({f"opt.{k}": v for k, v in (settings.get("optimizer_kwargs") or {}).items()})
+    return out
+
+
+def _labels(groups: dict[str, list[dict[str, Any]]]) -> dict[str, str]:
+    """A row label per group: the strategy name, plus the settings that differ from the other
+    groups of the same strategy (``fromp [tau=30]``), plus ``(n_train=..)``-style notes when
+    only the protocol differs."""
+    by_strategy: dict[str, list[str]] = {}
+    for key, runs in groups.items():
+        by_strategy.setdefault(runs[0]["strategy"], []).append(key)
+    labels = {}
+    for name, keys in by_strategy.items():
+        if len(keys) == 1:
+            labels[keys[0]] = name
+            continue
+        flats = {k: _flat(groups[k][0].get("settings") or {}) for k in keys}
+        protos = {k: {kk: v for kk, v in json.loads(k).items() if kk != "settings"} for k in keys}
+        for k in keys:
+            parts = []
+            for field in sorted({f for fl in flats.values() for f in fl}):
+                values = {json.dumps(flats[o].get(field), sort_keys=True) for o in keys}
+                if len(values) > 1:
+                    parts.append(f"{field}={flats[k].get(field)}")
+            for field in sorted(protos[k]):
+                values = {json.dumps(protos[o].get(field)) for o in keys}
+                if len(values) > 1:
+                    value = protos[k][field]
+                    parts.append(f"{field}={value[:8] if field == 'data' and value else value}")
+            labels[k] = f"{name} [{', '.join(parts)}]"
+    return labels
+
+
 def aggregate(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Group complete runs by strategy; mean and std over seeds of every score.
+    """Group complete runs by :func:`group_key` (runs with different settings or data are
+    never averaged together); mean and std over seeds of every score. Failed and incomplete
+    runs are left out.
 
     Returns:
-        ``{strategy: {"seeds": [...], "mean_accuracy": (mean, std), ..., "accuracy_matrix":
-        mean matrix, "wall_time_s": (mean, std)}}`` in first-seen order.
+        ``{label: {"strategy", "settings", "seeds": [...], "mean_accuracy": {mean, std}, ...,
+        "accuracy_matrix": mean matrix, "timing": mean seconds per phase}}`` in first-seen
+        order; ``label`` is the strategy name, with the differing settings when a strategy
+        has several groups.
     """
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in results:
-        if r.get("complete"):
-            groups.setdefault(r["strategy"], []).append(r)
+        if r.get("complete") and not r.get("failed"):
+            groups.setdefault(group_key(r), []).append(r)
+    labels = _labels(groups)
     out: dict[str, dict[str, Any]] = {}
-    for name, runs in groups.items():
-        row: dict[str, Any] = {"seeds": [r["seed"] for r in runs]}
-        for key in (
+    for key, runs in groups.items():
+        row: dict[str, Any] = {
+            "strategy": runs[0]["strategy"],
+            "settings": runs[0].get("settings"),
+            "seeds": [r["seed"] for r in runs],
+        }
+        for stat in (
             "mean_accuracy",
+            "mean_valid_accuracy",
             "forgetting",
             "backward_transfer",
             "mean_nll",
             "mean_ece",
             "wall_time_s",
         ):
-            mean, std, _ = _mean_std([r.get(key) for r in runs])
-            row[key] = {"mean": mean, "std": std}
+            mean, std, _ = _mean_std([r.get(stat) for r in runs])
+            row[stat] = {"mean": mean, "std": std}
         mats = [np.array(r["accuracy_matrix"], dtype=float) for r in runs]
         if len({m.shape for m in mats}) == 1:
             stacked = np.stack(mats)
@@ -60,7 +127,43 @@ def aggregate(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             row["accuracy_matrix"] = _nan_to_none(mean.tolist())
         finals = np.array([r["final_accuracies"] for r in runs], dtype=float)
         row["final_accuracies"] = _nan_to_none(np.nanmean(finals, axis=0).tolist())
-        out[name] = row
+        timings = [r.get("timing") or [] for r in runs]
+        if all(timings):
+            row["timing"] = {
+                ph: float(np.mean([sum(t.get(ph, 0.0) for t in tm) for tm in timings]))
+                for ph in _PHASES
+            }
+            n = min(len(tm) for tm in timings)
+            row["timing_per_task"] = [
+                float(np.mean([sum(tm[j].get(ph, 0.0) for ph in _PHASES) for tm in timings]))
+                for j in range(n)
+            ]
+        out[labels[key]] = row
+    return out
+
+
+def select(agg: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per strategy, the group with the highest mean validation accuracy (ties: first seen).
+
+    Returns:
+        ``{strategy: {"selected": label, "candidates": {label: mean validation accuracy}}}``
+        for every strategy whose groups all have validation results.
+
+    Raises:
+        ValueError: a group without validation accuracy (run with a validation split).
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for label, row in agg.items():
+        val = row.get("mean_valid_accuracy", {}).get("mean")
+        if val is None:
+            raise ValueError(
+                f"{label} has no validation accuracy: run it with --valid-fraction to select "
+                "on validation"
+            )
+        entry = out.setdefault(row["strategy"], {"selected": label, "candidates": {}})
+        entry["candidates"][label] = val
+        if val > entry["candidates"][entry["selected"]]:
+            entry["selected"] = label
     return out
 
 
@@ -73,20 +176,39 @@ def _fmt(stat: dict[str, float | None], digits: int = 2, scale: float = 1.0) -> 
     return s
 
 
-def markdown_report(bench: BenchmarkSpec, agg: dict[str, dict[str, Any]]) -> str:
-    """The results table (mean ± std over seeds, with the published score), then the mean
-    accuracy matrix of every strategy (row: after training task j; column: task i)."""
-    lines = [
-        f"## {bench.name}",
-        "",
-        bench.description,
-        "",
-        "| strategy | seeds | accuracy (%) | published (%) | forgetting | BWT | NLL | ECE (%) "
-        "| time (s) |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+def markdown_report(
+    bench: BenchmarkSpec,
+    agg: dict[str, dict[str, Any]],
+    *,
+    failed: Sequence[dict[str, Any]] = (),
+    selection: dict[str, dict[str, Any]] | None = None,
+) -> str:
+    """The results table (mean ± std over seeds, with the published score), the time spent per
+    phase and its ratio to Naive's, then the mean accuracy matrix of every group (row: after
+    training task j; column: task i). ``failed`` runs are listed, never averaged. With
+    ``selection`` (:func:`select`), the table holds the validation-selected setting of each
+    strategy, and a second table the validation accuracy of every candidate."""
+    if selection is not None:
+        chosen = {v["selected"] for v in selection.values()}
+        candidates = agg
+        agg = {k: v for k, v in agg.items() if k in chosen}
+    lines = [f"## {bench.name}", "", bench.description, ""]
+    if selection is not None:
+        lines += [
+            "Settings selected on validation accuracy (held-out training examples); test "
+            "accuracy reported for the selected setting only.",
+            "",
+        ]
+    if agg:
+        lines += [
+            "| strategy | seeds | accuracy (%) | published (%) | forgetting | BWT | NLL | ECE (%) "
+            "| time (s) |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+    else:
+        lines.append("No complete run to report.")
     for name, row in agg.items():
-        pub = bench.published.get(name)
+        pub = bench.published.get(row.get("strategy", name))
         pub_s = "–"
         if pub is not None:
             pub_s = f"{pub.accuracy:.2f}" + (f" ± {pub.std:.2f}" if pub.std else "")
@@ -96,14 +218,37 @@ def markdown_report(bench: BenchmarkSpec, agg: dict[str, dict[str, Any]]) -> str
             f"| {_fmt(row['mean_nll'], 4)} | {_fmt(row['mean_ece'], 2, 100.0)} "
             f"| {_fmt(row['wall_time_s'], 0)} |"
         )
-    others = [(k, p) for k, p in bench.published.items() if k not in agg]
+    if failed:
+        lines += [""]
+        for r in failed:
+            f = r.get("failed") or {}
+            lines.append(
+                f"FAILED (not in the table): {r['strategy']} seed {r['seed']}, task "
+                f"{f.get('task')}: {f.get('reason')}"
+            )
+    lines += _timing_table(agg)
+    if selection is not None:
+        lines += [
+            "",
+            "Validation accuracy (%) of every candidate (mean over its seeds):",
+            "",
+            "| strategy | candidate | seeds | validation (%) | selected |",
+            "|---|---|---|---|---|",
+        ]
+        for strat, sel in selection.items():
+            for label, val in sel["candidates"].items():
+                mark = "yes" if label == sel["selected"] else ""
+                n = len(candidates[label]["seeds"])
+                lines.append(f"| {strat} | {label} | {n} | {val:.2f} | {mark} |")
+    ran = {row.get("strategy", k) for k, row in agg.items()}
+    others = [(k, p) for k, p in bench.published.items() if k not in ran]
     if others:
         lines += [
             "",
             "Published, not run here: "
             + "; ".join(f"{k} {p.accuracy:.2f} ({p.source})" for k, p in others),
         ]
-    sources = sorted({p.source for k, p in bench.published.items() if k in agg})
+    sources = sorted({p.source for k, p in bench.published.items() if k in ran})
     if sources:
         lines += ["", "Published numbers: " + "; ".join(sources) + "."]
     for name, row in agg.items():
@@ -122,6 +267,35 @@ def markdown_report(bench: BenchmarkSpec, agg: dict[str, dict[str, Any]]) -> str
             cells = ["" if (v is None or np.isnan(v)) else f"{v:.2f}" for v in r]
             lines.append(f"| {j + 1} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _timing_table(agg: dict[str, dict[str, Any]]) -> list[str]:
+    rows = {k: r for k, r in agg.items() if r.get("timing")}
+    if not rows:
+        return []
+    naive = [r for r in rows.values() if r.get("strategy") == "naive"]
+    base = sum(naive[0]["timing"].values()) if naive else None
+    lines = [
+        "",
+        "Time per run (s, mean over seeds): training steps, memorable selection, curvature, "
+        "kernel set-up, evaluation (validation and test); ratio of the total to Naive's in the "
+        "same report.",
+        "",
+        "| strategy | training | memorable | curvature | kernel | evaluation | total "
+        "| per task | × Naive |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in rows.items():
+        t = r["timing"]
+        total = sum(t.values())
+        ratio = f"{total / base:.2f}" if base else "–"
+        per_task = ", ".join(f"{v:.1f}" for v in r.get("timing_per_task", []))
+        lines.append(
+            f"| {name} | {t['training_s']:.1f} | {t['memorable_s']:.2f} | {t['curvature_s']:.2f}"
+            f" | {t['kernel_s']:.2f} | {t['evaluation_s']:.1f} | {total:.1f} | {per_task} "
+            f"| {ratio} |"
+        )
+    return lines
 
 
 def save_json(path: Path, payload: Any) -> None:

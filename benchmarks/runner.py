@@ -8,20 +8,30 @@ accuracy, negative log-likelihood and expected calibration error come from the s
 Avalanche's own metrics see.
 
 After every experience a checkpoint holds the model, the strategy's method state (its
-plugins' ``state_dict``), the optimizer state, the random-number generators and the metrics
-so far; :func:`run` with ``resume=True`` continues from it and ends with the same results as
-an uninterrupted run.
+plugins' ``state_dict``, keyed by plugin class name), the optimizer state, the random-number
+generators and the metrics so far; :func:`run` with ``resume=True`` continues from it and ends
+with the same results as an uninterrupted run. The checkpoint is keyed by the run's settings,
+the data root and a fingerprint of the data (:meth:`fromp.data.TaskSequence.fingerprint`):
+resuming with any of them changed is refused.
+
+Integrity: a non-finite loss, weight or predicted probability stops the run; the result is
+marked ``failed`` with the task where it happened and never enters a table.
+
+With ``valid_fraction`` each task's training data is split (:meth:`~fromp.data.TaskSequence.
+with_validation`) and the validation sets are evaluated after every experience too, under a
+forked random-number generator so that the test results do not depend on it.
 """
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 import os
 import random
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,13 +45,40 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from benchmarks.registry import BenchmarkSpec, StrategySpec, get_benchmark, get_strategy
-from fromp.data import TaskSequence
+from fromp.data import Task, TaskSequence, resolve_data_root
 from strategies.benchmarks import to_avalanche
 from strategies.models import as_avalanche_model
 
-__all__ = ["RunConfig", "expected_calibration_error", "load_sequence", "resolve_settings", "run"]
+__all__ = [
+    "CheckpointError",
+    "NonFiniteError",
+    "RunConfig",
+    "SettingsError",
+    "check_device",
+    "check_sequence",
+    "data_root_of",
+    "expected_calibration_error",
+    "load_sequence",
+    "method_plugins",
+    "resolve_settings",
+    "run",
+    "validate_settings",
+]
 
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2
+OPTIMIZERS = ("adam", "sgd", "vogn", "ivon")
+
+
+class SettingsError(ValueError):
+    """A setting that cannot be used; the message names it and what was expected."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or belongs to another run (one-line message)."""
+
+
+class NonFiniteError(RuntimeError):
+    """A loss, weight or prediction that is NaN or infinite."""
 
 
 @dataclass
@@ -61,6 +98,9 @@ class RunConfig:
         resume: continue from ``checkpoint`` when it exists.
         stop_after: stop after this many experiences (for testing resumption).
         progress: show progress bars.
+        valid_fraction: hold out this share of each task's training data for validation
+            (None: no validation split, train on everything).
+        valid_seed: seed of the validation split (the same split for every run seed).
     """
 
     benchmark: str
@@ -75,9 +115,18 @@ class RunConfig:
     resume: bool = False
     stop_after: int | None = None
     progress: bool = True
+    valid_fraction: float | None = None
+    valid_seed: int = 0
 
 
-_SEQ_CACHE: dict[tuple[str, str | None, int | None, int | None], TaskSequence] = {}
+_SEQ_CACHE: dict[tuple[Any, ...], tuple[TaskSequence, dict[str, Any]]] = {}
+
+
+def data_root_of(spec: BenchmarkSpec, data_root: str | os.PathLike[str] | None) -> str | None:
+    """The absolute data root a benchmark reads (None for built-in data sets)."""
+    if not spec.needs:
+        return None
+    return str(resolve_data_root(data_root).resolve())
 
 
 def load_sequence(
@@ -85,21 +134,31 @@ def load_sequence(
     data_root: str | os.PathLike[str] | None,
     n_train: int | None = None,
     n_test: int | None = None,
+    valid_fraction: float | None = None,
+    valid_seed: int = 0,
 ) -> TaskSequence:
-    """The benchmark's task sequence (cached per process), optionally subsampled per task."""
-    key = (spec.name, None if data_root is None else str(data_root), n_train, n_test)
+    """The benchmark's task sequence (cached per process): the validation split first (from
+    the full training sets), then the optional per-task subsample of train and test."""
+    return _load_with_fingerprint(spec, data_root, n_train, n_test, valid_fraction, valid_seed)[0]
+
+
+def _load_with_fingerprint(spec, data_root, n_train, n_test, valid_fraction, valid_seed):
+    root = data_root_of(spec, data_root)
+    key = (spec.name, root, n_train, n_test, valid_fraction, valid_seed)
     if key not in _SEQ_CACHE:
         seq = spec.load(data_root)
+        if valid_fraction is not None:
+            seq = seq.with_validation(valid_fraction, seed=valid_seed)
         if n_train is not None or n_test is not None:
             seq = seq.subsample(n_train, n_test, seed=0)
-        _SEQ_CACHE[key] = seq
+        _SEQ_CACHE[key] = (seq, seq.fingerprint())
     return _SEQ_CACHE[key]
 
 
 def resolve_settings(
     bench: BenchmarkSpec, strat: StrategySpec, overrides: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
-    """Merge benchmark defaults < strategy ``DEFAULTS`` < preset < overrides.
+    """Merge benchmark defaults < :data:`benchmarks.settings.SETTINGS` < preset < overrides.
 
     Returns a dict with ``optimizer``, ``lr``, ``train_epochs``, ``train_mb_size``,
     ``optimizer_kwargs`` and ``kwargs`` (keyword arguments of the strategy class).
@@ -115,6 +174,192 @@ def resolve_settings(
             else:
                 out[key] = value
     return out
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+_TYPE_NAMES = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def _accepted_types(param: inspect.Parameter) -> tuple[type, ...] | None:
+    """The plain types a keyword argument accepts, from its annotation (a string under
+    ``from __future__ import annotations``) or its default; None when unknown."""
+    ann = param.annotation
+    names: set[str] = set()
+    if isinstance(ann, str):
+        names = {t.strip() for t in ann.replace("Optional[", "").rstrip("]").split("|")}
+    elif isinstance(ann, type):
+        names = {ann.__name__}
+    types = {_TYPE_NAMES[n] for n in names if n in _TYPE_NAMES}
+    if not types and param.default not in (inspect.Parameter.empty, None):
+        types = {type(param.default)} & set(_TYPE_NAMES.values())
+    if not types:
+        return None
+    if float in types:
+        types.add(int)
+    return tuple(types) + ((type(None),) if "None" in names or param.default is None else ())
+
+
+def _type_ok(value: Any, types: tuple[type, ...]) -> bool:
+    if isinstance(value, bool):
+        return bool in types
+    return isinstance(value, types)
+
+
+def _check_kwargs(cls: type, kwargs: Mapping[str, Any], strat: StrategySpec) -> None:
+    from avalanche.training.templates import SupervisedTemplate
+
+    params: dict[str, inspect.Parameter] = {}
+    open_ended = False
+    for c in (cls, SupervisedTemplate):
+        sig = inspect.signature(c.__init__)
+        for name, p in sig.parameters.items():
+            if p.kind is inspect.Parameter.VAR_KEYWORD:
+                open_ended = True
+            elif name != "self":
+                params.setdefault(name, p)
+        if not open_ended:
+            break
+    reserved = {"model", "optimizer", "criterion", "plugins", "evaluator", "device"}
+    for key, value in kwargs.items():
+        if key in reserved or key not in params:
+            known = sorted(set(params) - reserved - {"train_mb_size", "train_epochs"})
+            raise SettingsError(
+                f"--set {key}: not a setting of strategy {strat.name!r} "
+                f"(it accepts: {', '.join(known)}; and lr, train_epochs, train_mb_size, "
+                "optimizer)"
+            )
+        types = _accepted_types(params[key])
+        if types is not None and not _type_ok(value, types):
+            want = " or ".join(sorted({t.__name__ for t in types}))
+            raise SettingsError(
+                f"--set {key}={value!r}: expected {want}, got {type(value).__name__}"
+            )
+
+
+class _Layout:
+    """The shape facts a benchmark's model needs, without its data."""
+
+    def __init__(self, spec: BenchmarkSpec) -> None:
+        self.n_tasks, self.input_shape, self.n_outputs, self.multi_head = spec.layout
+
+    def __len__(self) -> int:
+        return self.n_tasks
+
+
+def check_device(device: str) -> None:
+    """Refuse a device string torch cannot parse or a device this machine lacks."""
+    try:
+        d = torch.device(device)
+    except (RuntimeError, ValueError) as err:
+        raise SettingsError(f"--device {device!r}: not a torch device ({err})") from err
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SettingsError(
+                f"--device {device}: CUDA is not available on this machine "
+                "(torch.cuda.is_available() is False); use --device cpu"
+            )
+        if d.index is not None and d.index >= torch.cuda.device_count():
+            raise SettingsError(
+                f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here"
+            )
+    elif d.type == "mps" and not torch.backends.mps.is_available():
+        raise SettingsError(f"--device {device}: MPS is not available on this machine")
+    elif d.type not in ("cpu", "cuda", "mps"):
+        raise SettingsError(f"--device {device}: expected cpu, cuda[:i] or mps")
+
+
+def validate_settings(
+    bench: BenchmarkSpec, strat: StrategySpec, settings: Mapping[str, Any], device: str = "cpu"
+) -> None:
+    """Check resolved settings before any data is loaded: types and ranges of the training
+    settings, the strategy's keyword arguments against its constructor (names and types, then
+    its own range checks, by building it on the benchmark's network), and the device.
+
+    Raises:
+        SettingsError: one line naming the setting and what was expected.
+    """
+    if settings.get("optimizer") not in OPTIMIZERS:
+        raise SettingsError(
+            f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {settings.get('optimizer')!r}"
+        )
+    lr = settings.get("lr")
+    if not _is_number(lr) or not math.isfinite(lr) or lr <= 0:
+        raise SettingsError(f"lr (--lr) must be a finite number > 0, got {lr!r}")
+    for key, flag in (("train_epochs", "--epochs"), ("train_mb_size", "--batch-size")):
+        v = settings.get(key)
+        if not _is_int(v) or v < 1:
+            raise SettingsError(f"{key} ({flag}) must be an integer >= 1, got {v!r}")
+    for key in ("kwargs", "optimizer_kwargs"):
+        if not isinstance(settings.get(key, {}), Mapping):
+            raise SettingsError(f"{key} must be a mapping, got {settings.get(key)!r}")
+    check_device(device)
+    cls = strat.load_class()
+    _check_kwargs(cls, settings["kwargs"], strat)
+    model = as_avalanche_model(bench.model(_Layout(bench)))  # type: ignore[arg-type]
+    try:
+        optimizer = _make_optimizer(
+            settings["optimizer"], model, float(lr), 100, settings["optimizer_kwargs"]
+        )
+    except (TypeError, ValueError) as err:
+        raise SettingsError(f"optimizer settings: {' '.join(str(err).split())}") from err
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        evaluator = EvaluationPlugin(loggers=[])
+        try:
+            cls(
+                model=model,
+                optimizer=optimizer,
+                criterion=nn.CrossEntropyLoss(),
+                train_mb_size=int(settings["train_mb_size"]),
+                train_epochs=int(settings["train_epochs"]),
+                device="cpu",
+                plugins=[],
+                evaluator=evaluator,
+                **settings["kwargs"],
+            )
+        except (TypeError, ValueError) as err:
+            raise SettingsError(
+                f"strategy {strat.name!r} settings: {' '.join(str(err).split())}"
+            ) from err
+
+
+def check_sequence(seq: TaskSequence, settings: Mapping[str, Any]) -> None:
+    """Check settings that depend on the data, before any training: memorable points per
+    class (``n_points``) and coreset size against the smallest class / task.
+
+    Raises:
+        SettingsError: one line naming the setting, the task and the class.
+    """
+    kwargs = settings.get("kwargs", {})
+    n_points = kwargs.get("n_points")
+    if _is_int(n_points):
+        for t in seq:
+            counts = torch.bincount(t.train_y)
+            present = counts[counts > 0]
+            per_class = n_points // len(present)
+            smallest = int(present.min())
+            if per_class > smallest:
+                label = int(torch.nonzero(counts == smallest)[0, 0])
+                raise SettingsError(
+                    f"n_points={n_points} asks for {per_class} memorable examples per class but "
+                    f"task {t.task_id + 1} has only {smallest} training examples of class "
+                    f"{label}; lower n_points or raise --n-train"
+                )
+    size = kwargs.get("coreset_size")
+    if _is_int(size):
+        smallest_task = min(len(t.train_x) for t in seq)
+        if size > smallest_task:
+            raise SettingsError(
+                f"coreset_size={size} exceeds the smallest task's {smallest_task} training "
+                "examples; lower coreset_size or raise --n-train"
+            )
 
 
 def _seed_everything(seed: int) -> None:
@@ -161,7 +406,13 @@ def expected_calibration_error(probs: Tensor, y: Tensor, n_bins: int = 15) -> fl
     Args:
         probs: ``[N, C]`` predicted class probabilities.
         y: ``[N]`` labels.
+
+    Returns:
+        The ECE in [0, 1]; NaN when any probability is not finite (such predictions fall in
+        no bin, so they must not be averaged away).
     """
+    if not bool(torch.isfinite(probs).all()):
+        return math.nan
     conf, pred = probs.max(dim=1)
     correct = (pred == y).double()
     edges = torch.linspace(0, 1, n_bins + 1, dtype=conf.dtype)
@@ -190,11 +441,22 @@ class _Collector(SupervisedPlugin):
         probs = torch.softmax(strategy.mb_output.detach().double(), dim=1).cpu()
         self.outputs.setdefault(exp, []).append((probs, strategy.mb_y.detach().cpu()))
 
-    def metrics(self) -> dict[int, dict[str, float]]:
+    def metrics(self, split: str = "test") -> dict[int, dict[str, float]]:
+        """Accuracy (%), NLL and ECE per evaluated experience.
+
+        Raises:
+            NonFiniteError: a predicted probability is NaN or infinite (the metrics would
+                hide it: NaN is never the argmax and falls in no ECE bin).
+        """
         out = {}
         for exp, chunks in self.outputs.items():
             probs = torch.cat([p for p, _ in chunks])
             y = torch.cat([t for _, t in chunks])
+            if not bool(torch.isfinite(probs).all()):
+                bad = int((~torch.isfinite(probs)).any(1).sum())
+                raise NonFiniteError(
+                    f"{bad} of {len(y)} predictions on task {exp + 1}'s {split} set are not finite"
+                )
             p_true = probs[torch.arange(len(y)), y].clamp_min(1e-12)
             out[exp] = {
                 "accuracy": 100.0 * (probs.argmax(1) == y).double().mean().item(),
@@ -202,6 +464,25 @@ class _Collector(SupervisedPlugin):
                 "ece": expected_calibration_error(probs, y),
             }
         return out
+
+
+class _Guard(SupervisedPlugin):
+    """Stops training at the first non-finite loss, and after each experience when a weight
+    is not finite."""
+
+    def after_training_iteration(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        loss = strategy.loss
+        if isinstance(loss, Tensor) and not bool(torch.isfinite(loss).all()):
+            raise NonFiniteError(
+                f"training loss is {float(loss.detach().reshape(-1)[0])} at epoch "
+                f"{strategy.clock.train_exp_epochs + 1}, iteration "
+                f"{strategy.clock.train_epoch_iterations + 1}"
+            )
+
+    def after_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        for name, p in strategy.model.named_parameters():
+            if not bool(torch.isfinite(p).all()):
+                raise NonFiniteError(f"weights {name} are not finite after training")
 
 
 class _Progress(SupervisedPlugin):
@@ -222,7 +503,7 @@ class _Progress(SupervisedPlugin):
         if self.bar is not None:
             self.bar.update(1)
             if self.bar.n % 20 == 0:
-                self.bar.set_postfix(loss=f"{float(strategy.loss):.4f}")
+                self.bar.set_postfix(loss=f"{float(strategy.loss.detach()):.4f}")
 
     def after_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
         if self.bar is not None:
@@ -244,25 +525,65 @@ class _RestoreOptimizer(SupervisedPlugin):
             self.pending = None
 
 
-def _method_plugins(strategy: Any, own: tuple[Any, ...]) -> list[Any]:
-    return [
-        p
-        for p in strategy.plugins
-        if not isinstance(p, (*own, EvaluationPlugin)) and p is not strategy.evaluator
-    ]
+_OWN = (_Collector, _Guard, _Progress, _RestoreOptimizer)
 
 
-def _plugin_state(plugin: Any) -> Any:
+def method_plugins(strategy: Any) -> dict[str, Any]:
+    """The strategy's own plugins (not the runner's, not the evaluator), keyed by class
+    name; a repeated class gets ``#2``, ``#3``... in plugin order."""
+    out: dict[str, Any] = {}
+    for p in strategy.plugins:
+        if isinstance(p, (*_OWN, EvaluationPlugin)) or p is strategy.evaluator:
+            continue
+        name, k = type(p).__name__, 1
+        while (name if k == 1 else f"{name}#{k}") in out:
+            k += 1
+        out[name if k == 1 else f"{name}#{k}"] = p
+    return out
+
+
+def _plugin_state(plugin: Any) -> dict[str, Any]:
     if hasattr(plugin, "state_dict"):
         return {"state_dict": plugin.state_dict()}
     return {"vars": dict(vars(plugin))}
 
 
-def _load_plugin_state(plugin: Any, state: Mapping[str, Any]) -> None:
-    if "state_dict" in state:
-        plugin.load_state_dict(state["state_dict"])
-    else:
-        vars(plugin).update(state["vars"])
+def _load_plugin_states(strategy: Any, states: Mapping[str, Any], path: Path) -> None:
+    plugins = method_plugins(strategy)
+    if set(plugins) != set(states):
+        raise CheckpointError(
+            f"checkpoint {path} holds the state of plugins {sorted(states)} but the strategy "
+            f"has {sorted(plugins)}; delete it or drop --resume"
+        )
+    for name, plugin in plugins.items():
+        state = states[name]
+        if "state_dict" in state:
+            plugin.load_state_dict(state["state_dict"])
+        else:
+            vars(plugin).update(state["vars"])
+
+
+def _phase_times(strategy: Any, before: dict[str, int]) -> dict[str, float]:
+    """Seconds the method plugins spent in memorable selection, curvature and kernel set-up
+    during the last experience (from the ``timings`` lists they keep, e.g. FROMP's)."""
+    out = {"memorable_s": 0.0, "curvature_s": 0.0, "kernel_s": 0.0}
+    for name, p in method_plugins(strategy).items():
+        timings = getattr(p, "timings", None)
+        if not isinstance(timings, list):
+            continue
+        for t in timings[before.get(name, 0) :]:
+            out["memorable_s"] += float(t.get("select_s", 0.0))
+            out["curvature_s"] += float(t.get("curvature_s", 0.0))
+            out["kernel_s"] += float(t.get("kernel_s", 0.0))
+    return out
+
+
+def _timing_counts(strategy: Any) -> dict[str, int]:
+    return {
+        name: len(p.timings)
+        for name, p in method_plugins(strategy).items()
+        if isinstance(getattr(p, "timings", None), list)
+    }
 
 
 def _summarise(
@@ -291,24 +612,57 @@ def _summarise(
     return out
 
 
-def run(cfg: RunConfig) -> dict[str, Any]:
+def _validation_view(seq: TaskSequence) -> TaskSequence | None:
+    """The sequence with each task's validation set in place of its test set (to reuse the
+    Avalanche test stream for validation), or None without a validation split."""
+    if any(t.valid_x is None for t in seq):
+        return None
+    tasks = [
+        Task(t.train_x[:1], t.train_y[:1], t.valid_x, t.valid_y, t.task_id, list(t.classes))
+        for t in seq
+    ]
+    return TaskSequence(seq.name, tasks, seq.multi_head, seq.input_shape, seq.n_outputs)
+
+
+def run(
+    cfg: RunConfig, on_experience: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
     """Train ``cfg.strategy`` on ``cfg.benchmark`` and return the results.
+
+    ``on_experience`` is called after every experience, once its checkpoint is written, with
+    ``{"task", "tasks_done", "mean_accuracy", "mean_valid_accuracy", "checkpoint"}`` (mean
+    test / validation accuracy over the tasks seen so far; the sweep reports it to Ray Tune).
 
     Returns:
         A JSON-serialisable dict: ``accuracy_matrix`` (row ``j`` holds the test accuracy of
         every task after training on task ``j``; ``None`` for tasks not seen yet),
         ``final_accuracies``, ``mean_accuracy`` (the benchmark score), ``forgetting``,
         ``backward_transfer``, ``mean_nll``, ``mean_ece``, ``per_task`` (final NLL and ECE
-        per task), ``wall_time_s``, ``settings`` and the config.
+        per task), ``wall_time_s``, ``timing`` (per task: training, memorable selection,
+        curvature, kernel set-up and evaluation seconds), ``settings``, ``data`` (root and
+        fingerprint) and the config; with a validation split also ``valid_accuracy_matrix``
+        and ``mean_valid_accuracy``. A run stopped by a non-finite loss, weight or
+        prediction has ``complete=False`` and ``failed={"task": t, "reason": ...}``.
+
+    Raises:
+        SettingsError: a setting that cannot be used (before any training).
+        CheckpointError: an unreadable checkpoint, or one written by a different run.
     """
     bench, strat = get_benchmark(cfg.benchmark), get_strategy(cfg.strategy)
     settings = resolve_settings(bench, strat, cfg.overrides)
-    seq = load_sequence(bench, cfg.data_root, cfg.n_train, cfg.n_test)
+    validate_settings(bench, strat, settings, device=cfg.device)
+    seq, fingerprint = _load_with_fingerprint(
+        bench, cfg.data_root, cfg.n_train, cfg.n_test, cfg.valid_fraction, cfg.valid_seed
+    )
+    check_sequence(seq, settings)
+    data = {"root": data_root_of(bench, cfg.data_root), "fingerprint": fingerprint}
     n_tasks = len(seq)
     cls = strat.load_class()
 
     _seed_everything(cfg.seed)
     scenario = to_avalanche(seq)
+    valid_seq = _validation_view(seq)
+    valid_stream = None if valid_seq is None else to_avalanche(valid_seq).test_stream
     net = bench.model(seq)
     model = as_avalanche_model(net)
     optimizer = _make_optimizer(
@@ -332,95 +686,189 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         train_epochs=int(settings["train_epochs"]),
         eval_mb_size=1000,
         device=cfg.device,
-        plugins=[collector, progress, restore],
+        plugins=[collector, _Guard(), progress, restore],
         evaluator=evaluator,
         **settings["kwargs"],
     )
     strategy._is_joint = strat.joint
-    own = (_Collector, _Progress, _RestoreOptimizer)
 
     matrix: list[list[float | None]] = []
+    valid_matrix: list[list[float | None]] = []
     metrics: dict[int, dict[str, float]] = {}
+    timing: list[dict[str, float]] = []
     elapsed, done = 0.0, 0
+    key = _ckpt_key(cfg, settings, data)
     ckpt = Path(cfg.checkpoint) if cfg.checkpoint else None
     if cfg.resume and ckpt is not None and ckpt.exists():
-        state = torch.load(ckpt, map_location=cfg.device, weights_only=False)
-        if state.get("version") != CHECKPOINT_VERSION or state["config"] != _ckpt_key(cfg):
-            raise ValueError(
-                f"checkpoint {ckpt} was written by a different run "
-                f"({state.get('config')}); delete it or drop --resume"
-            )
+        state = _read_checkpoint(ckpt, cfg.device)
+        _check_key(ckpt, state, key)
         model.load_state_dict(state["model"])
-        for plugin, pstate in zip(_method_plugins(strategy, own), state["plugins"]):
-            _load_plugin_state(plugin, pstate)
+        _load_plugin_states(strategy, state["plugins"], ckpt)
         restore.pending = state["optimizer"]
-        matrix, metrics, elapsed, done = (
-            state["matrix"],
-            state["metrics"],
-            state["elapsed"],
-            state["done"],
-        )
+        matrix, valid_matrix, metrics = state["matrix"], state["valid_matrix"], state["metrics"]
+        timing, elapsed, done = state["timing"], state["elapsed"], state["done"]
         _set_rng_state(state["rng"])
 
     train_stream, test_stream = scenario.train_stream, scenario.test_stream
     steps = [list(range(n_tasks))] if strat.joint else [[i] for i in range(n_tasks)]
+    failed: dict[str, Any] | None = None
     for step, exps in enumerate(steps):
         if step < done:
             continue
         if cfg.stop_after is not None and step >= cfg.stop_after:
             break
-        start = time.perf_counter()
-        if strat.joint:
-            strategy.train(train_stream)
-        else:
-            strategy.train(train_stream[exps[0]])
         seen = exps[-1] + 1
-        strategy.eval(test_stream[:seen])
-        metrics = collector.metrics()
+        try:
+            counts = _timing_counts(strategy)
+            t0 = time.perf_counter()
+            strategy.train(train_stream if strat.joint else train_stream[exps[0]])
+            t1 = time.perf_counter()
+            if valid_stream is not None:
+                with torch.random.fork_rng(devices=_cuda_devices(cfg.device)):
+                    strategy.eval(valid_stream[:seen])
+                valid_metrics = collector.metrics("validation")
+                valid_matrix.append(
+                    [valid_metrics[k]["accuracy"] if k < seen else None for k in range(n_tasks)]
+                )
+            strategy.eval(test_stream[:seen])
+            metrics = collector.metrics()
+            t2 = time.perf_counter()
+        except NonFiniteError as err:
+            failed = {"task": seen if not strat.joint else 1, "reason": str(err)}
+            break
         matrix.append([metrics[k]["accuracy"] if k < seen else None for k in range(n_tasks)])
-        elapsed += time.perf_counter() - start
+        phases = _phase_times(strategy, counts)
+        method_s = sum(phases.values())
+        timing.append(
+            {"task": seen, "training_s": t1 - t0 - method_s, **phases, "evaluation_s": t2 - t1}
+        )
+        elapsed += t2 - t0
         done = step + 1
         if ckpt is not None:
-            ckpt.parent.mkdir(parents=True, exist_ok=True)
-            tmp = ckpt.with_suffix(".tmp")
-            torch.save(
+            _write_checkpoint(
+                ckpt,
                 {
                     "version": CHECKPOINT_VERSION,
-                    "config": _ckpt_key(cfg),
+                    "config": key,
                     "done": done,
                     "model": model.state_dict(),
-                    "plugins": [_plugin_state(p) for p in _method_plugins(strategy, own)],
+                    "plugins": {n: _plugin_state(p) for n, p in method_plugins(strategy).items()},
                     "optimizer": strategy.optimizer.state_dict(),
                     "rng": _rng_state(),
                     "matrix": matrix,
+                    "valid_matrix": valid_matrix,
                     "metrics": metrics,
+                    "timing": timing,
                     "elapsed": elapsed,
                 },
-                tmp,
             )
-            os.replace(tmp, ckpt)
+        if on_experience is not None:
+            seen_accs = [a for a in matrix[-1] if a is not None]
+            seen_valid = [a for a in valid_matrix[-1] if a is not None] if valid_matrix else []
+            on_experience(
+                {
+                    "task": seen,
+                    "tasks_done": done,
+                    "mean_accuracy": float(np.mean(seen_accs)),
+                    "mean_valid_accuracy": float(np.mean(seen_valid)) if seen_valid else None,
+                    "checkpoint": None if ckpt is None else str(ckpt),
+                }
+            )
 
-    complete = done == len(steps)
+    complete = failed is None and done == len(steps)
     result: dict[str, Any] = {
         "benchmark": cfg.benchmark,
         "strategy": cfg.strategy,
         "seed": cfg.seed,
         "complete": complete,
+        "failed": failed,
         "accuracy_matrix": matrix,
         "per_task": {str(k): v for k, v in sorted(metrics.items())},
         "wall_time_s": elapsed,
+        "timing": timing,
         "settings": settings,
         "config": asdict(cfg),
+        "data": data,
         "n_train_per_task": [len(t.train_x) for t in seq],
     }
-    if matrix:
+    if matrix and failed is None:
         result.update(_summarise(matrix, metrics, n_tasks if not strat.joint else 1))
+    if valid_matrix and failed is None:
+        result["valid_accuracy_matrix"] = valid_matrix
+        result["mean_valid_accuracy"] = float(
+            np.mean([a for a in valid_matrix[-1] if a is not None])
+        )
     return _jsonable(result)
 
 
-def _ckpt_key(cfg: RunConfig) -> dict[str, Any]:
+def _cuda_devices(device: str) -> list[int]:
+    d = torch.device(device)
+    if d.type != "cuda":
+        return []
+    return [d.index if d.index is not None else torch.cuda.current_device()]
+
+
+def _write_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def _read_checkpoint(path: Path, device: str = "cpu") -> dict[str, Any]:
+    """A checkpoint's content; :class:`CheckpointError` (one line, naming the file) when it is
+    empty, truncated, not a checkpoint or from another checkpoint version."""
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"checkpoint {path} is empty; delete it or drop --resume")
+    try:
+        state = torch.load(path, map_location=device, weights_only=False)
+    except Exception as err:  # pickle, zip and EOF errors come in many types
+        detail = " ".join(str(err).split())[:200] or type(err).__name__
+        raise CheckpointError(
+            f"checkpoint {path} cannot be read ({type(err).__name__}: {detail}); "
+            "delete it or drop --resume"
+        ) from err
+    if not isinstance(state, dict) or "config" not in state or "model" not in state:
+        raise CheckpointError(f"{path} is not a fromp-bench checkpoint (no model/config)")
+    if state.get("version") != CHECKPOINT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {path} has format version {state.get('version')}, this fromp-bench "
+            f"writes version {CHECKPOINT_VERSION}; delete it or drop --resume"
+        )
+    return state
+
+
+def _check_key(path: Path, state: Mapping[str, Any], key: Mapping[str, Any]) -> None:
+    old = state["config"]
+    diff = [k for k in sorted(set(old) | set(key)) if old.get(k) != key.get(k)]
+    if diff:
+        parts = []
+        for k in diff:
+            a, b = _short(old.get(k)), _short(key.get(k))
+            parts.append(f"{k} {a} (checkpoint) vs {b} (now)")
+        raise CheckpointError(
+            f"checkpoint {path} was written by a different run: {'; '.join(parts)}; "
+            "delete it or drop --resume"
+        )
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, Mapping) and "hash" in value:
+        return f"data hash {value['hash']}"
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _ckpt_key(
+    cfg: RunConfig, settings: Mapping[str, Any], data: Mapping[str, Any]
+) -> dict[str, Any]:
     keep = ("benchmark", "strategy", "seed", "overrides", "n_train", "n_test")
-    return {k: _jsonable(getattr(cfg, k)) for k in keep}
+    keep += ("valid_fraction", "valid_seed")
+    out = {k: _jsonable(getattr(cfg, k)) for k in keep}
+    out["settings"] = _jsonable(settings)
+    out["data_root"] = data["root"]
+    out["data"] = {"hash": data["fingerprint"]["hash"]}
+    return out
 
 
 def _jsonable(obj: Any) -> Any:

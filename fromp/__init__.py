@@ -26,7 +26,9 @@ from fromp.jacobian import (
     vjp_sum,
 )
 from fromp.laplace import (
+    DiagLaplace,
     FullGaussian,
+    FullLaplace,
     accumulate_ggn,
     laplace,
     laplace_full,
@@ -72,8 +74,10 @@ __all__ = [  # noqa: RUF022 (grouped by topic, sorted within each group)
     "ggn",
     "ggn_vp",
     # posteriors and the Laplace approximation
+    "DiagLaplace",
     "DiagonalGaussian",
     "FullGaussian",
+    "FullLaplace",
     "accumulate_ggn",
     "laplace",
     "laplace_full",

@@ -13,12 +13,13 @@ targets.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor, nn
 
-from fromp.jacobian import iter_jacobians, num_params, per_example_grads
+from fromp.capture import DEFAULT_MEMORY_BUDGET, ColumnFn, sum_squared_column_grads
 from fromp.likelihood import Likelihood, get_likelihood
 
 __all__ = ["DataArg", "diag_ef", "diag_fisher", "diag_ggn", "diag_ggn_linear", "iter_batches"]
@@ -66,8 +67,26 @@ def iter_batches(
 
 
 def _device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
-    p = next(p for p in model.parameters() if p.requires_grad)
+    p = next((p for p in model.parameters() if p.requires_grad), None)
+    if p is None:
+        raise ValueError("model has no trainable parameters")
     return p.device, p.dtype
+
+
+def _nll_grad_columns(lik: Likelihood) -> ColumnFn:
+    """``V [B, C, S]``: gradients of the nll in ``f`` at the ``S`` label sets of ``extra``
+    ``[S, B, ...]``, scaled by ``1/sqrt(S)`` (so that squares average over the sets)."""
+
+    def columns(f: Tensor, ys: Tensor) -> Tensor:
+        cols = []
+        for y in ys:
+            ff = f.detach().requires_grad_(True)
+            with torch.enable_grad():
+                (g,) = torch.autograd.grad(lik.nll(ff, y.to(f.device)).sum(), ff)
+            cols.append(g)
+        return torch.stack(cols, dim=-1) / math.sqrt(len(ys))
+
+    return columns
 
 
 def diag_ggn(
@@ -75,32 +94,72 @@ def diag_ggn(
     data: DataArg,
     likelihood: str | Likelihood,
     *,
-    chunk_size: int = 32,
+    chunk_size: int | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    method: str = "auto",
+    mc_samples: int = 0,
+    generator: torch.Generator | None = None,
 ) -> Tensor:
-    """Exact diagonal of the GGN, ``diag(sum_n J_n^T Lambda(f_n) J_n)``, shape ``[P]``.
+    r"""Diagonal of the GGN, ``diag(sum_n J_n^T Lambda(f_n) J_n)``, shape ``[P]``.
+
+    Exact (``mc_samples=0``): with ``Lambda_n = L_n L_n^T`` (``L_n [C, K]``,
+    :meth:`~fromp.likelihood.Likelihood.sqrt_hessian`),
+    ``diag(G) = sum_n sum_k (J_n^T L_{n,:,k})^2``: one backward pass per column ``k`` of
+    ``L`` (``K = C`` for the categorical likelihood) per chunk of examples, to the outputs of
+    the captured layers (:mod:`fromp.capture`: ``Linear``, ``Conv1d/2d``, batch norm in eval
+    mode, ``LayerNorm``, ``GroupNorm``), whose parameters' squared per-example gradients
+    follow from the layer inputs and those output gradients; any other trainable parameter
+    goes through per-example Jacobians (never skipped). Cost per example: about ``K``
+    backward passes; memory set by ``memory_budget``, independent of ``P * chunk``.
+
+    Monte Carlo (``mc_samples = S > 0``): the same with ``V_n`` the nll gradients at ``S``
+    labels drawn from the model's predictive (:func:`diag_fisher`): unbiased for the GGN for
+    the likelihoods of :mod:`fromp.likelihood` (canonical links), ``S`` backward passes.
 
     Args:
         model: ``[N, ...] -> [N, C]`` (fix a multi-head model's head with
-            :func:`fromp.models.with_task`); batch norm / dropout must be in eval mode.
+            :func:`fromp.models.with_task`); batch norm / dropout should be in eval mode
+            (a batch-norm layer in training mode is not captured and goes through the
+            per-example Jacobian route).
         data: inputs, ``(x, ...)`` or an iterable of batches.
         likelihood: a :class:`~fromp.likelihood.Likelihood` or its name.
-        chunk_size: examples per Jacobian chunk; memory is ``chunk_size * C * P`` numbers.
+        chunk_size: examples per chunk; None derives it from ``memory_budget``.
+        memory_budget: working memory in bytes (default 2 GiB) from which the chunk size and
+            the sub-chunks of per-example convolution gradients are derived: roughly
+            ``chunk * (2K + 6) * activations + chunk * C * P_fallback`` numbers.
+        method: ``"auto"``, ``"capture"`` (error if a parameter needs the fallback) or
+            ``"jacobian"`` (per-example Jacobians of all parameters: the reference route).
+        mc_samples: 0 for the exact diagonal, ``S > 0`` for the sampled one.
+        generator: random numbers for ``mc_samples > 0``.
 
     Returns:
         ``[P]`` in the model's dtype, summed (not averaged) over examples.
+
+    Example:
+        >>> import torch
+        >>> net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(),
+        ...                           torch.nn.Linear(4, 2))
+        >>> diag_ggn(net, torch.randn(10, 3), "categorical").shape
+        torch.Size([26])
     """
+    if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 0:
+        raise ValueError(f"mc_samples must be an int >= 0, got {mc_samples!r}")
+    if mc_samples > 0:
+        return diag_fisher(
+            model, data, likelihood, n_samples=mc_samples, generator=generator,
+            chunk_size=chunk_size, memory_budget=memory_budget, method=method,
+        )  # fmt: skip
     lik = get_likelihood(likelihood)
-    device, dtype = _device_dtype(model)
-    out = torch.zeros(num_params(model), device=device, dtype=dtype)
-    for x, _ in iter_batches(data):
-        x = x.to(device)
-        with torch.no_grad():
-            f = model(x)
-        sqrt_lam = lik.sqrt_hessian(f)  # N, C, K
-        for rows, jac in iter_jacobians(model, x, chunk_size=chunk_size):
-            ltj = torch.einsum("nck,ncp->nkp", sqrt_lam[rows], jac)
-            out += ltj.pow(2).sum(dim=(0, 1))
-    return out
+    _device_dtype(model)
+    batches = ((x, None) for x, _ in iter_batches(data))
+    return sum_squared_column_grads(
+        model,
+        batches,
+        lambda f, _: lik.sqrt_hessian(f),
+        memory_budget=memory_budget,
+        chunk_size=chunk_size,
+        method=method,
+    )
 
 
 def diag_ef(
@@ -108,17 +167,24 @@ def diag_ef(
     data: DataArg,
     likelihood: str | Likelihood,
     *,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    method: str = "auto",
 ) -> Tensor:
     """Diagonal of the empirical Fisher ``sum_n g_n g_n^T``, ``g_n = grad nll(y_n | f(x_n))``,
-    from exact per-example gradients. Shape ``[P]``; needs targets."""
+    shape ``[P]``; needs targets. One backward pass per chunk (``V_n`` = the nll gradient
+    in ``f``, see :func:`diag_ggn` for the routes, memory and arguments)."""
     lik = get_likelihood(likelihood)
-    device, dtype = _device_dtype(model)
-    out = torch.zeros(num_params(model), device=device, dtype=dtype)
-    for x, y in iter_batches(data, need_targets=True):
-        g = per_example_grads(model, x.to(device), y.to(device), lik.nll, chunk_size=chunk_size)
-        out += g.pow(2).sum(0)
-    return out
+    _device_dtype(model)
+    batches = ((x, y.unsqueeze(0)) for x, y in iter_batches(data, need_targets=True))
+    return sum_squared_column_grads(
+        model,
+        batches,
+        _nll_grad_columns(lik),
+        memory_budget=memory_budget,
+        chunk_size=chunk_size,
+        method=method,
+    )
 
 
 def diag_fisher(
@@ -128,25 +194,36 @@ def diag_fisher(
     *,
     n_samples: int = 1,
     generator: torch.Generator | None = None,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    method: str = "auto",
 ) -> Tensor:
     """Monte Carlo diagonal of the (true) Fisher ``sum_n E_{y ~ p(y|f_n)} g_n(y) g_n(y)^T``
     with ``n_samples`` labels drawn per example. Shape ``[P]``. Its expectation equals
-    :func:`diag_ggn` for the likelihoods of :mod:`fromp.likelihood` (canonical links)."""
-    if n_samples < 1:
+    :func:`diag_ggn` for the likelihoods of :mod:`fromp.likelihood` (canonical links).
+    Labels are drawn per batch from one no-grad forward pass, then ``n_samples`` backward
+    passes per chunk (routes, memory and arguments as :func:`diag_ggn`)."""
+    if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
         raise ValueError(f"n_samples must be >= 1, got {n_samples}")
     lik = get_likelihood(likelihood)
-    device, dtype = _device_dtype(model)
-    out = torch.zeros(num_params(model), device=device, dtype=dtype)
-    for x, _ in iter_batches(data):
-        x = x.to(device)
-        with torch.no_grad():
-            f = model(x)
-        for _ in range(n_samples):
-            y = lik.sample(f, generator=generator)
-            g = per_example_grads(model, x, y, lik.nll, chunk_size=chunk_size)
-            out += g.pow(2).sum(0) / n_samples
-    return out
+    device, _ = _device_dtype(model)
+
+    def batches():
+        for x, _ in iter_batches(data):
+            x = x.to(device)
+            with torch.no_grad():
+                f = model(x)
+            ys = torch.stack([lik.sample(f, generator=generator) for _ in range(n_samples)])
+            yield x, ys
+
+    return sum_squared_column_grads(
+        model,
+        batches(),
+        _nll_grad_columns(lik),
+        memory_budget=memory_budget,
+        chunk_size=chunk_size,
+        method=method,
+    )
 
 
 def diag_ggn_linear(
@@ -154,59 +231,23 @@ def diag_ggn_linear(
     data: DataArg,
     likelihood: str | Likelihood,
 ) -> Tensor:
-    """Exact GGN diagonal, as :func:`diag_ggn`, for networks whose trainable parameters all
-    belong to ``nn.Linear`` layers (MLPs, multi-head MLPs), without per-example Jacobians.
-
-    For a linear layer ``z = W a + b`` on per-example inputs ``a_n`` the per-example
-    gradient of ``v^T f(x_n)`` is ``g_n a_n^T`` with ``g_n = dz_n`` (back-propagated ``v``),
-    so ``diag(G)_W = sum_n sum_k (g_{n,k})^2 (a_n^2)^T`` and ``diag(G)_b = sum_n sum_k
-    g_{n,k}^2``, where ``g_{n,k}`` is back-propagated from ``v = L_n[:, k]``
-    (``Lambda_n = L_n L_n^T``). Cost: ``K`` batched backward passes per batch.
+    """Exact GGN diagonal for networks whose trainable parameters all belong to
+    ``nn.Linear`` layers: :func:`diag_ggn` with ``method="capture"`` (kept for existing
+    callers; :func:`diag_ggn` takes this route by itself).
 
     Raises:
-        ValueError: a trainable parameter outside an ``nn.Linear``, a linear layer applied
-            twice in one forward pass, or a linear layer input that is not ``[B, in]``.
+        ValueError: a trainable parameter outside an ``nn.Linear`` layer, or a layer applied
+            more than once per forward pass.
     """
-    lik = get_likelihood(likelihood)
-    device, dtype = _device_dtype(model)
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    owned = {id(p) for m in linears for p in m.parameters()}
+    linear = {id(p) for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters()}
     for name, p in model.named_parameters():
-        if p.requires_grad and id(p) not in owned:
+        if p.requires_grad and id(p) not in linear:
             raise ValueError(f"parameter {name!r} is not in an nn.Linear layer; use diag_ggn")
-    acc = {id(p): torch.zeros_like(p) for p in model.parameters() if p.requires_grad}
-    store: dict[nn.Module, tuple[Tensor, Tensor]] = {}
-
-    def hook(module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
-        if module in store:
-            raise ValueError("an nn.Linear layer is applied twice in one forward; use diag_ggn")
-        if inputs[0].ndim != 2:
-            raise ValueError("nn.Linear inputs must be [B, in] for diag_ggn_linear; use diag_ggn")
-        store[module] = (inputs[0].detach(), output)
-
-    handles = [m.register_forward_hook(hook) for m in linears]
     try:
-        for x, _ in iter_batches(data):
-            store.clear()
-            with torch.enable_grad():
-                f = model(x.to(device))
-            sqrt_lam = lik.sqrt_hessian(f.detach())  # B, C, K
-            mods = list(store)
-            outs = [store[m][1] for m in mods]
-            n_k = sqrt_lam.shape[-1]
-            for k in range(n_k):
-                grads = torch.autograd.grad(
-                    f, outs, grad_outputs=sqrt_lam[:, :, k], retain_graph=k < n_k - 1
-                )
-                for m, g in zip(mods, grads):
-                    g2 = g.pow(2)
-                    if m.weight.requires_grad:
-                        acc[id(m.weight)] += g2.T @ store[m][0].pow(2)
-                    if m.bias is not None and m.bias.requires_grad:
-                        acc[id(m.bias)] += g2.sum(0)
-    finally:
-        for h in handles:
-            h.remove()
-        store.clear()
-    out = torch.cat([acc[id(p)].reshape(-1) for p in model.parameters() if p.requires_grad])
-    return out.to(device=device, dtype=dtype)
+        return diag_ggn(model, data, likelihood, method="capture")
+    except ValueError as err:
+        if "more than once" in str(err):
+            raise ValueError(
+                "an nn.Linear layer is applied twice in one forward; use diag_ggn"
+            ) from err
+        raise

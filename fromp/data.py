@@ -11,6 +11,15 @@ Everything that reads a data set goes through :func:`resolve_data_root`: the roo
 
 When the files are missing, torchvision's download is tried; when that fails too,
 :class:`DataNotFoundError` names the paths searched, the files expected and how to get them.
+MNIST and Fashion-MNIST files are read by :func:`read_idx`, which checks every header and size
+(a truncated or garbled file raises :class:`CorruptDataError` naming the file and what is
+wrong); labels outside the data set's classes are refused the same way.
+
+Validation: :meth:`TaskSequence.with_validation` holds out ``fraction`` (default
+:data:`VALID_FRACTION`, 10 %) of every task's training examples, drawn by a generator seeded with
+``seed`` (default 0, the same split for every run seed); the strategies then train on the rest.
+:meth:`TaskSequence.fingerprint` gives the sizes and a hash of every task's tensors, so that a
+result or checkpoint records the data it was computed from.
 
 A task sequence is a list of :class:`Task`, each holding plain tensors (inputs as float32 in
 [0, 1], labels relabelled ``0..k-1`` within the task for multi-head protocols). Nothing here
@@ -19,6 +28,8 @@ imports Avalanche; ``strategies.benchmarks`` turns a sequence into an Avalanche 
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,6 +41,8 @@ from torch import Tensor
 
 __all__ = [
     "DATA_ENV_VAR",
+    "VALID_FRACTION",
+    "CorruptDataError",
     "DataNotFoundError",
     "Task",
     "TaskSequence",
@@ -38,6 +51,7 @@ __all__ = [
     "load_fashion_mnist",
     "load_mnist",
     "permuted_mnist",
+    "read_idx",
     "resolve_data_root",
     "split_cifar",
     "split_digits",
@@ -48,6 +62,9 @@ __all__ = [
 ]
 
 DATA_ENV_VAR = "FROMP_DATA"
+
+#: Default share of each task's training examples held out for validation.
+VALID_FRACTION = 0.1
 
 _EXPECTED = {
     "MNIST": (
@@ -78,6 +95,71 @@ _EXPECTED = {
 
 class DataNotFoundError(FileNotFoundError):
     """A data set is neither in the data root nor downloadable."""
+
+
+class CorruptDataError(ValueError):
+    """A data file that exists but cannot be used (truncated, garbled, labels out of range).
+    The message names the file and what is wrong, on one line."""
+
+
+# IDX type codes (http://yann.lecun.com/exdb/mnist/): code -> (numpy dtype, bytes)
+_IDX_TYPES = {
+    0x08: np.dtype(np.uint8),
+    0x09: np.dtype(np.int8),
+    0x0B: np.dtype(">i2"),
+    0x0C: np.dtype(">i4"),
+    0x0D: np.dtype(">f4"),
+    0x0E: np.dtype(">f8"),
+}
+
+
+def read_idx(path: str | os.PathLike[str]) -> np.ndarray:
+    """Read an IDX file (MNIST's format; ``.gz`` is decompressed) with every check.
+
+    The header is two zero bytes, a type code, the number of dimensions ``d``, then ``d``
+    big-endian 32-bit sizes; the data must fill exactly ``prod(sizes)`` items.
+
+    Raises:
+        CorruptDataError: a bad magic number, a truncated file, trailing bytes or an
+            unreadable gzip stream, naming ``path``.
+    """
+    path = Path(path)
+    try:
+        if path.suffix == ".gz":
+            with gzip.open(path, "rb") as f:
+                raw = f.read()
+        else:
+            raw = path.read_bytes()
+    except (OSError, EOFError, gzip.BadGzipFile) as err:
+        raise CorruptDataError(f"{path}: cannot be read ({' '.join(str(err).split())})") from err
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_TYPES:
+        raise CorruptDataError(
+            f"{path}: not an IDX file (bad magic number {raw[:4].hex() or 'empty file'}; "
+            "expected 0000 followed by a type code and the number of dimensions)"
+        )
+    dtype, ndim = _IDX_TYPES[raw[2]], raw[3]
+    header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise CorruptDataError(f"{path}: truncated inside the header ({len(raw)} bytes)")
+    dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
+    expected = header + int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
+    if len(raw) != expected:
+        what = "truncated" if len(raw) < expected else "has trailing bytes"
+        raise CorruptDataError(
+            f"{path}: {what}: its header announces {'x'.join(map(str, dims))} items "
+            f"({expected} bytes) but the file has {len(raw)} bytes"
+        )
+    return np.frombuffer(raw, dtype=dtype, offset=header).reshape(dims)
+
+
+def _check_labels(y: Tensor, n_classes: int, where: str) -> None:
+    bad = (y < 0) | (y >= n_classes)
+    if bad.any():
+        i = int(bad.nonzero()[0, 0])
+        raise CorruptDataError(
+            f"{where}: {int(bad.sum())} labels out of range (first: {int(y[i])} at index {i}; "
+            f"expected 0..{n_classes - 1})"
+        )
 
 
 def resolve_data_root(data_root: str | os.PathLike[str] | None = None) -> Path:
@@ -134,14 +216,76 @@ def _as_images(data: Tensor | np.ndarray) -> Tensor:
     return x
 
 
+_N_CLASSES = {"MNIST": 10, "FashionMNIST": 10, "CIFAR10": 10, "CIFAR100": 100}
+
+
+def _idx_files(name: str, root: Path) -> list[Path] | None:
+    """The four IDX files of an MNIST-like set (plain or ``.gz``), or None if one is missing."""
+    sub, files = _EXPECTED[name]
+    found = []
+    for f in files:
+        plain = root / sub / f
+        gz = plain.with_name(f + ".gz")
+        if plain.is_file():
+            found.append(plain)
+        elif gz.is_file():
+            found.append(gz)
+        else:
+            return None
+    return found
+
+
+def _load_idx(name: str, files: list[Path]) -> list[Tensor]:
+    out = []
+    for images, labels in ((files[0], files[1]), (files[2], files[3])):
+        x, y = read_idx(images), read_idx(labels)
+        for f, arr, want, what in (
+            (images, x, 3, "[N, H, W] images"),
+            (labels, y, 1, "[N] labels"),
+        ):
+            if arr.ndim != want:
+                raise CorruptDataError(f"{f}: expected {what}, got shape {list(arr.shape)}")
+        if len(x) != len(y):
+            raise CorruptDataError(
+                f"{labels}: {len(y)} labels for the {len(x)} images of {images.name}"
+            )
+        yt = torch.as_tensor(y.astype(np.int64))
+        _check_labels(yt, _N_CLASSES[name], str(labels))
+        out += [_as_images(x.copy()), yt]
+    return out
+
+
 def _load(
     name: str, data_root: str | os.PathLike[str] | None, download: bool
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     root = resolve_data_root(data_root)
+    if name in ("MNIST", "FashionMNIST"):
+        files = _idx_files(name, root)
+        if files is None:
+            _torchvision_dataset(name, root, True, download)  # download or DataNotFoundError
+            _torchvision_dataset(name, root, False, download)
+            files = _idx_files(name, root)
+            if files is None:
+                raise _not_found(name, root, None)
+        out = _load_idx(name, files)
+        return out[0], out[1], out[2], out[3]
     out = []
     for train in (True, False):
-        ds = _torchvision_dataset(name, root, train, download)
-        out += [_as_images(ds.data), torch.as_tensor(np.asarray(ds.targets), dtype=torch.long)]
+        try:
+            ds = _torchvision_dataset(name, root, train, download)
+        except (ValueError, EOFError, IndexError) as err:  # unpickling a garbled file
+            sub = _EXPECTED[name][0]
+            raise CorruptDataError(
+                f"{root / sub}: a {name} file cannot be read ({type(err).__name__}: "
+                f"{' '.join(str(err).split())})"
+            ) from err
+        y = torch.as_tensor(np.asarray(ds.targets), dtype=torch.long)
+        _check_labels(
+            y,
+            _N_CLASSES[name],
+            f"{root / _EXPECTED[name][0]} ({'train' if train else 'test'} labels)",
+        )
+        out += [_as_images(ds.data), y]
     return out[0], out[1], out[2], out[3]
 
 
@@ -187,6 +331,8 @@ class Task:
         test_y: ``[N_test]``.
         task_id: position in the sequence; selects the head of a multi-head model.
         classes: the original class labels of the task, in label order.
+        valid_x: ``[N_valid, ...]`` held-out training examples for model selection, or None.
+        valid_y: ``[N_valid]``, or None.
     """
 
     train_x: Tensor
@@ -195,13 +341,17 @@ class Task:
     test_y: Tensor
     task_id: int
     classes: list[int] = field(default_factory=list)
+    valid_x: Tensor | None = None
+    valid_y: Tensor | None = None
 
     @property
     def n_classes(self) -> int:
         return len(self.classes)
 
     def __post_init__(self) -> None:
-        for name in ("train", "test"):
+        if (self.valid_x is None) != (self.valid_y is None):
+            raise ValueError(f"task {self.task_id}: give both valid_x and valid_y or neither")
+        for name in ("train", "test") + (("valid",) if self.valid_x is not None else ()):
             x, y = getattr(self, f"{name}_x"), getattr(self, f"{name}_y")
             if len(x) == 0:
                 raise ValueError(f"task {self.task_id}: {name}_x is empty")
@@ -239,9 +389,15 @@ class TaskSequence:
     def __getitem__(self, i: int) -> Task:
         return self.tasks[i]
 
+    def _replace(self, tasks: list[Task]) -> TaskSequence:
+        return TaskSequence(self.name, tasks, self.multi_head, self.input_shape, self.n_outputs)
+
     def subsample(self, n_train: int | None, n_test: int | None, seed: int = 0) -> TaskSequence:
         """A copy keeping the first ``n_train`` / ``n_test`` examples of each task after a
-        seeded shuffle (for quick runs and tests)."""
+        seeded shuffle (for quick runs and tests). Validation sets are kept whole."""
+        for name, n in (("n_train", n_train), ("n_test", n_test)):
+            if n is not None and (not isinstance(n, int) or n < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {n!r}")
         g = torch.Generator().manual_seed(seed)
         tasks = []
         for t in self.tasks:
@@ -255,9 +411,92 @@ class TaskSequence:
                     t.test_y[ite],
                     t.task_id,
                     list(t.classes),
+                    t.valid_x,
+                    t.valid_y,
                 )
             )
-        return TaskSequence(self.name, tasks, self.multi_head, self.input_shape, self.n_outputs)
+        return self._replace(tasks)
+
+    def with_validation(self, fraction: float = VALID_FRACTION, seed: int = 0) -> TaskSequence:
+        """A copy in which ``round(fraction * N)`` of each task's ``N`` training examples
+        (at least one) become its validation set, drawn by a generator seeded with ``seed``;
+        the rest stay training examples. Split MNIST with the default 10 %: 1,185-1,266
+        validation examples per task; permuted MNIST: 6,000.
+
+        Raises:
+            ValueError: ``fraction`` outside (0, 1), a task that already has a validation set,
+                or one too small to keep a training example.
+        """
+        if not isinstance(fraction, float | int) or not 0 < fraction < 1:
+            raise ValueError(f"fraction must be in (0, 1), got {fraction!r}")
+        g = torch.Generator().manual_seed(seed)
+        tasks = []
+        for t in self.tasks:
+            if t.valid_x is not None:
+                raise ValueError(f"task {t.task_id} already has a validation set")
+            n_valid = max(1, round(fraction * len(t.train_x)))
+            if n_valid >= len(t.train_x):
+                raise ValueError(
+                    f"task {t.task_id}: {len(t.train_x)} training examples are too few to hold "
+                    f"out {fraction:.0%} for validation"
+                )
+            perm = torch.randperm(len(t.train_x), generator=g)
+            iv, itr = perm[:n_valid].sort().values, perm[n_valid:].sort().values
+            tasks.append(
+                Task(
+                    t.train_x[itr],
+                    t.train_y[itr],
+                    t.test_x,
+                    t.test_y,
+                    t.task_id,
+                    list(t.classes),
+                    t.train_x[iv],
+                    t.train_y[iv],
+                )
+            )
+        return self._replace(tasks)
+
+    def fingerprint(self) -> dict[str, object]:
+        """Sizes and a BLAKE2b hash of each task's tensors (train, validation, test, in that
+        order, values and shapes), for results and checkpoint keys.
+
+        Returns:
+            ``{"name", "tasks": [{"n_train", "n_valid", "n_test", "hash"}], "hash"}``: the last
+            hash covers all tasks and the protocol facts (multi-head, input shape, outputs).
+        """
+        whole = hashlib.blake2b(digest_size=16)
+        whole.update(repr((self.name, self.multi_head, self.input_shape, self.n_outputs)).encode())
+        tasks = []
+        for t in self.tasks:
+            h = hashlib.blake2b(digest_size=16)
+            for tensor in (t.train_x, t.train_y, t.valid_x, t.valid_y, t.test_x, t.test_y):
+                if tensor is None:
+                    h.update(b"none")
+                    continue
+                c = tensor.detach().cpu().contiguous()
+                h.update(repr((str(c.dtype), tuple(c.shape))).encode())
+                h.update(c.view(torch.uint8).numpy().tobytes() if c.numel() else b"")
+            digest = h.hexdigest()
+            whole.update(digest.encode())
+            tasks.append(
+                {
+                    "n_train": len(t.train_x),
+                    "n_valid": 0 if t.valid_x is None else len(t.valid_x),
+                    "n_test": len(t.test_x),
+                    "hash": digest,
+                }
+            )
+        return {"name": self.name, "tasks": tasks, "hash": whole.hexdigest()}
+
+    def smallest_class(self) -> tuple[int, int, int]:
+        """``(size, task, label)`` of the smallest class among all tasks' training sets."""
+        best = (len(self.tasks[0].train_y) + 1, 0, 0)
+        for t in self.tasks:
+            counts = torch.bincount(t.train_y)
+            for label, n in enumerate(counts.tolist()):
+                if 0 < n < best[0]:
+                    best = (n, t.task_id, label)
+        return best
 
 
 def split_tasks(

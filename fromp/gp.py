@@ -12,24 +12,37 @@ marginal (co)variances without ever forming ``Sigma`` densely for a diagonal pos
 ``J L^{-T}`` for a :class:`~fromp.laplace.FullGaussian` with precision ``L L^T``)
 ``k(x, x') = A(x) A(x')^T``, and ``A`` is computed in chunks of examples.
 
-This module also holds the Laplace evidence ``log p(D | delta)`` used to choose the prior
-precision (:func:`log_marginal_likelihood`, :func:`optimize_prior_precision`).
+The Laplace evidence lives beside the Laplace code (:mod:`fromp.laplace`);
+:func:`log_marginal_likelihood` and :func:`optimize_prior_precision` are re-exported here for
+existing callers.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vmap
 
-from fromp.curvature import DataArg, diag_ggn, iter_batches
-from fromp.ggn import ggn
-from fromp.jacobian import _flatten_leading, _single_output_fn, flat_params, num_params, unflatten
-from fromp.laplace import FullGaussian, prior_precision_vector, require_eval
+from fromp.capture import (
+    DEFAULT_MEMORY_BUDGET,
+    LayerCall,
+    _conv_geometry,
+    _norm_per_example,
+    capture_calls,
+    supported_layer,
+)
+from fromp.jacobian import _flatten_leading, _single_output_fn, num_params, unflatten
+from fromp.laplace import (
+    FullGaussian,
+    log_marginal_likelihood,
+    optimize_prior_precision,
+    require_eval,
+)
 from fromp.likelihood import (
     BernoulliLikelihood,
     CategoricalLikelihood,
@@ -79,7 +92,11 @@ class GP:
             or :class:`~fromp.laplace.FullGaussian` over the ``P`` trainable parameters.
         likelihood: a :class:`~fromp.likelihood.Likelihood` or its name (for
             :meth:`predictive`).
-        chunk_size: examples per Jacobian chunk (default for every method).
+        chunk_size: examples per Jacobian chunk (default for every method); None derives it
+            from ``memory_budget``: ``min(64, budget / (3 C P * bytes))`` examples, so that a
+            chunk's whitened Jacobians ``[chunk, C, P]`` and their temporaries fit (one
+            example of ResNet-18 with ``C = 10`` is 0.45 GB in float32).
+        memory_budget: bytes (default 2 GiB) for the default chunk size.
     """
 
     def __init__(
@@ -88,7 +105,8 @@ class GP:
         posterior: Posterior,
         likelihood: str | Likelihood,
         *,
-        chunk_size: int = 64,
+        chunk_size: int | None = None,
+        memory_budget: int = DEFAULT_MEMORY_BUDGET,
     ) -> None:
         if not isinstance(posterior, DiagonalGaussian | FullGaussian):
             raise ValueError(
@@ -104,13 +122,21 @@ class GP:
         self.model = model
         self.posterior = posterior
         self.likelihood = get_likelihood(likelihood)
-        self.chunk_size = _check_chunk(chunk_size)
+        if chunk_size is not None:
+            _check_chunk(chunk_size)
+        if (
+            isinstance(memory_budget, bool)
+            or not isinstance(memory_budget, int)
+            or (memory_budget < 1)
+        ):
+            raise ValueError(f"memory_budget must be a positive int (bytes), got {memory_budget!r}")
+        self._chunk_size, self.memory_budget = chunk_size, memory_budget
         ref = next(p for p in model.parameters() if p.requires_grad)
         self._dtype, self._device = ref.dtype, ref.device
         self._params = unflatten(model, posterior.mean.detach().to(ref))
         self._buffers = dict(model.named_buffers())
         self._jac = vmap(jacrev(_single_output_fn(model)), in_dims=(None, 0))
-        self._structured: _LinearStructure | bool | None = None
+        self._structured: _CaptureStructure | bool | None = None
         self._structured_reason = ""
         if isinstance(posterior, DiagonalGaussian):
             std = posterior.std.detach().to(ref)
@@ -118,6 +144,27 @@ class GP:
         else:
             post = posterior.detach().to(ref)
             self._whiten = post.whiten
+
+    @property
+    def chunk_size(self) -> int:
+        """Examples per Jacobian chunk (given, or derived from ``memory_budget``)."""
+        if self._chunk_size is None:
+            ref = next(p for p in self.model.parameters() if p.requires_grad)
+            c = getattr(self, "_n_out", None) or 10
+            per_example = 3 * c * self.num_params * ref.element_size()
+            return max(1, min(64, self.memory_budget // per_example))
+        return self._chunk_size
+
+    @chunk_size.setter
+    def chunk_size(self, value: int | None) -> None:
+        self._chunk_size = None if value is None else _check_chunk(value)
+
+    def _step(self, chunk_size: int | None, x: Tensor) -> int:
+        if chunk_size is not None:
+            return _check_chunk(chunk_size)
+        if self._chunk_size is None and getattr(self, "_n_out", None) is None and len(x):
+            self.mean(x[:1])  # the output width C sets the derived chunk size
+        return self.chunk_size
 
     @property
     def num_params(self) -> int:
@@ -136,12 +183,13 @@ class GP:
             out = functional_call(self.model, (self._params, self._buffers), (x,))
         if out.ndim != 2:
             raise ValueError(f"model output must have shape [N, C], got {tuple(out.shape)}")
+        self._n_out = out.shape[1]
         return out
 
     def jacobians(self, x: Tensor, *, chunk_size: int | None = None) -> Tensor:
         """``J(x) [N, C, P]`` at the posterior mean (dense: ``N * C * P`` numbers)."""
         x = self._prep(x)
-        step = _check_chunk(chunk_size or self.chunk_size)
+        step = self._step(chunk_size, x)
         return torch.cat([self._jac_rows(x, slice(s, s + step)) for s in range(0, len(x), step)])
 
     def _jac_rows(self, x: Tensor, rows: slice) -> Tensor:
@@ -201,8 +249,8 @@ class GP:
         (``C * out`` with ``diagonal_outputs``). ``O(N1 + N2)`` feature evaluations when the
         cache holds those of ``x2``.
         """
-        step = _check_chunk(chunk_size or self.chunk_size)
         x1 = self._prep(x1, "x1")
+        step = self._step(chunk_size, x1)
         sym = x2 is None
         x2 = x1 if sym else self._prep(x2, "x2")
         if not sym and x1.shape[1:] != x2.shape[1:]:
@@ -267,7 +315,7 @@ class GP:
         n, c, p = a1.shape
         return (a1.reshape(-1, p) @ a2.reshape(-1, p).T).view(n, c, a2.shape[0], c)
 
-    def _structure(self, x0: Tensor, required: bool) -> _LinearStructure | None:
+    def _structure(self, x0: Tensor, required: bool) -> _CaptureStructure | None:
         """The structured kernel evaluator, or None (``required=False``) when it does not
         apply; checked on one example against the Jacobian way."""
         if not isinstance(self.posterior, DiagonalGaussian):
@@ -276,7 +324,7 @@ class GP:
             return None
         if self._structured is None:
             try:
-                st = _LinearStructure(self)
+                st = _CaptureStructure(self)
                 f0 = st.features(x0, slice(0, 1))
                 a0 = self._whitened(x0, slice(0, 1))
                 ref = self._jacobian_block(a0, a0, False)
@@ -294,15 +342,28 @@ class GP:
             return None
         return self._structured
 
-    def variance(self, x: Tensor, *, chunk_size: int | None = None) -> Tensor:
+    def variance(self, x: Tensor, *, chunk_size: int | None = None, method: str = "auto") -> Tensor:
         """Marginal covariance of ``f(x_n)``: ``J(x_n) Sigma J(x_n)^T`` ``[N, C, C]``,
-        computed per chunk of examples (never ``N x N``)."""
-        step = _check_chunk(chunk_size or self.chunk_size)
+        computed per chunk of examples (never ``N x N``). ``method`` as :meth:`kernel`: the
+        structured way evaluates the chunk's ``[n, C, n, C]`` block and keeps its diagonal
+        (no ``[n, C, P]`` Jacobians)."""
+        if method not in ("auto", "jacobian", "structured"):
+            raise ValueError(f"method must be 'auto', 'jacobian' or 'structured', got {method!r}")
         x = self._prep(x)
+        step = self._step(chunk_size, x)
+        structure = None
+        if method != "jacobian":
+            structure = self._structure(x[:1], required=method == "structured")
         outs = []
         for rows in self._chunks(len(x), step):
-            a = self._whitened(x, rows)
-            v = torch.bmm(a, a.transpose(1, 2))
+            if structure is None:
+                a = self._whitened(x, rows)
+                v = torch.bmm(a, a.transpose(1, 2))
+            else:
+                f = structure.features(x, rows)
+                blk = structure.block(f, f, False)  # n, C, n, C
+                idx = torch.arange(blk.shape[0], device=blk.device)
+                v = blk[idx, :, idx, :]
             outs.append(0.5 * (v + v.transpose(1, 2)))
         return torch.cat(outs)
 
@@ -374,9 +435,23 @@ def _nbytes(obj: Any) -> int:
     return 0
 
 
-class _LinearStructure:
-    """Kernel blocks ``J(x) Sigma J(x')^T`` (diagonal ``Sigma``) that use the outer-product
-    form of ``nn.Linear`` Jacobians; see :meth:`GP.kernel` (``method="structured"``)."""
+class _CaptureStructure:
+    """Kernel blocks ``J(x) Sigma J(x')^T`` (diagonal ``Sigma``) from the layer structure of
+    the Jacobian, after Novak et al. (2022), "Fast finite width neural tangent kernel": for a
+    layer captured by :mod:`fromp.capture` with input ``a`` and output gradients
+    ``g_c = df_c / dz`` (one forward pass and ``C`` backward passes per chunk),
+
+    * *outer* layers (``Linear`` on ``[N, in]`` inputs, convolutions with one output position,
+      ``u = unfold(a)``): ``J_c = g_c u^T``, so their kernel term is
+      ``sum_o g_co(x) g_do(x') [sum_j s_oj u_j(x) u_j(x') + s^b_o]``: one ``[n m, J] @ [J, O]``
+      product per block, independent of ``C``;
+    * *dense* layers (convolutions with ``L > 1`` output positions, norm layers, sequence
+      ``Linear``): the layer's per-example Jacobians ``[n, C, P_layer]`` formed per block from
+      the stored ``(u, g)`` by one batched GEMM (``[C O, L] @ [L, J]`` per example), whitened,
+      and multiplied as in the Jacobian way;
+    * parameters of other layers: per-example Jacobians (``vmap(jacrev)``) of those alone.
+
+    Features per example are ``O(C * activations)`` numbers instead of ``C * P``."""
 
     def __init__(self, gp: GP) -> None:
         self.gp = gp
@@ -388,119 +463,151 @@ class _LinearStructure:
                 if prm is not None:
                     owners[id(prm)] = owners.get(id(prm), 0) + 1
         names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
-        self.layers: dict[str, nn.Linear] = {}
-        self.weight_var: dict[str, Tensor] = {}
-        self.bias_var: dict[str, Tensor | None] = {}
-        lin_params: set[str] = set()
+        self.layers: dict[str, nn.Module] = {}
+        self.var: dict[str, dict[str, Tensor]] = {}
+        captured: set[str] = set()
         for mname, mod in model.named_modules():
-            if type(mod) is not nn.Linear or not mod.weight.requires_grad:
+            own = {pn: p for pn, p in mod._parameters.items() if p is not None and p.requires_grad}
+            if not own or not supported_layer(mod) or any(owners[id(p)] != 1 for p in own.values()):
                 continue
-            w_name = names[id(mod.weight)]
-            if owners[id(mod.weight)] != 1:
-                continue  # tied weights: leave to the Jacobian way
             self.layers[mname] = mod
-            self.weight_var[mname] = var[w_name]
-            lin_params.add(w_name)
-            b = mod.bias
-            if b is not None and b.requires_grad and owners[id(b)] == 1:
-                self.bias_var[mname] = var[names[id(b)]]
-                lin_params.add(names[id(b)])
-            else:
-                self.bias_var[mname] = None
+            self.var[mname] = {pn: var[names[id(p)]] for pn, p in own.items()}
+            captured.update(names[id(p)] for p in own.values())
         if not self.layers:
-            raise _NotStructured("the model has no trainable nn.Linear layer")
-        self.other = [n for n in gp._params if n not in lin_params]
+            raise _NotStructured("the model has no layer with a capture rule")
+        self.other = [n for n in gp._params if n not in captured]
         std = unflatten(model, gp.posterior.std.detach().to(gp._dtype))
         self.other_std = torch.cat([std[n].reshape(-1) for n in self.other]) if self.other else None
-        self._mode = "off"
-        self._acts: dict[str, Tensor] = {}
-        self._probes: dict[str, Tensor] = {}
+        self._name_of = {id(m): k for k, m in self.layers.items()}
 
-    def _hook(self, name: str):
-        def hook(mod: nn.Module, inputs: tuple, output: Tensor):
-            if self._mode == "acts":
-                if name in self._acts:
-                    raise _NotStructured(f"layer {name!r} is called more than once per forward")
-                a = inputs[0]
-                if a.ndim != 2 or output.ndim != 2:
-                    raise _NotStructured(f"layer {name!r} is applied to non-[N, in] inputs")
-                self._acts[name] = a.detach()
-                return None
-            if self._mode == "probe":
-                return output + self._probes[name]
-            return None
-
-        return hook
-
-    def features(self, x: Tensor, rows: slice) -> tuple[dict[str, tuple[Tensor, Tensor]], Any]:
-        """``({layer: (a [n, in], g [C, n, out])}, A_other [n, C, P_other] or None)``."""
+    def features(self, x: Tensor, rows: slice) -> tuple[dict[str, tuple], Any]:
+        """``({layer: (kind, u or a, g [C, n, ...])}, A_other [n, C, P_other] or None)``."""
         gp = self.gp
         xr = x[rows]
         n = len(xr)
-        handles = [m.register_forward_hook(self._hook(k)) for k, m in self.layers.items()]
-        try:
-            self._mode, self._acts = "acts", {}
-            with torch.no_grad():
-                out = functional_call(gp.model, (gp._params, gp._buffers), (xr,))
-            acts, c = self._acts, out.shape[1]
-            zeros = {
-                k: torch.zeros(n, m.out_features, dtype=gp._dtype, device=gp._device)
-                for k, m in self.layers.items()
-                if k in acts
-            }
-            self._mode = "probe"
+        params = {k: v.detach().requires_grad_(True) for k, v in gp._params.items()}
+        with torch.enable_grad(), capture_calls(list(self.layers.values())) as calls:
+            out = functional_call(gp.model, (params, gp._buffers), (xr,))
+        seen: dict[str, LayerCall] = {}
+        for call in calls:
+            name = self._name_of[id(call.module)]
+            if name in seen:
+                raise _NotStructured(f"layer {name!r} is called more than once per forward")
+            seen[name] = call
+        # layers never called (other task heads) contribute nothing; the one-example check
+        # against the Jacobian way catches parameters used outside their layer's forward
+        c = out.shape[1]
+        basis = torch.eye(c, dtype=gp._dtype, device=gp._device)[:, None, :].expand(c, n, c)
+        zs = [call.z for call in seen.values()]
+        grads = torch.autograd.grad(
+            out, zs, grad_outputs=basis, is_grads_batched=True, allow_unused=True
+        )  # each [C, n, ...]
+        feats = {}
+        for (name, call), g in zip(seen.items(), grads):
+            if g is None:  # a layer that does not reach the outputs
+                g = torch.zeros(c, *call.z.shape, dtype=gp._dtype, device=gp._device)
+            feats[name] = _layer_features(call.module, call.a, g.detach())
+        a_other = None
+        if self.other:
+            other = {k: gp._params[k] for k in self.other}
 
-            def f(probes: dict[str, Tensor]) -> Tensor:
-                self._probes = probes
-                return functional_call(gp.model, (gp._params, gp._buffers), (xr,))
+            def single(p: dict[str, Tensor], xi: Tensor) -> Tensor:
+                full = {**gp._params, **p}
+                return functional_call(gp.model, (full, gp._buffers), (xi.unsqueeze(0),))[0]
 
-            _, pull = torch.func.vjp(f, zeros)
-            basis = torch.eye(c, dtype=gp._dtype, device=gp._device)[:, None, :].expand(c, n, c)
-            (g,) = vmap(pull)(basis)  # {layer: [C, n, out]}
-            self._mode = "off"
-            a_other = None
-            if self.other:
-                other = {k: gp._params[k] for k in self.other}
-
-                def single(p: dict[str, Tensor], xi: Tensor) -> Tensor:
-                    full = {**gp._params, **p}
-                    return functional_call(gp.model, (full, gp._buffers), (xi.unsqueeze(0),))[0]
-
-                jac = vmap(jacrev(single), in_dims=(None, 0))(other, xr)
-                a_other = _flatten_leading(jac, 2).detach() * self.other_std
-        finally:
-            self._mode = "off"
-            self._probes = {}
-            for h in handles:
-                h.remove()
-        return {k: (acts[k], g[k].detach()) for k in zeros}, a_other
+            jac = vmap(jacrev(single), in_dims=(None, 0))(other, xr)
+            a_other = _flatten_leading(jac, 2).detach() * self.other_std
+        return feats, a_other
 
     def block(self, f1: tuple, f2: tuple, diagonal_outputs: bool) -> Tensor:
         """Kernel block ``[C, n, m]`` (per-output) or ``[n, C, m, C]``."""
-        (lin1, o1), (lin2, o2) = f1, f2
-        if o1 is not None:
-            out = GP._jacobian_block(o1, o2, diagonal_outputs)
-        else:
-            out = None
-        for name, (a1, g1) in lin1.items():
-            if name not in lin2:
+        (lay1, o1), (lay2, o2) = f1, f2
+        out = None if o1 is None else GP._jacobian_block(o1, o2, diagonal_outputs)
+        for name, ft1 in lay1.items():
+            ft2 = lay2.get(name)
+            if ft2 is None:
                 continue
-            a2, g2 = lin2[name]
-            sw, sb = self.weight_var[name], self.bias_var[name]
-            n, m, d_out = len(a1), len(a2), sw.shape[0]
-            # t[n, m, i] = sum_j s_ij a1_nj a2_mj (+ s_i for the bias): one matmul of the
-            # [n * m, in] products of inputs with the [in, out] variances
-            t = ((a1[:, None, :] * a2[None, :, :]).reshape(n * m, -1) @ sw.T).view(n, m, d_out)
-            if sb is not None:
-                t = t + sb
-            if diagonal_outputs:
-                term = torch.einsum("cni,nmi,cmi->cnm", g1, t, g2)
+            m = self.layers[name]
+            if ft1[0] == "outer":
+                term = _outer_block(ft1, ft2, self.var[name], m, diagonal_outputs)
             else:
-                term = torch.einsum("cni,nmi,dmi->ncmd", g1, t, g2)
+                std = {k: v.sqrt() for k, v in self.var[name].items()}
+                j1 = _dense_jacobian(m, ft1, std)
+                j2 = j1 if ft2 is ft1 else _dense_jacobian(m, ft2, std)
+                term = GP._jacobian_block(j1, j2, diagonal_outputs)
             out = term if out is None else out + term
         if out is None:
             raise _NotStructured("no layer contributes")
         return out
+
+
+def _layer_features(m: nn.Module, a: Tensor, g: Tensor) -> tuple:
+    """Compact per-example features of one captured layer call: ``("outer", u [n, G, J],
+    g [C, n, O])`` or ``("dense", ...)`` (see :class:`_CaptureStructure`)."""
+    c, n = g.shape[:2]
+    if isinstance(m, nn.Linear):
+        if a.ndim == 2:
+            return ("outer", a.unsqueeze(1), g)
+        return ("dense", a, g)
+    if isinstance(m, nn.Conv1d | nn.Conv2d):
+        ap, g2d, geo = _conv_geometry(m, a, g.reshape(c * n, *g.shape[2:]))
+        u = F.unfold(ap, geo["kernel"], dilation=geo["dil"], stride=geo["stride"])  # n, J, L
+        grp, pos = m.groups, u.shape[-1]
+        if pos == 1:
+            return ("outer", u.reshape(n, grp, -1), g.reshape(c, n, -1))
+        u = u.reshape(n * grp, -1, pos).transpose(1, 2)  # n G, L, J/G
+        gg = g2d.reshape(c, n, grp, -1, pos).permute(1, 2, 0, 3, 4).reshape(n * grp, -1, pos)
+        return ("conv", u, gg, n, c)
+    return ("dense", a, g)
+
+
+def _outer_block(
+    ft1: tuple, ft2: tuple, var: dict[str, Tensor], m: nn.Module, diagonal_outputs: bool
+) -> Tensor:
+    """``sum_o g1_co g2_do [sum_j s_oj u1_j u2_j + s^b_o]`` for an outer-product layer."""
+    _, u1, g1 = ft1
+    _, u2, g2 = ft2
+    n, grp, jj = u1.shape
+    mm = len(u2)
+    sw = var["weight"].reshape(grp, -1, jj)  # G, O/G, J/G
+    prod = (u1[:, None] * u2[None]).reshape(n * mm, grp, jj)
+    t = torch.einsum("xgj,goj->xgo", prod, sw).reshape(n, mm, -1)  # n, m, O
+    if "bias" in var:
+        t = t + var["bias"]
+    if diagonal_outputs:
+        return torch.einsum("cni,nmi,cmi->cnm", g1, t, g2)
+    return torch.einsum("cni,nmi,dmi->ncmd", g1, t, g2)
+
+
+def _dense_jacobian(m: nn.Module, ft: tuple, std: dict[str, Tensor]) -> Tensor:
+    """Whitened per-example Jacobians ``[n, C, P_layer]`` of one dense layer (parameters in
+    ``named_parameters`` order of the layer)."""
+    kind = ft[0]
+    parts: dict[str, Tensor] = {}
+    if kind == "conv":
+        _, u, gg, n, c = ft
+        grp = m.groups
+        jw = torch.bmm(gg, u).view(n, grp, c, -1, u.shape[-1])  # n, G, C, O/G, J/G
+        parts["weight"] = jw.permute(0, 2, 1, 3, 4).reshape(n, c, -1)
+        if "bias" in std:
+            parts["bias"] = gg.view(n, grp, c, -1, gg.shape[-1]).sum(-1).permute(0, 2, 1, 3)
+            parts["bias"] = parts["bias"].reshape(n, c, -1)
+    else:
+        _, a, g = ft
+        c, n = g.shape[:2]
+        if isinstance(m, nn.Linear):
+            a3, g4 = a.reshape(n, -1, a.shape[-1]), g.reshape(c, n, -1, g.shape[-1])
+            parts["weight"] = torch.einsum("cnto,nti->ncoi", g4, a3).reshape(n, c, -1)
+            if "bias" in std:
+                parts["bias"] = g4.sum(2).transpose(0, 1)
+        else:
+            w_per, b_per = _norm_per_example(m, a, g)  # [C, n, ...]
+            if "weight" in std:
+                parts["weight"] = w_per.transpose(0, 1).reshape(n, c, -1)
+            if "bias" in std:
+                parts["bias"] = b_per.transpose(0, 1).reshape(n, c, -1)
+    order = [pn for pn, p in m.named_parameters(recurse=False) if pn in std]
+    return torch.cat([parts[pn] * std[pn].reshape(-1) for pn in order], dim=-1)
 
 
 def dnn2gp(
@@ -508,174 +615,8 @@ def dnn2gp(
     posterior: Posterior,
     likelihood: str | Likelihood,
     *,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
 ) -> GP:
     """The DNN2GP :class:`GP` of ``model`` under ``posterior`` (see :class:`GP`)."""
-    return GP(model, posterior, likelihood, chunk_size=chunk_size)
-
-
-# ----------------------------------------------------------------------------- evidence
-
-
-class _Evidence:
-    """The pieces of the Laplace evidence that do not depend on ``delta``."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        data: DataArg,
-        likelihood: str | Likelihood,
-        prior_mean: Tensor | None,
-        curvature: str,
-        chunk_size: int,
-        max_params: int,
-    ) -> None:
-        if curvature not in ("diag", "full"):
-            raise ValueError(f"curvature must be 'diag' or 'full', got {curvature!r}")
-        lik = get_likelihood(likelihood)
-        require_eval(model)
-        self.w = flat_params(model)
-        if prior_mean is not None:
-            if not isinstance(prior_mean, Tensor) or prior_mean.shape != self.w.shape:
-                raise ValueError(f"prior_mean must be None or a [P]={tuple(self.w.shape)} tensor")
-            self.w = self.w - prior_mean.to(self.w)
-        batches = []
-        nll = torch.zeros((), dtype=self.w.dtype, device=self.w.device)
-        for x, y in iter_batches(data, need_targets=True):
-            _check_inputs(x, "data inputs")
-            x, y = x.to(self.w.device), y.to(self.w.device)
-            if x.is_floating_point():
-                x = x.to(self.w.dtype)
-            with torch.no_grad():
-                nll = nll + lik.nll(model(x), y).sum()
-            batches.append((x,))
-        self.nll = nll
-        self.curvature = curvature
-        if curvature == "diag":
-            self.g = diag_ggn(model, batches, lik, chunk_size=chunk_size)
-        else:
-            self.g = ggn(model, batches, lik, chunk_size=chunk_size, max_params=max_params)
-            self.g = 0.5 * (self.g + self.g.T)
-            self.eig = torch.linalg.eigvalsh(self.g).clamp_min(0)
-
-    def __call__(self, delta: Tensor) -> Tensor:
-        """``log p(D | delta)`` for ``delta`` a scalar or ``[P]`` tensor (differentiable)."""
-        p = self.w.numel()
-        vec = delta.ndim == 1
-        log_prior = -0.5 * (delta * self.w**2).sum() + 0.5 * (
-            delta.log().sum() if vec else p * delta.log()
-        )
-        if self.curvature == "diag":
-            logdet = (self.g + delta).log().sum()
-        elif vec:
-            logdet = torch.linalg.slogdet(self.g + torch.diag(delta))[1]
-        else:
-            logdet = (self.eig + delta).log().sum()
-        return -self.nll + log_prior - 0.5 * logdet
-
-
-def log_marginal_likelihood(
-    model: nn.Module,
-    data: DataArg,
-    likelihood: str | Likelihood,
-    prior_precision: float | Tensor,
-    *,
-    prior_mean: Tensor | None = None,
-    curvature: str = "diag",
-    chunk_size: int = 32,
-    max_params: int = 20_000,
-) -> Tensor:
-    """Laplace approximation of the evidence ``log p(D | delta)`` at the model's weights ``w*``.
-
-    ``log p(D | delta) ~= log p(D | w*) + log N(w* | m0, D^-1) + P/2 log(2 pi) - 1/2 log det H``
-    ``= -sum_n nll_n + 1/2 sum_j log delta_j - 1/2 sum_j delta_j (w*_j - m0_j)^2
-    - 1/2 log det(G + D)``, with ``D = diag(delta)`` and ``G`` the GGN: its diagonal
-    (``curvature="diag"``, ``log det H ~= sum_j log(G_jj + delta_j)``) or, for small models,
-    the full matrix (``curvature="full"``, ``P <= max_params``).
-
-    ``w*`` is kept fixed (the usual post-hoc choice); for a linear model with Gaussian
-    likelihood, ``curvature="full"`` and ``w*`` the exact MAP under ``delta``, this equals the
-    exact evidence ``log N(y | 0, sigma^2 I + X X^T / delta)``. By Hadamard's inequality the
-    diagonal version is never larger than the full one.
-
-    Args:
-        data: ``(x, y)`` or an iterable of ``(x, y)`` batches (targets needed).
-        prior_precision: ``delta``, a positive scalar or ``[P]`` tensor.
-        prior_mean: ``m0`` ``[P]`` (default 0).
-
-    Returns:
-        A scalar tensor.
-    """
-    ev = _Evidence(model, data, likelihood, prior_mean, curvature, chunk_size, max_params)
-    delta = prior_precision_vector(prior_precision, ev.w)
-    if not isinstance(prior_precision, Tensor) or prior_precision.ndim == 0:
-        delta = delta[0]
-    return ev(delta).detach()
-
-
-def _default_grid() -> list[float]:
-    return torch.logspace(-4, 4, 81, dtype=torch.float64).tolist()
-
-
-def optimize_prior_precision(
-    model: nn.Module,
-    data: DataArg,
-    likelihood: str | Likelihood,
-    method: str = "grid",
-    grid: Sequence[float] | Tensor | None = None,
-    *,
-    prior_mean: Tensor | None = None,
-    curvature: str = "diag",
-    init: float = 1.0,
-    max_iter: int = 200,
-    chunk_size: int = 32,
-    max_params: int = 20_000,
-    return_values: bool = False,
-) -> float | tuple[float, Tensor, Tensor]:
-    """The scalar prior precision ``delta`` maximising :func:`log_marginal_likelihood`.
-
-    The GGN is computed once; the evidence is then a closed-form function of ``delta``.
-
-    Args:
-        method: ``"grid"`` (best of ``grid``, default ``logspace(-4, 4, 81)``) or
-            ``"gradient"`` (L-BFGS on ``log delta`` from ``init``, exact autograd gradients).
-        return_values: also return ``(grid [G], log evidence [G])`` (grid method) or the
-            single evaluated point (gradient method), e.g. for plots.
-
-    Returns:
-        ``delta`` as a float (or ``(delta, deltas, values)`` with ``return_values``).
-    """
-    if method not in ("grid", "gradient"):
-        raise ValueError(f"method must be 'grid' or 'gradient', got {method!r}")
-    if method == "grid":
-        deltas = torch.as_tensor(_default_grid() if grid is None else grid, dtype=torch.float64)
-        deltas = deltas.reshape(-1)
-        if len(deltas) == 0 or not (torch.isfinite(deltas).all() and (deltas > 0).all()):
-            raise ValueError("grid must be a non-empty sequence of positive finite numbers")
-    elif not (isinstance(init, int | float) and init > 0 and math.isfinite(init)):
-        raise ValueError(f"init must be a positive finite number, got {init!r}")
-    ev = _Evidence(model, data, likelihood, prior_mean, curvature, chunk_size, max_params)
-    opts = {"dtype": ev.w.dtype, "device": ev.w.device}
-    if method == "grid":
-        deltas = deltas.to(**opts)
-        values = torch.stack([ev(d) for d in deltas])
-        best = float(deltas[int(torch.argmax(values))])
-        return (best, deltas, values) if return_values else best
-    log_delta = torch.tensor(math.log(init), **opts, requires_grad=True)
-    opt = torch.optim.LBFGS(
-        [log_delta], lr=1.0, max_iter=max_iter, line_search_fn="strong_wolfe",
-        tolerance_grad=1e-10, tolerance_change=1e-14,
-    )  # fmt: skip
-
-    def closure() -> Tensor:
-        opt.zero_grad()
-        loss = -ev(log_delta.exp())
-        loss.backward()
-        return loss
-
-    opt.step(closure)
-    best = float(log_delta.detach().exp())
-    if return_values:
-        value = ev(torch.tensor(best, **opts)).detach()
-        return best, torch.tensor([best], **opts), value.reshape(1)
-    return best
+    return GP(model, posterior, likelihood, chunk_size=chunk_size, memory_budget=memory_budget)

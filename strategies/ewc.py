@@ -42,7 +42,7 @@ from strategies.benchmarks import experience_tensors
 from strategies.models import Named, by_name, unwrap
 from strategies.template import MethodStrategy
 
-__all__ = ["DEFAULTS", "EWC", "EWCPlugin", "ewc_penalty"]
+__all__ = ["EWC", "EWCPlugin", "ewc_penalty"]
 
 _FISHERS = ("sampled", "empirical", "exact")
 
@@ -276,38 +276,3 @@ class EWC(MethodStrategy):
             optimizer=optimizer,
             **template_kwargs,
         )
-
-
-# Split MNIST (benchmarks/results/ewc_split-mnist.json). With the benchmark's own protocol
-# (Adam lr 1e-4, 15 epochs, batch 128: the settings FROMP and Naive use), seed 0 gave
-# lambda = 1e2 / 3e2 / 1e3 / 1e4 / 1e5: 99.18 / 99.22 / 99.17 / 98.86 / 98.49 % (Avalanche's
-# EWC 98.94 %, Naive 97.73 %); lambda = 300 is kept and seeds 1-2 are fresh. A larger lambda
-# makes the last tasks hard to learn (task 5: 96.1 % at 1e4). With Adam lr 1e-3, every EWC
-# forgets much more on this network (3 seeds: lambda = 1e5 95.5 %, Avalanche's EWC 92.7 %):
-# after 15 epochs at that rate the network is so confident that p (1 - p), and so the
-# Fisher, is almost zero on most training examples of the first task. The Fisher of each task
-# is averaged over a random subset of 2,000 of its training examples (an unbiased estimate of
-# the mean over all of them) to bound the cost of per-example gradients on a CPU.
-_KW = {"ewc_lambda": 300.0, "mode": "separate", "fisher": "sampled", "max_examples": 2000}
-_SPLIT = {
-    "optimizer": "adam",
-    "lr": 1e-4,
-    "train_epochs": 15,
-    "train_mb_size": 128,
-    "kwargs": _KW,
-}
-
-DEFAULTS: dict[str, dict] = {
-    "split-mnist": _SPLIT,
-    "split-fashion-mnist": _SPLIT,
-    # split-digits (seed 0): lambda = 100 gave 98.2 % (Avalanche's EWC 98.4 %, naive 98.0 %)
-    "split-digits": {
-        **_SPLIT,
-        "lr": 1e-3,
-        "train_epochs": 20,
-        "train_mb_size": 32,
-        "kwargs": {**_KW, "ewc_lambda": 100.0},
-    },
-    "permuted-mnist": {**_SPLIT, "lr": 1e-3, "train_epochs": 10},
-    "split-cifar": {**_SPLIT, "lr": 1e-3, "train_epochs": 80, "train_mb_size": 256},
-}

@@ -43,92 +43,10 @@ from strategies.benchmarks import experience_tensors
 from strategies.models import Named, by_name, unwrap
 from strategies.template import MethodStrategy
 
-__all__ = ["DEFAULTS", "FROMP", "PRESETS", "REFERENCE", "FROMPPlugin"]
+__all__ = ["FROMP", "FROMPPlugin", "experience_tensors"]
 
 _SELECT = ("descending", "ascending", "random", "sensitivity")
 _POSTERIORS = ("ggn", "vogn", "ivon")
-
-#: Strategy names of the runner and the keyword arguments they imply.
-PRESETS: dict[str, dict[str, Any]] = {
-    "fromp": {},
-    "fromp-l2": {"kernel": "identity"},
-    "fromp-vogn": {"posterior": "vogn"},
-    "fromp-ivon": {"posterior": "ivon"},
-}
-
-_REF_SPLIT_MNIST: dict[str, Any] = {
-    "optimizer": "adam",
-    "lr": 1e-4,
-    "train_epochs": 15,
-    "train_mb_size": 128,
-    "kwargs": {
-        "tau": 10.0,
-        "n_points": 40,
-        "prior_precision": 1e-3,
-        "jitter": 1e-6,
-        "grad_clip_norm": 0.1,
-    },
-}
-
-#: Settings of the reference code (``main_*.py`` / ``train_*.py`` of team-approx-bayes/fromp):
-#: ``n_points`` memorable points per task, ``tau``, prior precision, jitter and gradient
-#: clipping as there.
-REFERENCE: dict[str, dict[str, Any]] = {
-    "split-mnist": _REF_SPLIT_MNIST,
-    "split-fashion-mnist": _REF_SPLIT_MNIST,
-    "permuted-mnist": {
-        "optimizer": "adam",
-        "lr": 1e-3,
-        "train_epochs": 10,
-        "train_mb_size": 128,
-        "kwargs": {
-            "tau": 0.5,
-            "n_points": 200,
-            "prior_precision": 1e-5,
-            "jitter": 1e-5,
-            "grad_clip_norm": 0.01,
-        },
-    },
-    "split-cifar": {
-        "optimizer": "adam",
-        "lr": 1e-3,
-        "train_epochs": 80,
-        "train_mb_size": 256,
-        "kwargs": {
-            "tau": 10.0,
-            "n_points": 200,
-            "prior_precision": 1e-4,
-            "jitter": 1e-5,
-            "grad_clip_norm": 100.0,
-        },
-    },
-    "split-digits": {
-        "optimizer": "adam",
-        "lr": 1e-3,
-        "train_epochs": 20,
-        "train_mb_size": 32,
-        "kwargs": {
-            "tau": 10.0,
-            "n_points": 40,
-            "prior_precision": 1e-3,
-            "jitter": 1e-6,
-            "grad_clip_norm": 0.1,
-        },
-    },
-}
-
-
-#: The runner's defaults: the reference settings, except 200 memorable points per task on
-#: split MNIST instead of 40 (0.4 % of a task's training set; the kernel is then 200 x 200
-#: per class). Split MNIST, seeds 0-2 (benchmarks/results/fromp_split-mnist.json): 40 points
-#: 99.25 %, 200 points 99.65 %; the reference settings stay one ``--set n_points=40`` away.
-DEFAULTS: dict[str, dict[str, Any]] = {
-    **REFERENCE,
-    "split-mnist": {
-        **REFERENCE["split-mnist"],
-        "kwargs": {**REFERENCE["split-mnist"]["kwargs"], "n_points": 200},
-    },
-}
 
 
 def _flat(value: Tensor | Named, net: nn.Module | None, fill: float) -> Tensor:
@@ -149,61 +67,6 @@ def _flat(value: Tensor | Named, net: nn.Module | None, fill: float) -> Tensor:
             if p.requires_grad
         ]
     )
-
-
-def _vogn_defaults(bench: str) -> dict[str, Any]:
-    from strategies.vogn import DEFAULTS as VOGN_DEFAULTS
-
-    base = VOGN_DEFAULTS[bench]
-    return {
-        "optimizer": "vogn",
-        "lr": base["lr"],
-        "train_epochs": base["train_epochs"],
-        "train_mb_size": base["train_mb_size"],
-        "optimizer_kwargs": dict(base["optimizer_kwargs"]),
-        "kwargs": {**DEFAULTS[bench]["kwargs"], "posterior": "vogn"},
-    }
-
-
-#: FROMP with VOGN ("fromp-vogn"): VOGN's settings of :mod:`strategies.vogn` with FROMP's
-#: regulariser settings (not tuned), keyed by strategy name then benchmark as the runner's
-#: registry allows.
-DEFAULTS["fromp-vogn"] = {b: _vogn_defaults(b) for b in list(DEFAULTS)}
-
-
-def _ivon_defaults(bench: str) -> dict[str, Any]:
-    from strategies.ivon import DEFAULTS as IVON_DEFAULTS
-
-    base = IVON_DEFAULTS[bench]
-    return {
-        "optimizer": "ivon",
-        "lr": base["lr"],
-        "train_epochs": DEFAULTS[bench]["train_epochs"],
-        "train_mb_size": base["train_mb_size"],
-        "optimizer_kwargs": {**base["optimizer_kwargs"], "clip_radius": 0.1},
-        "kwargs": {
-            **DEFAULTS[bench]["kwargs"],
-            "posterior": "ivon",
-            "tau": 1e-2,
-            "jitter": 1e-2,
-            "grad_clip_norm": None,
-        },
-    }
-
-
-#: FROMP with IVON ("fromp-ivon"): IVON's settings of :mod:`strategies.ivon` with FROMP's
-#: memorable points and epochs; the weight-space prior stays IVON's weight decay
-#: (``ivon_continual=False``), the memory of the past is FROMP's alone. IVON's posterior
-#: variance ``1 / (N (h + delta))`` is about ``1e-3`` for every weight (``h`` stays near
-#: ``h0`` with ``beta2 = 0.99999``), against up to ``1 / delta = 1e3`` for the Laplace
-#: posterior of the reference settings, so the kernels are orders of magnitude smaller and
-#: the regulariser orders of magnitude larger: ``tau = 1e-2``, ``jitter = 1e-2`` (with
-#: ``1e-6`` the penalty at IVON's own weight samples was 1e3-1e5 instead of about
-#: ``M C / 2``), no gradient-norm clipping (it stalls the non-adaptive IVON step on new
-#: tasks) but IVON's per-coordinate ``clip_radius = 0.1``. Chosen on split MNIST, seed 0,
-#: 2,000 examples per task, 3 epochs, among about ten settings; not a good result (see
-#: README).
-DEFAULTS["fromp-ivon"] = {b: _ivon_defaults(b) for b in REFERENCE}
 
 
 class FROMPPlugin(SupervisedPlugin):
@@ -527,7 +390,7 @@ class FROMP(MethodStrategy):
 
     ``model`` is an Avalanche model wrapping a :mod:`fromp` model
     (:func:`strategies.models.as_avalanche_model`). Method keyword arguments are those of
-    :class:`FROMPPlugin`; :data:`DEFAULTS` holds the reference settings per benchmark.
+    :class:`FROMPPlugin`; :data:`benchmarks.settings.SETTINGS` holds the settings per benchmark.
     Avalanche's template arguments (``criterion``, ``train_mb_size``, ...) are those of
     :class:`strategies.template.MethodStrategy`.
     With ``posterior="vogn"`` the optimizer must be a :class:`fromp.optim.VOGN`; a

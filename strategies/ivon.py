@@ -40,7 +40,7 @@ from fromp.optim.ivon import IVON
 from fromp.posterior import DiagonalGaussian
 from strategies.models import unwrap
 
-__all__ = ["DEFAULTS", "IVONPlugin", "IVONStrategy"]
+__all__ = ["IVONPlugin", "IVONStrategy"]
 
 
 class IVONPlugin(SupervisedPlugin):
@@ -180,22 +180,3 @@ class IVONStrategy(SupervisedTemplate):
             evaluator=evaluator,
             eval_every=eval_every,
         )
-
-
-_SPLIT = {
-    "optimizer": "ivon",
-    "lr": 0.2,
-    "train_epochs": 10,
-    "train_mb_size": 128,
-    "optimizer_kwargs": {"hess_init": 0.1, "beta2": 0.99999, "weight_decay": 1e-4},
-    "kwargs": {},
-}
-
-#: Per-benchmark settings of the runner (``ess`` is set per experience by the plugin).
-DEFAULTS: dict[str, dict[str, Any]] = {
-    "split-mnist": dict(_SPLIT),
-    "split-fashion-mnist": dict(_SPLIT),
-    "split-digits": {**_SPLIT, "train_epochs": 50, "train_mb_size": 32},
-    "permuted-mnist": dict(_SPLIT),
-    "split-cifar": {**_SPLIT, "train_epochs": 20},
-}

@@ -42,7 +42,7 @@ from strategies.benchmarks import experience_tensors
 from strategies.models import as_avalanche_model, unwrap
 from strategies.template import MethodStrategy
 
-__all__ = ["DEFAULTS", "VCL", "VCLPlugin"]
+__all__ = ["VCL", "VCLPlugin"]
 
 
 def __getattr__(name: str) -> object:
@@ -393,62 +393,3 @@ class VCL(MethodStrategy):
             s, n, k = self._mc_logits.shape
             return self._criterion(self._mc_logits.reshape(s * n, k), self.mb_y.repeat(s))
         return self._criterion(self.mb_output, self.mb_y)
-
-
-# Tuned settings per benchmark (see benchmarks/results/vcl_*.json for what was run). The
-# reference code trains split MNIST with full-batch Adam for 120 epochs (120 steps per task)
-# and 10 MC samples; on a CPU budget we keep about the same number of Adam steps (batches of
-# 1024 for 10 epochs, ~118 steps per task) with 3 local-reparameterisation samples.
-_VCL_SPLIT = {
-    "optimizer": "adam",
-    "lr": 1e-3,
-    "train_epochs": 10,
-    "train_mb_size": 1024,
-    "kwargs": {"train_samples": 3, "test_samples": 100, "coreset_epochs": 120},
-}
-# Permuted MNIST: the reference code uses batches of 256 for 100 epochs; here 15 epochs,
-# 3 training samples, 10 test samples (10 tasks x 10,000 test images are evaluated after
-# every task), and 50 epochs on the merged coreset (vcl-coreset, seed 0: 93.0 %; with 5
-# epochs 90.7 %; benchmarks/results/vcl_permuted-mnist.json).
-_VCL_PERM = {
-    "optimizer": "adam",
-    "lr": 1e-3,
-    "train_epochs": 15,
-    "train_mb_size": 256,
-    "kwargs": {"train_samples": 3, "test_samples": 10, "coreset_epochs": 50},
-}
-
-
-def _with(base: dict, **kw) -> dict:
-    out = {**base, "kwargs": {**base["kwargs"], **kw}}
-    return out
-
-
-DEFAULTS: dict[str, dict[str, dict]] = {
-    "vcl": {
-        "split-mnist": _VCL_SPLIT,
-        "split-fashion-mnist": _VCL_SPLIT,
-        # Split-Digits has about 290 training images per task: the KL to the previous
-        # posterior outweighs them and later tasks are learned poorly (seed 0: 85.8 %, Naive
-        # 98.0 %); sweeps of lr, epochs, batch size, prior and initial variance, MC samples
-        # and a coreset (85.1 %) gave no robust gain.
-        "split-digits": {**_VCL_SPLIT, "train_epochs": 50, "train_mb_size": 64},
-        "permuted-mnist": _VCL_PERM,
-        "split-cifar": {**_VCL_SPLIT, "train_epochs": 20, "train_mb_size": 256},
-    },
-    "vcl-coreset": {
-        "split-mnist": _with(_VCL_SPLIT, coreset_size=40, coreset_method="random"),
-        "split-fashion-mnist": _with(_VCL_SPLIT, coreset_size=40, coreset_method="random"),
-        "split-digits": _with(
-            {**_VCL_SPLIT, "train_epochs": 50, "train_mb_size": 64},
-            coreset_size=20,
-            coreset_method="random",
-        ),
-        "permuted-mnist": _with(_VCL_PERM, coreset_size=200, coreset_method="random"),
-        "split-cifar": _with(
-            {**_VCL_SPLIT, "train_epochs": 20, "train_mb_size": 256},
-            coreset_size=200,
-            coreset_method="random",
-        ),
-    },
-}

@@ -53,7 +53,7 @@ from fromp.posterior import DiagonalGaussian
 from strategies.models import unwrap
 from strategies.template import MethodStrategy
 
-__all__ = ["DEFAULTS", "VOGNPlugin", "VOGNStrategy", "minibatch_curvature"]
+__all__ = ["VOGNPlugin", "VOGNStrategy", "minibatch_curvature"]
 
 
 def minibatch_curvature(
@@ -252,21 +252,3 @@ class VOGNStrategy(MethodStrategy):
             optimizer=optimizer,
             **template_kwargs,
         )
-
-
-_SPLIT = {
-    "optimizer": "vogn",
-    "lr": 1e-3,
-    "train_epochs": 10,
-    "train_mb_size": 128,
-    "optimizer_kwargs": {"prior_precision": 100.0, "kl_weight": 0.05, "mc_samples": 1},
-    "kwargs": {},
-}
-
-DEFAULTS: dict[str, dict[str, Any]] = {
-    "split-mnist": dict(_SPLIT),
-    "split-fashion-mnist": dict(_SPLIT),
-    "split-digits": {**_SPLIT, "train_epochs": 50, "train_mb_size": 32},
-    "permuted-mnist": {**_SPLIT, "train_epochs": 10},
-    "split-cifar": {**_SPLIT, "train_epochs": 20},
-}

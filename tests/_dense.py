@@ -99,3 +99,51 @@ class TinyCNN(nn.Module):
 
 def tiny_cnn(c: int = 3) -> nn.Module:
     return TinyCNN(c).double().eval()
+
+
+class Scale(nn.Module):
+    """A parametrised layer with no capture rule: must go to the Jacobian fallback."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.linspace(0.5, 1.5, n))
+
+    def forward(self, x):
+        return x * self.s.view(1, -1, *([1] * (x.ndim - 2)))
+
+
+class ConvZoo(nn.Module):
+    """Conv2d with stride/dilation/reflect padding, grouped conv with 'same' circular
+    padding, BatchNorm2d (eval), GroupNorm, a 1x1-output conv (Gram route), Conv1d with
+    stride, LayerNorm on a sequence, a sequence Linear, a Scale layer (fallback)."""
+
+    def __init__(self, c: int = 3) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(2, 4, 3, stride=2, dilation=1, padding=1, padding_mode="reflect")
+        self.bn = nn.BatchNorm2d(4)
+        self.c2 = nn.Conv2d(4, 4, 3, padding="same", dilation=2, groups=2, padding_mode="circular")
+        self.gn = nn.GroupNorm(2, 4)
+        self.scale = Scale(4)
+        self.c3 = nn.Conv2d(4, 6, 4, stride=2, bias=False)  # 4x4 -> 1x1 output
+        self.c1d = nn.Conv1d(1, 3, 3, stride=2, padding=1)  # on a 1-d view of the input
+        self.ln = nn.LayerNorm(3)
+        self.seq = nn.Linear(3, 2)
+        self.fc = nn.Linear(6 + 2, c)
+        with torch.no_grad():
+            self.bn.running_mean.uniform_(-0.5, 0.5)
+            self.bn.running_var.uniform_(0.5, 2.0)
+            for norm in (self.bn, self.gn, self.ln):
+                norm.weight.uniform_(0.5, 1.5)
+                norm.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x):
+        h = torch.tanh(self.bn(self.c1(x)))  # B, 4, 4, 4
+        h = torch.relu(self.scale(self.gn(self.c2(h))))
+        h = torch.tanh(self.c3(h)).flatten(1)  # B, 6
+        s = self.c1d(x[:, :1].flatten(2)[..., :15])  # B, 3, 8
+        s = self.seq(torch.tanh(self.ln(s.transpose(1, 2)))).mean(1)  # B, 2
+        return self.fc(torch.cat([h, s], 1))
+
+
+def conv_zoo() -> nn.Module:
+    return ConvZoo().double().eval()

@@ -232,3 +232,71 @@ def test_report_only_rebuilds_from_run_files(tmp_path, capsys):
     assert "| naive | 1 |" in capsys.readouterr().out
     assert (base / "report.md").exists()
     assert main(["split-mnist", "--report-only", "--out", str(tmp_path)]) == 2
+
+
+def test_validation_metrics_do_not_change_the_test_results(tmp_path):
+    """Evaluating the validation sets (under a forked RNG) leaves the test results as they
+    are: VCL samples at evaluation, so a shared RNG would change them."""
+    kw = dict(overrides={"train_epochs": 1}, n_train=60, n_test=30, progress=False)
+    seq_cfg = dict(benchmark="split-digits", strategy="vcl", valid_fraction=0.2)
+    with_val = run(RunConfig(**seq_cfg, **kw))
+    assert len(with_val["valid_accuracy_matrix"]) == 5
+    assert 0 <= with_val["mean_valid_accuracy"] <= 100
+    import benchmarks.runner as R
+
+    no_val_view = R._validation_view
+    try:
+        R._validation_view = lambda seq: None
+        without = run(RunConfig(**seq_cfg, **kw))
+    finally:
+        R._validation_view = no_val_view
+    assert without["accuracy_matrix"] == with_val["accuracy_matrix"]
+
+
+def test_select_on_validation_reports_the_best_validation_setting(tmp_path, capsys):
+    argv = ["split-digits", "--strategies", "naive", "--grid", "lr=0.00001,0.01"]
+    argv += ["--epochs", "1", "--n-train", "60", "--n-test", "30", "--no-progress"]
+    argv += ["--valid-fraction", "0.2", "--select-on", "validation", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    payload = json.loads((tmp_path / "split-digits" / "results.json").read_text())
+    sel = payload["selection"]["naive"]
+    assert set(sel["candidates"]) == {"naive [lr=1e-05]", "naive [lr=0.01]"}
+    best = max(sel["candidates"], key=sel["candidates"].get)
+    assert sel["selected"] == best
+    report = (tmp_path / "split-digits" / "report.md").read_text()
+    table = report.split("Time per run")[0]
+    assert f"| {best} | 1 |" in table
+    other = next(c for c in sel["candidates"] if c != best)
+    assert f"| {other} | 1 |" not in table  # the other candidate's test accuracy is not shown
+    assert "Settings selected on validation accuracy" in report
+    assert {r["config"]["valid_fraction"] for r in payload["runs"]} == {0.2}
+
+
+def test_demo_leaks_no_warnings_and_explains_a_low_vcl(tmp_path, capsys, monkeypatch, recwarn):
+    import warnings
+
+    import torchvision.datasets as tvd
+
+    class Offline(tvd.MNIST):
+        def download(self):
+            raise RuntimeError("offline")
+
+    monkeypatch.setattr(tvd, "MNIST", Offline)
+    warnings.simplefilter("always")
+    argv = ["demo", "--data-root", str(tmp_path / "empty"), "--out", str(tmp_path / "out")]
+    argv += ["--epochs", "1", "--n-train", "80", "--n-test", "40", "--batch-size", "4"]  # bars
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for name in ("fromp", "ewc", "vcl", "naive"):
+        assert f"| {name} | 1 |" in out
+    leaked = [
+        str(w.message)
+        for w in recwarn
+        if issubclass(w.category, UserWarning | RuntimeWarning)
+        and "QP solver" not in str(w.message)
+        and "No loggers specified" not in str(w.message)
+    ]
+    assert leaked == []
+    payload = json.loads((tmp_path / "out" / "split-digits" / "results.json").read_text())
+    acc = {k: v["mean_accuracy"]["mean"] for k, v in payload["aggregate"].items()}
+    assert ("VCL (" in out) == (acc["vcl"] < acc["naive"])

@@ -97,7 +97,7 @@ def test_vcl_checkpoint_loads_posterior_means(tmp_path):
     )
     run(cfg)
     state = torch.load(path, map_location="cpu", weights_only=False)
-    bayes = state["plugins"][0]["state_dict"]["net"]  # VCL's own Bayesian network
+    bayes = state["plugins"]["VCLPlugin"]["state_dict"]["net"]  # VCL's own Bayesian network
     net, _, _ = load_trained(path)
     mu = {k: v for k, v in bayes.items() if k.endswith("weight_mu")}
     assert mu

@@ -98,3 +98,44 @@ def test_real_mnist_sequences(mnist_root):
     x0, x1 = perm[0].train_x, perm[1].train_x
     assert not torch.equal(x0, x1)
     assert torch.equal(x0.sort(dim=1).values, x1.sort(dim=1).values)
+
+
+def test_validation_split_is_disjoint_sized_and_fixed_by_its_seed():
+    seq = D.split_digits()
+    val = seq.with_validation(0.1, seed=0)
+    for t, v in zip(seq, val):
+        n = len(t.train_x)
+        assert len(v.valid_x) == round(0.1 * n) and len(v.train_x) == n - len(v.valid_x)
+        # the union of the two is the original training set, without repeats
+        both = torch.cat([v.train_x, v.valid_x]).flatten(1)
+        assert torch.equal(both.unique(dim=0), t.train_x.flatten(1).unique(dim=0))
+        assert len(both.unique(dim=0)) == len(t.train_x.flatten(1).unique(dim=0))
+        assert torch.equal(v.test_x, t.test_x)
+    again = seq.with_validation(0.1, seed=0)
+    other = seq.with_validation(0.1, seed=1)
+    assert torch.equal(again[2].valid_x, val[2].valid_x)
+    assert not torch.equal(other[2].valid_x, val[2].valid_x)
+    # subsampling afterwards keeps the validation set whole
+    small = val.subsample(50, 20)
+    assert torch.equal(small[1].valid_x, val[1].valid_x) and len(small[1].train_x) == 50
+    with pytest.raises(ValueError, match="fraction"):
+        seq.with_validation(1.0)
+    with pytest.raises(ValueError, match="already has a validation set"):
+        val.with_validation(0.1)
+
+
+def test_fingerprint_changes_with_any_tensor():
+    seq = D.split_digits()
+    fp = seq.fingerprint()
+    assert [t["n_train"] for t in fp["tasks"]] == [len(t.train_x) for t in seq]
+    assert seq.fingerprint() == fp
+    seq[3].test_y[0] = 1 - seq[3].test_y[0]
+    changed = seq.fingerprint()
+    assert changed["hash"] != fp["hash"]
+    assert [a["hash"] == b["hash"] for a, b in zip(fp["tasks"], changed["tasks"])] == [
+        True,
+        True,
+        True,
+        False,
+        True,
+    ]

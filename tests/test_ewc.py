@@ -8,11 +8,12 @@ import torch.nn.functional as F
 from avalanche.evaluation.metrics import accuracy_metrics
 from avalanche.training.plugins import EvaluationPlugin
 
+from benchmarks.settings import SETTINGS
 from fromp.data import synthetic_split
 from fromp.jacobian import flat_params
 from fromp.models import MultiHeadMLP
 from strategies.benchmarks import to_avalanche
-from strategies.ewc import DEFAULTS, EWC, EWCPlugin, ewc_penalty
+from strategies.ewc import EWC, EWCPlugin, ewc_penalty
 from strategies.models import as_avalanche_model
 
 
@@ -154,5 +155,5 @@ def test_single_head_strategy_runs():
 
 def test_defaults_follow_the_contract():
     for bench in ("split-mnist", "permuted-mnist", "split-cifar", "split-fashion-mnist"):
-        d = DEFAULTS[bench]
+        d = SETTINGS["ewc"][bench]
         assert {"optimizer", "lr", "train_epochs", "train_mb_size", "kwargs"} <= set(d)

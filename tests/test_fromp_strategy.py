@@ -10,10 +10,11 @@ from avalanche.evaluation.metrics import accuracy_metrics
 from avalanche.training import Naive
 from avalanche.training.plugins import EvaluationPlugin
 
+from benchmarks.settings import SETTINGS
 from fromp.data import permuted_mnist, synthetic_split
 from fromp.models import MultiHeadMLP
 from strategies.benchmarks import to_avalanche
-from strategies.fromp import DEFAULTS, FROMP, FROMPPlugin
+from strategies.fromp import FROMP, FROMPPlugin
 from strategies.models import as_avalanche_model, unwrap
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -106,21 +107,19 @@ def test_plugin_argument_errors():
         FROMPPlugin(posterior="laplace")
     with pytest.raises(ValueError, match="kernel must be one of"):
         FROMPPlugin(kernel="rbf")
-    assert set(DEFAULTS) >= {
+    assert set(SETTINGS["fromp"]) >= {
         "split-mnist",
         "permuted-mnist",
         "split-cifar",
         "split-fashion-mnist",
         "split-digits",
     }
-    for bench, d in DEFAULTS.items():
-        if bench in ("fromp-vogn", "fromp-ivon"):
-            continue
+    for bench, d in SETTINGS["fromp"].items():
         assert {"optimizer", "lr", "train_epochs", "train_mb_size", "kwargs"} <= set(d)
-        assert DEFAULTS["fromp-vogn"][bench]["optimizer"] == "vogn"
-        assert DEFAULTS["fromp-vogn"][bench]["kwargs"]["posterior"] == "vogn"
-        assert DEFAULTS["fromp-ivon"][bench]["optimizer"] == "ivon"
-        assert DEFAULTS["fromp-ivon"][bench]["kwargs"]["posterior"] == "ivon"
+        assert SETTINGS["fromp-vogn"][bench]["optimizer"] == "vogn"
+        assert SETTINGS["fromp-vogn"][bench]["kwargs"]["posterior"] == "vogn"
+        assert SETTINGS["fromp-ivon"][bench]["optimizer"] == "ivon"
+        assert SETTINGS["fromp-ivon"][bench]["kwargs"]["posterior"] == "ivon"
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from _dense import dense_jacobian, dense_kernel, flat, forward_at, tiny_cnn, tiny_mlp
+from _dense import conv_zoo, dense_jacobian, dense_kernel, flat, forward_at, tiny_cnn, tiny_mlp
 from torch import nn
 
 from fromp import DiagonalGaussian, FullGaussian, dnn2gp, laplace, laplace_full
@@ -249,18 +249,19 @@ class _TiedMLP(nn.Module):
         return self.out(torch.tanh(self.shared(h)))
 
 
-class _SeqLinear(nn.Module):
-    """A Linear applied to [N, T, D] inputs (no per-example outer-product structure)."""
+class _WeightReused(nn.Module):
+    """A Linear whose weight is also used outside its forward (the layer structure misses
+    that term: the one-example check must reject the structured way)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 3)
 
     def forward(self, x):
-        return self.lin(x).mean(1)
+        return self.lin(x) + torch.tanh(x) @ self.lin.weight.T
 
 
-@pytest.mark.parametrize("make,shape", [(_TiedMLP, (4,)), (_SeqLinear, (2, 4))])
+@pytest.mark.parametrize("make,shape", [(_TiedMLP, (4,)), (_WeightReused, (4,))])
 def test_structured_kernel_falls_back_where_it_does_not_apply(make, shape):
     model = make().double()
     p = sum(q.numel() for q in model.parameters())
@@ -329,3 +330,44 @@ def test_gp_at_a_vogn_iterate_matches_dense():
     torch.testing.assert_close(gp.kernel(xs), ref, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(q.mean, opt.vogn_state["mu"])
     assert not torch.allclose(q.precision, torch.full_like(q.precision, 2.0))  # data counted
+
+
+def test_default_chunk_size_follows_memory_budget():
+    """Without chunk_size the chunk comes from the memory budget (at most 64 examples) and
+    the kernel does not depend on it."""
+    model = tiny_mlp(c=3)
+    post = DiagonalGaussian.isotropic(model, 2.0)
+    x = torch.randn(5, 4, dtype=F64)
+    big, small = GP(model, post, "categorical"), GP(model, post, "categorical", memory_budget=1)
+    ref = big.kernel(x, method="jacobian")
+    assert big.chunk_size == 64 and small.chunk_size == 1
+    torch.testing.assert_close(small.kernel(x, method="jacobian"), ref, rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match="memory_budget"):
+        GP(model, post, "categorical", memory_budget=0)
+
+
+@pytest.mark.parametrize("diagonal_outputs", [False, True])
+def test_structured_kernel_of_conv_norm_layers_matches_dense(diagonal_outputs):
+    """Convolutions (stride, dilation, groups, padding modes, a 1x1-output conv), batch norm
+    in eval mode, GroupNorm, LayerNorm, a sequence Linear and a layer without a capture rule:
+    the structured kernel equals the dense float64 kernel, chunked or not."""
+    model = conv_zoo()
+    p = sum(q.numel() for q in model.parameters())
+    post = _random_posterior(p, full=False)
+    x1, x2 = torch.randn(5, 2, 8, 8, dtype=F64), torch.randn(3, 2, 8, 8, dtype=F64)
+    gp = dnn2gp(model, post, "categorical", chunk_size=2)
+    j1 = dense_jacobian(model, x1, post.mean)
+    j2 = dense_jacobian(model, x2, post.mean)
+    cov = torch.diag(post.variance)
+    for xa, ja, xb, jb in ((x1, j1, None, j1), (x1, j1, x2, j2)):
+        ref = dense_kernel(ja, cov, jb)
+        if diagonal_outputs:
+            ref = torch.stack([ref[:, c, :, c] for c in range(ref.shape[1])])
+        got = gp.kernel(xa, xb, diagonal_outputs=diagonal_outputs, method="structured")
+        torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-12)
+    assert gp._structured is not False and gp._structured.other == ["scale.s"]
+    full = dense_kernel(j1, cov, j1)
+    want = torch.stack([full[n, :, n, :] for n in range(len(x1))])
+    for method in ("structured", "jacobian"):
+        got = gp.variance(x1, method=method)
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)

@@ -7,12 +7,13 @@ import torch
 from avalanche.evaluation.metrics import accuracy_metrics
 from avalanche.training.plugins import EvaluationPlugin
 
+from benchmarks.settings import SETTINGS
 from fromp.bayesian import BayesMultiHeadModel
 from fromp.data import synthetic_split
 from fromp.models import MultiHeadMLP
 from strategies.benchmarks import to_avalanche
 from strategies.models import as_avalanche_model
-from strategies.vcl import DEFAULTS, VCL, VCLPlugin
+from strategies.vcl import VCL, VCLPlugin
 
 
 def _strategy(net, **kw):
@@ -180,10 +181,10 @@ def test_bad_arguments(bad):
 def test_defaults_follow_the_contract():
     for name in ("vcl", "vcl-coreset"):
         for bench in ("split-mnist", "permuted-mnist", "split-cifar", "split-fashion-mnist"):
-            d = DEFAULTS[name][bench]
+            d = SETTINGS[name][bench]
             assert {"optimizer", "lr", "train_epochs", "train_mb_size", "kwargs"} <= set(d)
-    assert DEFAULTS["vcl-coreset"]["split-mnist"]["kwargs"]["coreset_size"] == 40
-    assert DEFAULTS["vcl-coreset"]["permuted-mnist"]["kwargs"]["coreset_size"] == 200
+    assert SETTINGS["vcl-coreset"]["split-mnist"]["kwargs"]["coreset_size"] == 40
+    assert SETTINGS["vcl-coreset"]["permuted-mnist"]["kwargs"]["coreset_size"] == 200
 
 
 def test_runner_resume_matches_uninterrupted_run(tmp_path):

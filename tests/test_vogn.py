@@ -199,6 +199,13 @@ def _case(arch):
     if arch in ("twice", "shared"):
         net = _Twice(norm=arch == "twice").to(D)
         return net, torch.randn(9, 5, dtype=D), torch.randint(0, 3, (9,))
+    if arch == "groups-norm":  # grouped strided conv, GroupNorm, LayerNorm: hook path
+        net = nn.Sequential(
+            nn.Conv2d(1, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.Tanh(),
+            nn.Conv2d(4, 4, 3, stride=2, groups=2), nn.Flatten(), nn.LayerNorm(36),
+            nn.Linear(36, 4),
+        ).to(D)  # fmt: skip
+        return net, torch.rand(9, 1, 8, 8, dtype=D), torch.randint(0, 4, (9,))
     if arch == "cnn-odd":
         net = _OddCNN()
         x = torch.rand(9, 2, 11, 13, dtype=D)
@@ -216,7 +223,9 @@ def _case(arch):
 
 
 @pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel lengths")
-@pytest.mark.parametrize("arch", ["mlp", "cnn", "cnn-bn", "cnn-odd", "twice", "shared"])
+@pytest.mark.parametrize(
+    "arch", ["mlp", "cnn", "cnn-bn", "cnn-odd", "groups-norm", "twice", "shared"]
+)
 def test_per_example_stats_match_brute_force(arch):
     """Both exact implementations (vmap; layer hooks for Linear/Conv2d/BatchNorm) against a
     loop over examples; batch norm is evaluated with its running statistics."""
@@ -526,3 +535,21 @@ def test_plugin_curvature_from_training_forward_is_exact(reuse_forward):
     strat.train(to_avalanche(seq).train_stream[1])
     assert check.checked == 3
     assert strat.plugin.n_reused == (3 if reuse_forward else 0)
+
+
+def test_step_that_raises_restores_the_mean_weights():
+    """A regulariser that fails after sampling must not leave a sample in the model."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
+    opt = VOGN(net, lr=0.1, train_set_size=10, prior_precision=1.0, init_precision=1.0)
+    x, y = torch.randn(5, 3, dtype=D), torch.randint(0, 2, (5,))
+    opt.step(x, y)
+    mu = opt.posterior().mean
+
+    def failing():
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        opt.step(x, y, regularizer=failing)
+    got = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    torch.testing.assert_close(got, mu, rtol=0, atol=0)

@@ -32,13 +32,14 @@ Everything is kept as flat ``[P]`` vectors, parameters in ``named_parameters()``
 (trainable only), the order of :func:`fromp.jacobian.flat_params`.
 
 Per-example quantities are exact for any architecture (convolutions with weight sharing
-included). By default (``method="auto"``) squared gradients of models made of ``Linear``,
-``Conv2d`` and batch-norm layers come from one forward and one backward pass with layer
-hooks (``sum_i g_i^2 = (d^2)^T (a^2)`` for a linear layer; for a convolution the per-example
-weight gradients of that layer alone, as the weight gradient of one convolution with the batch
-as groups); anything else uses ``torch.func.vmap`` over ``grad`` (``jacrev`` for
-the GGN), chunked over examples so that peak memory is ``chunk_size * P`` numbers. Both are
-checked against loops over examples in ``tests/test_vogn.py``.
+included). By default (``method="auto"``) squared gradients of models made of the layers
+that :mod:`fromp.capture` handles (``Linear``, ``Conv1d/2d``, batch norm, ``LayerNorm``,
+``GroupNorm``) come from one forward and one backward pass with layer capture
+(``sum_i g_i^2 = (d^2)^T (a^2)`` for a linear layer; for a convolution the per-example
+weight gradients of that layer alone, from its unfolded input); anything else uses
+``torch.func.vmap`` over ``grad`` (``jacrev`` for the GGN), chunked over examples so that
+peak memory is ``chunk_size * P`` numbers. Both are checked against loops over examples in
+``tests/test_vogn.py``.
 
 Typical use::
 
@@ -68,6 +69,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, jacrev, vmap
 
+from fromp.capture import LayerCall, capture_calls, squared_grad_sums, supported_layer
 from fromp.likelihood import Likelihood, get_likelihood
 from fromp.posterior import DiagonalGaussian
 
@@ -124,101 +126,36 @@ def _loss_fn(loss: Likelihood | LossFn | str) -> LossFn:
     raise ValueError(f"loss must be a Likelihood, a likelihood name or a callable, got {loss!r}")
 
 
-_HOOKED = (nn.Linear, nn.Conv2d, nn.modules.batchnorm._BatchNorm)
-
-
 def _hook_supported(model: nn.Module) -> bool:
-    """Whether every trainable parameter sits directly in a Linear, Conv2d (``groups=1``, any
-    padding) or batch-norm layer with running statistics."""
+    """Whether every trainable parameter sits directly in one layer that
+    :mod:`fromp.capture` handles (``Linear``, ``Conv1d/2d``, batch norm with running
+    statistics, ``LayerNorm``, ``GroupNorm``); batch norm in training mode counts, since the
+    per-example pass runs it in eval mode."""
+    owners: dict[int, int] = {}
     for m in model.modules():
         own = [p for p in m.parameters(recurse=False) if p.requires_grad]
         if not own:
             continue
-        if isinstance(m, nn.Conv2d):
-            if m.groups != 1:
-                return False
-        elif isinstance(m, nn.modules.batchnorm._BatchNorm):
+        for p in own:
+            owners[id(p)] = owners.get(id(p), 0) + 1
+        if isinstance(m, _BN) and type(m) in _BN_TYPES:
             if m.running_mean is None or m.running_var is None:
                 return False
-        elif not isinstance(m, nn.Linear):
+        elif not supported_layer(m):
             return False
-    return True
+    return all(c == 1 for c in owners.values())
 
 
-def _conv2d_per_example_grads(m: nn.Conv2d, a: Tensor, g: Tensor) -> Tensor:
-    """Per-example weight gradients ``[B, Cout, Cin, kh, kw]`` of a ``groups=1`` convolution
-    from its input ``a [B, Cin, H, W]`` and output gradient ``g [B, Cout, Ho, Wo]``.
-
-    Stacking the batch along the channels (``[1, B*Cin, H, W]`` and ``[1, B*Cout, Ho, Wo]``)
-    turns the ``B`` per-example problems into one convolution with ``groups=B``, whose weight
-    gradient ``[B*Cout, Cin, kh, kw]`` holds the per-example gradients: one optimised
-    weight-gradient kernel (the batching rule ``vmap`` uses too), about 4x faster on a CPU than
-    ``unfold`` followed by ``bmm`` and without the ``[B, Cin*kh*kw, L]`` column matrix. String
-    padding and non-zero padding modes are applied to ``a`` first."""
-    bsz, cout = g.shape[:2]
-    cin = a.shape[1]
-    padding: Any = m.padding
-    if isinstance(padding, str) or m.padding_mode != "zeros":  # pad explicitly
-        mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
-        a = torch.nn.functional.pad(a, m._reversed_padding_repeated_twice, mode=mode)
-        padding = 0
-    per = torch.nn.grad.conv2d_weight(
-        a.reshape(1, bsz * cin, *a.shape[2:]),
-        (bsz * cout, cin, *m.kernel_size),
-        g.reshape(1, bsz * cout, *g.shape[2:]),
-        stride=m.stride,
-        padding=padding,
-        dilation=m.dilation,
-        groups=bsz,
-    )
-    return per.view(bsz, cout, cin, *m.kernel_size)
-
-
-def _layer_stats(
-    m: nn.Module, a: Tensor, g: Tensor, need_grad: bool = True
-) -> dict[str, tuple[Tensor | None, Tensor]]:
-    """``{param name: (sum_i g_i, sum_i g_i^2)}`` of one layer call from its input ``a`` and
-    the per-example output gradient ``g`` (each example's loss depends on its own row).
-    ``sum_i g_i`` of a linear layer's weight is None when not ``need_grad``."""
-    out: dict[str, tuple[Tensor | None, Tensor]] = {}
-    if isinstance(m, nn.Linear):
-        if a.ndim == 2:
-            w_sum, w_sq = (g.T @ a if need_grad else None), (g * g).T @ (a * a)
-            b_per = g
-        else:  # shared over extra dimensions: form per-example gradients
-            a3, g3 = a.reshape(len(a), -1, a.shape[-1]), g.reshape(len(g), -1, g.shape[-1])
-            per = torch.bmm(g3.transpose(1, 2), a3)
-            w_sum, w_sq = per.sum(0), per.pow(2).sum(0)
-            b_per = g3.sum(1)
-        out["weight"] = (w_sum, w_sq)
-        if m.bias is not None:
-            out["bias"] = (b_per.sum(0), b_per.pow(2).sum(0))
-    elif isinstance(m, nn.Conv2d):
-        g3 = g.reshape(len(g), g.shape[1], -1)  # B, Cout, L
-        per = _conv2d_per_example_grads(m, a, g)  # B, Cout, Cin, kh, kw
-        out["weight"] = (per.sum(0) if need_grad else None, per.pow(2).sum(0))
-        if m.bias is not None:
-            b_per = g3.sum(2)
-            out["bias"] = (b_per.sum(0), b_per.pow(2).sum(0))
-    else:  # batch norm in eval mode: out = xhat * weight + bias
-        shape = (1, -1) + (1,) * (a.ndim - 2)
-        xhat = (a - m.running_mean.view(shape)) * torch.rsqrt(m.running_var.view(shape) + m.eps)
-        dims = tuple(range(2, a.ndim))
-        w_per = (g * xhat).sum(dims) if dims else g * xhat
-        b_per = g.sum(dims) if dims else g
-        if m.weight is not None:
-            out["weight"] = (w_per.sum(0), w_per.pow(2).sum(0))
-        if m.bias is not None:
-            out["bias"] = (b_per.sum(0), b_per.pow(2).sum(0))
-    return out
-
-
+_BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 _LAYOUT_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _layout(model: nn.Module) -> tuple[bool, dict[str, Tensor], dict[int, tuple[nn.Module, str]]]:
-    """``(hooks supported, trainable params by name, id(param) -> (layer, name))``, cached
-    per model while its trainable parameters stay the same objects."""
+def _layout(
+    model: nn.Module,
+) -> tuple[bool, dict[str, Tensor], dict[int, tuple[nn.Module, str]], dict[tuple[int, str], str]]:
+    """``(hooks supported, trainable params by name, id(param) -> (layer, name),
+    (id(layer), name) -> param name)``, cached per model while its trainable parameters stay
+    the same objects."""
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
     sig = tuple(id(p) for p in named.values())
     hit = _LAYOUT_CACHE.get(model)
@@ -229,18 +166,33 @@ def _layout(model: nn.Module) -> tuple[bool, dict[str, Tensor], dict[int, tuple[
         for pn, p in m.named_parameters(recurse=False):
             if p.requires_grad:
                 owner[id(p)] = (m, pn)
-    out = (_hook_supported(model), named, owner)
+    name_of = {(id(owner[id(p)][0]), owner[id(p)][1]): n for n, p in named.items()}
+    out = (_hook_supported(model), named, owner, name_of)
     _LAYOUT_CACHE[model] = (sig, out)
     return out
+
+
+def _captured_squares(
+    calls: list[LayerCall], grads: tuple[Tensor | None, ...], name_of: dict, h_sum: dict
+) -> None:
+    """Add ``sum_i g_i^2`` of every captured layer (output gradients ``grads``) to ``h_sum``."""
+    for c, g in zip(calls, grads):
+        if g is None:
+            continue
+        for pn, t in squared_grad_sums(c.module, c.a, g.detach().unsqueeze(0)).items():
+            name = name_of.get((id(c.module), pn))
+            if name is not None:
+                h_sum[name] += t
 
 
 def _ef_stats_hooks(
     model: nn.Module, x: Tensor, y: Tensor, nll: LossFn, step: int, need_grad: bool = True
 ) -> GradStats | None:
-    """Squared per-example gradients from layer inputs and output gradients (one forward
-    and one backward per chunk). Returns None when a layer is called more than once."""
-    _, named, owner = _layout(model)
-    layers = {m for m, _ in owner.values()}
+    """Squared per-example gradients from layer inputs and output gradients
+    (:mod:`fromp.capture`; one forward and one backward per chunk, the mean gradient from
+    the same backward). Returns None when a layer is called more than once."""
+    _, named, owner, name_of = _layout(model)
+    layers = list(dict.fromkeys(m for m, _ in owner.values()))
     p0 = next(iter(named.values()))
     total = sum(p.numel() for p in named.values())
     g_flat = torch.zeros(total, dtype=p0.dtype, device=p0.device)
@@ -250,41 +202,22 @@ def _ef_stats_hooks(
         g_sum[n] = g_flat[i : i + p.numel()].view_as(p)
         h_sum[n] = h_flat[i : i + p.numel()].view_as(p)
         i += p.numel()
-    loss_sum = torch.zeros((), dtype=next(iter(named.values())).dtype, device=x.device)
-    calls: list[tuple[nn.Module, Tensor, Tensor]] = []
-
-    def hook(m: nn.Module, inp: tuple[Tensor, ...], out: Tensor) -> None:
-        calls.append((m, inp[0].detach(), out))
-
+    loss_sum = torch.zeros((), dtype=p0.dtype, device=x.device)
+    params = list(named.values()) if need_grad else []
     for s in range(0, len(x), step):
-        calls.clear()
-        handles = [m.register_forward_hook(hook) for m in layers]
-        try:
-            with torch.enable_grad():
-                f = model(x[s : s + step])
-                losses = nll(f, y[s : s + step])
-                if losses.shape != (len(f),):
-                    raise ValueError(
-                        f"loss must return per-example values [B], got {tuple(losses.shape)}"
-                    )
-                outs = [c[2] for c in calls]
-                grads = torch.autograd.grad(losses.sum(), outs, allow_unused=True)
-        finally:
-            for h in handles:
-                h.remove()
-        if len({id(m) for m, _, _ in calls}) != len(calls):
+        with torch.enable_grad(), capture_calls(layers) as calls:
+            f = model(x[s : s + step])
+            losses = nll(f, y[s : s + step])
+        if losses.shape != (len(f),):
+            raise ValueError(f"loss must return per-example values [B], got {tuple(losses.shape)}")
+        if len({id(c.module) for c in calls}) != len(calls):
             return None
-        per_layer = {}
-        for (m, a, _), g in zip(calls, grads):
+        zs = [c.z for c in calls]
+        grads = torch.autograd.grad(losses.sum(), zs + params, allow_unused=True)
+        _captured_squares(calls, grads[: len(zs)], name_of, h_sum)
+        for n, g in zip(named, grads[len(zs) :]):
             if g is not None:
-                per_layer[m] = _layer_stats(m, a, g.detach(), need_grad)
-        for n, p in named.items():
-            m, pn = owner[id(p)]
-            if m in per_layer and pn in per_layer[m]:
-                gs, hs = per_layer[m][pn]
-                if gs is not None:
-                    g_sum[n] += gs.view_as(p)
-                h_sum[n] += hs.view_as(p)
+                g_sum[n] += g
         loss_sum = loss_sum + losses.detach().sum()
     n_ex = len(x)
     grad = g_flat.div_(n_ex) if need_grad else None
@@ -292,36 +225,33 @@ def _ef_stats_hooks(
 
 
 class LayerCapture:
-    """Records ``(layer, input, output)`` of every call of the parametrised layers of
-    ``model`` during the forward passes inside the ``with`` block, so that the squared
-    per-example gradients of a loss of those outputs can be computed afterwards from the
-    output gradients (:meth:`squared_grads`) without another forward pass.
+    """Records the inputs and outputs of the parametrised layers of ``model`` during the
+    forward passes inside the ``with`` block (:func:`fromp.capture.capture_calls`), so that
+    the squared per-example gradients of a loss of those outputs can be computed afterwards
+    from the output gradients (:meth:`squared_grads`) without another forward pass.
 
-    Usable when ``supported``: all parameters in ``Linear``/``Conv2d``/batch-norm layers and
-    no batch-norm layer in training mode (batch statistics couple the examples).
+    Usable when ``supported``: all parameters in layers :mod:`fromp.capture` handles and no
+    batch-norm layer in training mode (batch statistics couple the examples).
     """
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        ok, self._named, self._owner = _layout(model)
+        ok, self._named, self._owner, self._name_of = _layout(model)
         bn_train = any(isinstance(m, _BN) and m.training for m in model.modules())
         self.supported = ok and not bn_train
-        self.calls: list[tuple[nn.Module, Tensor, Tensor]] = []
-        self._handles: list[Any] = []
-
-    def _hook(self, m: nn.Module, inp: tuple[Tensor, ...], out: Tensor) -> None:
-        self.calls.append((m, inp[0].detach(), out))
+        self.calls: list[LayerCall] = []
+        self._ctx: Any = None
 
     def __enter__(self) -> LayerCapture:
-        self.calls = []
-        layers = {m for m, _ in self._owner.values()}
-        self._handles = [m.register_forward_hook(self._hook) for m in layers]
+        layers = list(dict.fromkeys(m for m, _ in self._owner.values()))
+        self._ctx = capture_calls(layers)
+        self.calls = self._ctx.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        if self._ctx is not None:
+            self._ctx.__exit__(None, None, None)
+            self._ctx = None
 
     def squared_grads(self, losses: Tensor) -> Tensor | None:
         """``(1/M) sum_i g_i^2`` ``[P]`` for per-example ``losses [M]`` computed from the
@@ -329,22 +259,13 @@ class LayerCapture:
         cannot be done exactly (unsupported model, a layer called more than once)."""
         if not self.supported or not self.calls:
             return None
-        if len({id(m) for m, _, _ in self.calls}) != len(self.calls):
+        if len({id(c.module) for c in self.calls}) != len(self.calls):
             return None
-        outs = [c[2] for c in self.calls]
-        grads = torch.autograd.grad(losses.sum(), outs, retain_graph=True, allow_unused=True)
-        per_layer = {}
-        for (m, a, _), g in zip(self.calls, grads):
-            if g is not None:
-                per_layer[m] = _layer_stats(m, a, g.detach(), need_grad=False)
-        parts = []
-        for p in self._named.values():
-            m, pn = self._owner[id(p)]
-            if m in per_layer and pn in per_layer[m]:
-                parts.append(per_layer[m][pn][1].reshape(-1))
-            else:
-                parts.append(torch.zeros(p.numel(), dtype=p.dtype, device=p.device))
-        return torch.cat(parts).div_(len(losses))
+        zs = [c.z for c in self.calls]
+        grads = torch.autograd.grad(losses.sum(), zs, retain_graph=True, allow_unused=True)
+        h_sum = {n: torch.zeros_like(p) for n, p in self._named.items()}
+        _captured_squares(self.calls, grads, self._name_of, h_sum)
+        return torch.cat([t.reshape(-1) for t in h_sum.values()]).div_(len(losses))
 
 
 def per_example_grad_stats(
@@ -377,8 +298,9 @@ def per_example_grad_stats(
       ``sum_i g_i^2 = (d^2)^T (a^2)`` without forming per-example gradients, for a
       convolution (weight sharing) the per-example gradients are formed for that layer only
       (one grouped weight-gradient convolution, batch as groups), batch norm (eval mode)
-      uses ``xhat_i``. Supports models whose parameters all live in ``Linear``, ``Conv2d``
-      (``groups=1``, any padding) and batch-norm layers, each called once per forward pass.
+      uses ``xhat_i`` (:mod:`fromp.capture`). Supports models whose parameters all live in
+      ``Linear``, ``Conv1d/2d``, batch-norm, ``LayerNorm`` and ``GroupNorm`` layers, each
+      called once per forward pass.
     * ``"auto"``: ``"hooks"`` when supported, else ``"vmap"``.
 
     Work is done in chunks of ``chunk_size`` examples. Batch-norm layers run in eval mode
@@ -419,8 +341,8 @@ def per_example_grad_stats(
         supported = _layout(model)[0]
         if method == "hooks" and not supported:
             raise ValueError(
-                "method='hooks' needs all parameters in Linear, Conv2d (groups=1) or batch-norm "
-                "layers with running statistics; use method='vmap'"
+                "method='hooks' needs all parameters in Linear, Conv1d/2d, batch-norm (with "
+                "running statistics), LayerNorm or GroupNorm layers; use method='vmap'"
             )
         if supported:
             with _bn_eval(model):
@@ -864,36 +786,40 @@ class VOGN(torch.optim.Optimizer):
             raise ValueError("step(x, y) needs the model: construct VOGN with the model")
         draws = max(self.mc_samples, 1)
         g_acc = h_acc = loss_acc = None
-        for d in range(draws):
-            self.sample_params(copy=False)
-            if d == 0 and net.training and _has_bn(net):
-                with torch.no_grad():
-                    net(x)  # update the batch-norm running statistics at w
-            stats = per_example_grad_stats(
-                net,
-                x,
-                y,
-                self.likelihood,
-                curvature=self.curvature,
-                chunk_size=self.chunk_size,
-                method=self.method,
-            )
-            g = stats.grad
-            assert g is not None
-            if regularizer is not None:
-                for p in self.params:
-                    p.grad = None
-                with torch.enable_grad():
-                    reg = regularizer()
-                    if reg.ndim != 0:
-                        raise ValueError(f"regularizer must return a scalar, got {reg.shape}")
-                    reg.backward()
-                g = g + self._read_grad()
-                for p in self.params:
-                    p.grad = None
-            g_acc = g if g_acc is None else g_acc + g
-            h_acc = stats.curv if h_acc is None else h_acc + stats.curv
-            loss_acc = stats.loss if loss_acc is None else loss_acc + stats.loss
+        try:
+            for d in range(draws):
+                self.sample_params(copy=False)
+                if d == 0 and net.training and _has_bn(net):
+                    with torch.no_grad():
+                        net(x)  # update the batch-norm running statistics at w
+                stats = per_example_grad_stats(
+                    net,
+                    x,
+                    y,
+                    self.likelihood,
+                    curvature=self.curvature,
+                    chunk_size=self.chunk_size,
+                    method=self.method,
+                )
+                g = stats.grad
+                assert g is not None
+                if regularizer is not None:
+                    for p in self.params:
+                        p.grad = None
+                    with torch.enable_grad():
+                        reg = regularizer()
+                        if reg.ndim != 0:
+                            raise ValueError(f"regularizer must return a scalar, got {reg.shape}")
+                        reg.backward()
+                    g = g + self._read_grad()
+                    for p in self.params:
+                        p.grad = None
+                g_acc = g if g_acc is None else g_acc + g
+                h_acc = stats.curv if h_acc is None else h_acc + stats.curv
+                loss_acc = stats.loss if loss_acc is None else loss_acc + stats.loss
+        except BaseException:
+            self.load_mean()  # never leave a sample in the parameters
+            raise
         assert g_acc is not None and h_acc is not None and loss_acc is not None
         if draws > 1:
             g_acc, h_acc = g_acc.div_(draws), h_acc.div_(draws)

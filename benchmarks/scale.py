@@ -1,0 +1,232 @@
+"""Time and peak memory of Laplace / GGN / DNN2GP on real-size networks, beside laplace-torch.
+
+    python -m benchmarks.scale [--models mlp,cnn,resnet18] [--device cpu] [--threads 1]
+
+Networks (random weights, eval mode; the cost does not depend on the weights):
+
+* ``mlp``: FROMP's split-MNIST ``MultiHeadMLP(784, (256, 256), 5 heads of 2)``, head 0;
+* ``cnn``: FROMP's split-CIFAR ``CifarCNN`` (6 heads of 10), head 0, ``[N, 3, 32, 32]``;
+* ``resnet18``: ``torchvision.models.resnet18(num_classes=10)`` on ``[N, 3, 32, 32]``.
+
+Cases (inputs are standard-normal tensors of the network's input shape, labels uniform):
+
+* ``laplace``: ``fromp.laplace(net, x, "categorical", 1.0)`` (diagonal GGN through layer
+  capture, default memory budget) for ``--n-ggn`` inputs;
+* ``laplace_torch``: laplace-torch 0.3 ``DiagLaplace(net, "classification").fit(loader)``
+  (its default backend, per-example Jacobians) on the same inputs, batch ``--lt-batch``.
+  Where a network's ``--lt-max`` is below ``n`` it is timed on ``--lt-max`` inputs and the
+  time scaled linearly to ``n`` (the cost is linear in ``n``; the JSON says so);
+* ``kernel``: ``GP(net, q, "categorical").kernel(x, diagonal_outputs=True)`` (FROMP's
+  per-class blocks) for ``--n-kernel`` inputs, ``q`` a random diagonal posterior;
+* ``predictive``: ``GP.predictive(x, "probit")`` for ``--n-pred`` inputs;
+* ``check``: fromp's and laplace-torch's GGN diagonals on 8 inputs, max relative difference.
+
+Every case runs in a fresh subprocess: ``peak_rss_mb`` is that process's peak resident set
+size (``ru_maxrss``, including Python, torch and the model: ``base_rss_mb`` is the value
+before the case starts). ``cpu_s`` is the process CPU time, ``wall_s`` the wall time (on a
+shared machine wall time depends on other load). Cases over ``--timeout`` seconds are killed
+and recorded as such. Results go to ``benchmarks/results/scale.json`` with the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MODELS = ("resnet18", "cnn", "mlp")
+DEFAULTS: dict[str, dict[str, Any]] = {
+    # inputs per case; laplace-torch is run on at most lt_max inputs (linear extrapolation)
+    "mlp": {"ggn": [1000, 10000], "kernel": [256, 1024], "pred": 256, "lt_max": 1000,
+            "lt_batch": 256, "gp_chunk": 64},
+    "cnn": {"ggn": [1000, 10000], "kernel": [256], "pred": 256, "lt_max": 1000,
+            "lt_batch": 32, "gp_chunk": 16},
+    "resnet18": {"ggn": [1000, 10000], "kernel": [256], "pred": 256, "lt_max": 16,
+                 "lt_batch": 2, "gp_chunk": 32},
+}  # fmt: skip
+
+
+def make_model(name: str) -> tuple[nn.Module, tuple[int, ...]]:
+    """``(module [N, ...] -> [N, C], per-example input shape)``."""
+    from fromp.models import CifarCNN, MultiHeadMLP, with_task
+
+    torch.manual_seed(0)
+    if name == "mlp":
+        return with_task(MultiHeadMLP(784, (256, 256), n_heads=5, head_size=2).eval(), 0), (784,)
+    if name == "cnn":
+        return with_task(CifarCNN(n_heads=6, head_size=10).eval(), 0), (3, 32, 32)
+    if name == "resnet18":
+        import torchvision
+
+        return torchvision.models.resnet18(num_classes=10).eval(), (3, 32, 32)
+    raise ValueError(f"model must be one of {MODELS}, got {name!r}")
+
+
+def _inputs(shape: tuple[int, ...], n: int, c: int, device: torch.device):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, *shape, generator=gen)
+    y = torch.randint(0, c, (n,), generator=gen)
+    return x.to(device), y.to(device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _laplace_torch_fit(net: nn.Module, x, y, batch: int) -> torch.Tensor:
+    from laplace import DiagLaplace
+    from torch.utils.data import DataLoader, TensorDataset
+
+    la = DiagLaplace(net, "classification", prior_precision=1.0)
+    la.fit(DataLoader(TensorDataset(x, y), batch_size=batch))
+    return la.H.detach()
+
+
+def run_case(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run one case in this process and return its measurements."""
+    torch.set_num_threads(spec["threads"])
+    device = torch.device(spec["device"])
+    net, shape = make_model(spec["model"])
+    net = net.to(device)
+    with torch.no_grad():
+        c = net(torch.zeros(1, *shape, device=device)).shape[1]
+    n = spec["n"]
+    x, y = _inputs(shape, n, c, device)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    out: dict[str, Any] = {}
+    _sync(device)
+    t0, c0 = time.perf_counter(), time.process_time()
+    if spec["case"] == "laplace":
+        from fromp import laplace
+
+        q = laplace(net, x, "categorical", 1.0)
+        out["precision_sum"] = float(q.precision.sum())
+    elif spec["case"] == "laplace_torch":
+        h = _laplace_torch_fit(net, x, y, spec["lt_batch"])
+        out["precision_sum"] = float(h.sum()) + h.numel()
+    elif spec["case"] in ("kernel", "predictive"):
+        from fromp.gp import GP
+        from fromp.jacobian import flat_params
+        from fromp.posterior import DiagonalGaussian
+
+        mean = flat_params(net)
+        prec = 1.0 + torch.rand(mean.shape, generator=torch.Generator().manual_seed(1))
+        gp = GP(net, DiagonalGaussian(mean, prec.to(mean)), "categorical",
+                chunk_size=spec["gp_chunk"])  # fmt: skip
+        if spec["case"] == "kernel":
+            k = gp.kernel(x, diagonal_outputs=True)
+            out["shape"] = list(k.shape)
+        else:
+            p = gp.predictive(x, "probit")
+            out["shape"] = list(p.shape)
+    elif spec["case"] == "check":
+        from fromp.curvature import diag_ggn
+
+        ours = diag_ggn(net, x, "categorical")
+        theirs = _laplace_torch_fit(net, x, y, spec["lt_batch"]).to(ours)
+        scale = float(theirs.abs().max())
+        out["max_abs_diff_over_max"] = float((ours - theirs).abs().max()) / scale
+    else:
+        raise ValueError(f"unknown case {spec['case']!r}")
+    _sync(device)
+    out["wall_s"] = time.perf_counter() - t0
+    out["cpu_s"] = time.process_time() - c0
+    out["base_rss_mb"] = base
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if device.type == "cuda":
+        out["peak_cuda_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return out
+
+
+def _spawn(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "benchmarks.scale", "--case-json", json.dumps(spec)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"killed after {timeout:.0f} s (--timeout)"}
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _plan(models: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
+    specs = []
+    for m in models:
+        d = DEFAULTS[m]
+        base = {"model": m, "device": args.device, "threads": args.threads,
+                "lt_batch": d["lt_batch"], "gp_chunk": d["gp_chunk"]}  # fmt: skip
+        specs.append({**base, "case": "check", "n": 8})
+        for n in d["ggn"]:
+            specs.append({**base, "case": "laplace", "n": n})
+            if not args.skip_laplace_torch:
+                n_lt = min(n, d["lt_max"])
+                specs.append({**base, "case": "laplace_torch", "n": n_lt, "target_n": n})
+        for n in d["kernel"]:
+            specs.append({**base, "case": "kernel", "n": n})
+        specs.append({**base, "case": "predictive", "n": d["pred"]})
+    return specs
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--skip-laplace-torch", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS / "scale.json")
+    parser.add_argument("--case-json", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.case_json:
+        print(json.dumps(run_case(json.loads(args.case_json))))
+        return
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    bad = [m for m in models if m not in MODELS]
+    if bad:
+        parser.error(f"--models must be among {MODELS}, got {bad}")
+    results = []
+    for spec in _plan(models, args):
+        res = _spawn(spec, args.timeout)
+        row = {**spec, **res}
+        if spec["case"] == "laplace_torch" and spec["n"] < spec["target_n"] and "cpu_s" in res:
+            f = spec["target_n"] / spec["n"]
+            row["extrapolated_from_n"] = spec["n"]
+            row["n"] = spec["target_n"]
+            row["cpu_s_extrapolated"] = res["cpu_s"] * f
+            row["wall_s_extrapolated"] = res["wall_s"] * f
+        results.append(row)
+        _write(args.out, argv, results)
+        shown = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
+                 if k not in ("device", "threads", "lt_batch", "gp_chunk")}  # fmt: skip
+        print(json.dumps(shown), flush=True)
+    print(f"wrote {args.out}")
+
+
+def _write(out: Path, argv: list[str] | None, results: list[dict[str, Any]]) -> None:
+    """Write the results so far (a killed run keeps what it measured)."""
+    record = {
+        "command": "python -m benchmarks.scale " + " ".join(sys.argv[1:] if argv is None else argv),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "results": results,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

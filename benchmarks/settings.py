@@ -1,0 +1,257 @@
+"""Experiment settings of every strategy on every benchmark, in one place and one layout.
+
+``SETTINGS[strategy][benchmark]`` holds any of ``optimizer``, ``lr``, ``train_epochs``,
+``train_mb_size``, ``optimizer_kwargs`` (of the optimizer) and ``kwargs`` (of the strategy
+class). The runner merges, later wins: the benchmark's protocol
+(:attr:`benchmarks.registry.BenchmarkSpec.settings`), ``SETTINGS[strategy][benchmark]``, the
+strategy preset (:attr:`benchmarks.registry.StrategySpec.settings` / ``kwargs``), then the
+command line (``--set``, ``--lr``, ...). A strategy or benchmark missing here uses the
+benchmark's protocol and the class defaults.
+
+:data:`FROMP_REFERENCE` keeps the settings of the official FROMP code for each benchmark
+(``benchmarks/fromp_speed.py`` times them). How each value was chosen is noted beside it;
+results files in ``benchmarks/results/`` carry the commands.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["FROMP_REFERENCE", "SETTINGS", "settings_for"]
+
+Settings = dict[str, Any]
+
+
+def _with(base: Settings, **changes: Any) -> Settings:
+    """``base`` with top-level ``changes``; a ``kwargs`` change is merged into its kwargs."""
+    out = {**base, **{k: v for k, v in changes.items() if k != "kwargs"}}
+    if "kwargs" in changes:
+        out["kwargs"] = {**base.get("kwargs", {}), **changes["kwargs"]}
+    return out
+
+
+# --------------------------------------------------------------------------- FROMP
+# The official code's settings (main_*.py / train_*.py of team-approx-bayes/fromp): n_points
+# memorable points per task, tau, prior precision, jitter and gradient clipping as there.
+_FROMP_SPLIT_MNIST: Settings = {
+    "optimizer": "adam",
+    "lr": 1e-4,
+    "train_epochs": 15,
+    "train_mb_size": 128,
+    "kwargs": {
+        "tau": 10.0,
+        "n_points": 40,
+        "prior_precision": 1e-3,
+        "jitter": 1e-6,
+        "grad_clip_norm": 0.1,
+    },
+}
+
+FROMP_REFERENCE: dict[str, Settings] = {
+    "split-mnist": _FROMP_SPLIT_MNIST,
+    "split-fashion-mnist": _FROMP_SPLIT_MNIST,
+    "permuted-mnist": {
+        "optimizer": "adam",
+        "lr": 1e-3,
+        "train_epochs": 10,
+        "train_mb_size": 128,
+        "kwargs": {
+            "tau": 0.5,
+            "n_points": 200,
+            "prior_precision": 1e-5,
+            "jitter": 1e-5,
+            "grad_clip_norm": 0.01,
+        },
+    },
+    "split-cifar": {
+        "optimizer": "adam",
+        "lr": 1e-3,
+        "train_epochs": 80,
+        "train_mb_size": 256,
+        "kwargs": {
+            "tau": 10.0,
+            "n_points": 200,
+            "prior_precision": 1e-4,
+            "jitter": 1e-5,
+            "grad_clip_norm": 100.0,
+        },
+    },
+    "split-digits": _with(_FROMP_SPLIT_MNIST, lr=1e-3, train_epochs=20, train_mb_size=32),
+}
+
+# The runner's FROMP: the reference settings, except 200 memorable points per task on split
+# MNIST (benchmarks/results/fromp_split-mnist.json; the official 40 stay one --set away). With
+# 40 points, tau selected on validation accuracy (seed 0; benchmarks/results/
+# split-mnist-validation/): tau = 10 / 30 / 100 gave 99.29 / 99.27 / 99.12 %, so tau = 10.
+_FROMP: dict[str, Settings] = {
+    **FROMP_REFERENCE,
+    "split-mnist": _with(_FROMP_SPLIT_MNIST, kwargs={"n_points": 200}),
+}
+
+# --------------------------------------------------------------------------- VOGN
+_VOGN_SPLIT: Settings = {
+    "optimizer": "vogn",
+    "lr": 1e-3,
+    "train_epochs": 10,
+    "train_mb_size": 128,
+    "optimizer_kwargs": {"prior_precision": 100.0, "kl_weight": 0.05, "mc_samples": 1},
+    "kwargs": {},
+}
+_VOGN: dict[str, Settings] = {
+    "split-mnist": _VOGN_SPLIT,
+    "split-fashion-mnist": _VOGN_SPLIT,
+    "split-digits": _with(_VOGN_SPLIT, train_epochs=50, train_mb_size=32),
+    "permuted-mnist": _VOGN_SPLIT,
+    "split-cifar": _with(_VOGN_SPLIT, train_epochs=20),
+}
+
+# FROMP trained with VOGN: VOGN's training settings with FROMP's regulariser settings (not
+# tuned).
+_FROMP_VOGN: dict[str, Settings] = {
+    bench: {
+        **{k: v for k, v in _VOGN[bench].items() if k != "kwargs"},
+        "optimizer_kwargs": dict(_VOGN[bench]["optimizer_kwargs"]),
+        "kwargs": {**_FROMP[bench]["kwargs"], "posterior": "vogn"},
+    }
+    for bench in _FROMP
+}
+
+# --------------------------------------------------------------------------- IVON
+# ``ess`` (the effective sample size) is set per experience by the IVON plugin.
+_IVON_SPLIT: Settings = {
+    "optimizer": "ivon",
+    "lr": 0.2,
+    "train_epochs": 10,
+    "train_mb_size": 128,
+    "optimizer_kwargs": {"hess_init": 0.1, "beta2": 0.99999, "weight_decay": 1e-4},
+    "kwargs": {},
+}
+_IVON: dict[str, Settings] = {
+    "split-mnist": _IVON_SPLIT,
+    "split-fashion-mnist": _IVON_SPLIT,
+    "split-digits": _with(_IVON_SPLIT, train_epochs=50, train_mb_size=32),
+    "permuted-mnist": _IVON_SPLIT,
+    "split-cifar": _with(_IVON_SPLIT, train_epochs=20),
+}
+
+# FROMP with IVON ("fromp-ivon"): IVON's settings with FROMP's memorable points and epochs;
+# the weight-space prior stays IVON's weight decay (``ivon_continual=False``), the memory of
+# the past is FROMP's alone. IVON's posterior variance ``1 / (N (h + delta))`` is about
+# ``1e-3`` for every weight (``h`` stays near ``h0`` with ``beta2 = 0.99999``), against up to
+# ``1 / delta = 1e3`` for the Laplace posterior of the reference settings, so the kernels are
+# orders of magnitude smaller and the regulariser orders of magnitude larger: ``tau = 1e-2``,
+# ``jitter = 1e-2`` (with ``1e-6`` the penalty at IVON's own weight samples was 1e3-1e5
+# instead of about ``M C / 2``), no gradient-norm clipping (it stalls the non-adaptive IVON
+# step on new tasks) but IVON's per-coordinate ``clip_radius = 0.1``. Chosen on split MNIST,
+# seed 0, 2,000 examples per task, 3 epochs, among about ten settings; not a good result (see
+# README).
+_FROMP_IVON: dict[str, Settings] = {
+    bench: {
+        "optimizer": "ivon",
+        "lr": _IVON[bench]["lr"],
+        "train_epochs": FROMP_REFERENCE[bench]["train_epochs"],
+        "train_mb_size": _IVON[bench]["train_mb_size"],
+        "optimizer_kwargs": {**_IVON[bench]["optimizer_kwargs"], "clip_radius": 0.1},
+        "kwargs": {
+            **_FROMP[bench]["kwargs"],
+            "posterior": "ivon",
+            "tau": 1e-2,
+            "jitter": 1e-2,
+            "grad_clip_norm": None,
+        },
+    }
+    for bench in FROMP_REFERENCE
+}
+
+# --------------------------------------------------------------------------- EWC
+# Split MNIST (benchmarks/results/ewc_split-mnist.json): the benchmark's protocol (Adam 1e-4,
+# 15 epochs, batch 128: FROMP's and Naive's), lambda = 300. With Adam 1e-3 every EWC forgets
+# much more on this network: after 15 epochs at that rate the network is so confident that
+# p (1 - p), and so the Fisher, is almost zero on most training examples of the first task.
+# The Fisher of each task is averaged over a random subset of 2,000 of its training examples
+# (an unbiased estimate of the mean over all of them) to bound the cost of per-example
+# gradients on a CPU.
+_EWC_SPLIT: Settings = {
+    "optimizer": "adam",
+    "lr": 1e-4,
+    "train_epochs": 15,
+    "train_mb_size": 128,
+    "kwargs": {"ewc_lambda": 300.0, "mode": "separate", "fisher": "sampled", "max_examples": 2000},
+}
+_EWC: dict[str, Settings] = {
+    # lambda selected on validation accuracy (10 % of each task's training examples held out,
+    # seed 0; benchmarks/results/split-mnist-validation/): lambda = 100 / 300 / 1000 / 3000
+    # gave 98.58 / 98.66 / 98.84 / 98.49 %. (On seed 0's test accuracy, the earlier protocol,
+    # 300 had been kept.)
+    "split-mnist": _with(_EWC_SPLIT, kwargs={"ewc_lambda": 1000.0}),
+    "split-fashion-mnist": _EWC_SPLIT,
+    # Split-Digits (seed 0): lambda = 100 gave 98.2 % (Avalanche's EWC 98.4 %, naive 98.0 %)
+    "split-digits": _with(
+        _EWC_SPLIT, lr=1e-3, train_epochs=20, train_mb_size=32, kwargs={"ewc_lambda": 100.0}
+    ),
+    "permuted-mnist": _with(_EWC_SPLIT, lr=1e-3, train_epochs=10),
+    "split-cifar": _with(_EWC_SPLIT, lr=1e-3, train_epochs=80, train_mb_size=256),
+}
+
+# --------------------------------------------------------------------------- VCL
+# The reference code trains split MNIST with full-batch Adam for 120 epochs (120 steps per
+# task) and 10 MC samples; on a CPU budget about the same number of Adam steps (batches of
+# 1024 for 10 epochs, ~118 steps per task) with 3 local-reparameterisation samples.
+# On split MNIST the learning rate was selected on validation accuracy (seed 0; benchmarks/
+# results/split-mnist-validation/): lr = 0.001 / 0.003 gave 97.62 / 97.20 %, so 0.001.
+_VCL_SPLIT: Settings = {
+    "optimizer": "adam",
+    "lr": 1e-3,
+    "train_epochs": 10,
+    "train_mb_size": 1024,
+    "kwargs": {"train_samples": 3, "test_samples": 100, "coreset_epochs": 120},
+}
+# Permuted MNIST: the reference code uses batches of 256 for 100 epochs; here 15 epochs, 3
+# training samples, 10 test samples, and 50 epochs on the merged coreset (vcl-coreset, seed
+# 0: 93.0 %; with 5 epochs 90.7 %; benchmarks/results/vcl_permuted-mnist.json).
+_VCL_PERM: Settings = {
+    "optimizer": "adam",
+    "lr": 1e-3,
+    "train_epochs": 15,
+    "train_mb_size": 256,
+    "kwargs": {"train_samples": 3, "test_samples": 10, "coreset_epochs": 50},
+}
+# Split-Digits has about 290 training images per task: the KL to the previous posterior
+# outweighs them and later tasks are learned poorly (seed 0: 85.8 %, Naive 98.0 %); sweeps of
+# lr, epochs, batch size, prior and initial variance, MC samples and a coreset (85.1 %) gave
+# no robust gain.
+_VCL_DIGITS = _with(_VCL_SPLIT, train_epochs=50, train_mb_size=64)
+_VCL_CIFAR = _with(_VCL_SPLIT, train_epochs=20, train_mb_size=256)
+_VCL: dict[str, Settings] = {
+    "split-mnist": _VCL_SPLIT,
+    "split-fashion-mnist": _VCL_SPLIT,
+    "split-digits": _VCL_DIGITS,
+    "permuted-mnist": _VCL_PERM,
+    "split-cifar": _VCL_CIFAR,
+}
+_RANDOM = {"coreset_method": "random"}
+_VCL_CORESET: dict[str, Settings] = {
+    "split-mnist": _with(_VCL_SPLIT, kwargs={"coreset_size": 40, **_RANDOM}),
+    "split-fashion-mnist": _with(_VCL_SPLIT, kwargs={"coreset_size": 40, **_RANDOM}),
+    "split-digits": _with(_VCL_DIGITS, kwargs={"coreset_size": 20, **_RANDOM}),
+    "permuted-mnist": _with(_VCL_PERM, kwargs={"coreset_size": 200, **_RANDOM}),
+    "split-cifar": _with(_VCL_CIFAR, kwargs={"coreset_size": 200, **_RANDOM}),
+}
+
+SETTINGS: dict[str, dict[str, Settings]] = {
+    "fromp": _FROMP,
+    "fromp-l2": _FROMP,
+    "fromp-vogn": _FROMP_VOGN,
+    "fromp-ivon": _FROMP_IVON,
+    "vogn": _VOGN,
+    "ivon": _IVON,
+    "ewc": _EWC,
+    "vcl": _VCL,
+    "vcl-coreset": _VCL_CORESET,
+}
+
+
+def settings_for(strategy: str, benchmark: str) -> Settings:
+    """A copy of ``SETTINGS[strategy][benchmark]`` (empty when there is none)."""
+    table = SETTINGS.get(strategy, {}).get(benchmark, {})
+    return {k: dict(v) if isinstance(v, dict) else v for k, v in table.items()}

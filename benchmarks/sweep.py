@@ -1,0 +1,285 @@
+"""``fromp-bench sweep``: a grid of (benchmark, strategy, settings, seed) as Ray Tune trials.
+
+Every trial is one :func:`benchmarks.runner.run`; after each experience it reports the mean
+test (and validation) accuracy over the tasks seen so far to Tune, with the runner's
+checkpoint as a Tune checkpoint, so a trial that fails (a lost node, a killed worker) is
+retried from its last finished experience (``--max-failures``). When all trials are done, the
+results are aggregated exactly as the plain runner does: ``<out>/<benchmark>/results.json``,
+``report.md``, ``accuracy.png`` and ``runs/*.json``; Tune's own files go to
+``<out>/<benchmark>/ray/``.
+
+Ray is an optional dependency (``pip install 'fromp[ray]'``); without it this command says
+so and the plain runner is unaffected. By default a local Ray instance is started
+(``--num-cpus`` caps it); ``--address`` joins a running cluster (``auto``, ``ray://host:10001``).
+Each trial asks for ``--cpus-per-trial`` CPUs (its torch thread count) and
+``--gpus-per-trial`` GPUs (fractions share a GPU between trials)::
+
+    fromp-bench sweep split-mnist --strategies fromp,ewc --seeds 5 --cpus-per-trial 1
+    fromp-bench sweep split-mnist --strategies fromp --grid tau=10,30 --valid-fraction 0.1 \\
+        --select-on validation --address auto --device cuda --gpus-per-trial 0.25
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.__main__ import (
+    DEMO_STRATEGIES,
+    USER_ERRORS,
+    UsageError,
+    build_parser,
+    check_args,
+    check_data,
+    describe,
+    plan,
+    run_name,
+    run_options,
+    write_report,
+)
+from benchmarks.registry import get_benchmark
+from benchmarks.runner import RunConfig, data_root_of, run
+
+__all__ = ["sweep", "sweep_main"]
+
+_CKPT = "run.pt"
+
+
+def _trial(config: dict[str, Any]) -> None:
+    """One Ray Tune trial: a runner run that reports (and checkpoints) every experience and
+    resumes from Tune's checkpoint when the trial is retried."""
+    from ray import tune
+
+    torch.set_num_threads(int(config["threads"]))
+    job = config["job"]
+    work = Path(tempfile.mkdtemp(prefix="fromp-trial-"))
+    ckpt = work / _CKPT
+    restored = tune.get_checkpoint()
+    if restored is not None:
+        with restored.as_directory() as d:
+            shutil.copy(Path(d) / _CKPT, ckpt)
+    cfg = RunConfig(
+        config["benchmark"],
+        job["strategy"],
+        int(config["seed"]),
+        config["data_root"],
+        config["device"],
+        job["overrides"],
+        config["n_train"],
+        config["n_test"],
+        str(ckpt),
+        restored is not None,
+        None,
+        False,
+        config["valid_fraction"],
+        config["valid_seed"],
+    )
+    crash = config.get("crash_once_after")  # tests: fail once to exercise the retry
+
+    def report(info: dict[str, Any]) -> None:
+        metrics = {k: v for k, v in info.items() if k != "checkpoint" and v is not None}
+        tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(str(work)))
+        marker = Path(str(config.get("crash_marker")))
+        if crash is not None and info["tasks_done"] == crash and not marker.exists():
+            marker.write_text("crashed once\n")
+            raise RuntimeError(f"planned crash after task {crash}")
+
+    try:
+        result = run(cfg, report)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    final = {"tasks_done": len(result["accuracy_matrix"]), "result_json": json.dumps(result)}
+    tune.report(final)
+
+
+def sweep(
+    benchmark: str,
+    strategies: list[str],
+    *,
+    address: str | None = None,
+    num_cpus: int | None = None,
+    cpus_per_trial: float = 1.0,
+    gpus_per_trial: float = 0.0,
+    max_concurrent: int | None = None,
+    max_failures: int = 2,
+    test_hooks: dict[str, Any] | None = None,
+    **options: Any,
+) -> dict[str, Any]:
+    """Run the grid as Ray Tune trials and write the same report as the plain runner.
+
+    ``options`` are those of :func:`benchmarks.__main__.run_benchmark` (``seeds``, ``out``,
+    ``data_root``, ``device``, ``overrides``, ``grid``, ``n_train``, ``n_test``,
+    ``valid_fraction``, ``valid_seed``, ``select_on``; ``resume`` restores an interrupted
+    sweep). Returns the payload of ``results.json``. Settings are validated (and, on a local
+    Ray instance, the data checked) before Ray starts.
+    """
+    seeds, out = options["seeds"], Path(options["out"])
+    data_root, device = options.get("data_root"), options.get("device", "cpu")
+    n_train, n_test = options.get("n_train"), options.get("n_test")
+    valid_fraction, valid_seed = options.get("valid_fraction"), options.get("valid_seed", 0)
+    try:
+        import ray
+        from ray import tune
+    except ImportError as err:
+        raise UsageError(
+            "fromp-bench sweep needs Ray Tune: pip install 'fromp[ray]' (or run the same grid "
+            "without 'sweep')"
+        ) from err
+
+    grid = options.get("grid") or [{}]
+    overrides = dict(options.get("overrides") or {})
+    jobs = plan(benchmark, strategies, overrides, grid, device if not address else "cpu")
+    if address is None:
+        check_data(benchmark, jobs, data_root, n_train, n_test, valid_fraction, valid_seed)
+    bench = get_benchmark(benchmark)
+    root = data_root_of(bench, data_root)
+    base = out.resolve() / benchmark
+    job_list = [
+        {"index": i, "strategy": name, "overrides": merged, "tag": tag}
+        for i, (name, merged, tag) in enumerate(jobs)
+    ]
+    space = {
+        "benchmark": benchmark,
+        "job": tune.grid_search(job_list),
+        "seed": tune.grid_search(list(seeds)),
+        "data_root": root,
+        "device": device,
+        "n_train": n_train,
+        "n_test": n_test,
+        "valid_fraction": valid_fraction,
+        "valid_seed": valid_seed,
+        "threads": max(1, int(cpus_per_trial)),
+        **(test_hooks or {}),
+    }
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    started = time.perf_counter()
+    ray.init(
+        address=address,
+        num_cpus=num_cpus if address is None else None,
+        include_dashboard=False,
+        log_to_driver=False,
+        ignore_reinit_error=True,
+    )
+    try:
+        trainable = tune.with_resources(_trial, {"cpu": cpus_per_trial, "gpu": gpus_per_trial})
+        storage = base / "ray"
+        path = storage / "sweep"
+        if options.get("resume") and tune.Tuner.can_restore(str(path)):
+            tuner = tune.Tuner.restore(str(path), trainable, resume_errored=True)
+        else:
+            tuner = tune.Tuner(
+                trainable,
+                param_space=space,
+                tune_config=tune.TuneConfig(max_concurrent_trials=max_concurrent),
+                run_config=tune.RunConfig(
+                    name="sweep",
+                    storage_path=str(storage),
+                    failure_config=tune.FailureConfig(max_failures=max_failures),
+                    verbose=0,
+                ),
+            )
+        grid_results = tuner.fit()
+        results = _collect(grid_results, benchmark, base)
+    finally:
+        ray.shutdown()
+    return write_report(
+        benchmark,
+        base,
+        results,
+        command=" ".join(["fromp-bench", "sweep", *sys.argv[2:]]),
+        total_time_s=time.perf_counter() - started,
+        select_on=options.get("select_on"),
+        engine={"ray": ray.__version__, "address": address or "local"},
+    )
+
+
+def _collect(grid_results: Any, benchmark: str, base: Path) -> list[dict[str, Any]]:
+    """The run results of all trials in grid order (job, then seed), saved to ``runs/``; a
+    trial that errored beyond its retries becomes a failed run."""
+    from benchmarks.report import save_json
+
+    rows = []
+    for r in grid_results:
+        cfg = r.config
+        job, seed = cfg["job"], cfg["seed"]
+        metrics = r.metrics or {}
+        if "result_json" in metrics:
+            res = json.loads(metrics["result_json"])
+        else:
+            reason = " ".join(str(r.error).split())[:300] if r.error else "no result reported"
+            res = {
+                "benchmark": benchmark,
+                "strategy": job["strategy"],
+                "seed": seed,
+                "complete": False,
+                "failed": {"task": int(metrics.get("tasks_done", 0)) + 1, "reason": reason},
+                "accuracy_matrix": [],
+                "settings": None,
+            }
+        rows.append(((job["index"], seed), job["tag"], res))
+    results = []
+    for _, tag, res in sorted(rows, key=lambda x: x[0]):
+        save_json(base / "runs" / f"{run_name(res['strategy'], tag, res['seed'])}.json", res)
+        print(describe(res, tag), flush=True)
+        results.append(res)
+    return results
+
+
+def sweep_main(argv: list[str] | None = None) -> int:
+    """``fromp-bench sweep ...``; exit status as ``fromp-bench``."""
+    parser = build_parser(sweep=True)
+    args = parser.parse_args(argv)
+    if args.benchmark is None:
+        parser.error("a benchmark name is required")
+    out = Path(args.out)
+    try:
+        if args.address is not None:
+            device, args.device = args.device, "cpu"  # the cluster's nodes hold the devices
+            check_args(args)
+            args.device = device
+        else:
+            check_args(args)
+        for flag, value in (
+            ("--cpus-per-trial", args.cpus_per_trial),
+            ("--gpus-per-trial", args.gpus_per_trial),
+        ):
+            if not value >= 0:
+                raise UsageError(f"{flag} must be >= 0, got {value}")
+        if args.max_failures < 0:
+            raise UsageError(f"--max-failures must be >= 0, got {args.max_failures}")
+        if args.report_only:
+            raise UsageError("--report-only: use 'fromp-bench <benchmark> --report-only'")
+        names = (args.strategies or ",".join(DEMO_STRATEGIES)).split(",")
+        payload = sweep(
+            args.benchmark,
+            names,
+            **run_options(args),
+            address=args.address,
+            num_cpus=args.num_cpus,
+            cpus_per_trial=args.cpus_per_trial,
+            gpus_per_trial=args.gpus_per_trial,
+            max_concurrent=args.max_concurrent,
+            max_failures=args.max_failures,
+        )
+    except USER_ERRORS as err:
+        print(f"fromp-bench sweep: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(
+            f"\nfromp-bench sweep: interrupted; run the same command with --resume to continue "
+            f"(Tune state in {out / args.benchmark / 'ray'})",
+            file=sys.stderr,
+        )
+        return 130
+    if payload["failed"]:
+        print(f"fromp-bench sweep: {len(payload['failed'])} run(s) failed", file=sys.stderr)
+        return 3
+    return 0

@@ -1,0 +1,201 @@
+"""Layer capture (fromp.capture): GGN / empirical Fisher / sampled Fisher diagonals from layer
+inputs and output gradients, against dense float64 brute force and the per-example Jacobian
+route, for every supported layer type, the fallback routing and chunk boundaries."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _dense import ConvZoo, Scale, conv_zoo, dense_ggn, dense_jacobian, flat, tiny_cnn, tiny_mlp
+from torch import nn
+
+from fromp.capture import (
+    CapturePlan,
+    _conv_gram,
+    _conv_grouped_squares,
+    _conv_unfold_squares,
+    capture_calls,
+    per_example_layer_grads,
+    squared_grad_sums,
+)
+from fromp.curvature import diag_ef, diag_fisher, diag_ggn
+from fromp.likelihood import CategoricalLikelihood, GaussianLikelihood
+
+F64 = torch.float64
+
+
+CASES = {
+    "mlp": (tiny_mlp, (4,)),
+    "cnn_bn": (tiny_cnn, (1, 6, 6)),
+    "conv_zoo": (conv_zoo, (2, 8, 8)),
+}
+
+
+@pytest.fixture(params=sorted(CASES))
+def case(request):
+    make, shape = CASES[request.param]
+    return make(), torch.randn(7, *shape, dtype=F64)
+
+
+def test_plan_routes_every_parameter_once():
+    model = conv_zoo()
+    plan = CapturePlan.build(model, torch.randn(2, 2, 8, 8, dtype=F64), n_columns=3)
+    assert plan.fallback == ["scale.s"]
+    assert "no capture rule" in plan.reasons["scale.s"]
+    assert set(plan.captured_params) | set(plan.fallback) == set(plan.names)
+    assert not set(plan.captured_params) & set(plan.fallback)
+    with pytest.raises(ValueError, match=r"scale\.s"):
+        CapturePlan.build(model, torch.randn(2, 2, 8, 8, dtype=F64), n_columns=3, method="capture")
+
+
+@pytest.mark.parametrize("lik", [CategoricalLikelihood(), GaussianLikelihood(0.5)])
+def test_diag_ggn_capture_matches_dense_and_jacobian(case, lik):
+    model, x = case
+    ref = torch.diagonal(dense_ggn(model, x, lik))
+    got = diag_ggn(model, [x[:4], x[4:]], lik, chunk_size=3)
+    jac = diag_ggn(model, x, lik, method="jacobian", chunk_size=2)
+    torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(jac, ref, rtol=1e-9, atol=1e-12)
+
+
+def test_result_independent_of_chunk_and_memory_budget():
+    model, x = conv_zoo(), torch.randn(9, 2, 8, 8, dtype=F64)
+    lik = CategoricalLikelihood()
+    ref = diag_ggn(model, x, lik, chunk_size=9)
+    for kw in ({"chunk_size": 1}, {"chunk_size": 4}, {"memory_budget": 1}, {}):
+        torch.testing.assert_close(diag_ggn(model, x, lik, **kw), ref, rtol=1e-10, atol=1e-13)
+    # a budget of one byte gives chunks of one example and per-example sub-chunks of one pair
+    plan = CapturePlan.build(model, x[:2], n_columns=3)
+    assert plan.chunk_size(1) == 1 and plan.chunk_size(2**40) > 9
+
+
+def test_layer_rules_match_autograd_per_example():
+    """Per-example gradients and their Gram / sub-chunked squared sums for each layer type
+    against autograd example by example (catches a dropped factor or a wrong group)."""
+    model = conv_zoo()
+    x = torch.randn(3, 2, 8, 8, dtype=F64)
+    mods = [m for m in model.modules() if type(m) is not ConvZoo and type(m) is not Scale]
+    with torch.enable_grad(), capture_calls(mods) as calls:
+        model(x)
+    for c in calls:
+        gs = torch.randn(2, *c.z.shape, dtype=F64)
+        want = {n: torch.zeros_like(p) for n, p in c.module.named_parameters()}
+        for k in range(2):
+            for n in range(len(x)):
+                z = c.module(c.a[n : n + 1])
+                grads = torch.autograd.grad(z, list(c.module.parameters()), gs[k, n : n + 1])
+                for (name, _), g in zip(c.module.named_parameters(), grads):
+                    want[name] += g.pow(2)
+        for budget in (1, 2**30):
+            got = squared_grad_sums(c.module, c.a, gs, memory_budget=budget)
+            for name in want:
+                torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12)
+        if isinstance(c.module, nn.Conv1d | nn.Conv2d):  # the Gram route at any L
+            torch.testing.assert_close(_conv_gram(c.module, c.a, gs), want["weight"])
+            for budget in (1, 2**30):
+                for fn in (_conv_unfold_squares, _conv_grouped_squares):
+                    torch.testing.assert_close(fn(c.module, c.a, gs, budget), want["weight"])
+        per = per_example_layer_grads(c.module, c.a, gs[0])
+        for name, t in per.items():
+            assert t.shape == (len(x), *getattr(c.module, name).shape)
+
+
+def test_unsupported_or_repeated_layers_use_fallback_not_skipped():
+    """A layer called twice, a weight shared between two layers, and a weight also used
+    outside its layer's forward are all routed to the Jacobian fallback, with exact results."""
+
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(3, 3)
+            self.b = nn.Linear(3, 3)
+            self.b.weight = self.a.weight  # shared
+            self.c = nn.Linear(3, 3)
+            self.d = nn.Linear(3, 2)
+
+        def forward(self, x):
+            h = torch.tanh(self.a(x)) + torch.tanh(self.b(x))
+            h = torch.tanh(self.c(torch.tanh(self.c(h))))  # called twice
+            return self.d(h) + (x @ self.d.weight[:, :3].T)  # d.weight also used outside
+
+    model = Odd().double()
+    x = torch.randn(6, 3, dtype=F64)
+    plan = CapturePlan.build(model, x[:2], n_columns=2)
+    assert {"a.weight", "c.weight", "c.bias", "d.weight", "d.bias"} <= set(plan.fallback)
+    assert "d.weight" in plan.reasons and "autograd" in plan.reasons["d.weight"]
+    assert "more than once" in plan.reasons["c.weight"]
+    lik = CategoricalLikelihood()
+    ref = torch.diagonal(dense_ggn(model, x, lik))
+    torch.testing.assert_close(diag_ggn(model, x, lik), ref, rtol=1e-9, atol=1e-12)
+
+
+def test_inplace_ops_after_layer_do_not_corrupt_capture():
+    model = nn.Sequential(
+        nn.Linear(4, 5), nn.ReLU(inplace=True), nn.Linear(5, 5), nn.ReLU(inplace=True),
+        nn.Linear(5, 3),
+    ).double()  # fmt: skip
+    x = torch.randn(6, 4, dtype=F64)
+    lik = CategoricalLikelihood()
+    ref = torch.diagonal(dense_ggn(model, x, lik))
+    torch.testing.assert_close(diag_ggn(model, x, lik), ref, rtol=1e-9, atol=1e-12)
+
+
+def test_diag_ef_and_fisher_match_dense(case):
+    model, x = case
+    lik = CategoricalLikelihood()
+    y = torch.randint(0, 3, (len(x),))
+    jac = dense_jacobian(model, x)  # N, C, P
+    with torch.no_grad():
+        p = torch.softmax(model(x), -1)
+    resid = p - torch.nn.functional.one_hot(y, 3).to(F64)
+    g = torch.einsum("nc,ncp->np", resid, jac)
+    torch.testing.assert_close(diag_ef(model, (x, y), lik, chunk_size=3), g.pow(2).sum(0))
+    # sampled Fisher with a fixed generator equals the dense formula at the same labels
+    gen = torch.Generator().manual_seed(3)
+    got = diag_fisher(model, x, lik, n_samples=2, generator=gen, chunk_size=4)
+    gen = torch.Generator().manual_seed(3)
+    ys = [lik.sample(model(x).detach(), generator=gen) for _ in range(2)]
+    want = (
+        sum(
+            torch.einsum("nc,ncp->np", p - torch.nn.functional.one_hot(ys_, 3).to(F64), jac)
+            .pow(2)
+            .sum(0)
+            for ys_ in ys
+        )
+        / 2
+    )
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(
+        diag_ggn(model, x, lik, mc_samples=2, generator=torch.Generator().manual_seed(3)), want
+    )
+
+
+def test_bad_arguments_raise_clear_errors():
+    model, x = tiny_mlp(), torch.randn(3, 4, dtype=F64)
+    with pytest.raises(ValueError, match="memory_budget"):
+        diag_ggn(model, x, "categorical", memory_budget=0)
+    with pytest.raises(ValueError, match="chunk_size"):
+        diag_ggn(model, x, "categorical", chunk_size=0)
+    with pytest.raises(ValueError, match="method"):
+        diag_ggn(model, x, "categorical", method="hooks")
+    with pytest.raises(ValueError, match="mc_samples"):
+        diag_ggn(model, x, "categorical", mc_samples=-1)
+    assert flat(model).numel() == 43
+
+
+def test_laplace_on_the_fromp_mlp_takes_the_capture_route(monkeypatch):
+    """fromp.laplace on FROMP's multi-head MLP (a task view: the other heads are never
+    called) must not touch the per-example Jacobian fallback."""
+    import fromp.capture as capture
+    from fromp import laplace
+    from fromp.models import MultiHeadMLP, with_task
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the Jacobian fallback was used")
+
+    monkeypatch.setattr(capture, "_fallback_jacobian", forbidden)
+    net = with_task(MultiHeadMLP(6, (5, 4), n_heads=3, head_size=2).double().eval(), 1)
+    x = torch.randn(7, 6, dtype=F64)
+    q = laplace(net, x, "categorical", 1.0)
+    ref = torch.diagonal(dense_ggn(net, x, CategoricalLikelihood())) + 1.0
+    torch.testing.assert_close(q.precision, ref, rtol=1e-9, atol=1e-12)
