@@ -270,6 +270,8 @@ class GP:
                 feats, block_fn = self._whitened, self._jacobian_block
             else:
                 feats, block_fn = structure.features, structure.block
+                if chunk_size is None and self._chunk_size is None:
+                    step = structure.example_chunk(structure.bytes_per_example)
         opts = {"dtype": self._dtype, "device": self._device}
         out = torch.empty((c, n1, n2) if diagonal_outputs else (n1, c, n2, c), **opts)
         rows2 = self._chunks(n2, step)
@@ -332,6 +334,7 @@ class GP:
                 tol = 1e-4 if self._dtype == torch.float32 else 1e-9
                 if not torch.allclose(got, ref, rtol=tol, atol=tol * float(ref.abs().max())):
                     raise _NotStructured("one-example check against the Jacobian way failed")
+                st.bytes_per_example = _nbytes(f0)
                 self._structured = st
             except _NotStructured as err:
                 self._structured = False
@@ -465,6 +468,7 @@ class _CaptureStructure:
         names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
         self.layers: dict[str, nn.Module] = {}
         self.var: dict[str, dict[str, Tensor]] = {}
+        self.std: dict[str, dict[str, Tensor]] = {}
         captured: set[str] = set()
         for mname, mod in model.named_modules():
             own = {pn: p for pn, p in mod._parameters.items() if p is not None and p.requires_grad}
@@ -472,6 +476,7 @@ class _CaptureStructure:
                 continue
             self.layers[mname] = mod
             self.var[mname] = {pn: var[names[id(p)]] for pn, p in own.items()}
+            self.std[mname] = {pn: v.sqrt() for pn, v in self.var[mname].items()}
             captured.update(names[id(p)] for p in own.values())
         if not self.layers:
             raise _NotStructured("the model has no layer with a capture rule")
@@ -480,8 +485,9 @@ class _CaptureStructure:
         self.other_std = torch.cat([std[n].reshape(-1) for n in self.other]) if self.other else None
         self._name_of = {id(m): k for k, m in self.layers.items()}
 
-    def features(self, x: Tensor, rows: slice) -> tuple[dict[str, tuple], Any]:
-        """``({layer: (kind, u or a, g [C, n, ...])}, A_other [n, C, P_other] or None)``."""
+    def features(self, x: Tensor, rows: slice) -> tuple[dict[str, tuple], Any, int]:
+        """``({layer: (kind, u or a, g [C, n, ...])}, A_other [n, C, P_other] or None, n)``:
+        one forward pass and one batched backward pass of the ``C`` outputs per chunk."""
         gp = self.gp
         xr = x[rows]
         n = len(xr)
@@ -517,28 +523,206 @@ class _CaptureStructure:
 
             jac = vmap(jacrev(single), in_dims=(None, 0))(other, xr)
             a_other = _flatten_leading(jac, 2).detach() * self.other_std
-        return feats, a_other
+        return feats, a_other, n
 
-    def block(self, f1: tuple, f2: tuple, diagonal_outputs: bool) -> Tensor:
-        """Kernel block ``[C, n, m]`` (per-output) or ``[n, C, m, C]``."""
-        (lay1, o1), (lay2, o2) = f1, f2
-        out = None if o1 is None else GP._jacobian_block(o1, o2, diagonal_outputs)
+    def block(
+        self, f1: tuple, f2: tuple, diagonal_outputs: bool, budget: int | None = None
+    ) -> Tensor:
+        """Kernel block ``[C, n, m]`` (per-output) or ``[n, C, m, C]`` between two feature
+        sets, accumulated layer by layer into one output (:class:`_Gram`); ``budget`` bytes
+        (default half the GP's ``memory_budget``) bound each layer's temporaries."""
+        (lay1, o1, n1), (lay2, o2, n2) = f1, f2
+        same = f1 is f2
+        budget = self.gp.memory_budget // 2 if budget is None else budget
+        acc = _Gram(self.gp._n_out, n1, n2, diagonal_outputs, same, self.gp._dtype,
+                    self.gp._device)  # fmt: skip
+        contributed = o1 is not None
+        if o1 is not None:
+            acc.add_rows(o1, o1 if same else o2)
         for name, ft1 in lay1.items():
             ft2 = lay2.get(name)
             if ft2 is None:
                 continue
+            contributed = True
             m = self.layers[name]
             if ft1[0] == "outer":
-                term = _outer_block(ft1, ft2, self.var[name], m, diagonal_outputs)
+                _outer_into(acc, ft1, ft1 if same else ft2, self.var[name], budget)
+            elif ft1[0] == "conv":
+                _conv_into(acc, m, ft1, ft1 if same else ft2, self.std[name], budget)
             else:
-                std = {k: v.sqrt() for k, v in self.var[name].items()}
-                j1 = _dense_jacobian(m, ft1, std)
-                j2 = j1 if ft2 is ft1 else _dense_jacobian(m, ft2, std)
-                term = GP._jacobian_block(j1, j2, diagonal_outputs)
-            out = term if out is None else out + term
-        if out is None:
+                j1 = _dense_jacobian(m, ft1, self.std[name])
+                acc.add_rows(j1, j1 if same else _dense_jacobian(m, ft2, self.std[name]))
+        if not contributed:
             raise _NotStructured("no layer contributes")
+        return acc.result()
+
+    def example_chunk(self, bytes_per_example: int) -> int:
+        """Examples per feature chunk: a third of the memory budget for the chunk's features
+        (the backward pass that produces them needs about as much again)."""
+        return max(1, self.gp.memory_budget // (3 * max(1, bytes_per_example)))
+
+
+_GRAM_MIN_ROWS = 128
+"""Rows per example range of a symmetric :class:`_Gram` block, at least."""
+
+
+class _Gram:
+    """Accumulator of a kernel block ``sum_layers A1 A2^T``.
+
+    The block is stored as ``[C, n, m]`` (``diagonal_outputs``) or ``[n C, m C]`` (rows
+    ordered example-major, viewed as ``[n, C, m, C]``). For a symmetric block (both feature
+    sets the same) the examples are split into up to four ranges and only the upper
+    range pairs are computed (5/8 of the products for four ranges); :meth:`result` mirrors
+    the rest."""
+
+    def __init__(
+        self, c: int, n: int, m: int, diag: bool, same: bool, dtype: torch.dtype, device
+    ) -> None:
+        self.c, self.n, self.m, self.diag, self.same = c, n, m, diag, same
+        shape = (c, n, m) if diag else (n * c, m * c)
+        self.out = torch.zeros(shape, dtype=dtype, device=device)
+        nb = max(1, min(4, (n if diag else n * c) // _GRAM_MIN_ROWS)) if same else 1
+        cuts = [round(i * n / nb) for i in range(nb + 1)]
+        self.ranges = [slice(a, b) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+
+    def pairs(self) -> list[tuple[slice, slice]]:
+        """Example ranges ``(rows, cols)`` to compute."""
+        if not self.same:
+            return [(slice(0, self.n), slice(0, self.m))]
+        return [(r, q) for i, r in enumerate(self.ranges) for q in self.ranges[i:]]
+
+    def view4(self) -> Tensor:
+        """The block as ``[C, n, m]`` or ``[n, C, m, C]`` (a view)."""
+        return self.out if self.diag else self.out.view(self.n, self.c, self.m, self.c)
+
+    def add_rows(self, j1: Tensor, j2: Tensor) -> None:
+        """Add ``A1 A2^T`` for per-example rows ``j1 [n, C, k]``, ``j2 [m, C, k]`` (``j2 is
+        j1`` for a symmetric block), one GEMM per range pair into the output in place."""
+        c = self.c
+        if self.diag:
+            a1 = j1.transpose(0, 1).contiguous()  # C, n, k
+            a2 = a1 if j2 is j1 else j2.transpose(0, 1).contiguous()
+            for r, q in self.pairs():
+                self.out[:, r, q].baddbmm_(a1[:, r], a2[:, q].transpose(1, 2))
+        else:
+            a1 = j1.reshape(-1, j1.shape[-1])
+            a2 = a1 if j2 is j1 else j2.reshape(-1, j2.shape[-1])
+            for r, q in self.pairs():
+                rr, qq = slice(r.start * c, r.stop * c), slice(q.start * c, q.stop * c)
+                self.out[rr, qq].addmm_(a1[rr], a2[qq].T)
+
+    def result(self) -> Tensor:
+        """The block (lower range pairs mirrored from the upper ones when symmetric)."""
+        out = self.view4()
+        if self.same:
+            for i, r in enumerate(self.ranges):
+                for q in self.ranges[i + 1 :]:
+                    if self.diag:
+                        out[:, q, r] = out[:, r, q].transpose(1, 2)
+                    else:
+                        out[q, :, r, :] = out[r, :, q, :].permute(2, 3, 0, 1)
         return out
+
+
+def _nonzero_columns(u1: Tensor, u2: Tensor) -> Tensor | None:
+    """Indices of the last-dimension columns that are nonzero somewhere in both ``u1`` and
+    ``u2`` (None when all are): a column that is zero for every example and position of
+    either side (a kernel tap that only ever sees zero padding, a dead channel) contributes
+    exactly zero to the kernel and is dropped."""
+    k = u1.shape[-1]
+    nz = u1.reshape(-1, k).ne(0).any(0)
+    if u2 is not u1:
+        nz = nz & u2.reshape(-1, k).ne(0).any(0)
+    if bool(nz.all()):
+        return None
+    return nz.nonzero().squeeze(1)
+
+
+def _outer_into(acc: _Gram, ft1: tuple, ft2: tuple, var: dict[str, Tensor], budget: int) -> None:
+    """Add ``sum_o g1_co g2_do [sum_j s_oj u1_j u2_j + s^b_o]`` of an outer-product layer
+    (``u [n, G, J/G]``, ``g [C, n, O]``, ``s`` the weight variances ``[O, J/G]``).
+
+    The inner sums ``t [n, m, O]`` are one ``[n m, J] @ [J, O]`` product (independent of
+    ``C``; ``N1 N2 P_layer`` multiply-adds), then contracted with ``g``; rows of ``x1`` are
+    chunked so that the ``[rows, m, J]`` products and ``[rows, m, C, O]`` temporaries stay
+    within ``budget`` bytes."""
+    _, u1, g1 = ft1
+    _, u2, g2 = ft2
+    grp, jg = u1.shape[1:]
+    c, _, o = g1.shape
+    sw = var["weight"].reshape(grp, o // grp, jg)
+    idx = _nonzero_columns(u1, u2)
+    if idx is not None:
+        u1, sw = u1.index_select(2, idx), sw.index_select(2, idx)
+        u2 = u1 if ft2 is ft1 else u2.index_select(2, idx)
+    jk = u1.shape[2]
+    sb = var.get("bias")
+    out = acc.view4()
+    elt = u1.element_size()
+    g2t = None if acc.diag else g2.permute(1, 0, 2).contiguous()  # m, C, O
+    for r, q in acc.pairs():
+        mc = q.stop - q.start
+        per_row = mc * (grp * jk + o + (c * o if not acc.diag else c * o)) * elt * 2
+        step = max(1, budget // max(1, per_row))
+        for s in range(r.start, r.stop, step):
+            rr = slice(s, min(s + step, r.stop))
+            ri = rr.stop - rr.start
+            prod = (u1[rr, None] * u2[None, q]).reshape(ri * mc, grp, jk)
+            t = torch.einsum("xgj,goj->xgo", prod, sw).reshape(ri, mc, o)
+            del prod
+            if sb is not None:
+                t = t + sb
+            if acc.diag:
+                z = t.unsqueeze(0) * g2[:, None, q, :]  # C, ri, mc, O
+                out[:, rr, q] += torch.matmul(z, g1[:, rr, :, None]).squeeze(-1)
+            else:
+                z = t.unsqueeze(2) * g2t[None, q]  # ri, mc, C, O
+                res = torch.bmm(g1[:, rr].transpose(0, 1), z.reshape(ri, mc * c, o).transpose(1, 2))
+                out[rr, :, q, :] += res.view(ri, c, mc, c)
+
+
+def _conv_into(
+    acc: _Gram, m: nn.Module, ft1: tuple, ft2: tuple, std: dict[str, Tensor], budget: int
+) -> None:
+    """Add ``A1 A2^T`` of a convolution with ``L > 1`` output positions, ``A`` its whitened
+    per-example Jacobians, formed from ``u [n G, L, J/G]`` and ``g [n G, C O/G, L]`` by one
+    batched ``[C o, L] @ [L, J/G]`` product per example for a block of ``o`` output channels
+    at a time (``o`` chosen so that the ``[n, C, o J/G]`` block of each side stays within
+    ``budget`` bytes), never the whole ``[n, C, P_layer]``. Unfolded columns that are zero
+    for all examples of either side are dropped (exact). Cost ``n m C P_layer``
+    multiply-adds (``n m C^2 P_layer`` for the full block) plus ``(n + m) C L P_layer``
+    to form ``A``."""
+    _, u1, gg1, n, c = ft1
+    _, u2, gg2, mm, _ = ft2
+    grp = m.groups
+    pos, jg = u1.shape[1:]
+    og = gg1.shape[1] // c
+    sw = std["weight"].reshape(grp, og, jg)
+    idx = _nonzero_columns(u1, u2)
+    if idx is not None:
+        u1, sw = u1.index_select(2, idx), sw.index_select(2, idx)
+        u2 = u1 if ft2 is ft1 else u2.index_select(2, idx)
+    jk = u1.shape[2]
+    u1, u2 = u1.view(n, grp, pos, jk), u2.view(mm, grp, pos, jk)
+    g1, g2 = gg1.view(n, grp, c, og, pos), gg2.view(mm, grp, c, og, pos)
+    rows = (n if ft2 is ft1 else n + mm) * c
+    oc = max(1, min(og, budget // max(1, 3 * rows * jk * u1.element_size())))
+
+    def cols(u: Tensor, g: Tensor, gi: int, o0: int, o1: int) -> Tensor:
+        k = len(u)
+        gs = g[:, gi, :, o0:o1].reshape(k, c * (o1 - o0), pos)
+        a = torch.bmm(gs, u[:, gi]).view(k, c, o1 - o0, jk)
+        return a.mul_(sw[gi, o0:o1]).view(k, c, -1)
+
+    for gi in range(grp):
+        for o0 in range(0, og, oc):
+            o1 = min(og, o0 + oc)
+            a1 = cols(u1, g1, gi, o0, o1)
+            acc.add_rows(a1, a1 if ft2 is ft1 else cols(u2, g2, gi, o0, o1))
+    if "bias" in std:
+        b1 = g1.sum(-1).permute(0, 2, 1, 3).reshape(n, c, -1) * std["bias"]
+        b2 = b1 if ft2 is ft1 else g2.sum(-1).permute(0, 2, 1, 3).reshape(mm, c, -1) * std["bias"]
+        acc.add_rows(b1, b2)
 
 
 def _layer_features(m: nn.Module, a: Tensor, g: Tensor) -> tuple:
@@ -559,24 +743,6 @@ def _layer_features(m: nn.Module, a: Tensor, g: Tensor) -> tuple:
         gg = g2d.reshape(c, n, grp, -1, pos).permute(1, 2, 0, 3, 4).reshape(n * grp, -1, pos)
         return ("conv", u, gg, n, c)
     return ("dense", a, g)
-
-
-def _outer_block(
-    ft1: tuple, ft2: tuple, var: dict[str, Tensor], m: nn.Module, diagonal_outputs: bool
-) -> Tensor:
-    """``sum_o g1_co g2_do [sum_j s_oj u1_j u2_j + s^b_o]`` for an outer-product layer."""
-    _, u1, g1 = ft1
-    _, u2, g2 = ft2
-    n, grp, jj = u1.shape
-    mm = len(u2)
-    sw = var["weight"].reshape(grp, -1, jj)  # G, O/G, J/G
-    prod = (u1[:, None] * u2[None]).reshape(n * mm, grp, jj)
-    t = torch.einsum("xgj,goj->xgo", prod, sw).reshape(n, mm, -1)  # n, m, O
-    if "bias" in var:
-        t = t + var["bias"]
-    if diagonal_outputs:
-        return torch.einsum("cni,nmi,cmi->cnm", g1, t, g2)
-    return torch.einsum("cni,nmi,dmi->ncmd", g1, t, g2)
 
 
 def _dense_jacobian(m: nn.Module, ft: tuple, std: dict[str, Tensor]) -> Tensor:
