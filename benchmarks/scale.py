@@ -1,6 +1,7 @@
 """Time and peak memory of Laplace / GGN / DNN2GP on real-size networks, beside laplace-torch.
 
-    python -m benchmarks.scale [--models mlp,cnn,resnet18] [--device cpu] [--threads 1]
+    python -m benchmarks.scale [--models mlp,cnn,resnet18] [--cases kernel,...] [--device cpu]
+                               [--threads 1]
 
 Networks (random weights, eval mode; the cost does not depend on the weights):
 
@@ -17,7 +18,10 @@ Cases (inputs are standard-normal tensors of the network's input shape, labels u
   Where a network's ``--lt-max`` is below ``n`` it is timed on ``--lt-max`` inputs and the
   time scaled linearly to ``n`` (the cost is linear in ``n``; the JSON says so);
 * ``kernel``: ``GP(net, q, "categorical").kernel(x, diagonal_outputs=True)`` (FROMP's
-  per-class blocks) for ``--n-kernel`` inputs, ``q`` a random diagonal posterior;
+  per-class blocks ``[C, N, N]``), ``q`` a random diagonal posterior, default memory budget
+  (the structured kernel derives its example chunk from it);
+* ``kernel_full``: the same with ``diagonal_outputs=False`` (all ``C x C`` output pairs,
+  ``[N, C, N, C]``);
 * ``predictive``: ``GP.predictive(x, "probit")`` for ``--n-pred`` inputs;
 * ``check``: fromp's and laplace-torch's GGN diagonals on 8 inputs, max relative difference.
 
@@ -26,6 +30,11 @@ size (``ru_maxrss``, including Python, torch and the model: ``base_rss_mb`` is t
 before the case starts). ``cpu_s`` is the process CPU time, ``wall_s`` the wall time (on a
 shared machine wall time depends on other load). Cases over ``--timeout`` seconds are killed
 and recorded as such. Results go to ``benchmarks/results/scale.json`` with the command.
+
+``--device cuda`` (a GPU): the same cases on ``cuda``; every timing is bracketed by
+``torch.cuda.synchronize`` and ``peak_cuda_mb`` is ``torch.cuda.max_memory_allocated``
+after ``reset_peak_memory_stats``. A device that is not available is refused before any
+case runs.
 """
 
 from __future__ import annotations
@@ -47,12 +56,12 @@ RESULTS = Path(__file__).resolve().parent / "results"
 MODELS = ("resnet18", "cnn", "mlp")
 DEFAULTS: dict[str, dict[str, Any]] = {
     # inputs per case; laplace-torch is run on at most lt_max inputs (linear extrapolation)
-    "mlp": {"ggn": [1000, 10000], "kernel": [256, 1024], "pred": 256, "lt_max": 1000,
-            "lt_batch": 256, "gp_chunk": 64},
-    "cnn": {"ggn": [1000, 10000], "kernel": [256], "pred": 256, "lt_max": 1000,
-            "lt_batch": 32, "gp_chunk": 16},
-    "resnet18": {"ggn": [1000, 10000], "kernel": [256], "pred": 256, "lt_max": 16,
-                 "lt_batch": 2, "gp_chunk": 32},
+    "mlp": {"ggn": [1000, 10000], "kernel": [256, 1024], "kernel_full": [256, 1024],
+            "pred": 256, "lt_max": 1000, "lt_batch": 256, "gp_chunk": 64},
+    "cnn": {"ggn": [1000, 10000], "kernel": [256, 1024], "kernel_full": [256, 1024],
+            "pred": 256, "lt_max": 1000, "lt_batch": 32, "gp_chunk": 16},
+    "resnet18": {"ggn": [1000, 10000], "kernel": [256, 1024], "kernel_full": [256],
+                 "pred": 256, "lt_max": 16, "lt_batch": 2, "gp_chunk": 32},
 }  # fmt: skip
 
 
@@ -117,21 +126,23 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
     elif spec["case"] == "laplace_torch":
         h = _laplace_torch_fit(net, x, y, spec["lt_batch"])
         out["precision_sum"] = float(h.sum()) + h.numel()
-    elif spec["case"] in ("kernel", "predictive"):
+    elif spec["case"] in ("kernel", "kernel_full", "predictive"):
         from fromp.gp import GP
         from fromp.jacobian import flat_params
         from fromp.posterior import DiagonalGaussian
 
         mean = flat_params(net)
         prec = 1.0 + torch.rand(mean.shape, generator=torch.Generator().manual_seed(1))
-        gp = GP(net, DiagonalGaussian(mean, prec.to(mean)), "categorical",
-                chunk_size=spec["gp_chunk"])  # fmt: skip
-        if spec["case"] == "kernel":
-            k = gp.kernel(x, diagonal_outputs=True)
-            out["shape"] = list(k.shape)
-        else:
+        q = DiagonalGaussian(mean, prec.to(mean))
+        if spec["case"] == "predictive":
+            gp = GP(net, q, "categorical", chunk_size=spec["gp_chunk"])
             p = gp.predictive(x, "probit")
             out["shape"] = list(p.shape)
+        else:
+            gp = GP(net, q, "categorical")
+            k = gp.kernel(x, diagonal_outputs=spec["case"] == "kernel")
+            out["shape"] = list(k.shape)
+            out["method"] = "structured" if gp._structured else "jacobian"
     elif spec["case"] == "check":
         from fromp.curvature import diag_ggn
 
@@ -162,7 +173,11 @@ def _spawn(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+CASES = ("check", "laplace", "laplace_torch", "kernel", "kernel_full", "predictive")
+
+
 def _plan(models: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
+    cases = getattr(args, "cases", None) or CASES
     specs = []
     for m in models:
         d = DEFAULTS[m]
@@ -174,16 +189,33 @@ def _plan(models: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
             if not args.skip_laplace_torch:
                 n_lt = min(n, d["lt_max"])
                 specs.append({**base, "case": "laplace_torch", "n": n_lt, "target_n": n})
-        for n in d["kernel"]:
-            specs.append({**base, "case": "kernel", "n": n})
+        for case in ("kernel", "kernel_full"):
+            for n in d[case]:
+                specs.append({**base, "case": case, "n": n})
         specs.append({**base, "case": "predictive", "n": d["pred"]})
-    return specs
+    return [s for s in specs if s["case"] in cases]
+
+
+def check_device(device: str) -> str:
+    """``device`` if torch can use it, else a ``ValueError`` naming ``--device``."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"--device must be a torch device such as 'cpu' or 'cuda', got "
+                         f"{device!r}") from err  # fmt: skip
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available on this machine "
+                         "(torch.cuda.is_available() is False)")  # fmt: skip
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be 'cpu' or 'cuda[:i]', got {device!r}")
+    return device
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--skip-laplace-torch", action="store_true")
@@ -197,6 +229,14 @@ def main(argv: list[str] | None = None) -> None:
     bad = [m for m in models if m not in MODELS]
     if bad:
         parser.error(f"--models must be among {MODELS}, got {bad}")
+    args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    bad = [c for c in args.cases if c not in CASES]
+    if bad or not args.cases:
+        parser.error(f"--cases must be among {CASES}, got {bad or args.cases}")
+    try:
+        check_device(args.device)
+    except ValueError as err:
+        parser.error(str(err))
     results = []
     for spec in _plan(models, args):
         res = _spawn(spec, args.timeout)

@@ -19,6 +19,7 @@ existing callers.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -271,7 +272,8 @@ class GP:
             else:
                 feats, block_fn = structure.features, structure.block
                 if chunk_size is None and self._chunk_size is None:
-                    step = structure.example_chunk(structure.bytes_per_example)
+                    most = structure.example_chunk(structure.bytes_per_example)
+                    step = -(-n1 // -(-n1 // most))  # equal chunks of at most `most`
         opts = {"dtype": self._dtype, "device": self._device}
         out = torch.empty((c, n1, n2) if diagonal_outputs else (n1, c, n2, c), **opts)
         rows2 = self._chunks(n2, step)
@@ -329,8 +331,10 @@ class GP:
                 st = _CaptureStructure(self)
                 f0 = st.features(x0, slice(0, 1))
                 a0 = self._whitened(x0, slice(0, 1))
-                ref = self._jacobian_block(a0, a0, False)
-                got = st.block(f0, f0, False)
+                # the reference product in float64: a float32 dot product over P ~ 1e7
+                # terms is itself off by ~1e-4 relative
+                ref = self._jacobian_block(a0.double(), a0.double(), False)
+                got = st.block(f0, f0, False).double()
                 tol = 1e-4 if self._dtype == torch.float32 else 1e-9
                 if not torch.allclose(got, ref, rtol=tol, atol=tol * float(ref.abs().max())):
                     raise _NotStructured("one-example check against the Jacobian way failed")
@@ -485,8 +489,9 @@ class _CaptureStructure:
         self.other_std = torch.cat([std[n].reshape(-1) for n in self.other]) if self.other else None
         self._name_of = {id(m): k for k, m in self.layers.items()}
 
-    def features(self, x: Tensor, rows: slice) -> tuple[dict[str, tuple], Any, int]:
-        """``({layer: (kind, u or a, g [C, n, ...])}, A_other [n, C, P_other] or None, n)``:
+    def features(self, x: Tensor, rows: slice) -> tuple[dict[str, tuple], Any, int, int]:
+        """``({layer: (kind, u or a, g [C, n, ...])}, A_other [n, C, P_other] or None, n,
+        C)``:
         one forward pass and one batched backward pass of the ``C`` outputs per chunk."""
         gp = self.gp
         xr = x[rows]
@@ -523,7 +528,7 @@ class _CaptureStructure:
 
             jac = vmap(jacrev(single), in_dims=(None, 0))(other, xr)
             a_other = _flatten_leading(jac, 2).detach() * self.other_std
-        return feats, a_other, n
+        return feats, a_other, n, c
 
     def block(
         self, f1: tuple, f2: tuple, diagonal_outputs: bool, budget: int | None = None
@@ -531,11 +536,10 @@ class _CaptureStructure:
         """Kernel block ``[C, n, m]`` (per-output) or ``[n, C, m, C]`` between two feature
         sets, accumulated layer by layer into one output (:class:`_Gram`); ``budget`` bytes
         (default half the GP's ``memory_budget``) bound each layer's temporaries."""
-        (lay1, o1, n1), (lay2, o2, n2) = f1, f2
+        (lay1, o1, n1, c), (lay2, o2, n2, _) = f1, f2
         same = f1 is f2
         budget = self.gp.memory_budget // 2 if budget is None else budget
-        acc = _Gram(self.gp._n_out, n1, n2, diagonal_outputs, same, self.gp._dtype,
-                    self.gp._device)  # fmt: skip
+        acc = _Gram(c, n1, n2, diagonal_outputs, same, self.gp._dtype, self.gp._device)
         contributed = o1 is not None
         if o1 is not None:
             acc.add_rows(o1, o1 if same else o2)
@@ -583,7 +587,7 @@ class _Gram:
         self.out = torch.zeros(shape, dtype=dtype, device=device)
         nb = max(1, min(4, (n if diag else n * c) // _GRAM_MIN_ROWS)) if same else 1
         cuts = [round(i * n / nb) for i in range(nb + 1)]
-        self.ranges = [slice(a, b) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+        self.ranges = [slice(a, b) for a, b in itertools.pairwise(cuts) if b > a]
 
     def pairs(self) -> list[tuple[slice, slice]]:
         """Example ranges ``(rows, cols)`` to compute."""
@@ -597,16 +601,23 @@ class _Gram:
 
     def add_rows(self, j1: Tensor, j2: Tensor) -> None:
         """Add ``A1 A2^T`` for per-example rows ``j1 [n, C, k]``, ``j2 [m, C, k]`` (``j2 is
-        j1`` for a symmetric block), one GEMM per range pair into the output in place."""
-        c = self.c
+        j1`` for a symmetric block)."""
         if self.diag:
             a1 = j1.transpose(0, 1).contiguous()  # C, n, k
             a2 = a1 if j2 is j1 else j2.transpose(0, 1).contiguous()
-            for r, q in self.pairs():
-                self.out[:, r, q].baddbmm_(a1[:, r], a2[:, q].transpose(1, 2))
         else:
             a1 = j1.reshape(-1, j1.shape[-1])
             a2 = a1 if j2 is j1 else j2.reshape(-1, j2.shape[-1])
+        self.add(a1, a2)
+
+    def add(self, a1: Tensor, a2: Tensor) -> None:
+        """Add ``A1 A2^T`` for ``a [C, n, k]`` (per-output) or ``[n C, k]`` (rows
+        example-major), one GEMM per range pair into the output in place."""
+        c = self.c
+        if self.diag:
+            for r, q in self.pairs():
+                self.out[:, r, q].baddbmm_(a1[:, r], a2[:, q].transpose(1, 2))
+        else:
             for r, q in self.pairs():
                 rr, qq = slice(r.start * c, r.stop * c), slice(q.start * c, q.stop * c)
                 self.out[rr, qq].addmm_(a1[rr], a2[qq].T)
@@ -662,7 +673,7 @@ def _outer_into(acc: _Gram, ft1: tuple, ft2: tuple, var: dict[str, Tensor], budg
     g2t = None if acc.diag else g2.permute(1, 0, 2).contiguous()  # m, C, O
     for r, q in acc.pairs():
         mc = q.stop - q.start
-        per_row = mc * (grp * jk + o + (c * o if not acc.diag else c * o)) * elt * 2
+        per_row = mc * (grp * jk + o + c * o) * elt * 2  # product, t, z
         step = max(1, budget // max(1, per_row))
         for s in range(r.start, r.stop, step):
             rr = slice(s, min(s + step, r.stop))
@@ -708,17 +719,31 @@ def _conv_into(
     rows = (n if ft2 is ft1 else n + mm) * c
     oc = max(1, min(og, budget // max(1, 3 * rows * jk * u1.element_size())))
 
-    def cols(u: Tensor, g: Tensor, gi: int, o0: int, o1: int) -> Tensor:
-        k = len(u)
-        gs = g[:, gi, :, o0:o1].reshape(k, c * (o1 - o0), pos)
-        a = torch.bmm(gs, u[:, gi]).view(k, c, o1 - o0, jk)
-        return a.mul_(sw[gi, o0:o1]).view(k, c, -1)
+    # preallocated column blocks, reused: fresh multi-GB tensors per block cost page faults
+    bufs = [torch.empty(k * c * oc * jk, dtype=u1.dtype, device=u1.device)
+            for k in ((n,) if ft2 is ft1 else (n, mm))]  # fmt: skip
+
+    def cols(buf: Tensor, u: Tensor, g: Tensor, gi: int, o0: int, o1: int) -> Tensor:
+        """Whitened Jacobian columns of output channels ``o0:o1`` of group ``gi``:
+        ``[C, k, o J]`` (per-output) or ``[k C, o J]``."""
+        k, w = len(u), o1 - o0
+        if acc.diag:
+            a = buf[: c * k * w * jk].view(c, k, w, jk)
+            for ci in range(c):
+                torch.bmm(g[:, gi, ci, o0:o1], u[:, gi], out=a[ci])
+        else:
+            a = buf[: k * c * w * jk].view(k, c, w, jk)
+            gs = g[:, gi, :, o0:o1].reshape(k, c * w, pos)
+            torch.bmm(gs, u[:, gi], out=a.view(k, c * w, jk))
+        a.mul_(sw[gi, o0:o1])
+        return a.view(c, k, w * jk) if acc.diag else a.view(k * c, w * jk)
 
     for gi in range(grp):
         for o0 in range(0, og, oc):
             o1 = min(og, o0 + oc)
-            a1 = cols(u1, g1, gi, o0, o1)
-            acc.add_rows(a1, a1 if ft2 is ft1 else cols(u2, g2, gi, o0, o1))
+            a1 = cols(bufs[0], u1, g1, gi, o0, o1)
+            acc.add(a1, a1 if ft2 is ft1 else cols(bufs[1], u2, g2, gi, o0, o1))
+    del bufs
     if "bias" in std:
         b1 = g1.sum(-1).permute(0, 2, 1, 3).reshape(n, c, -1) * std["bias"]
         b2 = b1 if ft2 is ft1 else g2.sum(-1).permute(0, 2, 1, 3).reshape(mm, c, -1) * std["bias"]
