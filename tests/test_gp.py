@@ -371,3 +371,71 @@ def test_structured_kernel_of_conv_norm_layers_matches_dense(diagonal_outputs):
     for method in ("structured", "jacobian"):
         got = gp.variance(x1, method=method)
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+class _PaddedTaps(nn.Module):
+    """Convolutions with kernel taps that only ever see zero padding (their unfolded columns
+    are dropped as exact zeros): a dilated conv on a 2x2 input (2x2 output, only the centre
+    tap ever sees the input), a strided conv to a 1x1 output (4 of 9 taps see the input) and
+    a 3x3 conv on a 1x1 input (the centre tap only), then a Linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(2, 3, 3, padding=2, dilation=2)
+        self.b = nn.Conv2d(3, 4, 3, stride=2, padding=1)
+        self.c = nn.Conv2d(4, 4, 3, padding=1, bias=False)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.b(torch.tanh(self.a(x))))
+        return self.fc(torch.tanh(self.c(h)).flatten(1))
+
+
+@pytest.mark.parametrize("budget", [None, 1], ids=["one-chunk", "tiny-budget"])
+@pytest.mark.parametrize("diagonal_outputs", [False, True])
+@pytest.mark.parametrize("make,shape", [(conv_zoo, (2, 8, 8)), (_PaddedTaps, (2, 2, 2))],
+                         ids=["zoo", "padded-taps"])  # fmt: skip
+def test_structured_kernel_range_pairs_and_chunks_match_dense(
+    monkeypatch, make, shape, diagonal_outputs, budget
+):
+    """Symmetric blocks split into example ranges (upper range pairs computed, the rest
+    mirrored), example chunks and output-channel / row chunks from a tiny memory budget, and
+    dropped zero columns: the structured kernel still equals the dense float64 kernel."""
+    import fromp.gp as gp_mod
+
+    monkeypatch.setattr(gp_mod, "_GRAM_MIN_ROWS", 2)  # 7 examples: 3 ranges (4 for C rows)
+    model = make().double().eval()
+    p = sum(q.numel() for q in model.parameters())
+    post = _random_posterior(p, full=False)
+    x1, x2 = torch.randn(7, *shape, dtype=F64), torch.randn(4, *shape, dtype=F64)
+    opts = {} if budget is None else {"memory_budget": budget}
+    gp = dnn2gp(model, post, "categorical", **opts)
+    j1, j2 = dense_jacobian(model, x1, post.mean), dense_jacobian(model, x2, post.mean)
+    cov = torch.diag(post.variance)
+    for xb, jb in ((None, j1), (x2, j2)):
+        ref = dense_kernel(j1, cov, jb)
+        if diagonal_outputs:
+            ref = torch.stack([ref[:, c, :, c] for c in range(ref.shape[1])])
+        got = gp.kernel(x1, xb, diagonal_outputs=diagonal_outputs, method="structured")
+        torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-12)
+    if make is _PaddedTaps:  # the zero-column path is exercised for every conv
+        lay = gp._structured.features(x1, slice(0, 7))[0]
+        assert [lay[k][0] for k in "abc"] == ["conv", "outer", "outer"]
+        for k, kept in (("a", 2 * 1), ("b", 3 * 4), ("c", 4 * 1)):
+            idx = gp_mod._nonzero_columns(lay[k][1], lay[k][1])
+            assert idx is not None and len(idx) == kept
+
+
+def test_gram_ranges_cover_the_block_once():
+    """The upper range pairs of a symmetric block plus their mirrors cover every entry
+    exactly once (no range dropped or counted twice at the chunk edges)."""
+    from fromp.gp import _Gram
+
+    for n, c, diag in ((1000, 1, True), (300, 3, False), (7, 10, True), (129, 1, True)):
+        acc = _Gram(c, n, n, diag, True, F64, "cpu")
+        hits = torch.zeros(n, n)
+        for r, q in acc.pairs():
+            hits[r, q] += 1
+            if r != q:
+                hits[q, r] += 1
+        assert (hits == 1).all() and len(acc.ranges) == max(1, min(4, n * (1 if diag else c) // 128))
