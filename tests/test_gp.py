@@ -438,4 +438,6 @@ def test_gram_ranges_cover_the_block_once():
             hits[r, q] += 1
             if r != q:
                 hits[q, r] += 1
-        assert (hits == 1).all() and len(acc.ranges) == max(1, min(4, n * (1 if diag else c) // 128))
+        assert (hits == 1).all() and len(acc.ranges) == max(
+            1, min(4, n * (1 if diag else c) // 128)
+        )

@@ -6,8 +6,9 @@ import argparse
 import importlib.util
 
 import pytest
+import torch
 
-from benchmarks.scale import _plan, run_case
+from benchmarks.scale import _plan, check_device, main, run_case
 
 
 def test_plan_and_one_case_run():
@@ -15,12 +16,42 @@ def test_plan_and_one_case_run():
     specs = _plan(["mlp"], args)
     cases = [s["case"] for s in specs]
     assert cases.count("laplace") == 2 and cases.count("laplace_torch") == 2
-    assert "kernel" in cases and "predictive" in cases and cases[0] == "check"
+    assert "kernel" in cases and "kernel_full" in cases and "predictive" in cases
+    assert cases[0] == "check"
+    args.cases = ["kernel_full"]
+    assert [(s["case"], s["n"]) for s in _plan(["cnn"], args)] == [
+        ("kernel_full", 256),
+        ("kernel_full", 1024),
+    ]
     base = {"model": "mlp", "device": "cpu", "threads": 1, "lt_batch": 4, "gp_chunk": 4}
     out = run_case({**base, "case": "laplace", "n": 6})
     assert out["precision_sum"] > 0 and out["peak_rss_mb"] >= out["base_rss_mb"] > 0
     out = run_case({**base, "case": "kernel", "n": 5})
-    assert out["shape"] == [2, 5, 5]
+    assert out["shape"] == [2, 5, 5] and out["method"] == "structured"
+    out = run_case({**base, "case": "kernel_full", "n": 5})
+    assert out["shape"] == [5, 2, 5, 2]
+
+
+def test_device_option_checked_before_any_case(monkeypatch, capsys, tmp_path):
+    """--device cuda without CUDA, an unknown device or case: a one-line error naming the
+    option, before any case runs or any file is written."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = tmp_path / "scale.json"
+    for argv, msg in (
+        (["--device", "cuda"], "--device cuda: CUDA is not available"),
+        (["--device", "cuda:1"], "--device cuda:1: CUDA is not available"),
+        (["--device", "gpu0"], "--device must be a torch device"),
+        (["--cases", "kernel,ggn"], "--cases must be among"),
+    ):
+        with pytest.raises(SystemExit):
+            main(["--models", "mlp", "--out", str(out), *argv])
+        assert msg in capsys.readouterr().err
+    assert not out.exists()
+    assert check_device("cpu") == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert check_device("cuda") == "cuda"  # accepted where a GPU is present
+    with pytest.raises(ValueError, match="--device must be 'cpu' or 'cuda"):
+        check_device("meta")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("laplace") is None, reason="laplace-torch absent")
