@@ -226,17 +226,26 @@ class GP:
                 to this many bytes are kept for reuse; beyond it chunks are recomputed for
                 every ``x1`` chunk.
             method: ``"jacobian"``: per-example Jacobians of all parameters, whitened, and
-                their products. ``"structured"`` (diagonal posteriors only): for every
-                ``nn.Linear`` layer ``z = W a + b`` the Jacobian of output ``c`` is
-                ``g_c a^T`` with ``g_c = df_c/dz``, so its kernel term is
-                ``sum_i g_ci(x) g_di(x') [sum_j s_ij a_j(x) a_j(x') + s_i^b]`` with ``s`` the
-                posterior variances: per-example ``g`` (one batched backward per output) and
-                ``a`` replace the per-example Jacobian of the layer, saving a factor ``C``
-                (``C^2`` for the full kernel) of the products; other parameters (convolutions,
-                normalisation) use the ``"jacobian"`` way. ``"auto"``: structured when the
-                posterior is diagonal, the model has such layers, each called once per forward
-                on ``[N, in]`` inputs, and a one-example check against ``"jacobian"`` agrees;
-                else ``"jacobian"``.
+                their products. ``"structured"`` (diagonal posteriors only): the layers of
+                :mod:`fromp.capture` (``Linear``, ``Conv1d/2d``, norm layers' affine
+                parameters) from their inputs ``a`` and output gradients ``g_c = df_c/dz``
+                (one forward and one batched backward of the ``C`` outputs per example
+                chunk, see :class:`_CaptureStructure`): a layer whose weight Jacobian is one
+                outer product ``g_c u^T`` (``Linear`` on ``[N, in]``, a convolution with one
+                output position) contributes
+                ``sum_o g_co(x) g_do(x') [sum_j s_oj u_j(x) u_j(x') + s_o^b]`` (``s`` the
+                posterior variances), one ``[N1 N2, J] @ [J, O]`` product independent of
+                ``C``; a convolution with ``L > 1`` output positions forms its whitened
+                Jacobian columns for a block of output channels at a time (one batched
+                ``[C o, L] @ [L, J]`` product) and adds their Gram product; unfolded input
+                columns that are zero for all examples (kernel taps that only see zero
+                padding) are dropped, exactly. Parameters of other layers use the
+                ``"jacobian"`` way. ``"auto"``: structured when the posterior is diagonal,
+                the model has such layers, each called once per forward, and a one-example
+                check against ``"jacobian"`` (float64 product) agrees; else ``"jacobian"``.
+                Without ``chunk_size`` the structured way's example chunk comes from
+                ``memory_budget``: a third of it for a chunk's features (ResNet-18 on
+                32x32 inputs: 5.5 MB per example, so 2 GiB gives chunks of up to 131).
 
         Returns:
             ``[N1, C, N2, C]`` (entry ``[n, c, m, d] = k(x1_n, x2_m)_{cd}``), or ``[C, N1, N2]``
@@ -245,10 +254,13 @@ class GP:
         Memory: the output plus two chunks' features plus the cache; ``Sigma`` and the full
         ``J`` are never formed. ``"jacobian"``: features ``chunk_size * C * P`` numbers, cost
         ``N1 * N2 * C^2 * P`` multiply-adds (``N1 * N2 * C * P`` with ``diagonal_outputs``),
-        halved when ``x2`` is None. ``"structured"``: a Linear layer's features are
-        ``chunk_size * (in + C * out)`` numbers and its cost ``N1 * N2 * (in * out + C^2 * out)``
-        (``C * out`` with ``diagonal_outputs``). ``O(N1 + N2)`` feature evaluations when the
-        cache holds those of ``x2``.
+        halved when ``x2`` is None. ``"structured"``: features ``O(C * activations)`` per
+        example; an outer-product layer costs ``N1 N2 P_layer`` (plus ``N1 N2 C O`` or
+        ``N1 N2 C^2 O``), a convolution with ``L > 1`` positions ``N1 N2 C P_layer``
+        (``N1 N2 C^2 P_layer`` for the full kernel) plus ``(N1 + N2) C L P_layer`` to form
+        its columns; each layer's temporaries are bounded by half of ``memory_budget``.
+        A symmetric block computes only its upper example-range pairs (5/8 of the
+        products with four ranges).
         """
         x1 = self._prep(x1, "x1")
         step = self._step(chunk_size, x1)
@@ -452,10 +464,11 @@ class _CaptureStructure:
       ``u = unfold(a)``): ``J_c = g_c u^T``, so their kernel term is
       ``sum_o g_co(x) g_do(x') [sum_j s_oj u_j(x) u_j(x') + s^b_o]``: one ``[n m, J] @ [J, O]``
       product per block, independent of ``C``;
-    * *dense* layers (convolutions with ``L > 1`` output positions, norm layers, sequence
-      ``Linear``): the layer's per-example Jacobians ``[n, C, P_layer]`` formed per block from
-      the stored ``(u, g)`` by one batched GEMM (``[C O, L] @ [L, J]`` per example), whitened,
-      and multiplied as in the Jacobian way;
+    * convolutions with ``L > 1`` output positions: whitened Jacobian columns of a block of
+      output channels at a time, ``[C o, L] @ [L, J]`` per example, then one Gram GEMM per
+      block (:func:`_conv_into`); unfolded columns that are zero for every example dropped;
+    * *dense* layers (norm layers, sequence ``Linear``): the layer's per-example Jacobians
+      ``[n, C, P_layer]`` (small) and their Gram product;
     * parameters of other layers: per-example Jacobians (``vmap(jacrev)``) of those alone.
 
     Features per example are ``O(C * activations)`` numbers instead of ``C * P``."""
