@@ -59,3 +59,11 @@ def test_fromp_matches_laplace_torch_diag_ggn():
     base = {"model": "mlp", "device": "cpu", "threads": 1, "lt_batch": 4, "gp_chunk": 4}
     out = run_case({**base, "case": "check", "n": 6})
     assert out["max_abs_diff_over_max"] < 1e-5
+
+
+def test_kernel_profile_refuses_no_inputs(capsys):
+    from benchmarks.kernel_profile import main as profile_main
+
+    with pytest.raises(SystemExit):
+        profile_main(["--n", "0"])
+    assert "--n must be >= 1, got 0" in capsys.readouterr().err
