@@ -662,6 +662,11 @@ def _nonzero_columns(u1: Tensor, u2: Tensor) -> Tensor | None:
     return nz.nonzero().squeeze(1)
 
 
+_OUTER_STEP_BYTES = 1 << 25
+"""Temporaries of one row step of :func:`_outer_into`, at most (32 MiB: larger steps are
+no fewer flops but slower, memory-bound on fresh allocations)."""
+
+
 def _outer_into(acc: _Gram, ft1: tuple, ft2: tuple, var: dict[str, Tensor], budget: int) -> None:
     """Add ``sum_o g1_co g2_do [sum_j s_oj u1_j u2_j + s^b_o]`` of an outer-product layer
     (``u [n, G, J/G]``, ``g [C, n, O]``, ``s`` the weight variances ``[O, J/G]``).
@@ -669,7 +674,7 @@ def _outer_into(acc: _Gram, ft1: tuple, ft2: tuple, var: dict[str, Tensor], budg
     The inner sums ``t [n, m, O]`` are one ``[n m, J] @ [J, O]`` product (independent of
     ``C``; ``N1 N2 P_layer`` multiply-adds), then contracted with ``g``; rows of ``x1`` are
     chunked so that the ``[rows, m, J]`` products and ``[rows, m, C, O]`` temporaries stay
-    within ``budget`` bytes."""
+    within ``budget`` bytes and 32 MiB (:data:`_OUTER_STEP_BYTES`)."""
     _, u1, g1 = ft1
     _, u2, g2 = ft2
     grp, jg = u1.shape[1:]
@@ -687,7 +692,7 @@ def _outer_into(acc: _Gram, ft1: tuple, ft2: tuple, var: dict[str, Tensor], budg
     for r, q in acc.pairs():
         mc = q.stop - q.start
         per_row = mc * (grp * jk + o + c * o) * elt * 2  # product, t, z
-        step = max(1, budget // max(1, per_row))
+        step = max(1, min(budget, _OUTER_STEP_BYTES) // max(1, per_row))
         for s in range(r.start, r.stop, step):
             rr = slice(s, min(s + step, r.stop))
             ri = rr.stop - rr.start
