@@ -8,8 +8,9 @@ and taking ``w ~ q = N(m, Sigma)`` (a Laplace or VOGN posterior) gives the GP
 (Khan et al., 2019, "Approximate inference turns deep networks into Gaussian processes";
 the kernel FROMP regularises with). :class:`GP` evaluates its mean, kernel blocks and
 marginal (co)variances without ever forming ``Sigma`` densely for a diagonal posterior: with
-``A(x) = J(x) Sigma^{1/2}`` (``J * std`` for :class:`~fromp.posterior.DiagonalGaussian`,
-``J L^{-T}`` for a :class:`~fromp.laplace.FullGaussian` with precision ``L L^T``)
+``A(x) = J(x) Sigma^{1/2}`` (the posterior's :meth:`~fromp.posterior.GaussianPosterior.whiten`:
+``J * std`` for :class:`~fromp.posterior.DiagonalGaussian`, ``J L^{-T}`` for a
+:class:`~fromp.posterior.FullGaussian` with precision ``L L^T``)
 ``k(x, x') = A(x) A(x')^T``, and ``A`` is computed in chunks of examples.
 
 The Laplace evidence lives beside the Laplace code (:mod:`fromp.laplace`);
@@ -20,7 +21,6 @@ existing callers.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,7 +38,6 @@ from fromp.capture import (
 )
 from fromp.jacobian import _flatten_leading, _single_output_fn, num_params, unflatten
 from fromp.laplace import (
-    FullGaussian,
     log_marginal_likelihood,
     optimize_prior_precision,
     require_eval,
@@ -50,7 +49,7 @@ from fromp.likelihood import (
     Likelihood,
     get_likelihood,
 )
-from fromp.posterior import DiagonalGaussian
+from fromp.posterior import DiagonalGaussian, GaussianPosterior
 
 __all__ = [
     "GP",
@@ -59,7 +58,7 @@ __all__ = [
     "optimize_prior_precision",
 ]
 
-Posterior = DiagonalGaussian | FullGaussian
+Posterior = GaussianPosterior
 
 _PROBIT_SCALE = math.pi / 8
 
@@ -88,8 +87,9 @@ class GP:
             mode. Its own weights are not used: everything is evaluated at
             ``posterior.mean`` through :func:`torch.func.functional_call` (buffers such as
             batch-norm statistics are the module's).
-        posterior: :class:`~fromp.posterior.DiagonalGaussian` (``Sigma = diag(1/precision)``)
-            or :class:`~fromp.laplace.FullGaussian` over the ``P`` trainable parameters.
+        posterior: a :class:`~fromp.posterior.GaussianPosterior` over the ``P`` trainable
+            parameters: :class:`~fromp.posterior.DiagonalGaussian`
+            (``Sigma = diag(1/precision)``) or :class:`~fromp.posterior.FullGaussian`.
         likelihood: a :class:`~fromp.likelihood.Likelihood` or its name (for
             :meth:`predictive`).
         chunk_size: examples per Jacobian chunk (default for every method); None derives it
@@ -102,15 +102,15 @@ class GP:
     def __init__(
         self,
         model: nn.Module,
-        posterior: Posterior,
+        posterior: GaussianPosterior,
         likelihood: str | Likelihood,
         *,
         chunk_size: int | None = None,
         memory_budget: int = DEFAULT_MEMORY_BUDGET,
     ) -> None:
-        if not isinstance(posterior, DiagonalGaussian | FullGaussian):
+        if not isinstance(posterior, GaussianPosterior):
             raise ValueError(
-                "posterior must be a DiagonalGaussian or FullGaussian, got "
+                "posterior must be a GaussianPosterior (DiagonalGaussian or FullGaussian), got "
                 f"{type(posterior).__name__}"
             )
         require_eval(model)
@@ -138,12 +138,7 @@ class GP:
         self._jac = vmap(jacrev(_single_output_fn(model)), in_dims=(None, 0))
         self._structured: _CaptureStructure | bool | None = None
         self._structured_reason = ""
-        if isinstance(posterior, DiagonalGaussian):
-            std = posterior.std.detach().to(ref)
-            self._whiten: Callable[[Tensor], Tensor] = lambda j: j * std
-        else:
-            post = posterior.detach().to(ref)
-            self._whiten = post.whiten
+        self._q = posterior.detach()
 
     @property
     def chunk_size(self) -> int:
@@ -197,7 +192,7 @@ class GP:
 
     def _whitened(self, x: Tensor, rows: slice) -> Tensor:
         """``A(x[rows]) = J Sigma^{1/2}`` ``[n, C, P]``."""
-        return self._whiten(self._jac_rows(x, rows))
+        return self._q.whiten(self._jac_rows(x, rows))
 
     def _chunks(self, n: int, step: int) -> list[slice]:
         return [slice(s, min(s + step, n)) for s in range(0, n, step)]

@@ -11,13 +11,13 @@ models only). In continual learning the posterior after task ``t`` is the prior 
 ``t + 1``; passing ``posterior=`` adds the new task's GGN to its precision, so that after
 ``T`` tasks the precision is ``sum_t G_t + D`` (one prior, every task's curvature).
 The prior mean ``m0`` does not enter ``q``: it only moves ``w*``, which is taken as given.
+Both Gaussians live in :mod:`fromp.posterior`; ``FullGaussian`` is re-exported here.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ from fromp.curvature import DataArg, diag_ggn, iter_batches
 from fromp.ggn import ggn
 from fromp.jacobian import flat_params
 from fromp.likelihood import Likelihood, get_likelihood
-from fromp.posterior import DiagonalGaussian
+from fromp.posterior import DiagonalGaussian, FullGaussian
 
 __all__ = [
     "DiagLaplace",
@@ -42,91 +42,6 @@ __all__ = [
     "prior_precision_vector",
     "require_eval",
 ]
-
-
-@dataclass
-class FullGaussian:
-    """``q(w) = N(mean, precision^{-1})`` with a dense ``[P, P]`` precision (small models).
-
-    Attributes:
-        mean: ``[P]``.
-        precision: ``[P, P]``, symmetric positive definite.
-    """
-
-    mean: Tensor
-    precision: Tensor
-
-    def __post_init__(self) -> None:
-        p = self.mean.shape[0] if self.mean.ndim == 1 else -1
-        if self.mean.ndim != 1 or self.precision.shape != (p, p):
-            raise ValueError(
-                "mean must have shape [P] and precision [P, P], got "
-                f"{tuple(self.mean.shape)} and {tuple(self.precision.shape)}"
-            )
-        if not torch.isfinite(self.mean).all():
-            raise ValueError("mean has non-finite entries")
-        if not torch.isfinite(self.precision).all():
-            raise ValueError("precision has non-finite entries")
-        chol, info = torch.linalg.cholesky_ex(0.5 * (self.precision + self.precision.T))
-        if int(info) != 0:
-            raise ValueError("precision must be symmetric positive definite")
-        self._chol = chol
-
-    @property
-    def num_params(self) -> int:
-        """``P``, the number of parameters."""
-        return self.mean.numel()
-
-    @property
-    def precision_cholesky(self) -> Tensor:
-        """Lower-triangular ``L [P, P]`` with ``precision = L L^T``."""
-        return self._chol
-
-    @property
-    def covariance(self) -> Tensor:
-        """``precision^{-1}`` ``[P, P]``."""
-        return torch.cholesky_inverse(self._chol)
-
-    @property
-    def variance(self) -> Tensor:
-        """Marginal variances ``diag(precision^{-1})`` ``[P]``."""
-        return torch.diagonal(self.covariance)
-
-    def whiten(self, jac: Tensor) -> Tensor:
-        """``A = J L^{-T}`` ``[..., P]`` for ``J [..., P]``, so that ``A A^T = J Sigma J^T``."""
-        flat = jac.reshape(-1, self.num_params)
-        a_t = torch.linalg.solve_triangular(self._chol, flat.T, upper=False)
-        return a_t.T.reshape(jac.shape)
-
-    def log_det_precision(self) -> Tensor:
-        """``log det(precision)`` (scalar tensor)."""
-        return 2 * torch.log(torch.diagonal(self._chol)).sum()
-
-    def sample(self, n: int | None = None, *, generator: torch.Generator | None = None) -> Tensor:
-        """``w = mean + L^{-T} eps``: ``[P]`` when ``n`` is None, else ``[n, P]``."""
-        shape = (1 if n is None else n, self.num_params)
-        eps = torch.randn(
-            shape, generator=generator, dtype=self.mean.dtype, device=self.mean.device
-        )
-        w = self.mean + torch.linalg.solve_triangular(self._chol.T, eps.T, upper=True).T
-        return w[0] if n is None else w
-
-    def to(self, *args: Any, **kwargs: Any) -> FullGaussian:
-        """Move or cast mean and precision (``torch.Tensor.to`` arguments)."""
-        return FullGaussian(self.mean.to(*args, **kwargs), self.precision.to(*args, **kwargs))
-
-    def detach(self) -> FullGaussian:
-        """The same Gaussian detached from the autograd graph."""
-        return FullGaussian(self.mean.detach(), self.precision.detach())
-
-    def state_dict(self) -> dict[str, Tensor]:
-        """``{"mean": [P], "precision": [P, P]}`` for ``torch.save``."""
-        return {"mean": self.mean, "precision": self.precision}
-
-    @classmethod
-    def from_state_dict(cls, state: dict[str, Tensor]) -> FullGaussian:
-        """Rebuild from :meth:`state_dict`."""
-        return cls(state["mean"], state["precision"])
 
 
 def prior_precision_vector(prior_precision: float | Tensor, reference: Tensor) -> Tensor:

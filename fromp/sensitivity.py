@@ -155,7 +155,7 @@ def memory_perturbation(
             :func:`fromp.models.with_task`); evaluated at ``posterior.mean``.
         posterior: :class:`~fromp.posterior.DiagonalGaussian` (``fromp.laplace``,
             ``VOGN.posterior()``, ``IVON.posterior(model)``) or
-            :class:`~fromp.laplace.FullGaussian` over the model's ``P`` parameters, fitted
+            :class:`~fromp.posterior.FullGaussian` over the model's ``P`` parameters, fitted
             on a training set that contains ``(x, y)``.
         x: ``[N, ...]``. y: ``[N]`` targets (``[N, C]`` for a Gaussian likelihood).
         likelihood: its name or a :class:`~fromp.likelihood.Likelihood`.

@@ -281,7 +281,7 @@ def test_errors_named():
     post = DiagonalGaussian(torch.zeros(p, dtype=F64), torch.ones(p, dtype=F64))
     with pytest.raises(ValueError, match="posterior has 3 parameters"):
         GP(model, DiagonalGaussian(torch.zeros(3), torch.ones(3)), "categorical")
-    with pytest.raises(ValueError, match="posterior must be a DiagonalGaussian or FullGaussian"):
+    with pytest.raises(ValueError, match="posterior must be a GaussianPosterior"):
         GP(model, torch.zeros(p), "categorical")
     with pytest.raises(ValueError, match="training mode"):
         dnn2gp(tiny_cnn().train(), post, "categorical")
