@@ -7,10 +7,12 @@ message names the argument and says what was expected.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
-__all__ = ["check_batch", "check_vector", "device_dtype"]
+__all__ = ["check_batch", "check_positive", "check_vector", "device_dtype"]
 
 
 def _require_tensor(x: object, name: str, expected: str) -> Tensor:
@@ -48,6 +50,16 @@ def check_vector(
     if nonnegative and bool((v < 0).any()):
         raise ValueError(f"{name} must be finite and non-negative")
     return v
+
+
+def check_positive(value: object, name: str) -> float:
+    """``value`` as a finite positive float (a hyperparameter: ``lr``, ``kl_weight``, ...);
+    a bool, a non-number, a value ``<= 0``, NaN or inf raise ``ValueError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"{name} must be a positive float, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return float(value)
 
 
 def device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
