@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vmap
 
+from fromp._checks import check_batch
 from fromp.capture import (
     DEFAULT_MEMORY_BUDGET,
     LayerCall,
@@ -61,15 +62,6 @@ __all__ = [
 Posterior = GaussianPosterior
 
 _PROBIT_SCALE = math.pi / 8
-
-
-def _check_inputs(x: Tensor, name: str) -> None:
-    if not isinstance(x, Tensor):
-        raise ValueError(f"{name} must be a Tensor of shape [N, ...], got {type(x).__name__}")
-    if x.ndim < 1 or len(x) == 0:
-        raise ValueError(f"{name} must have shape [N, ...] with N >= 1, got {tuple(x.shape)}")
-    if x.is_floating_point() and not torch.isfinite(x).all():
-        raise ValueError(f"{name} has non-finite entries (NaN or inf)")
 
 
 def _check_chunk(chunk_size: int) -> int:
@@ -167,7 +159,7 @@ class GP:
         return self.posterior.num_params
 
     def _prep(self, x: Tensor, name: str = "x") -> Tensor:
-        _check_inputs(x, name)
+        check_batch(x, name)
         x = x.to(self._device)
         return x.to(self._dtype) if x.is_floating_point() else x
 

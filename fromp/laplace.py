@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from fromp._checks import check_vector
 from fromp.capture import DEFAULT_MEMORY_BUDGET
 from fromp.curvature import DataArg, diag_ggn, iter_batches
 from fromp.ggn import ggn
@@ -82,23 +83,15 @@ def require_eval(model: nn.Module) -> None:
 
 
 def _checked_batches(data: DataArg):
-    """``data``'s batches, refusing non-finite inputs (the GGN of NaN inputs is NaN)."""
+    """``data``'s batches as tuples; :func:`~fromp.curvature.iter_batches` refuses
+    non-finite inputs (the GGN of NaN inputs is NaN)."""
     for x, y in iter_batches(data):
-        if not isinstance(x, Tensor):
-            raise ValueError(f"data inputs must be tensors, got {type(x).__name__}")
-        if x.is_floating_point() and not torch.isfinite(x).all():
-            raise ValueError("data inputs have non-finite entries (NaN or inf)")
         yield (x,) if y is None else (x, y)
 
 
 def _check_prior_mean(prior_mean: Tensor | None, mean: Tensor) -> None:
-    if prior_mean is not None and (
-        not isinstance(prior_mean, Tensor) or prior_mean.shape != mean.shape
-    ):
-        shape = tuple(prior_mean.shape) if isinstance(prior_mean, Tensor) else prior_mean
-        raise ValueError(
-            f"prior_mean must be None or a [P]={tuple(mean.shape)} tensor, got {shape}"
-        )
+    if prior_mean is not None:
+        check_vector(prior_mean, mean.numel(), "prior_mean")
 
 
 def accumulate_ggn(

@@ -569,7 +569,7 @@ def test_closure_step_matches_batch_step_and_restores_the_mean():
         opt.param_groups[0]["mc_samples"] = 2
         return net, opt
 
-    net_a, opt_a = make()
+    _, opt_a = make()
     torch.manual_seed(5)
     loss_a = opt_a.step(x, y)
 

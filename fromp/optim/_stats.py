@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, jacrev, vmap
 
+from fromp._checks import check_batch, check_tensor
 from fromp.capture import LayerCall, capture_calls, squared_grad_sums, supported_layer
 from fromp.likelihood import Likelihood, get_likelihood
 
@@ -276,8 +277,8 @@ def per_example_grad_stats(
         raise ValueError(f"method must be 'auto', 'vmap' or 'hooks', got {method!r}")
     if method == "hooks" and curvature != "ef":
         raise ValueError("method='hooks' supports curvature='ef' only")
-    if not isinstance(x, Tensor) or x.ndim < 1 or len(x) == 0:
-        raise ValueError(f"x must be a non-empty tensor [M, ...], got {getattr(x, 'shape', x)}")
+    check_batch(x, "x")
+    check_tensor(y, "y", f"[M]=[{len(x)}]")
     if len(y) != len(x):
         raise ValueError(f"y must have M={len(x)} entries, got {len(y)}")
     step = len(x) if chunk_size is None else int(chunk_size)
