@@ -17,6 +17,7 @@ Both Gaussians live in :mod:`fromp.posterior`; ``FullGaussian`` is re-exported h
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +39,7 @@ __all__ = [
     "accumulate_ggn",
     "laplace",
     "laplace_full",
+    "log_evidence_grid",
     "log_marginal_likelihood",
     "optimize_prior_precision",
     "prior_precision_vector",
@@ -105,7 +107,18 @@ def accumulate_ggn(
 ) -> Tensor:
     """``previous + diag(G)`` ``[P]``: a running sum of GGN diagonals over tasks
     (``previous`` None starts from zero); ``chunk_size`` / ``memory_budget`` as
-    :func:`fromp.curvature.diag_ggn`."""
+    :func:`fromp.curvature.diag_ggn`.
+
+    Deprecated: one API does this, ``laplace(model, data, likelihood, None,
+    posterior=previous_posterior)`` (the running sum is the posterior precision) or
+    :func:`fromp.curvature.diag_ggn` added to the previous sum.
+    """
+    warnings.warn(
+        "accumulate_ggn is deprecated: use laplace(..., posterior=previous) or "
+        "diag_ggn(...) + previous",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     require_eval(model)
     g = diag_ggn(
         model, _checked_batches(data), likelihood, chunk_size=chunk_size,
@@ -403,7 +416,6 @@ class _FittedLaplace:
             with torch.no_grad():
                 values = torch.stack([self.log_marginal_likelihood(d) for d in deltas])
             self.prior_precision = deltas[int(torch.argmax(values))]
-            self._last_grid = (deltas, values)
             return self.prior_precision
         start = self._check_delta(self._delta if init is None else init).detach()
         start = self._delta_vector(start) if structure == "diagonal" else start
@@ -616,7 +628,7 @@ def optimize_prior_precision(
     model: nn.Module,
     data: DataArg,
     likelihood: str | Likelihood,
-    method: str = "grid",
+    method: str = "gradient",
     grid: Sequence[float] | Tensor | None = None,
     *,
     prior_mean: Tensor | None = None,
@@ -625,40 +637,62 @@ def optimize_prior_precision(
     max_iter: int = 200,
     chunk_size: int | None = None,
     max_params: int = 20_000,
-    return_values: bool = False,
-) -> float | tuple[float, Tensor, Tensor]:
+) -> float:
     """The scalar prior precision ``delta`` maximising :func:`log_marginal_likelihood`
-    (one call; :meth:`DiagLaplace.optimize_prior_precision` is the fitted form, with the
-    gradient method as its default and per-layer / per-parameter ``delta``).
+    (one call; :meth:`DiagLaplace.optimize_prior_precision` is the fitted form, with
+    per-layer / per-parameter ``delta``; :func:`log_evidence_grid` gives the evidence on a
+    grid, e.g. for plots).
 
     Args:
-        method: ``"grid"`` (best of ``grid``, default ``logspace(-4, 4, 81)``) or
-            ``"gradient"`` (L-BFGS on ``log delta`` from ``init``, exact autograd gradients).
-        return_values: also return ``(grid [G], log evidence [G])`` (grid method) or the
-            single evaluated point (gradient method), e.g. for plots.
+        method: ``"gradient"`` (default; L-BFGS on ``log delta`` from ``init``, exact
+            autograd gradients) or ``"grid"`` (best of ``grid``, default
+            ``logspace(-4, 4, 81)``).
 
     Returns:
-        ``delta`` as a float (or ``(delta, deltas, values)`` with ``return_values``).
+        ``delta`` as a float.
     """
     if method not in ("grid", "gradient"):
         raise ValueError(f"method must be 'grid' or 'gradient', got {method!r}")
     if method == "grid":
-        deltas = torch.as_tensor(
-            torch.logspace(-4, 4, 81, dtype=torch.float64) if grid is None else grid,
-            dtype=torch.float64,
-        ).reshape(-1)
-        if len(deltas) == 0 or not (torch.isfinite(deltas).all() and (deltas > 0).all()):
-            raise ValueError("grid must be a non-empty sequence of positive finite numbers")
+        deltas = _checked_grid(grid)
+    elif grid is not None:
+        raise ValueError("grid is used by method='grid' only; pass method='grid' with it")
     elif not (isinstance(init, int | float) and init > 0 and math.isfinite(init)):
         raise ValueError(f"init must be a positive finite number, got {init!r}")
     la = _fitted(model, data, likelihood, prior_mean, curvature, chunk_size, max_params)
     if method == "grid":
         la.optimize_prior_precision("grid", grid=deltas)
-        best = float(la.prior_precision)
-        return (best, *la._last_grid) if return_values else best
-    la.optimize_prior_precision("gradient", init=float(init), max_iter=max_iter)
-    best = float(la.prior_precision)
-    if return_values:
-        value = la.log_marginal_likelihood().detach()
-        return best, la.prior_precision.reshape(1), value.reshape(1)
-    return best
+    else:
+        la.optimize_prior_precision("gradient", init=float(init), max_iter=max_iter)
+    return float(la.prior_precision)
+
+
+def log_evidence_grid(
+    model: nn.Module,
+    data: DataArg,
+    likelihood: str | Likelihood,
+    grid: Sequence[float] | Tensor | None = None,
+    *,
+    prior_mean: Tensor | None = None,
+    curvature: str = "diag",
+    chunk_size: int | None = None,
+    max_params: int = 20_000,
+) -> tuple[Tensor, Tensor]:
+    """The Laplace evidence ``log p(D | delta)`` (:func:`log_marginal_likelihood`) at every
+    scalar ``delta`` of ``grid`` (default ``logspace(-4, 4, 81)``), fitting the curvature
+    once. Returns ``(deltas [G], log evidence [G])``, float64, detached."""
+    deltas = _checked_grid(grid)
+    la = _fitted(model, data, likelihood, prior_mean, curvature, chunk_size, max_params)
+    with torch.no_grad():
+        values = torch.stack([la.log_marginal_likelihood(float(d)) for d in deltas])
+    return deltas, values.to(torch.float64)
+
+
+def _checked_grid(grid: Sequence[float] | Tensor | None) -> Tensor:
+    deltas = torch.as_tensor(
+        torch.logspace(-4, 4, 81, dtype=torch.float64) if grid is None else grid,
+        dtype=torch.float64,
+    ).reshape(-1)
+    if len(deltas) == 0 or not (torch.isfinite(deltas).all() and (deltas > 0).all()):
+        raise ValueError("grid must be a non-empty sequence of positive finite numbers")
+    return deltas
