@@ -159,7 +159,7 @@ _IVON: dict[str, Settings] = {
 # task-2 head collapses to one class). jitter 1e-2 (with 1e-6 the penalty at IVON's own weight
 # samples was 1e3-1e5 instead of about ``M C / 2``), no gradient-norm clipping (it stalls the
 # non-adaptive IVON step on new tasks) but IVON's per-coordinate ``clip_radius = 0.1``. On
-# the full benchmark (seeds 0/1) this gives 91.15 / 89.89 %, far below FROMP (see README).
+# the full benchmark (seeds 0-2) this gives 92.80 +- 3.99 %, far below FROMP (see README).
 _FROMP_IVON: dict[str, Settings] = {
     bench: {
         "optimizer": "ivon",
