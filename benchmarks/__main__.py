@@ -283,7 +283,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--lr must be a finite number > 0, got {args.lr}")
     if args.valid_fraction is not None and not 0 < args.valid_fraction < 1:
         raise UsageError(f"--valid-fraction must be in (0, 1), got {args.valid_fraction}")
-    if args.select_on == "validation" and args.valid_fraction is None:
+    if args.select_on == "validation" and args.valid_fraction is None and not args.report_only:
         raise UsageError("--select-on validation needs --valid-fraction (e.g. 0.1)")
     if args.stop_after is not None and args.stop_after < 1:
         raise UsageError(f"--stop-after must be >= 1, got {args.stop_after}")

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from fromp import dnn2gp, laplace, laplace_full
 from fromp.gp import log_marginal_likelihood, optimize_prior_precision
+from fromp.laplace import log_evidence_grid
 from fromp.likelihood import GaussianLikelihood
 
 SIGMA = 0.25
@@ -101,9 +102,8 @@ def main(argv: list[str] | None = None) -> dict:
     grid = torch.logspace(-3, 3, 61, dtype=torch.float64)
     choice = {}
     for curv in ("full", "diag"):
-        d, _, vals = optimize_prior_precision(
-            model, (x, y), lik, "grid", grid, curvature=curv, return_values=True
-        )
+        _, vals = log_evidence_grid(model, (x, y), lik, grid, curvature=curv)
+        d = float(grid[int(vals.argmax())])
         choice[curv] = {"delta": d, "values": vals}
     delta = choice["full"]["delta"]
     delta_grad = optimize_prior_precision(model, (x, y), lik, "gradient", curvature="full")

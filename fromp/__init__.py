@@ -27,11 +27,11 @@ from fromp.jacobian import (
 )
 from fromp.laplace import (
     DiagLaplace,
-    FullGaussian,
     FullLaplace,
     accumulate_ggn,
     laplace,
     laplace_full,
+    log_evidence_grid,
     prior_precision_vector,
 )
 from fromp.likelihood import (
@@ -43,7 +43,7 @@ from fromp.likelihood import (
 )
 from fromp.memorable import memorability_scores, select_memorable
 from fromp.optim import IVON, OGN, VOGN
-from fromp.posterior import DiagonalGaussian
+from fromp.posterior import DiagonalGaussian, FullGaussian, GaussianPosterior
 from fromp.regularizer import FROMPRegularizer, MemorableSet, prob_jacobian, task_fn
 from fromp.sensitivity import MemoryPerturbation, memory_perturbation, prediction_variance
 
@@ -77,6 +77,7 @@ __all__ = [  # noqa: RUF022 (grouped by topic, sorted within each group)
     "DiagLaplace",
     "DiagonalGaussian",
     "FullGaussian",
+    "GaussianPosterior",
     "FullLaplace",
     "accumulate_ggn",
     "laplace",
@@ -86,6 +87,7 @@ __all__ = [  # noqa: RUF022 (grouped by topic, sorted within each group)
     "GP",
     "dnn2gp",
     "gp",
+    "log_evidence_grid",
     "log_marginal_likelihood",
     "optimize_prior_precision",
     # optimizers

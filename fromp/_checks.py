@@ -7,47 +7,70 @@ message names the argument and says what was expected.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
-__all__ = ["check_batch", "check_vector", "device_dtype"]
+__all__ = [
+    "check_batch",
+    "check_finite",
+    "check_positive",
+    "check_tensor",
+    "check_vector",
+    "device_dtype",
+]
 
 
-def _require_tensor(x: object, name: str, expected: str) -> Tensor:
+def check_tensor(x: object, name: str, expected: str) -> Tensor:
+    """``x`` itself when it is a tensor, else ``TypeError`` naming ``name`` and the
+    ``expected`` shape (e.g. ``"[N]"``)."""
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a Tensor of shape {expected}, got {type(x).__name__}")
     return x
 
 
-def _require_finite(x: Tensor, name: str) -> None:
+def check_finite(x: Tensor, name: str) -> Tensor:
+    """``x`` unchanged when its floating-point entries are all finite, else ``ValueError``
+    (NaN and inf alike)."""
     if x.is_floating_point() and not bool(torch.isfinite(x).all()):
         raise ValueError(f"{name} has non-finite entries (NaN or inf)")
+    return x
 
 
 def check_batch(x: object, name: str = "x") -> Tensor:
     """``x`` as a non-empty ``[N, ...]`` tensor with finite entries (returned unchanged)."""
-    x = _require_tensor(x, name, "[N, ...]")
+    x = check_tensor(x, name, "[N, ...]")
     if x.ndim < 1 or len(x) == 0:
         raise ValueError(
             f"{name} must be a non-empty [N, ...] tensor (N >= 1), got shape {tuple(x.shape)}"
         )
-    _require_finite(x, name)
-    return x
+    return check_finite(x, name)
 
 
 def check_vector(
     v: object, size: int, name: str, *, nonnegative: bool = False, positive: bool = False
 ) -> Tensor:
     """``v`` as a finite ``[size]`` tensor (optionally ``>= 0`` or ``> 0``), returned unchanged."""
-    v = _require_tensor(v, name, f"[P]=[{size}]")
+    v = check_tensor(v, name, f"[P]=[{size}]")
     if v.shape != (size,):
         raise ValueError(f"{name} must have shape [P]=[{size}], got {tuple(v.shape)}")
-    _require_finite(v, name)
+    check_finite(v, name)
     if positive and bool((v <= 0).any()):
         raise ValueError(f"{name} must be finite and strictly positive")
     if nonnegative and bool((v < 0).any()):
         raise ValueError(f"{name} must be finite and non-negative")
     return v
+
+
+def check_positive(value: object, name: str) -> float:
+    """``value`` as a finite positive float (a hyperparameter: ``lr``, ``kl_weight``, ...);
+    a bool, a non-number, a value ``<= 0``, NaN or inf raise ``ValueError`` naming it."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"{name} must be a positive float, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return float(value)
 
 
 def device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:

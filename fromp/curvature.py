@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import Tensor, nn
 
+from fromp._checks import check_batch, device_dtype
 from fromp.capture import DEFAULT_MEMORY_BUDGET, ColumnFn, sum_squared_column_grads
 from fromp.likelihood import Likelihood, get_likelihood
 
@@ -35,11 +36,13 @@ def iter_batches(
     ``data`` is one batch, a tensor ``x`` or a *tuple* ``(x,)`` / ``(x, y, ...)`` of tensors,
     or an iterable of batches (a DataLoader, a *list* of tensors or of tuples). A list is
     always a sequence of batches, so ``[x1, x2]`` is two batches of inputs, never ``(x, y)``.
+    Every ``x`` passes :func:`fromp._checks.check_batch` (``"data input"``: a non-empty tensor
+    with finite entries) before it is yielded.
     """
     if isinstance(data, Tensor):
         if need_targets:
             raise ValueError("data must include targets, e.g. (x, y) or a DataLoader of (x, y)")
-        yield data, None
+        yield check_batch(data, "data input"), None
         return
     if isinstance(data, tuple) and len(data) > 0 and isinstance(data[0], Tensor):
         if len(data) > 1 and (not isinstance(data[1], Tensor) or len(data[1]) != len(data[0])):
@@ -50,7 +53,7 @@ def iter_batches(
         y = data[1] if len(data) > 1 else None
         if need_targets and y is None:
             raise ValueError("data must include targets, e.g. (x, y)")
-        yield data[0], y
+        yield check_batch(data[0], "data input"), y
         return
     empty = True
     for batch in data:
@@ -61,16 +64,9 @@ def iter_batches(
             x, y = batch[0], (batch[1] if len(batch) > 1 else None)
         if need_targets and y is None:
             raise ValueError("data batches must include targets (x, y, ...)")
-        yield x, y
+        yield check_batch(x, "data input"), y
     if empty:
         raise ValueError("data is empty: expected at least one batch")
-
-
-def _device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
-    p = next((p for p in model.parameters() if p.requires_grad), None)
-    if p is None:
-        raise ValueError("model has no trainable parameters")
-    return p.device, p.dtype
 
 
 def _nll_grad_columns(lik: Likelihood) -> ColumnFn:
@@ -150,7 +146,7 @@ def diag_ggn(
             chunk_size=chunk_size, memory_budget=memory_budget, method=method,
         )  # fmt: skip
     lik = get_likelihood(likelihood)
-    _device_dtype(model)
+    device_dtype(model)
     batches = ((x, None) for x, _ in iter_batches(data))
     return sum_squared_column_grads(
         model,
@@ -175,7 +171,7 @@ def diag_ef(
     shape ``[P]``; needs targets. One backward pass per chunk (``V_n`` = the nll gradient
     in ``f``, see :func:`diag_ggn` for the routes, memory and arguments)."""
     lik = get_likelihood(likelihood)
-    _device_dtype(model)
+    device_dtype(model)
     batches = ((x, y.unsqueeze(0)) for x, y in iter_batches(data, need_targets=True))
     return sum_squared_column_grads(
         model,
@@ -206,7 +202,7 @@ def diag_fisher(
     if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
         raise ValueError(f"n_samples must be >= 1, got {n_samples}")
     lik = get_likelihood(likelihood)
-    device, _ = _device_dtype(model)
+    device, _ = device_dtype(model)
 
     def batches():
         for x, _ in iter_batches(data):

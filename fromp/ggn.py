@@ -18,23 +18,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from fromp._checks import check_vector, device_dtype
 from fromp.curvature import DataArg, iter_batches
 from fromp.jacobian import iter_jacobians, jvp, num_params, vjp_sum
 from fromp.likelihood import Likelihood, get_likelihood
 
 __all__ = ["ggn", "ggn_vp"]
-
-
-def _device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
-    p = next((p for p in model.parameters() if p.requires_grad), None)
-    if p is None:
-        raise ValueError("model has no trainable parameters")
-    return p.device, p.dtype
-
-
-def _check_finite(x: Tensor, name: str) -> None:
-    if x.is_floating_point() and not torch.isfinite(x).all():
-        raise ValueError(f"{name} has non-finite entries (NaN or inf)")
 
 
 def ggn(
@@ -73,11 +62,10 @@ def ggn(
             "or raise max_params"
         )
     lik = get_likelihood(likelihood)
-    device, dtype = _device_dtype(model)
+    device, dtype = device_dtype(model)
     out = torch.zeros(p_total, p_total, device=device, dtype=dtype)
     for x, _ in iter_batches(data):
         x = x.to(device)
-        _check_finite(x, "data inputs")
         with torch.no_grad():
             f = model(x)
         sqrt_lam = lik.sqrt_hessian(f)  # N, C, K
@@ -104,17 +92,13 @@ def ggn_vp(model: nn.Module, x: DataArg, likelihood: str | Likelihood, v: Tensor
         ``[P]`` in the model's dtype.
     """
     lik = get_likelihood(likelihood)
-    device, dtype = _device_dtype(model)
+    device, dtype = device_dtype(model)
     p_total = num_params(model)
-    if not isinstance(v, Tensor) or v.shape != (p_total,):
-        shape = tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__
-        raise ValueError(f"v must be a tensor of shape [P]=[{p_total}], got {shape}")
-    _check_finite(v, "v")
+    check_vector(v, p_total, "v")
     v = v.to(device=device, dtype=dtype)
     out = torch.zeros(p_total, device=device, dtype=dtype)
     for xb, _ in iter_batches(x):
         xb = xb.to(device)
-        _check_finite(xb, "x")
         f, jv = jvp(model, xb, v)
         u = torch.einsum("ncd,nd->nc", lik.hessian(f.detach()), jv.detach())
         out += vjp_sum(model, xb, u)

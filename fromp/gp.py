@@ -8,8 +8,9 @@ and taking ``w ~ q = N(m, Sigma)`` (a Laplace or VOGN posterior) gives the GP
 (Khan et al., 2019, "Approximate inference turns deep networks into Gaussian processes";
 the kernel FROMP regularises with). :class:`GP` evaluates its mean, kernel blocks and
 marginal (co)variances without ever forming ``Sigma`` densely for a diagonal posterior: with
-``A(x) = J(x) Sigma^{1/2}`` (``J * std`` for :class:`~fromp.posterior.DiagonalGaussian`,
-``J L^{-T}`` for a :class:`~fromp.laplace.FullGaussian` with precision ``L L^T``)
+``A(x) = J(x) Sigma^{1/2}`` (the posterior's :meth:`~fromp.posterior.GaussianPosterior.whiten`:
+``J * std`` for :class:`~fromp.posterior.DiagonalGaussian`, ``J L^{-T}`` for a
+:class:`~fromp.posterior.FullGaussian` with precision ``L L^T``)
 ``k(x, x') = A(x) A(x')^T``, and ``A`` is computed in chunks of examples.
 
 The Laplace evidence lives beside the Laplace code (:mod:`fromp.laplace`);
@@ -20,7 +21,6 @@ existing callers.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vmap
 
+from fromp._checks import check_batch
 from fromp.capture import (
     DEFAULT_MEMORY_BUDGET,
     LayerCall,
@@ -38,7 +39,6 @@ from fromp.capture import (
 )
 from fromp.jacobian import _flatten_leading, _single_output_fn, num_params, unflatten
 from fromp.laplace import (
-    FullGaussian,
     log_marginal_likelihood,
     optimize_prior_precision,
     require_eval,
@@ -50,7 +50,7 @@ from fromp.likelihood import (
     Likelihood,
     get_likelihood,
 )
-from fromp.posterior import DiagonalGaussian
+from fromp.posterior import DiagonalGaussian, GaussianPosterior
 
 __all__ = [
     "GP",
@@ -59,18 +59,9 @@ __all__ = [
     "optimize_prior_precision",
 ]
 
-Posterior = DiagonalGaussian | FullGaussian
+Posterior = GaussianPosterior
 
 _PROBIT_SCALE = math.pi / 8
-
-
-def _check_inputs(x: Tensor, name: str) -> None:
-    if not isinstance(x, Tensor):
-        raise ValueError(f"{name} must be a Tensor of shape [N, ...], got {type(x).__name__}")
-    if x.ndim < 1 or len(x) == 0:
-        raise ValueError(f"{name} must have shape [N, ...] with N >= 1, got {tuple(x.shape)}")
-    if x.is_floating_point() and not torch.isfinite(x).all():
-        raise ValueError(f"{name} has non-finite entries (NaN or inf)")
 
 
 def _check_chunk(chunk_size: int) -> int:
@@ -88,8 +79,9 @@ class GP:
             mode. Its own weights are not used: everything is evaluated at
             ``posterior.mean`` through :func:`torch.func.functional_call` (buffers such as
             batch-norm statistics are the module's).
-        posterior: :class:`~fromp.posterior.DiagonalGaussian` (``Sigma = diag(1/precision)``)
-            or :class:`~fromp.laplace.FullGaussian` over the ``P`` trainable parameters.
+        posterior: a :class:`~fromp.posterior.GaussianPosterior` over the ``P`` trainable
+            parameters: :class:`~fromp.posterior.DiagonalGaussian`
+            (``Sigma = diag(1/precision)``) or :class:`~fromp.posterior.FullGaussian`.
         likelihood: a :class:`~fromp.likelihood.Likelihood` or its name (for
             :meth:`predictive`).
         chunk_size: examples per Jacobian chunk (default for every method); None derives it
@@ -102,15 +94,15 @@ class GP:
     def __init__(
         self,
         model: nn.Module,
-        posterior: Posterior,
+        posterior: GaussianPosterior,
         likelihood: str | Likelihood,
         *,
         chunk_size: int | None = None,
         memory_budget: int = DEFAULT_MEMORY_BUDGET,
     ) -> None:
-        if not isinstance(posterior, DiagonalGaussian | FullGaussian):
+        if not isinstance(posterior, GaussianPosterior):
             raise ValueError(
-                "posterior must be a DiagonalGaussian or FullGaussian, got "
+                "posterior must be a GaussianPosterior (DiagonalGaussian or FullGaussian), got "
                 f"{type(posterior).__name__}"
             )
         require_eval(model)
@@ -138,12 +130,7 @@ class GP:
         self._jac = vmap(jacrev(_single_output_fn(model)), in_dims=(None, 0))
         self._structured: _CaptureStructure | bool | None = None
         self._structured_reason = ""
-        if isinstance(posterior, DiagonalGaussian):
-            std = posterior.std.detach().to(ref)
-            self._whiten: Callable[[Tensor], Tensor] = lambda j: j * std
-        else:
-            post = posterior.detach().to(ref)
-            self._whiten = post.whiten
+        self._q = posterior.detach()
 
     @property
     def chunk_size(self) -> int:
@@ -172,7 +159,7 @@ class GP:
         return self.posterior.num_params
 
     def _prep(self, x: Tensor, name: str = "x") -> Tensor:
-        _check_inputs(x, name)
+        check_batch(x, name)
         x = x.to(self._device)
         return x.to(self._dtype) if x.is_floating_point() else x
 
@@ -197,7 +184,7 @@ class GP:
 
     def _whitened(self, x: Tensor, rows: slice) -> Tensor:
         """``A(x[rows]) = J Sigma^{1/2}`` ``[n, C, P]``."""
-        return self._whiten(self._jac_rows(x, rows))
+        return self._q.whiten(self._jac_rows(x, rows))
 
     def _chunks(self, n: int, step: int) -> list[slice]:
         return [slice(s, min(s + step, n)) for s in range(0, n, step)]

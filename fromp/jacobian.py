@@ -21,6 +21,8 @@ from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vjp, vmap
 from torch.func import jvp as _jvp
 
+from fromp._checks import check_batch
+
 __all__ = [
     "flat_params",
     "iter_jacobians",
@@ -69,10 +71,7 @@ def _flatten_leading(d: dict[str, Tensor], n_lead: int) -> Tensor:
 
 
 def _check_model_input(model: nn.Module, x: Tensor) -> None:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"x must be a Tensor, got {type(x).__name__}")
-    if x.ndim < 1 or len(x) == 0:
-        raise ValueError(f"x must have shape [N, ...] with N >= 1, got {tuple(x.shape)}")
+    check_batch(x, "x")
     if num_params(model) == 0:
         raise ValueError("model has no trainable parameters")
 

@@ -11,24 +11,26 @@ models only). In continual learning the posterior after task ``t`` is the prior 
 ``t + 1``; passing ``posterior=`` adds the new task's GGN to its precision, so that after
 ``T`` tasks the precision is ``sum_t G_t + D`` (one prior, every task's curvature).
 The prior mean ``m0`` does not enter ``q``: it only moves ``w*``, which is taken as given.
+Both Gaussians live in :mod:`fromp.posterior`; ``FullGaussian`` is re-exported here.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from fromp._checks import check_vector
 from fromp.capture import DEFAULT_MEMORY_BUDGET
 from fromp.curvature import DataArg, diag_ggn, iter_batches
 from fromp.ggn import ggn
 from fromp.jacobian import flat_params
 from fromp.likelihood import Likelihood, get_likelihood
-from fromp.posterior import DiagonalGaussian
+from fromp.posterior import DiagonalGaussian, FullGaussian
 
 __all__ = [
     "DiagLaplace",
@@ -37,96 +39,12 @@ __all__ = [
     "accumulate_ggn",
     "laplace",
     "laplace_full",
+    "log_evidence_grid",
     "log_marginal_likelihood",
     "optimize_prior_precision",
     "prior_precision_vector",
     "require_eval",
 ]
-
-
-@dataclass
-class FullGaussian:
-    """``q(w) = N(mean, precision^{-1})`` with a dense ``[P, P]`` precision (small models).
-
-    Attributes:
-        mean: ``[P]``.
-        precision: ``[P, P]``, symmetric positive definite.
-    """
-
-    mean: Tensor
-    precision: Tensor
-
-    def __post_init__(self) -> None:
-        p = self.mean.shape[0] if self.mean.ndim == 1 else -1
-        if self.mean.ndim != 1 or self.precision.shape != (p, p):
-            raise ValueError(
-                "mean must have shape [P] and precision [P, P], got "
-                f"{tuple(self.mean.shape)} and {tuple(self.precision.shape)}"
-            )
-        if not torch.isfinite(self.mean).all():
-            raise ValueError("mean has non-finite entries")
-        if not torch.isfinite(self.precision).all():
-            raise ValueError("precision has non-finite entries")
-        chol, info = torch.linalg.cholesky_ex(0.5 * (self.precision + self.precision.T))
-        if int(info) != 0:
-            raise ValueError("precision must be symmetric positive definite")
-        self._chol = chol
-
-    @property
-    def num_params(self) -> int:
-        """``P``, the number of parameters."""
-        return self.mean.numel()
-
-    @property
-    def precision_cholesky(self) -> Tensor:
-        """Lower-triangular ``L [P, P]`` with ``precision = L L^T``."""
-        return self._chol
-
-    @property
-    def covariance(self) -> Tensor:
-        """``precision^{-1}`` ``[P, P]``."""
-        return torch.cholesky_inverse(self._chol)
-
-    @property
-    def variance(self) -> Tensor:
-        """Marginal variances ``diag(precision^{-1})`` ``[P]``."""
-        return torch.diagonal(self.covariance)
-
-    def whiten(self, jac: Tensor) -> Tensor:
-        """``A = J L^{-T}`` ``[..., P]`` for ``J [..., P]``, so that ``A A^T = J Sigma J^T``."""
-        flat = jac.reshape(-1, self.num_params)
-        a_t = torch.linalg.solve_triangular(self._chol, flat.T, upper=False)
-        return a_t.T.reshape(jac.shape)
-
-    def log_det_precision(self) -> Tensor:
-        """``log det(precision)`` (scalar tensor)."""
-        return 2 * torch.log(torch.diagonal(self._chol)).sum()
-
-    def sample(self, n: int | None = None, *, generator: torch.Generator | None = None) -> Tensor:
-        """``w = mean + L^{-T} eps``: ``[P]`` when ``n`` is None, else ``[n, P]``."""
-        shape = (1 if n is None else n, self.num_params)
-        eps = torch.randn(
-            shape, generator=generator, dtype=self.mean.dtype, device=self.mean.device
-        )
-        w = self.mean + torch.linalg.solve_triangular(self._chol.T, eps.T, upper=True).T
-        return w[0] if n is None else w
-
-    def to(self, *args: Any, **kwargs: Any) -> FullGaussian:
-        """Move or cast mean and precision (``torch.Tensor.to`` arguments)."""
-        return FullGaussian(self.mean.to(*args, **kwargs), self.precision.to(*args, **kwargs))
-
-    def detach(self) -> FullGaussian:
-        """The same Gaussian detached from the autograd graph."""
-        return FullGaussian(self.mean.detach(), self.precision.detach())
-
-    def state_dict(self) -> dict[str, Tensor]:
-        """``{"mean": [P], "precision": [P, P]}`` for ``torch.save``."""
-        return {"mean": self.mean, "precision": self.precision}
-
-    @classmethod
-    def from_state_dict(cls, state: dict[str, Tensor]) -> FullGaussian:
-        """Rebuild from :meth:`state_dict`."""
-        return cls(state["mean"], state["precision"])
 
 
 def prior_precision_vector(prior_precision: float | Tensor, reference: Tensor) -> Tensor:
@@ -167,23 +85,15 @@ def require_eval(model: nn.Module) -> None:
 
 
 def _checked_batches(data: DataArg):
-    """``data``'s batches, refusing non-finite inputs (the GGN of NaN inputs is NaN)."""
+    """``data``'s batches as tuples; :func:`~fromp.curvature.iter_batches` refuses
+    non-finite inputs (the GGN of NaN inputs is NaN)."""
     for x, y in iter_batches(data):
-        if not isinstance(x, Tensor):
-            raise ValueError(f"data inputs must be tensors, got {type(x).__name__}")
-        if x.is_floating_point() and not torch.isfinite(x).all():
-            raise ValueError("data inputs have non-finite entries (NaN or inf)")
         yield (x,) if y is None else (x, y)
 
 
 def _check_prior_mean(prior_mean: Tensor | None, mean: Tensor) -> None:
-    if prior_mean is not None and (
-        not isinstance(prior_mean, Tensor) or prior_mean.shape != mean.shape
-    ):
-        shape = tuple(prior_mean.shape) if isinstance(prior_mean, Tensor) else prior_mean
-        raise ValueError(
-            f"prior_mean must be None or a [P]={tuple(mean.shape)} tensor, got {shape}"
-        )
+    if prior_mean is not None:
+        check_vector(prior_mean, mean.numel(), "prior_mean")
 
 
 def accumulate_ggn(
@@ -197,7 +107,18 @@ def accumulate_ggn(
 ) -> Tensor:
     """``previous + diag(G)`` ``[P]``: a running sum of GGN diagonals over tasks
     (``previous`` None starts from zero); ``chunk_size`` / ``memory_budget`` as
-    :func:`fromp.curvature.diag_ggn`."""
+    :func:`fromp.curvature.diag_ggn`.
+
+    Deprecated: one API does this, ``laplace(model, data, likelihood, None,
+    posterior=previous_posterior)`` (the running sum is the posterior precision) or
+    :func:`fromp.curvature.diag_ggn` added to the previous sum.
+    """
+    warnings.warn(
+        "accumulate_ggn is deprecated: use laplace(..., posterior=previous) or "
+        "diag_ggn(...) + previous",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     require_eval(model)
     g = diag_ggn(
         model, _checked_batches(data), likelihood, chunk_size=chunk_size,
@@ -495,7 +416,6 @@ class _FittedLaplace:
             with torch.no_grad():
                 values = torch.stack([self.log_marginal_likelihood(d) for d in deltas])
             self.prior_precision = deltas[int(torch.argmax(values))]
-            self._last_grid = (deltas, values)
             return self.prior_precision
         start = self._check_delta(self._delta if init is None else init).detach()
         start = self._delta_vector(start) if structure == "diagonal" else start
@@ -708,7 +628,7 @@ def optimize_prior_precision(
     model: nn.Module,
     data: DataArg,
     likelihood: str | Likelihood,
-    method: str = "grid",
+    method: str = "gradient",
     grid: Sequence[float] | Tensor | None = None,
     *,
     prior_mean: Tensor | None = None,
@@ -717,40 +637,62 @@ def optimize_prior_precision(
     max_iter: int = 200,
     chunk_size: int | None = None,
     max_params: int = 20_000,
-    return_values: bool = False,
-) -> float | tuple[float, Tensor, Tensor]:
+) -> float:
     """The scalar prior precision ``delta`` maximising :func:`log_marginal_likelihood`
-    (one call; :meth:`DiagLaplace.optimize_prior_precision` is the fitted form, with the
-    gradient method as its default and per-layer / per-parameter ``delta``).
+    (one call; :meth:`DiagLaplace.optimize_prior_precision` is the fitted form, with
+    per-layer / per-parameter ``delta``; :func:`log_evidence_grid` gives the evidence on a
+    grid, e.g. for plots).
 
     Args:
-        method: ``"grid"`` (best of ``grid``, default ``logspace(-4, 4, 81)``) or
-            ``"gradient"`` (L-BFGS on ``log delta`` from ``init``, exact autograd gradients).
-        return_values: also return ``(grid [G], log evidence [G])`` (grid method) or the
-            single evaluated point (gradient method), e.g. for plots.
+        method: ``"gradient"`` (default; L-BFGS on ``log delta`` from ``init``, exact
+            autograd gradients) or ``"grid"`` (best of ``grid``, default
+            ``logspace(-4, 4, 81)``).
 
     Returns:
-        ``delta`` as a float (or ``(delta, deltas, values)`` with ``return_values``).
+        ``delta`` as a float.
     """
     if method not in ("grid", "gradient"):
         raise ValueError(f"method must be 'grid' or 'gradient', got {method!r}")
     if method == "grid":
-        deltas = torch.as_tensor(
-            torch.logspace(-4, 4, 81, dtype=torch.float64) if grid is None else grid,
-            dtype=torch.float64,
-        ).reshape(-1)
-        if len(deltas) == 0 or not (torch.isfinite(deltas).all() and (deltas > 0).all()):
-            raise ValueError("grid must be a non-empty sequence of positive finite numbers")
+        deltas = _checked_grid(grid)
+    elif grid is not None:
+        raise ValueError("grid is used by method='grid' only; pass method='grid' with it")
     elif not (isinstance(init, int | float) and init > 0 and math.isfinite(init)):
         raise ValueError(f"init must be a positive finite number, got {init!r}")
     la = _fitted(model, data, likelihood, prior_mean, curvature, chunk_size, max_params)
     if method == "grid":
         la.optimize_prior_precision("grid", grid=deltas)
-        best = float(la.prior_precision)
-        return (best, *la._last_grid) if return_values else best
-    la.optimize_prior_precision("gradient", init=float(init), max_iter=max_iter)
-    best = float(la.prior_precision)
-    if return_values:
-        value = la.log_marginal_likelihood().detach()
-        return best, la.prior_precision.reshape(1), value.reshape(1)
-    return best
+    else:
+        la.optimize_prior_precision("gradient", init=float(init), max_iter=max_iter)
+    return float(la.prior_precision)
+
+
+def log_evidence_grid(
+    model: nn.Module,
+    data: DataArg,
+    likelihood: str | Likelihood,
+    grid: Sequence[float] | Tensor | None = None,
+    *,
+    prior_mean: Tensor | None = None,
+    curvature: str = "diag",
+    chunk_size: int | None = None,
+    max_params: int = 20_000,
+) -> tuple[Tensor, Tensor]:
+    """The Laplace evidence ``log p(D | delta)`` (:func:`log_marginal_likelihood`) at every
+    scalar ``delta`` of ``grid`` (default ``logspace(-4, 4, 81)``), fitting the curvature
+    once. Returns ``(deltas [G], log evidence [G])``, float64, detached."""
+    deltas = _checked_grid(grid)
+    la = _fitted(model, data, likelihood, prior_mean, curvature, chunk_size, max_params)
+    with torch.no_grad():
+        values = torch.stack([la.log_marginal_likelihood(float(d)) for d in deltas])
+    return deltas, values.to(torch.float64)
+
+
+def _checked_grid(grid: Sequence[float] | Tensor | None) -> Tensor:
+    deltas = torch.as_tensor(
+        torch.logspace(-4, 4, 81, dtype=torch.float64) if grid is None else grid,
+        dtype=torch.float64,
+    ).reshape(-1)
+    if len(deltas) == 0 or not (torch.isfinite(deltas).all() and (deltas > 0).all()):
+        raise ValueError("grid must be a non-empty sequence of positive finite numbers")
+    return deltas

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from fromp._checks import check_batch
+from fromp._checks import check_batch, check_tensor
 from fromp.likelihood import Likelihood, get_likelihood
 from fromp.posterior import DiagonalGaussian
 
@@ -120,8 +120,7 @@ def select_memorable(
             with fewer than ``n_per_class`` examples.
     """
     check_batch(x, "x")
-    if not isinstance(y, Tensor):
-        raise TypeError(f"y must be a Tensor of shape [N]=[{len(x)}], got {type(y).__name__}")
+    check_tensor(y, "y", f"[N]=[{len(x)}]")
     if y.ndim != 1 or len(y) != len(x):
         raise ValueError(f"y must be a [N] tensor with N={len(x)} labels, got {tuple(y.shape)}")
     if order not in _ORDERS:

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from fromp._checks import check_batch, check_tensor
 from fromp.gp import GP, Posterior
 from fromp.likelihood import CategoricalLikelihood, Likelihood, get_likelihood
 
@@ -155,7 +156,7 @@ def memory_perturbation(
             :func:`fromp.models.with_task`); evaluated at ``posterior.mean``.
         posterior: :class:`~fromp.posterior.DiagonalGaussian` (``fromp.laplace``,
             ``VOGN.posterior()``, ``IVON.posterior(model)``) or
-            :class:`~fromp.laplace.FullGaussian` over the model's ``P`` parameters, fitted
+            :class:`~fromp.posterior.FullGaussian` over the model's ``P`` parameters, fitted
             on a training set that contains ``(x, y)``.
         x: ``[N, ...]``. y: ``[N]`` targets (``[N, C]`` for a Gaussian likelihood).
         likelihood: its name or a :class:`~fromp.likelihood.Likelihood`.
@@ -167,10 +168,10 @@ def memory_perturbation(
     """
     if covariance not in _COVARIANCES:
         raise ValueError(f"covariance must be one of {_COVARIANCES}, got {covariance!r}")
-    if not isinstance(y, Tensor) or len(y) != len(x):
-        raise ValueError(
-            f"y must be a tensor with N={len(x)} targets, got {getattr(y, 'shape', type(y))}"
-        )
+    check_batch(x, "x")
+    check_tensor(y, "y", f"[N]=[{len(x)}]")
+    if len(y) != len(x):
+        raise ValueError(f"y must have N={len(x)} targets, got {tuple(y.shape)}")
     lik = get_likelihood(likelihood)
     gp = GP(model, posterior, lik, chunk_size=chunk_size)
     f = gp.mean(x)

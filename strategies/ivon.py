@@ -31,19 +31,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from avalanche.training.plugins import SupervisedPlugin
-from avalanche.training.plugins.evaluation import default_evaluator
-from avalanche.training.templates import SupervisedTemplate
 from torch import nn
 
 from fromp.optim.ivon import IVON
-from fromp.posterior import DiagonalGaussian
 from strategies.models import unwrap
+from strategies.template import MethodStrategy, PosteriorOptimizerPlugin, require_optimizer_on
 
 __all__ = ["IVONPlugin", "IVONStrategy"]
 
 
-class IVONPlugin(SupervisedPlugin):
+class IVONPlugin(PosteriorOptimizerPlugin):
     """Drives a :class:`fromp.optim.IVON` optimizer from Avalanche's training loop.
 
     Args:
@@ -54,22 +51,14 @@ class IVONPlugin(SupervisedPlugin):
         set_ess: set the optimizer's ``ess`` to the size of each experience's training set.
     """
 
+    optimizer_class = IVON
+    state_key = "ivon"
+
     def __init__(
         self, optimizer: IVON | None = None, *, continual: bool = True, set_ess: bool = True
     ) -> None:
-        super().__init__()
-        self.optimizer = optimizer
-        self.continual = bool(continual)
+        super().__init__(optimizer, continual=continual)
         self.set_ess = bool(set_ess)
-        self.posteriors: list[DiagonalGaussian] = []
-        self.task_count = 0
-
-    def _opt(self, strategy: Any) -> IVON:
-        opt = strategy.optimizer
-        if not isinstance(opt, IVON):
-            raise TypeError(f"IVONPlugin needs a fromp.optim.IVON optimizer, got {type(opt)}")
-        self.optimizer = opt
-        return opt
 
     def _discard_draw(self, strategy: Any) -> None:
         opt = self._opt(strategy)
@@ -104,37 +93,14 @@ class IVONPlugin(SupervisedPlugin):
         opt = self._opt(strategy)
         net = unwrap(strategy.model)
         q = opt.posterior(net)
-        self.posteriors.append(q)
-        self.task_count += 1
-        if self.continual:
-            opt.set_prior(q, model=net, reset=True)
+        self._end_experience(q, lambda: opt.set_prior(q, model=net, reset=True))
 
     # -------------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """The optimizer's IVON state, the per-experience posteriors and the task counter
-        (tensors cloned)."""
-        if self.optimizer is None:
-            raise ValueError("IVONPlugin has no optimizer yet: pass optimizer= or train first")
-        return {
-            "ivon": self.optimizer.state_dict()["ivon"],
-            "posteriors": [
-                {k: v.clone() for k, v in q.state_dict().items()} for q in self.posteriors
-            ],
-            "task_count": self.task_count,
-            "continual": self.continual,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Inverse of :meth:`state_dict` (the mean is the model's: load the model too)."""
-        if self.optimizer is None:
-            raise ValueError("IVONPlugin has no optimizer: construct it with optimizer=")
-        self.optimizer.load_ivon_state(state["ivon"])
-        self.posteriors = [DiagonalGaussian.from_state_dict(d) for d in state["posteriors"]]
-        self.task_count = int(state["task_count"])
-        self.continual = bool(state.get("continual", self.continual))
+    # state_dict / load_state_dict: PosteriorOptimizerPlugin's ("ivon": the optimizer's IVON
+    # state; the mean is the model's: load the model too).
 
 
-class IVONStrategy(SupervisedTemplate):
+class IVONStrategy(MethodStrategy):
     """Continual IVON: each experience is fitted by IVON with the previous posterior as the
     prior (multi-head through the task labels, or single-head).
 
@@ -143,6 +109,8 @@ class IVONStrategy(SupervisedTemplate):
 
     Args:
         continual: make the posterior the next prior (False: the weight-decay prior stays).
+        **template_kwargs: Avalanche's template arguments (``criterion``, ``train_mb_size``,
+            ...), as in :class:`strategies.template.MethodStrategy`.
     """
 
     def __init__(
@@ -150,33 +118,11 @@ class IVONStrategy(SupervisedTemplate):
         *,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        criterion: nn.Module | None = None,
-        train_mb_size: int = 128,
-        train_epochs: int = 1,
-        eval_mb_size: int = 1000,
-        device: str | torch.device = "cpu",
-        plugins: list | None = None,
-        evaluator=default_evaluator,
-        eval_every: int = -1,
         continual: bool = True,
+        **template_kwargs: Any,
     ) -> None:
-        if not isinstance(optimizer, IVON):
-            raise TypeError(
-                f"optimizer must be a fromp.optim.IVON built on the model, got {type(optimizer)}"
-            )
-        opt_ids = {id(p) for p in optimizer.params}
-        if opt_ids != {id(p) for p in model.parameters() if p.requires_grad}:
-            raise ValueError("optimizer must hold exactly the model's trainable parameters")
-        self.plugin = IVONPlugin(optimizer, continual=continual)
+        require_optimizer_on(model, optimizer, IVON)
+        plugin = IVONPlugin(optimizer, continual=continual)  # type: ignore[arg-type]
         super().__init__(
-            model=model,
-            optimizer=optimizer,
-            criterion=nn.CrossEntropyLoss() if criterion is None else criterion,
-            train_mb_size=train_mb_size,
-            train_epochs=train_epochs,
-            eval_mb_size=eval_mb_size,
-            device=device,
-            plugins=[self.plugin, *(plugins or [])],
-            evaluator=evaluator,
-            eval_every=eval_every,
+            method_plugins=[plugin], model=model, optimizer=optimizer, **template_kwargs
         )

@@ -1,4 +1,5 @@
-"""The Avalanche template every strategy of :mod:`strategies` is built on."""
+"""The Avalanche template every strategy of :mod:`strategies` is built on, and what the
+plugins that drive a posterior-keeping optimizer (VOGN, IVON) share."""
 
 from __future__ import annotations
 
@@ -6,11 +7,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from avalanche.training.plugins import SupervisedPlugin
 from avalanche.training.plugins.evaluation import default_evaluator
 from avalanche.training.templates import SupervisedTemplate
 from torch import nn
 
-__all__ = ["MethodStrategy"]
+from fromp.posterior import DiagonalGaussian
+
+__all__ = ["MethodStrategy", "PosteriorOptimizerPlugin", "require_optimizer_on"]
 
 
 class MethodStrategy(SupervisedTemplate):
@@ -63,3 +67,86 @@ class MethodStrategy(SupervisedTemplate):
             eval_every=eval_every,
             **base_kwargs,
         )
+
+
+def require_optimizer_on(model: nn.Module, optimizer: Any, cls: type) -> None:
+    """Refuse an optimizer that is not a ``cls`` (``TypeError``) or does not hold exactly
+    ``model``'s trainable parameters (``ValueError``), before any work."""
+    if not isinstance(optimizer, cls):
+        raise TypeError(
+            f"optimizer must be a fromp.optim.{cls.__name__} built on the model, "
+            f"got {type(optimizer)}"
+        )
+    opt_ids = {id(p) for p in optimizer.params}
+    if opt_ids != {id(p) for p in model.parameters() if p.requires_grad}:
+        raise ValueError("optimizer must hold exactly the model's trainable parameters")
+
+
+class PosteriorOptimizerPlugin(SupervisedPlugin):
+    """What the plugins driving a posterior-keeping optimizer (:class:`strategies.vogn.
+    VOGNPlugin`, :class:`strategies.ivon.IVONPlugin`) share: the optimizer check, the
+    per-experience posteriors and the task counter, continual prior updates and checkpoints.
+
+    Subclasses set ``optimizer_class`` (e.g. :class:`fromp.optim.VOGN`) and ``state_key``
+    (``"vogn"``: the optimizer's ``state_dict()[state_key]`` and ``load_<state_key>_state``).
+
+    Args:
+        optimizer: the strategy's optimizer (also found as ``strategy.optimizer`` in the
+            hooks; given here so that :meth:`state_dict` works before training).
+        continual: at the end of each experience make the posterior the next prior.
+    """
+
+    optimizer_class: type
+    state_key: str
+
+    def __init__(self, optimizer: Any = None, *, continual: bool = True) -> None:
+        super().__init__()
+        self.optimizer = optimizer
+        self.continual = bool(continual)
+        self.posteriors: list[DiagonalGaussian] = []
+        self.task_count = 0
+
+    def _opt(self, strategy: Any) -> Any:
+        opt = strategy.optimizer
+        if not isinstance(opt, self.optimizer_class):
+            raise TypeError(
+                f"{type(self).__name__} needs a fromp.optim.{self.optimizer_class.__name__} "
+                f"optimizer, got {type(opt)}"
+            )
+        self.optimizer = opt
+        return opt
+
+    def _end_experience(self, q: DiagonalGaussian, set_prior: Callable[[], Any]) -> None:
+        """Keep the experience's posterior ``q``; with ``continual``, ``set_prior()`` makes it
+        the next prior."""
+        self.posteriors.append(q)
+        self.task_count += 1
+        if self.continual:
+            set_prior()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's posterior state, the per-experience posteriors and the task
+        counter (tensors cloned)."""
+        if self.optimizer is None:
+            raise ValueError(
+                f"{type(self).__name__} has no optimizer yet: pass optimizer= or train first"
+            )
+        return {
+            self.state_key: self.optimizer.state_dict()[self.state_key],
+            "posteriors": [
+                {k: v.clone() for k, v in q.state_dict().items()} for q in self.posteriors
+            ],
+            "task_count": self.task_count,
+            "continual": self.continual,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Inverse of :meth:`state_dict` (the optimizer's ``load_<state_key>_state``)."""
+        if self.optimizer is None:
+            raise ValueError(
+                f"{type(self).__name__} has no optimizer: construct it with optimizer="
+            )
+        getattr(self.optimizer, f"load_{self.state_key}_state")(state[self.state_key])
+        self.posteriors = [DiagonalGaussian.from_state_dict(d) for d in state["posteriors"]]
+        self.task_count = int(state["task_count"])
+        self.continual = bool(state.get("continual", self.continual))

@@ -44,14 +44,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from avalanche.training.plugins import SupervisedPlugin
 from torch import Tensor, nn
 
 from fromp.models import with_task
 from fromp.optim.vogn import VOGN, LayerCapture, per_example_grad_stats
-from fromp.posterior import DiagonalGaussian
 from strategies.models import unwrap
-from strategies.template import MethodStrategy
+from strategies.template import MethodStrategy, PosteriorOptimizerPlugin, require_optimizer_on
 
 __all__ = ["VOGNPlugin", "VOGNStrategy", "minibatch_curvature"]
 
@@ -94,7 +92,7 @@ def minibatch_curvature(
     return total / len(x)
 
 
-class VOGNPlugin(SupervisedPlugin):
+class VOGNPlugin(PosteriorOptimizerPlugin):
     """Drives a :class:`fromp.optim.VOGN` optimizer from Avalanche's training loop.
 
     Args:
@@ -110,6 +108,9 @@ class VOGNPlugin(SupervisedPlugin):
             ``curvature="ggn"``).
     """
 
+    optimizer_class = VOGN
+    state_key = "vogn"
+
     def __init__(
         self,
         optimizer: VOGN | None = None,
@@ -117,26 +118,19 @@ class VOGNPlugin(SupervisedPlugin):
         continual: bool = True,
         reuse_forward: bool = True,
     ) -> None:
-        super().__init__()
-        self.optimizer = optimizer
-        self.continual = bool(continual)
+        super().__init__(optimizer, continual=continual)
         self.reuse_forward = bool(reuse_forward)
         self._capture: LayerCapture | None = None
         self._curv: Tensor | None = None
         self.n_reused = 0  # mini-batches whose curvature came from the training forward
-        self.posteriors: list[DiagonalGaussian] = []
-        self.task_count = 0
 
     def _opt(self, strategy: Any) -> VOGN:
-        opt = strategy.optimizer
-        if not isinstance(opt, VOGN):
-            raise TypeError(f"VOGNPlugin needs a fromp.optim.VOGN optimizer, got {type(opt)}")
+        opt = super()._opt(strategy)
         if opt.mc_samples > 1:
             raise ValueError(
                 f"VOGNPlugin draws one posterior sample per mini-batch: the optimizer's "
                 f"mc_samples must be 0 or 1, got {opt.mc_samples}"
             )
-        self.optimizer = opt
         return opt
 
     # -------------------------------------------------------------- hooks
@@ -183,34 +177,11 @@ class VOGNPlugin(SupervisedPlugin):
         opt = self._opt(strategy)
         opt.load_mean()
         q = opt.posterior()
-        self.posteriors.append(q)
-        self.task_count += 1
-        if self.continual:
-            opt.set_prior(q, reset=True)
+        self._end_experience(q, lambda: opt.set_prior(q, reset=True))
 
     # -------------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """The optimizer's posterior state, the per-experience posteriors and the task
-        counter (tensors cloned)."""
-        if self.optimizer is None:
-            raise ValueError("VOGNPlugin has no optimizer yet: pass optimizer= or train first")
-        return {
-            "vogn": self.optimizer.state_dict()["vogn"],
-            "posteriors": [
-                {k: v.clone() for k, v in q.state_dict().items()} for q in self.posteriors
-            ],
-            "task_count": self.task_count,
-            "continual": self.continual,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Inverse of :meth:`state_dict`; writes ``mu`` into the model's parameters."""
-        if self.optimizer is None:
-            raise ValueError("VOGNPlugin has no optimizer: construct it with optimizer=")
-        self.optimizer.load_vogn_state(state["vogn"])
-        self.posteriors = [DiagonalGaussian.from_state_dict(d) for d in state["posteriors"]]
-        self.task_count = int(state["task_count"])
-        self.continual = bool(state.get("continual", self.continual))
+    # state_dict / load_state_dict: PosteriorOptimizerPlugin's ("vogn": the optimizer's
+    # posterior state; loading writes mu into the model's parameters).
 
 
 class VOGNStrategy(MethodStrategy):
@@ -237,14 +208,7 @@ class VOGNStrategy(MethodStrategy):
         reuse_forward: bool = True,
         **template_kwargs: Any,
     ) -> None:
-        if not isinstance(optimizer, VOGN):
-            raise TypeError(
-                f"optimizer must be a fromp.optim.VOGN built on the model, got {type(optimizer)}"
-            )
-        opt_ids = {id(p) for p in optimizer.params}
-        model_ids = [id(p) for p in model.parameters() if p.requires_grad]
-        if opt_ids != set(model_ids):
-            raise ValueError("optimizer must hold exactly the model's trainable parameters")
+        require_optimizer_on(model, optimizer, VOGN)
         plugin = VOGNPlugin(optimizer, continual=continual, reuse_forward=reuse_forward)
         super().__init__(
             method_plugins=[plugin],

@@ -270,6 +270,12 @@ def test_select_on_validation_reports_the_best_validation_setting(tmp_path, caps
     assert f"| {other} | 1 |" not in table  # the other candidate's test accuracy is not shown
     assert "Settings selected on validation accuracy" in report
     assert {r["config"]["valid_fraction"] for r in payload["runs"]} == {0.2}
+    # the selection is rebuilt from the run files alone (their validation results)
+    (tmp_path / "split-digits" / "results.json").unlink()
+    rebuilt = ["split-digits", "--report-only", "--select-on", "validation", "--out", str(tmp_path)]
+    assert main(rebuilt) == 0
+    again = json.loads((tmp_path / "split-digits" / "results.json").read_text())
+    assert again["selection"] == payload["selection"]
 
 
 def test_demo_leaks_no_warnings_and_explains_a_low_vcl(tmp_path, capsys, monkeypatch, recwarn):

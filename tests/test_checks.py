@@ -62,3 +62,54 @@ def test_library_functions_use_the_shared_rules():
     with pytest.raises(TypeError, match="posterior_variance must be a Tensor"):
         reg.add_task(net, x, 0, [1.0] * 9)
     assert len(reg) == 0
+
+
+def test_every_module_applies_the_one_rule():
+    """curvature, ggn, gp, laplace, jacobian, sensitivity and the optimisers: a non-tensor is
+    a TypeError naming the argument, NaN and inf are both refused before any work."""
+    from fromp import GP, DiagonalGaussian, diag_ggn, ggn_vp, jacobians, laplace
+    from fromp.optim import predict_mc
+    from fromp.optim.vogn import per_example_grad_stats
+    from fromp.sensitivity import memory_perturbation
+
+    net = torch.nn.Sequential(torch.nn.Linear(2, 3)).double()
+    x, y = torch.randn(4, 2, dtype=torch.float64), torch.arange(4) % 3
+    q = DiagonalGaussian.isotropic(net, 1.0)
+    gp = GP(net, q, "categorical")
+    for bad in (float("nan"), float("inf")):
+        xb = x.clone()
+        xb[0, 1] = bad
+        with pytest.raises(ValueError, match="x1 has non-finite"):
+            gp.kernel(xb)
+        with pytest.raises(ValueError, match="x has non-finite"):
+            jacobians(net, xb)
+        with pytest.raises(ValueError, match="x has non-finite"):
+            per_example_grad_stats(net, xb, y)
+        with pytest.raises(ValueError, match="x has non-finite"):
+            memory_perturbation(net, q, xb, y, "categorical")
+        with pytest.raises(ValueError, match="data input has non-finite"):
+            laplace(net, (xb, y), "categorical", 1.0)
+        with pytest.raises(ValueError, match="data input has non-finite"):
+            diag_ggn(net, (xb, y), "categorical")
+        v = torch.ones(9, dtype=torch.float64)
+        v[2] = bad
+        with pytest.raises(ValueError, match="v has non-finite"):
+            ggn_vp(net, x, "categorical", v)
+        with pytest.raises(ValueError, match="prior_mean has non-finite"):
+            laplace(net, (x, y), "categorical", 1.0, prior_mean=v)
+    with pytest.raises(TypeError, match=r"x must be a Tensor of shape \[N, \.\.\.\], got list"):
+        jacobians(net, x.tolist())
+    with pytest.raises(TypeError, match="x1 must be a Tensor"):
+        gp.kernel(x.tolist())
+    with pytest.raises(TypeError, match="x must be a Tensor"):
+        per_example_grad_stats(net, x.tolist(), y)
+    with pytest.raises(TypeError, match="y must be a Tensor"):
+        per_example_grad_stats(net, x, y.tolist())
+    with pytest.raises(TypeError, match="y must be a Tensor"):
+        memory_perturbation(net, q, x, y.tolist(), "categorical")
+    with pytest.raises(TypeError, match="v must be a Tensor"):
+        ggn_vp(net, x, "categorical", [1.0] * 9)
+    with pytest.raises(TypeError, match="prior_mean must be a Tensor"):
+        laplace(net, (x, y), "categorical", 1.0, prior_mean=[0.0] * 9)
+    with pytest.raises(TypeError, match="posterior must be a GaussianPosterior"):
+        predict_mc(net, torch.zeros(9), x)

@@ -102,7 +102,7 @@ def test_errors_named():
         ggn(model, x, "categorical", max_params=10)
     with pytest.raises(ValueError, match="non-finite"):
         ggn(model, torch.full((3, 4), float("nan"), dtype=torch.float64), "categorical")
-    with pytest.raises(ValueError, match=r"v must be a tensor of shape \[P\]"):
+    with pytest.raises(ValueError, match=r"v must have shape \[P\]=\[43\]"):
         ggn_vp(model, x, "categorical", torch.zeros(3))
     with pytest.raises(ValueError, match="non-finite"):
         ggn_vp(model, x, "categorical", torch.full((43,), float("nan"), dtype=torch.float64))

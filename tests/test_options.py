@@ -57,7 +57,7 @@ def test_evidence_with_a_nonzero_prior_mean(curvature):
     grid = torch.logspace(-2, 2, 17, dtype=D)
     dense = torch.stack([_dense_evidence(net, x, y, float(d), m0, curvature) for d in grid])
     best = optimize_prior_precision(
-        net, (x, y), "categorical", grid=grid, prior_mean=m0, curvature=curvature
+        net, (x, y), "categorical", "grid", grid, prior_mean=m0, curvature=curvature
     )
     assert best == pytest.approx(float(grid[int(torch.argmax(dense))]))
     zero = torch.stack(

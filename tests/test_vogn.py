@@ -553,3 +553,57 @@ def test_step_that_raises_restores_the_mean_weights():
         opt.step(x, y, regularizer=failing)
     got = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     torch.testing.assert_close(got, mu, rtol=0, atol=0)
+
+
+def test_closure_step_matches_batch_step_and_restores_the_mean():
+    """``step(closure)`` (the ``torch.optim.Optimizer.step(closure=None)`` signature): with
+    ``mc_samples=2`` the same update as ``step(x, y)`` from the same draws; a closure that
+    does not set the curvature, or raises, leaves the mean in the parameters."""
+    lik = CategoricalLikelihood()
+    x, y = torch.randn(7, 3, dtype=D), torch.randint(0, 2, (7,))
+
+    def make():
+        torch.manual_seed(3)
+        net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
+        opt = VOGN(net, lr=0.1, train_set_size=20, prior_precision=1.0, init_precision=0.5)
+        opt.param_groups[0]["mc_samples"] = 2
+        return net, opt
+
+    _, opt_a = make()
+    torch.manual_seed(5)
+    loss_a = opt_a.step(x, y)
+
+    net_b, opt_b = make()
+
+    def closure():
+        opt_b.zero_grad()
+        loss = lik.nll(net_b(x), y).mean()
+        loss.backward()
+        opt_b.set_curvature(per_example_grad_stats(net_b, x, y, lik).curv)
+        return loss
+
+    torch.manual_seed(5)
+    loss_b = opt_b.step(closure=closure)
+    torch.testing.assert_close(loss_b, loss_a, atol=1e-12, rtol=0)
+    torch.testing.assert_close(opt_b.vogn_state["mu"], opt_a.vogn_state["mu"], atol=1e-12, rtol=0)
+    torch.testing.assert_close(opt_b.posterior().precision, opt_a.posterior().precision)
+    mu = opt_b.posterior().mean
+
+    def no_curvature():
+        loss = lik.nll(net_b(x), y).mean()
+        loss.backward()
+        return loss
+
+    def failing():
+        raise RuntimeError("boom")
+
+    with pytest.raises(ValueError, match=r"closure must call set_curvature"):
+        opt_b.step(no_curvature)
+    with pytest.raises(RuntimeError, match="boom"):
+        opt_b.step(failing)
+    got = torch.cat([p.detach().reshape(-1) for p in net_b.parameters()])
+    torch.testing.assert_close(got, mu, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="batch x"):
+        opt_b.step(closure, y)
+    with pytest.raises(TypeError, match="a closure or nothing"):
+        opt_b.step("x")

@@ -59,7 +59,6 @@ References:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -67,17 +66,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from fromp._checks import check_positive
 from fromp.posterior import DiagonalGaussian
 
 __all__ = ["IVON"]
 
 
 def _positive(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ValueError(f"{name} must be a positive float, got {value!r}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    return float(value)
+    return check_positive(value, name)
 
 
 def _check_group(group: dict[str, Any]) -> None:

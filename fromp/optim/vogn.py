@@ -3,7 +3,8 @@ r"""Variational Online Gauss-Newton (VOGN) and its deterministic variant OGN.
 VOGN (Khan et al., 2018; Osawa et al., 2019) fits a mean-field Gaussian
 ``q(w) = N(mu, diag(sigma^2))`` to the (tempered) posterior of a network trained with
 ``N`` examples, a prior ``p(w) = N(mu_0, diag(1 / delta))`` and a KL weight (temperature)
-``tau``. With the data term written as a mean over examples, every step
+``kl_weight`` (written ``tau`` in Osawa et al.; in this project ``tau`` is FROMP's
+regulariser weight only). With the data term written as a mean over examples, every step
 
 1. draws ``w ~ q`` (``mc_samples`` draws; ``mc_samples = 0`` is OGN: ``w = mu``),
 2. computes on a mini-batch of ``M`` examples, at ``w``, the mean gradient
@@ -13,7 +14,7 @@ VOGN (Khan et al., 2018; Osawa et al., 2019) fits a mean-field Gaussian
    ``h_i = diag(J_i^T Lambda_i J_i)`` (``curvature="ggn"``), averaged over the draws,
 3. updates (Adam's convention: ``beta`` is the decay)::
 
-       delta~ = tau * delta / N
+       delta~ = kl_weight * delta / N
        m  <- beta1 m + (1 - beta1) (g + delta~ (mu - mu_0))
        s  <- beta2 s + (1 - beta2) h
        mu <- mu - lr * m^ / (s^ + delta~)
@@ -22,24 +23,20 @@ VOGN (Khan et al., 2018; Osawa et al., 2019) fits a mean-field Gaussian
    (the correction of ``s`` only applies when ``s`` starts at zero, i.e.
    ``init_precision=None``; otherwise ``s^ = s``).
 
-The posterior is ``q = N(mu, diag(1 / (N (s^ + delta~) / tau)))``: precision
-``N s^ / tau + delta``. For ``tau = 1`` this is ``N (s^ + delta~)``. As in ``torchsso``
-(the reference implementation of Osawa et al.), ``init_precision`` is the initial value of
-``s`` (so ``q`` starts with precision ``N s_0 / tau + delta``) and ``kl_weight`` scales
-both the prior term and the sampling variance.
+The posterior is ``q = N(mu, diag(1 / (N (s^ + delta~) / kl_weight)))``: precision
+``N s^ / kl_weight + delta``. For ``kl_weight = 1`` this is ``N (s^ + delta~)``. As in
+``torchsso`` (the reference implementation of Osawa et al.), ``init_precision`` is the
+initial value of ``s`` (so ``q`` starts with precision ``N s_0 / kl_weight + delta``) and
+``kl_weight`` scales both the prior term and the sampling variance.
 
 Everything is kept as flat ``[P]`` vectors, parameters in ``named_parameters()`` order
 (trainable only), the order of :func:`fromp.jacobian.flat_params`.
 
-Per-example quantities are exact for any architecture (convolutions with weight sharing
-included). By default (``method="auto"``) squared gradients of models made of the layers
-that :mod:`fromp.capture` handles (``Linear``, ``Conv1d/2d``, batch norm, ``LayerNorm``,
-``GroupNorm``) come from one forward and one backward pass with layer capture
-(``sum_i g_i^2 = (d^2)^T (a^2)`` for a linear layer; for a convolution the per-example
-weight gradients of that layer alone, from its unfolded input); anything else uses
-``torch.func.vmap`` over ``grad`` (``jacrev`` for the GGN), chunked over examples so that
-peak memory is ``chunk_size * P`` numbers. Both are checked against loops over examples in
-``tests/test_vogn.py``.
+The per-example statistics (``g`` and ``h``, exact for any architecture; layer capture or
+``torch.func.vmap``, chunked) come from :mod:`fromp.optim._stats`
+(:func:`per_example_grad_stats`, :class:`LayerCapture`); the predictive helpers
+:func:`predict_mc` and :func:`predict_mean` live in :mod:`fromp.optim.predictive`. Both are
+re-exported here.
 
 Typical use::
 
@@ -50,27 +47,32 @@ Typical use::
     q = opt.posterior()                  # DiagonalGaussian over the flat parameters
     probs = predict_mc(model, q, x_test, n_samples=20)
 
-Batch norm: its affine parameters get a posterior like any other parameter. Per-example
-gradients cannot use batch statistics, so the per-example pass runs the batch-norm layers
-in ``eval()`` mode (normalising with the running statistics); when the model is in
-training mode, :meth:`VOGN.step` first runs one no-grad training-mode forward pass of the
-mini-batch at the first sampled weights to update the running statistics. Dropout stays
-active in training mode (independent masks per example).
+Batch norm: its affine parameters get a posterior like any other parameter. The per-example
+pass runs the batch-norm layers in ``eval()`` mode (:mod:`fromp.optim._stats`); when the
+model is in training mode, :meth:`VOGN.step` first runs one no-grad training-mode forward
+pass of the mini-batch at the first sampled weights to update the running statistics.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad_and_value, jacrev, vmap
 
-from fromp.capture import LayerCall, capture_calls, squared_grad_sums, supported_layer
-from fromp.likelihood import Likelihood, get_likelihood
+from fromp._checks import check_positive
+from fromp.likelihood import Likelihood
+from fromp.optim._stats import (
+    GradStats,
+    LayerCapture,
+    LossFn,
+    _has_bn,
+    _loss_fn,
+    per_example_grad_stats,
+)
+from fromp.optim.predictive import predict_mc, predict_mean
 from fromp.posterior import DiagonalGaussian
 
 __all__ = [
@@ -82,330 +84,6 @@ __all__ = [
     "predict_mc",
     "predict_mean",
 ]
-
-LossFn = Callable[[Tensor, Tensor], Tensor]
-_BN = (nn.modules.batchnorm._BatchNorm,)
-
-
-class GradStats:
-    """Mini-batch statistics at one set of weights.
-
-    Attributes:
-        loss: mean per-example loss (scalar tensor).
-        grad: ``(1/M) sum_i g_i`` ``[P]`` (None when not requested).
-        curv: ``(1/M) sum_i h_i`` ``[P]`` (squared gradients or GGN diagonal).
-        n: ``M``.
-    """
-
-    def __init__(self, loss: Tensor, grad: Tensor | None, curv: Tensor, n: int) -> None:
-        self.loss, self.grad, self.curv, self.n = loss, grad, curv, n
-
-
-@contextmanager
-def _bn_eval(model: nn.Module) -> Iterator[None]:
-    """Temporarily put the batch-norm layers of ``model`` in eval mode."""
-    changed = [m for m in model.modules() if isinstance(m, _BN) and m.training]
-    for m in changed:
-        m.eval()
-    try:
-        yield
-    finally:
-        for m in changed:
-            m.train()
-
-
-def _has_bn(model: nn.Module) -> bool:
-    return any(isinstance(m, _BN) for m in model.modules())
-
-
-def _loss_fn(loss: Likelihood | LossFn | str) -> LossFn:
-    if isinstance(loss, str | Likelihood):
-        return get_likelihood(loss).nll
-    if callable(loss):
-        return loss
-    raise ValueError(f"loss must be a Likelihood, a likelihood name or a callable, got {loss!r}")
-
-
-def _hook_supported(model: nn.Module) -> bool:
-    """Whether every trainable parameter sits directly in one layer that
-    :mod:`fromp.capture` handles (``Linear``, ``Conv1d/2d``, batch norm with running
-    statistics, ``LayerNorm``, ``GroupNorm``); batch norm in training mode counts, since the
-    per-example pass runs it in eval mode."""
-    owners: dict[int, int] = {}
-    for m in model.modules():
-        own = [p for p in m.parameters(recurse=False) if p.requires_grad]
-        if not own:
-            continue
-        for p in own:
-            owners[id(p)] = owners.get(id(p), 0) + 1
-        if isinstance(m, _BN) and type(m) in _BN_TYPES:
-            if m.running_mean is None or m.running_var is None:
-                return False
-        elif not supported_layer(m):
-            return False
-    return all(c == 1 for c in owners.values())
-
-
-_BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
-_LAYOUT_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _layout(
-    model: nn.Module,
-) -> tuple[bool, dict[str, Tensor], dict[int, tuple[nn.Module, str]], dict[tuple[int, str], str]]:
-    """``(hooks supported, trainable params by name, id(param) -> (layer, name),
-    (id(layer), name) -> param name)``, cached per model while its trainable parameters stay
-    the same objects."""
-    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    sig = tuple(id(p) for p in named.values())
-    hit = _LAYOUT_CACHE.get(model)
-    if hit is not None and hit[0] == sig:
-        return hit[1]
-    owner: dict[int, tuple[nn.Module, str]] = {}
-    for m in model.modules():
-        for pn, p in m.named_parameters(recurse=False):
-            if p.requires_grad:
-                owner[id(p)] = (m, pn)
-    name_of = {(id(owner[id(p)][0]), owner[id(p)][1]): n for n, p in named.items()}
-    out = (_hook_supported(model), named, owner, name_of)
-    _LAYOUT_CACHE[model] = (sig, out)
-    return out
-
-
-def _captured_squares(
-    calls: list[LayerCall], grads: tuple[Tensor | None, ...], name_of: dict, h_sum: dict
-) -> None:
-    """Add ``sum_i g_i^2`` of every captured layer (output gradients ``grads``) to ``h_sum``."""
-    for c, g in zip(calls, grads):
-        if g is None:
-            continue
-        for pn, t in squared_grad_sums(c.module, c.a, g.detach().unsqueeze(0)).items():
-            name = name_of.get((id(c.module), pn))
-            if name is not None:
-                h_sum[name] += t
-
-
-def _ef_stats_hooks(
-    model: nn.Module, x: Tensor, y: Tensor, nll: LossFn, step: int, need_grad: bool = True
-) -> GradStats | None:
-    """Squared per-example gradients from layer inputs and output gradients
-    (:mod:`fromp.capture`; one forward and one backward per chunk, the mean gradient from
-    the same backward). Returns None when a layer is called more than once."""
-    _, named, owner, name_of = _layout(model)
-    layers = list(dict.fromkeys(m for m, _ in owner.values()))
-    p0 = next(iter(named.values()))
-    total = sum(p.numel() for p in named.values())
-    g_flat = torch.zeros(total, dtype=p0.dtype, device=p0.device)
-    h_flat = torch.zeros(total, dtype=p0.dtype, device=p0.device)
-    g_sum, h_sum, i = {}, {}, 0
-    for n, p in named.items():
-        g_sum[n] = g_flat[i : i + p.numel()].view_as(p)
-        h_sum[n] = h_flat[i : i + p.numel()].view_as(p)
-        i += p.numel()
-    loss_sum = torch.zeros((), dtype=p0.dtype, device=x.device)
-    params = list(named.values()) if need_grad else []
-    for s in range(0, len(x), step):
-        with torch.enable_grad(), capture_calls(layers) as calls:
-            f = model(x[s : s + step])
-            losses = nll(f, y[s : s + step])
-        if losses.shape != (len(f),):
-            raise ValueError(f"loss must return per-example values [B], got {tuple(losses.shape)}")
-        if len({id(c.module) for c in calls}) != len(calls):
-            return None
-        zs = [c.z for c in calls]
-        grads = torch.autograd.grad(losses.sum(), zs + params, allow_unused=True)
-        _captured_squares(calls, grads[: len(zs)], name_of, h_sum)
-        for n, g in zip(named, grads[len(zs) :]):
-            if g is not None:
-                g_sum[n] += g
-        loss_sum = loss_sum + losses.detach().sum()
-    n_ex = len(x)
-    grad = g_flat.div_(n_ex) if need_grad else None
-    return GradStats(loss_sum / n_ex, grad, h_flat.div_(n_ex), n_ex)
-
-
-class LayerCapture:
-    """Records the inputs and outputs of the parametrised layers of ``model`` during the
-    forward passes inside the ``with`` block (:func:`fromp.capture.capture_calls`), so that
-    the squared per-example gradients of a loss of those outputs can be computed afterwards
-    from the output gradients (:meth:`squared_grads`) without another forward pass.
-
-    Usable when ``supported``: all parameters in layers :mod:`fromp.capture` handles and no
-    batch-norm layer in training mode (batch statistics couple the examples).
-    """
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        ok, self._named, self._owner, self._name_of = _layout(model)
-        bn_train = any(isinstance(m, _BN) and m.training for m in model.modules())
-        self.supported = ok and not bn_train
-        self.calls: list[LayerCall] = []
-        self._ctx: Any = None
-
-    def __enter__(self) -> LayerCapture:
-        layers = list(dict.fromkeys(m for m, _ in self._owner.values()))
-        self._ctx = capture_calls(layers)
-        self.calls = self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._ctx is not None:
-            self._ctx.__exit__(None, None, None)
-            self._ctx = None
-
-    def squared_grads(self, losses: Tensor) -> Tensor | None:
-        """``(1/M) sum_i g_i^2`` ``[P]`` for per-example ``losses [M]`` computed from the
-        captured forward pass (the graph is retained for a later backward). None when it
-        cannot be done exactly (unsupported model, a layer called more than once)."""
-        if not self.supported or not self.calls:
-            return None
-        if len({id(c.module) for c in self.calls}) != len(self.calls):
-            return None
-        zs = [c.z for c in self.calls]
-        grads = torch.autograd.grad(losses.sum(), zs, retain_graph=True, allow_unused=True)
-        h_sum = {n: torch.zeros_like(p) for n, p in self._named.items()}
-        _captured_squares(self.calls, grads, self._name_of, h_sum)
-        return torch.cat([t.reshape(-1) for t in h_sum.values()]).div_(len(losses))
-
-
-def per_example_grad_stats(
-    model: nn.Module,
-    x: Tensor,
-    y: Tensor,
-    loss: Likelihood | LossFn | str = "categorical",
-    *,
-    curvature: str = "ef",
-    chunk_size: int | None = None,
-    method: str = "auto",
-    need_grad: bool = True,
-) -> GradStats:
-    r"""Mean gradient and mean per-example curvature of a mini-batch at the model's weights.
-
-    For ``g_i = d loss(f(x_i), y_i) / dw`` (``[P]``, ``w`` the trainable parameters):
-
-    * ``grad = (1/M) sum_i g_i``,
-    * ``curv = (1/M) sum_i g_i ** 2`` for ``curvature="ef"``, or
-      ``(1/M) sum_i diag(J_i^T Lambda_i J_i) = (1/M) sum_i sum_k (L_i^T J_i)_k ** 2`` for
-      ``curvature="ggn"`` (``J_i [C, P]`` the output Jacobian, ``Lambda_i = L_i L_i^T`` the
-      likelihood's output Hessian; needs ``loss`` to be a :class:`Likelihood`).
-
-    Two exact implementations (``method``):
-
-    * ``"vmap"``: ``vmap(grad_and_value)`` (``vmap(jacrev)`` for the GGN) over examples, any
-      architecture; forms the per-example gradients ``[chunk, P]``.
-    * ``"hooks"`` (``curvature="ef"`` only): one forward and one backward of the summed loss
-      record each layer's input ``a_i`` and output gradient ``d_i``; for a linear layer
-      ``sum_i g_i^2 = (d^2)^T (a^2)`` without forming per-example gradients, for a
-      convolution (weight sharing) the per-example gradients are formed for that layer only
-      (one grouped weight-gradient convolution, batch as groups), batch norm (eval mode)
-      uses ``xhat_i`` (:mod:`fromp.capture`). Supports models whose parameters all live in
-      ``Linear``, ``Conv1d/2d``, batch-norm, ``LayerNorm`` and ``GroupNorm`` layers, each
-      called once per forward pass.
-    * ``"auto"``: ``"hooks"`` when supported, else ``"vmap"``.
-
-    Work is done in chunks of ``chunk_size`` examples. Batch-norm layers run in eval mode
-    (see the module docstring); dropout masks differ per example.
-
-    Args:
-        model: maps ``[M, ...] -> [M, C]`` (fix a head with :func:`fromp.models.with_task`).
-        x: ``[M, ...]`` inputs. y: ``[M]`` (or ``[M, C]``) targets.
-        loss: per-example loss ``(f [B, C], y [B]) -> [B]`` or a likelihood (its ``nll``).
-        curvature: ``"ef"`` or ``"ggn"``.
-        chunk_size: examples per vectorised call (None: the whole batch).
-        method: ``"auto"``, ``"hooks"`` or ``"vmap"`` (above).
-        need_grad: False skips the mean gradient where that saves work (hook path); the
-            returned ``grad`` is then None.
-    """
-    if curvature not in ("ef", "ggn"):
-        raise ValueError(f"curvature must be 'ef' or 'ggn', got {curvature!r}")
-    if method not in ("auto", "vmap", "hooks"):
-        raise ValueError(f"method must be 'auto', 'vmap' or 'hooks', got {method!r}")
-    if method == "hooks" and curvature != "ef":
-        raise ValueError("method='hooks' supports curvature='ef' only")
-    if not isinstance(x, Tensor) or x.ndim < 1 or len(x) == 0:
-        raise ValueError(f"x must be a non-empty tensor [M, ...], got {getattr(x, 'shape', x)}")
-    if len(y) != len(x):
-        raise ValueError(f"y must have M={len(x)} entries, got {len(y)}")
-    step = len(x) if chunk_size is None else int(chunk_size)
-    if step < 1:
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size}")
-    if curvature == "ggn" and not isinstance(loss, str | Likelihood):
-        raise ValueError("curvature='ggn' needs loss to be a Likelihood (or its name)")
-    lik = get_likelihood(loss) if isinstance(loss, str | Likelihood) else None
-    nll = _loss_fn(loss)
-
-    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-    if not params:
-        raise ValueError("model has no trainable parameters")
-    if curvature == "ef" and method != "vmap":
-        supported = _layout(model)[0]
-        if method == "hooks" and not supported:
-            raise ValueError(
-                "method='hooks' needs all parameters in Linear, Conv1d/2d, batch-norm (with "
-                "running statistics), LayerNorm or GroupNorm layers; use method='vmap'"
-            )
-        if supported:
-            with _bn_eval(model):
-                stats = _ef_stats_hooks(model, x, y, nll, step, need_grad)
-            if stats is not None:
-                return stats
-            if method == "hooks":
-                raise ValueError("method='hooks' needs each layer to be called once per forward")
-    buffers = dict(model.named_buffers())
-
-    def out1(p: dict[str, Tensor], xi: Tensor) -> Tensor:
-        f = functional_call(model, (p, buffers), (xi.unsqueeze(0),))
-        if f.ndim != 2:
-            raise ValueError(f"model output must have shape [M, C], got {tuple(f.shape)}")
-        return f.squeeze(0)
-
-    if curvature == "ef":
-
-        def single(p: dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
-            return nll(out1(p, xi).unsqueeze(0), yi.unsqueeze(0)).sum()
-
-        fn = vmap(grad_and_value(single), in_dims=(None, 0, 0), randomness="different")
-    else:
-        assert lik is not None
-
-        def single_ggn(p: dict[str, Tensor], xi: Tensor, yi: Tensor):
-            def both(q: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-                f = out1(q, xi)
-                return f, f
-
-            jac, f = jacrev(both, has_aux=True)(p)
-            f = f.detach()
-            gf, val = grad_and_value(lambda ff: nll(ff.unsqueeze(0), yi.unsqueeze(0)).sum())(f)
-            lt = lik.sqrt_hessian(f.unsqueeze(0)).squeeze(0)  # C, K
-            g = {n: torch.tensordot(gf, j, dims=1) for n, j in jac.items()}
-            h = {
-                n: torch.tensordot(lt.transpose(0, 1), j, dims=1).pow(2).sum(0)
-                for n, j in jac.items()
-            }
-            return g, h, val
-
-        fn = vmap(single_ggn, in_dims=(None, 0, 0), randomness="different")
-
-    g_sum = {n: torch.zeros_like(p) for n, p in params.items()}
-    h_sum = {n: torch.zeros_like(p) for n, p in params.items()}
-    loss_sum = torch.zeros((), dtype=next(iter(params.values())).dtype, device=x.device)
-    with _bn_eval(model):
-        for s in range(0, len(x), step):
-            xs, ys = x[s : s + step], y[s : s + step]
-            if curvature == "ef":
-                g, val = fn(params, xs, ys)
-                h = {n: t.pow(2).sum(0) for n, t in g.items()}
-            else:
-                g, h, val = fn(params, xs, ys)
-                h = {n: t.sum(0) for n, t in h.items()}
-            for n in params:
-                g_sum[n] += g[n].sum(0)
-                h_sum[n] += h[n]
-            loss_sum = loss_sum + val.detach().sum()
-    m = len(x)
-    grad = torch.cat([t.reshape(-1) for t in g_sum.values()]) / m
-    curv = torch.cat([t.reshape(-1) for t in h_sum.values()]) / m
-    return GradStats(loss_sum / m, grad if need_grad else None, curv, m)
 
 
 def _as_vector(value: float | Tensor, like: Tensor, name: str) -> Tensor:
@@ -455,7 +133,7 @@ class VOGN(torch.optim.Optimizer):
             whose precision is then ``delta`` too (``prior_precision`` must then be None).
         init_precision: initial ``s`` (float or ``[P]``; torchsso's convention); None: 0.
         mc_samples: draws per step; 0 gives OGN (no sampling, ``w = mu``).
-        kl_weight: ``tau``, the weight of the KL term (tempering).
+        kl_weight: the weight of the KL term (tempering; ``tau`` in Osawa et al.).
         likelihood: the per-example loss: a :class:`Likelihood`, its name, or a callable
             ``(f [B, C], y [B]) -> [B]`` (``curvature="ef"`` only).
         curvature: ``"ef"`` (squared per-example gradients, VOGN) or ``"ggn"`` (exact
@@ -495,14 +173,12 @@ class VOGN(torch.optim.Optimizer):
                 raise ValueError("VOGN takes one parameter group: a model or a list of tensors")
         if not params:
             raise ValueError("params_or_model has no trainable parameters")
-        if not (isinstance(lr, int | float) and lr > 0):
-            raise ValueError(f"lr must be a positive float, got {lr!r}")
+        check_positive(lr, "lr")
         if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"betas must be two floats in [0, 1), got {betas!r}")
         if not (isinstance(mc_samples, int) and mc_samples >= 0):
             raise ValueError(f"mc_samples must be an int >= 0, got {mc_samples!r}")
-        if not (isinstance(kl_weight, int | float) and kl_weight > 0):
-            raise ValueError(f"kl_weight must be a positive float, got {kl_weight!r}")
+        check_positive(kl_weight, "kl_weight")
         if curvature not in ("ef", "ggn"):
             raise ValueError(f"curvature must be 'ef' or 'ggn', got {curvature!r}")
         if chunk_size is not None and int(chunk_size) < 1:
@@ -607,20 +283,20 @@ class VOGN(torch.optim.Optimizer):
         return self.vogn_state["s"] * self._s_scale()
 
     def _delta_tilde(self) -> Tensor:
-        """``tau delta / N`` ``[P]`` (cached until the prior, N or tau change)."""
+        """``kl_weight delta / N`` ``[P]`` (cached until the prior, N or kl_weight change)."""
         key = (self._n(), self.kl_weight, self._version)
         if self._dt_cache is None or self._dt_cache[0] != key:
             self._dt_cache = (key, self.vogn_state["prior_precision"] * (key[1] / key[0]))
         return self._dt_cache[1]
 
     def posterior_precision(self, out: Tensor | None = None) -> Tensor:
-        """``N s^ / tau + delta`` ``[P]`` (written into ``out`` when given)."""
+        """``N s^ / kl_weight + delta`` ``[P]`` (written into ``out`` when given)."""
         st = self.vogn_state
         alpha = self._n() * self._s_scale() / self.kl_weight
         return torch.add(st["prior_precision"], st["s"], alpha=alpha, out=out)
 
     def posterior(self) -> DiagonalGaussian:
-        """``q = N(mu, diag(1 / (N s^ / tau + delta)))`` (copies of the state)."""
+        """``q = N(mu, diag(1 / (N s^ / kl_weight + delta)))`` (copies of the state)."""
         return DiagonalGaussian(self.vogn_state["mu"].clone(), self.posterior_precision().clone())
 
     def prior(self) -> DiagonalGaussian:
@@ -690,7 +366,7 @@ class VOGN(torch.optim.Optimizer):
         self, generator: torch.Generator | None = None, *, copy: bool = True
     ) -> Tensor:
         """Write ``w ~ q`` (``w = mu`` when ``mc_samples == 0``) into the parameters and return
-        ``w`` ``[P]``. Sampling uses the scaled std ``sqrt(tau / (N (s^ + delta~)))``.
+        ``w`` ``[P]``. Sampling uses the scaled std ``sqrt(kl_weight / (N (s^ + delta~)))``.
 
         With ``copy=False`` the returned tensor is an internal buffer (``mu`` itself when
         ``mc_samples == 0``) that the next draw overwrites: no ``[P]`` allocation per step,
@@ -715,6 +391,17 @@ class VOGN(torch.optim.Optimizer):
         """Write ``mu`` into the parameters."""
         self._write(self.vogn_state["mu"])
         self._sampled = False
+
+    @contextmanager
+    def sampled_params(self, generator: torch.Generator | None = None) -> Iterator[Tensor]:
+        """Hold a draw ``w ~ q`` (:meth:`sample_params`, ``copy=False``) in the parameters
+        inside the ``with`` block and yield it; ``mu`` is written back on exit, also when the
+        block raises, so the parameters never keep a sample."""
+        w = self.sample_params(generator, copy=False)
+        try:
+            yield w
+        finally:
+            self.load_mean()
 
     @torch.no_grad()
     def sync_mean_from_params(self) -> None:
@@ -754,31 +441,82 @@ class VOGN(torch.optim.Optimizer):
 
     def step(  # type: ignore[override]
         self,
-        x: Tensor | Callable[[], Any] | None = None,
+        closure: Tensor | Callable[[], Tensor] | None = None,
         y: Tensor | None = None,
         *,
         regularizer: Callable[[], Tensor] | None = None,
         model: nn.Module | None = None,
     ) -> Tensor | None:
-        """One VOGN step.
+        """One VOGN step; compatible with :meth:`torch.optim.Optimizer.step` ``(closure=None)``.
 
-        ``step(x, y, regularizer=None, model=None)``: standalone step on the mini-batch
-        ``(x, y)`` averaging ``max(mc_samples, 1)`` draws; returns the mean data loss.
+        * ``step(x, y, regularizer=None, model=None)``: standalone step on the mini-batch
+          ``(x, y)`` (``x`` a tensor in the place of the closure) averaging
+          ``max(mc_samples, 1)`` draws; returns the mean data loss.
+        * ``step(closure)``: for each of ``max(mc_samples, 1)`` draws held in the parameters
+          (:meth:`sampled_params`), ``closure()`` zeroes the gradients, computes the loss,
+          calls ``backward()`` and :meth:`set_curvature` ``(h)`` with the per-example
+          curvature of the data loss at the draw (e.g. from :class:`LayerCapture`); ``g`` is
+          read from ``.grad``. Returns the mean of the closure's losses.
+        * ``step()``: two-phase step (``g`` from ``.grad``, ``h`` from :meth:`set_curvature`).
 
-        ``step()``: two-phase step (``g`` from ``.grad``, ``h`` from :meth:`set_curvature`).
+        The parameters hold ``mu`` afterwards, also when a draw raises.
         """
-        if callable(x) and y is None:
-            raise TypeError("VOGN.step takes (x, y), not a closure; see the class docstring")
-        if x is None:
+        if isinstance(closure, Tensor):
+            return self._step_batch(closure, y, regularizer=regularizer, model=model)
+        if y is not None or regularizer is not None or model is not None:
+            raise TypeError(
+                "VOGN.step: y, regularizer and model go with a batch x (step(x, y)), "
+                f"got x of type {type(closure).__name__}"
+            )
+        if closure is None:
             if self._pending_curv is None:
                 raise ValueError(
                     "VOGN.step() without a batch needs the curvature of the mini-batch: call "
-                    "set_curvature(h) after the backward pass (VOGNPlugin does this), or use "
-                    "step(x, y)"
+                    "set_curvature(h) after the backward pass (VOGNPlugin does this), pass a "
+                    "closure that does, or use step(x, y)"
                 )
             curv, self._pending_curv = self._pending_curv, None
             self.update(self._read_grad(), curv)
             return None
+        if not callable(closure):
+            raise TypeError(
+                "VOGN.step takes a batch (x, y), a closure or nothing, got "
+                f"{type(closure).__name__}"
+            )
+        return self._step_closure(closure)
+
+    def _step_closure(self, closure: Callable[[], Tensor]) -> Tensor:
+        draws = max(self.mc_samples, 1)
+        g_acc = h_acc = loss_acc = None
+        self._pending_curv = None
+        for _ in range(draws):
+            with self.sampled_params(), torch.enable_grad():
+                loss = closure()
+            if self._pending_curv is None:
+                raise ValueError(
+                    "VOGN.step(closure): the closure must call set_curvature(h) with the "
+                    "per-example curvature of the data loss at the sampled weights"
+                )
+            g, h = self._read_grad(), self._pending_curv
+            self._pending_curv = None
+            g_acc = g if g_acc is None else g_acc + g
+            h_acc = h if h_acc is None else h_acc + h
+            loss = loss.detach()
+            loss_acc = loss if loss_acc is None else loss_acc + loss
+        assert g_acc is not None and h_acc is not None and loss_acc is not None
+        if draws > 1:
+            g_acc, h_acc = g_acc / draws, h_acc / draws
+        self.update(g_acc, h_acc)
+        return loss_acc / draws
+
+    def _step_batch(
+        self,
+        x: Tensor,
+        y: Tensor | None,
+        *,
+        regularizer: Callable[[], Tensor] | None,
+        model: nn.Module | None,
+    ) -> Tensor:
         if y is None:
             raise ValueError("y is required with x")
         net = model if model is not None else self.model
@@ -786,9 +524,8 @@ class VOGN(torch.optim.Optimizer):
             raise ValueError("step(x, y) needs the model: construct VOGN with the model")
         draws = max(self.mc_samples, 1)
         g_acc = h_acc = loss_acc = None
-        try:
-            for d in range(draws):
-                self.sample_params(copy=False)
+        for d in range(draws):
+            with self.sampled_params():
                 if d == 0 and net.training and _has_bn(net):
                     with torch.no_grad():
                         net(x)  # update the batch-norm running statistics at w
@@ -804,27 +541,31 @@ class VOGN(torch.optim.Optimizer):
                 g = stats.grad
                 assert g is not None
                 if regularizer is not None:
-                    for p in self.params:
-                        p.grad = None
-                    with torch.enable_grad():
-                        reg = regularizer()
-                        if reg.ndim != 0:
-                            raise ValueError(f"regularizer must return a scalar, got {reg.shape}")
-                        reg.backward()
-                    g = g + self._read_grad()
-                    for p in self.params:
-                        p.grad = None
-                g_acc = g if g_acc is None else g_acc + g
-                h_acc = stats.curv if h_acc is None else h_acc + stats.curv
-                loss_acc = stats.loss if loss_acc is None else loss_acc + stats.loss
-        except BaseException:
-            self.load_mean()  # never leave a sample in the parameters
-            raise
+                    g = g + self._regularizer_grad(regularizer)
+            g_acc = g if g_acc is None else g_acc + g
+            h_acc = stats.curv if h_acc is None else h_acc + stats.curv
+            loss_acc = stats.loss if loss_acc is None else loss_acc + stats.loss
         assert g_acc is not None and h_acc is not None and loss_acc is not None
         if draws > 1:
             g_acc, h_acc = g_acc.div_(draws), h_acc.div_(draws)
         self.update(g_acc, h_acc)
         return loss_acc / draws
+
+    def _regularizer_grad(self, regularizer: Callable[[], Tensor]) -> Tensor:
+        """``d regularizer() / dw`` ``[P]`` at the parameters' current values (``.grad`` is
+        left cleared)."""
+        for p in self.params:
+            p.grad = None
+        try:
+            with torch.enable_grad():
+                reg = regularizer()
+                if reg.ndim != 0:
+                    raise ValueError(f"regularizer must return a scalar, got {reg.shape}")
+                reg.backward()
+            return self._read_grad()
+        finally:
+            for p in self.params:
+                p.grad = None
 
     # ---------------------------------------------------------------- (de)serialisation
     def state_dict(self) -> dict[str, Any]:
@@ -867,84 +608,3 @@ class OGN(VOGN):
             raise ValueError("OGN does not sample: mc_samples must be 0 (use VOGN)")
         kwargs["mc_samples"] = 0
         super().__init__(params_or_model, **kwargs)
-
-
-@contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
-    """Evaluate ``model`` in eval mode (no dropout, batch norm with running statistics) and
-    restore its mode afterwards."""
-    modes = [(m, m.training) for m in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, mode in modes:
-            m.training = mode
-
-
-def _check_posterior(model: nn.Module, posterior: DiagonalGaussian) -> dict[str, Tensor]:
-    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-    total = sum(p.numel() for p in params.values())
-    if posterior.num_params != total:
-        raise ValueError(f"posterior has P={posterior.num_params}, model has {total}")
-    return params
-
-
-def _unflatten(params: dict[str, Tensor], vec: Tensor) -> dict[str, Tensor]:
-    out, i = {}, 0
-    for n, p in params.items():
-        out[n] = vec[i : i + p.numel()].view_as(p).to(p)
-        i += p.numel()
-    return out
-
-
-@torch.no_grad()
-def predict_mc(
-    model: nn.Module,
-    posterior: DiagonalGaussian,
-    x: Tensor,
-    n_samples: int = 10,
-    *,
-    likelihood: Likelihood | str = "categorical",
-    generator: torch.Generator | None = None,
-) -> Tensor:
-    """Monte-Carlo predictive ``(1/S) sum_s inverse_link(f(x; w_s))``, ``w_s ~ posterior``.
-
-    Args:
-        model: maps ``[N, ...] -> [N, C]``; its parameters are not modified; it is
-            evaluated in eval mode (its mode is restored afterwards).
-        posterior: over the model's trainable parameters (``[P]``).
-        x: ``[N, ...]``. n_samples: ``S >= 1``.
-
-    Returns:
-        ``[N, C]`` (class probabilities for classification).
-    """
-    if not (isinstance(n_samples, int) and n_samples >= 1):
-        raise ValueError(f"n_samples must be a positive int, got {n_samples!r}")
-    params = _check_posterior(model, posterior)
-    lik = get_likelihood(likelihood)
-    buffers = dict(model.named_buffers())
-    acc = None
-    with _eval_mode(model):
-        for _ in range(n_samples):
-            w = _unflatten(params, posterior.sample(generator=generator))
-            p = lik.inverse_link(functional_call(model, (w, buffers), (x,)))
-            acc = p if acc is None else acc + p
-    assert acc is not None
-    return acc / n_samples
-
-
-@torch.no_grad()
-def predict_mean(
-    model: nn.Module,
-    posterior: DiagonalGaussian,
-    x: Tensor,
-    *,
-    likelihood: Likelihood | str = "categorical",
-) -> Tensor:
-    """``inverse_link(f(x; posterior.mean))`` ``[N, C]``."""
-    params = _check_posterior(model, posterior)
-    w = _unflatten(params, posterior.mean)
-    with _eval_mode(model):
-        f = functional_call(model, (w, dict(model.named_buffers())), (x,))
-    return get_likelihood(likelihood).inverse_link(f)

@@ -1,0 +1,363 @@
+r"""The per-example statistics engine behind :class:`~fromp.optim.VOGN`.
+
+:func:`per_example_grad_stats` returns the mean gradient ``g = (1/M) sum_i g_i`` and the mean
+per-example curvature ``h = (1/M) sum_i h_i`` (``h_i = g_i^2``, ``curvature="ef"``, or the
+per-example GGN diagonal ``diag(J_i^T Lambda_i J_i)``, ``curvature="ggn"``) of a mini-batch,
+all ``[P]`` in ``named_parameters()`` order (trainable only).
+
+Per-example quantities are exact for any architecture (convolutions with weight sharing
+included). By default (``method="auto"``) squared gradients of models made of the layers
+that :mod:`fromp.capture` handles (``Linear``, ``Conv1d/2d``, batch norm, ``LayerNorm``,
+``GroupNorm``) come from one forward and one backward pass with layer capture
+(``sum_i g_i^2 = (d^2)^T (a^2)`` for a linear layer; for a convolution the per-example
+weight gradients of that layer alone, from its unfolded input); anything else uses
+``torch.func.vmap`` over ``grad`` (``jacrev`` for the GGN), chunked over examples so that
+peak memory is ``chunk_size * P`` numbers. Both are checked against loops over examples in
+``tests/test_vogn.py``. :class:`LayerCapture` gives the squared gradients of a forward pass
+already made (the Avalanche plugin's).
+
+Batch norm: per-example gradients cannot use batch statistics, so the per-example pass runs
+the batch-norm layers in ``eval()`` mode (normalising with the running statistics). Dropout
+stays active in training mode (independent masks per example).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad_and_value, jacrev, vmap
+
+from fromp._checks import check_batch, check_tensor
+from fromp.capture import LayerCall, capture_calls, squared_grad_sums, supported_layer
+from fromp.likelihood import Likelihood, get_likelihood
+
+__all__ = ["GradStats", "LayerCapture", "LossFn", "per_example_grad_stats"]
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+_BN = (nn.modules.batchnorm._BatchNorm,)
+
+
+class GradStats:
+    """Mini-batch statistics at one set of weights.
+
+    Attributes:
+        loss: mean per-example loss (scalar tensor).
+        grad: ``(1/M) sum_i g_i`` ``[P]`` (None when not requested).
+        curv: ``(1/M) sum_i h_i`` ``[P]`` (squared gradients or GGN diagonal).
+        n: ``M``.
+    """
+
+    def __init__(self, loss: Tensor, grad: Tensor | None, curv: Tensor, n: int) -> None:
+        self.loss, self.grad, self.curv, self.n = loss, grad, curv, n
+
+
+@contextmanager
+def _bn_eval(model: nn.Module) -> Iterator[None]:
+    """Temporarily put the batch-norm layers of ``model`` in eval mode."""
+    changed = [m for m in model.modules() if isinstance(m, _BN) and m.training]
+    for m in changed:
+        m.eval()
+    try:
+        yield
+    finally:
+        for m in changed:
+            m.train()
+
+
+def _has_bn(model: nn.Module) -> bool:
+    return any(isinstance(m, _BN) for m in model.modules())
+
+
+def _loss_fn(loss: Likelihood | LossFn | str) -> LossFn:
+    if isinstance(loss, str | Likelihood):
+        return get_likelihood(loss).nll
+    if callable(loss):
+        return loss
+    raise ValueError(f"loss must be a Likelihood, a likelihood name or a callable, got {loss!r}")
+
+
+def _hook_supported(model: nn.Module) -> bool:
+    """Whether every trainable parameter sits directly in one layer that
+    :mod:`fromp.capture` handles (``Linear``, ``Conv1d/2d``, batch norm with running
+    statistics, ``LayerNorm``, ``GroupNorm``); batch norm in training mode counts, since the
+    per-example pass runs it in eval mode."""
+    owners: dict[int, int] = {}
+    for m in model.modules():
+        own = [p for p in m.parameters(recurse=False) if p.requires_grad]
+        if not own:
+            continue
+        for p in own:
+            owners[id(p)] = owners.get(id(p), 0) + 1
+        if isinstance(m, _BN) and type(m) in _BN_TYPES:
+            if m.running_mean is None or m.running_var is None:
+                return False
+        elif not supported_layer(m):
+            return False
+    return all(c == 1 for c in owners.values())
+
+
+_BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+_LAYOUT_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _layout(
+    model: nn.Module,
+) -> tuple[bool, dict[str, Tensor], dict[int, tuple[nn.Module, str]], dict[tuple[int, str], str]]:
+    """``(hooks supported, trainable params by name, id(param) -> (layer, name),
+    (id(layer), name) -> param name)``, cached per model while its trainable parameters stay
+    the same objects."""
+    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    sig = tuple(id(p) for p in named.values())
+    hit = _LAYOUT_CACHE.get(model)
+    if hit is not None and hit[0] == sig:
+        return hit[1]
+    owner: dict[int, tuple[nn.Module, str]] = {}
+    for m in model.modules():
+        for pn, p in m.named_parameters(recurse=False):
+            if p.requires_grad:
+                owner[id(p)] = (m, pn)
+    name_of = {(id(owner[id(p)][0]), owner[id(p)][1]): n for n, p in named.items()}
+    out = (_hook_supported(model), named, owner, name_of)
+    _LAYOUT_CACHE[model] = (sig, out)
+    return out
+
+
+def _captured_squares(
+    calls: list[LayerCall], grads: tuple[Tensor | None, ...], name_of: dict, h_sum: dict
+) -> None:
+    """Add ``sum_i g_i^2`` of every captured layer (output gradients ``grads``) to ``h_sum``."""
+    for c, g in zip(calls, grads):
+        if g is None:
+            continue
+        for pn, t in squared_grad_sums(c.module, c.a, g.detach().unsqueeze(0)).items():
+            name = name_of.get((id(c.module), pn))
+            if name is not None:
+                h_sum[name] += t
+
+
+def _ef_stats_hooks(
+    model: nn.Module, x: Tensor, y: Tensor, nll: LossFn, step: int, need_grad: bool = True
+) -> GradStats | None:
+    """Squared per-example gradients from layer inputs and output gradients
+    (:mod:`fromp.capture`; one forward and one backward per chunk, the mean gradient from
+    the same backward). Returns None when a layer is called more than once."""
+    _, named, owner, name_of = _layout(model)
+    layers = list(dict.fromkeys(m for m, _ in owner.values()))
+    p0 = next(iter(named.values()))
+    total = sum(p.numel() for p in named.values())
+    g_flat = torch.zeros(total, dtype=p0.dtype, device=p0.device)
+    h_flat = torch.zeros(total, dtype=p0.dtype, device=p0.device)
+    g_sum, h_sum, i = {}, {}, 0
+    for n, p in named.items():
+        g_sum[n] = g_flat[i : i + p.numel()].view_as(p)
+        h_sum[n] = h_flat[i : i + p.numel()].view_as(p)
+        i += p.numel()
+    loss_sum = torch.zeros((), dtype=p0.dtype, device=x.device)
+    params = list(named.values()) if need_grad else []
+    for s in range(0, len(x), step):
+        with torch.enable_grad(), capture_calls(layers) as calls:
+            f = model(x[s : s + step])
+            losses = nll(f, y[s : s + step])
+        if losses.shape != (len(f),):
+            raise ValueError(f"loss must return per-example values [B], got {tuple(losses.shape)}")
+        if len({id(c.module) for c in calls}) != len(calls):
+            return None
+        zs = [c.z for c in calls]
+        grads = torch.autograd.grad(losses.sum(), zs + params, allow_unused=True)
+        _captured_squares(calls, grads[: len(zs)], name_of, h_sum)
+        for n, g in zip(named, grads[len(zs) :]):
+            if g is not None:
+                g_sum[n] += g
+        loss_sum = loss_sum + losses.detach().sum()
+    n_ex = len(x)
+    grad = g_flat.div_(n_ex) if need_grad else None
+    return GradStats(loss_sum / n_ex, grad, h_flat.div_(n_ex), n_ex)
+
+
+class LayerCapture:
+    """Records the inputs and outputs of the parametrised layers of ``model`` during the
+    forward passes inside the ``with`` block (:func:`fromp.capture.capture_calls`), so that
+    the squared per-example gradients of a loss of those outputs can be computed afterwards
+    from the output gradients (:meth:`squared_grads`) without another forward pass.
+
+    Usable when ``supported``: all parameters in layers :mod:`fromp.capture` handles and no
+    batch-norm layer in training mode (batch statistics couple the examples).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        ok, self._named, self._owner, self._name_of = _layout(model)
+        bn_train = any(isinstance(m, _BN) and m.training for m in model.modules())
+        self.supported = ok and not bn_train
+        self.calls: list[LayerCall] = []
+        self._ctx: Any = None
+
+    def __enter__(self) -> LayerCapture:
+        layers = list(dict.fromkeys(m for m, _ in self._owner.values()))
+        self._ctx = capture_calls(layers)
+        self.calls = self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._ctx is not None:
+            self._ctx.__exit__(None, None, None)
+            self._ctx = None
+
+    def squared_grads(self, losses: Tensor) -> Tensor | None:
+        """``(1/M) sum_i g_i^2`` ``[P]`` for per-example ``losses [M]`` computed from the
+        captured forward pass (the graph is retained for a later backward). None when it
+        cannot be done exactly (unsupported model, a layer called more than once)."""
+        if not self.supported or not self.calls:
+            return None
+        if len({id(c.module) for c in self.calls}) != len(self.calls):
+            return None
+        zs = [c.z for c in self.calls]
+        grads = torch.autograd.grad(losses.sum(), zs, retain_graph=True, allow_unused=True)
+        h_sum = {n: torch.zeros_like(p) for n, p in self._named.items()}
+        _captured_squares(self.calls, grads, self._name_of, h_sum)
+        return torch.cat([t.reshape(-1) for t in h_sum.values()]).div_(len(losses))
+
+
+def per_example_grad_stats(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    loss: Likelihood | LossFn | str = "categorical",
+    *,
+    curvature: str = "ef",
+    chunk_size: int | None = None,
+    method: str = "auto",
+    need_grad: bool = True,
+) -> GradStats:
+    r"""Mean gradient and mean per-example curvature of a mini-batch at the model's weights.
+
+    For ``g_i = d loss(f(x_i), y_i) / dw`` (``[P]``, ``w`` the trainable parameters):
+
+    * ``grad = (1/M) sum_i g_i``,
+    * ``curv = (1/M) sum_i g_i ** 2`` for ``curvature="ef"``, or
+      ``(1/M) sum_i diag(J_i^T Lambda_i J_i) = (1/M) sum_i sum_k (L_i^T J_i)_k ** 2`` for
+      ``curvature="ggn"`` (``J_i [C, P]`` the output Jacobian, ``Lambda_i = L_i L_i^T`` the
+      likelihood's output Hessian; needs ``loss`` to be a :class:`Likelihood`).
+
+    Two exact implementations (``method``):
+
+    * ``"vmap"``: ``vmap(grad_and_value)`` (``vmap(jacrev)`` for the GGN) over examples, any
+      architecture; forms the per-example gradients ``[chunk, P]``.
+    * ``"hooks"`` (``curvature="ef"`` only): one forward and one backward of the summed loss
+      record each layer's input ``a_i`` and output gradient ``d_i``; for a linear layer
+      ``sum_i g_i^2 = (d^2)^T (a^2)`` without forming per-example gradients, for a
+      convolution (weight sharing) the per-example gradients are formed for that layer only
+      (one grouped weight-gradient convolution, batch as groups), batch norm (eval mode)
+      uses ``xhat_i`` (:mod:`fromp.capture`). Supports models whose parameters all live in
+      ``Linear``, ``Conv1d/2d``, batch-norm, ``LayerNorm`` and ``GroupNorm`` layers, each
+      called once per forward pass.
+    * ``"auto"``: ``"hooks"`` when supported, else ``"vmap"``.
+
+    Work is done in chunks of ``chunk_size`` examples. Batch-norm layers run in eval mode
+    (see the module docstring); dropout masks differ per example.
+
+    Args:
+        model: maps ``[M, ...] -> [M, C]`` (fix a head with :func:`fromp.models.with_task`).
+        x: ``[M, ...]`` inputs. y: ``[M]`` (or ``[M, C]``) targets.
+        loss: per-example loss ``(f [B, C], y [B]) -> [B]`` or a likelihood (its ``nll``).
+        curvature: ``"ef"`` or ``"ggn"``.
+        chunk_size: examples per vectorised call (None: the whole batch).
+        method: ``"auto"``, ``"hooks"`` or ``"vmap"`` (above).
+        need_grad: False skips the mean gradient where that saves work (hook path); the
+            returned ``grad`` is then None.
+    """
+    if curvature not in ("ef", "ggn"):
+        raise ValueError(f"curvature must be 'ef' or 'ggn', got {curvature!r}")
+    if method not in ("auto", "vmap", "hooks"):
+        raise ValueError(f"method must be 'auto', 'vmap' or 'hooks', got {method!r}")
+    if method == "hooks" and curvature != "ef":
+        raise ValueError("method='hooks' supports curvature='ef' only")
+    check_batch(x, "x")
+    check_tensor(y, "y", f"[M]=[{len(x)}]")
+    if len(y) != len(x):
+        raise ValueError(f"y must have M={len(x)} entries, got {len(y)}")
+    step = len(x) if chunk_size is None else int(chunk_size)
+    if step < 1:
+        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size}")
+    if curvature == "ggn" and not isinstance(loss, str | Likelihood):
+        raise ValueError("curvature='ggn' needs loss to be a Likelihood (or its name)")
+    lik = get_likelihood(loss) if isinstance(loss, str | Likelihood) else None
+    nll = _loss_fn(loss)
+
+    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    if not params:
+        raise ValueError("model has no trainable parameters")
+    if curvature == "ef" and method != "vmap":
+        supported = _layout(model)[0]
+        if method == "hooks" and not supported:
+            raise ValueError(
+                "method='hooks' needs all parameters in Linear, Conv1d/2d, batch-norm (with "
+                "running statistics), LayerNorm or GroupNorm layers; use method='vmap'"
+            )
+        if supported:
+            with _bn_eval(model):
+                stats = _ef_stats_hooks(model, x, y, nll, step, need_grad)
+            if stats is not None:
+                return stats
+            if method == "hooks":
+                raise ValueError("method='hooks' needs each layer to be called once per forward")
+    buffers = dict(model.named_buffers())
+
+    def out1(p: dict[str, Tensor], xi: Tensor) -> Tensor:
+        f = functional_call(model, (p, buffers), (xi.unsqueeze(0),))
+        if f.ndim != 2:
+            raise ValueError(f"model output must have shape [M, C], got {tuple(f.shape)}")
+        return f.squeeze(0)
+
+    if curvature == "ef":
+
+        def single(p: dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
+            return nll(out1(p, xi).unsqueeze(0), yi.unsqueeze(0)).sum()
+
+        fn = vmap(grad_and_value(single), in_dims=(None, 0, 0), randomness="different")
+    else:
+        assert lik is not None
+
+        def single_ggn(p: dict[str, Tensor], xi: Tensor, yi: Tensor):
+            def both(q: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+                f = out1(q, xi)
+                return f, f
+
+            jac, f = jacrev(both, has_aux=True)(p)
+            f = f.detach()
+            gf, val = grad_and_value(lambda ff: nll(ff.unsqueeze(0), yi.unsqueeze(0)).sum())(f)
+            lt = lik.sqrt_hessian(f.unsqueeze(0)).squeeze(0)  # C, K
+            g = {n: torch.tensordot(gf, j, dims=1) for n, j in jac.items()}
+            h = {
+                n: torch.tensordot(lt.transpose(0, 1), j, dims=1).pow(2).sum(0)
+                for n, j in jac.items()
+            }
+            return g, h, val
+
+        fn = vmap(single_ggn, in_dims=(None, 0, 0), randomness="different")
+
+    g_sum = {n: torch.zeros_like(p) for n, p in params.items()}
+    h_sum = {n: torch.zeros_like(p) for n, p in params.items()}
+    loss_sum = torch.zeros((), dtype=next(iter(params.values())).dtype, device=x.device)
+    with _bn_eval(model):
+        for s in range(0, len(x), step):
+            xs, ys = x[s : s + step], y[s : s + step]
+            if curvature == "ef":
+                g, val = fn(params, xs, ys)
+                h = {n: t.pow(2).sum(0) for n, t in g.items()}
+            else:
+                g, h, val = fn(params, xs, ys)
+                h = {n: t.sum(0) for n, t in h.items()}
+            for n in params:
+                g_sum[n] += g[n].sum(0)
+                h_sum[n] += h[n]
+            loss_sum = loss_sum + val.detach().sum()
+    m = len(x)
+    grad = torch.cat([t.reshape(-1) for t in g_sum.values()]) / m
+    curv = torch.cat([t.reshape(-1) for t in h_sum.values()]) / m
+    return GradStats(loss_sum / m, grad if need_grad else None, curv, m)
