@@ -61,6 +61,7 @@ class UsageError(ValueError):
 
 
 _TRAINING_KEYS = ("lr", "train_epochs", "train_mb_size", "optimizer")
+_OPT_PREFIX = "opt."  # --set opt.beta2=0.999: a keyword argument of the optimizer
 
 
 def _literal(raw: str) -> Any:
@@ -73,13 +74,18 @@ def _literal(raw: str) -> Any:
 def _put(out: dict[str, Any], key: str, value: Any) -> None:
     if key in _TRAINING_KEYS:
         out[key] = value
+    elif key.startswith(_OPT_PREFIX):
+        if not key[len(_OPT_PREFIX) :]:
+            raise UsageError(f"{key!r}: expected opt.NAME, a keyword argument of the optimizer")
+        out.setdefault("optimizer_kwargs", {})[key[len(_OPT_PREFIX) :]] = value
     else:
         out.setdefault("kwargs", {})[key] = value
 
 
 def _parse_set(items: list[str]) -> dict[str, Any]:
     """``key=value`` pairs; values are Python literals when they parse as one, else strings.
-    Keys ``lr``, ``train_epochs``, ``train_mb_size``, ``optimizer`` set training settings; any
+    Keys ``lr``, ``train_epochs``, ``train_mb_size``, ``optimizer`` set training settings;
+    ``opt.NAME`` a keyword argument of the optimizer (e.g. ``opt.beta2=0.999`` for IVON); any
     other key is a keyword argument of the strategy class."""
     out: dict[str, Any] = {"kwargs": {}}
     for item in items:
@@ -116,18 +122,21 @@ def parse_grid(items: list[str]) -> list[dict[str, Any]]:
 
 def grid_tag(point: dict[str, Any]) -> str:
     """A file-name-safe tag of a grid point (``""`` for the empty point)."""
-    flat = {k: v for k, v in point.items() if k != "kwargs"}
+    flat = {k: v for k, v in point.items() if k not in ("kwargs", "optimizer_kwargs")}
+    flat.update({f"{_OPT_PREFIX}{k}": v for k, v in point.get("optimizer_kwargs", {}).items()})
     flat.update(point.get("kwargs", {}))
     text = ",".join(f"{k}={v}" for k, v in flat.items())
     return "".join(c if c.isalnum() or c in "=.,-_" else "_" for c in text)
 
 
 def _merge(base: dict[str, Any], point: dict[str, Any]) -> dict[str, Any]:
-    out = {k: v for k, v in base.items() if k != "kwargs"}
-    out.update({k: v for k, v in point.items() if k != "kwargs"})
-    kwargs = {**base.get("kwargs", {}), **point.get("kwargs", {})}
-    if kwargs:
-        out["kwargs"] = kwargs
+    nested = ("kwargs", "optimizer_kwargs")
+    out = {k: v for k, v in base.items() if k not in nested}
+    out.update({k: v for k, v in point.items() if k not in nested})
+    for key in nested:
+        merged = {**base.get(key, {}), **point.get(key, {})}
+        if merged:
+            out[key] = merged
     return out
 
 
@@ -168,7 +177,8 @@ def build_parser(sweep: bool = False) -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a setting or a strategy keyword argument, e.g. --set tau=10",
+        help="override a setting, a strategy keyword argument or (opt.NAME) an optimizer "
+        "keyword argument, e.g. --set tau=10 --set opt.beta2=0.999",
     )
     p.add_argument(
         "--grid",

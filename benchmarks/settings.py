@@ -136,15 +136,30 @@ _IVON: dict[str, Settings] = {
 
 # FROMP with IVON ("fromp-ivon"): IVON's settings with FROMP's memorable points and epochs;
 # the weight-space prior stays IVON's weight decay (``ivon_continual=False``), the memory of
-# the past is FROMP's alone. IVON's posterior variance ``1 / (N (h + delta))`` is about
-# ``1e-3`` for every weight (``h`` stays near ``h0`` with ``beta2 = 0.99999``), against up to
-# ``1 / delta = 1e3`` for the Laplace posterior of the reference settings, so the kernels are
-# orders of magnitude smaller and the regulariser orders of magnitude larger: ``tau = 1e-2``,
-# ``jitter = 1e-2`` (with ``1e-6`` the penalty at IVON's own weight samples was 1e3-1e5
-# instead of about ``M C / 2``), no gradient-norm clipping (it stalls the non-adaptive IVON
-# step on new tasks) but IVON's per-coordinate ``clip_radius = 0.1``. Chosen on split MNIST,
-# seed 0, 2,000 examples per task, 3 epochs, among about ten settings; not a good result (see
-# README).
+# the past is FROMP's alone, and the kernel is taken from IVON's posterior
+# ``1 / (N (h + delta))`` at the end of each task (``ess`` = the task's training-set size).
+#
+# Why the kernel is so much smaller than the Laplace kernel (split MNIST, task 1, MLP
+# 784-256-256, 15 epochs, 1,485 steps; script and numbers in README): the data's curvature at
+# the trained network, the exact GGN diagonal divided by N, has median 6.6e-10 and 95th
+# percentile 1.1e-5, four orders of magnitude below any ``hess_init`` with which IVON trains.
+# With ``beta2 = 0.99999`` ``h`` stays at ``h0`` (0.0997); with ``beta2 = 0.999`` it is
+# 0.0227 +- 0.0002 for every weight, i.e. ``h0 beta2^t`` (0.0226): the data's part is
+# invisible either way. ``h`` converged to the data would leave ``sigma^2 = 1 / (N delta)``
+# (0.8 per weight), noise with which the network does not train. Both posteriors are
+# prior-dominated (Laplace: variance ``1 / 1e-3`` for most weights), so both kernels are
+# about ``sigma^2 J J^T`` and differ mainly in scale: kernel diagonal on 40 memorable points,
+# median 3.4e3 (Laplace) against 0.97 (IVON, beta2 = 0.999) and 0.17 (beta2 = 0.99999). The
+# scale is absorbed by ``tau``; ``beta2`` stays the paper's 0.99999 (with 0.999 and no reset
+# between tasks ``h`` decays towards 0 over the five tasks, and the noise with it grows).
+#
+# Selected on validation accuracy (10 % of each task's training examples held out, seed 0,
+# 6,000 examples per task, 3 epochs; grid lr x tau, benchmarks/results/ivon_split-mnist.json):
+# lr = 0.05 / 0.2 with tau = 1e-4: 96.91 / 91.01 %; with tau = 1e-3: 87.92 / 88.02 % (the
+# task-2 head collapses to one class). jitter 1e-2 (with 1e-6 the penalty at IVON's own weight
+# samples was 1e3-1e5 instead of about ``M C / 2``), no gradient-norm clipping (it stalls the
+# non-adaptive IVON step on new tasks) but IVON's per-coordinate ``clip_radius = 0.1``. On
+# the full benchmark (seeds 0-2) this gives 92.80 +- 3.99 %, far below FROMP (see README).
 _FROMP_IVON: dict[str, Settings] = {
     bench: {
         "optimizer": "ivon",
@@ -155,13 +170,14 @@ _FROMP_IVON: dict[str, Settings] = {
         "kwargs": {
             **_FROMP[bench]["kwargs"],
             "posterior": "ivon",
-            "tau": 1e-2,
+            "tau": 1e-2,  # not tuned beyond split MNIST
             "jitter": 1e-2,
             "grad_clip_norm": None,
         },
     }
     for bench in FROMP_REFERENCE
 }
+_FROMP_IVON["split-mnist"] = _with(_FROMP_IVON["split-mnist"], lr=0.05, kwargs={"tau": 1e-4})
 
 # --------------------------------------------------------------------------- EWC
 # Split MNIST (benchmarks/results/ewc_split-mnist.json): the benchmark's protocol (Adam 1e-4,

@@ -306,3 +306,20 @@ def test_demo_leaks_no_warnings_and_explains_a_low_vcl(tmp_path, capsys, monkeyp
     payload = json.loads((tmp_path / "out" / "split-digits" / "results.json").read_text())
     acc = {k: v["mean_accuracy"]["mean"] for k, v in payload["aggregate"].items()}
     assert ("VCL (" in out) == (acc["vcl"] < acc["naive"])
+
+
+def test_opt_prefix_sets_optimizer_keyword_arguments():
+    from benchmarks.__main__ import _merge, _parse_set, grid_tag, parse_grid
+
+    parsed = _parse_set(["opt.beta2=0.999", "tau=0.5", "lr=0.1"])
+    assert parsed == {"optimizer_kwargs": {"beta2": 0.999}, "kwargs": {"tau": 0.5}, "lr": 0.1}
+    points = parse_grid(["opt.hess_init=0.1,1.0", "tau=1"])
+    assert [p["optimizer_kwargs"] for p in points] == [{"hess_init": 0.1}, {"hess_init": 1.0}]
+    assert grid_tag(points[1]) == "opt.hess_init=1.0,tau=1"
+    merged = _merge(parsed, points[1])  # the grid point wins, the rest is kept
+    assert merged["optimizer_kwargs"] == {"beta2": 0.999, "hess_init": 1.0}
+    assert merged["kwargs"] == {"tau": 1} and merged["lr"] == 0.1
+    # the optimizer keyword arguments reach resolve_settings over SETTINGS and the preset
+    s = resolve_settings(get_benchmark("split-mnist"), get_strategy("ivon"), merged)
+    assert s["optimizer_kwargs"]["beta2"] == 0.999 and s["optimizer_kwargs"]["hess_init"] == 1.0
+    assert s["optimizer_kwargs"]["weight_decay"] == 1e-4  # from benchmarks/settings.py

@@ -131,6 +131,9 @@ def test_nan_weights_after_a_task_fail_the_run_with_that_task(tmp_path, monkeypa
         (["--strategies", "naive", "--set", "nope=1"], "--set nope: not a setting"),
         (["--strategies", "naive", "--set", "optimizer='rmsprop'"], "optimizer must be one of"),
         (["--strategies", "naive", "--grid", "lr"], "--grid expects key=value1,value2"),
+        (["--strategies", "ivon", "--set", "opt.beta2=1.5"], "beta2 must be a float in [0, 1)"),
+        (["--strategies", "naive", "--set", "opt.nope=1"], "optimizer settings:"),
+        (["--strategies", "naive", "--set", "opt.=1"], "expected opt.NAME"),
     ],
 )
 def test_bad_setting_is_one_line_before_any_data(extra, needle, tmp_path, capsys, monkeypatch):
