@@ -50,6 +50,8 @@ _FROMP_SPLIT_MNIST: Settings = {
 FROMP_REFERENCE: dict[str, Settings] = {
     "split-mnist": _FROMP_SPLIT_MNIST,
     "split-fashion-mnist": _FROMP_SPLIT_MNIST,
+    # tau selected on validation accuracy (10 % held out, seed 0; benchmarks/results/
+    # permuted-mnist-validation/): tau = 0.1 / 0.5 / 2 gave 94.32 / 94.98 / 93.14 %.
     "permuted-mnist": {
         "optimizer": "adam",
         "lr": 1e-3,
@@ -205,7 +207,10 @@ _EWC: dict[str, Settings] = {
     "split-digits": _with(
         _EWC_SPLIT, lr=1e-3, train_epochs=20, train_mb_size=32, kwargs={"ewc_lambda": 100.0}
     ),
-    "permuted-mnist": _with(_EWC_SPLIT, lr=1e-3, train_epochs=10),
+    # Permuted MNIST: lambda selected on validation accuracy (10 % held out, seed 0;
+    # benchmarks/results/permuted-mnist-validation/): lambda = 10 / 100 / 1000 gave
+    # 82.47 / 81.39 / 64.12 % (10 is the grid's lower edge; 10 per-task penalties add up).
+    "permuted-mnist": _with(_EWC_SPLIT, lr=1e-3, train_epochs=10, kwargs={"ewc_lambda": 10.0}),
     "split-cifar": _with(_EWC_SPLIT, lr=1e-3, train_epochs=80, train_mb_size=256),
 }
 
