@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fromp._checks import check_batch, check_vector, device_dtype
+from fromp._checks import check_batch, check_finite, check_vector, device_dtype
 from fromp.memorable import select_memorable
 from fromp.regularizer import FROMPRegularizer
 
@@ -113,3 +113,13 @@ def test_every_module_applies_the_one_rule():
         laplace(net, (x, y), "categorical", 1.0, prior_mean=[0.0] * 9)
     with pytest.raises(TypeError, match="posterior must be a GaussianPosterior"):
         predict_mc(net, torch.zeros(9), x)
+
+
+def test_check_finite_exact_when_the_sum_overflows_or_cancels():
+    big = torch.tensor([3e38, 3e38, -1.0])  # finite entries whose float32 sum overflows
+    assert check_finite(big, "x") is big
+    for bad in ([1.0, float("nan")], [float("inf"), float("-inf")], [float("-inf"), 2.0]):
+        with pytest.raises(ValueError, match="x has non-finite entries"):
+            check_finite(torch.tensor(bad), "x")
+    ints = torch.tensor([1, 2])  # integer tensors are never checked
+    assert check_finite(ints, "x") is ints
