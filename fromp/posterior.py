@@ -23,6 +23,8 @@ from typing import Any, Protocol, Self, TypeVar, runtime_checkable
 import torch
 from torch import Tensor, nn
 
+from fromp._checks import check_finite
+
 __all__ = ["DiagonalGaussian", "FullGaussian", "GaussianPosterior"]
 
 _G = TypeVar("_G")
@@ -157,9 +159,9 @@ class DiagonalGaussian(_Gaussian):
                 "mean and precision must both have shape [P], got "
                 f"{tuple(self.mean.shape)} and {tuple(self.precision.shape)}"
             )
-        if not torch.isfinite(self.mean).all():
-            raise ValueError("mean has non-finite entries")
-        if not (torch.isfinite(self.precision).all() and (self.precision > 0).all()):
+        check_finite(self.mean, "mean")
+        check_finite(self.precision, "precision")
+        if not bool((self.precision > 0).all()):
             raise ValueError("precision must be finite and strictly positive")
 
     @property
@@ -235,10 +237,8 @@ class FullGaussian(_Gaussian):
                 "mean must have shape [P] and precision [P, P], got "
                 f"{tuple(self.mean.shape)} and {tuple(self.precision.shape)}"
             )
-        if not torch.isfinite(self.mean).all():
-            raise ValueError("mean has non-finite entries")
-        if not torch.isfinite(self.precision).all():
-            raise ValueError("precision has non-finite entries")
+        check_finite(self.mean, "mean")
+        check_finite(self.precision, "precision")
         chol, info = torch.linalg.cholesky_ex(0.5 * (self.precision + self.precision.T))
         if int(info) != 0:
             raise ValueError("precision must be symmetric positive definite")
