@@ -653,38 +653,70 @@ _OUTER_STEP_BYTES = 1 << 25
 """Temporaries of one row step of :func:`_outer_into`, at most (32 MiB: larger steps are
 no fewer flops but slower, memory-bound on fresh allocations)."""
 
+_OUTER_ROWS = 256
+"""Product rows (``x1`` rows times ``x2`` rows) of one row step of :func:`_outer_into` on a
+CPU, at least: steps of one or a few ``x1`` rows keep the columns that are nonzero in a step
+few (see :data:`_SPARSE_KEEP`)."""
+
+_SPARSE_KEEP = 0.75
+"""A row step of :func:`_outer_into` drops the input columns that are zero in all of its
+``x1`` rows or in all of ``x2`` when fewer than this share of the columns is left."""
+
 
 def _outer_into(acc: _Gram, ft1: tuple, ft2: tuple, var: dict[str, Tensor], budget: int) -> None:
     """Add ``sum_o g1_co g2_do [sum_j s_oj u1_j u2_j + s^b_o]`` of an outer-product layer
     (``u [n, G, J/G]``, ``g [C, n, O]``, ``s`` the weight variances ``[O, J/G]``).
 
-    The inner sums ``t [n, m, O]`` are one ``[n m, J] @ [J, O]`` product (independent of
-    ``C``; ``N1 N2 P_layer`` multiply-adds), then contracted with ``g``; rows of ``x1`` are
-    chunked so that the ``[rows, m, J]`` products and ``[rows, m, C, O]`` temporaries stay
-    within ``budget`` bytes and 32 MiB (:data:`_OUTER_STEP_BYTES`)."""
+    The inner sums ``t [n, m, O]`` are ``[n m, J] @ [J, O]`` products (independent of ``C``;
+    ``N1 N2 P_layer`` multiply-adds), then contracted with ``g``. Rows of ``x1`` are taken a
+    few at a time (about :data:`_OUTER_ROWS` product rows per step on a CPU; temporaries
+    within ``budget`` bytes and 32 MiB, :data:`_OUTER_STEP_BYTES`), and a step keeps only
+    the columns ``j`` that are nonzero in one of its ``x1`` rows and one ``x2`` row: the
+    others add exactly zero. For sparse inputs this cuts the products by the sparsity (an
+    MNIST image has about 150 nonzero pixels of 784, a ReLU layer about half its units);
+    the selection costs one host synchronisation per step, so on a GPU steps are as large
+    as the memory allows and only columns zero for whole chunks are dropped."""
     _, u1, g1 = ft1
     _, u2, g2 = ft2
+    same = ft2 is ft1
     grp, jg = u1.shape[1:]
     c, _, o = g1.shape
     sw = var["weight"].reshape(grp, o // grp, jg)
     idx = _nonzero_columns(u1, u2)
     if idx is not None:
         u1, sw = u1.index_select(2, idx), sw.index_select(2, idx)
-        u2 = u1 if ft2 is ft1 else u2.index_select(2, idx)
+        u2 = u1 if same else u2.index_select(2, idx)
     jk = u1.shape[2]
     sb = var.get("bias")
     out = acc.view4()
     elt = u1.element_size()
     g2t = None if acc.diag else g2.permute(1, 0, 2).contiguous()  # m, C, O
+    sparse = u1.device.type == "cpu" and jk > 1
+    if sparse:
+        nz1 = u1.ne(0).any(1)  # n, J: column j of example n is nonzero in some group
+        nz2 = nz1 if same else u2.ne(0).any(1)
     for r, q in acc.pairs():
         mc = q.stop - q.start
         per_row = mc * (grp * jk + o + c * o) * elt * 2  # product, t, z
         step = max(1, min(budget, _OUTER_STEP_BYTES) // max(1, per_row))
+        if sparse:
+            step = min(step, -(-_OUTER_ROWS // mc))
+            any2 = nz2[q].any(0)
         for s in range(r.start, r.stop, step):
             rr = slice(s, min(s + step, r.stop))
             ri = rr.stop - rr.start
-            prod = (u1[rr, None] * u2[None, q]).reshape(ri * mc, grp, jk)
-            t = torch.einsum("xgj,goj->xgo", prod, sw).reshape(ri, mc, o)
+            a, b, sws = u1[rr], u2[q], sw
+            if sparse:
+                keep = nz1[rr].any(0) & any2
+                if int(keep.sum()) < _SPARSE_KEEP * jk:
+                    cols = keep.nonzero().squeeze(1)
+                    a, b = a.index_select(2, cols), b.index_select(2, cols)
+                    sws = sws.index_select(2, cols)
+            prod = (a[:, None] * b[None]).reshape(ri * mc, grp, a.shape[2])
+            if grp == 1:
+                t = (prod[:, 0] @ sws[0].T).view(ri, mc, o)
+            else:
+                t = torch.einsum("xgj,goj->xgo", prod, sws).reshape(ri, mc, o)
             del prod
             if sb is not None:
                 t = t + sb

@@ -445,3 +445,42 @@ def test_gram_ranges_cover_the_block_once():
         assert (hits == 1).all() and len(acc.ranges) == max(
             1, min(4, n * (1 if diag else c) // 128)
         )
+
+
+@pytest.mark.parametrize("keep", [0.0, 0.75, 1.01], ids=["never", "default", "always"])
+@pytest.mark.parametrize("rows", [1, 3, 256])
+@pytest.mark.parametrize("diagonal_outputs", [False, True])
+def test_structured_kernel_sparse_row_steps_match_dense(monkeypatch, diagonal_outputs, rows, keep):
+    """Outer-product layers on sparse inputs (each example has 3 of 16 inputs nonzero, at
+    different places; ReLU hidden units): row steps of 1, 3 or all rows of ``x1``, each
+    keeping only the columns nonzero in one of its rows and one row of ``x2`` (never, by
+    default, or whenever any column is zero). Selecting the columns of the wrong rows, or
+    dropping a column nonzero on one side only, changes the kernel."""
+    import fromp.gp as gp_mod
+
+    monkeypatch.setattr(gp_mod, "_OUTER_ROWS", rows)
+    monkeypatch.setattr(gp_mod, "_SPARSE_KEEP", keep)
+    monkeypatch.setattr(gp_mod, "_GRAM_MIN_ROWS", 2)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 8), nn.ReLU(),
+                          nn.Linear(8, 3)).double().eval()  # fmt: skip
+
+    def sparse(n: int) -> torch.Tensor:
+        x = torch.zeros(n, 16, dtype=F64)
+        for i in range(n):
+            x[i, torch.randperm(16)[:3]] = torch.randn(3, dtype=F64)
+        return x
+
+    x1, x2 = sparse(9), sparse(5)
+    assert (x1.ne(0).sum(1) < 0.75 * 16).all()  # the default share drops columns per row
+    p = sum(q.numel() for q in model.parameters())
+    post = _random_posterior(p, full=False)
+    gp = dnn2gp(model, post, "categorical")
+    j1, j2 = dense_jacobian(model, x1, post.mean), dense_jacobian(model, x2, post.mean)
+    cov = torch.diag(post.variance)
+    for xb, jb in ((None, j1), (x2, j2)):
+        ref = dense_kernel(j1, cov, jb)
+        if diagonal_outputs:
+            ref = torch.stack([ref[:, c, :, c] for c in range(ref.shape[1])])
+        got = gp.kernel(x1, xb, diagonal_outputs=diagonal_outputs, method="structured")
+        torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-12)

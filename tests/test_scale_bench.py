@@ -67,3 +67,25 @@ def test_kernel_profile_refuses_no_inputs(capsys):
     with pytest.raises(SystemExit):
         profile_main(["--n", "0"])
     assert "--n must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_kernel_vs_revision_runs_and_compares(tmp_path, capsys):
+    """The regression benchmark loads ``fromp/gp.py`` of a git revision beside the current
+    one; against HEAD both kernels agree, and an unknown revision is one clear line."""
+    import shutil
+    import subprocess
+
+    from benchmarks import kernel_vs_revision as kvr
+
+    root = kvr.ROOT
+    if shutil.which("git") is None or subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True
+    ).returncode:
+        pytest.skip("not a git checkout")
+    out = tmp_path / "k.json"
+    rep = kvr.main(["--rev", "HEAD", "--n", "4", "--repeats", "1", "--out", str(out)])
+    assert out.exists()
+    for kind in ("per_class", "full"):
+        assert rep["kernels"][kind]["max_rel_diff"] < 1e-6
+    with pytest.raises(SystemExit, match="--rev 'no-such-rev'"):
+        kvr.main(["--rev", "no-such-rev", "--n", "4", "--out", str(out)])

@@ -1,0 +1,123 @@
+"""The DNN2GP kernel now against the kernel of an earlier revision, side by side in one process.
+
+    python -m benchmarks.kernel_vs_revision [--rev c35553b~1] [--n 1024] [--repeats 3]
+                                            [--data-root DIR] [--out FILE]
+
+A regression check for speed: ``fromp/gp.py`` of ``--rev`` (``git show REV:fromp/gp.py``,
+loaded as a separate module beside the current package; it must import against the current
+``fromp``) and the current :class:`fromp.gp.GP` compute the kernel of split MNIST's
+``MultiHeadMLP(784, (256, 256), 5 heads of 2)`` (head 0, random diagonal posterior) on the
+first ``--n`` MNIST test images (uniform noise of MNIST's shape when MNIST is not found; the
+output says so), per-class blocks ``[C, N, N]`` and the full ``[N, C, N, C]`` kernel, each
+with its own default chunking. The two run alternately ``--repeats`` times after a warm-up,
+on one thread; times are process CPU seconds. The default revision is the last one before
+the kernel was rebuilt on :mod:`fromp.capture`. Results (with the command, the maximum
+relative difference of the kernels, and the time ratios) go to ``--out``
+(``benchmarks/results/kernel_vs_revision.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.kernel_speed import _posterior, load_images, make_model
+
+__all__ = ["main"]
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def load_revision(rev: str) -> Any:
+    """``fromp/gp.py`` at git revision ``rev`` as a module (``fromp._gp_at_rev``)."""
+    try:
+        src = subprocess.run(
+            ["git", "show", f"{rev}:fromp/gp.py"], cwd=ROOT, check=True,
+            capture_output=True, text=True,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.CalledProcessError) as err:
+        msg = getattr(err, "stderr", "") or str(err)
+        raise SystemExit(f"--rev {rev!r}: cannot read fromp/gp.py there ({msg.strip()})") from None
+    path = Path(tempfile.mkdtemp()) / "gp_at_rev.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location("fromp._gp_at_rev", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rev", default="c35553b~1", help="git revision to compare with")
+    parser.add_argument("--n", type=int, default=1024, help="images in the kernel")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--data-root", default=None, help="holds MNIST/raw (else $FROMP_DATA)")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "benchmarks/results/kernel_vs_revision.json"
+    )
+    args = parser.parse_args(argv)
+    cli = sys.argv[1:] if argv is None else list(argv)
+    if args.n < 2 or args.repeats < 1:
+        parser.error("need --n >= 2 and --repeats >= 1")
+    torch.set_num_threads(1)
+    from fromp.gp import GP
+
+    old_mod = load_revision(args.rev)
+    x, source = load_images(args.n, args.data_root)
+    _, view = make_model("mlp")
+    post = _posterior(view)
+    gps = {"revision": old_mod.GP(view, post, "categorical"), "now": GP(view, post, "categorical")}
+    print(f"data: {source}, n={args.n}, revision {args.rev}")
+    report: dict[str, Any] = {
+        "command": " ".join(["python -m benchmarks.kernel_vs_revision", *cli]),
+        "revision": args.rev,
+        "data": source,
+        "n": args.n,
+        "threads": 1,
+        "seconds": "process CPU time (shared machine; the two alternate, so load hits both)",
+        "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "kernels": {},
+    }
+    for kind, diag in (("per_class", True), ("full", False)):
+        times: dict[str, list[float]] = {k: [] for k in gps}
+        outs: dict[str, torch.Tensor] = {}
+        for g in gps.values():
+            g.kernel(x[:2], diagonal_outputs=diag)  # warm-up
+        for _ in range(args.repeats):
+            for name, g in gps.items():
+                t0 = time.process_time()
+                outs[name] = g.kernel(x, diagonal_outputs=diag)
+                times[name].append(time.process_time() - t0)
+        ref = outs["revision"]
+        rel = float((outs["now"] - ref).abs().max() / ref.abs().max())
+        best = {k: min(v) for k, v in times.items()}
+        report["kernels"][kind] = {
+            "seconds": times,
+            "best": best,
+            "ratio_now_over_revision": best["now"] / best["revision"],
+            "max_rel_diff": rel,
+        }
+        print(f"{kind:9s}: revision {best['revision']:.2f} s, now {best['now']:.2f} s "
+              f"(x{best['now'] / best['revision']:.2f}), max rel diff {rel:.1e}")  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
