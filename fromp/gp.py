@@ -351,8 +351,11 @@ class GP:
     def variance(self, x: Tensor, *, chunk_size: int | None = None, method: str = "auto") -> Tensor:
         """Marginal covariance of ``f(x_n)``: ``J(x_n) Sigma J(x_n)^T`` ``[N, C, C]``,
         computed per chunk of examples (never ``N x N``). ``method`` as :meth:`kernel`: the
-        structured way evaluates the chunk's ``[n, C, n, C]`` block and keeps its diagonal
-        (no ``[n, C, P]`` Jacobians)."""
+        structured way adds each layer's per-example ``[C, C]`` block from the captured
+        inputs and output gradients (:meth:`_CaptureStructure.marginal`: an outer-product
+        layer costs ``n (P_layer + C^2 O)``, a convolution with ``L > 1`` positions
+        ``n C L P_layer`` to form its whitened columns plus ``n C^2 P_layer``), without
+        ``[n, C, P]`` Jacobians or ``n x n`` blocks."""
         if method not in ("auto", "jacobian", "structured"):
             raise ValueError(f"method must be 'auto', 'jacobian' or 'structured', got {method!r}")
         x = self._prep(x)
@@ -366,10 +369,7 @@ class GP:
                 a = self._whitened(x, rows)
                 v = torch.bmm(a, a.transpose(1, 2))
             else:
-                f = structure.features(x, rows)
-                blk = structure.block(f, f, False)  # n, C, n, C
-                idx = torch.arange(blk.shape[0], device=blk.device)
-                v = blk[idx, :, idx, :]
+                v = structure.marginal(structure.features(x, rows))
             outs.append(0.5 * (v + v.transpose(1, 2)))
         return torch.cat(outs)
 
@@ -560,6 +560,38 @@ class _CaptureStructure:
             raise _NotStructured("no layer contributes")
         return acc.result()
 
+    def marginal(self, f: tuple, budget: int | None = None) -> Tensor:
+        """Per-example blocks ``J(x_i) Sigma J(x_i)^T`` ``[n, C, C]`` of one feature set
+        (the diagonal of :meth:`block` without the ``n x n`` products): outer-product layers
+        by ``sum_o g_co g_do [sum_j s_oj u_j^2 + s^b_o]``, convolutions by the Gram products
+        of their whitened columns per example, dense layers and other parameters by their
+        per-example Jacobians."""
+        lay, o, n, c = f
+        budget = self.gp.memory_budget // 2 if budget is None else budget
+        acc = _Marginal(n, c, self.gp._dtype, self.gp._device)
+        contributed = o is not None
+        if o is not None:
+            acc.add_rows(o, o)
+        for name, ft in lay.items():
+            contributed = True
+            m = self.layers[name]
+            if ft[0] == "outer":
+                _, u, g = ft
+                grp, jg = u.shape[1:]
+                sw = self.var[name]["weight"].reshape(grp, -1, jg)
+                t = torch.einsum("ngj,goj->ngo", u * u, sw).reshape(n, -1)  # n, O
+                if "bias" in self.var[name]:
+                    t = t + self.var[name]["bias"]
+                acc.out += torch.einsum("cno,no,dno->ncd", g, t, g)
+            elif ft[0] == "conv":
+                _conv_into(acc, m, ft, ft, self.std[name], budget)
+            else:
+                j = _dense_jacobian(m, ft, self.std[name])
+                acc.add_rows(j, j)
+        if not contributed:
+            raise _NotStructured("no layer contributes")
+        return acc.out
+
     def example_chunk(self, bytes_per_example: int) -> int:
         """Examples per feature chunk: a third of the memory budget for the chunk's features
         (the backward pass that produces them needs about as much again)."""
@@ -633,6 +665,27 @@ class _Gram:
                     else:
                         out[q, :, r, :] = out[r, :, q, :].permute(2, 3, 0, 1)
         return out
+
+
+class _Marginal:
+    """Accumulator of per-example blocks ``sum_layers A_i A_i^T`` ``[n, C, C]``, with the
+    interface of :class:`_Gram` that :func:`_conv_into` uses (rows example-major)."""
+
+    diag = False
+    same = True
+
+    def __init__(self, n: int, c: int, dtype: torch.dtype, device) -> None:
+        self.n, self.c = n, c
+        self.out = torch.zeros(n, c, c, dtype=dtype, device=device)
+
+    def add_rows(self, j1: Tensor, j2: Tensor) -> None:
+        """Add ``A_i A_i^T`` for per-example rows ``j [n, C, k]`` (``j2`` is ``j1``)."""
+        self.out.baddbmm_(j1, j1.transpose(1, 2))
+
+    def add(self, a1: Tensor, a2: Tensor) -> None:
+        """Add ``A_i A_i^T`` for rows ``a [n C, k]`` (example-major)."""
+        a = a1.view(self.n, self.c, -1)
+        self.out.baddbmm_(a, a.transpose(1, 2))
 
 
 def _nonzero_columns(u1: Tensor, u2: Tensor) -> Tensor | None:
@@ -730,7 +783,12 @@ def _outer_into(acc: _Gram, ft1: tuple, ft2: tuple, var: dict[str, Tensor], budg
 
 
 def _conv_into(
-    acc: _Gram, m: nn.Module, ft1: tuple, ft2: tuple, std: dict[str, Tensor], budget: int
+    acc: _Gram | _Marginal,
+    m: nn.Module,
+    ft1: tuple,
+    ft2: tuple,
+    std: dict[str, Tensor],
+    budget: int,
 ) -> None:
     """Add ``A1 A2^T`` of a convolution with ``L > 1`` output positions, ``A`` its whitened
     per-example Jacobians, formed from ``u [n G, L, J/G]`` and ``g [n G, C O/G, L]`` by one

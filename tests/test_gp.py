@@ -422,6 +422,10 @@ def test_structured_kernel_range_pairs_and_chunks_match_dense(
             ref = torch.stack([ref[:, c, :, c] for c in range(ref.shape[1])])
         got = gp.kernel(x1, xb, diagonal_outputs=diagonal_outputs, method="structured")
         torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-12)
+    full = dense_kernel(j1, cov, j1)
+    want = torch.stack([full[i, :, i, :] for i in range(len(x1))])
+    got = gp.variance(x1, method="structured")  # per-example blocks, chunked by the budget
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
     if make is _PaddedTaps:  # the zero-column path is exercised for every conv
         lay = gp._structured.features(x1, slice(0, 7))[0]
         assert [lay[k][0] for k in "abc"] == ["conv", "outer", "outer"]
@@ -484,3 +488,6 @@ def test_structured_kernel_sparse_row_steps_match_dense(monkeypatch, diagonal_ou
             ref = torch.stack([ref[:, c, :, c] for c in range(ref.shape[1])])
         got = gp.kernel(x1, xb, diagonal_outputs=diagonal_outputs, method="structured")
         torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-12)
+    full = dense_kernel(j1, cov, j1)
+    want = torch.stack([full[i, :, i, :] for i in range(len(x1))])
+    torch.testing.assert_close(gp.variance(x1, method="structured"), want, rtol=1e-9, atol=1e-12)
