@@ -363,6 +363,9 @@ class GP:
         structure = None
         if method != "jacobian":
             structure = self._structure(x[:1], required=method == "structured")
+        if structure is not None and chunk_size is None and self._chunk_size is None:
+            most = structure.example_chunk(structure.bytes_per_example)
+            step = -(-len(x) // -(-len(x) // most))  # equal chunks of at most `most`
         outs = []
         for rows in self._chunks(len(x), step):
             if structure is None:
