@@ -222,9 +222,12 @@ class GP:
                 output position) contributes
                 ``sum_o g_co(x) g_do(x') [sum_j s_oj u_j(x) u_j(x') + s_o^b]`` (``s`` the
                 posterior variances), one ``[N1 N2, J] @ [J, O]`` product independent of
-                ``C``; a convolution with ``L > 1`` output positions forms its whitened
-                Jacobian columns for a block of output channels at a time (one batched
-                ``[C o, L] @ [L, J]`` product) and adds their Gram product; unfolded input
+                ``C`` (on a CPU taken a few ``x1`` rows at a time, each step keeping only the
+                input columns nonzero in its rows and in ``x2``: sparse inputs such as MNIST
+                images or ReLU units cost their nonzeros, exactly); a convolution with
+                ``L > 1`` output positions forms its whitened Jacobian columns for a block of
+                output channels at a time (one batched ``[C o, L] @ [L, J]`` product) and
+                adds their Gram product; unfolded input
                 columns that are zero for all examples (kernel taps that only see zero
                 padding) are dropped, exactly. Parameters of other layers use the
                 ``"jacobian"`` way. ``"auto"``: structured when the posterior is diagonal,
