@@ -754,6 +754,8 @@ def _outer_into(acc: _Gram, ft1: tuple, ft2: tuple, var: dict[str, Tensor], budg
     if sparse:
         nz1 = u1.ne(0).any(1)  # n, J: column j of example n is nonzero in some group
         nz2 = nz1 if same else u2.ne(0).any(1)
+    if grp == 1:  # columns as rows: selecting them gathers whole rows
+        swt = sw[0].T.contiguous()  # J, O
     for r, q in acc.pairs():
         mc = q.stop - q.start
         per_row = mc * (grp * jk + o + c * o) * elt * 2  # product, t, z
@@ -761,22 +763,33 @@ def _outer_into(acc: _Gram, ft1: tuple, ft2: tuple, var: dict[str, Tensor], budg
         if sparse:
             step = min(step, -(-_OUTER_ROWS // mc))
             any2 = nz2[q].any(0)
+        if grp == 1:
+            u2qt = u2[q, 0].T.contiguous()  # J, mc
         for s in range(r.start, r.stop, step):
             rr = slice(s, min(s + step, r.stop))
             ri = rr.stop - rr.start
-            a, b, sws = u1[rr], u2[q], sw
+            cols = None
             if sparse:
                 keep = nz1[rr].any(0) & any2
                 if int(keep.sum()) < _SPARSE_KEEP * jk:
                     cols = keep.nonzero().squeeze(1)
+            if grp == 1:
+                # t[r, m, o] = sum_j u2[m, j] (u1[r, j] s[o, j]): one [mc, k] @ [k, ri O]
+                a, bt, wt = u1[rr, 0], u2qt, swt
+                if cols is not None:
+                    a = a.index_select(1, cols)
+                    bt, wt = bt.index_select(0, cols), wt.index_select(0, cols)
+                w = (a.T[:, :, None] * wt[:, None, :]).reshape(-1, ri * o)  # k, ri O
+                t = (bt.T @ w).view(mc, ri, o).transpose(0, 1)  # ri, mc, O
+                del w
+            else:
+                a, b, sws = u1[rr], u2[q], sw
+                if cols is not None:
                     a, b = a.index_select(2, cols), b.index_select(2, cols)
                     sws = sws.index_select(2, cols)
-            prod = (a[:, None] * b[None]).reshape(ri * mc, grp, a.shape[2])
-            if grp == 1:
-                t = (prod[:, 0] @ sws[0].T).view(ri, mc, o)
-            else:
+                prod = (a[:, None] * b[None]).reshape(ri * mc, grp, a.shape[2])
                 t = torch.einsum("xgj,goj->xgo", prod, sws).reshape(ri, mc, o)
-            del prod
+                del prod
             if sb is not None:
                 t = t + sb
             if acc.diag:

@@ -491,3 +491,38 @@ def test_structured_kernel_sparse_row_steps_match_dense(monkeypatch, diagonal_ou
     full = dense_kernel(j1, cov, j1)
     want = torch.stack([full[i, :, i, :] for i in range(len(x1))])
     torch.testing.assert_close(gp.variance(x1, method="structured"), want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("keep", [0.0, 1.01], ids=["never", "always"])
+@pytest.mark.parametrize("diagonal_outputs", [False, True])
+def test_structured_kernel_grouped_one_position_conv_matches_dense(
+    monkeypatch, diagonal_outputs, keep
+):
+    """A grouped convolution with one output position (an outer-product layer with ``G =
+    2`` groups) on inputs with zeros, row steps of one row: kernel and variance equal the
+    dense float64 ones (a group mixed up with another changes them)."""
+    import fromp.gp as gp_mod
+
+    monkeypatch.setattr(gp_mod, "_OUTER_ROWS", 1)
+    monkeypatch.setattr(gp_mod, "_SPARSE_KEEP", keep)
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Conv2d(4, 6, 3, groups=2), nn.Flatten(), nn.ReLU(),
+                          nn.Linear(6, 3)).double().eval()  # fmt: skip
+    x1 = torch.randn(6, 4, 3, 3, dtype=F64) * (torch.rand(6, 4, 3, 3) < 0.3)
+    x2 = torch.randn(4, 4, 3, 3, dtype=F64) * (torch.rand(4, 4, 3, 3) < 0.3)
+    p = sum(q.numel() for q in model.parameters())
+    post = _random_posterior(p, full=False)
+    gp = dnn2gp(model, post, "categorical")
+    j1, j2 = dense_jacobian(model, x1, post.mean), dense_jacobian(model, x2, post.mean)
+    cov = torch.diag(post.variance)
+    for xb, jb in ((None, j1), (x2, j2)):
+        ref = dense_kernel(j1, cov, jb)
+        if diagonal_outputs:
+            ref = torch.stack([ref[:, c, :, c] for c in range(ref.shape[1])])
+        got = gp.kernel(x1, xb, diagonal_outputs=diagonal_outputs, method="structured")
+        torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-12)
+    lay = gp._structured.features(x1, slice(0, 6))[0]
+    assert lay["0"][0] == "outer" and lay["0"][1].shape[1] == 2  # grouped outer layer
+    full = dense_kernel(j1, cov, j1)
+    want = torch.stack([full[i, :, i, :] for i in range(len(x1))])
+    torch.testing.assert_close(gp.variance(x1, method="structured"), want, rtol=1e-9, atol=1e-12)
