@@ -78,9 +78,10 @@ def test_kernel_vs_revision_runs_and_compares(tmp_path, capsys):
     from benchmarks import kernel_vs_revision as kvr
 
     root = kvr.ROOT
-    if shutil.which("git") is None or subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True
-    ).returncode:
+    if (
+        shutil.which("git") is None
+        or subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True).returncode
+    ):
         pytest.skip("not a git checkout")
     out = tmp_path / "k.json"
     rep = kvr.main(["--rev", "HEAD", "--n", "4", "--repeats", "1", "--out", str(out)])
