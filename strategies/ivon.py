@@ -49,16 +49,32 @@ class IVONPlugin(PosteriorOptimizerPlugin):
         continual: at the end of each experience make the posterior the next prior
             (continual IVON) and restart the momentum, ``h`` and the step count.
         set_ess: set the optimizer's ``ess`` to the size of each experience's training set.
+        prior_scale: with ``continual``, the next prior is the posterior with its precision
+            multiplied by this factor in ``(0, 1]`` (a tempered prior,
+            ``N(m, 1 / (s N (h + delta)))``: ``s < 1`` lets later experiences move the
+            weights further, at the price of more forgetting); 1 is the posterior itself.
     """
 
     optimizer_class = IVON
     state_key = "ivon"
 
     def __init__(
-        self, optimizer: IVON | None = None, *, continual: bool = True, set_ess: bool = True
+        self,
+        optimizer: IVON | None = None,
+        *,
+        continual: bool = True,
+        set_ess: bool = True,
+        prior_scale: float = 1.0,
     ) -> None:
+        if (
+            isinstance(prior_scale, bool)
+            or not isinstance(prior_scale, int | float)
+            or not 0.0 < prior_scale <= 1.0
+        ):
+            raise ValueError(f"prior_scale must be a number in (0, 1], got {prior_scale!r}")
         super().__init__(optimizer, continual=continual)
         self.set_ess = bool(set_ess)
+        self.prior_scale = float(prior_scale)
 
     def _discard_draw(self, strategy: Any) -> None:
         opt = self._opt(strategy)
@@ -93,7 +109,8 @@ class IVONPlugin(PosteriorOptimizerPlugin):
         opt = self._opt(strategy)
         net = unwrap(strategy.model)
         q = opt.posterior(net)
-        self._end_experience(q, lambda: opt.set_prior(q, model=net, reset=True))
+        prior = q if self.prior_scale == 1.0 else q.with_precision(q.precision * self.prior_scale)
+        self._end_experience(q, lambda: opt.set_prior(prior, model=net, reset=True))
 
     # -------------------------------------------------------------- checkpoints
     # state_dict / load_state_dict: PosteriorOptimizerPlugin's ("ivon": the optimizer's IVON
@@ -109,6 +126,8 @@ class IVONStrategy(MethodStrategy):
 
     Args:
         continual: make the posterior the next prior (False: the weight-decay prior stays).
+        prior_scale: temper that prior, precision times ``prior_scale`` in ``(0, 1]``
+            (:class:`IVONPlugin`).
         **template_kwargs: Avalanche's template arguments (``criterion``, ``train_mb_size``,
             ...), as in :class:`strategies.template.MethodStrategy`.
     """
@@ -119,10 +138,11 @@ class IVONStrategy(MethodStrategy):
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         continual: bool = True,
+        prior_scale: float = 1.0,
         **template_kwargs: Any,
     ) -> None:
         require_optimizer_on(model, optimizer, IVON)
-        plugin = IVONPlugin(optimizer, continual=continual)  # type: ignore[arg-type]
+        plugin = IVONPlugin(optimizer, continual=continual, prior_scale=prior_scale)  # type: ignore[arg-type]
         super().__init__(
             method_plugins=[plugin], model=model, optimizer=optimizer, **template_kwargs
         )

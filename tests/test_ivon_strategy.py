@@ -198,3 +198,34 @@ def test_runner_strategies_run_and_resume(tmp_path, strategy):
     assert not part["complete"]
     resumed = run(cfg(tmp_path / "b", resume=True))
     assert resumed["accuracy_matrix"] == full["accuracy_matrix"]
+
+
+def test_tempered_prior_scales_each_posterior_after_tasks_1_and_2():
+    """``prior_scale``: after every experience the next prior is the posterior with its
+    precision times the scale (same mean); the recorded posteriors are not tempered, and the
+    second posterior's precision is built on the tempered first prior. Bad scales are refused
+    by name."""
+    torch.manual_seed(0)
+    seq = synthetic_split(n_tasks=3, input_shape=(1, 4, 4), n_train=48, n_test=24)
+    net = MultiHeadMLP(16, (16,), n_heads=3, head_size=2)
+    model = as_avalanche_model(net)
+    opt = IVON(model.parameters(), lr=0.5, ess=1.0, hess_init=0.5, beta2=0.99)
+    probe = _Probe()
+    strat = IVONStrategy(model=model, optimizer=opt, train_mb_size=16, train_epochs=4,
+                         prior_scale=0.25, plugins=[probe], evaluator=None)  # fmt: skip
+    scenario = to_avalanche(seq)
+    for t in range(2):
+        strat.train(scenario.train_stream[t])
+        q = strat.plugin.posteriors[t]
+        torch.testing.assert_close(opt.prior(net).mean, q.mean, rtol=0, atol=0)
+        torch.testing.assert_close(opt.prior(net).precision, 0.25 * q.precision)
+    strat.train(scenario.train_stream[2])
+    start2, start3 = probe.seen[1], probe.seen[2]
+    q1, q2 = strat.plugin.posteriors[:2]
+    torch.testing.assert_close(start2["prior"].precision, 0.25 * q1.precision)
+    torch.testing.assert_close(start3["prior"].precision, 0.25 * q2.precision)
+    # q2 = N2 (h + p0 / N2) with the tempered p0: its precision exceeds the tempered prior's
+    assert (q2.precision > 0.25 * q1.precision).all()
+    for bad in (0.0, 1.5, -1.0, True, "0.5"):
+        with pytest.raises(ValueError, match="prior_scale"):
+            IVONStrategy(model=model, optimizer=opt, prior_scale=bad)
