@@ -28,6 +28,7 @@ and the step count restart, the mean is kept and ``N`` becomes the size of the n
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -50,9 +51,10 @@ class IVONPlugin(PosteriorOptimizerPlugin):
             (continual IVON) and restart the momentum, ``h`` and the step count.
         set_ess: set the optimizer's ``ess`` to the size of each experience's training set.
         prior_scale: with ``continual``, the next prior is the posterior with its precision
-            multiplied by this factor in ``(0, 1]`` (a tempered prior,
+            multiplied by this factor ``s > 0`` (a tempered prior,
             ``N(m, 1 / (s N (h + delta)))``: ``s < 1`` lets later experiences move the
-            weights further, at the price of more forgetting); 1 is the posterior itself.
+            weights further, at the price of more forgetting, ``s > 1`` holds them closer,
+            like EWC's ``lambda``); 1 is the posterior itself.
     """
 
     optimizer_class = IVON
@@ -69,9 +71,9 @@ class IVONPlugin(PosteriorOptimizerPlugin):
         if (
             isinstance(prior_scale, bool)
             or not isinstance(prior_scale, int | float)
-            or not 0.0 < prior_scale <= 1.0
+            or not 0.0 < prior_scale < math.inf
         ):
-            raise ValueError(f"prior_scale must be a number in (0, 1], got {prior_scale!r}")
+            raise ValueError(f"prior_scale must be a finite number > 0, got {prior_scale!r}")
         super().__init__(optimizer, continual=continual)
         self.set_ess = bool(set_ess)
         self.prior_scale = float(prior_scale)
@@ -126,7 +128,7 @@ class IVONStrategy(MethodStrategy):
 
     Args:
         continual: make the posterior the next prior (False: the weight-decay prior stays).
-        prior_scale: temper that prior, precision times ``prior_scale`` in ``(0, 1]``
+        prior_scale: temper that prior, precision times ``prior_scale > 0``
             (:class:`IVONPlugin`).
         **template_kwargs: Avalanche's template arguments (``criterion``, ``train_mb_size``,
             ...), as in :class:`strategies.template.MethodStrategy`.

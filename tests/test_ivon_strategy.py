@@ -226,6 +226,6 @@ def test_tempered_prior_scales_each_posterior_after_tasks_1_and_2():
     torch.testing.assert_close(start3["prior"].precision, 0.25 * q2.precision)
     # q2 = N2 (h + p0 / N2) with the tempered p0: its precision exceeds the tempered prior's
     assert (q2.precision > 0.25 * q1.precision).all()
-    for bad in (0.0, 1.5, -1.0, True, "0.5"):
+    for bad in (0.0, -1.0, float("inf"), float("nan"), True, "0.5"):
         with pytest.raises(ValueError, match="prior_scale"):
             IVONStrategy(model=model, optimizer=opt, prior_scale=bad)
