@@ -163,7 +163,7 @@ _IVON: dict[str, Settings] = {
 # 79.29 % with 1e-3), so tau = 1e-5. jitter 1e-2 (with 1e-6 the penalty at IVON's own weight
 # samples was 1e3-1e5 instead of about ``M C / 2``), no gradient-norm clipping (it stalls the
 # non-adaptive IVON step on new tasks) but IVON's per-coordinate ``clip_radius = 0.1``. On
-# the full benchmark (seeds 0-2) this gives 96.83 +- 0.79 % (tau = 1e-4: 92.80 +- 3.99 %),
+# the full benchmark (seeds 0-2) this gives 96.83 +- 0.64 % (tau = 1e-4: 92.80 +- 3.26 %),
 # still below FROMP with Adam (see README).
 _FROMP_IVON: dict[str, Settings] = {
     bench: {
