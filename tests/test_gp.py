@@ -409,23 +409,9 @@ def test_structured_kernel_range_pairs_and_chunks_match_dense(
 
     monkeypatch.setattr(gp_mod, "_GRAM_MIN_ROWS", 2)  # 7 examples: 3 ranges (4 for C rows)
     model = make().double().eval()
-    p = sum(q.numel() for q in model.parameters())
-    post = _random_posterior(p, full=False)
     x1, x2 = torch.randn(7, *shape, dtype=F64), torch.randn(4, *shape, dtype=F64)
     opts = {} if budget is None else {"memory_budget": budget}
-    gp = dnn2gp(model, post, "categorical", **opts)
-    j1, j2 = dense_jacobian(model, x1, post.mean), dense_jacobian(model, x2, post.mean)
-    cov = torch.diag(post.variance)
-    for xb, jb in ((None, j1), (x2, j2)):
-        ref = dense_kernel(j1, cov, jb)
-        if diagonal_outputs:
-            ref = torch.stack([ref[:, c, :, c] for c in range(ref.shape[1])])
-        got = gp.kernel(x1, xb, diagonal_outputs=diagonal_outputs, method="structured")
-        torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-12)
-    full = dense_kernel(j1, cov, j1)
-    want = torch.stack([full[i, :, i, :] for i in range(len(x1))])
-    got = gp.variance(x1, method="structured")  # per-example blocks, chunked by the budget
-    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    gp = _check_structured_against_dense(model, x1, x2, diagonal_outputs, **opts)
     if make is _PaddedTaps:  # the zero-column path is exercised for every conv
         lay = gp._structured.features(x1, slice(0, 7))[0]
         assert [lay[k][0] for k in "abc"] == ["conv", "outer", "outer"]
@@ -449,6 +435,28 @@ def test_gram_ranges_cover_the_block_once():
         assert (hits == 1).all() and len(acc.ranges) == max(
             1, min(4, n * (1 if diag else c) // 128)
         )
+
+
+def _check_structured_against_dense(
+    model: nn.Module, x1, x2, diagonal_outputs: bool, **gp_opts
+) -> GP:
+    """Structured kernel (``x1`` with itself and with ``x2``) and variance of ``x1`` under a
+    random diagonal posterior equal the dense float64 ``J Sigma J^T``; returns the GP."""
+    p = sum(q.numel() for q in model.parameters())
+    post = _random_posterior(p, full=False)
+    gp = dnn2gp(model, post, "categorical", **gp_opts)
+    j1, j2 = dense_jacobian(model, x1, post.mean), dense_jacobian(model, x2, post.mean)
+    cov = torch.diag(post.variance)
+    for xb, jb in ((None, j1), (x2, j2)):
+        ref = dense_kernel(j1, cov, jb)
+        if diagonal_outputs:
+            ref = torch.stack([ref[:, c, :, c] for c in range(ref.shape[1])])
+        got = gp.kernel(x1, xb, diagonal_outputs=diagonal_outputs, method="structured")
+        torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-12)
+    full = dense_kernel(j1, cov, j1)
+    want = torch.stack([full[i, :, i, :] for i in range(len(x1))])
+    torch.testing.assert_close(gp.variance(x1, method="structured"), want, rtol=1e-9, atol=1e-12)
+    return gp
 
 
 @pytest.mark.parametrize("keep", [0.0, 0.75, 1.01], ids=["never", "default", "always"])
@@ -477,20 +485,7 @@ def test_structured_kernel_sparse_row_steps_match_dense(monkeypatch, diagonal_ou
 
     x1, x2 = sparse(9), sparse(5)
     assert (x1.ne(0).sum(1) < 0.75 * 16).all()  # the default share drops columns per row
-    p = sum(q.numel() for q in model.parameters())
-    post = _random_posterior(p, full=False)
-    gp = dnn2gp(model, post, "categorical")
-    j1, j2 = dense_jacobian(model, x1, post.mean), dense_jacobian(model, x2, post.mean)
-    cov = torch.diag(post.variance)
-    for xb, jb in ((None, j1), (x2, j2)):
-        ref = dense_kernel(j1, cov, jb)
-        if diagonal_outputs:
-            ref = torch.stack([ref[:, c, :, c] for c in range(ref.shape[1])])
-        got = gp.kernel(x1, xb, diagonal_outputs=diagonal_outputs, method="structured")
-        torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-12)
-    full = dense_kernel(j1, cov, j1)
-    want = torch.stack([full[i, :, i, :] for i in range(len(x1))])
-    torch.testing.assert_close(gp.variance(x1, method="structured"), want, rtol=1e-9, atol=1e-12)
+    _check_structured_against_dense(model, x1, x2, diagonal_outputs)
 
 
 @pytest.mark.parametrize("keep", [0.0, 1.01], ids=["never", "always"])
@@ -510,19 +505,6 @@ def test_structured_kernel_grouped_one_position_conv_matches_dense(
                           nn.Linear(6, 3)).double().eval()  # fmt: skip
     x1 = torch.randn(6, 4, 3, 3, dtype=F64) * (torch.rand(6, 4, 3, 3) < 0.3)
     x2 = torch.randn(4, 4, 3, 3, dtype=F64) * (torch.rand(4, 4, 3, 3) < 0.3)
-    p = sum(q.numel() for q in model.parameters())
-    post = _random_posterior(p, full=False)
-    gp = dnn2gp(model, post, "categorical")
-    j1, j2 = dense_jacobian(model, x1, post.mean), dense_jacobian(model, x2, post.mean)
-    cov = torch.diag(post.variance)
-    for xb, jb in ((None, j1), (x2, j2)):
-        ref = dense_kernel(j1, cov, jb)
-        if diagonal_outputs:
-            ref = torch.stack([ref[:, c, :, c] for c in range(ref.shape[1])])
-        got = gp.kernel(x1, xb, diagonal_outputs=diagonal_outputs, method="structured")
-        torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-12)
+    gp = _check_structured_against_dense(model, x1, x2, diagonal_outputs)
     lay = gp._structured.features(x1, slice(0, 6))[0]
     assert lay["0"][0] == "outer" and lay["0"][1].shape[1] == 2  # grouped outer layer
-    full = dense_kernel(j1, cov, j1)
-    want = torch.stack([full[i, :, i, :] for i in range(len(x1))])
-    torch.testing.assert_close(gp.variance(x1, method="structured"), want, rtol=1e-9, atol=1e-12)
