@@ -1,6 +1,6 @@
 """The DNN2GP kernel now against the kernel of an earlier revision, side by side in one process.
 
-    python -m benchmarks.kernel_vs_revision [--rev c35553b~1] [--n 1024] [--repeats 3]
+    python -m benchmarks.kernel_vs_revision [--rev c35553b~1] [--repo DIR] [--n 1024] [--repeats 3]
                                             [--data-root DIR] [--out FILE]
 
 A regression check for speed: ``fromp/gp.py`` of ``--rev`` (``git show REV:fromp/gp.py``,
@@ -39,11 +39,12 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-def load_revision(rev: str) -> Any:
-    """``fromp/gp.py`` at git revision ``rev`` as a module (``fromp._gp_at_rev``)."""
+def load_revision(rev: str, repo: Path = ROOT) -> Any:
+    """``fromp/gp.py`` at git revision ``rev`` of the repository ``repo`` as a module
+    (``fromp._gp_at_rev``)."""
     try:
         src = subprocess.run(
-            ["git", "show", f"{rev}:fromp/gp.py"], cwd=ROOT, check=True,
+            ["git", "show", f"{rev}:fromp/gp.py"], cwd=repo, check=True,
             capture_output=True, text=True,
         ).stdout  # fmt: skip
     except (OSError, subprocess.CalledProcessError) as err:
@@ -64,10 +65,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rev", default="c35553b~1", help="git revision to compare with")
     parser.add_argument("--n", type=int, default=1024, help="images in the kernel")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--data-root", default=None, help="holds MNIST/raw (else $FROMP_DATA)")
     parser.add_argument(
-        "--out", type=Path, default=ROOT / "benchmarks/results/kernel_vs_revision.json"
+        "--repo", type=Path, default=ROOT, help="git repository holding --rev (default: this one)"
     )
+    parser.add_argument("--data-root", default=None, help="holds MNIST/raw (else $FROMP_DATA)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "kernel_vs_revision.json")
     args = parser.parse_args(argv)
     cli = sys.argv[1:] if argv is None else list(argv)
     if args.n < 2 or args.repeats < 1:
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(1)
     from fromp.gp import GP
 
-    old_mod = load_revision(args.rev)
+    old_mod = load_revision(args.rev, args.repo)
     x, source = load_images(args.n, args.data_root)
     _, view = make_model("mlp")
     post = _posterior(view)

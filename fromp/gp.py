@@ -273,9 +273,7 @@ class GP:
                 feats, block_fn = self._whitened, self._jacobian_block
             else:
                 feats, block_fn = structure.features, structure.block
-                if chunk_size is None and self._chunk_size is None:
-                    most = structure.example_chunk(structure.bytes_per_example)
-                    step = -(-n1 // -(-n1 // most))  # equal chunks of at most `most`
+                step = self._structured_step(structure, chunk_size, n1, step)
         opts = {"dtype": self._dtype, "device": self._device}
         out = torch.empty((c, n1, n2) if diagonal_outputs else (n1, c, n2, c), **opts)
         rows2 = self._chunks(n2, step)
@@ -351,6 +349,16 @@ class GP:
             return None
         return self._structured
 
+    def _structured_step(
+        self, structure: _CaptureStructure, chunk_size: int | None, n: int, step: int
+    ) -> int:
+        """Examples per structured feature chunk: ``step`` when a chunk size was given (here
+        or to the GP), else equal chunks of at most what the memory budget allows."""
+        if chunk_size is not None or self._chunk_size is not None:
+            return step
+        most = structure.example_chunk(structure.bytes_per_example)
+        return -(-n // -(-n // most))
+
     def variance(self, x: Tensor, *, chunk_size: int | None = None, method: str = "auto") -> Tensor:
         """Marginal covariance of ``f(x_n)``: ``J(x_n) Sigma J(x_n)^T`` ``[N, C, C]``,
         computed per chunk of examples (never ``N x N``). ``method`` as :meth:`kernel`: the
@@ -366,9 +374,8 @@ class GP:
         structure = None
         if method != "jacobian":
             structure = self._structure(x[:1], required=method == "structured")
-        if structure is not None and chunk_size is None and self._chunk_size is None:
-            most = structure.example_chunk(structure.bytes_per_example)
-            step = -(-len(x) // -(-len(x) // most))  # equal chunks of at most `most`
+        if structure is not None:
+            step = self._structured_step(structure, chunk_size, len(x), step)
         outs = []
         for rows in self._chunks(len(x), step):
             if structure is None:
@@ -714,8 +721,8 @@ no fewer flops but slower, memory-bound on fresh allocations)."""
 
 _OUTER_ROWS = 256
 """Product rows (``x1`` rows times ``x2`` rows) of one row step of :func:`_outer_into` on a
-CPU, at least: steps of one or a few ``x1`` rows keep the columns that are nonzero in a step
-few (see :data:`_SPARSE_KEEP`)."""
+CPU, at least: steps of one or a few ``x1`` rows leave few columns nonzero in the step's rows
+(see :data:`_SPARSE_KEEP`)."""
 
 _SPARSE_KEEP = 0.75
 """A row step of :func:`_outer_into` drops the input columns that are zero in all of its

@@ -28,12 +28,12 @@ and the step count restart, the mean is kept and ``N`` becomes the size of the n
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import nn
 
+from fromp._checks import check_positive
 from fromp.optim.ivon import IVON
 from strategies.models import unwrap
 from strategies.template import MethodStrategy, PosteriorOptimizerPlugin, require_optimizer_on
@@ -68,15 +68,9 @@ class IVONPlugin(PosteriorOptimizerPlugin):
         set_ess: bool = True,
         prior_scale: float = 1.0,
     ) -> None:
-        if (
-            isinstance(prior_scale, bool)
-            or not isinstance(prior_scale, int | float)
-            or not 0.0 < prior_scale < math.inf
-        ):
-            raise ValueError(f"prior_scale must be a finite number > 0, got {prior_scale!r}")
+        self.prior_scale = check_positive(prior_scale, "prior_scale")
         super().__init__(optimizer, continual=continual)
         self.set_ess = bool(set_ess)
-        self.prior_scale = float(prior_scale)
 
     def _discard_draw(self, strategy: Any) -> None:
         opt = self._opt(strategy)

@@ -508,3 +508,32 @@ def test_structured_kernel_grouped_one_position_conv_matches_dense(
     gp = _check_structured_against_dense(model, x1, x2, diagonal_outputs)
     lay = gp._structured.features(x1, slice(0, 6))[0]
     assert lay["0"][0] == "outer" and lay["0"][1].shape[1] == 2  # grouped outer layer
+
+
+def test_structured_chunks_follow_the_memory_budget(monkeypatch):
+    """Without a chunk size the structured kernel and variance take feature chunks of at most
+    what the budget allows (``example_chunk``), as few as possible; a given chunk size wins."""
+    from fromp.gp import _CaptureStructure
+
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double().eval()
+    post = _random_posterior(sum(q.numel() for q in model.parameters()), full=False)
+    x = torch.randn(7, 4, dtype=F64)
+    seen: list[int] = []
+    features = _CaptureStructure.features
+
+    def spy(self, xx, rows):
+        if len(xx) == len(x):  # not the one-example check
+            seen.append(rows.stop - rows.start)
+        return features(self, xx, rows)
+
+    monkeypatch.setattr(_CaptureStructure, "features", spy)
+    monkeypatch.setattr(_CaptureStructure, "example_chunk", lambda self, nbytes: 3)
+    gp = dnn2gp(model, post, "categorical")
+    for run in (lambda **k: gp.kernel(x, method="structured", **k),
+                lambda **k: gp.variance(x, method="structured", **k)):  # fmt: skip
+        seen.clear()
+        run()
+        assert max(seen) <= 3 and len(seen) == 3 and sum(seen) == 7, seen
+        seen.clear()
+        run(chunk_size=2)
+        assert seen == [2, 2, 2, 1], seen

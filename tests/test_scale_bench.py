@@ -69,24 +69,38 @@ def test_kernel_profile_refuses_no_inputs(capsys):
     assert "--n must be >= 1, got 0" in capsys.readouterr().err
 
 
-def test_kernel_vs_revision_runs_and_compares(tmp_path, capsys):
+def test_kernel_vs_revision_runs_and_compares(tmp_path):
     """The regression benchmark loads ``fromp/gp.py`` of a git revision beside the current
-    one; against HEAD both kernels agree, and an unknown revision is one clear line."""
+    one (here a fresh repository: the current file, then a commit that doubles the kernel):
+    the first agrees with the current kernels, the second differs by a half, so the old
+    revision really is what is timed; an unknown revision is one clear line."""
     import shutil
     import subprocess
 
     from benchmarks import kernel_vs_revision as kvr
 
-    root = kvr.ROOT
-    if (
-        shutil.which("git") is None
-        or subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True).returncode
-    ):
-        pytest.skip("not a git checkout")
+    repo = tmp_path / "repo"
+    (repo / "fromp").mkdir(parents=True)
+    shutil.copy(kvr.ROOT / "fromp" / "gp.py", repo / "fromp" / "gp.py")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+
+    def run_git(*cmd: str) -> None:
+        subprocess.run([*git, *cmd], cwd=repo, check=True, capture_output=True)
+
+    run_git("init", "-q")
+    run_git("add", "fromp/gp.py")
+    run_git("commit", "-q", "-m", "gp")
     out = tmp_path / "k.json"
-    rep = kvr.main(["--rev", "HEAD", "--n", "4", "--repeats", "1", "--out", str(out)])
+    args = ["--repo", str(repo), "--n", "4", "--out", str(out)]
+    with open(repo / "fromp" / "gp.py", "a") as fh:
+        fh.write("\n_k = GP.kernel\nGP.kernel = lambda self, *a, **k: 2 * _k(self, *a, **k)\n")
+    run_git("commit", "-q", "-am", "doubled")
+    rep = kvr.main(["--rev", "HEAD~1", "--repeats", "1", *args])
     assert out.exists()
     for kind in ("per_class", "full"):
         assert rep["kernels"][kind]["max_rel_diff"] < 1e-6
+    rep = kvr.main(["--rev", "HEAD", "--repeats", "1", *args])
+    for kind in ("per_class", "full"):
+        assert abs(rep["kernels"][kind]["max_rel_diff"] - 0.5) < 1e-6
     with pytest.raises(SystemExit, match="--rev 'no-such-rev'"):
-        kvr.main(["--rev", "no-such-rev", "--n", "4", "--out", str(out)])
+        kvr.main(["--rev", "no-such-rev", *args])
