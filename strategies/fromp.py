@@ -47,6 +47,7 @@ __all__ = ["FROMP", "FROMPPlugin", "experience_tensors"]
 
 _SELECT = ("descending", "ascending", "random", "sensitivity")
 _POSTERIORS = ("ggn", "vogn", "ivon")
+_IVON_PENALTY = ("mean", "sample")
 
 
 def _flat(value: Tensor | Named, net: nn.Module | None, fill: float) -> Tensor:
@@ -92,14 +93,21 @@ class FROMPPlugin(SupervisedPlugin):
             the regulariser's gradient enters VOGN's mean gradient only, its curvature
             uses the data loss only); ``"ivon"``: the same with a
             :class:`fromp.optim.IVON` driven by :class:`strategies.ivon.IVONPlugin`
-            (``Sigma = 1 / (N (h + delta))``; the regulariser's gradient at the sampled
-            weights enters both IVON's gradient and its Hessian estimate).
+            (``Sigma = 1 / (N (h + delta))``; see ``ivon_penalty``).
         curvature_examples: use at most this many (random) training examples of a task for
             its GGN, rescaled to the task size (None: all, as in the paper).
         chunk_size: examples per Jacobian chunk for the GGN and kernels.
         likelihood: the likelihood's name (``"categorical"``: softmax heads), for the
             memorability scores, the GGN and the kernels' ``p = inverse_link(f)``.
         seed: seeds the generator for ``select="random"`` and ``curvature_examples``.
+        ivon_penalty: where IVON evaluates the regulariser (``posterior="ivon"``):
+            ``"mean"`` (default): at the mean ``m`` of IVON's posterior, as FROMP defines it
+            (a penalty on the mean function ``f(x; m)``), its gradient added to IVON's
+            gradient estimate only (:meth:`fromp.optim.IVON.add_gradient`); the data loss
+            alone is evaluated at the sampled weights and feeds IVON's Hessian estimate.
+            ``"sample"``: in the loss at IVON's sampled weights, so that it enters both
+            IVON's gradient and its Hessian estimate (and its value carries the sampling
+            noise of the functions on the memorable points, about ``M C / 2``).
     """
 
     def __init__(
@@ -117,6 +125,7 @@ class FROMPPlugin(SupervisedPlugin):
         chunk_size: int = 64,
         likelihood: str = "categorical",
         seed: int = 0,
+        ivon_penalty: str = "mean",
     ) -> None:
         super().__init__()
         if not tau >= 0:
@@ -131,6 +140,8 @@ class FROMPPlugin(SupervisedPlugin):
             raise ValueError(f"grad_clip_norm must be > 0 or None, got {grad_clip_norm!r}")
         if posterior not in _POSTERIORS:
             raise ValueError(f"posterior must be one of {_POSTERIORS}, got {posterior!r}")
+        if ivon_penalty not in _IVON_PENALTY:
+            raise ValueError(f"ivon_penalty must be one of {_IVON_PENALTY}, got {ivon_penalty!r}")
         if curvature_examples is not None and curvature_examples < 1:
             raise ValueError(f"curvature_examples must be >= 1 or None, got {curvature_examples}")
         self.tau = float(tau)
@@ -139,6 +150,7 @@ class FROMPPlugin(SupervisedPlugin):
         self.prior_precision = float(prior_precision)
         self.grad_clip_norm = grad_clip_norm
         self.posterior = posterior
+        self.ivon_penalty = ivon_penalty
         self.curvature_examples = curvature_examples
         self.chunk_size = chunk_size
         self.likelihood = likelihood
@@ -294,18 +306,40 @@ class FROMPPlugin(SupervisedPlugin):
             return diag_ggn(head, x.to(device), self.likelihood, chunk_size=self.chunk_size)
 
     # ------------------------------------------------------------------------ hooks
+    @property
+    def _penalty_at_mean(self) -> bool:
+        return self.posterior == "ivon" and self.ivon_penalty == "mean"
+
     def before_backward(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
-        if len(self.regularizer) == 0 or self.tau == 0:
+        if len(self.regularizer) == 0 or self.tau == 0 or self._penalty_at_mean:
             return
         pen = self.penalty(unwrap(strategy.model))
         self.last_penalty = float(pen.detach())
         strategy.loss = strategy.loss + self.tau * pen.to(strategy.loss.dtype)
 
     def before_update(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
-        if self.grad_clip_norm is None:
-            return
-        max_norm = self.grad_clip_norm * (self.tau if self.tau > 0 else 1.0)
-        torch.nn.utils.clip_grad_norm_(strategy.model.parameters(), max_norm)
+        if self.grad_clip_norm is not None:
+            max_norm = self.grad_clip_norm * (self.tau if self.tau > 0 else 1.0)
+            torch.nn.utils.clip_grad_norm_(strategy.model.parameters(), max_norm)
+        if self._penalty_at_mean and len(self.regularizer) and self.tau > 0:
+            self._ivon_penalty_at_mean(strategy)
+
+    def _ivon_penalty_at_mean(self, strategy: Any) -> None:
+        """``ivon_penalty="mean"``: restore IVON's mean (taking the data gradient at the
+        draw), then add ``tau grad R(m)`` to IVON's gradient estimate."""
+        from fromp.optim import IVON
+
+        opt = strategy.optimizer
+        if not isinstance(opt, IVON):
+            raise TypeError(f"posterior='ivon' needs a fromp.optim.IVON, got {type(opt)}")
+        if opt.sampled:
+            opt.restore(accumulate=True)  # reads .grad at the draw (after the clipping)
+        params = opt.params
+        with torch.enable_grad():
+            pen = self.penalty(unwrap(strategy.model))
+            grads = torch.autograd.grad(self.tau * pen, params, allow_unused=True)
+        self.last_penalty = float(pen.detach())
+        opt.add_gradient(grads)
 
     def after_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
         exp = strategy.experience
@@ -343,6 +377,7 @@ class FROMPPlugin(SupervisedPlugin):
             "prior_precision": self.prior_precision,
             "grad_clip_norm": self.grad_clip_norm,
             "posterior": self.posterior,
+            "ivon_penalty": self.ivon_penalty,
             "curvature_examples": self.curvature_examples,
             "chunk_size": self.chunk_size,
             "likelihood": self.likelihood,
@@ -363,6 +398,7 @@ class FROMPPlugin(SupervisedPlugin):
             "prior_precision",
             "grad_clip_norm",
             "posterior",
+            "ivon_penalty",
             "curvature_examples",
             "chunk_size",
             "likelihood",
@@ -420,6 +456,7 @@ class FROMP(MethodStrategy):
         seed: int = 0,
         vogn_continual: bool = True,
         ivon_continual: bool = False,
+        ivon_penalty: str = "mean",
         **template_kwargs: Any,
     ) -> None:
         extra: list[Any] = []
@@ -459,6 +496,7 @@ class FROMP(MethodStrategy):
             chunk_size=chunk_size,
             likelihood=likelihood,
             seed=seed,
+            ivon_penalty=ivon_penalty,
         )
         super().__init__(
             method_plugins=[plugin, *extra],

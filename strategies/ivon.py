@@ -8,7 +8,9 @@ Per training iteration (:class:`IVONPlugin`, optimizer a :class:`fromp.optim.IVO
   function-space regulariser) and back-propagates it;
 * ``before_update`` (after the ``before_update`` of the plugins listed before this one, e.g.
   FROMP's gradient clipping): the gradient at ``theta`` is read from ``.grad`` and the mean is
-  written back (:meth:`IVON.restore`); ``optimizer.step()`` then applies the IVON update, so
+  written back (:meth:`IVON.restore`), unless an earlier plugin did so (FROMP, which then adds
+  its regulariser's gradient at the mean, :meth:`IVON.add_gradient`);
+  ``optimizer.step()`` then applies the IVON update, so
   the model holds the mean outside the forward/backward window and evaluation happens at the
   posterior mean.
 
@@ -95,7 +97,9 @@ class IVONPlugin(PosteriorOptimizerPlugin):
         opt.draw()
 
     def before_update(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
-        self._opt(strategy).restore(accumulate=True)
+        opt = self._opt(strategy)
+        if opt.sampled:  # else an earlier plugin restored it (FROMP, ivon_penalty="mean")
+            opt.restore(accumulate=True)
 
     def after_training_epoch(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
         self._discard_draw(strategy)

@@ -36,9 +36,13 @@ def _coord(net, groups_spec, key, default):
     return torch.cat(out)
 
 
-def _reference(net, x, y, steps, *, lr, ess, h0, b1, b2, wd, mc, seed, spec, prior=None, clip=None):
+def _reference(
+    net, x, y, steps, *, lr, ess, h0, b1, b2, wd, mc, seed, spec, prior=None, clip=None,
+    mean_grad=None,
+):  # fmt: skip
     """IVON by hand on flat vectors: noise drawn in the same order as the optimiser (one
-    ``randn`` per parameter group per draw), every formula of the paper spelt out."""
+    ``randn`` per parameter group per draw), every formula of the paper spelt out.
+    ``mean_grad(m)``: the gradient of a term evaluated at the mean, added to ``g^`` only."""
     torch.manual_seed(seed)
     m = flat(net).clone()
     lr_v = _coord(net, spec, "lr", lr)
@@ -64,6 +68,8 @@ def _reference(net, x, y, steps, *, lr, ess, h0, b1, b2, wd, mc, seed, spec, pri
             gi = torch.autograd.grad(_loss(net, theta, x, y), theta)[0]
             g_hat += gi / mc
             h_hat += gi * eps / sigma2 / mc
+        if mean_grad is not None:
+            g_hat = g_hat + mean_grad(m)  # enters g only: h_hat is from the draws alone
         g = b1 * g + (1 - b1) * g_hat
         h = b2 * h + (1 - b2) * h_hat + (1 - b2) ** 2 * (h - h_hat) ** 2 / (2 * (h + delta))
         g_bar = g / (1 - b1**t)
@@ -141,6 +147,56 @@ def test_update_matches_formulas_by_hand(case):
     torch.testing.assert_close(q.mean, want_m, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(q.variance, want_var, rtol=1e-10, atol=1e-12)
     assert opt.ivon_state["step"] == 4
+
+
+@pytest.mark.parametrize("mc", [1, 3])
+def test_add_gradient_at_the_mean_enters_the_momentum_not_the_hessian(mc):
+    """A term ``r(m) = k sum sin(m)`` evaluated at the mean after each step's draws: its
+    gradient is added to ``g^`` once per step (not once per draw, not to ``h^``), over
+    4 steps in float64 against the hand-written update."""
+    torch.manual_seed(1)
+    net = tiny_mlp()
+    x, y = _data()
+    hyper = dict(lr=0.1, ess=40.0, h0=0.3, b1=0.8, b2=0.7, wd=0.01)
+
+    def mean_grad(m):
+        return 0.3 * torch.cos(m)
+
+    want_m, want_h, want_g, _ = _reference(
+        net, x, y, 4, mc=mc, seed=3, spec={}, mean_grad=mean_grad, **hyper
+    )
+    opt = IVON(
+        _groups(net, {}), lr=hyper["lr"], ess=hyper["ess"], hess_init=hyper["h0"],
+        beta1=hyper["b1"], beta2=hyper["b2"], weight_decay=hyper["wd"],
+    )  # fmt: skip
+    torch.manual_seed(3)
+    for _ in range(4):
+        for _ in range(mc):
+            with opt.sampled_params(train=True):
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.zero_grad()
+        with torch.enable_grad():  # r at the mean, by autograd, through .grad
+            sum(0.3 * torch.sin(p).sum() for p in net.parameters()).backward()
+        opt.add_gradient()
+        opt.step()
+    torch.testing.assert_close(flat(net), want_m, rtol=1e-10, atol=1e-12)
+    hess = torch.cat([st["hess"].reshape(-1) for st in opt.ivon_state["params"]])
+    mom = torch.cat([st["momentum"].reshape(-1) for st in opt.ivon_state["params"]])
+    torch.testing.assert_close(hess, want_h, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(mom, want_g, rtol=1e-10, atol=1e-12)
+    with pytest.raises(RuntimeError, match="no draw accumulated"):
+        opt.add_gradient()
+    with pytest.raises(RuntimeError, match="restore"):
+        with opt.sampled_params(train=False):
+            opt.add_gradient()
+    with pytest.raises(ValueError, match="grads must hold"):
+        with opt.sampled_params():
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.add_gradient([None])
+    with pytest.raises(ValueError, match=r"grads\[0\] must have shape"):
+        opt.add_gradient([torch.zeros(1, dtype=D)] + [None] * (len(opt.params) - 1))
 
 
 def test_sampled_params_loop_equals_closure_and_h_estimate_is_unbiased_on_a_quadratic():

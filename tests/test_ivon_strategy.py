@@ -174,6 +174,96 @@ def test_fromp_ivon_kernel_uses_ivon_posterior_over_three_tasks():
         )
 
 
+class _GradientProbe(SupervisedPlugin):
+    """After the FROMP and IVON plugins: per training iteration, the mean ``m`` and the
+    regulariser's gradient ``tau grad R(m)`` (before the draw), the data loss's gradient at
+    the draw ``theta`` (recomputed here from the mini-batch, not read from the strategy's
+    loss), and IVON's gradient estimate ``g^`` read back from the momentum update
+    ``g <- b1 g + (1 - b1) g^``."""
+
+    def __init__(self, plugin: FROMPPlugin):
+        super().__init__()
+        self.plugin = plugin
+        self.rows: list[dict] = []
+
+    def before_training_iteration(self, strategy, **kwargs):
+        opt = strategy.optimizer
+        row = {"task": strategy.clock.train_exp_counter, "pen": None}
+        row["mom"] = [st["momentum"].clone() for st in opt.ivon_state["params"]]
+        if len(self.plugin.regularizer):
+            with torch.enable_grad():
+                pen = self.plugin.tau * self.plugin.penalty(strategy.model.net)
+                row["pen"] = torch.autograd.grad(pen, opt.params, allow_unused=True)
+        self.rows.append(row)
+
+    def before_backward(self, strategy, **kwargs):
+        from avalanche.models.utils import avalanche_forward
+
+        assert strategy.optimizer.sampled
+        with torch.enable_grad():
+            out = avalanche_forward(strategy.model, strategy.mb_x, strategy.mb_task_id)
+            loss = torch.nn.functional.cross_entropy(out, strategy.mb_y)
+            params = strategy.optimizer.params
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+        self.rows[-1]["data"] = [
+            torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)
+        ]
+
+    def after_update(self, strategy, **kwargs):
+        opt, row = strategy.optimizer, self.rows[-1]
+        b1 = opt.param_groups[0]["beta1"]
+        row["g_hat"] = [
+            (st["momentum"] - b1 * old) / (1 - b1)
+            for st, old in zip(opt.ivon_state["params"], row["mom"])
+        ]
+
+
+@pytest.mark.parametrize("where", ["mean", "sample"])
+def test_fromp_ivon_penalty_gradient_at_the_mean_after_tasks_2_and_3(where):
+    """``ivon_penalty="mean"``: IVON's gradient estimate is the data gradient at the draw
+    plus ``tau grad R(m)`` at the mean (sign, factor, where it is evaluated); ``"sample"``:
+    the data gradient plus the regulariser's gradient at the draw, so it differs from both
+    the data gradient alone and the mean form."""
+    seq = synthetic_split(n_tasks=3, input_shape=(1, 4, 4), n_train=40, n_test=16)
+    torch.manual_seed(0)
+    net = MultiHeadMLP(16, (8,), n_heads=3, head_size=2)
+    model = as_avalanche_model(net)
+    opt = IVON(model.parameters(), lr=0.1, ess=40.0, hess_init=0.5, beta2=0.99)
+    strategy = FROMP(
+        model=model, optimizer=opt, train_mb_size=16, train_epochs=2, evaluator=_evaluator(),
+        tau=3.0, n_points=4, posterior="ivon", ivon_penalty=where, jitter=1e-2,
+    )  # fmt: skip
+    probe = _GradientProbe(strategy.plugin)
+    strategy.plugins.append(probe)
+    scenario = to_avalanche(seq)
+    for t in range(3):
+        strategy.train(scenario.train_stream[t])
+    checked = 0
+    for row in probe.rows:
+        data = row["data"]
+        if row["pen"] is None:  # task 1: no regulariser, IVON's g^ is the data gradient
+            for g, d in zip(row["g_hat"], data):
+                torch.testing.assert_close(g, d, rtol=1e-4, atol=1e-6)
+            continue
+        pen = [torch.zeros_like(d) if r is None else r for r, d in zip(row["pen"], data)]
+        size = sum(r.norm() ** 2 for r in pen).sqrt()
+        if size < 1e-3:  # the first steps of a task: m still at the old solution
+            continue
+        excess = [g - d for g, d in zip(row["g_hat"], data)]
+        gap = sum((e - r).norm() ** 2 for e, r in zip(excess, pen)).sqrt()
+        if where == "mean":
+            assert gap <= 1e-4 * size + 1e-6, (row["task"], gap, size)
+        else:  # at the draw: a regulariser gradient, but not the one at the mean
+            assert sum(e.norm() ** 2 for e in excess).sqrt() > 0.1 * size
+            assert gap > 1e-3 * size
+        checked += 1
+    tasks = {row["task"] for row in probe.rows if row["pen"] is not None}
+    assert tasks == {1, 2} and checked >= 4
+    assert strategy.plugin.last_penalty > 0
+    with pytest.raises(ValueError, match="ivon_penalty"):
+        FROMPPlugin(posterior="ivon", ivon_penalty="draw")
+
+
 @pytest.mark.parametrize("strategy", ["ivon", "fromp-ivon"])
 def test_runner_strategies_run_and_resume(tmp_path, strategy):
     from benchmarks.runner import RunConfig, run

@@ -44,7 +44,10 @@ Typical use::
         opt.step()
 
 or ``opt.step(closure)`` with a closure that zeroes the gradients, computes the loss and
-calls ``backward()``: it is evaluated once per draw.
+calls ``backward()``: it is evaluated once per draw. A deterministic term ``r(m)`` of the
+objective, evaluated at the mean (e.g. FROMP's regulariser of the mean function), enters
+through :meth:`IVON.add_gradient` between the draws and :meth:`IVON.step`: its gradient is
+added to ``g^`` only.
 
 Like VOGN's, the state (momentum ``g``, Hessian estimate ``h``, step count, prior) is kept
 outside ``self.state``, indexed by the position of the parameter in the parameter groups, so
@@ -329,6 +332,50 @@ class IVON(torch.optim.Optimizer):
             for gi, group in enumerate(self.param_groups):
                 torch._foreach_copy_(group["params"], self._work(gi, group)["mean_v"])
             self._drawn = False
+
+    @torch.no_grad()
+    def add_gradient(self, grads: Iterable[Tensor | None] | None = None) -> None:
+        """Add the gradient of a deterministic term of the objective, evaluated at the mean
+        ``m`` (e.g. a regulariser of the mean function, such as FROMP's), to the next
+        :meth:`step`: it enters the momentum ``g`` as ``g^ + grad``, not the Hessian
+        estimate ``h^`` (whose reparameterisation estimate ``g^ (theta - m) / sigma^2`` is
+        for gradients at the draws). The objective is then ``E_q[l(theta)] + r(m)``, whose
+        natural-gradient step for the mean is ``(g^ + grad r(m) + delta m) / (h + delta)``.
+
+        Args:
+            grads: one tensor (or None: zero) per parameter in parameter-group order; None:
+                read ``.grad`` of the parameters (call ``backward()`` at the mean first).
+
+        Call after :meth:`restore` (at least one draw accumulated) and before :meth:`step`.
+        """
+        if self._drawn:
+            raise RuntimeError("IVON.add_gradient(): the parameters hold a draw; restore() first")
+        if self._n_acc == 0:
+            raise RuntimeError(
+                "IVON.add_gradient(): no draw accumulated yet; it adds to the gradient of "
+                "the next step, so call it after restore(accumulate=True)"
+            )
+        params = self.params
+        if grads is None:
+            grads = [None if p.grad is None else p.grad.detach() for p in params]
+        else:
+            grads = list(grads)
+            if len(grads) != len(params):
+                raise ValueError(f"grads must hold {len(params)} tensors, got {len(grads)}")
+        i = 0
+        for gi, group in enumerate(self.param_groups):
+            w = self._work(gi, group)
+            for view, p in zip(w["ga_v"], group["params"]):
+                g = grads[i]
+                i += 1
+                if g is None:
+                    continue
+                if g.shape != p.shape:
+                    raise ValueError(
+                        f"grads[{i - 1}] must have shape {tuple(p.shape)}, got {tuple(g.shape)}"
+                    )
+                # ga holds the sum over the draws: the step divides it by their number
+                view.add_(g.to(view), alpha=float(self._n_acc))
 
     @contextmanager
     def sampled_params(
