@@ -15,7 +15,13 @@ changes of the removed example's logits are compared with the estimates:
 * the estimated leave-one-out NLL of those examples against the retrained one (target:
   within 10 %);
 * the test NLL change: true (retrained) against the first-order estimate
-  ``J_test Sigma J_i^T e_i``.
+  ``J_test Sigma J_i^T e_i``;
+* :func:`fromp.sensitivity.newton_step_loo`: one Newton step on the leave-one-out objective
+  from the trained weights, ``w* + (H - H_i)^{-1} g_i``, with ``H`` the exact Hessian of the
+  training objective (dense, ``P x P``) and ``H_i`` the example's exact Hessian, the network
+  evaluated at the stepped weights (and, for comparison, linearised; and with the GGN
+  posterior and ``H_i = J_i^T Lambda_i J_i``, the network evaluated at the step of the
+  corrected form).
 
 Usage (real MNIST under ``$FROMP_DATA`` or ``--data-root``)::
 
@@ -43,7 +49,8 @@ from torch.func import functional_call, jvp
 from fromp.data import load_mnist
 from fromp.jacobian import flat_params, unflatten
 from fromp.laplace import laplace, laplace_full
-from fromp.sensitivity import memory_perturbation
+from fromp.posterior import FullGaussian
+from fromp.sensitivity import memory_perturbation, newton_step_loo
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -54,6 +61,19 @@ def _objective(net: nn.Module, x: Tensor, y: Tensor, delta: float):
         return nn.functional.cross_entropy(out, y, reduction="sum") + 0.5 * delta * w.dot(w)
 
     return f
+
+
+def _hessian(fn, w: Tensor, chunk: int = 250) -> Tensor:
+    """Dense Hessian ``[P, P]`` of ``fn`` at ``w`` by Hessian-vector products, ``chunk`` at a
+    time (forward over reverse), symmetrised."""
+    grad_fn = torch.func.grad(fn)
+    eye = torch.eye(w.numel(), dtype=w.dtype)
+    rows = [
+        torch.func.vmap(lambda v: jvp(grad_fn, (w,), (v,))[1])(eye[s : s + chunk])
+        for s in range(0, w.numel(), chunk)
+    ]
+    h = torch.cat(rows)
+    return 0.5 * (h + h.T)
 
 
 def _minimise(fn, w0: Tensor, max_iter: int, tol: float) -> tuple[Tensor, int, float]:
@@ -109,6 +129,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     mp_corr = memory_perturbation(net, post, x, y, covariance="full", correction=True)
     order = torch.argsort(mp.sensitivity, descending=True)
     chosen = torch.cat([order[: args.n_each], order[-args.n_each :]])
+    # one Newton step on the leave-one-out objective: exact Hessian, network evaluated
+    t0 = time.perf_counter()
+    post_hess = FullGaussian(w_star, _hessian(obj, w_star))
+    newton = newton_step_loo(net, post_hess, x[chosen], y[chosen])
+    newton_lin = newton_step_loo(net, post_hess, x[chosen], y[chosen], linearize=True)
+    newton_ggn = (
+        newton_step_loo(net, post, x[chosen], y[chosen], curvature="ggn")
+        if args.posterior == "full"
+        else torch.full_like(newton, float("nan"))
+    )
+    newton_time = time.perf_counter() - t0
+    print(f"Newton-step estimates: {newton_time:.0f} s", flush=True)
 
     def test_nll(w: Tensor) -> float:
         with torch.no_grad():
@@ -157,6 +189,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "est_loo_nll": mp.loo_nll()[i].item(),
                 "est_loo_nll_full": mp_full.loo_nll()[i].item(),
                 "est_loo_nll_corrected": mp_corr.loo_nll()[i].item(),
+                "est_shift_newton": (newton[k] - mp.logits[i]).tolist(),
+                "est_shift_newton_linear": (newton_lin[k] - mp.logits[i]).tolist(),
+                "est_shift_newton_ggn": (newton_ggn[k] - mp.logits[i]).tolist(),
+                "est_loo_nll_newton": nn.functional.cross_entropy(
+                    newton[k][None], y[i : i + 1]
+                ).item(),
+                "est_loo_nll_newton_linear": nn.functional.cross_entropy(
+                    newton_lin[k][None], y[i : i + 1]
+                ).item(),
+                "est_loo_nll_newton_ggn": nn.functional.cross_entropy(
+                    newton_ggn[k][None], y[i : i + 1]
+                ).item(),
                 "train_nll": mp.nll()[i].item(),
                 "true_test_nll_change": test_nll(w_i) - base_test,
                 "est_test_nll_change": est_test - base_test,
@@ -177,6 +221,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     true, est, est_full = l1("true_shift"), l1("est_shift"), l1("est_shift_full")
     est_corr = l1("est_shift_corrected")
+    est_newton = l1("est_shift_newton")
+
+    def mean_nll(key: str, group: str | None = None) -> float:
+        return float(np.mean([r[key] for r in rows if group is None or r["group"] == group]))
+
+    newton_rows = {
+        name: {
+            "loo_nll": mean_nll(key),
+            "loo_nll_most_sensitive": mean_nll(key, "most"),
+            "loo_nll_least_sensitive": mean_nll(key, "least"),
+            "relative_error": abs(mean_nll(key) - mean_nll("true_loo_nll"))
+            / mean_nll("true_loo_nll"),
+            "spearman_logit_change": float(spearmanr(l1(shift), l1("true_shift")).statistic),
+        }
+        for name, key, shift in [
+            ("newton_hessian_network", "est_loo_nll_newton", "est_shift_newton"),
+            ("newton_hessian_linearised", "est_loo_nll_newton_linear", "est_shift_newton_linear"),
+            ("newton_ggn_network", "est_loo_nll_newton_ggn", "est_shift_newton_ggn"),
+        ]
+    }
     est_nll_corr = np.mean([r["est_loo_nll_corrected"] for r in rows])
     true_nll = np.mean([r["true_loo_nll"] for r in rows])
     est_nll = np.mean([r["est_loo_nll"] for r in rows])
@@ -204,6 +268,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "loo_nll_relative_error_corrected": float(abs(est_nll_corr - true_nll) / true_nll),
         "train_nll_of_retrained_examples": float(np.mean([r["train_nll"] for r in rows])),
         "spearman_test_nll_change": float(spearmanr(dt_est, dt_true).statistic),
+        "loo_nll_retrained_most_sensitive": mean_nll("true_loo_nll", "most"),
+        "loo_nll_retrained_least_sensitive": mean_nll("true_loo_nll", "least"),
+        "newton_step": newton_rows,
         "loo_summary_all_examples": mp.loo_summary(),
         "loo_summary_all_examples_corrected": mp_corr.loo_summary(),
     }
@@ -214,15 +281,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "num_params": int(w_star.numel()),
         "train": {"lbfgs_iterations": iters, "max_grad": gmax, "time_s": train_time},
         "retrain_time_s": retrain_time,
+        "newton_step_time_s": newton_time,
         "targets": {"spearman": 0.8, "loo_nll_relative_error": 0.1},
         "summary": summary,
         "examples": rows,
     }
-    _plot(true, est, est_corr, args.n_each, summary, args.png)
+    _plot(true, est, est_corr, est_newton, args.n_each, summary, args.png)
     return out
 
 
-def _plot(true, est, est_corr, n_each, summary, path: Path) -> None:
+def _plot(true, est, est_corr, est_newton, n_each, summary, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -232,6 +300,7 @@ def _plot(true, est, est_corr, n_each, summary, path: Path) -> None:
     ax.scatter(true[:n_each], est[:n_each], s=14, c="tab:red", label="most sensitive")
     ax.scatter(true[n_each:], est[n_each:], s=14, c="tab:blue", label="least sensitive")
     ax.scatter(true, est_corr, s=8, marker="x", c="0.4", label="f + V (I − ΛV)⁻¹ e")
+    ax.scatter(true, est_newton, s=10, marker="+", c="tab:green", label="Newton step, network")
     lo = max(min(true.min(), est.min()), 1e-8)
     hi = max(true.max(), est.max())
     ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)

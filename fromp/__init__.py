@@ -45,7 +45,12 @@ from fromp.memorable import memorability_scores, select_memorable
 from fromp.optim import IVON, OGN, VOGN
 from fromp.posterior import DiagonalGaussian, FullGaussian, GaussianPosterior
 from fromp.regularizer import FROMPRegularizer, MemorableSet, prob_jacobian, task_fn
-from fromp.sensitivity import MemoryPerturbation, memory_perturbation, prediction_variance
+from fromp.sensitivity import (
+    MemoryPerturbation,
+    memory_perturbation,
+    newton_step_loo,
+    prediction_variance,
+)
 
 __version__ = "0.1.0"
 
@@ -97,6 +102,7 @@ __all__ = [  # noqa: RUF022 (grouped by topic, sorted within each group)
     # memory perturbation: sensitivity and leave-one-out estimates
     "MemoryPerturbation",
     "memory_perturbation",
+    "newton_step_loo",
     "prediction_variance",
     # FROMP: memorable past and functional regulariser
     "FROMPRegularizer",

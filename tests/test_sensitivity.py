@@ -6,13 +6,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _dense import dense_jacobian, dense_nll_hessians, flat, forward_at, tiny_cnn, tiny_mlp
+from _dense import (
+    dense_jacobian,
+    dense_nll_hessians,
+    flat,
+    forward_at,
+    split,
+    tiny_cnn,
+    tiny_mlp,
+)
 from torch import nn
 
 import fromp
 from fromp.likelihood import get_likelihood
 from fromp.optim import IVON
-from fromp.sensitivity import memory_perturbation, prediction_variance
+from fromp.sensitivity import memory_perturbation, newton_step_loo, prediction_variance
 
 D = torch.float64
 
@@ -171,3 +179,104 @@ def test_bad_arguments():
         memory_perturbation(net, q, x, y, chunk_size=0)
     with pytest.raises(ValueError, match="posterior"):
         memory_perturbation(net, fromp.DiagonalGaussian.isotropic(torch.zeros(3), 1.0), x, y)
+
+
+def _trained_tiny_mlp(delta: float):
+    torch.manual_seed(1)
+    net = tiny_mlp().eval()
+    x, y = torch.randn(9, 4, dtype=D), torch.randint(0, 3, (9,))
+    w = flat(net).requires_grad_(True)
+
+    def obj(v):
+        return nn.functional.cross_entropy(forward_at(net, v, x), y, reduction="sum") + (
+            0.5 * delta * (v * v).sum()
+        )
+
+    opt = torch.optim.LBFGS([w], max_iter=500, tolerance_grad=1e-12, tolerance_change=0.0,
+                            history_size=50, line_search_fn="strong_wolfe")  # fmt: skip
+
+    def closure():
+        opt.zero_grad()
+        loss = obj(w)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    w = w.detach()
+    with torch.no_grad():
+        for p, v in zip(net.parameters(), split(net, w).values()):
+            p.copy_(v)
+    return net, x, y, w, obj
+
+
+@pytest.mark.parametrize("curvature", ["hessian", "ggn"])
+@pytest.mark.parametrize("linearize", [False, True])
+def test_newton_step_loo_against_dense(curvature, linearize):
+    """``f(x_i; w* + (H - H_i)^{-1} g_i)`` with dense float64 autograd Hessians (the whole
+    objective's for ``H``, the example's exact one or its GGN for ``H_i``)."""
+    delta = 1.0
+    net, x, y, w, obj = _trained_tiny_mlp(delta)
+    big_h = torch.autograd.functional.hessian(obj, w)
+    q = fromp.FullGaussian(w, big_h)
+    got = newton_step_loo(net, q, x, y, curvature=curvature, linearize=linearize)
+    jac = dense_jacobian(net, x, w)
+    f = forward_at(net, w, x).detach()
+    big_lam = dense_nll_hessians(get_likelihood("categorical"), f, y)
+    want = []
+    for i in range(len(x)):
+
+        def nll_i(v, i=i):
+            return nn.functional.cross_entropy(forward_at(net, v, x[i : i + 1]), y[i : i + 1])
+
+        g_i = torch.autograd.functional.jacobian(nll_i, w)
+        if curvature == "hessian":
+            h_i = torch.autograd.functional.hessian(nll_i, w)
+        else:
+            h_i = jac[i].T @ big_lam[i] @ jac[i]
+        step = torch.linalg.solve(big_h - h_i, g_i)
+        if linearize:
+            want.append(f[i] + jac[i] @ step)
+        else:
+            want.append(forward_at(net, w + step, x[i : i + 1]).detach()[0])
+    want = torch.stack(want)
+    assert (want - f).abs().max() > 0.1  # the examples do move
+    torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9)
+    if curvature == "ggn" and linearize:  # the corrected memory-perturbation form
+        q_ggn = fromp.laplace_full(net, x, "categorical", prior_precision=delta)
+        mp = memory_perturbation(net, q_ggn, x, y, covariance="full", correction=True)
+        got_ggn = newton_step_loo(net, q_ggn, x, y, curvature="ggn", linearize=True)
+        torch.testing.assert_close(got_ggn, mp.loo_logits, rtol=1e-7, atol=1e-9)
+
+
+def test_newton_step_loo_exact_for_ridge_regression():
+    """Linear model, Gaussian likelihood, L2 prior: the leave-one-out objective is quadratic,
+    so one Newton step is exact retraining (both curvatures coincide)."""
+    g = torch.Generator().manual_seed(0)
+    n, d, c, delta = 40, 3, 2, 0.5
+    lik = get_likelihood("gaussian")
+    x = torch.randn(n, d, generator=g, dtype=D)
+    y = x @ torch.randn(d, c, generator=g, dtype=D) + torch.randn(n, c, generator=g, dtype=D)
+    y[0] += 5.0  # an outlier: a large leave-one-out change
+    w_star, net = _fit(x, y, lik, c, delta)
+    with torch.no_grad():
+        net.weight.copy_(w_star[: c * d].view(c, d))
+        net.bias.copy_(w_star[c * d :])
+    net.eval()
+    q = fromp.laplace_full(net, x, "gaussian", prior_precision=delta)  # GGN = Hessian here
+    idx = [0, 1, 2]
+    got = newton_step_loo(net, q, x[idx], y[idx], "gaussian")
+    for k, i in enumerate(idx):
+        keep = torch.arange(n) != i
+        w_i, _ = _fit(x[keep], y[keep], lik, c, delta, w0=w_star)
+        torch.testing.assert_close(got[k], forward_at(net, w_i, x[i : i + 1]).detach()[0])
+    assert (got[0] - net(x[:1])[0]).abs().max() > 0.5
+
+
+def test_newton_step_loo_bad_arguments():
+    net = tiny_mlp().eval()
+    x, y = torch.randn(4, 4, dtype=D), torch.randint(0, 3, (4,))
+    with pytest.raises(ValueError, match="FullGaussian"):
+        newton_step_loo(net, fromp.DiagonalGaussian.isotropic(net, 1.0), x, y)
+    q = fromp.laplace_full(net, x, "categorical", prior_precision=1.0)
+    with pytest.raises(ValueError, match="curvature"):
+        newton_step_loo(net, q, x, y, curvature="fisher")
