@@ -260,7 +260,8 @@ def newton_step_loo(
     linearize: bool = False,
     tol: float = 1e-10,
     max_iter: int = 2000,
-) -> Tensor:
+    return_steps: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     r"""Leave-one-out outputs from one Newton step on the leave-one-out objective.
 
     With the training objective ``L(w) = sum_j nll(f(x_j; w), y_j) + R(w)`` minimised at
@@ -299,9 +300,10 @@ def newton_step_loo(
         curvature: ``"hessian"`` or ``"ggn"``, the example's curvature removed.
         linearize: evaluate the linearised network instead of the network.
         tol: relative residual at which GMRES stops. max_iter: GMRES steps at most.
+        return_steps: also return the weight steps ``w^{\i} - w*`` ``[N, P]``.
 
     Returns:
-        the estimated leave-one-out outputs ``[N, C]``.
+        the estimated leave-one-out outputs ``[N, C]`` (and the steps ``[N, P]``).
     """
     if curvature not in _CURVATURES:
         raise ValueError(f"curvature must be one of {_CURVATURES}, got {curvature!r}")
@@ -310,6 +312,12 @@ def newton_step_loo(
     check_batch(x, "x")
     if len(y) != len(x):
         raise ValueError(f"y must have N={len(x)} targets, got {tuple(y.shape)}")
+    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if posterior.num_params != n_params:
+        raise ValueError(
+            f"posterior must be over the model's P={n_params} parameters, got "
+            f"{posterior.num_params}"
+        )
     lik = get_likelihood(likelihood)
     w0 = posterior.mean.detach()
     cov = posterior.covariance  # Sigma = H^{-1} [P, P], once: matrix-vector products after
@@ -321,7 +329,7 @@ def newton_step_loo(
     def sigma(v: Tensor) -> Tensor:
         return cov @ v
 
-    rows = []
+    rows, steps = [], []
     for i in range(len(x)):
         xi, yi = x[i : i + 1], y[i : i + 1].to(w0.device)
 
@@ -346,6 +354,7 @@ def newton_step_loo(
                     return pull(big_lam @ jv)[0]
 
         step = _gmres(lambda v, hvp=hvp: v - sigma(hvp(v)), sigma(g_i), tol, max_iter)
+        steps.append(step)
         if linearize:
             with torch.enable_grad():
                 jstep = torch.func.jvp(lambda w, xi=xi: out(w, xi), (w0,), (step,))[1]
@@ -353,4 +362,6 @@ def newton_step_loo(
         else:
             with torch.no_grad():
                 rows.append(out(w0 + step, xi))
+    if return_steps:
+        return torch.stack(rows), torch.stack(steps)
     return torch.stack(rows)

@@ -218,11 +218,13 @@ def test_newton_step_loo_against_dense(curvature, linearize):
     net, x, y, w, obj = _trained_tiny_mlp(delta)
     big_h = torch.autograd.functional.hessian(obj, w)
     q = fromp.FullGaussian(w, big_h)
-    got = newton_step_loo(net, q, x, y, curvature=curvature, linearize=linearize)
+    got, steps = newton_step_loo(
+        net, q, x, y, curvature=curvature, linearize=linearize, return_steps=True
+    )
     jac = dense_jacobian(net, x, w)
     f = forward_at(net, w, x).detach()
     big_lam = dense_nll_hessians(get_likelihood("categorical"), f, y)
-    want = []
+    want, want_steps = [], []
     for i in range(len(x)):
 
         def nll_i(v, i=i):
@@ -234,6 +236,7 @@ def test_newton_step_loo_against_dense(curvature, linearize):
         else:
             h_i = jac[i].T @ big_lam[i] @ jac[i]
         step = torch.linalg.solve(big_h - h_i, g_i)
+        want_steps.append(step)
         if linearize:
             want.append(f[i] + jac[i] @ step)
         else:
@@ -241,6 +244,7 @@ def test_newton_step_loo_against_dense(curvature, linearize):
     want = torch.stack(want)
     assert (want - f).abs().max() > 0.1  # the examples do move
     torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(steps, torch.stack(want_steps), rtol=1e-7, atol=1e-9)
     if curvature == "ggn" and linearize:  # the corrected memory-perturbation form
         q_ggn = fromp.laplace_full(net, x, "categorical", prior_precision=delta)
         mp = memory_perturbation(net, q_ggn, x, y, covariance="full", correction=True)
@@ -280,3 +284,6 @@ def test_newton_step_loo_bad_arguments():
     q = fromp.laplace_full(net, x, "categorical", prior_precision=1.0)
     with pytest.raises(ValueError, match="curvature"):
         newton_step_loo(net, q, x, y, curvature="fisher")
+    small = fromp.FullGaussian(torch.zeros(3, dtype=D), torch.eye(3, dtype=D))
+    with pytest.raises(ValueError, match="posterior must be over the model's P="):
+        newton_step_loo(net, small, x, y)
