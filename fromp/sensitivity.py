@@ -57,7 +57,7 @@ from torch import Tensor, nn
 
 from fromp._checks import check_batch, check_tensor
 from fromp.gp import GP, Posterior
-from fromp.jacobian import unflatten
+from fromp.jacobian import num_params, unflatten
 from fromp.likelihood import CategoricalLikelihood, Likelihood, get_likelihood
 from fromp.posterior import FullGaussian
 
@@ -148,6 +148,15 @@ class MemoryPerturbation:
         }
 
 
+def _check_examples(x: Tensor, y: Tensor) -> None:
+    """``x`` a batch ``[N, ...]`` and ``y`` a tensor of ``N`` targets, else a ``ValueError`` /
+    ``TypeError`` naming the argument."""
+    check_batch(x, "x")
+    check_tensor(y, "y", f"[N]=[{len(x)}]")
+    if len(y) != len(x):
+        raise ValueError(f"y must have N={len(x)} targets, got {tuple(y.shape)}")
+
+
 def memory_perturbation(
     model: nn.Module,
     posterior: Posterior,
@@ -178,10 +187,7 @@ def memory_perturbation(
     """
     if covariance not in _COVARIANCES:
         raise ValueError(f"covariance must be one of {_COVARIANCES}, got {covariance!r}")
-    check_batch(x, "x")
-    check_tensor(y, "y", f"[N]=[{len(x)}]")
-    if len(y) != len(x):
-        raise ValueError(f"y must have N={len(x)} targets, got {tuple(y.shape)}")
+    _check_examples(x, y)
     lik = get_likelihood(likelihood)
     gp = GP(model, posterior, lik, chunk_size=chunk_size)
     f = gp.mean(x)
@@ -309,10 +315,8 @@ def newton_step_loo(
         raise ValueError(f"curvature must be one of {_CURVATURES}, got {curvature!r}")
     if not isinstance(posterior, FullGaussian):
         raise ValueError("newton_step_loo needs a FullGaussian posterior")
-    check_batch(x, "x")
-    if len(y) != len(x):
-        raise ValueError(f"y must have N={len(x)} targets, got {tuple(y.shape)}")
-    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    _check_examples(x, y)
+    n_params = num_params(model)
     if posterior.num_params != n_params:
         raise ValueError(
             f"posterior must be over the model's P={n_params} parameters, got "
@@ -338,7 +342,14 @@ def newton_step_loo(
 
         with torch.enable_grad():
             g_i = torch.func.grad(nll_i)(w0)
-            f_i = out(w0, xi).detach()
+            # J_i [C, P], once per example (the GGN products and the linearised outputs)
+            jac = (
+                torch.func.jacrev(lambda w, xi=xi: out(w, xi))(w0)
+                if curvature == "ggn" or linearize
+                else None
+            )
+        with torch.no_grad():
+            f_i = out(w0, xi)
         if curvature == "hessian":  # H_i v
 
             def hvp(v: Tensor, nll_i: Any = nll_i) -> Tensor:
@@ -347,18 +358,13 @@ def newton_step_loo(
         else:  # J_i^T Lambda_i J_i v
             big_lam = lik.hessian(f_i.unsqueeze(0))[0]
 
-            def hvp(v: Tensor, xi: Tensor = xi, big_lam: Tensor = big_lam) -> Tensor:
-                with torch.enable_grad():
-                    jv = torch.func.jvp(lambda w: out(w, xi), (w0,), (v,))[1]
-                    _, pull = torch.func.vjp(lambda w: out(w, xi), w0)
-                    return pull(big_lam @ jv)[0]
+            def hvp(v: Tensor, jac: Tensor = jac, big_lam: Tensor = big_lam) -> Tensor:
+                return jac.T @ (big_lam @ (jac @ v))
 
         step = _gmres(lambda v, hvp=hvp: v - sigma(hvp(v)), sigma(g_i), tol, max_iter)
         steps.append(step)
         if linearize:
-            with torch.enable_grad():
-                jstep = torch.func.jvp(lambda w, xi=xi: out(w, xi), (w0,), (step,))[1]
-            rows.append(f_i + jstep.detach())
+            rows.append(f_i + jac @ step)
         else:
             with torch.no_grad():
                 rows.append(out(w0 + step, xi))

@@ -324,14 +324,20 @@ class FROMPPlugin(SupervisedPlugin):
         if self._penalty_at_mean and len(self.regularizer) and self.tau > 0:
             self._ivon_penalty_at_mean(strategy)
 
-    def _ivon_penalty_at_mean(self, strategy: Any) -> None:
-        """``ivon_penalty="mean"``: restore IVON's mean (taking the data gradient at the
-        draw), then add ``tau grad R(m)`` to IVON's gradient estimate."""
+    @staticmethod
+    def _ivon(strategy: Any) -> Any:
+        """The strategy's optimizer, which ``posterior="ivon"`` needs to be an IVON."""
         from fromp.optim import IVON
 
         opt = strategy.optimizer
         if not isinstance(opt, IVON):
             raise TypeError(f"posterior='ivon' needs a fromp.optim.IVON, got {type(opt)}")
+        return opt
+
+    def _ivon_penalty_at_mean(self, strategy: Any) -> None:
+        """``ivon_penalty="mean"``: restore IVON's mean (taking the data gradient at the
+        draw), then add ``tau grad R(m)`` to IVON's gradient estimate."""
+        opt = self._ivon(strategy)
         if opt.sampled:
             opt.restore(accumulate=True)  # reads .grad at the draw (after the clipping)
         params = opt.params
@@ -356,11 +362,7 @@ class FROMPPlugin(SupervisedPlugin):
             opt.load_mean()  # the model holds the posterior mean
             variance = opt.posterior().variance
         elif self.posterior == "ivon":
-            from fromp.optim import IVON
-
-            opt = strategy.optimizer
-            if not isinstance(opt, IVON):
-                raise TypeError(f"posterior='ivon' needs a fromp.optim.IVON, got {type(opt)}")
+            opt = self._ivon(strategy)
             if opt.sampled:
                 opt.restore(accumulate=False)  # the model holds the posterior mean
             variance = opt.posterior(net).variance

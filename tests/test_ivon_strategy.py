@@ -135,24 +135,22 @@ def test_non_continual_keeps_weight_decay_prior_and_type_checks():
         IVONPlugin().load_state_dict({})
 
 
-def test_fromp_ivon_kernel_uses_ivon_posterior_over_three_tasks():
+def _fromp_ivon(ess: float, **kwargs):
+    """Three synthetic tasks, a small multi-head MLP and FROMP on IVON (``kwargs``: FROMP's)."""
     seq = synthetic_split(n_tasks=3, input_shape=(1, 4, 4), n_train=40, n_test=16)
     torch.manual_seed(0)
     net = MultiHeadMLP(16, (8,), n_heads=3, head_size=2)
     model = as_avalanche_model(net)
-    opt = IVON(model.parameters(), lr=0.1, ess=1.0, hess_init=0.5, beta2=0.99)
+    opt = IVON(model.parameters(), lr=0.1, ess=ess, hess_init=0.5, beta2=0.99)
     strategy = FROMP(
-        model=model,
-        optimizer=opt,
-        train_mb_size=16,
-        train_epochs=2,
-        evaluator=_evaluator(),
-        tau=1.0,
-        n_points=4,
-        posterior="ivon",
-        grad_clip_norm=1.0,
-    )
-    scenario = to_avalanche(seq)
+        model=model, optimizer=opt, train_mb_size=16, train_epochs=2, evaluator=_evaluator(),
+        n_points=4, posterior="ivon", **kwargs,
+    )  # fmt: skip
+    return to_avalanche(seq), net, opt, strategy
+
+
+def test_fromp_ivon_kernel_uses_ivon_posterior_over_three_tasks():
+    scenario, net, opt, strategy = _fromp_ivon(1.0, tau=1.0, grad_clip_norm=1.0)
     plugin = strategy.plugin
     strategy.train(scenario.train_stream[0])
     # Sigma is IVON's posterior variance 1 / (N (h + delta)) at the end of task 1
@@ -224,18 +222,9 @@ def test_fromp_ivon_penalty_gradient_at_the_mean_after_tasks_2_and_3(where):
     plus ``tau grad R(m)`` at the mean (sign, factor, where it is evaluated); ``"sample"``:
     the data gradient plus the regulariser's gradient at the draw, so it differs from both
     the data gradient alone and the mean form."""
-    seq = synthetic_split(n_tasks=3, input_shape=(1, 4, 4), n_train=40, n_test=16)
-    torch.manual_seed(0)
-    net = MultiHeadMLP(16, (8,), n_heads=3, head_size=2)
-    model = as_avalanche_model(net)
-    opt = IVON(model.parameters(), lr=0.1, ess=40.0, hess_init=0.5, beta2=0.99)
-    strategy = FROMP(
-        model=model, optimizer=opt, train_mb_size=16, train_epochs=2, evaluator=_evaluator(),
-        tau=3.0, n_points=4, posterior="ivon", ivon_penalty=where, jitter=1e-2,
-    )  # fmt: skip
+    scenario, _, _, strategy = _fromp_ivon(40.0, tau=3.0, ivon_penalty=where, jitter=1e-2)
     probe = _GradientProbe(strategy.plugin)
     strategy.plugins.append(probe)
-    scenario = to_avalanche(seq)
     for t in range(3):
         strategy.train(scenario.train_stream[t])
     checked = 0
