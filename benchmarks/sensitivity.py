@@ -103,6 +103,17 @@ def _minimise(fn, w0: Tensor, max_iter: int, tol: float) -> tuple[Tensor, int, f
     return w.detach(), int(iters), float(g.abs().max())
 
 
+def _require_converged(what: str, w: Tensor, max_grad: float, limit: float) -> None:
+    """Refuse (``RuntimeError`` naming ``what``) weights that are not finite or whose gradient
+    max-norm is above ``limit``: the estimates assume a minimum and the comparison needs
+    converged retrains, so such a run yields no numbers."""
+    if not bool(torch.isfinite(w).all()) or not max_grad <= limit:
+        raise RuntimeError(
+            f"{what} did not converge (max |grad| {max_grad:.2e}, limit {limit:.0e}; finite "
+            f"weights: {bool(torch.isfinite(w).all())}): no results written"
+        )
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     xtr, ytr, xte, yte = load_mnist(args.data_root, download=False)
@@ -118,6 +129,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     w_star, iters, gmax = _minimise(obj, flat_params(net), args.max_iter, args.tol)
     train_time = time.perf_counter() - t0
     print(f"trained: {iters} L-BFGS iterations, max |grad| {gmax:.2e}", flush=True)
+    _require_converged("training", w_star, gmax, args.max_grad)
     with torch.no_grad():
         for p, v in zip(net.parameters(), unflatten(net, w_star).values()):
             p.copy_(v)
@@ -179,6 +191,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         w_i, it_i, g_i = _minimise(
             _objective(net, x[keep], y[keep], args.delta), w_star, args.retrain_iter, args.tol
         )
+        _require_converged(f"retraining without example {i}", w_i, g_i, args.max_grad)
         with torch.no_grad():
             f_loo = functional_call(net, unflatten(net, w_i), (x[i : i + 1],))[0]
         # first-order test-NLL change: removing i moves w by Sigma J_i^T e_i = Sigma g_i
@@ -399,6 +412,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--retrain-iter", type=int, default=500, help="L-BFGS iterations, retrain")
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--tol", type=float, default=1e-6, help="L-BFGS gradient tolerance")
+    ap.add_argument(
+        "--max-grad",
+        type=float,
+        default=1e-4,
+        help="refuse the run if training or a retrain ends with a larger gradient max-norm",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=RESULTS / "sensitivity.json")
