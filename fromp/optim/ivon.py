@@ -49,6 +49,14 @@ objective, evaluated at the mean (e.g. FROMP's regulariser of the mean function)
 through :meth:`IVON.add_gradient` between the draws and :meth:`IVON.step`: its gradient is
 added to ``g^`` only.
 
+Antithetic draws (``antithetic=True``): every second draw is the mirror ``theta = m - sigma
+z`` of the draw before it (within a step when ``mc_samples`` is even, else across consecutive
+steps). Every draw is still distributed as ``q``, so ``g^`` and ``h^`` remain unbiased, and
+over a pair the terms odd in ``z`` cancel: on a quadratic loss the pair's ``h^`` is exactly ``a
+z^2``, free of the ``g(m) z / sigma`` term that dominates the variance of independent draws.
+Half of the draws need no random numbers, which on a CPU is most of IVON's cost over Adam's
+(``benchmarks/results/ivon_speed.json``). Independent draws, as in the paper, are the default.
+
 Like VOGN's, the state (momentum ``g``, Hessian estimate ``h``, step count, prior) is kept
 outside ``self.state``, indexed by the position of the parameter in the parameter groups, so
 that Avalanche's optimizer resets do not erase the posterior; :meth:`IVON.state_dict`
