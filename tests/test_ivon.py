@@ -87,6 +87,18 @@ def _reference(
     return m, h, g, 1.0 / (ess * (h + delta))
 
 
+def _closure(model, optim, x, y):
+    """A closure for ``IVON.step``: zero the gradients, cross-entropy, backward."""
+
+    def closure():
+        optim.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    return closure
+
+
 def _groups(net, spec):
     out = []
     for name, mod in net.named_children():
@@ -359,17 +371,8 @@ def test_state_survives_avalanche_reset_and_round_trips():
     x, y = torch.randn(8, 1, 6, 6, dtype=D), torch.randint(0, 3, (8,))
     opt = IVON(net.parameters(), lr=0.05, ess=30.0, hess_init=0.3, mc_samples=2)
 
-    def closure_for(model, optim):
-        def closure():
-            optim.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            return loss
-
-        return closure
-
     for _ in range(3):
-        opt.step(closure_for(net, opt))
+        opt.step(_closure(net, opt, x, y))
     before = opt.state_dict()["ivon"]
     update_optimizer(opt, dict(net.named_parameters()), None, reset_state=True)
     assert isinstance(opt.state, defaultdict)
@@ -386,9 +389,9 @@ def test_state_survives_avalanche_reset_and_round_trips():
     opt2.load_state_dict(saved)
     assert opt2.param_groups[0]["lr"] == 0.05 and opt2.ess == 30.0 and opt2.mc_samples == 2
     torch.manual_seed(7)
-    opt.step(closure_for(net, opt))
+    opt.step(_closure(net, opt, x, y))
     torch.manual_seed(7)
-    opt2.step(closure_for(net2, opt2))
+    opt2.step(_closure(net2, opt2, x, y))
     torch.testing.assert_close(flat(net), flat(net2), rtol=0, atol=0)
     torch.testing.assert_close(opt.posterior().precision, opt2.posterior().precision)
     with pytest.raises(ValueError, match="ivon"):
@@ -425,18 +428,9 @@ def test_antithetic_pair_cancels_the_odd_terms_and_resumes_mid_pair():
     net = tiny_mlp()
     x, y = _data()
 
-    def closure_for(model, optim):
-        def closure():
-            optim.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            return loss
-
-        return closure
-
     opt = IVON(net.parameters(), lr=0.1, ess=20.0, hess_init=0.1, antithetic=True)
     for _ in range(3):
-        opt.step(closure_for(net, opt))
+        opt.step(_closure(net, opt, x, y))
     saved = opt.state_dict()
     assert "mirror" in saved["ivon"]
     net2 = tiny_mlp()
@@ -446,9 +440,9 @@ def test_antithetic_pair_cancels_the_odd_terms_and_resumes_mid_pair():
     assert opt2.antithetic
     for seed, pending in ((11, False), (12, True)):  # step 4 ends a pair, step 5 opens one
         torch.manual_seed(seed)
-        opt.step(closure_for(net, opt))
+        opt.step(_closure(net, opt, x, y))
         torch.manual_seed(seed)
-        opt2.step(closure_for(net2, opt2))
+        opt2.step(_closure(net2, opt2, x, y))
         torch.testing.assert_close(flat(net), flat(net2), rtol=0, atol=0)
         assert ("mirror" in opt2.state_dict()["ivon"]) == pending
 
