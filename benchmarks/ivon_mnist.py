@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         weight_decay=args.weight_decay,
         mc_samples=args.mc_train,
         clip_radius=args.clip_radius,
+        antithetic=args.antithetic,
     )
     g = torch.Generator().manual_seed(args.seed)
     t0 = time.perf_counter()
@@ -120,6 +121,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--clip-radius", type=float, default=None)
     ap.add_argument("--mc-train", type=int, default=1)
     ap.add_argument("--mc-test", type=int, default=20)
+    ap.add_argument(
+        "--antithetic", action="store_true", help="IVON draws in mirrored pairs (z, -z)"
+    )
     ap.add_argument("--n-train", type=int, default=None, help="use the first n examples")
     ap.add_argument("--n-test", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)

@@ -1,8 +1,8 @@
 """Step time of VOGN and IVON (one posterior sample) relative to Adam, same models and
 batches.
 
-Four timings per model, batch of 128, interleaved step by step, median (and minimum)
-over ``--steps`` steps after warm-up:
+Timings per model, batch of 128, interleaved step by step, median, minimum and mean over
+``--steps`` steps after warm-up:
 
 * ``adam``: ``zero_grad``, forward, mean cross-entropy, ``backward``, ``Adam.step``;
 * ``vogn``: the standalone ``VOGN.step(x, y)`` (sampling, exact per-example squared
@@ -11,7 +11,10 @@ over ``--steps`` steps after warm-up:
   (sampling, forward with the layer inputs recorded, squared per-example gradients from a
   partial backward of the data loss, the ordinary backward, ``VOGN.step()``);
 * ``ivon``: ``with IVON.sampled_params(): zero_grad, forward, cross-entropy, backward``,
-  then ``IVON.step()`` (only with ``--ivon``).
+  then ``IVON.step()`` (only with ``--ivon``);
+* ``ivon_antithetic``: the same with ``IVON(antithetic=True)``, whose steps alternate
+  between a fresh normal draw and its mirror (no random numbers): its cost per step is the
+  mean, so its ratio to Adam is a ratio of means (``ratio_ivon_antithetic_adam_mean``).
 
 Usage::
 
@@ -111,18 +114,19 @@ def bench(
     # Interleave the steps so that machine load affects them alike.
     fns = {"adam": adam_step, "vogn": vogn_step, "vogn_two_phase": vogn_two_phase}
     if ivon:
-        torch.manual_seed(0)
-        net_i, _, _ = make()
-        net_i.train()
-        opt_i = IVON(net_i.parameters(), lr=0.1, ess=10_000, hess_init=0.1)
+        for key, anti in (("ivon", False), ("ivon_antithetic", True)):
+            torch.manual_seed(0)
+            net_i, _, _ = make()
+            net_i.train()
+            opt_i = IVON(net_i.parameters(), lr=0.1, ess=10_000, hess_init=0.1, antithetic=anti)
 
-        def ivon_step():
-            with opt_i.sampled_params(train=True):
-                opt_i.zero_grad()
-                loss_fn(net_i(x), y).backward()
-            opt_i.step()
+            def ivon_step(net_i=net_i, opt_i=opt_i):
+                with opt_i.sampled_params(train=True):
+                    opt_i.zero_grad()
+                    loss_fn(net_i(x), y).backward()
+                opt_i.step()
 
-        fns["ivon"] = ivon_step
+            fns[key] = ivon_step
     for fn in fns.values():
         for _ in range(3):
             fn()
@@ -136,12 +140,15 @@ def bench(
     for key, ts in times.items():
         out[key] = statistics.median(ts)
         out[key + "_min"] = min(ts)
+        out[key + "_mean"] = statistics.fmean(ts)
     out["ratio_vogn_adam"] = out["vogn"] / out["adam"]
     out["ratio_two_phase_adam"] = out["vogn_two_phase"] / out["adam"]
     out["ratio_vogn_adam_min"] = out["vogn_min"] / out["adam_min"]
     if ivon:
         out["ratio_ivon_adam"] = out["ivon"] / out["adam"]
         out["ratio_ivon_adam_min"] = out["ivon_min"] / out["adam_min"]
+        out["ratio_ivon_adam_mean"] = out["ivon_mean"] / out["adam_mean"]
+        out["ratio_ivon_antithetic_adam_mean"] = out["ivon_antithetic_mean"] / out["adam_mean"]
     out["num_params"] = sum(p.numel() for p in net.parameters())
     return out
 
@@ -176,7 +183,10 @@ def main(argv: list[str] | None = None) -> dict:
             f"(x{r['ratio_vogn_adam']:.2f}), two-phase {r['vogn_two_phase'] * 1e3:.1f} ms "
             f"(x{r['ratio_two_phase_adam']:.2f})"
             + (
-                f", ivon {r['ivon'] * 1e3:.1f} ms (x{r['ratio_ivon_adam']:.2f})"
+                f", ivon {r['ivon'] * 1e3:.1f} ms (x{r['ratio_ivon_adam']:.2f}; mean "
+                f"x{r['ratio_ivon_adam_mean']:.2f}), antithetic mean "
+                f"{r['ivon_antithetic_mean'] * 1e3:.1f} ms "
+                f"(x{r['ratio_ivon_antithetic_adam_mean']:.2f})"
                 if args.ivon
                 else ""
             ),

@@ -38,11 +38,13 @@ def _coord(net, groups_spec, key, default):
 
 def _reference(
     net, x, y, steps, *, lr, ess, h0, b1, b2, wd, mc, seed, spec, prior=None, clip=None,
-    mean_grad=None,
+    mean_grad=None, antithetic=False,
 ):  # fmt: skip
     """IVON by hand on flat vectors: noise drawn in the same order as the optimiser (one
     ``randn`` per parameter group per draw), every formula of the paper spelt out.
-    ``mean_grad(m)``: the gradient of a term evaluated at the mean, added to ``g^`` only."""
+    ``mean_grad(m)``: the gradient of a term evaluated at the mean, added to ``g^`` only.
+    ``antithetic``: every second draw (counted over the whole run) is ``-z`` of the one
+    before."""
     torch.manual_seed(seed)
     m = flat(net).clone()
     lr_v = _coord(net, spec, "lr", lr)
@@ -57,12 +59,17 @@ def _reference(
     # one flat draw per parameter group (one group per child module, as _groups builds them)
     sizes = [sum(p.numel() for p in mod.parameters()) for mod in net.children()]
     sizes = [k for k in sizes if k]
+    n_drawn, z_prev = 0, None
     for t in range(1, steps + 1):
         sigma2 = 1.0 / (ess * (h + delta))
         g_hat = torch.zeros_like(m)
         h_hat = torch.zeros_like(m)
         for _ in range(mc):
-            z = torch.cat([torch.randn(k, dtype=D) for k in sizes])
+            if antithetic and n_drawn % 2 == 1:
+                z = -z_prev
+            else:
+                z = z_prev = torch.cat([torch.randn(k, dtype=D) for k in sizes])
+            n_drawn += 1
             eps = z * sigma2.sqrt()
             theta = (m + eps).requires_grad_(True)
             gi = torch.autograd.grad(_loss(net, theta, x, y), theta)[0]
@@ -80,6 +87,18 @@ def _reference(
     return m, h, g, 1.0 / (ess * (h + delta))
 
 
+def _closure(model, optim, x, y):
+    """A closure for ``IVON.step``: zero the gradients, cross-entropy, backward."""
+
+    def closure():
+        optim.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    return closure
+
+
 def _groups(net, spec):
     out = []
     for name, mod in net.named_children():
@@ -94,6 +113,13 @@ CASES = {
     "three-samples": dict(mc=3, spec={}),
     "groups": dict(mc=2, spec={"2": {"lr": 0.02, "weight_decay": 0.05, "hess_init": 0.7}}),
     "prior-and-clip": dict(mc=1, spec={}, prior=True, clip=0.05),
+    # mirrored pairs across consecutive steps, within a step, and straddling steps
+    "antithetic-one-sample": dict(mc=1, spec={}, antithetic=True),
+    "antithetic-two-samples": dict(mc=2, spec={}, antithetic=True),
+    "antithetic-three-samples-groups": dict(
+        mc=3, spec={"2": {"lr": 0.02, "hess_init": 0.7}}, antithetic=True
+    ),
+    "antithetic-prior-and-clip": dict(mc=1, spec={}, prior=True, clip=0.05, antithetic=True),
 }
 
 
@@ -113,7 +139,7 @@ def test_update_matches_formulas_by_hand(case):
         )
     want_m, want_h, want_g, want_var = _reference(
         net, x, y, 4, mc=cfg["mc"], seed=3, spec=cfg["spec"], prior=prior,
-        clip=cfg.get("clip"), **hyper,
+        clip=cfg.get("clip"), antithetic=cfg.get("antithetic", False), **hyper,
     )  # fmt: skip
     opt = IVON(
         _groups(net, cfg["spec"]),
@@ -125,6 +151,7 @@ def test_update_matches_formulas_by_hand(case):
         weight_decay=hyper["wd"],
         mc_samples=cfg["mc"],
         clip_radius=cfg.get("clip"),
+        antithetic=cfg.get("antithetic", False),
     )
     if prior is not None:
         opt.set_prior(prior, model=net)
@@ -238,7 +265,10 @@ def test_sampled_params_loop_equals_closure_and_h_estimate_is_unbiased_on_a_quad
         with quad.sampled_params(train=True):
             w.grad = None
             (0.5 * (a * w * w).sum()).backward()
-        draws.append(quad._work_cache[0]["ha"].clone())  # h^ of this draw
+        work = quad._work_cache[0]
+        quad._fold_pending(work)  # h^ of this draw, formed on demand
+        draws.append(work["ha"].clone())
+        work["pending"] = False
         quad._n_acc = 0
     h_hat = torch.stack(draws)
     se = h_hat.std(0) / 4000**0.5
@@ -341,17 +371,8 @@ def test_state_survives_avalanche_reset_and_round_trips():
     x, y = torch.randn(8, 1, 6, 6, dtype=D), torch.randint(0, 3, (8,))
     opt = IVON(net.parameters(), lr=0.05, ess=30.0, hess_init=0.3, mc_samples=2)
 
-    def closure_for(model, optim):
-        def closure():
-            optim.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            loss.backward()
-            return loss
-
-        return closure
-
     for _ in range(3):
-        opt.step(closure_for(net, opt))
+        opt.step(_closure(net, opt, x, y))
     before = opt.state_dict()["ivon"]
     update_optimizer(opt, dict(net.named_parameters()), None, reset_state=True)
     assert isinstance(opt.state, defaultdict)
@@ -368,13 +389,62 @@ def test_state_survives_avalanche_reset_and_round_trips():
     opt2.load_state_dict(saved)
     assert opt2.param_groups[0]["lr"] == 0.05 and opt2.ess == 30.0 and opt2.mc_samples == 2
     torch.manual_seed(7)
-    opt.step(closure_for(net, opt))
+    opt.step(_closure(net, opt, x, y))
     torch.manual_seed(7)
-    opt2.step(closure_for(net2, opt2))
+    opt2.step(_closure(net2, opt2, x, y))
     torch.testing.assert_close(flat(net), flat(net2), rtol=0, atol=0)
     torch.testing.assert_close(opt.posterior().precision, opt2.posterior().precision)
     with pytest.raises(ValueError, match="ivon"):
         opt2.load_state_dict({k: v for k, v in saved.items() if k != "ivon"})
+
+
+def test_antithetic_pair_cancels_the_odd_terms_and_resumes_mid_pair():
+    # l(w) = 1/2 sum_j a_j w_j^2 at m != 0: a mirrored pair's h^ = (g(m + s z) - g(m - s z))
+    # z / (2 s) is a z^2 exactly; independent draws add a m z / sigma, which is not zero
+    a = torch.tensor([0.5, 1.0, 2.0, 3.0, 4.0], dtype=D)
+    m = torch.tensor([1.0, -2.0, 0.5, 3.0, -1.0], dtype=D)
+    for antithetic in (True, False):
+        w = torch.nn.Parameter(m.clone())
+        quad = IVON([w], lr=0.1, ess=10.0, hess_init=1.0, mc_samples=2, antithetic=antithetic)
+        std = quad.posterior().std  # the same for both draws of the step
+        torch.manual_seed(0)
+        zs = []
+        for _ in range(2):
+            with quad.sampled_params(train=True):
+                w.grad = None
+                zs.append((w.detach() - m) / std)
+                (0.5 * (a * w * w).sum()).backward()
+        work = quad._work_cache[0]
+        pair = work["ha"] / 2
+        if antithetic:
+            torch.testing.assert_close(zs[1], -zs[0], rtol=0, atol=1e-12)
+            torch.testing.assert_close(pair, a * zs[0] ** 2, rtol=1e-12, atol=1e-12)
+        else:
+            assert (pair - a * (zs[0] ** 2 + zs[1] ** 2) / 2).abs().max() > 0.1
+
+    # one draw per step: after 3 steps the 4th draw mirrors the 3rd; a checkpoint taken in
+    # between carries it (and the setting), so that the resumed run is the same run
+    torch.manual_seed(0)
+    net = tiny_mlp()
+    x, y = _data()
+
+    opt = IVON(net.parameters(), lr=0.1, ess=20.0, hess_init=0.1, antithetic=True)
+    for _ in range(3):
+        opt.step(_closure(net, opt, x, y))
+    saved = opt.state_dict()
+    assert "mirror" in saved["ivon"]
+    net2 = tiny_mlp()
+    net2.load_state_dict(net.state_dict())
+    opt2 = IVON(net2.parameters(), lr=0.1, ess=20.0)
+    opt2.load_state_dict(saved)
+    assert opt2.antithetic
+    for seed, pending in ((11, False), (12, True)):  # step 4 ends a pair, step 5 opens one
+        torch.manual_seed(seed)
+        opt.step(_closure(net, opt, x, y))
+        torch.manual_seed(seed)
+        opt2.step(_closure(net2, opt2, x, y))
+        torch.testing.assert_close(flat(net), flat(net2), rtol=0, atol=0)
+        assert ("mirror" in opt2.state_dict()["ivon"]) == pending
 
 
 def test_float32_and_dtype_preserved():
@@ -403,6 +473,7 @@ def test_float32_and_dtype_preserved():
         ({"mc_samples": 0}, "mc_samples"),
         ({"mc_samples": 1.5}, "mc_samples"),
         ({"clip_radius": 0.0}, "clip_radius"),
+        ({"antithetic": 1}, "antithetic"),
     ],
 )
 def test_bad_arguments_name_the_argument(kwargs, name):
@@ -418,6 +489,8 @@ def test_bad_group_and_model_arguments():
         IVON([{"params": a.parameters()}, {"params": b.parameters(), "lr": -1}], lr=0.1, ess=5)
     with pytest.raises(ValueError, match="mc_samples"):
         IVON([{"params": a.parameters(), "mc_samples": 3}], lr=0.1, ess=5)
+    with pytest.raises(ValueError, match="antithetic"):
+        IVON([{"params": a.parameters(), "antithetic": True}], lr=0.1, ess=5)
     with pytest.raises(ValueError, match="params"):
         IVON(a, lr=0.1, ess=5)
     with pytest.raises(ValueError, match="dtype"):
