@@ -253,9 +253,15 @@ def test_fromp_ivon_penalty_gradient_at_the_mean_after_tasks_2_and_3(where):
         FROMPPlugin(posterior="ivon", ivon_penalty="draw")
 
 
-@pytest.mark.parametrize("strategy", ["ivon", "fromp-ivon"])
-def test_runner_strategies_run_and_resume(tmp_path, strategy):
+@pytest.mark.parametrize(
+    ("strategy", "antithetic"), [("ivon", False), ("fromp-ivon", False), ("ivon", True)]
+)
+def test_runner_strategies_run_and_resume(tmp_path, strategy, antithetic):
     from benchmarks.runner import RunConfig, run
+
+    # antithetic: 3 steps per experience, so a checkpoint after an odd number of experiences
+    # holds a pending mirror draw
+    extra = {"optimizer_kwargs": {"antithetic": True}, "train_mb_size": 25} if antithetic else {}
 
     def cfg(path, **kw):
         return RunConfig(
@@ -263,7 +269,8 @@ def test_runner_strategies_run_and_resume(tmp_path, strategy):
             strategy=strategy,
             seed=0,
             overrides={"train_epochs": 1, "train_mb_size": 32, "kwargs": {}}
-            | ({"kwargs": {"n_points": 10}} if strategy == "fromp-ivon" else {}),
+            | ({"kwargs": {"n_points": 10}} if strategy == "fromp-ivon" else {})
+            | extra,
             n_train=60,
             n_test=30,
             checkpoint=str(path / "run.pt"),
@@ -273,10 +280,12 @@ def test_runner_strategies_run_and_resume(tmp_path, strategy):
 
     full = run(cfg(tmp_path / "a"))
     assert full["complete"] and full["settings"]["optimizer"] == "ivon"
-    part = run(cfg(tmp_path / "b", stop_after=2))
+    assert full["settings"]["optimizer_kwargs"].get("antithetic", False) == antithetic
+    part = run(cfg(tmp_path / "b", stop_after=3 if antithetic else 2))  # 9 draws: odd
     assert not part["complete"]
     resumed = run(cfg(tmp_path / "b", resume=True))
     assert resumed["accuracy_matrix"] == full["accuracy_matrix"]
+    assert resumed["mean_nll"] == full["mean_nll"]  # continuous in the weights: exact resume
 
 
 def test_tempered_prior_scales_each_posterior_after_tasks_1_and_2():
