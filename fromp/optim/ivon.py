@@ -351,11 +351,17 @@ class IVON(torch.optim.Optimizer):
         return out
 
     @staticmethod
-    def _fold_pending(w: dict[str, Any]) -> None:
-        """``ha = g^ z / sigma`` of a single accumulated draw, formed on demand (the update
-        fuses it otherwise)."""
+    def _gz(w: dict[str, Any], out: Tensor) -> Tensor:
+        """``out = g^ z / rsd = s c h^`` of a single accumulated draw ``theta = m + s sigma
+        z`` (``sigma = c rsd``, ``s = +-1``)."""
+        return torch.mul(w["ga"], w["z"], out=out).div_(w["rsd"])
+
+    @classmethod
+    def _fold_pending(cls, w: dict[str, Any]) -> None:
+        """``ha = h^ = s g^ z / sigma`` of a single accumulated draw, formed on demand (the
+        update fuses it otherwise)."""
         if w["pending"]:
-            torch.mul(w["ga"], w["z"], out=w["ha"]).div_(w["rsd"]).mul_(w["sign"] / w["c"])
+            cls._gz(w, w["ha"]).mul_(w["sign"] / w["c"])
             w["pending"] = False
 
     # ------------------------------------------------------------------ sampling
@@ -539,7 +545,7 @@ class IVON(torch.optim.Optimizer):
             # buf = s c (h^ - h), with sigma = c rsd of the draws (old h) and s = +-1
             if w["pending"]:  # one draw, theta = m + s sigma z: h^ = s g^ z / sigma
                 s = w["sign"]
-                torch.mul(ga, w["z"], out=buf).div_(rsd).sub_(hess, alpha=s * c)
+                self._gz(w, buf).sub_(hess, alpha=s * c)
                 w["pending"] = False
             else:
                 s = 1.0
