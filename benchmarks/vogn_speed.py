@@ -14,7 +14,13 @@ Timings per model, batch of 128, interleaved step by step, median, minimum and m
   then ``IVON.step()`` (only with ``--ivon``);
 * ``ivon_antithetic``: the same with ``IVON(antithetic=True)``, whose steps alternate
   between a fresh normal draw and its mirror (no random numbers): its cost per step is the
-  mean, so its ratio to Adam is a ratio of means (``ratio_ivon_antithetic_adam_mean``).
+  mean, so its ratio to Adam is a ratio of means (``ratio_ivon_antithetic_adam_mean``);
+* ``normal``: ``Tensor.normal_`` of ``P`` numbers alone (``P`` the parameter count), the
+  random numbers of one IVON draw (only with ``--ivon``). ``ratio_normal_floor`` =
+  ``(adam + normal) / adam`` (means) is what Adam's step would cost with IVON's draw added
+  and nothing else: IVON's own update does at least the per-parameter work of Adam's, so
+  an IVON step with independent draws cannot go below this ratio on the machine that ran
+  it; ``ratio_normal_floor_antithetic`` adds half a draw.
 
 Usage::
 
@@ -127,6 +133,8 @@ def bench(
                 opt_i.step()
 
             fns[key] = ivon_step
+        noise = torch.empty(sum(p.numel() for p in net.parameters()))
+        fns["normal"] = noise.normal_
     for fn in fns.values():
         for _ in range(3):
             fn()
@@ -149,6 +157,8 @@ def bench(
         out["ratio_ivon_adam_min"] = out["ivon_min"] / out["adam_min"]
         out["ratio_ivon_adam_mean"] = out["ivon_mean"] / out["adam_mean"]
         out["ratio_ivon_antithetic_adam_mean"] = out["ivon_antithetic_mean"] / out["adam_mean"]
+        out["ratio_normal_floor"] = 1 + out["normal_mean"] / out["adam_mean"]
+        out["ratio_normal_floor_antithetic"] = 1 + out["normal_mean"] / (2 * out["adam_mean"])
     out["num_params"] = sum(p.numel() for p in net.parameters())
     return out
 
@@ -186,7 +196,8 @@ def main(argv: list[str] | None = None) -> dict:
                 f", ivon {r['ivon'] * 1e3:.1f} ms (x{r['ratio_ivon_adam']:.2f}; mean "
                 f"x{r['ratio_ivon_adam_mean']:.2f}), antithetic mean "
                 f"{r['ivon_antithetic_mean'] * 1e3:.1f} ms "
-                f"(x{r['ratio_ivon_antithetic_adam_mean']:.2f})"
+                f"(x{r['ratio_ivon_antithetic_adam_mean']:.2f}); Adam + normal draw "
+                f"x{r['ratio_normal_floor']:.2f}"
                 if args.ivon
                 else ""
             ),

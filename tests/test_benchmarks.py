@@ -323,3 +323,24 @@ def test_opt_prefix_sets_optimizer_keyword_arguments():
     s = resolve_settings(get_benchmark("split-mnist"), get_strategy("ivon"), merged)
     assert s["optimizer_kwargs"]["beta2"] == 0.999 and s["optimizer_kwargs"]["hess_init"] == 1.0
     assert s["optimizer_kwargs"]["weight_decay"] == 1e-4  # from benchmarks/settings.py
+
+
+def test_speed_benchmark_ratios_come_from_its_own_timings(tmp_path):
+    from benchmarks import vogn_speed
+
+    out = tmp_path / "speed.json"
+    vogn_speed.main(["--ivon", "--steps", "3", "--models", "mlp", "--out", str(out)])
+    r = json.loads(out.read_text())["models"]["mlp"]
+    assert r["num_params"] == 269_322  # the FROMP split-MNIST MLP, every head
+    for key in ("adam", "vogn", "ivon", "ivon_antithetic", "normal"):
+        assert 0 < r[key + "_min"] <= r[key]
+    assert r["ratio_ivon_adam_mean"] == pytest.approx(r["ivon_mean"] / r["adam_mean"])
+    assert r["ratio_ivon_antithetic_adam_mean"] == pytest.approx(
+        r["ivon_antithetic_mean"] / r["adam_mean"]
+    )
+    assert r["ratio_normal_floor"] == pytest.approx(
+        (r["adam_mean"] + r["normal_mean"]) / r["adam_mean"]
+    )
+    assert r["ratio_normal_floor_antithetic"] == pytest.approx(
+        (r["adam_mean"] + r["normal_mean"] / 2) / r["adam_mean"]
+    )
