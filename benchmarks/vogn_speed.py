@@ -18,9 +18,10 @@ Timings per model, batch of 128, interleaved step by step, median, minimum and m
 * ``normal``: ``Tensor.normal_`` of ``P`` numbers alone (``P`` the parameter count), the
   random numbers of one IVON draw (only with ``--ivon``). ``ratio_normal_floor`` =
   ``(adam + normal) / adam`` (means) is what Adam's step would cost with IVON's draw added
-  and nothing else: IVON's own update does at least the per-parameter work of Adam's, so
-  an IVON step with independent draws cannot go below this ratio on the machine that ran
-  it; ``ratio_normal_floor_antithetic`` adds half a draw.
+  and nothing else. IVON's update reads and writes more per-parameter state than Adam's
+  (momentum, ``h``, the draw, the gradient; on the MLP the two updates cost about the same),
+  so an IVON step with independent draws cannot come in much below this ratio on the
+  machine that ran it; ``ratio_normal_floor_antithetic`` adds half a draw.
 
 Usage::
 
