@@ -74,6 +74,7 @@ def bench(
     torch.manual_seed(0)
     net, x, y = make()
     net.train()
+    n_params = sum(p.numel() for p in net.parameters())
     adam = torch.optim.Adam(net.parameters(), lr=1e-4)
 
     def adam_step():
@@ -134,7 +135,7 @@ def bench(
                 opt_i.step()
 
             fns[key] = ivon_step
-        noise = torch.empty(sum(p.numel() for p in net.parameters()))
+        noise = torch.empty(n_params)
         fns["normal"] = noise.normal_
     for fn in fns.values():
         for _ in range(3):
@@ -160,7 +161,7 @@ def bench(
         out["ratio_ivon_antithetic_adam_mean"] = out["ivon_antithetic_mean"] / out["adam_mean"]
         out["ratio_normal_floor"] = 1 + out["normal_mean"] / out["adam_mean"]
         out["ratio_normal_floor_antithetic"] = 1 + out["normal_mean"] / (2 * out["adam_mean"])
-    out["num_params"] = sum(p.numel() for p in net.parameters())
+    out["num_params"] = n_params
     return out
 
 
