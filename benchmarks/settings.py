@@ -162,10 +162,12 @@ _IVON: dict[str, Settings] = {
 # 99.06 % (tau 1e-2) and 97.91 % (3e-2). So lr 0.05, tau 1e-2, 45 epochs (three times FROMP's
 # epochs): seeds 0-2 give 99.24 +- 0.02 % test accuracy (FROMP with Adam, 15 epochs: 99.35 +-
 # 0.09 %; lr 0.15 with 15 epochs: 99.04 +- 0.22 %); seeds 0-4 (3-4 run after the selection):
-# 99.20 +- 0.06 % against FROMP's 99.41 +- 0.10 %, worse on all five. Evaluated at
-# the sampled weights instead (``ivon_penalty="sample"``, the earlier form), the regulariser
-# carries the sampling noise of the memorable functions (its value about ``M C / 2``) and the
-# best was 97.98 % (tau = 1e-5, lr 0.05): larger tau made the task-2 head collapse.
+# 99.20 +- 0.06 % against FROMP's 99.41 +- 0.10 %, worse on all five. h0 at the same mean step
+# (lr, clip_radius and 1/tau scaled with h0), seed 0, after the selection: h0 = 0.03 / 0.05 /
+# 0.1 / 0.3 / 1 gave 98.53 / 98.83 / 99.25 / 97.41 / 93.39 % ("fromp-ivon_h0_scan_seed0").
+# Evaluated at the sampled weights instead (``ivon_penalty="sample"``, the earlier form), the
+# regulariser carries the sampling noise of the memorable functions (its value about ``M C /
+# 2``) and the best was 97.98 % (tau = 1e-5, lr 0.05): larger tau made the task-2 head collapse.
 # jitter 1e-2, no gradient-norm clipping (it stalls the non-adaptive IVON step on new tasks)
 # but IVON's per-coordinate ``clip_radius = 0.1``.
 _FROMP_IVON: dict[str, Settings] = {
