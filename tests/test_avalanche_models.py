@@ -177,3 +177,109 @@ def test_default_global_labels_train_multi_head(method):
         strategy.train(exp)
     res = strategy.eval(bm.test_stream)
     assert res == {} or all(v == v for v in res.values())
+
+
+def test_vcl_twin_kl_sampling_and_prior_after_tasks_2_and_3():
+    """VCL on ``MTSimpleMLP``: the KL is the closed form over the Linear weights and biases;
+    samples with a vanishing variance are the model's own head-``t`` outputs; after each
+    task every head trained so far has its posterior as prior and the head of the next task,
+    created by Avalanche's adaptation, starts from ``N(0, prior_var)``."""
+    from strategies.vcl import VCL
+
+    bm = _benchmark(task_labels=True)
+    model = _model("mt")
+    strategy = VCL(
+        model=model,
+        optimizer=torch.optim.Adam(model.parameters(), lr=1e-2),
+        train_mb_size=10,
+        train_epochs=1,
+        evaluator=None,
+        train_samples=2,
+        test_samples=3,
+        prior_var=0.5,
+        seed=0,
+    )
+    twin = strategy.net
+    for e, exp in enumerate(bm.train_stream):
+        strategy.train(exp)
+        head_names = [n for n in twin.names if n.startswith("classifier.")]
+        assert len(head_names) == 2 * (e + 1)  # weight and bias of each head seen
+        params = dict(model.named_parameters())
+        for n in twin.names:
+            torch.testing.assert_close(twin.prior_mean[n], params[n].detach())
+            torch.testing.assert_close(twin.prior_variance[n], twin.variance(n).detach())
+        assert float(twin.kl().detach()) == pytest.approx(0.0, abs=1e-5)
+        if e == 0:
+            continue
+        # the KL after moving the means: the closed form
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01)
+        expected = sum(
+            0.5
+            * (
+                torch.log(twin.prior_variance[n] / twin.variance(n))
+                + (twin.variance(n) + (params[n] - twin.prior_mean[n]) ** 2)
+                / twin.prior_variance[n]
+                - 1
+            ).sum()
+            for n in twin.names
+        )
+        torch.testing.assert_close(twin.kl(), expected)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(0.01)
+        # vanishing variance: samples are the model's own outputs through head t
+        x, _, _ = _xy(bm.train_stream[e])
+        x = x.float()
+        saved = {k: v.detach().clone() for k, v in twin.logvars.items()}
+        with torch.no_grad():
+            for v in twin.logvars.values():
+                v.fill_(-80.0)
+            model.eval()
+            for t in range(e + 1):
+                torch.testing.assert_close(twin.sample_logits(x, t, 2)[1], model(x, t))
+            for k, v in twin.logvars.items():
+                v.copy_(saved[k])
+    # the head of a task not yet seen: Avalanche's adaptation creates it, the twin gives it
+    # the initial prior N(0, prior_var) and the initial log-variance
+    model.classifier.classifiers["7"] = copy.deepcopy(model.classifier.classifiers["0"])
+    twin.sync()
+    n = "classifier.classifiers.7.classifier.weight"
+    assert torch.all(twin.prior_mean[n] == 0) and torch.all(twin.prior_variance[n] == 0.5)
+    assert torch.all(twin.variance(n) == torch.exp(torch.tensor(-6.0)))
+
+
+@pytest.mark.parametrize("kind", ["mt", "single"])
+def test_vcl_trains_avalanche_models_and_resumes(kind):
+    """VCL trains both Avalanche models through three experiences; its state (means,
+    log-variances, priors, counter) round-trips into a fresh strategy."""
+    from strategies.vcl import VCL
+
+    bm = _benchmark(task_labels=kind == "mt")
+
+    def make():
+        model = _model(kind)
+        return VCL(
+            model=model,
+            optimizer=torch.optim.Adam(model.parameters(), lr=1e-2),
+            train_mb_size=10,
+            evaluator=None,
+            train_samples=2,
+            test_samples=2,
+            seed=0,
+        )
+
+    strategy = make()
+    for exp in list(bm.train_stream)[:2]:
+        strategy.train(exp)
+    state = strategy.plugin.state_dict()
+    fresh = make()
+    for exp in list(bm.train_stream)[:2]:  # the same adaptation: the same parameters
+        fresh.experience = exp
+        fresh.model_adaptation()
+    fresh.plugin.load_state_dict(state)
+    assert fresh.plugin.task_count == 2
+    torch.testing.assert_close(fresh.net.kl(), strategy.net.kl())
+    strategy.train(bm.train_stream[2])
+    assert strategy.plugin.task_count == 3
