@@ -283,3 +283,59 @@ def test_vcl_trains_avalanche_models_and_resumes(kind):
     torch.testing.assert_close(fresh.net.kl(), strategy.net.kl())
     strategy.train(bm.train_stream[2])
     assert strategy.plugin.task_count == 3
+
+
+_DEVICES = [
+    "cpu",
+    "cpu:0",
+    pytest.param(
+        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+    ),
+]
+
+
+def _user_strategy(method: str, kind: str, device: str):
+    from strategies.vcl import VCL
+
+    torch.manual_seed(0)
+    model = _model(kind).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    common = dict(
+        model=model, optimizer=opt, train_mb_size=10, train_epochs=1, evaluator=None, device=device
+    )
+    if method == "fromp":
+        return FROMP(tau=1.0, n_points=4, **common)
+    if method == "ewc":
+        return EWC(ewc_lambda=1.0, **common)
+    return VCL(train_samples=2, test_samples=2, seed=0, **common)
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("method", ["fromp", "ewc", "vcl"])
+def test_checkpoint_in_a_user_loop_resumes_exactly(method, device, tmp_path):
+    """A user's loop saves after two experiences; a fresh strategy (fresh model, optimizer
+    and plugin, RNG moved on) loads the file (read on the CPU, moved to ``device``) and
+    trains experience 3 to the very same weights as the uninterrupted run."""
+    from strategies.checkpoint import load_checkpoint, save_checkpoint
+
+    bm = _benchmark(task_labels=True)
+    stream = bm.train_stream
+    path = tmp_path / "ckpt.pt"
+    strategy = _user_strategy(method, "mt", device)
+    for i, exp in enumerate(stream):
+        strategy.train(exp)
+        if i == 1:
+            save_checkpoint(strategy, path, experiences_done=i + 1)
+    reference = {k: v.detach().clone() for k, v in strategy.model.state_dict().items()}
+
+    torch.manual_seed(123)  # a fresh process: other RNG state, other initial weights
+    resumed = _user_strategy(method, "mt", device)
+    start = load_checkpoint(resumed, path, stream)
+    assert start == 2
+    for exp in list(stream)[start:]:
+        resumed.train(exp)
+    got = resumed.model.state_dict()
+    assert set(got) == set(reference)
+    for k, v in reference.items():
+        assert got[k].device == v.device
+        torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
