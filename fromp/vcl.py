@@ -31,7 +31,7 @@ from torch.func import functional_call
 
 from fromp.bayesian import gaussian_kl
 from fromp.methods import fit_shape
-from fromp.models import with_task
+from fromp.models import is_multitask, with_task
 
 __all__ = ["MeanFieldTwin", "gaussian_names"]
 
@@ -118,6 +118,18 @@ class MeanFieldTwin(nn.Module):
                 self.prior_variance[n] = fit_shape(self.prior_variance[n], p.shape, self.prior_var)
                 changed = True
         return changed
+
+    def forward(self, x: Tensor, task_labels: int | Tensor | None = None) -> Tensor:
+        """The mean network's logits ``[N, K]`` (head ``task_labels`` for multi-task models;
+        ignored otherwise)."""
+        if not is_multitask(self.model):
+            return self.model(x)
+        if isinstance(task_labels, Tensor) and task_labels.ndim > 0:
+            if not bool((task_labels == task_labels[0]).all()):
+                raise ValueError("task_labels must hold one task for a MeanFieldTwin forward")
+            task_labels = task_labels[0]
+        task = None if task_labels is None else int(task_labels)
+        return with_task(self.model, task)(x)
 
     def variance(self, name: str) -> Tensor:
         """``sigma^2`` of parameter ``name``."""

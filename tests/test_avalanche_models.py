@@ -339,3 +339,26 @@ def test_checkpoint_in_a_user_loop_resumes_exactly(method, device, tmp_path):
     for k, v in reference.items():
         assert got[k].device == v.device
         torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
+
+
+@pytest.mark.parametrize("method", ["fromp", "ewc", "vcl"])
+def test_global_labels_with_fixed_two_unit_heads_say_what_to_pass(method):
+    """A fromp two-unit-per-task model with Avalanche's default global labels is refused
+    before training the second experience with one line naming the argument to pass."""
+    from fromp.models import MultiHeadMLP
+    from strategies.models import as_avalanche_model
+    from strategies.vcl import VCL
+
+    bm = _benchmark(task_labels=True)
+    model = as_avalanche_model(MultiHeadMLP(D_IN, (6,), n_heads=3, head_size=2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    common = dict(model=model, optimizer=opt, train_mb_size=10, evaluator=None)
+    cls, kw = {
+        "fromp": (FROMP, {"n_points": 4}),
+        "ewc": (EWC, {"ewc_lambda": 1.0}),
+        "vcl": (VCL, {"train_samples": 1, "ml_init_epochs": 0}),
+    }[method]
+    strategy = cls(**common, **kw)
+    strategy.train(bm.train_stream[0])
+    with pytest.raises(ValueError, match="class_ids_from_zero_in_each_exp=True"):
+        strategy.train(bm.train_stream[1])
