@@ -362,3 +362,48 @@ def test_global_labels_with_fixed_two_unit_heads_say_what_to_pass(method):
     strategy.train(bm.train_stream[0])
     with pytest.raises(ValueError, match="class_ids_from_zero_in_each_exp=True"):
         strategy.train(bm.train_stream[1])
+
+
+@pytest.mark.parametrize("method", ["fromp", "ewc", "vcl"])
+def test_torchvision_resnet18_on_a_cifar_shaped_stream(method):
+    """A torchvision ResNet-18 (batch norm, in eval mode for curvature) trains with each
+    method on two CIFAR-shaped experiences; VCL makes every conv and linear parameter
+    Gaussian and keeps the batch-norm parameters deterministic."""
+    torchvision = pytest.importorskip("torchvision")
+    from strategies.vcl import VCL
+
+    def ds(n: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        y = torch.arange(n) % 4
+        return _make_taskaware_tensor_classification_dataset(
+            torch.randn(n, 3, 32, 32, generator=g), y, targets=y.tolist()
+        )
+
+    bm = nc_benchmark(ds(16, 0), ds(8, 1), 2, False, shuffle=False, fixed_class_order=[0, 1, 2, 3])
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=4)
+    common = dict(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
+        train_mb_size=8,
+        evaluator=None,
+    )
+    if method == "fromp":
+        strategy = FROMP(n_points=2, curvature_examples=2, chunk_size=1, **common)
+    elif method == "ewc":
+        strategy = EWC(ewc_lambda=1.0, max_examples=4, **common)
+    else:
+        strategy = VCL(train_samples=1, test_samples=1, ml_init_epochs=0, **common)
+    for exp in bm.train_stream:
+        strategy.train(exp)
+    plugin = strategy.plugin
+    if method == "fromp":
+        assert len(plugin.regularizer) == 2
+        assert float(plugin.penalty(model).detach()) == pytest.approx(0.0, abs=1e-6)
+    elif method == "ewc":
+        assert len(plugin.importances) == 2 and "fc.weight" in plugin.importances[1]
+    else:
+        names = set(strategy.net.names)
+        assert "conv1.weight" in names and "fc.bias" in names
+        assert not any(n.startswith("bn1") for n in names)
+        assert plugin.task_count == 2
