@@ -42,6 +42,7 @@ from fromp.likelihood import (
     get_likelihood,
 )
 from fromp.memorable import memorability_scores, select_memorable
+from fromp.methods import EWCMethod, FROMPMethod
 from fromp.optim import IVON, OGN, VOGN
 from fromp.posterior import DiagonalGaussian, FullGaussian, GaussianPosterior
 from fromp.regularizer import FROMPRegularizer, MemorableSet, prob_jacobian, task_fn
@@ -56,6 +57,9 @@ __version__ = "0.1.0"
 
 __all__ = [  # noqa: RUF022 (grouped by topic, sorted within each group)
     "__version__",
+    # continual-learning methods as plain objects for any training loop
+    "EWCMethod",
+    "FROMPMethod",
     # Jacobians and parameter vectors
     "flat_params",
     "jacobians",

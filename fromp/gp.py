@@ -50,6 +50,7 @@ from fromp.likelihood import (
     GaussianLikelihood,
     Likelihood,
     get_likelihood,
+    randn_like_on,
 )
 from fromp.posterior import DiagonalGaussian, GaussianPosterior
 
@@ -433,9 +434,7 @@ class GP:
         else:
             evals, evecs = torch.linalg.eigh(v)
             root = evecs * evals.clamp_min(0).sqrt().unsqueeze(-2)  # N, C, C: v = root root^T
-            eps = torch.randn(
-                (n_samples, *m.shape), generator=generator, dtype=m.dtype, device=m.device
-            )
+            eps = randn_like_on((n_samples, *m.shape), generator, m.dtype, m.device)
             f = m + torch.einsum("ncd,snd->snc", root, eps)
             probs = lik.inverse_link(f.reshape(-1, m.shape[1])).reshape(f.shape).mean(0)
         return (probs, v) if return_variance else probs

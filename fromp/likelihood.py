@@ -23,6 +23,24 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+
+def randn_like_on(
+    shape: tuple[int, ...],
+    generator: torch.Generator | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Tensor:
+    """Standard normal draws of ``shape`` on ``device``: drawn on the generator's device (so
+    a CPU generator works with CUDA tensors and a CUDA generator with CUDA tensors, each
+    drawing where it lives, with no silent fallback), then moved to ``device``."""
+    where = device if generator is None else generator.device
+    return torch.randn(shape, generator=generator, dtype=dtype, device=where).to(device)
+
+
+def _on_generator(t: Tensor, generator: torch.Generator | None) -> Tensor:
+    return t if generator is None else t.to(generator.device)
+
+
 __all__ = [
     "BernoulliLikelihood",
     "CategoricalLikelihood",
@@ -100,7 +118,8 @@ class CategoricalLikelihood(Likelihood):
         return torch.softmax(f, dim=-1)
 
     def sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        return torch.multinomial(torch.softmax(f, -1), 1, generator=generator).squeeze(-1)
+        p = _on_generator(torch.softmax(f, -1), generator)
+        return torch.multinomial(p, 1, generator=generator).squeeze(-1).to(f.device)
 
 
 class BernoulliLikelihood(Likelihood):
@@ -129,7 +148,8 @@ class BernoulliLikelihood(Likelihood):
         return torch.sigmoid(f)
 
     def sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        return torch.bernoulli(torch.sigmoid(f[:, 0]), generator=generator)
+        p = _on_generator(torch.sigmoid(f[:, 0]), generator)
+        return torch.bernoulli(p, generator=generator).to(f.device)
 
 
 class GaussianLikelihood(Likelihood):
@@ -170,9 +190,7 @@ class GaussianLikelihood(Likelihood):
         return f
 
     def sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        return f + self.sigma * torch.randn(
-            f.shape, generator=generator, dtype=f.dtype, device=f.device
-        )
+        return f + self.sigma * randn_like_on(tuple(f.shape), generator, f.dtype, f.device)
 
     def __repr__(self) -> str:
         return f"GaussianLikelihood(sigma={self.sigma})"

@@ -10,12 +10,22 @@ Avalanche multi-task wrappers live in :mod:`strategies.models`.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["CifarCNN", "LeNet5", "MultiHeadMLP", "MultiHeadModel", "TaskView", "with_task"]
+__all__ = [
+    "CifarCNN",
+    "LeNet5",
+    "MultiHeadMLP",
+    "MultiHeadModel",
+    "TaskView",
+    "is_multitask",
+    "takes_task_labels",
+    "with_task",
+]
 
 TaskArg = int | Tensor | None
 
@@ -147,22 +157,52 @@ class LeNet5(MultiHeadModel):
         self._make_heads(84, n_heads, head_size)
 
 
+def takes_task_labels(model: nn.Module) -> bool:
+    """Whether ``model.forward`` takes the task label as a second argument named
+    ``task_labels``: the convention of Avalanche's ``MultiTaskModule``
+    (``forward(x, task_labels)``), recognised without importing Avalanche."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "task_labels" in params
+
+
+def is_multitask(model: nn.Module) -> bool:
+    """Whether ``model`` needs a task label: a :class:`MultiHeadModel` with several heads,
+    or a module whose ``forward`` takes ``task_labels`` (an Avalanche ``MultiTaskModule``,
+    e.g. with a ``MultiHeadClassifier``)."""
+    return getattr(model, "n_heads", 1) > 1 or takes_task_labels(model)
+
+
 class TaskView(nn.Module):
-    """``x -> model(x, task=task)``: a module with a fixed head sharing ``model``'s
-    parameters (in the same order), for tools that call ``module(x)``."""
+    """``x -> model(x, task)``: a module with a fixed head sharing ``model``'s parameters
+    (in the same order), for tools that call ``module(x)``.
+
+    ``model(x, task=task)`` for :mod:`fromp` models, ``model(x, task)`` (an ``int`` task
+    label, Avalanche's single-task path) for modules whose ``forward`` takes
+    ``task_labels``."""
 
     def __init__(self, model: nn.Module, task: int) -> None:
         super().__init__()
         self.model = model
         self.task = int(task)
+        self._positional = takes_task_labels(model)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self._positional:
+            return self.model(x, self.task)
         return self.model(x, task=self.task)
 
 
 def with_task(model: nn.Module, task: int | None) -> nn.Module:
-    """``model`` with its head fixed to ``task`` (``model`` itself when ``task`` is None or
-    the model has a single head)."""
-    if task is None or getattr(model, "n_heads", 1) == 1:
+    """``model`` with its head fixed to ``task`` (``model`` itself when the model needs no
+    task label). A model that needs one (:func:`is_multitask`) refuses ``task=None``."""
+    if not is_multitask(model):
         return model
+    if task is None:
+        raise ValueError(
+            f"task must be an int for a multi-task model ({type(model).__name__} takes a "
+            "task label), got None"
+        )
     return TaskView(model, task)

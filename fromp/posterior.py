@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from fromp._checks import check_finite
+from fromp.likelihood import randn_like_on
 
 __all__ = ["DiagonalGaussian", "FullGaussian", "GaussianPosterior"]
 
@@ -186,9 +187,7 @@ class DiagonalGaussian(_Gaussian):
     def sample(self, n: int | None = None, *, generator: torch.Generator | None = None) -> Tensor:
         """Draw ``w = mean + std * eps``: ``[P]`` when ``n`` is None, else ``[n, P]``."""
         shape = (self.num_params,) if n is None else (n, self.num_params)
-        eps = torch.randn(
-            shape, generator=generator, dtype=self.mean.dtype, device=self.mean.device
-        )
+        eps = randn_like_on(shape, generator, self.mean.dtype, self.mean.device)
         return self.mean + self.std * eps
 
     def kl(self, other: DiagonalGaussian) -> Tensor:
@@ -273,8 +272,6 @@ class FullGaussian(_Gaussian):
     def sample(self, n: int | None = None, *, generator: torch.Generator | None = None) -> Tensor:
         """``w = mean + L^{-T} eps``: ``[P]`` when ``n`` is None, else ``[n, P]``."""
         shape = (1 if n is None else n, self.num_params)
-        eps = torch.randn(
-            shape, generator=generator, dtype=self.mean.dtype, device=self.mean.device
-        )
+        eps = randn_like_on(shape, generator, self.mean.dtype, self.mean.device)
         w = self.mean + torch.linalg.solve_triangular(self._chol.T, eps.T, upper=True).T
         return w[0] if n is None else w

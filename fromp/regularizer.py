@@ -48,7 +48,7 @@ from fromp._checks import check_batch, check_vector, device_dtype
 from fromp.gp import GP
 from fromp.jacobian import flat_params, num_params
 from fromp.likelihood import Likelihood, get_likelihood
-from fromp.models import with_task
+from fromp.models import takes_task_labels, with_task
 from fromp.posterior import DiagonalGaussian
 
 __all__ = ["FROMPRegularizer", "MemorableSet", "prob_jacobian", "task_fn"]
@@ -310,12 +310,23 @@ class FROMPRegularizer:
         self._cache = {}
 
     def residuals(self, model_fn: ModelFn) -> list[Tensor]:
-        """``r_s = p(X_s; w) - m_s`` for every stored task, each ``[M, C]`` float64."""
-        out = []
-        for m in self.memories:
-            f = model_fn(m.inputs, m.task)
-            out.append(self.likelihood.inverse_link(f).double() - m.targets)
-        return out
+        """``r_s = p(X_s; w) - m_s`` for every stored task, each ``[M, C_s]`` float64.
+
+        A head that has grown since task ``s`` was stored (an incremental classifier adds
+        output units for new classes: ``p`` is ``[M, C']`` with ``C' > C_s``) is compared on
+        its first ``C_s`` units, the softmax taken over all ``C'`` units: keeping the old
+        classes' probabilities keeps the new units' mass near zero on the memorable past."""
+        return [self._residual(model_fn(m.inputs, m.task), m) for m in self.memories]
+
+    def _residual(self, f: Tensor, m: MemorableSet) -> Tensor:
+        p = self.likelihood.inverse_link(f).double()
+        c = m.targets.shape[1]
+        if p.shape[1] < c:
+            raise ValueError(
+                f"the head of task {m.task} has {p.shape[1]} outputs, fewer than the "
+                f"{c} it had when its memorable set was stored"
+            )
+        return p[:, :c] - m.targets
 
     def penalty(self, model_fn: ModelFn | nn.Module) -> Tensor:
         """``R(w) = 1/2 sum_s r_s^T K_s^{-1} r_s``, a differentiable scalar.
@@ -330,7 +341,9 @@ class FROMPRegularizer:
         """
         if not self.memories:
             return torch.zeros(())
-        if isinstance(model_fn, nn.Module):
+        if isinstance(model_fn, nn.Module) and takes_task_labels(model_fn):
+            residuals = self.residuals(task_fn(model_fn))  # heads may differ in width
+        elif isinstance(model_fn, nn.Module):
             residuals = self._residuals_batched(model_fn)
         else:
             residuals = self.residuals(model_fn)
@@ -373,8 +386,9 @@ class FROMPRegularizer:
             f = model(x, task=task)
         else:
             f = model(x)
-        p = self.likelihood.inverse_link(f).double()
-        return [pi - m.targets for pi, m in zip(p.split(self._cache["sizes"]), self.memories)]
+        return [
+            self._residual(fi, m) for fi, m in zip(f.split(self._cache["sizes"]), self.memories)
+        ]
 
     # ------------------------------------------------------------------------- state
     def state_dict(self) -> dict:

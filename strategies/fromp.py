@@ -24,7 +24,6 @@ head.
 
 from __future__ import annotations
 
-import time
 import warnings
 from typing import Any
 
@@ -32,144 +31,59 @@ import torch
 from avalanche.core import SupervisedPlugin
 from torch import Tensor, nn
 
-from fromp._checks import check_batch, check_vector, device_dtype
-from fromp.curvature import diag_ggn, diag_ggn_linear
-from fromp.jacobian import flat_params, num_params
-from fromp.memorable import select_memorable
-from fromp.models import with_task
-from fromp.posterior import DiagonalGaussian
-from fromp.regularizer import FROMPRegularizer
+from fromp.methods import FROMPMethod, to_flat
 from strategies.benchmarks import experience_tensors
-from strategies.models import Named, by_name, unwrap
+from strategies.models import unwrap
 from strategies.template import MethodStrategy
 
 __all__ = ["FROMP", "FROMPPlugin", "experience_tensors"]
 
-_SELECT = ("descending", "ascending", "random", "sensitivity")
-_POSTERIORS = ("ggn", "vogn", "ivon")
-_IVON_PENALTY = ("mean", "sample")
-
-
-def _flat(value: Tensor | Named, net: nn.Module | None, fill: float) -> Tensor:
-    """``value`` (a dict by parameter name; a flat vector is returned as it is) as one ``[P]``
-    vector in ``net``'s parameter order, ``fill`` for parameters it lacks (default: the
-    dict's order)."""
-    if isinstance(value, Tensor):
-        return value
-    if net is None:
-        return torch.cat([v.reshape(-1) for v in value.values()])
-    ref = next(iter(value.values()))
-    return torch.cat(
-        [
-            value[n].reshape(-1)
-            if n in value
-            else torch.full((p.numel(),), fill, dtype=ref.dtype, device=ref.device)
-            for n, p in net.named_parameters()
-            if p.requires_grad
-        ]
-    )
-
 
 class FROMPPlugin(SupervisedPlugin):
-    """The FROMP method state and hooks; see the module docstring.
+    """FROMP as an Avalanche plugin: a thin driver of a :class:`fromp.methods.FROMPMethod`.
 
-    Args:
-        tau: weight of the functional regulariser in the loss.
-        n_points: memorable points per task (the paper's setting: 40 on split MNIST, 200 on
-            permuted MNIST and split CIFAR), split evenly over the task's classes.
-        kernel: ``"per_class"`` (FROMP), ``"joint"`` or ``"identity"`` (FROMP-L2).
-        select: ``"descending"`` (largest ``tr Lambda``, FROMP), ``"ascending"``,
-            ``"random"`` or ``"sensitivity"`` (largest memory-perturbation sensitivity
-            ``sum_k |e_k lambda_k v_k|`` under the task's posterior ``N(w, Sigma)``, see
-            :mod:`fromp.sensitivity`; ``Sigma`` is computed first, then the points).
-        prior_precision: ``delta`` in ``Sigma = 1 / (G + delta)``.
-        jitter: added to the kernels' diagonals before the Cholesky factorisation.
-        grad_clip_norm: clip the total gradient norm at ``tau * grad_clip_norm`` (None: no
-            clipping; ``grad_clip_norm`` when ``tau = 0``).
-        posterior: ``"ggn"``: ``Sigma = 1 / (G + prior_precision)`` with ``G`` the running
-            sum of the exact diagonal GGN over tasks; ``"vogn"``: the optimizer is a
-            :class:`fromp.optim.VOGN` driven by :class:`strategies.vogn.VOGNPlugin` and
-            ``Sigma`` is the variance of its posterior at the end of the task (no GGN pass;
-            the regulariser's gradient enters VOGN's mean gradient only, its curvature
-            uses the data loss only); ``"ivon"``: the same with a
-            :class:`fromp.optim.IVON` driven by :class:`strategies.ivon.IVONPlugin`
-            (``Sigma = 1 / (N (h + delta))``; see ``ivon_penalty``).
-        curvature_examples: use at most this many (random) training examples of a task for
-            its GGN, rescaled to the task size (None: all, as in the paper).
-        chunk_size: examples per Jacobian chunk for the GGN and kernels.
-        likelihood: the likelihood's name (``"categorical"``: softmax heads), for the
-            memorability scores, the GGN and the kernels' ``p = inverse_link(f)``.
-        seed: seeds the generator for ``select="random"`` and ``curvature_examples``.
-        ivon_penalty: where IVON evaluates the regulariser (``posterior="ivon"``):
-            ``"mean"`` (default): at the mean ``m`` of IVON's posterior, as FROMP defines it
-            (a penalty on the mean function ``f(x; m)``), its gradient added to IVON's
-            gradient estimate only (:meth:`fromp.optim.IVON.add_gradient`); the data loss
-            alone is evaluated at the sampled weights and feeds IVON's Hessian estimate.
-            ``"sample"``: in the loss at IVON's sampled weights, so that it enters both
-            IVON's gradient and its Hessian estimate (and its value carries the sampling
-            noise of the functions on the memorable points, about ``M C / 2``).
+    ``before_backward`` adds ``tau * R(w)`` to the loss; ``after_training_exp`` calls
+    :meth:`~fromp.methods.FROMPMethod.learn_task` with the experience's data, task label
+    and ``current_experience`` key (training the same experience again replaces its
+    memorable set and GGN term). Works with plain modules, :mod:`fromp` models and
+    Avalanche ``MultiTaskModule``s (``forward(x, task_labels)``). The method's attributes
+    (``regularizer``, ``ggn_sum``, ``tasks_done``, ...) are readable on the plugin.
+
+    Args: those of :class:`fromp.methods.FROMPMethod`.
     """
 
-    def __init__(
-        self,
-        tau: float = 10.0,
-        n_points: int = 40,
-        *,
-        kernel: str = "per_class",
-        select: str = "descending",
-        prior_precision: float = 1e-3,
-        jitter: float = 1e-6,
-        grad_clip_norm: float | None = None,
-        posterior: str = "ggn",
-        curvature_examples: int | None = None,
-        chunk_size: int = 64,
-        likelihood: str = "categorical",
-        seed: int = 0,
-        ivon_penalty: str = "mean",
-    ) -> None:
+    def __init__(self, tau: float = 10.0, n_points: int = 40, **kwargs: Any) -> None:
         super().__init__()
-        if not tau >= 0:
-            raise ValueError(f"tau must be >= 0, got {tau!r}")
-        if not isinstance(n_points, int) or n_points < 1:
-            raise ValueError(f"n_points must be a positive int, got {n_points!r}")
-        if select not in _SELECT:
-            raise ValueError(f"select must be one of {_SELECT}, got {select!r}")
-        if not prior_precision > 0:
-            raise ValueError(f"prior_precision must be > 0, got {prior_precision!r}")
-        if grad_clip_norm is not None and not grad_clip_norm > 0:
-            raise ValueError(f"grad_clip_norm must be > 0 or None, got {grad_clip_norm!r}")
-        if posterior not in _POSTERIORS:
-            raise ValueError(f"posterior must be one of {_POSTERIORS}, got {posterior!r}")
-        if ivon_penalty not in _IVON_PENALTY:
-            raise ValueError(f"ivon_penalty must be one of {_IVON_PENALTY}, got {ivon_penalty!r}")
-        if curvature_examples is not None and curvature_examples < 1:
-            raise ValueError(f"curvature_examples must be >= 1 or None, got {curvature_examples}")
-        self.tau = float(tau)
-        self.n_points = n_points
-        self.select = select
-        self.prior_precision = float(prior_precision)
-        self.grad_clip_norm = grad_clip_norm
-        self.posterior = posterior
-        self.ivon_penalty = ivon_penalty
-        self.curvature_examples = curvature_examples
-        self.chunk_size = chunk_size
-        self.likelihood = likelihood
-        self.regularizer = FROMPRegularizer(
-            kernel, likelihood, jitter=jitter, chunk_size=chunk_size
-        )
-        self.generator = torch.Generator().manual_seed(seed)
-        # by parameter name: running sum of the tasks' diagonal GGNs (posterior="ggn"), or
-        # the optimizer's posterior variance after the last task ("vogn", "ivon")
-        self.ggn_sum: Named | None = None
-        self.optimizer_variance: Named | None = None
-        self.tasks_done = 0
-        self.timings: list[dict[str, float]] = []
-        self.last_penalty: float = 0.0
+        self.method = FROMPMethod(tau, n_points, **kwargs)
+        self._last_penalty: Tensor | None = None
 
-    # ---------------------------------------------------------------------- helpers
+    def __setattr__(self, name: str, value: Any) -> None:
+        # settings and state live on the method: plugin.x = v sets method.x
+        method = self.__dict__.get("method")
+        if method is not None and name not in ("method", "_last_penalty") and hasattr(method, name):
+            setattr(method, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "method":  # not set yet (e.g. during unpickling)
+            raise AttributeError(name)
+        return getattr(self.method, name)
+
     @property
-    def kernel(self) -> str:
-        return self.regularizer.kernel
+    def last_penalty(self) -> float:
+        """``R(w)`` of the last training step (read as a float here only, so that training
+        itself never waits for the device)."""
+        return 0.0 if self._last_penalty is None else float(self._last_penalty)
+
+    def posterior_variance(self, net: nn.Module | None = None) -> Tensor:
+        return self.method.posterior_variance(net)
+
+    def penalty(self, net: nn.Module) -> Tensor:
+        return self.method.penalty(net)
+
+    def learn_task(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        return self.method.learn_task(*args, **kwargs)
 
     @property
     def curvature(self) -> Tensor | None:
@@ -182,128 +96,9 @@ class FROMPPlugin(SupervisedPlugin):
             DeprecationWarning,
             stacklevel=2,
         )
-        state = self.ggn_sum if self.posterior == "ggn" else self.optimizer_variance
-        return None if state is None else _flat(state, None, 0.0)
-
-    def posterior_variance(self, net: nn.Module | None = None) -> Tensor:
-        """``Sigma`` ``[P]``: ``1 / (G + prior_precision)`` for ``posterior="ggn"`` (``G``
-        the running GGN sum); for ``"vogn"`` / ``"ivon"`` the variance of the optimizer's
-        posterior stored after the last task. In ``net``'s parameter order when given (a
-        parameter added since, e.g. a new head, gets the prior variance
-        ``1 / prior_precision``), else in the order the state was stored."""
-        state = self.ggn_sum if self.posterior == "ggn" else self.optimizer_variance
-        if state is None:
-            raise RuntimeError("no task has been learnt yet")
-        if self.posterior != "ggn":
-            return _flat(state, net, 1.0 / self.prior_precision)
-        return 1.0 / (_flat(state, net, 0.0) + self.prior_precision)
-
-    def penalty(self, net: nn.Module) -> Tensor:
-        """``R(w)`` on the memorable past (eval mode for the forward passes)."""
-        was_training = net.training
-        net.eval()
-        try:
-            return self.regularizer.penalty(net)
-        finally:
-            net.train(was_training)
-
-    def learn_task(
-        self,
-        net: nn.Module,
-        x: Tensor,
-        y: Tensor,
-        task: int,
-        posterior_variance: Tensor | None = None,
-    ) -> dict[str, float]:
-        """Everything done after a task: select its memorable points, add its GGN (or,
-        for ``posterior="vogn"`` or ``"ivon"``, store ``posterior_variance``), rebuild the
-        kernels.
-        ``net`` is the :mod:`fromp` model, ``x, y`` the task's training data, ``task`` its
-        head. Returns the wall times of the three steps (seconds)."""
-        if (posterior_variance is None) != (self.posterior == "ggn"):
-            raise ValueError("posterior_variance must be given iff posterior is not 'ggn'")
-        check_batch(x, "x")
-        if posterior_variance is not None:
-            check_vector(posterior_variance, num_params(net), "posterior_variance", positive=True)
-        was_training = net.training
-        net.eval()
-        device, _ = device_dtype(net)
-        head = with_task(net, task)
-        times = {"select_s": 0.0, "curvature_s": 0.0, "kernel_s": 0.0}
-        try:
-            classes = sorted(int(c) for c in y.unique())
-            per_class = self.n_points // len(classes)
-            if per_class < 1:
-                raise ValueError(
-                    f"n_points={self.n_points} is fewer than the task's {len(classes)} classes"
-                )
-            sensitivity = self.select == "sensitivity"
-            q = None
-            if sensitivity:  # the points need this task's posterior: curvature first
-                t0 = time.perf_counter()
-                self._add_curvature(net, head, x, device, posterior_variance)
-                times["curvature_s"] = time.perf_counter() - t0
-                q = DiagonalGaussian(flat_params(net), self.posterior_variance(net).reciprocal())
-            t0 = time.perf_counter()
-            idx = select_memorable(
-                head,
-                x.to(device) if sensitivity else x,
-                y,
-                self.likelihood,
-                per_class,
-                order=self.select,
-                classes=classes,
-                generator=self.generator,
-                posterior=q,
-                chunk_size=self.chunk_size,
-            )
-            times["select_s"] = time.perf_counter() - t0
-            if not sensitivity:
-                t0 = time.perf_counter()
-                self._add_curvature(net, head, x, device, posterior_variance)
-                times["curvature_s"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            variance = self.posterior_variance(net)
-            self.regularizer.add_task(net, x[idx].to(device), task, variance)
-            times["kernel_s"] = time.perf_counter() - t0
-        finally:
-            net.train(was_training)
-        self.tasks_done += 1
-        self.timings.append(times)
-        return times
-
-    def _add_curvature(
-        self,
-        net: nn.Module,
-        head: nn.Module,
-        x: Tensor,
-        device: torch.device,
-        posterior_variance: Tensor | None,
-    ) -> None:
-        """Store ``posterior_variance`` (optimizer posteriors) or add the task's diagonal GGN
-        (on at most ``curvature_examples`` examples, rescaled) to the running sum, both by
-        parameter name (a parameter new since the last task starts from zero)."""
-        if posterior_variance is not None:
-            self.optimizer_variance = by_name(net, posterior_variance.to(device))
-            return
-        xc, scale = x, 1.0
-        if self.curvature_examples is not None and self.curvature_examples < len(x):
-            sub = torch.randperm(len(x), generator=self.generator)
-            xc, scale = x[sub[: self.curvature_examples]], len(x) / self.curvature_examples
-        ggn = by_name(net, scale * self._diag_ggn(head, xc, device))
-        if self.ggn_sum is not None:
-            old = by_name(net, self.ggn_sum)
-            ggn = {n: old[n] + g if n in old else g for n, g in ggn.items()}
-        self.ggn_sum = ggn
-
-    def _diag_ggn(self, head: nn.Module, x: Tensor, device: torch.device) -> Tensor:
-        """Exact diagonal GGN of ``x``: the batched linear-layer formula for MLPs, per-example
-        Jacobians (:func:`fromp.curvature.diag_ggn`) otherwise."""
-        batches = ((x[s : s + 1024].to(device),) for s in range(0, len(x), 1024))
-        try:
-            return diag_ggn_linear(head, batches, self.likelihood)
-        except ValueError:
-            return diag_ggn(head, x.to(device), self.likelihood, chunk_size=self.chunk_size)
+        m = self.method
+        state = m.ggn_sum if m.posterior == "ggn" else m.optimizer_variance
+        return None if state is None else to_flat(state, None, 0.0)
 
     # ------------------------------------------------------------------------ hooks
     @property
@@ -314,7 +109,7 @@ class FROMPPlugin(SupervisedPlugin):
         if len(self.regularizer) == 0 or self.tau == 0 or self._penalty_at_mean:
             return
         pen = self.penalty(unwrap(strategy.model))
-        self.last_penalty = float(pen.detach())
+        self._last_penalty = pen.detach()
         strategy.loss = strategy.loss + self.tau * pen.to(strategy.loss.dtype)
 
     def before_update(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
@@ -344,7 +139,7 @@ class FROMPPlugin(SupervisedPlugin):
         with torch.enable_grad():
             pen = self.penalty(unwrap(strategy.model))
             grads = torch.autograd.grad(self.tau * pen, params, allow_unused=True)
-        self.last_penalty = float(pen.detach())
+        self._last_penalty = pen.detach()
         opt.add_gradient(grads)
 
     def after_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
@@ -366,61 +161,20 @@ class FROMPPlugin(SupervisedPlugin):
             if opt.sampled:
                 opt.restore(accumulate=False)  # the model holds the posterior mean
             variance = opt.posterior(net).variance
-        self.learn_task(net, x, y, int(tasks[0]), variance)
+        self.method.learn_task(
+            net, x, y, int(tasks[0]), variance, experience=int(exp.current_experience)
+        )
 
     # ------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """All method state: settings, curvature sum, memorable sets with targets and
-        Cholesky factors, task counter, RNG state, timings."""
-        return {
-            "tau": self.tau,
-            "n_points": self.n_points,
-            "select": self.select,
-            "prior_precision": self.prior_precision,
-            "grad_clip_norm": self.grad_clip_norm,
-            "posterior": self.posterior,
-            "ivon_penalty": self.ivon_penalty,
-            "curvature_examples": self.curvature_examples,
-            "chunk_size": self.chunk_size,
-            "likelihood": self.likelihood,
-            "ggn_sum": self.ggn_sum,
-            "optimizer_variance": self.optimizer_variance,
-            "regularizer": self.regularizer.state_dict(),
-            "tasks_done": self.tasks_done,
-            "generator": self.generator.get_state(),
-            "timings": list(self.timings),
-        }
+        """The method's state (:meth:`fromp.methods.FROMPMethod.state_dict`)."""
+        return self.method.state_dict()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (e.g. in a fresh process after a checkpoint)."""
-        for key in (
-            "tau",
-            "n_points",
-            "select",
-            "prior_precision",
-            "grad_clip_norm",
-            "posterior",
-            "ivon_penalty",
-            "curvature_examples",
-            "chunk_size",
-            "likelihood",
-            "tasks_done",
-        ):
-            if key in state:
-                setattr(self, key, state[key])
-        self.ggn_sum, self.optimizer_variance = (
-            state.get("ggn_sum"),
-            state.get("optimizer_variance"),
-        )
-        if "curvature" in state:  # flat [P] state of older checkpoints
-            if self.posterior != "ggn":
-                self.optimizer_variance = state["curvature"]
-            else:
-                self.ggn_sum = state["curvature"]
-        self.regularizer.load_state_dict(state["regularizer"])
-        if "generator" in state:
-            self.generator.set_state(state["generator"])
-        self.timings = list(state.get("timings", []))
+    def load_state_dict(
+        self, state: dict[str, Any], *, device: torch.device | str | None = None
+    ) -> None:
+        """Restore :meth:`state_dict`, tensors moved to ``device`` when given."""
+        self.method.load_state_dict(state, device=device)
 
 
 class FROMP(MethodStrategy):

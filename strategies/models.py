@@ -5,13 +5,10 @@ from __future__ import annotations
 from avalanche.models import MultiTaskModule
 from torch import Tensor, nn
 
-from fromp.jacobian import unflatten
+from fromp.methods import Named, by_name
 from fromp.models import MultiHeadModel
 
 __all__ = ["AvalancheMultiHead", "Named", "as_avalanche_model", "by_name", "unwrap"]
-
-#: Per-parameter state: ``{parameter name: tensor of the parameter's shape}``.
-Named = dict[str, Tensor]
 
 
 class AvalancheMultiHead(MultiTaskModule):
@@ -47,12 +44,3 @@ def as_avalanche_model(net: nn.Module) -> nn.Module:
 def unwrap(model: nn.Module) -> nn.Module:
     """The :mod:`fromp` model inside an Avalanche adapter (or ``model`` itself)."""
     return model.net if isinstance(model, AvalancheMultiHead) else model
-
-
-def by_name(net: nn.Module, value: Tensor | Named) -> Named:
-    """Per-parameter state of ``net`` as detached clones keyed by parameter name: a flat
-    ``[P]`` vector (trainable parameters in ``named_parameters()`` order, the layout of older
-    checkpoints) is split by parameter; a dict is copied as it is."""
-    if isinstance(value, Tensor):
-        value = unflatten(net, value.detach())
-    return {n: v.detach().clone() for n, v in value.items()}

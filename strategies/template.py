@@ -12,9 +12,15 @@ from avalanche.training.plugins.evaluation import default_evaluator
 from avalanche.training.templates import SupervisedTemplate
 from torch import nn
 
+from fromp.models import is_multitask, with_task
 from fromp.posterior import DiagonalGaussian
 
-__all__ = ["MethodStrategy", "PosteriorOptimizerPlugin", "require_optimizer_on"]
+__all__ = [
+    "MethodStrategy",
+    "PosteriorOptimizerPlugin",
+    "check_labels_fit",
+    "require_optimizer_on",
+]
 
 
 class MethodStrategy(SupervisedTemplate):
@@ -66,6 +72,43 @@ class MethodStrategy(SupervisedTemplate):
             evaluator=evaluator,
             eval_every=eval_every,
             **base_kwargs,
+        )
+
+    def _before_training_exp(self, **kwargs: Any) -> None:
+        super()._before_training_exp(**kwargs)
+        check_labels_fit(self.model, self.experience, self.device)
+
+
+def check_labels_fit(model: nn.Module, experience: Any, device: Any = "cpu") -> None:
+    """Refuse (``ValueError``, before any training) an experience whose class labels do not
+    index the model's outputs for its task: e.g. Avalanche's default global labels (2, 3 for
+    the second split-MNIST task) with a fixed two-unit head per task. Heads that grow with
+    the labels (Avalanche's ``MultiHeadClassifier`` / ``IncrementalClassifier``) pass."""
+    classes = getattr(experience, "classes_in_this_experience", None)
+    if not classes:
+        return
+    dataset = experience.dataset
+    if len(dataset) == 0:
+        return
+    item = dataset[0]
+    x = item[0].unsqueeze(0).to(device)
+    task = int(item[2]) if len(item) > 2 else 0
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = with_task(model, task if is_multitask(model) else None)(x)
+    finally:
+        model.train(was_training)
+    width = out.shape[-1]
+    if max(classes) >= width:
+        raise ValueError(
+            f"experience {experience.current_experience} has class labels "
+            f"{sorted(classes)} but the model's output for task {task} has {width} units: "
+            "build the benchmark with class_ids_from_zero_in_each_exp=True (e.g. "
+            "SplitMNIST(n_experiences=5, return_task_id=True, "
+            "class_ids_from_zero_in_each_exp=True)), or use heads that grow with the labels "
+            "(avalanche.models.MultiHeadClassifier)"
         )
 
 

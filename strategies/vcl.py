@@ -38,11 +38,13 @@ from torch import Tensor, nn
 
 from fromp.bayesian import BayesLayer, BayesMultiHeadModel, to_bayesian
 from fromp.coreset import select_coreset
+from fromp.models import MultiHeadModel, is_multitask, with_task
+from fromp.vcl import MeanFieldTwin
 from strategies.benchmarks import experience_tensors
 from strategies.models import as_avalanche_model, unwrap
 from strategies.template import MethodStrategy
 
-__all__ = ["VCL", "VCLPlugin"]
+__all__ = ["VCL", "VCLPlugin", "VCLTwinPlugin"]
 
 
 def __getattr__(name: str) -> object:
@@ -295,6 +297,99 @@ class VCLPlugin(SupervisedPlugin):
         self.seed = int(state.get("seed", self.seed))
 
 
+class VCLTwinPlugin(SupervisedPlugin):
+    """VCL on any model through a :class:`fromp.vcl.MeanFieldTwin` (see that module).
+
+    ``before_training_exp``: on the first task, a maximum-likelihood fit of the means
+    (``ml_init_epochs`` epochs of Adam); ``before_backward``: adds ``KL(q || q_{t-1}) / N_t``;
+    ``after_training_exp``: the posterior becomes the prior, the optimizer state is reset
+    (a fresh Adam per task, as in the reference code). No coresets on this path.
+
+    Args:
+        twin: the twin of the strategy's model (the strategy's ``model``).
+        train_samples, test_samples, ml_init_epochs, ml_lr: as in :class:`VCLPlugin`.
+    """
+
+    def __init__(
+        self,
+        twin: MeanFieldTwin,
+        *,
+        train_samples: int = 10,
+        test_samples: int = 100,
+        ml_init_epochs: int | None = None,
+        ml_lr: float | None = None,
+        seed: int | None = None,
+    ) -> None:
+        super().__init__()
+        if train_samples < 1 or test_samples < 1:
+            raise ValueError(
+                f"train_samples and test_samples must be >= 1, got {train_samples}, {test_samples}"
+            )
+        if ml_init_epochs is not None and ml_init_epochs < 0:
+            raise ValueError(f"ml_init_epochs must be >= 0 or None, got {ml_init_epochs}")
+        self.net = twin
+        self.train_samples, self.test_samples = int(train_samples), int(test_samples)
+        self.ml_init_epochs, self.ml_lr = ml_init_epochs, ml_lr
+        self.seed = int(torch.randint(0, 2**31 - 1, ()).item()) if seed is None else int(seed)
+        self.task_count = 0
+        self.n_train = 1
+
+    def before_training_exp(self, strategy, **kwargs):
+        self.n_train = len(strategy.adapted_dataset)
+        epochs = strategy.train_epochs if self.ml_init_epochs is None else self.ml_init_epochs
+        if self.task_count == 0 and epochs > 0:
+            x, y, t = _train_tensors(strategy.adapted_dataset)
+            self._ml_fit(strategy, x, y, int(t[0]), epochs)
+
+    def _ml_fit(self, strategy, x: Tensor, y: Tensor, task: int, epochs: int) -> None:
+        """Maximum-likelihood fit of the means (the plain model) before task 1."""
+        model = self.net.model
+        head = with_task(model, task if is_multitask(model) else None)
+        lr = float(
+            self.ml_lr if self.ml_lr is not None else strategy.optimizer.param_groups[0]["lr"]
+        )
+        opt = torch.optim.Adam(model.parameters(), lr=lr)
+        g = torch.Generator().manual_seed(self.seed)
+        bs, device = strategy.train_mb_size, strategy.device
+        was_training = model.training
+        model.train()
+        with torch.enable_grad():
+            for _ in range(epochs):
+                perm = torch.randperm(len(x), generator=g)
+                for s in range(0, len(x), bs):
+                    i = perm[s : s + bs]
+                    loss = F.cross_entropy(head(x[i].to(device)), y[i].to(device))
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+        model.train(was_training)
+
+    def before_backward(self, strategy, **kwargs):
+        strategy.loss += self.net.kl() / self.n_train
+
+    def after_training_exp(self, strategy, **kwargs):
+        self.net.set_prior_from_posterior()
+        self.task_count += 1
+        strategy.optimizer.state = defaultdict(dict)
+
+    def state_dict(self) -> dict:
+        """The twin's means, log-variances and priors, and the task counter (on the CPU)."""
+        return {
+            "net": {k: v.detach().cpu().clone() for k, v in self.net.state_dict().items()},
+            **self.net.method_state(),
+            "task_count": self.task_count,
+            "seed": self.seed,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` into the twin (which must have the same parameters:
+        resume after the model's adaptation to the same experiences)."""
+        self.net.load_state_dict(state["net"])
+        self.net.load_method_state(state)
+        self.task_count = int(state["task_count"])
+        self.seed = int(state.get("seed", self.seed))
+
+
 class VCL(MethodStrategy):
     """VCL (``coreset_size=0``) and VCL + coreset as an Avalanche strategy.
 
@@ -334,6 +429,35 @@ class VCL(MethodStrategy):
         **template_kwargs: Any,
     ) -> None:
         net = unwrap(model)
+        self._twin: MeanFieldTwin | None = None
+        if not isinstance(net, MultiHeadModel):  # any other module: a mean-field twin
+            twin = MeanFieldTwin(model, prior_var=prior_var, init_logvar=init_logvar)
+            if len(optimizer.param_groups) != 1:
+                raise ValueError(
+                    "optimizer must have a single parameter group (it is re-pointed at the "
+                    f"twin's means and log-variances), got {len(optimizer.param_groups)}"
+                )
+            if coreset_size:
+                raise ValueError(
+                    "coreset_size must be 0 for a model that is not a fromp MultiHeadModel "
+                    "(coresets are implemented for fromp models only)"
+                )
+            optimizer.param_groups[0]["params"] = list(twin.parameters())
+            optimizer.state = defaultdict(dict)
+            self._twin = twin
+            plugin = VCLTwinPlugin(
+                twin,
+                train_samples=train_samples,
+                test_samples=test_samples,
+                ml_init_epochs=ml_init_epochs,
+                ml_lr=ml_lr,
+                seed=seed,
+            )
+            super().__init__(
+                method_plugins=[plugin], model=twin, optimizer=optimizer, **template_kwargs
+            )
+            self._mc_logits = None
+            return
         if not isinstance(net, BayesMultiHeadModel):
             net = to_bayesian(net, prior_var=prior_var, init_logvar=init_logvar)
             if mean_init_std is not None:
@@ -370,17 +494,34 @@ class VCL(MethodStrategy):
         self._mc_logits: Tensor | None = None
 
     @property
-    def net(self) -> BayesMultiHeadModel:
-        """The Bayesian network."""
+    def net(self) -> BayesMultiHeadModel | MeanFieldTwin:
+        """The Bayesian network (a :class:`fromp.vcl.MeanFieldTwin` for other models)."""
         return self.plugin.net
+
+    def model_adaptation(self, model: nn.Module | None = None) -> nn.Module:
+        """Avalanche's adaptation (new heads or units), then the twin's log-variances and
+        priors for the new parameters (before Avalanche updates the optimizer)."""
+        model = super().model_adaptation(model)
+        if self._twin is not None:
+            self._twin.sync()
+        return model
 
     def forward(self) -> Tensor:
         """``log(mean_s softmax(f_s(x)))`` ``[N, K]`` over ``train_samples`` (training) or
         ``test_samples`` (evaluation) weight samples."""
         net = self.plugin.net
-        task = _head_arg(self.mb_task_id, net)
         s = self.plugin.train_samples if self.is_training else self.plugin.test_samples
-        logits = net(self.mb_x, task, n_samples=s)  # S, N, K
+        if self._twin is not None:
+            task = None
+            if is_multitask(self._twin.model):
+                t = self.mb_task_id
+                if t.numel() and not bool((t == t[0]).all()):
+                    raise ValueError("a mini-batch must hold one task label for VCL on this model")
+                task = int(t[0])
+            logits = self._twin.sample_logits(self.mb_x, task, s)
+        else:
+            task = _head_arg(self.mb_task_id, net)
+            logits = net(self.mb_x, task, n_samples=s)  # S, N, K
         self._mc_logits = logits if self.is_training else None
         return torch.logsumexp(logits.log_softmax(-1), dim=0) - torch.log(
             torch.tensor(float(s), dtype=logits.dtype, device=logits.device)

@@ -157,3 +157,57 @@ def test_defaults_follow_the_contract():
     for bench in ("split-mnist", "permuted-mnist", "split-cifar", "split-fashion-mnist"):
         d = SETTINGS["ewc"][bench]
         assert {"optimizer", "lr", "train_epochs", "train_mb_size", "kwargs"} <= set(d)
+
+
+def _task_data(t: int, n: int = 10):
+    g = torch.Generator().manual_seed(10 + t)
+    return torch.rand(n, 6, dtype=torch.float64, generator=g), torch.randint(
+        0, 3, (n,), generator=g
+    )
+
+
+def _exp(x, y, t):
+    from types import SimpleNamespace
+
+    from torch.utils.data import TensorDataset
+
+    ds = TensorDataset(x, y, torch.full((len(x),), t))
+    return SimpleNamespace(experience=SimpleNamespace(dataset=ds))
+
+
+def test_fisher_of_task_t_goes_through_head_t():
+    """Learning task 2 of a three-head model stores the Fisher of head 2 (brute force), so
+    heads 0 and 1 get zero importance and head 2 a positive one: using another head for
+    task ``t``'s Fisher fails here."""
+    torch.manual_seed(0)
+    net = MultiHeadMLP(6, (5,), n_heads=3, head_size=3).double()
+    plugin = EWCPlugin(net, 1.0, fisher="exact")
+    x, y = _task_data(2)
+    plugin.after_training_exp(_exp(x, y, 2))
+    expected = _brute_force(net, x, y, 2, "true")
+    got = torch.cat([plugin.importances[0][n].reshape(-1) for n, _ in net.named_parameters()])
+    torch.testing.assert_close(got, expected)
+    for h in (0, 1):
+        assert all(
+            float(plugin.importances[0][f"heads.{h}.{k}"].abs().sum()) == 0
+            for k in "weight bias".split()
+        )
+    assert float(plugin.importances[0]["heads.2.weight"].abs().sum()) > 0
+
+
+def test_online_decay_is_applied_once_per_new_task():
+    """Online EWC after three tasks at fixed weights: ``F~ = g^2 F_0 + g F_1 + F_2`` exactly,
+    each ``F_t`` through head ``t``; decaying one time too many or too few fails here."""
+    torch.manual_seed(0)
+    net = MultiHeadMLP(6, (5,), n_heads=3, head_size=3).double()
+    gamma = 0.5
+    plugin = EWCPlugin(net, 1.0, mode="online", decay_factor=gamma, fisher="exact")
+    fishers = []
+    for t in range(3):
+        x, y = _task_data(t)
+        fishers.append(plugin.fisher_diagonal(x, y, t))
+        plugin.after_training_exp(_exp(x, y, t))
+        expected = sum(gamma ** (t - s) * f for s, f in enumerate(fishers))
+        got = torch.cat([plugin.importances[0][n].reshape(-1) for n, _ in net.named_parameters()])
+        assert len(plugin.importances) == 1 and len(plugin.anchors) == 1
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=0)

@@ -226,3 +226,20 @@ def test_sensitivity_selection_uses_the_task_posterior_after_tasks_1_to_3():
         mem = strategy.plugin.regularizer.memories[t]
         assert mem.task == t
         torch.testing.assert_close(mem.inputs, x[want])
+
+
+def test_training_the_same_experience_twice_is_idempotent():
+    """Training experience 0 again replaces its GGN term and memorable set: the GGN sum is
+    not doubled and the memorable set not duplicated (weights kept fixed by lr=0)."""
+    seq = synthetic_split(n_tasks=2, input_shape=(1, 6, 6), n_train=32, n_test=8)
+    net = MultiHeadMLP(36, (8,), n_heads=2, head_size=2)
+    strategy = _fromp(net, lr=0.0, epochs=1, tau=1.0, n_points=4)
+    exp0 = to_avalanche(seq).train_stream[0]
+    strategy.train(exp0)
+    plugin = strategy.plugin
+    var_once = plugin.posterior_variance(net).clone()
+    inputs_once = plugin.regularizer.memories[0].inputs.clone()
+    strategy.train(exp0)
+    assert len(plugin.regularizer) == 1 and plugin.regularizer.num_points == 4
+    torch.testing.assert_close(plugin.posterior_variance(net), var_once, rtol=0, atol=0)
+    torch.testing.assert_close(plugin.regularizer.memories[0].inputs, inputs_once)

@@ -1,0 +1,659 @@
+"""Continual-learning methods as plain objects for any PyTorch training loop.
+
+Each object holds one method's state and maths and knows nothing of Avalanche (the
+Avalanche plugins of :mod:`strategies` only call it from their hooks):
+
+* :class:`FROMPMethod`: FROMP (Pan et al., NeurIPS 2020), per-experience memorable sets,
+  kernels and the running GGN sum; :meth:`FROMPMethod.penalty` is the loss term.
+* :class:`EWCMethod`: EWC (Kirkpatrick et al., 2017) with a per-example Fisher diagonal
+  keyed by parameter name.
+
+Models: a plain ``x -> logits`` module (one head), a :mod:`fromp` multi-head model
+(``model(x, task=t)``), or a module whose ``forward(x, task_labels)`` takes the task label
+(Avalanche's ``MultiTaskModule`` convention, e.g. ``MTSimpleMLP`` with a
+``MultiHeadClassifier``); see :func:`fromp.models.with_task`. Everything computed for task
+``t`` (memorable points, targets, kernels, GGN, Fisher) goes through head ``t``. State is
+keyed by parameter name; a parameter that grows (an incremental classifier adding output
+units) keeps its old entries in the leading slice and new entries start from the prior.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from fromp._checks import check_batch, check_vector, device_dtype
+from fromp.curvature import diag_ef, diag_fisher, diag_ggn, diag_ggn_linear
+from fromp.jacobian import flat_params, num_params, unflatten
+from fromp.likelihood import Likelihood, get_likelihood
+from fromp.memorable import select_memorable
+from fromp.models import is_multitask, with_task
+from fromp.posterior import DiagonalGaussian
+from fromp.regularizer import FROMPRegularizer
+
+__all__ = ["EWCMethod", "FROMPMethod", "Named", "by_name", "ewc_penalty", "fit_shape", "to_flat"]
+
+#: Per-parameter state: ``{parameter name: tensor of the parameter's shape}``.
+Named = dict[str, Tensor]
+
+_SELECT = ("descending", "ascending", "random", "sensitivity")
+_POSTERIORS = ("ggn", "vogn", "ivon")
+_IVON_PENALTY = ("mean", "sample")
+_FISHERS = ("sampled", "empirical", "exact")
+
+
+def by_name(net: nn.Module, value: Tensor | Named) -> Named:
+    """Per-parameter state of ``net`` as detached clones keyed by parameter name: a flat
+    ``[P]`` vector (trainable parameters in ``named_parameters()`` order) is split by
+    parameter; a dict is copied as it is."""
+    if isinstance(value, Tensor):
+        value = unflatten(net, value.detach())
+    return {n: v.detach().clone() for n, v in value.items()}
+
+
+def fit_shape(v: Tensor, shape: torch.Size | tuple[int, ...], fill: float) -> Tensor:
+    """``v`` in ``shape``: ``v`` itself when the shapes agree, else a tensor of ``fill``
+    with ``v`` in its leading slice (a parameter that grew, e.g. a classifier's weight
+    ``[C, D] -> [C', D]`` after new classes). Refuses a parameter that shrank."""
+    if v.shape == shape:
+        return v
+    if v.ndim != len(shape) or any(a > b for a, b in zip(v.shape, shape)):
+        raise ValueError(
+            f"stored state of shape {tuple(v.shape)} does not fit the parameter's shape "
+            f"{tuple(shape)}: parameters may only grow"
+        )
+    out = v.new_full(tuple(shape), fill)
+    out[tuple(slice(0, s) for s in v.shape)] = v
+    return out
+
+
+def to_flat(value: Tensor | Named, net: nn.Module | None, fill: float) -> Tensor:
+    """``value`` (a dict by parameter name; a flat vector is returned as it is) as one
+    ``[P]`` vector in ``net``'s parameter order, ``fill`` for parameters (or, for grown
+    parameters, entries) it lacks (``net=None``: the dict's order)."""
+    if isinstance(value, Tensor):
+        return value
+    if net is None:
+        return torch.cat([v.reshape(-1) for v in value.values()])
+    ref = next(iter(value.values()))
+    return torch.cat(
+        [
+            fit_shape(value[n], p.shape, fill).reshape(-1)
+            if n in value
+            else torch.full((p.numel(),), fill, dtype=ref.dtype, device=ref.device)
+            for n, p in net.named_parameters()
+            if p.requires_grad
+        ]
+    )
+
+
+class FROMPMethod:
+    """FROMP's state and maths for any training loop (no Avalanche needed).
+
+    After each experience ``e`` (task label ``t``) :meth:`learn_task` selects ``n_points``
+    memorable inputs (class-balanced, largest ``tr Lambda``), adds the experience's
+    diagonal GGN ``G_e`` ``[P]`` (through head ``t``) to ``G = sum_e G_e``, and rebuilds the
+    kernels ``K_s = (dp/dw) Sigma (dp/dw)^T`` ``[C, M, M]`` with
+    ``Sigma = 1 / (G + prior_precision)``; :meth:`penalty` is
+    ``R(w) = 1/2 sum_s r_s^T K_s^{-1} r_s``, ``r_s = p(X_s; w) - m_s``, to be added to the
+    loss as ``tau * R``. State is kept by parameter name, so a head added later (a new
+    task) starts from the prior and never shifts the others.
+
+    Learning the same experience again (same ``experience`` key) *replaces* its GGN term
+    and its memorable set: :meth:`learn_task` is idempotent per experience.
+
+    Example (a plain PyTorch loop)::
+
+        method = FROMPMethod(tau=10.0, n_points=40)
+        for task, (x, y) in enumerate(tasks):
+            for xb, yb in batches(x, y):
+                loss = F.cross_entropy(with_task(net, task)(xb), yb)
+                loss = loss + method.tau * method.penalty(net)
+                ...
+            method.learn_task(net, x, y, task)
+
+    Args:
+        tau: weight of the functional regulariser in the loss.
+        n_points: memorable points per task (the paper's setting: 40 on split MNIST, 200 on
+            permuted MNIST and split CIFAR), split evenly over the task's classes.
+        kernel: ``"per_class"`` (FROMP), ``"joint"`` or ``"identity"`` (FROMP-L2).
+        select: ``"descending"`` (largest ``tr Lambda``, FROMP), ``"ascending"``,
+            ``"random"`` or ``"sensitivity"`` (largest memory-perturbation sensitivity
+            ``sum_k |e_k lambda_k v_k|`` under the task's posterior ``N(w, Sigma)``, see
+            :mod:`fromp.sensitivity`; ``Sigma`` is computed first, then the points).
+        prior_precision: ``delta`` in ``Sigma = 1 / (G + delta)``.
+        jitter: added to the kernels' diagonals before the Cholesky factorisation.
+        grad_clip_norm: clip the total gradient norm at ``tau * grad_clip_norm`` (None: no
+            clipping; ``grad_clip_norm`` when ``tau = 0``).
+        posterior: ``"ggn"``: ``Sigma = 1 / (G + prior_precision)`` with ``G`` the running
+            sum of the exact diagonal GGN over tasks; ``"vogn"``: the optimizer is a
+            :class:`fromp.optim.VOGN` driven by :class:`strategies.vogn.VOGNPlugin` and
+            ``Sigma`` is the variance of its posterior at the end of the task (no GGN pass;
+            the regulariser's gradient enters VOGN's mean gradient only, its curvature
+            uses the data loss only); ``"ivon"``: the same with a
+            :class:`fromp.optim.IVON` driven by :class:`strategies.ivon.IVONPlugin`
+            (``Sigma = 1 / (N (h + delta))``; see ``ivon_penalty``).
+        curvature_examples: use at most this many (random) training examples of a task for
+            its GGN, rescaled to the task size (None: all, as in the paper).
+        chunk_size: examples per Jacobian chunk for the GGN and kernels.
+        likelihood: the likelihood's name (``"categorical"``: softmax heads), for the
+            memorability scores, the GGN and the kernels' ``p = inverse_link(f)``.
+        seed: seeds the generator for ``select="random"`` and ``curvature_examples``.
+        ivon_penalty: where IVON evaluates the regulariser (``posterior="ivon"``):
+            ``"mean"`` (default): at the mean ``m`` of IVON's posterior, as FROMP defines it
+            (a penalty on the mean function ``f(x; m)``), its gradient added to IVON's
+            gradient estimate only (:meth:`fromp.optim.IVON.add_gradient`); the data loss
+            alone is evaluated at the sampled weights and feeds IVON's Hessian estimate.
+            ``"sample"``: in the loss at IVON's sampled weights, so that it enters both
+            IVON's gradient and its Hessian estimate (and its value carries the sampling
+            noise of the functions on the memorable points, about ``M C / 2``).
+    """
+
+    def __init__(
+        self,
+        tau: float = 10.0,
+        n_points: int = 40,
+        *,
+        kernel: str = "per_class",
+        select: str = "descending",
+        prior_precision: float = 1e-3,
+        jitter: float = 1e-6,
+        grad_clip_norm: float | None = None,
+        posterior: str = "ggn",
+        curvature_examples: int | None = None,
+        chunk_size: int = 64,
+        likelihood: str = "categorical",
+        seed: int = 0,
+        ivon_penalty: str = "mean",
+    ) -> None:
+        if not tau >= 0:
+            raise ValueError(f"tau must be >= 0, got {tau!r}")
+        if not isinstance(n_points, int) or n_points < 1:
+            raise ValueError(f"n_points must be a positive int, got {n_points!r}")
+        if select not in _SELECT:
+            raise ValueError(f"select must be one of {_SELECT}, got {select!r}")
+        if not prior_precision > 0:
+            raise ValueError(f"prior_precision must be > 0, got {prior_precision!r}")
+        if grad_clip_norm is not None and not grad_clip_norm > 0:
+            raise ValueError(f"grad_clip_norm must be > 0 or None, got {grad_clip_norm!r}")
+        if posterior not in _POSTERIORS:
+            raise ValueError(f"posterior must be one of {_POSTERIORS}, got {posterior!r}")
+        if ivon_penalty not in _IVON_PENALTY:
+            raise ValueError(f"ivon_penalty must be one of {_IVON_PENALTY}, got {ivon_penalty!r}")
+        if curvature_examples is not None and curvature_examples < 1:
+            raise ValueError(f"curvature_examples must be >= 1 or None, got {curvature_examples}")
+        self.tau = float(tau)
+        self.n_points = n_points
+        self.select = select
+        self.prior_precision = float(prior_precision)
+        self.grad_clip_norm = grad_clip_norm
+        self.posterior = posterior
+        self.ivon_penalty = ivon_penalty
+        self.curvature_examples = curvature_examples
+        self.chunk_size = chunk_size
+        self.likelihood = likelihood
+        self.regularizer = FROMPRegularizer(
+            kernel, likelihood, jitter=jitter, chunk_size=chunk_size
+        )
+        self.seed = int(seed)
+        self.generator = torch.Generator().manual_seed(seed)  # draws on the CPU (indices)
+        # by parameter name: running sum of the tasks' diagonal GGNs (posterior="ggn"), or
+        # the optimizer's posterior variance after the last task ("vogn", "ivon")
+        self.ggn_sum: Named | None = None
+        self.optimizer_variance: Named | None = None
+        self.tasks_done = 0
+        self.timings: list[dict[str, float]] = []
+        # per experience key: its GGN (by name) and its place in the regulariser's list
+        self.ggn_terms: dict[int, Named] = {}
+        self.experiences: list[int] = []
+
+    # ---------------------------------------------------------------------- helpers
+    @property
+    def kernel(self) -> str:
+        return self.regularizer.kernel
+
+    def posterior_variance(self, net: nn.Module | None = None) -> Tensor:
+        """``Sigma`` ``[P]``: ``1 / (G + prior_precision)`` for ``posterior="ggn"`` (``G``
+        the running GGN sum); for ``"vogn"`` / ``"ivon"`` the variance of the optimizer's
+        posterior stored after the last task. In ``net``'s parameter order when given (a
+        parameter added since, e.g. a new head, gets the prior variance
+        ``1 / prior_precision``), else in the order the state was stored."""
+        state = self.ggn_sum if self.posterior == "ggn" else self.optimizer_variance
+        if state is None:
+            raise RuntimeError("no task has been learnt yet")
+        if self.posterior != "ggn":
+            return to_flat(state, net, 1.0 / self.prior_precision)
+        return 1.0 / (to_flat(state, net, 0.0) + self.prior_precision)
+
+    def penalty(self, net: nn.Module) -> Tensor:
+        """``R(w)`` on the memorable past (eval mode for the forward passes)."""
+        was_training = net.training
+        net.eval()
+        try:
+            return self.regularizer.penalty(net)
+        finally:
+            net.train(was_training)
+
+    def learn_task(
+        self,
+        net: nn.Module,
+        x: Tensor,
+        y: Tensor,
+        task: int | None,
+        posterior_variance: Tensor | None = None,
+        *,
+        experience: int | None = None,
+    ) -> dict[str, float]:
+        """Everything done after an experience: select its memorable points, add its GGN
+        (or, for ``posterior="vogn"`` or ``"ivon"``, store ``posterior_variance``), rebuild
+        the kernels.
+
+        Args:
+            net: the model (see the module docstring), in the state reached on the task.
+            x: the experience's training inputs ``[N, ...]``.
+            y: their labels ``[N]``, indices of the head's output units.
+            task: the task label (head) of the experience; None for single-head models.
+            posterior_variance: ``[P]``, required iff ``posterior`` is not ``"ggn"``.
+            experience: a key for the experience (default: a new key per call). Learning
+                a key again replaces its GGN term and its memorable set instead of adding
+                them twice.
+
+        Returns the wall times of the three steps (seconds)."""
+        if experience is None:
+            experience = max(self.experiences, default=-1) + 1
+        if (posterior_variance is None) != (self.posterior == "ggn"):
+            raise ValueError("posterior_variance must be given iff posterior is not 'ggn'")
+        check_batch(x, "x")
+        if posterior_variance is not None:
+            check_vector(posterior_variance, num_params(net), "posterior_variance", positive=True)
+        was_training = net.training
+        net.eval()
+        device, _ = device_dtype(net)
+        head = with_task(net, task)
+        times = {"select_s": 0.0, "curvature_s": 0.0, "kernel_s": 0.0}
+        try:
+            classes = sorted(int(c) for c in y.unique())
+            per_class = self.n_points // len(classes)
+            if per_class < 1:
+                raise ValueError(
+                    f"n_points={self.n_points} is fewer than the task's {len(classes)} classes"
+                )
+            sensitivity = self.select == "sensitivity"
+            q = None
+            if sensitivity:  # the points need this task's posterior: curvature first
+                t0 = time.perf_counter()
+                self._add_curvature(net, head, x, device, posterior_variance, experience)
+                times["curvature_s"] = time.perf_counter() - t0
+                q = DiagonalGaussian(flat_params(net), self.posterior_variance(net).reciprocal())
+            t0 = time.perf_counter()
+            idx = select_memorable(
+                head,
+                x.to(device) if sensitivity else x,
+                y,
+                self.likelihood,
+                per_class,
+                order=self.select,
+                classes=classes,
+                generator=self.generator,
+                posterior=q,
+                chunk_size=self.chunk_size,
+            )
+            times["select_s"] = time.perf_counter() - t0
+            if not sensitivity:
+                t0 = time.perf_counter()
+                self._add_curvature(net, head, x, device, posterior_variance, experience)
+                times["curvature_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            variance = self.posterior_variance(net)
+            if experience in self.experiences:  # learnt again: drop its old memorable set
+                i = self.experiences.index(experience)
+                del self.regularizer.memories[i]
+                del self.experiences[i]
+            self.regularizer.add_task(net, x[idx].to(device), task, variance)
+            self.experiences.append(experience)
+            times["kernel_s"] = time.perf_counter() - t0
+        finally:
+            net.train(was_training)
+        self.tasks_done = len(self.experiences)
+        self.timings.append(times)
+        return times
+
+    def _add_curvature(
+        self,
+        net: nn.Module,
+        head: nn.Module,
+        x: Tensor,
+        device: torch.device,
+        posterior_variance: Tensor | None,
+        experience: int,
+    ) -> None:
+        """Store ``posterior_variance`` (optimizer posteriors) or set the experience's
+        diagonal GGN (on at most ``curvature_examples`` examples, rescaled) and recompute the
+        sum over experiences, both by parameter name (a parameter new since the last task
+        starts from zero; a grown one from zero in its new entries)."""
+        if posterior_variance is not None:
+            self.optimizer_variance = by_name(net, posterior_variance.to(device))
+            return
+        xc, scale = x, 1.0
+        if self.curvature_examples is not None and self.curvature_examples < len(x):
+            sub = torch.randperm(len(x), generator=self.generator)
+            xc, scale = x[sub[: self.curvature_examples]], len(x) / self.curvature_examples
+        self.ggn_terms[experience] = by_name(net, scale * self._diag_ggn(head, xc, device))
+        total: Named = {}
+        for term in self.ggn_terms.values():
+            for n, g in by_name(net, term).items():
+                g = g.to(device)
+                if n in total:
+                    shape = torch.Size(max(a, b) for a, b in zip(total[n].shape, g.shape))
+                    total[n] = fit_shape(total[n], shape, 0.0) + fit_shape(g, shape, 0.0)
+                else:
+                    total[n] = g.clone()
+        self.ggn_sum = total
+
+    def _diag_ggn(self, head: nn.Module, x: Tensor, device: torch.device) -> Tensor:
+        """Exact diagonal GGN of ``x``: the batched linear-layer formula for MLPs, per-example
+        Jacobians (:func:`fromp.curvature.diag_ggn`) otherwise."""
+        batches = ((x[s : s + 1024].to(device),) for s in range(0, len(x), 1024))
+        try:
+            return diag_ggn_linear(head, batches, self.likelihood)
+        except ValueError:
+            return diag_ggn(head, x.to(device), self.likelihood, chunk_size=self.chunk_size)
+
+    # ------------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """All method state: settings, curvature sum, memorable sets with targets and
+        Cholesky factors, task counter, RNG state, timings."""
+        return {
+            "tau": self.tau,
+            "n_points": self.n_points,
+            "select": self.select,
+            "prior_precision": self.prior_precision,
+            "grad_clip_norm": self.grad_clip_norm,
+            "posterior": self.posterior,
+            "ivon_penalty": self.ivon_penalty,
+            "curvature_examples": self.curvature_examples,
+            "chunk_size": self.chunk_size,
+            "likelihood": self.likelihood,
+            "ggn_sum": self.ggn_sum,
+            "optimizer_variance": self.optimizer_variance,
+            "ggn_terms": {k: dict(v) for k, v in self.ggn_terms.items()},
+            "experiences": list(self.experiences),
+            "regularizer": self.regularizer.state_dict(),
+            "tasks_done": self.tasks_done,
+            "generator": self.generator.get_state(),
+            "timings": list(self.timings),
+        }
+
+    def load_state_dict(
+        self, state: dict[str, Any], *, device: torch.device | str | None = None
+    ) -> None:
+        """Restore :meth:`state_dict` (e.g. in a fresh process after a checkpoint), tensors
+        moved to ``device`` when given (load the checkpoint with ``map_location="cpu"``,
+        then pass the model's device)."""
+
+        def mv(d: Named | None) -> Named | None:
+            if d is None or device is None or isinstance(d, Tensor):
+                return d if not isinstance(d, Tensor) or device is None else d.to(device)
+            return {n: v.to(device) for n, v in d.items()}
+
+        for key in (
+            "tau",
+            "n_points",
+            "select",
+            "prior_precision",
+            "grad_clip_norm",
+            "posterior",
+            "ivon_penalty",
+            "curvature_examples",
+            "chunk_size",
+            "likelihood",
+            "tasks_done",
+        ):
+            if key in state:
+                setattr(self, key, state[key])
+        self.ggn_sum, self.optimizer_variance = (
+            mv(state.get("ggn_sum")),
+            mv(state.get("optimizer_variance")),
+        )
+        if "curvature" in state:  # flat [P] state of older checkpoints
+            if self.posterior != "ggn":
+                self.optimizer_variance = mv(state["curvature"])
+            else:
+                self.ggn_sum = mv(state["curvature"])
+        self.regularizer.load_state_dict(state["regularizer"], device=device)
+        n_mem = len(self.regularizer)
+        self.experiences = list(state.get("experiences", range(n_mem)))
+        if "ggn_terms" in state:
+            self.ggn_terms = {int(k): mv(v) for k, v in state["ggn_terms"].items()}
+        else:  # older checkpoints: the sum as one term under a key no experience has
+            self.ggn_terms = {} if self.ggn_sum is None else {-1: self.ggn_sum}
+        if "generator" in state:
+            self.generator.set_state(state["generator"])
+        self.timings = list(state.get("timings", []))
+
+
+# --------------------------------------------------------------------------------- EWC
+def ewc_penalty(
+    w: Tensor | Named,
+    anchors: list[Tensor] | list[Named],
+    importances: list[Tensor] | list[Named],
+    ewc_lambda: float,
+) -> Tensor:
+    """``(lambda / 2) sum_t sum_p F_{t,p} (w_p - w*_{t,p})^2`` (a scalar).
+
+    ``w``, each anchor ``w*_t`` and each importance ``F_t`` are either flat ``[P]`` vectors
+    or dicts ``{parameter name: tensor}``; with dicts, a parameter that a task's importance
+    does not name (e.g. a head added after that task) gets no penalty from that task, and
+    a parameter that grew since (new output units) is penalised on its old entries only."""
+    if len(anchors) != len(importances):
+        raise ValueError(
+            f"anchors and importances must have equal lengths, got {len(anchors)} "
+            f"and {len(importances)}"
+        )
+    terms = []
+    for a, f in zip(anchors, importances):
+        if isinstance(w, dict):
+            for n, p in w.items():
+                if n not in f:
+                    continue
+                old = tuple(slice(0, k) for k in f[n].shape)
+                pn = p if p.shape == f[n].shape else p[old]
+                terms.append((f[n] * (pn - a[n]) ** 2).reshape(-1))
+        else:
+            terms.append(f * (w - a) ** 2)
+    total = (next(iter(w.values())) if isinstance(w, dict) else w).new_zeros(())
+    for t in terms:
+        total = total + t.sum()
+    return 0.5 * ewc_lambda * total
+
+
+def _live(model: nn.Module) -> Named:
+    """The trainable parameters by name (differentiable)."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+class EWCMethod:
+    """EWC with a per-example Fisher diagonal, for any training loop (no Avalanche needed).
+
+    The importance of task ``t`` is ``F_t = (1 / N_t) sum_n diag(g_n g_n^T)`` ``[P]``,
+    ``g_n = grad_w -log p(y_n | f_w(x_n))`` through head ``t``, with ``y_n`` sampled from
+    the model (``fisher="sampled"``), the observed labels (``"empirical"``) or its exact
+    expectation (``"exact"``: the GGN diagonal). The penalty is
+
+        ``(lambda / 2) sum_{t < T} sum_p F_{t,p} (w_p - w*_{t,p})^2``          (separate)
+        ``(lambda / 2) sum_p F~_p (w_p - w*_{T-1,p})^2``, ``F~ <- gamma F~ + F_t``  (online)
+
+    with ``w*_t`` the weights after task ``t``. Anchors and importances are dicts keyed by
+    parameter name, so a head added later is not penalised by earlier tasks and never
+    shifts their entries.
+
+    Args:
+        ewc_lambda: ``lambda``.
+        mode: ``"separate"`` or ``"online"``.
+        decay_factor: ``gamma`` of the online mode, applied once per learnt task after the
+            first.
+        fisher: ``"sampled"`` (default) | ``"empirical"`` | ``"exact"``.
+        fisher_samples: labels drawn per example for ``"sampled"``.
+        max_examples: use at most this many (random) examples for the Fisher (None: all).
+        chunk_size: examples per vectorised per-example-gradient call.
+        likelihood: a :class:`fromp.likelihood.Likelihood` or its name.
+
+    Example (a plain PyTorch loop)::
+
+        method = EWCMethod(ewc_lambda=100.0)
+        for task, (x, y) in enumerate(tasks):
+            for xb, yb in batches(x, y):
+                loss = F.cross_entropy(with_task(net, task)(xb), yb) + method.penalty(net)
+                ...
+            method.learn_task(net, x, y, task)
+    """
+
+    def __init__(
+        self,
+        ewc_lambda: float,
+        *,
+        mode: str = "separate",
+        decay_factor: float = 1.0,
+        fisher: str = "sampled",
+        fisher_samples: int = 1,
+        max_examples: int | None = None,
+        chunk_size: int = 128,
+        likelihood: str | Likelihood = "categorical",
+    ) -> None:
+        if not ewc_lambda >= 0:
+            raise ValueError(f"ewc_lambda must be >= 0, got {ewc_lambda}")
+        if mode not in ("separate", "online"):
+            raise ValueError(f"mode must be 'separate' or 'online', got {mode!r}")
+        if not 0.0 <= decay_factor <= 1.0:
+            raise ValueError(f"decay_factor must be in [0, 1], got {decay_factor}")
+        if fisher not in _FISHERS:
+            raise ValueError(f"fisher must be one of {_FISHERS}, got {fisher!r}")
+        if fisher_samples < 1:
+            raise ValueError(f"fisher_samples must be >= 1, got {fisher_samples}")
+        if max_examples is not None and max_examples < 1:
+            raise ValueError(f"max_examples must be >= 1 or None, got {max_examples}")
+        self.ewc_lambda, self.mode, self.decay_factor = float(ewc_lambda), mode, decay_factor
+        self.fisher, self.fisher_samples = fisher, int(fisher_samples)
+        self.max_examples, self.chunk_size = max_examples, int(chunk_size)
+        self.likelihood = get_likelihood(likelihood)
+        self.anchors: list[Named] = []  # w*_t by parameter name
+        self.importances: list[Named] = []  # F_t by name (online: a single decayed sum)
+        self.task_count = 0
+
+    def penalty(self, net: nn.Module) -> Tensor:
+        """The current penalty (scalar, differentiable in ``net``'s parameters)."""
+        w = _live(net)
+        if not self.anchors:
+            return next(iter(w.values())).new_zeros(())
+
+        def named(v: Tensor | Named) -> Named:  # flat [P] vectors assigned by hand
+            return unflatten(net, v) if isinstance(v, Tensor) else v
+
+        anchors = [named(a) for a in self.anchors]
+        importances = [named(f) for f in self.importances]
+        return ewc_penalty(w, anchors, importances, self.ewc_lambda)
+
+    @torch.no_grad()
+    def fisher_diagonal(self, net: nn.Module, x: Tensor, y: Tensor, task: int | None) -> Tensor:
+        """Per-example-averaged Fisher diagonal ``[P]`` of ``(x, y)`` through head ``task``
+        (eval mode)."""
+        model = with_task(net, task)
+        lik = self.likelihood
+        was_training = net.training
+        net.eval()
+        try:
+            with torch.enable_grad():
+                if self.fisher == "sampled":
+                    f = diag_fisher(
+                        model,
+                        (x, y),
+                        lik,
+                        n_samples=self.fisher_samples,
+                        chunk_size=self.chunk_size,
+                    )
+                elif self.fisher == "empirical":
+                    f = diag_ef(model, (x, y), lik, chunk_size=self.chunk_size)
+                else:
+                    f = diag_ggn(model, x, lik, chunk_size=self.chunk_size)
+        finally:
+            net.train(was_training)
+        return f / len(x)
+
+    def learn_task(self, net: nn.Module, x: Tensor, y: Tensor, task: int | None) -> None:
+        """After training on task ``task`` with data ``x [N, ...]``, ``y [N]``: store the
+        anchor ``w*`` and the Fisher (separate), or decay the running Fisher once and add
+        the new one (online)."""
+        check_batch(x, "x")
+        if self.max_examples is not None and len(x) > self.max_examples:
+            idx = torch.randperm(len(x))[: self.max_examples]
+            x, y = x[idx], y[idx]
+        device, _ = device_dtype(net)
+        task = task if is_multitask(net) else None
+        f = by_name(net, self.fisher_diagonal(net, x.to(device), y.to(device), task))
+        w = by_name(net, _live(net))
+        if self.mode == "separate":
+            self.anchors.append(w)
+            self.importances.append(f)
+        else:
+            prev = self.importances[0] if self.importances else {}
+            decayed = {n: v * self.decay_factor for n, v in prev.items()}
+            summed = {}
+            for n, v in f.items():
+                if n in decayed:
+                    summed[n] = fit_shape(decayed[n], v.shape, 0.0) + v
+                else:
+                    summed[n] = v
+            self.anchors = [w]
+            self.importances = [{**decayed, **summed}]
+        self.task_count += 1
+
+    def _settings(self) -> dict:
+        return {
+            "mode": self.mode,
+            "decay_factor": self.decay_factor,
+            "fisher": self.fisher,
+            "fisher_samples": self.fisher_samples,
+            "likelihood": self.likelihood.name,
+        }
+
+    def state_dict(self) -> dict:
+        """Anchors and importances (``{name: tensor}`` per task, on the CPU), the task
+        counter and the settings."""
+        return {
+            "anchors": [{n: v.cpu().clone() for n, v in a.items()} for a in self.anchors],
+            "importances": [{n: v.cpu().clone() for n, v in f.items()} for f in self.importances],
+            "task_count": self.task_count,
+            **self._settings(),
+        }
+
+    def load_state_dict(self, state: dict, net: nn.Module | None = None) -> None:
+        """Restore what :meth:`state_dict` returned, on ``net``'s device (flat ``[P]``
+        anchors and importances of older checkpoints are read in ``net``'s parameter
+        order). Refuses a state saved with other settings."""
+        missing = {"anchors", "importances", "task_count"} - set(state)
+        if missing:
+            raise ValueError(f"state is missing keys {sorted(missing)}")
+        for key, value in self._settings().items():  # keys absent in older checkpoints
+            if state.get(key, value) != value:
+                raise ValueError(
+                    f"state was saved with {key}={state[key]!r}, method has {value!r}: "
+                    "resume with the settings of the run"
+                )
+
+        def load(items: list) -> list[Named]:
+            out = []
+            for d in items:
+                if isinstance(d, Tensor):
+                    if net is None:
+                        raise ValueError("net is required to read flat [P] anchors")
+                    d = unflatten(net, d)
+                dev = None if net is None else device_dtype(net)[0]
+                out.append({n: v.detach().clone().to(dev or v.device) for n, v in d.items()})
+            return out
+
+        self.anchors = load(state["anchors"])
+        self.importances = load(state["importances"])
+        self.task_count = int(state["task_count"])
