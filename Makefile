@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # The stamp changes with pyproject.toml and with the checkout's path (the install is editable).
 STAMP := $(VENV)/.installed-$(shell (cat pyproject.toml; pwd) | sha256sum | cut -c1-16)
 
-.PHONY: demo test lint format venv clean
+.PHONY: demo test lint format venv clean gpu-check
 
 venv: $(STAMP)
 
@@ -21,6 +21,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# On a machine with a CUDA GPU: the CUDA tests and GPU timings -> benchmarks/results/gpu/.
+gpu-check: $(STAMP)
+	$(BIN)/python -m benchmarks.studies.gpu_check --out benchmarks/results/gpu
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -90,6 +90,15 @@ def to_flat(value: Tensor | Named, net: nn.Module | None, fill: float) -> Tensor
     )
 
 
+def _clock(device: torch.device) -> float:
+    """``time.perf_counter()`` after the work queued on ``device`` has finished (CUDA runs
+    kernels asynchronously: without the synchronisation a phase's time would be the time to
+    queue it)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 class FROMPMethod:
     """FROMP's state and maths for any training loop (no Avalanche needed).
 
@@ -284,11 +293,11 @@ class FROMPMethod:
             sensitivity = self.select == "sensitivity"
             q = None
             if sensitivity:  # the points need this task's posterior: curvature first
-                t0 = time.perf_counter()
+                t0 = _clock(device)
                 self._add_curvature(net, head, x, device, posterior_variance, experience)
-                times["curvature_s"] = time.perf_counter() - t0
+                times["curvature_s"] = _clock(device) - t0
                 q = DiagonalGaussian(flat_params(net), self.posterior_variance(net).reciprocal())
-            t0 = time.perf_counter()
+            t0 = _clock(device)
             idx = select_memorable(
                 head,
                 x.to(device) if sensitivity else x,
@@ -301,12 +310,12 @@ class FROMPMethod:
                 posterior=q,
                 chunk_size=self.chunk_size,
             )
-            times["select_s"] = time.perf_counter() - t0
+            times["select_s"] = _clock(device) - t0
             if not sensitivity:
-                t0 = time.perf_counter()
+                t0 = _clock(device)
                 self._add_curvature(net, head, x, device, posterior_variance, experience)
-                times["curvature_s"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
+                times["curvature_s"] = _clock(device) - t0
+            t0 = _clock(device)
             variance = self.posterior_variance(net)
             if experience in self.experiences:  # learnt again: drop its old memorable set
                 i = self.experiences.index(experience)
@@ -314,7 +323,7 @@ class FROMPMethod:
                 del self.experiences[i]
             self.regularizer.add_task(net, x[idx].to(device), task, variance)
             self.experiences.append(experience)
-            times["kernel_s"] = time.perf_counter() - t0
+            times["kernel_s"] = _clock(device) - t0
         finally:
             net.train(was_training)
         self.tasks_done = len(self.experiences)
