@@ -180,8 +180,11 @@ class FROMPPlugin(SupervisedPlugin):
 class FROMP(MethodStrategy):
     """FROMP strategy: Avalanche's supervised template with a :class:`FROMPPlugin`.
 
-    ``model`` is an Avalanche model wrapping a :mod:`fromp` model
-    (:func:`strategies.models.as_avalanche_model`). Method keyword arguments are those of
+    ``model`` is any classifier: a plain ``nn.Module`` (one head, e.g. Avalanche's
+    ``SimpleMLP`` or a torchvision ResNet), an Avalanche ``MultiTaskModule`` whose
+    ``forward(x, task_labels)`` picks a head (``MTSimpleMLP``, ``MultiHeadClassifier``,
+    grown heads included), or a :mod:`fromp` multi-head model, wrapped or not by
+    :func:`strategies.models.as_avalanche_model`. Method keyword arguments are those of
     :class:`FROMPPlugin`; :data:`benchmarks.settings.SETTINGS` holds the settings per benchmark.
     Avalanche's template arguments (``criterion``, ``train_mb_size``, ...) are those of
     :class:`strategies.template.MethodStrategy`.

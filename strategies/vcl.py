@@ -1,7 +1,11 @@
 """Variational continual learning (VCL; Nguyen, Li, Bui & Turner, ICLR 2018) for Avalanche.
 
-The network is a mean-field Gaussian :class:`fromp.bayesian.BayesMultiHeadModel` (a
-deterministic fromp model passed in is converted with :func:`fromp.bayesian.to_bayesian`).
+Any model: a fromp ``MultiHeadModel`` is converted to a mean-field Gaussian
+:class:`fromp.bayesian.BayesMultiHeadModel` (:func:`fromp.bayesian.to_bayesian`, local
+reparameterisation, as in the reference code); every other module (a plain ``nn.Module``, an
+Avalanche ``MultiTaskModule``, a torchvision network) gets a mean-field Gaussian twin of its
+``Linear``/``Conv2d`` parameters through ``torch.func.functional_call``
+(:class:`fromp.vcl.MeanFieldTwin`), other parameters staying deterministic.
 For task ``t`` with training set ``D_t`` (``N_t`` examples, coreset points removed) VCL
 maximises the per-example ELBO, i.e. minimises
 
@@ -393,8 +397,10 @@ class VCLTwinPlugin(SupervisedPlugin):
 class VCL(MethodStrategy):
     """VCL (``coreset_size=0``) and VCL + coreset as an Avalanche strategy.
 
-    ``model`` is an Avalanche model around a fromp ``MultiHeadModel`` (converted to mean-field
-    Gaussian layers, keeping its weights as means) or around a ``BayesMultiHeadModel``.
+    ``model`` is any classifier. A fromp ``MultiHeadModel`` (wrapped or not) is converted to
+    mean-field Gaussian layers, keeping its weights as means; a ``BayesMultiHeadModel`` is
+    used as it is; any other module gets a :class:`fromp.vcl.MeanFieldTwin` (new heads start
+    from the prior).
     After a conversion the optimizer (one parameter group) is re-pointed at the Bayesian
     parameters (means and log-variances), with its hyper-parameters kept and state cleared.
     ``criterion`` must be a cross-entropy on logits: it is applied to each Monte Carlo
