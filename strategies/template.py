@@ -95,8 +95,16 @@ def check_labels_fit(model: nn.Module, experience: Any, device: Any = "cpu") -> 
     task = int(item[2]) if len(item) > 2 else 0
     was_training = model.training
     model.eval()
+    dev = torch.device(device)
+    # a Bayesian model samples weights in its forward: the check must not move the RNG that
+    # training draws from, or the run would differ from one without the check
+    cuda = (
+        [dev.index if dev.index is not None else torch.cuda.current_device()]
+        if dev.type == "cuda"
+        else []
+    )
     try:
-        with torch.no_grad():
+        with torch.random.fork_rng(devices=cuda), torch.no_grad():
             out = with_task(model, task if is_multitask(model) else None)(x)
     finally:
         model.train(was_training)

@@ -407,3 +407,25 @@ def test_torchvision_resnet18_on_a_cifar_shaped_stream(method):
         assert "conv1.weight" in names and "fc.bias" in names
         assert not any(n.startswith("bn1") for n in names)
         assert plugin.task_count == 2
+
+
+def test_label_check_leaves_the_rng_where_it_was():
+    """The label check runs a forward pass before each experience; a Bayesian model samples
+    weights in its forward, so the check must not move the global RNG (else a VCL run with
+    the check differs from the same run without it)."""
+    from strategies.template import check_labels_fit
+
+    class Noisy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(D_IN, 2)
+
+        def forward(self, x):
+            return self.lin(x) + torch.randn(x.shape[0], 2)
+
+    bm = _benchmark(task_labels=False)
+    model = Noisy()
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    check_labels_fit(model, bm.train_stream[0], "cpu")
+    assert torch.equal(torch.get_rng_state(), before)
