@@ -359,8 +359,7 @@ def _map_inputs(
     first ``--n-fit`` training examples and the memorable ones; the diagonal Laplace-GGN
     posterior is fitted on exactly those (so that each is in the data its leave-one-out
     estimate removes it from), the prior precision by the Laplace evidence unless given."""
-    from fromp.gp import optimize_prior_precision
-    from fromp.laplace import laplace
+    from fromp.laplace import laplace, optimize_prior_precision
 
     if args.n_fit < 1:
         raise ValueError(f"--n-fit must be >= 1, got {args.n_fit}")
@@ -396,8 +395,8 @@ def gp_main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-root", default=None, help="data root (default: $FROMP_DATA, ./data)")
     p.add_argument("--out", default="gp", help="output directory")
     args = p.parse_args(argv)
-    from fromp.gp import dnn2gp, optimize_prior_precision
-    from fromp.laplace import laplace
+    from fromp.gp import dnn2gp
+    from fromp.laplace import laplace, optimize_prior_precision
 
     try:
         if args.n < 1 or args.n_fit < 1:

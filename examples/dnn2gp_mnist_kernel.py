@@ -4,7 +4,7 @@
 
 1. A small MLP (784-100-10) is trained briefly (Adam) on a subset of MNIST.
 2. A diagonal Laplace-GGN posterior is fitted, with the prior precision chosen by the Laplace
-   evidence (:func:`fromp.gp.optimize_prior_precision`).
+   evidence (:func:`fromp.laplace.optimize_prior_precision`).
 3. DNN2GP (:func:`fromp.dnn2gp`) gives the kernel ``k(x, x') = J(x) Sigma J(x')^T``. Its
    per-class blocks on 100 test images sorted by class are shown summed over classes, raw
    and normalised to correlations (a block structure by class is expected).
@@ -35,7 +35,7 @@ from torch import Tensor
 
 from fromp import dnn2gp, laplace
 from fromp.data import DataNotFoundError, load_fashion_mnist, load_mnist
-from fromp.gp import optimize_prior_precision
+from fromp.laplace import optimize_prior_precision
 from fromp.models import MultiHeadMLP
 
 

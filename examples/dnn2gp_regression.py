@@ -7,7 +7,7 @@
 2. An MLP 1-50-50-1 (tanh) is trained with Adam on the MAP objective
    ``sum_n nll_n + delta_0 / 2 ||w||^2``.
 3. The prior precision is chosen by the Laplace evidence on a grid of ``delta``
-   (:func:`fromp.gp.optimize_prior_precision`, full GGN: the model is small) and, as a check,
+   (:func:`fromp.laplace.optimize_prior_precision`, full GGN: the model is small) and, as a check,
    by gradient ascent.
 4. Laplace posteriors (full GGN and its diagonal) give DNN2GP GPs; their predictive
    ``mean +- 2 sd`` (noise included) are plotted, as is ``log p(D | delta)`` against ``delta``
@@ -32,8 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from fromp import dnn2gp, laplace, laplace_full
-from fromp.gp import log_marginal_likelihood, optimize_prior_precision
-from fromp.laplace import log_evidence_grid
+from fromp.laplace import log_evidence_grid, log_marginal_likelihood, optimize_prior_precision
 from fromp.likelihood import GaussianLikelihood
 
 SIGMA = 0.25

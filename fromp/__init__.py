@@ -14,7 +14,7 @@ from fromp.bayesian import (
 from fromp.coreset import kcenter_coreset, random_coreset, select_coreset
 from fromp.curvature import diag_ef, diag_fisher, diag_ggn, diag_ggn_linear
 from fromp.ggn import ggn, ggn_vp
-from fromp.gp import GP, dnn2gp, log_marginal_likelihood, optimize_prior_precision
+from fromp.gp import GP, dnn2gp
 from fromp.jacobian import (
     flat_params,
     jacobians,
@@ -32,8 +32,11 @@ from fromp.laplace import (
     laplace,
     laplace_full,
     log_evidence_grid,
+    log_marginal_likelihood,
+    optimize_prior_precision,
     prior_precision_vector,
 )
+from fromp.laplace_structures import Laplace
 from fromp.likelihood import (
     BernoulliLikelihood,
     CategoricalLikelihood,
@@ -57,6 +60,7 @@ __version__ = "0.1.0"
 
 __all__ = [  # noqa: RUF022 (grouped by topic, sorted within each group)
     "__version__",
+    "Laplace",
     # continual-learning methods as plain objects for any training loop
     "EWCMethod",
     "FROMPMethod",

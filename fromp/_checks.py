@@ -88,3 +88,19 @@ def device_dtype(model: nn.Module) -> tuple[torch.device, torch.dtype]:
     if p is None:
         raise ValueError("model has no trainable parameters")
     return p.device, p.dtype
+
+
+def require_eval(model: nn.Module) -> None:
+    """Raise ValueError when batch norm or dropout layers of ``model`` are in training mode:
+    per-example Jacobians (and the GGN, kernel, evidence built from them) need ``eval()``."""
+    stochastic = (nn.modules.batchnorm._BatchNorm, nn.modules.dropout._DropoutNd)
+    bad = [
+        n or type(m).__name__
+        for n, m in model.named_modules()
+        if m.training and isinstance(m, stochastic)
+    ]
+    if bad:
+        raise ValueError(
+            f"model has batch-norm/dropout layers in training mode ({', '.join(bad[:3])}); "
+            "call model.eval() first"
+        )

@@ -13,9 +13,8 @@ marginal (co)variances without ever forming ``Sigma`` densely for a diagonal pos
 :class:`~fromp.posterior.FullGaussian` with precision ``L L^T``)
 ``k(x, x') = A(x) A(x')^T``, and ``A`` is computed in chunks of examples.
 
-The Laplace evidence lives beside the Laplace code (:mod:`fromp.laplace`);
-:func:`log_marginal_likelihood` and :func:`optimize_prior_precision` are re-exported here for
-existing callers.
+The Laplace evidence lives beside the Laplace code (:mod:`fromp.laplace`,
+:mod:`fromp.baselaplace`).
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vmap
 
-from fromp._checks import check_batch
+from fromp._checks import check_batch, require_eval
 from fromp.capture import (
     DEFAULT_MEMORY_BUDGET,
     LayerCall,
@@ -39,11 +38,6 @@ from fromp.capture import (
     supported_layer,
 )
 from fromp.jacobian import _flatten_leading, _single_output_fn, num_params, unflatten
-from fromp.laplace import (
-    log_marginal_likelihood,
-    optimize_prior_precision,
-    require_eval,
-)
 from fromp.likelihood import (
     BernoulliLikelihood,
     CategoricalLikelihood,
@@ -54,12 +48,7 @@ from fromp.likelihood import (
 )
 from fromp.posterior import DiagonalGaussian, GaussianPosterior
 
-__all__ = [
-    "GP",
-    "dnn2gp",
-    "log_marginal_likelihood",
-    "optimize_prior_precision",
-]
+__all__ = ["GP", "dnn2gp"]
 
 Posterior = GaussianPosterior
 

@@ -24,10 +24,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fromp._checks import check_vector
+from fromp._checks import check_vector, require_eval
 from fromp.capture import DEFAULT_MEMORY_BUDGET
 from fromp.curvature import DataArg, diag_ggn, iter_batches
 from fromp.ggn import ggn
+from fromp.gp import GP
 from fromp.jacobian import flat_params
 from fromp.likelihood import Likelihood, get_likelihood
 from fromp.posterior import DiagonalGaussian, FullGaussian
@@ -66,22 +67,6 @@ def prior_precision_vector(prior_precision: float | Tensor, reference: Tensor) -
     if not (torch.isfinite(delta).all() and (delta > 0).all()):
         raise ValueError("prior_precision must be finite and strictly positive")
     return delta.clone()
-
-
-def require_eval(model: nn.Module) -> None:
-    """Raise ValueError when batch norm or dropout layers of ``model`` are in training mode:
-    per-example Jacobians (and the GGN, kernel, evidence built from them) need ``eval()``."""
-    stochastic = (nn.modules.batchnorm._BatchNorm, nn.modules.dropout._DropoutNd)
-    bad = [
-        n or type(m).__name__
-        for n, m in model.named_modules()
-        if m.training and isinstance(m, stochastic)
-    ]
-    if bad:
-        raise ValueError(
-            f"model has batch-norm/dropout layers in training mode ({', '.join(bad[:3])}); "
-            "call model.eval() first"
-        )
 
 
 def _checked_batches(data: DataArg):
@@ -449,8 +434,6 @@ class _FittedLaplace:
 
     def gp(self, *, chunk_size: int = 64) -> Any:
         """The DNN2GP :class:`fromp.gp.GP` of the model under :attr:`posterior`."""
-        from fromp.gp import GP
-
         return GP(self.model, self.posterior, self.likelihood, chunk_size=chunk_size)
 
     dnn2gp = gp

@@ -11,8 +11,8 @@ from _dense import conv_zoo, dense_jacobian, dense_kernel, flat, forward_at, tin
 from torch import nn
 
 from fromp import DiagonalGaussian, FullGaussian, dnn2gp, laplace, laplace_full
-from fromp.gp import GP, log_marginal_likelihood, optimize_prior_precision
-from fromp.laplace import log_evidence_grid
+from fromp.gp import GP
+from fromp.laplace import log_evidence_grid, log_marginal_likelihood, optimize_prior_precision
 from fromp.likelihood import BernoulliLikelihood, CategoricalLikelihood, GaussianLikelihood
 from fromp.models import MultiHeadMLP, with_task
 

@@ -1,0 +1,655 @@
+r"""Fitted Laplace posteriors in laplace-torch's words: :func:`Laplace` and one class per
+(subset of weights, Hessian structure).
+
+Around the trained weights ``w*`` (the MAP of ``sum_n nll_n / T - log N(w | m0, D^{-1})``),
+for the chosen parameters ``theta`` (all weights, or the last ``nn.Linear`` layer),
+
+    ``q(theta) = N(theta*, (G / (s^2 T) + D)^{-1})``,  ``G = sum_n J_n^T Lambda_n J_n``,
+
+with ``J_n = d f(x_n) / d theta`` ``[C, P]``, ``Lambda_n`` the Hessian of the loss in the
+outputs (softmax: ``diag(p) - p p^T``; regression: ``I``, the noise ``s = sigma_noise``
+entering as ``1 / s^2``; classification has ``s = 1``), ``T`` the temperature and
+``D = diag(delta)`` the prior precision (a scalar, one per parameter tensor, or one per
+parameter). ``G`` is kept in one of three structures:
+
+* ``"diag"``: ``diag(G)`` ``[P]`` (layer capture, :func:`fromp.curvature.diag_ggn`);
+* ``"kron"``: KFAC blocks ``B (x) A`` per ``Linear`` / ``Conv2d`` weight and exact ``[out,
+  out]`` bias blocks (:mod:`fromp.kron`), eigendecomposed;
+* ``"full"``: ``G`` ``[P, P]`` (small ``P`` only).
+
+The Laplace evidence (log marginal likelihood), differentiable in ``delta`` and ``s``, is
+
+    ``log p(D) ~= log p(D | w*) - 1/2 (theta* - m0)^T D (theta* - m0)
+    - 1/2 [log det(G / (s^2 T) + D) - log det D]``,
+
+with ``log p(D | w*) = -(1/T) sum_n nll_n`` (regression:
+``-(1/T) [SSE / (2 s^2) + N C log(s sqrt(2 pi))]``). Predictions (``la(x)``) use the
+linearised network (``pred_type="glm"``: ``f ~ N(f_w*(x), J Sigma J^T)``, then the probit,
+Laplace-bridge or Monte-Carlo link approximation) or weight samples (``"nn"``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from fromp._checks import require_eval
+from fromp.capture import DEFAULT_MEMORY_BUDGET
+from fromp.curvature import DataArg, iter_batches
+from fromp.likelihood import (
+    BernoulliLikelihood,
+    CategoricalLikelihood,
+    GaussianLikelihood,
+    Likelihood,
+    get_likelihood,
+    randn_like_on,
+)
+from fromp.link import glm_draws, laplace_bridge, probit_scale, sample_cov
+
+__all__ = ["STRUCTURES", "SUBSETS", "BaseLaplace", "LaplaceGP"]
+
+_ALIASES = {"classification": "categorical", "regression": "gaussian"}
+SUBSETS = ("all", "last_layer", "subnetwork")
+STRUCTURES = ("diag", "kron", "full", "lowrank")
+
+
+def _likelihood(
+    likelihood: str | Likelihood, sigma_noise: float | None
+) -> tuple[Likelihood, float]:
+    """The likelihood with unit noise (the curvature is kept free of ``s``) and ``s``."""
+    if isinstance(likelihood, str):
+        likelihood = _ALIASES.get(likelihood, likelihood)
+    lik = get_likelihood(likelihood)
+    if isinstance(lik, GaussianLikelihood):
+        s = lik.sigma if sigma_noise is None else sigma_noise
+        if not (isinstance(s, int | float) and s > 0 and math.isfinite(s)):
+            raise ValueError(f"sigma_noise must be a positive finite number, got {s!r}")
+        return GaussianLikelihood(1.0), float(s)
+    if sigma_noise not in (None, 1, 1.0):
+        raise ValueError(f"sigma_noise is for regression only, got {sigma_noise!r}")
+    return lik, 1.0
+
+
+class BaseLaplace:
+    """What every structure shares: the prior, the evidence and its optimisation, the
+    predictive, sampling, the GP and the state. Build one with :func:`Laplace`.
+
+    Args:
+        model: the trained network at ``w*``, ``[N, ...] -> [N, C]``, in eval mode.
+        likelihood: ``"classification"`` / ``"regression"`` (laplace-torch's names) or a
+            fromp likelihood (``"categorical"``, ``"bernoulli"``, ``"gaussian"``, an object).
+        sigma_noise: the regression noise ``s`` (default 1, or the ``sigma`` of a
+            :class:`~fromp.likelihood.GaussianLikelihood` given as ``likelihood``).
+        prior_precision: ``delta``: a float or a tensor ``[]``, ``[n_layers]`` (one per
+            parameter tensor of the subset) or ``[P]``.
+        prior_mean: ``m0``: a float or ``[P]``.
+        temperature: ``T``.
+        chunk_size, memory_budget: working-memory controls of the curvature.
+    """
+
+    structure = ""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: str | Likelihood,
+        *,
+        sigma_noise: float | None = None,
+        prior_precision: float | Tensor = 1.0,
+        prior_mean: float | Tensor | None = 0.0,
+        temperature: float = 1.0,
+        subset_of_weights: str = "all",
+        chunk_size: int | None = None,
+        memory_budget: int = DEFAULT_MEMORY_BUDGET,
+        method: str = "auto",
+        max_params: int = 20_000,
+    ) -> None:
+        if subset_of_weights not in ("all", "last_layer"):
+            raise ValueError(
+                f"subset_of_weights must be 'all' or 'last_layer', got {subset_of_weights!r}"
+            )
+        if not (isinstance(temperature, int | float) and temperature > 0):
+            raise ValueError(f"temperature must be a positive number, got {temperature!r}")
+        self.model = model
+        self.likelihood, self._sigma = _likelihood(likelihood, sigma_noise)
+        self.regression = isinstance(self.likelihood, GaussianLikelihood)
+        self.temperature = float(temperature)
+        self.subset_of_weights = subset_of_weights
+        self.chunk_size, self.memory_budget, self.method = chunk_size, memory_budget, method
+        self.max_params = max_params
+        self.layer_name: str | None = None
+        self.layer: nn.Linear | None = None
+        if subset_of_weights == "all":
+            self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            self._set_mean()
+        else:
+            self._named = []  # found on the first fit (needs an input)
+            self.mean = torch.zeros(0)
+        self._prior_mean_arg = prior_mean
+        self._prior_arg = prior_precision
+        if self._named:
+            self._init_prior()
+        self.H: Any = None
+        self.loss: Tensor | None = None  # classification: sum nll; regression: SSE
+        self.n_outputs = 0
+        self.n_data = 0
+
+    # ------------------------------------------------------------------ parameters
+    def _set_mean(self) -> None:
+        self.mean = torch.cat([p.detach().reshape(-1) for _, p in self._named]).clone()
+        self.sizes = [p.numel() for _, p in self._named]
+
+    def _prepare(self, x: Tensor) -> None:
+        """Hook: find the subset's parameters from an input (the last layer)."""
+
+    def _prepare_names(self, names: list[str]) -> None:
+        """Hook: find the subset's parameters from their names (loading a state)."""
+
+    def _init_prior(self) -> None:
+        m0 = self._prior_mean_arg
+        m0 = 0.0 if m0 is None else m0
+        m0 = torch.as_tensor(m0, dtype=self.mean.dtype, device=self.mean.device)
+        if m0.ndim == 0:
+            m0 = m0.expand(self.num_params)
+        if m0.shape != self.mean.shape or not bool(torch.isfinite(m0).all()):
+            raise ValueError(
+                f"prior_mean must be a finite float or have shape [P]=[{self.num_params}], got "
+                f"{tuple(m0.shape)}"
+            )
+        self.prior_mean = m0.detach().clone()
+        self.prior_precision = self._prior_arg
+
+    @property
+    def num_params(self) -> int:
+        """``P``: parameters of the subset."""
+        return self.mean.numel()
+
+    @property
+    def n_layers(self) -> int:
+        """Parameter tensors of the subset: the length of a per-layer ``delta``."""
+        return len(self._named)
+
+    @property
+    def parameter_names(self) -> list[str]:
+        return [n for n, _ in self._named]
+
+    @property
+    def prior_precision(self) -> Tensor:
+        """``delta``: ``[]``, ``[n_layers]`` or ``[P]``."""
+        return self._delta
+
+    @prior_precision.setter
+    def prior_precision(self, value: float | Tensor) -> None:
+        self._delta = self._check_delta(value).detach().clone()
+
+    def _check_delta(self, value: float | Tensor) -> Tensor:
+        if isinstance(value, bool) or not isinstance(value, int | float | Tensor):
+            raise ValueError(
+                "prior_precision must be a positive number or a tensor of shape [], "
+                f"[n_layers]=[{self.n_layers}] or [P]=[{self.num_params}], got "
+                f"{type(value).__name__}"
+            )
+        opts = {"dtype": self.mean.dtype, "device": self.mean.device}
+        d = value.to(**opts) if isinstance(value, Tensor) else torch.tensor(float(value), **opts)
+        if d.shape == (1,) and self.n_layers != 1 and self.num_params != 1:
+            d = d.reshape(())  # laplace-torch's scalar form
+        if d.ndim > 1 or (d.ndim == 1 and len(d) not in (self.n_layers, self.num_params)):
+            raise ValueError(
+                f"prior_precision must have shape [], [n_layers]=[{self.n_layers}] or "
+                f"[P]=[{self.num_params}], got {tuple(d.shape)}"
+            )
+        if not (torch.isfinite(d.detach()).all() and (d.detach() > 0).all()):
+            raise ValueError("prior_precision must be finite and strictly positive")
+        return d
+
+    def _delta_vector(self, d: Tensor) -> Tensor:
+        """``delta`` as ``[P]`` (differentiable)."""
+        if d.ndim == 0:
+            return d.expand(self.num_params)
+        if len(d) == self.num_params:
+            return d
+        return torch.repeat_interleave(d, torch.tensor(self.sizes, device=d.device))
+
+    @property
+    def sigma_noise(self) -> float:
+        return self._sigma
+
+    @sigma_noise.setter
+    def sigma_noise(self, value: float) -> None:
+        if not self.regression:
+            raise ValueError("sigma_noise is for regression only")
+        self._likelihood_check_sigma(value)
+        self._sigma = float(value)
+
+    @staticmethod
+    def _likelihood_check_sigma(value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int | float | Tensor):
+            raise ValueError(f"sigma_noise must be a positive number, got {value!r}")
+        if not float(value) > 0 or not math.isfinite(float(value)):
+            raise ValueError(f"sigma_noise must be a positive finite number, got {value!r}")
+
+    def _factor(self, sigma: Tensor | float | None = None) -> Tensor | float:
+        """``1 / (s^2 T)``: the curvature's weight in the posterior precision."""
+        s = self._sigma if sigma is None else sigma
+        return 1.0 / (s**2 * self.temperature) if self.regression else 1.0 / self.temperature
+
+    # ------------------------------------------------------------------ fit
+    def fit(self, train_loader: DataArg, *, override: bool = True) -> BaseLaplace:
+        """Fit the curvature (and the data term of the evidence when targets are given) at
+        the model's current weights. ``train_loader``: a DataLoader of ``(x, y)``, a list of
+        batches, or one batch ``(x, y)`` / ``x``. ``override=False`` adds the new data to
+        the curvature of earlier fits (more data, or the next task in continual learning);
+        the model's weights are then those of the last fit."""
+        require_eval(self.model)
+        batches = [(x, y) for x, y in iter_batches(train_loader)]
+        self._prepare(batches[0][0][:1].to(self._device()))
+        p_now = sum(p.numel() for _, p in self._named)
+        if p_now != self.num_params:
+            raise ValueError(f"model has P={p_now} parameters in the subset, the fit had "
+                             f"{self.num_params}")  # fmt: skip
+        self._set_mean()
+        device = self._device()
+        loss = torch.zeros((), dtype=self.mean.dtype, device=device)
+        targets, n, n_out = True, 0, 0
+        with torch.no_grad():
+            for x, y in batches:
+                if y is None:
+                    targets = False
+                    n += len(x)
+                    continue
+                f = self.model(x.to(device))
+                loss = loss + self._loss_sum(f, y.to(device))
+                n += len(x)
+                n_out += f.numel()
+        curv = self._curvature([(x.to(device), None if y is None else y.to(device))
+                                for x, y in batches])  # fmt: skip
+        if override or self.H is None:
+            self.H, self.n_data, self.n_outputs = curv, 0, 0
+            self.loss = loss if targets else None
+        else:
+            self.H = self._add(self.H, curv)
+            self.loss = None if (self.loss is None or not targets) else self.loss + loss
+        self.n_data += n
+        self.n_outputs += n_out
+        self._fitted()
+        return self
+
+    def _loss_sum(self, f: Tensor, y: Tensor) -> Tensor:
+        if self.regression:
+            yy = y.to(f.dtype)
+            yy = yy.unsqueeze(-1) if yy.ndim == 1 else yy
+            if yy.shape != f.shape:
+                raise ValueError(f"targets must have the outputs' shape {tuple(f.shape)}, got "
+                                 f"{tuple(y.shape)}")  # fmt: skip
+            return ((f - yy) ** 2).sum()
+        return self.likelihood.nll(f, y).sum()
+
+    def _device(self) -> torch.device:
+        return next(p for p in self.model.parameters()).device
+
+    def _fitted(self) -> None:
+        """Hook: refresh cached factorisations after a fit."""
+
+    def _require_fit(self) -> Any:
+        if self.H is None:
+            raise ValueError("call fit(train_loader) first")
+        return self.H
+
+    def _add(self, old: Any, new: Any) -> Any:
+        return old + new
+
+    def _curvature(self, batches: list[tuple[Tensor, Tensor | None]]) -> Any:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ evidence
+    def _log_det_posterior(self, delta: Tensor, factor: Tensor | float) -> Tensor:
+        raise NotImplementedError
+
+    def log_det_ratio(
+        self,
+        prior_precision: float | Tensor | None = None,
+        sigma_noise: Tensor | float | None = None,
+    ) -> Tensor:
+        """``log det(G / (s^2 T) + D) - log det D`` (differentiable)."""
+        self._require_fit()
+        d = self._delta if prior_precision is None else self._check_delta(prior_precision)
+        return (
+            self._log_det_posterior(d, self._factor(sigma_noise))
+            - self._delta_vector(d).log().sum()
+        )
+
+    def scatter(self, prior_precision: float | Tensor | None = None) -> Tensor:
+        """``(theta* - m0)^T D (theta* - m0)`` (differentiable in ``delta``)."""
+        d = self._delta if prior_precision is None else self._check_delta(prior_precision)
+        return (self._delta_vector(d) * (self.mean - self.prior_mean) ** 2).sum()
+
+    def _log_lik(self, sigma: Tensor | float | None = None) -> Tensor:
+        self._require_fit()
+        if self.loss is None:
+            raise ValueError("the evidence needs targets: fit with (x, y) batches")
+        if not self.regression:
+            return -self.loss / self.temperature
+        s = self._sigma if sigma is None else sigma
+        s = torch.as_tensor(s, dtype=self.mean.dtype, device=self.mean.device)
+        norm = self.n_outputs * (torch.log(s) + 0.5 * math.log(2 * math.pi))
+        return -(self.loss / (2 * s**2) + norm) / self.temperature
+
+    @property
+    def log_likelihood(self) -> Tensor:
+        """``log p(D | w*)`` of the fitted data (with the temperature)."""
+        return self._log_lik()
+
+    def log_marginal_likelihood(
+        self,
+        prior_precision: float | Tensor | None = None,
+        sigma_noise: float | Tensor | None = None,
+    ) -> Tensor:
+        """The Laplace evidence (module docstring), differentiable in ``prior_precision``
+        and ``sigma_noise`` (defaults: the current values)."""
+        if sigma_noise is not None and not self.regression:
+            raise ValueError("sigma_noise is for regression only")
+        ll = self._log_lik(sigma_noise)
+        return ll - 0.5 * (
+            self.scatter(prior_precision) + self.log_det_ratio(prior_precision, sigma_noise)
+        )
+
+    def optimize_prior_precision(
+        self,
+        method: str = "marglik",
+        *,
+        prior_structure: str = "scalar",
+        n_steps: int = 200,
+        init_prior_prec: float | Tensor | None = None,
+        val_loader: DataArg | None = None,
+        log_prior_prec_min: float = -4.0,
+        log_prior_prec_max: float = 4.0,
+        grid_size: int = 81,
+        pred_type: str = "glm",
+        link_approx: str = "probit",
+        n_samples: int = 100,
+    ) -> Tensor:
+        """Choose ``delta``; sets and returns it.
+
+        * ``method="marglik"``: maximise the evidence (L-BFGS with strong Wolfe line search
+          on ``log delta``, exact autograd gradients, at most ``n_steps`` iterations); the
+          result is kept only if its evidence is at least the starting one;
+        * ``method="gridsearch"``: ``grid_size`` scalars, log-spaced in
+          ``[10^log_prior_prec_min, 10^log_prior_prec_max]``, the one with the smallest
+          negative log predictive likelihood on ``val_loader`` (laplace-torch's "CV").
+
+        ``prior_structure``: ``"scalar"``, ``"layerwise"`` (one per parameter tensor) or
+        ``"diag"`` (one per parameter; not for ``"kron"``).
+        """
+        if method == "gridsearch":
+            return self._gridsearch(
+                val_loader, log_prior_prec_min, log_prior_prec_max, grid_size,
+                pred_type, link_approx, n_samples,
+            )  # fmt: skip
+        if method != "marglik":
+            raise ValueError(f"method must be 'marglik' or 'gridsearch', got {method!r}")
+        shapes = {"scalar": (), "layerwise": (self.n_layers,), "diag": (self.num_params,)}
+        if prior_structure not in shapes:
+            raise ValueError(
+                f"prior_structure must be 'scalar', 'layerwise' or 'diag', got {prior_structure!r}"
+            )
+        self._check_prior_structure(prior_structure)
+        self.log_likelihood  # noqa: B018  (fails early without a fit or targets)
+        start = self._check_delta(self._delta if init_prior_prec is None else init_prior_prec)
+        start = start.detach()
+        if prior_structure == "diag":
+            start = self._delta_vector(start).clone()
+        elif prior_structure == "layerwise":
+            start = start.expand(self.n_layers).clone() if start.ndim == 0 else start
+            if len(start) != self.n_layers:  # a [P] start
+                raise ValueError("init_prior_prec of shape [P] needs prior_structure='diag'")
+        elif start.ndim != 0:
+            start = start.mean()
+        with torch.no_grad():
+            before = self.log_marginal_likelihood(start)
+        log_d = start.log().clone().requires_grad_(True)
+        opt = torch.optim.LBFGS(
+            [log_d], lr=1.0, max_iter=n_steps, line_search_fn="strong_wolfe",
+            tolerance_grad=1e-10, tolerance_change=1e-14,
+        )  # fmt: skip
+
+        def closure() -> Tensor:
+            opt.zero_grad()
+            loss = -self.log_marginal_likelihood(log_d.exp())
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        best = log_d.detach().exp()
+        with torch.no_grad():
+            after = self.log_marginal_likelihood(best)
+        self.prior_precision = best if bool(after >= before) else start
+        return self.prior_precision
+
+    def _check_prior_structure(self, prior_structure: str) -> None:
+        """Hook: a structure may refuse a prior structure."""
+
+    def _gridsearch(self, val_loader, lo, hi, size, pred_type, link_approx, n_samples) -> Tensor:
+        if val_loader is None:
+            raise ValueError("method='gridsearch' needs val_loader (validation data (x, y))")
+        batches = list(iter_batches(val_loader, need_targets=True))
+        grid = torch.logspace(lo, hi, size, dtype=self.mean.dtype)
+        scores = []
+        for d in grid:
+            self.prior_precision = d
+            nll = 0.0
+            for x, y in batches:
+                out = self(x, pred_type=pred_type, link_approx=link_approx, n_samples=n_samples)
+                nll += float(self._predictive_nll(out, y.to(self._device())))
+            scores.append(nll)
+        self.prior_precision = grid[int(torch.tensor(scores).argmin())]
+        return self.prior_precision
+
+    def _predictive_nll(self, out: Any, y: Tensor) -> Tensor:
+        if self.regression:
+            mu, var = out
+            yy = y.to(mu.dtype).reshape(mu.shape)
+            v = torch.diagonal(var, dim1=-2, dim2=-1) + self._sigma**2
+            return (0.5 * ((yy - mu) ** 2 / v + v.log() + math.log(2 * math.pi))).sum()
+        probs = out.clamp_min(1e-12)
+        if isinstance(self.likelihood, BernoulliLikelihood):
+            yy = y.to(probs.dtype).reshape(probs.shape)
+            return -(yy * probs.log() + (1 - yy) * (1 - probs).clamp_min(1e-12).log()).sum()
+        return -probs.gather(1, y.long().reshape(-1, 1)).log().sum()
+
+    # ------------------------------------------------------------------ posterior
+    @property
+    def posterior_precision(self) -> Any:
+        """``G / (s^2 T) + D`` in the structure's form."""
+        raise NotImplementedError
+
+    @property
+    def posterior_variance(self) -> Tensor:
+        """The marginal variances ``diag(Sigma)`` ``[P]``."""
+        raise NotImplementedError
+
+    @property
+    def posterior_covariance(self) -> Tensor:
+        """``Sigma`` ``[P, P]`` (dense: small subsets only)."""
+        raise NotImplementedError
+
+    def sample(self, n_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
+        """``[n_samples, P]`` draws of ``theta ~ q`` (parameter order of the subset)."""
+        if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
+            raise ValueError(f"n_samples must be a positive int, got {n_samples!r}")
+        self._require_fit()
+        z = randn_like_on(
+            (n_samples, self.num_params), generator, self.mean.dtype, self.mean.device
+        )
+        return self.mean + self._sqrt_cov_times(z)
+
+    def _sqrt_cov_times(self, z: Tensor) -> Tensor:
+        """``Sigma^{1/2} z`` row by row (any square root ``R`` with ``R R^T = Sigma``)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ predictive
+    def functional_variance(self, x: Tensor) -> Tensor:
+        """``J(x_n) Sigma J(x_n)^T`` ``[N, C, C]`` of the linearised network."""
+        return self._mean_and_variance(x)[1]
+
+    def _mean_and_variance(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    def __call__(
+        self,
+        x: Tensor,
+        pred_type: str = "glm",
+        link_approx: str = "probit",
+        n_samples: int = 100,
+        generator: torch.Generator | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """The predictive at ``x``: class probabilities ``[N, C]`` (classification) or
+        ``(mean [N, C], functional variance [N, C, C])`` (regression: add
+        ``sigma_noise^2`` for the predictive of ``y``).
+
+        ``pred_type="glm"``: ``f ~ N(f_w*(x), J Sigma J^T)`` and ``link_approx`` ``"probit"``
+        (``softmax(m / sqrt(1 + pi/8 diag v))``), ``"bridge"`` (the Laplace bridge,
+        Hobbhahn et al. 2022, with laplace-torch's zero-mean correction) or ``"mc"``
+        (``n_samples`` draws of ``f``); ``pred_type="nn"``: ``n_samples`` weight draws
+        pushed through the network."""
+        if pred_type not in ("glm", "nn"):
+            raise ValueError(f"pred_type must be 'glm' or 'nn', got {pred_type!r}")
+        if link_approx not in ("probit", "bridge", "mc"):
+            raise ValueError(f"link_approx must be 'probit', 'bridge' or 'mc', got {link_approx!r}")
+        self._require_fit()
+        x = x.to(self._device())
+        if pred_type == "nn":
+            f = self._nn_samples(x, n_samples, generator)  # [S, N, C]
+            if self.regression:
+                return f.mean(0), sample_cov(f)
+            return self.likelihood.inverse_link(f.flatten(0, 1)).reshape(f.shape).mean(0)
+        mu, var = self._mean_and_variance(x)
+        if self.regression:
+            return mu, var
+        if link_approx == "probit":
+            return self.likelihood.inverse_link(mu * probit_scale(var))
+        if link_approx == "mc":
+            f = glm_draws(mu, var, n_samples, generator)
+            return self.likelihood.inverse_link(f.flatten(0, 1)).reshape(f.shape).mean(0)
+        if not isinstance(self.likelihood, CategoricalLikelihood):
+            raise ValueError("link_approx='bridge' is for the categorical likelihood")
+        return laplace_bridge(mu, var)
+
+    def predictive_samples(
+        self,
+        x: Tensor,
+        pred_type: str = "glm",
+        n_samples: int = 100,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """``[n_samples, N, C]`` draws of the predictive: probabilities (classification) or
+        outputs ``f`` (regression), from the linearised network (``"glm"``) or from weight
+        draws (``"nn"``)."""
+        self._require_fit()
+        x = x.to(self._device())
+        if pred_type == "nn":
+            f = self._nn_samples(x, n_samples, generator)
+        elif pred_type == "glm":
+            f = glm_draws(*self._mean_and_variance(x), n_samples, generator)
+        else:
+            raise ValueError(f"pred_type must be 'glm' or 'nn', got {pred_type!r}")
+        if self.regression:
+            return f
+        return self.likelihood.inverse_link(f.flatten(0, 1)).reshape(f.shape)
+
+    def _nn_samples(self, x: Tensor, n_samples: int, generator: torch.Generator | None) -> Tensor:
+        draws = self.sample(n_samples, generator)
+        outs = []
+        with torch.no_grad():
+            for theta in draws:
+                params, k = {}, 0
+                for (name, p), size in zip(self._named, self.sizes):
+                    params[name] = theta[k : k + size].view_as(p).to(p.dtype)
+                    k += size
+                outs.append(functional_call(self.model, params, (x,)))
+        return torch.stack(outs)
+
+    def gp(self) -> LaplaceGP:
+        """The DNN2GP Gaussian process of the linearised network under this posterior:
+        mean ``f_w*(x)``, kernel ``J(x) Sigma J(x')^T`` (:class:`LaplaceGP`)."""
+        self._require_fit()
+        return LaplaceGP(self)
+
+    def _kernel(self, x1: Tensor, x2: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to rebuild the fit without the data (``torch.save``-able)."""
+        return {
+            "structure": self.structure,
+            "subset_of_weights": self.subset_of_weights,
+            "parameter_names": self.parameter_names,
+            "mean": self.mean,
+            "prior_mean": self.prior_mean,
+            "prior_precision": self._delta,
+            "sigma_noise": self._sigma,
+            "temperature": self.temperature,
+            "H": self._h_state(self._require_fit()),
+            "loss": self.loss,
+            "n_data": self.n_data,
+            "n_outputs": self.n_outputs,
+            "likelihood": repr(self.likelihood),
+        }
+
+    def _h_state(self, h: Any) -> Any:
+        return h
+
+    def _h_load(self, state: Any) -> Any:
+        return state.to(self.mean)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Inverse of :meth:`state_dict`; refuses a fit of another structure, subset,
+        likelihood or parameter set."""
+        for key, mine in (("structure", self.structure),
+                          ("subset_of_weights", self.subset_of_weights),
+                          ("likelihood", repr(self.likelihood))):  # fmt: skip
+            if state.get(key) != mine:
+                raise ValueError(f"state has {key}={state.get(key)!r}, this is {mine!r}")
+        self._prepare_names(list(state["parameter_names"]))
+        if list(state["parameter_names"]) != self.parameter_names:
+            raise ValueError(
+                f"state is over parameters {state['parameter_names'][:3]}..., this model's "
+                f"subset is {self.parameter_names[:3]}..."
+            )
+        self.mean = state["mean"].to(self.mean)
+        self.prior_mean = state["prior_mean"].to(self.mean)
+        self.prior_precision = state["prior_precision"]
+        self._sigma = float(state["sigma_noise"])
+        self.temperature = float(state["temperature"])
+        self.H = self._h_load(state["H"])
+        self.loss = None if state["loss"] is None else state["loss"].to(self.mean)
+        self.n_data, self.n_outputs = int(state["n_data"]), int(state["n_outputs"])
+        self._fitted()
+
+
+class LaplaceGP:
+    """The GP of a fitted Laplace: :meth:`mean` ``f_w*(x)`` ``[N, C]``, :meth:`kernel`
+    ``J(x1) Sigma J(x2)^T`` ``[N, C, M, C]``, :meth:`variance` ``[N, C, C]``, and
+    :meth:`predictive` (the Laplace's ``__call__``)."""
+
+    def __init__(self, la: BaseLaplace) -> None:
+        self.la = la
+
+    def mean(self, x: Tensor) -> Tensor:
+        with torch.no_grad():
+            return self.la.model(x.to(self.la._device()))
+
+    def variance(self, x: Tensor) -> Tensor:
+        return self.la.functional_variance(x.to(self.la._device()))
+
+    def kernel(self, x1: Tensor, x2: Tensor | None = None) -> Tensor:
+        dev = self.la._device()
+        x1 = x1.to(dev)
+        return self.la._kernel(x1, x1 if x2 is None else x2.to(dev))
+
+    def predictive(self, x: Tensor, method: str = "probit", **kwargs: Any) -> Any:
+        return self.la(x, link_approx=method, **kwargs)

@@ -1,0 +1,284 @@
+r"""Kronecker-factored (KFAC) curvature of ``Linear`` and ``Conv2d`` layers, eigendecomposed.
+
+For a layer ``z_l = W u_l + b`` (``Linear``: one position ``l``; ``Conv2d``: ``u_l`` the
+unfolded input patch at output position ``l``, ``W`` the kernel as ``[out, in k k]``), the
+GGN of its weight is ``sum_n sum_k vec(sum_l g_nkl u_nl^T) vec(...)^T`` with ``g_nkl`` the
+output gradient of column ``k`` of the square root of the output Hessian
+(``Lambda_n = L_n L_n^T``; one backward pass per column). KFAC (Martens & Grosse 2015; its
+convolutional form "expand" of Grosse & Martens 2016, as in laplace-torch and curvlinops)
+approximates it by
+
+    ``G_W ~= B (x) A``,  ``A = (1/N) sum_{n,l} u_nl u_nl^T`` ``[in', in']``,
+    ``B = sum_{n,k,l} g_nkl g_nkl^T`` ``[out, out]``,
+
+exact for one example of a ``Linear`` layer. With the row-major ``vec`` of ``W`` (fromp's
+flattening: index ``o * in' + i``), ``(B (x) A)[(o,i),(o',i')] = B[o,o'] A[i,i']``. The
+bias is its own block, ``G_b = sum_{n,k} (sum_l g_nkl)(sum_l g_nkl)^T`` ``[out, out]``,
+which is exact (laplace-torch keeps the bias as a separate factor as well).
+
+The empirical-Fisher variant uses the gradient of the loss (one column, ``k = 1``:
+``g_nl = d nll_n / d z_nl``) in place of the columns of ``L``.
+
+A posterior precision ``G / T + delta`` of a weight block is handled through the
+eigendecompositions ``A = Q_A diag(a) Q_A^T``, ``B = Q_B diag(b) Q_B^T``:
+``log det = sum_{ij} log(b_i a_j / T + delta)``, and products with its inverse or inverse
+square root are ``Q_B [(Q_B^T M Q_A) / (b a^T / T + delta)^{p}] Q_A^T`` on ``M [out, in']``;
+nothing of size ``P x P`` is formed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fromp.capture import capture_calls
+from fromp.likelihood import Likelihood
+
+__all__ = ["KronBlock", "KronCurvature", "kron_curvature", "kron_layers", "unfold_input"]
+
+
+def kron_layers(model: nn.Module) -> list[nn.Module]:
+    """The ``Linear`` / ``Conv2d`` layers holding ``model``'s trainable parameters, in
+    ``named_parameters()`` order; refuses (``ValueError``) a model with trainable
+    parameters elsewhere, a grouped convolution or a layer whose weight is frozen while its
+    bias is not (KFAC covers these two layer types only)."""
+    layers, covered = [], set()
+    for m in model.modules():
+        own = [p for p in m.parameters(recurse=False) if p.requires_grad]
+        if not own:
+            continue
+        if type(m) not in (nn.Linear, nn.Conv2d):
+            names = [n for n, p in m.named_parameters(recurse=False) if p.requires_grad]
+            raise ValueError(
+                f"hessian_structure='kron' covers nn.Linear and nn.Conv2d only; "
+                f"{type(m).__name__} has trainable parameters {names} (freeze them, or use "
+                "hessian_structure='diag')"
+            )
+        if isinstance(m, nn.Conv2d) and m.groups != 1:
+            raise ValueError(f"hessian_structure='kron' needs groups=1 convolutions, got {m}")
+        if not m.weight.requires_grad:
+            raise ValueError(f"hessian_structure='kron': {m} has a frozen weight and a bias")
+        layers.append(m)
+        covered.update(id(p) for p in own)
+    if not layers:
+        raise ValueError("model has no trainable nn.Linear or nn.Conv2d parameters")
+    return layers
+
+
+def unfold_input(m: nn.Module, a: Tensor) -> Tensor:
+    """The layer input as rows ``u_nl``: ``[N, L, in']`` (``Linear`` on ``[N, ..., in]``:
+    every leading position is a row; ``Conv2d``: unfolded patches, ``in' = in k_h k_w``)."""
+    if isinstance(m, nn.Linear):
+        return a.reshape(a.shape[0], -1, a.shape[-1])
+    mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
+    pad = m._reversed_padding_repeated_twice
+    if isinstance(m.padding, str) or any(pad):
+        a = F.pad(a, pad, mode=mode)
+    u = F.unfold(a, m.kernel_size, dilation=m.dilation, stride=m.stride)  # [N, in k k, L]
+    return u.transpose(1, 2)
+
+
+def _rows_out(m: nn.Module, g: Tensor) -> Tensor:
+    """Output gradients as ``[N, L, out]``."""
+    if isinstance(m, nn.Linear):
+        return g.reshape(g.shape[0], -1, g.shape[-1])
+    return g.flatten(2).transpose(1, 2)
+
+
+@dataclass
+class KronBlock:
+    """One layer's factors: ``A [in', in']`` (already divided by ``N``), ``B [out, out]``
+    for the weight, and ``B_bias [out, out]`` (None without a trainable bias)."""
+
+    A: Tensor
+    B: Tensor
+    B_bias: Tensor | None
+
+
+@dataclass
+class KronCurvature:
+    """KFAC curvature of the layers of a model: one :class:`KronBlock` per layer, with the
+    parameter tensors they cover (``names``, in ``named_parameters()`` order: weight, then
+    bias) and the number of examples ``n`` seen."""
+
+    blocks: list[KronBlock]
+    names: list[list[str]]
+    n: int = 0
+    _a_sums: list[Tensor] = field(default_factory=list, repr=False)
+
+    def __add__(self, other: KronCurvature) -> KronCurvature:
+        """The curvature of both data sets: the ``B`` sums add, the ``A`` averages are
+        weighted by their example counts."""
+        if self.names != other.names:
+            raise ValueError("cannot add KFAC curvatures of different layers")
+        n = self.n + other.n
+        blocks = [
+            KronBlock(
+                (s.A * self.n + o.A * other.n) / n,
+                s.B + o.B,
+                None if s.B_bias is None else s.B_bias + o.B_bias,
+            )
+            for s, o in zip(self.blocks, other.blocks)
+        ]
+        return KronCurvature(blocks, self.names, n)
+
+    def state_dict(self) -> dict:
+        return {
+            "A": [b.A for b in self.blocks],
+            "B": [b.B for b in self.blocks],
+            "B_bias": [b.B_bias for b in self.blocks],
+            "names": self.names,
+            "n": self.n,
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> KronCurvature:
+        blocks = [KronBlock(a, b, c) for a, b, c in zip(state["A"], state["B"], state["B_bias"])]
+        return cls(blocks, [list(n) for n in state["names"]], int(state["n"]))
+
+
+def kron_curvature(
+    model: nn.Module,
+    batches: Iterable[tuple[Tensor, Tensor | None]],
+    likelihood: Likelihood,
+    *,
+    layers: list[nn.Module] | None = None,
+    fisher: str = "ggn",
+) -> KronCurvature:
+    """KFAC factors of ``model``'s ``Linear``/``Conv2d`` layers over ``batches`` of
+    ``(x [B, ...], y [B] or None)``; the model maps ``x`` to ``[B, C]`` and is in eval mode.
+
+    Args:
+        layers: the layers (default :func:`kron_layers` ``(model)``, which refuses other
+            trainable parameters). Each must be called exactly once per forward pass.
+        fisher: ``"ggn"`` (columns of the output-Hessian square root, targets not needed)
+            or ``"ef"`` (the empirical Fisher: the per-example loss gradient; needs ``y``).
+    """
+    if fisher not in ("ggn", "ef"):
+        raise ValueError(f"fisher must be 'ggn' or 'ef', got {fisher!r}")
+    layers = kron_layers(model) if layers is None else layers
+    names_of = {id(p): n for n, p in model.named_parameters()}
+    names = [
+        [names_of[id(p)] for p in (m.weight, m.bias) if p is not None and p.requires_grad]
+        for m in layers
+    ]
+    a_sum: list[Tensor | None] = [None] * len(layers)
+    b_sum: list[Tensor | None] = [None] * len(layers)
+    bb_sum: list[Tensor | None] = [None] * len(layers)
+    n = 0
+    for x, y in batches:
+        with torch.enable_grad(), capture_calls(layers) as calls:
+            f = model(x)
+        if f.ndim != 2:
+            raise ValueError(f"model output must be [N, C], got {tuple(f.shape)}")
+        by_layer = {}
+        for c in calls:
+            if id(c.module) in by_layer:
+                raise ValueError(f"{c.module} is called more than once per forward pass")
+            by_layer[id(c.module)] = c
+        missing = [m for m in layers if id(m) not in by_layer]
+        if missing:
+            raise ValueError(f"layers not called in the forward pass: {missing[:2]}")
+        calls = [by_layer[id(m)] for m in layers]
+        if fisher == "ggn":
+            root = likelihood.sqrt_hessian(f.detach())  # [B, C, K]
+            columns = [root[:, :, k] for k in range(root.shape[2])]
+        else:
+            if y is None:
+                raise ValueError("fisher='ef' needs targets: batches of (x, y)")
+            fd = f.detach().requires_grad_(True)
+            (e,) = torch.autograd.grad(likelihood.nll(fd, y.to(f.device)).sum(), fd)
+            columns = [e]
+        zs = [c.z for c in calls]
+        for k, v in enumerate(columns):
+            gs = torch.autograd.grad(f, zs, grad_outputs=v, retain_graph=k < len(columns) - 1)
+            for i, (m, g) in enumerate(zip(layers, gs)):
+                g = _rows_out(m, g.detach())  # [B, L, out]
+                b = torch.einsum("nlo,nlp->op", g, g)
+                b_sum[i] = b if b_sum[i] is None else b_sum[i] + b
+                if m.bias is not None and m.bias.requires_grad:
+                    gb = g.sum(1)
+                    bb = gb.T @ gb
+                    bb_sum[i] = bb if bb_sum[i] is None else bb_sum[i] + bb
+        for i, (m, c) in enumerate(zip(layers, calls)):
+            u = unfold_input(m, c.a).flatten(0, 1)  # [B L, in']
+            a = u.T @ u
+            a_sum[i] = a if a_sum[i] is None else a_sum[i] + a
+        n += len(x)
+    if n == 0:
+        raise ValueError("data is empty: expected at least one batch")
+    blocks = [KronBlock(a / n, b, bb) for a, b, bb in zip(a_sum, b_sum, bb_sum)]
+    return KronCurvature(blocks, names, n)
+
+
+class KronEigen:
+    """Eigendecompositions of a :class:`KronCurvature`'s factors, for the posterior
+    precision ``G / T + delta`` block by block (``delta`` one positive scalar per parameter
+    tensor: weight block, bias block).
+
+    Attributes (per layer ``i``): ``qa[i] [in', in']``, ``la[i] [in']``, ``qb[i]``,
+    ``lb[i] [out]``; ``qbb[i]``, ``lbb[i]`` for the bias (None without one). Eigenvalues are
+    clamped at 0 (the factors are positive semi-definite up to rounding)."""
+
+    def __init__(self, curv: KronCurvature) -> None:
+        self.curv = curv
+        self.qa, self.la, self.qb, self.lb, self.qbb, self.lbb = [], [], [], [], [], []
+        for blk in curv.blocks:
+            la, qa = torch.linalg.eigh(0.5 * (blk.A + blk.A.T))
+            lb, qb = torch.linalg.eigh(0.5 * (blk.B + blk.B.T))
+            self.la.append(la.clamp_min(0))
+            self.qa.append(qa)
+            self.lb.append(lb.clamp_min(0))
+            self.qb.append(qb)
+            if blk.B_bias is None:
+                self.lbb.append(None)
+                self.qbb.append(None)
+            else:
+                lbb, qbb = torch.linalg.eigh(0.5 * (blk.B_bias + blk.B_bias.T))
+                self.lbb.append(lbb.clamp_min(0))
+                self.qbb.append(qbb)
+
+    def weight_eigs(self, i: int, scale: Tensor | float, delta: Tensor) -> Tensor:
+        """``[out, in']``: eigenvalues ``b_i a_j scale + delta`` of layer ``i``'s weight
+        block of the posterior precision."""
+        return torch.outer(self.lb[i], self.la[i]) * scale + delta
+
+    def bias_eigs(self, i: int, scale: Tensor | float, delta: Tensor) -> Tensor:
+        return self.lbb[i] * scale + delta
+
+    def logdet(self, scale: Tensor | float, deltas: list[Tensor]) -> Tensor:
+        """``log det(G scale + D)``; ``deltas``: one scalar per parameter tensor, in the order
+        of ``curv.names`` flattened."""
+        total, k = 0.0, 0
+        for i in range(len(self.la)):
+            total = total + self.weight_eigs(i, scale, deltas[k]).log().sum()
+            k += 1
+            if self.lbb[i] is not None:
+                total = total + self.bias_eigs(i, scale, deltas[k]).log().sum()
+                k += 1
+        return total
+
+    def rotate_weight(self, i: int, m: Tensor) -> Tensor:
+        """``Q_B^T M Q_A`` for ``M [..., out, in']``."""
+        return self.qb[i].T @ m @ self.qa[i]
+
+    def unrotate_weight(self, i: int, r: Tensor) -> Tensor:
+        return self.qb[i] @ r @ self.qa[i].T
+
+    def to_dense(self, scale: Tensor | float, deltas: list[Tensor]) -> list[Tensor]:
+        """The dense precision of each parameter tensor (tests and small models only):
+        ``B (x) A scale + delta I`` for a weight, ``B_bias scale + delta I`` for a bias."""
+        out, k = [], 0
+        for blk in self.curv.blocks:
+            w = torch.kron(blk.B, blk.A) * scale
+            out.append(w + deltas[k] * torch.eye(len(w), dtype=w.dtype, device=w.device))
+            k += 1
+            if blk.B_bias is not None:
+                b = blk.B_bias * scale
+                out.append(b + deltas[k] * torch.eye(len(b), dtype=b.dtype, device=b.device))
+                k += 1
+        return out

@@ -1,0 +1,597 @@
+r"""The Hessian structures of :mod:`fromp.baselaplace` and the :func:`Laplace` factory.
+
+One class per (subset of weights, structure), as in laplace-torch:
+
+=========================  ===================  ===================  ===================
+subset \\ structure        ``"diag"``           ``"kron"``           ``"full"``
+=========================  ===================  ===================  ===================
+``"all"``                  :class:`LaplaceDiag`  :class:`KronLaplace`  :class:`LaplaceFull`
+``"last_layer"``           :class:`DiagLLLaplace` :class:`KronLLLaplace` :class:`FullLLLaplace`
+=========================  ===================  ===================  ===================
+
+All weights: the diagonal comes from layer capture (any module), the Kronecker factors from
+:mod:`fromp.kron` (``Linear`` / ``Conv2d``), the full GGN from :func:`fromp.ggn.ggn` (small
+models). Last layer ``f = W phi + b``: ``J_n = I_C (x) [phi_n; 1]^T`` in closed form, the
+features ``phi`` captured once per batch, so the structures cost ``O(N C D)`` (diagonal,
+Kronecker) or ``O(N C^2 D^2)`` (full) and need no per-example Jacobian of the network.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from fromp.baselaplace import STRUCTURES, SUBSETS, BaseLaplace
+from fromp.capture import capture_calls
+from fromp.curvature import diag_ggn
+from fromp.ggn import ggn
+from fromp.kron import KronBlock, KronCurvature, KronEigen, kron_curvature, unfold_input
+from fromp.likelihood import Likelihood
+from fromp.posterior import DiagonalGaussian, FullGaussian
+
+__all__ = [
+    "DiagLLLaplace",
+    "FullLLLaplace",
+    "KronLLLaplace",
+    "KronLaplace",
+    "Laplace",
+    "LaplaceDiag",
+    "LaplaceFull",
+]
+
+
+def last_layer(model: nn.Module, x: Tensor) -> tuple[str, nn.Linear]:
+    """The last ``nn.Linear`` called by ``model`` on ``x`` and its name; refuses a model
+    whose output is not that layer's output."""
+    calls: list[tuple[nn.Module, Tensor]] = []
+    handles = [
+        m.register_forward_hook(lambda m, i, o: calls.append((m, o)))
+        for m in model.modules()
+        if type(m) is nn.Linear
+    ]
+    try:
+        with torch.no_grad():
+            out = model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    if not calls:
+        raise ValueError("subset_of_weights='last_layer' needs a model with an nn.Linear layer")
+    layer, z = calls[-1]
+    if z.shape != out.shape or not torch.equal(z, out):
+        raise ValueError(
+            "subset_of_weights='last_layer' needs the model's output to be the output of its "
+            f"last nn.Linear ({layer}); it is transformed after that layer"
+        )
+    name = next(n for n, m in model.named_modules() if m is layer)
+    return name, layer
+
+
+class _Features:
+    """Records the input of a layer (the last-layer features ``phi``)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer, self.phi = layer, None
+
+    def __enter__(self) -> _Features:
+        self.handle = self.layer.register_forward_hook(self._hook)
+        return self
+
+    def _hook(self, m: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+        self.phi = inputs[0].detach()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.handle.remove()
+
+
+class _AllWeightsGP:
+    """All weights, diagonal or full ``Sigma``: the predictive and kernel of
+    :class:`fromp.gp.GP` (structured layer capture for the diagonal)."""
+
+    def _gp(self) -> Any:
+        from fromp.gp import GP
+
+        return GP(self.model, self.posterior, self.likelihood, chunk_size=self.chunk_size,
+                  memory_budget=self.memory_budget)  # fmt: skip
+
+    def _mean_and_variance(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        gp = self._gp()
+        return gp.mean(x), gp.variance(x)
+
+    def _kernel(self, x1: Tensor, x2: Tensor) -> Tensor:
+        return self._gp().kernel(x1, x2)
+
+
+class LaplaceDiag(_AllWeightsGP, BaseLaplace):
+    """``subset_of_weights="all"``, ``hessian_structure="diag"``: ``diag(G)`` ``[P]`` by
+    layer capture (any ``nn.Module``; Linear, convolution and norm layers from their inputs
+    and output gradients, per-example Jacobians for other parameters)."""
+
+    structure = "diag"
+
+    def _curvature(self, batches):
+        return diag_ggn(self.model, [(x,) for x, _ in batches], self.likelihood,
+                        chunk_size=self.chunk_size, memory_budget=self.memory_budget,
+                        method=self.method)  # fmt: skip
+
+    def _log_det_posterior(self, delta, factor):
+        return (self._require_fit() * factor + self._delta_vector(delta)).log().sum()
+
+    @property
+    def posterior_precision(self) -> Tensor:
+        return self._require_fit() * self._factor() + self._delta_vector(self._delta)
+
+    @property
+    def posterior_variance(self) -> Tensor:
+        return self.posterior_precision.reciprocal()
+
+    @property
+    def posterior_covariance(self) -> Tensor:
+        return torch.diag(self.posterior_variance)
+
+    @property
+    def posterior(self) -> DiagonalGaussian:
+        """:class:`~fromp.posterior.DiagonalGaussian` ``N(theta*, diag(precision)^{-1})``."""
+        return DiagonalGaussian(self.mean.clone(), self.posterior_precision.detach().clone())
+
+    def _sqrt_cov_times(self, z):
+        return z * self.posterior_variance.sqrt()
+
+
+class LaplaceFull(_AllWeightsGP, BaseLaplace):
+    """``subset_of_weights="all"``, ``hessian_structure="full"``: ``G`` ``[P, P]`` (small
+    models: ``P <= max_params``)."""
+
+    structure = "full"
+
+    def _curvature(self, batches):
+        g = ggn(self.model, [(x,) for x, _ in batches], self.likelihood,
+                chunk_size=self.chunk_size or 32, max_params=self.max_params)  # fmt: skip
+        return 0.5 * (g + g.T)
+
+    def _fitted(self):
+        self._eig = None
+
+    def _log_det_posterior(self, delta, factor):
+        g = self._require_fit()
+        if delta.ndim == 0:
+            if self._eig is None:
+                self._eig = torch.linalg.eigvalsh(g).clamp_min(0)
+            return (self._eig * factor + delta).log().sum()
+        chol = torch.linalg.cholesky(g * factor + torch.diag(self._delta_vector(delta)))
+        return 2 * torch.log(torch.diagonal(chol)).sum()
+
+    @property
+    def posterior_precision(self) -> Tensor:
+        return self._require_fit() * self._factor() + torch.diag(self._delta_vector(self._delta))
+
+    @property
+    def posterior_covariance(self) -> Tensor:
+        return torch.cholesky_inverse(torch.linalg.cholesky(self.posterior_precision))
+
+    @property
+    def posterior_variance(self) -> Tensor:
+        return torch.diagonal(self.posterior_covariance)
+
+    @property
+    def posterior(self) -> FullGaussian:
+        return FullGaussian(self.mean.clone(), self.posterior_precision.detach().clone())
+
+    def _sqrt_cov_times(self, z):
+        # Sigma = (L L^T)^{-1} = L^{-T} L^{-1}: theta = L^{-T} z
+        chol = torch.linalg.cholesky(self.posterior_precision)
+        return torch.linalg.solve_triangular(chol.T, z.T, upper=True).T
+
+
+class _KronMixin:
+    """Posterior maths of a KFAC curvature (:class:`fromp.kron.KronCurvature`)."""
+
+    def _fitted(self):
+        self._eig = KronEigen(self.H) if self.H is not None else None
+
+    def _add(self, old, new):
+        return old + new
+
+    def _h_state(self, h):
+        return h.state_dict()
+
+    def _h_load(self, state):
+        curv = KronCurvature.from_state_dict(state)
+        for b in curv.blocks:
+            b.A, b.B = b.A.to(self.mean), b.B.to(self.mean)
+            b.B_bias = None if b.B_bias is None else b.B_bias.to(self.mean)
+        return curv
+
+    def _check_prior_structure(self, prior_structure):
+        if prior_structure == "diag":
+            raise ValueError(
+                "hessian_structure='kron' takes prior_structure 'scalar' or 'layerwise' (one "
+                "precision per parameter tensor keeps the Kronecker eigenbasis)"
+            )
+
+    def _deltas(self, delta: Tensor) -> list[Tensor]:
+        """One scalar per parameter tensor; a ``[P]`` ``delta`` must be constant on each."""
+        if delta.ndim == 0:
+            return [delta] * self.n_layers
+        if len(delta) == self.n_layers:
+            return list(delta.unbind())
+        out, k = [], 0
+        for size in self.sizes:
+            block = delta[k : k + size]
+            if not bool((block == block[0]).all()):
+                raise ValueError(
+                    "hessian_structure='kron' needs prior_precision constant on each parameter "
+                    "tensor (a scalar or [n_layers])"
+                )
+            out.append(block[0])
+            k += size
+        return out
+
+    def _log_det_posterior(self, delta, factor):
+        self._require_fit()
+        return self._eig.logdet(factor, self._deltas(delta))
+
+    @property
+    def posterior_precision(self) -> list[Tensor]:
+        """Dense precision blocks, one per parameter tensor (``B (x) A / (s^2 T) + delta``
+        for a weight): for inspection and tests; the posterior itself is never formed."""
+        self._require_fit()
+        return self._eig.to_dense(self._factor(), self._deltas(self._delta))
+
+    @property
+    def posterior_covariance(self) -> Tensor:
+        return torch.block_diag(*[torch.linalg.inv(b) for b in self.posterior_precision])
+
+    def _block_views(self, v: Tensor) -> list[tuple[int, str, Tensor]]:
+        """Split ``v [..., P]`` into ``(layer, "w"|"b", [..., out, in'] or [..., out])``."""
+        out, k = [], 0
+        for i, (blk, names) in enumerate(zip(self.H.blocks, self.H.names)):
+            o, a = blk.B.shape[0], blk.A.shape[0]
+            out.append((i, "w", v[..., k : k + o * a].reshape(*v.shape[:-1], o, a)))
+            k += o * a
+            if len(names) > 1:
+                out.append((i, "b", v[..., k : k + o]))
+                k += o
+        return out
+
+    def _sqrt_cov_times(self, z):
+        eig, deltas, factor = self._eig, self._deltas(self._delta), self._factor()
+        parts = []
+        for j, (i, kind, m) in enumerate(self._block_views(z)):
+            if kind == "w":
+                r = m / eig.weight_eigs(i, factor, deltas[j]).sqrt()
+                parts.append(eig.unrotate_weight(i, r).flatten(-2))
+            else:
+                r = m / eig.bias_eigs(i, factor, deltas[j]).sqrt()
+                parts.append(r @ eig.qbb[i].T)
+        return torch.cat(parts, -1)
+
+    @property
+    def posterior_variance(self) -> Tensor:
+        eig, deltas, factor = self._eig, self._deltas(self._delta), self._factor()
+        parts = []
+        for j, (i, kind, _) in enumerate(self._block_views(self.mean)):
+            if kind == "w":
+                inv = eig.weight_eigs(i, factor, deltas[j]).reciprocal()
+                parts.append((eig.qb[i] ** 2 @ inv @ (eig.qa[i] ** 2).T).flatten())
+            else:
+                inv = eig.bias_eigs(i, factor, deltas[j]).reciprocal()
+                parts.append(eig.qbb[i] ** 2 @ inv)
+        return torch.cat(parts)
+
+
+class KronLaplace(_KronMixin, BaseLaplace):
+    """``subset_of_weights="all"``, ``hessian_structure="kron"``: KFAC of every
+    ``Linear`` / ``Conv2d`` layer (:mod:`fromp.kron`); models with other trainable
+    parameters are refused (use ``"diag"``). The functional variance and the kernel come
+    from each layer's per-example Jacobian rows ``sum_l g_ncl u_nl^T`` rotated into the
+    factors' eigenbases: ``sum_ij R_nc,ij R_mc',ij / (b_i a_j / (s^2 T) + delta)``."""
+
+    structure = "kron"
+
+    def _curvature(self, batches):
+        return kron_curvature(self.model, batches, self.likelihood)
+
+    def _rows(self, x: Tensor) -> tuple[Tensor, list[tuple[int, str, Tensor]]]:
+        """``f(x)`` and, per parameter tensor, the rotated Jacobian rows ``[N, C, ...]``."""
+        layers = [self.model.get_submodule(n[0].rsplit(".", 1)[0]) if "." in n[0] else
+                  self.model for n in self.H.names]  # fmt: skip
+        with torch.enable_grad(), capture_calls(layers) as calls:
+            f = self.model(x)
+        calls = {id(c.module): c for c in calls}
+        zs = [calls[id(m)].z for m in layers]
+        c_out = f.shape[1]
+        grads = [[] for _ in layers]
+        for c in range(c_out):
+            v = torch.zeros_like(f)
+            v[:, c] = 1
+            gs = torch.autograd.grad(f, zs, grad_outputs=v, retain_graph=c < c_out - 1)
+            for i, g in enumerate(gs):
+                grads[i].append(g.detach())
+        rows = []
+        for i, m in enumerate(layers):
+            u = unfold_input(m, calls[id(m)].a)  # [N, L, in']
+            g = torch.stack(grads[i], 1)  # [N, C, out, ...]
+            g = g.reshape(g.shape[0], c_out, g.shape[2], -1) if isinstance(m, nn.Conv2d) else \
+                g.reshape(g.shape[0], c_out, -1, g.shape[-1]).transpose(2, 3)  # fmt: skip
+            # g: [N, C, out, L]
+            jw = torch.einsum("ncol,nli->ncoi", g, u)
+            rows.append((i, "w", self._eig.rotate_weight(i, jw)))
+            if len(self.H.names[i]) > 1:
+                rows.append((i, "b", g.sum(-1) @ self._eig.qbb[i]))
+        return f.detach(), rows
+
+    def _weights(self) -> list[Tensor]:
+        eig, deltas, factor = self._eig, self._deltas(self._delta), self._factor()
+        out = []
+        for j, (i, kind, _) in enumerate(self._block_views(self.mean)):
+            e = eig.weight_eigs(i, factor, deltas[j]) if kind == "w" else \
+                eig.bias_eigs(i, factor, deltas[j])  # fmt: skip
+            out.append(e.reciprocal())
+        return out
+
+    def _mean_and_variance(self, x):
+        f, rows = self._rows(x)
+        var = 0.0
+        for (_, _, r), w in zip(rows, self._weights()):
+            r = r.flatten(2)
+            var = var + torch.einsum("ncp,p,ndp->ncd", r, w.flatten(), r)
+        return f, var
+
+    def _kernel(self, x1, x2):
+        _, r1 = self._rows(x1)
+        _, r2 = self._rows(x2)
+        k = 0.0
+        for (_, _, a), (_, _, b), w in zip(r1, r2, self._weights()):
+            k = k + torch.einsum("ncp,p,mdp->ncmd", a.flatten(2), w.flatten(), b.flatten(2))
+        return k
+
+
+# ------------------------------------------------------------------------------ last layer
+
+
+class _LastLayer:
+    """The last ``nn.Linear`` layer ``f = W phi + b`` as the subset: ``J_n = I_C (x)
+    [phi_n; 1]^T`` in closed form, features captured once per batch."""
+
+    def _prepare(self, x: Tensor) -> None:
+        if self.layer is None:
+            self._use_layer(*last_layer(self.model, x))
+
+    def _prepare_names(self, names: list[str]) -> None:
+        if self.layer is None:
+            name = names[0].rsplit(".", 1)[0] if "." in names[0] else ""
+            self._use_layer(name, self.model.get_submodule(name) if name else self.model)
+
+    def _use_layer(self, name: str, layer: nn.Module) -> None:
+        self.layer_name, self.layer = name, layer
+        prefix = f"{name}." if name else ""
+        self._named = [
+            (prefix + n, p) for n, p in layer.named_parameters(recurse=False) if p.requires_grad
+        ]
+        self._set_mean()
+        self._init_prior()
+
+    def _phi(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``(f(x) [N, C], phi(x) [N, D])``: the outputs and the last layer's input."""
+        with _Features(self.layer) as feats, torch.no_grad():
+            f = self.model(x)
+        return f, feats.phi.reshape(len(x), -1)
+
+    def _feature_batches(self, batches) -> Iterable[tuple[Tensor, Tensor]]:
+        for x, _ in batches:
+            yield self._phi(x)
+
+    @property
+    def _bias(self) -> bool:
+        return len(self._named) == 2
+
+    def _tilde(self, phi: Tensor) -> Tensor:
+        """``[phi, 1]`` ``[N, D']`` (``D' = D + 1`` with a trainable bias)."""
+        if not self._bias:
+            return phi
+        return torch.cat([phi, torch.ones(len(phi), 1, dtype=phi.dtype, device=phi.device)], 1)
+
+    def _to_flat(self, m: Tensor) -> Tensor:
+        """``[..., C, D']`` (internal ``[W | b]``) to the flat parameter order
+        ``(W row-major, b)`` ``[..., P]``."""
+        if not self._bias:
+            return m.flatten(-2)
+        return torch.cat([m[..., :-1].flatten(-2), m[..., -1]], -1)
+
+    def _from_flat(self, v: Tensor) -> Tensor:
+        c = self.layer.out_features
+        if not self._bias:
+            return v.reshape(*v.shape[:-1], c, -1)
+        w, b = v[..., :-c], v[..., -c:]
+        return torch.cat([w.reshape(*v.shape[:-1], c, -1), b.unsqueeze(-1)], -1)
+
+    def _lambda(self, f: Tensor) -> Tensor:
+        return self.likelihood.hessian(f)
+
+
+class DiagLLLaplace(_LastLayer, BaseLaplace):
+    """Last layer, diagonal: ``diag(G)[c, d] = sum_n Lambda_n[c, c] phi~_nd^2``."""
+
+    structure = "diag"
+
+    def __init__(self, model, likelihood, **kwargs):
+        super().__init__(model, likelihood, subset_of_weights="last_layer", **kwargs)
+
+    def _curvature(self, batches):
+        h = 0.0
+        for f, phi in self._feature_batches(batches):
+            lam = torch.diagonal(self._lambda(f), dim1=-2, dim2=-1)  # [N, C]
+            h = h + lam.T @ self._tilde(phi) ** 2
+        return self._to_flat(h)
+
+    def _log_det_posterior(self, delta, factor):
+        return (self._require_fit() * factor + self._delta_vector(delta)).log().sum()
+
+    @property
+    def posterior_precision(self) -> Tensor:
+        return self._require_fit() * self._factor() + self._delta_vector(self._delta)
+
+    @property
+    def posterior_variance(self) -> Tensor:
+        return self.posterior_precision.reciprocal()
+
+    @property
+    def posterior_covariance(self) -> Tensor:
+        return torch.diag(self.posterior_variance)
+
+    def _sqrt_cov_times(self, z):
+        return z * self.posterior_variance.sqrt()
+
+    def _mean_and_variance(self, x):
+        f, phi = self._phi(x)
+        s = self._from_flat(self.posterior_variance)  # [C, D']
+        return f, torch.diag_embed(self._tilde(phi) ** 2 @ s.T)
+
+    def _kernel(self, x1, x2):
+        _, p1 = self._phi(x1)
+        _, p2 = self._phi(x2)
+        s = self._from_flat(self.posterior_variance)  # [C, D']
+        k = torch.einsum("nd,cd,md->ncm", self._tilde(p1), s, self._tilde(p2))
+        eye = torch.eye(s.shape[0], dtype=s.dtype, device=s.device)
+        return torch.einsum("ncm,cd->ncmd", k, eye)
+
+
+class FullLLLaplace(_LastLayer, BaseLaplace):
+    """Last layer, full: ``G = sum_n Lambda_n (x) phi~_n phi~_n^T`` ``[P, P]``."""
+
+    structure = "full"
+
+    def __init__(self, model, likelihood, **kwargs):
+        super().__init__(model, likelihood, subset_of_weights="last_layer", **kwargs)
+
+    def _curvature(self, batches):
+        h = 0.0
+        for f, phi in self._feature_batches(batches):
+            t = self._tilde(phi)
+            h = h + torch.einsum("nce,nd,nf->cdef", self._lambda(f), t, t)
+        c, d = h.shape[0], h.shape[1]
+        h = h.reshape(c * d, c * d)
+        perm = self._perm(c, d)
+        return h[perm][:, perm]
+
+    def _perm(self, c: int, d: int) -> Tensor:
+        """Flat index -> internal ``[W | b]`` row-major index."""
+        idx = torch.arange(c * d).reshape(c, d)
+        return self._to_flat(idx)
+
+    _fitted = LaplaceFull._fitted
+    _log_det_posterior = LaplaceFull._log_det_posterior
+    posterior_precision = LaplaceFull.posterior_precision
+    posterior_covariance = LaplaceFull.posterior_covariance
+    posterior_variance = LaplaceFull.posterior_variance
+    _sqrt_cov_times = LaplaceFull._sqrt_cov_times
+
+    def _cov4(self) -> Tensor:
+        """``Sigma`` as ``[C, D', C, D']`` (internal order)."""
+        cov = self.posterior_covariance
+        c = self.layer.out_features
+        d = self.num_params // c
+        inv = torch.empty_like(self._perm(c, d))
+        inv[self._perm(c, d)] = torch.arange(c * d)
+        return cov[inv][:, inv].reshape(c, d, c, d)
+
+    def _mean_and_variance(self, x):
+        f, phi = self._phi(x)
+        t = self._tilde(phi)
+        return f, torch.einsum("nd,cdke,ne->nck", t, self._cov4(), t)
+
+    def _kernel(self, x1, x2):
+        _, p1 = self._phi(x1)
+        _, p2 = self._phi(x2)
+        return torch.einsum("nd,cdke,me->ncmk", self._tilde(p1), self._cov4(), self._tilde(p2))
+
+
+class KronLLLaplace(_LastLayer, _KronMixin, BaseLaplace):
+    """Last layer, Kronecker: ``B = sum_n Lambda_n`` ``[C, C]``, ``A = (1/N) sum_n phi_n
+    phi_n^T`` for the weight, the exact ``B`` for the bias (as :mod:`fromp.kron`)."""
+
+    structure = "kron"
+
+    def __init__(self, model, likelihood, **kwargs):
+        super().__init__(model, likelihood, subset_of_weights="last_layer", **kwargs)
+
+    def _curvature(self, batches):
+        a, b, n = 0.0, 0.0, 0
+        for f, phi in self._feature_batches(batches):
+            a = a + phi.T @ phi
+            b = b + self._lambda(f).sum(0)
+            n += len(phi)
+        return KronCurvature([KronBlock(a / n, b, b.clone() if self._bias else None)],
+                             [self.parameter_names], n)  # fmt: skip
+
+    def _mean_and_variance(self, x):
+        f, phi = self._phi(x)
+        eig, deltas, factor = self._eig, self._deltas(self._delta), self._factor()
+        pa = phi @ eig.qa[0]  # [N, D]
+        w = (pa**2) @ eig.weight_eigs(0, factor, deltas[0]).reciprocal().T  # [N, C(eig)]
+        var = torch.einsum("ci,ni,di->ncd", eig.qb[0], w, eig.qb[0])
+        if self._bias:
+            inv = eig.bias_eigs(0, factor, deltas[1]).reciprocal()
+            var = var + (eig.qbb[0] * inv) @ eig.qbb[0].T
+        return f, var
+
+    def _kernel(self, x1, x2):
+        _, p1 = self._phi(x1)
+        _, p2 = self._phi(x2)
+        eig, deltas, factor = self._eig, self._deltas(self._delta), self._factor()
+        a1, a2 = p1 @ eig.qa[0], p2 @ eig.qa[0]
+        w = eig.weight_eigs(0, factor, deltas[0]).reciprocal()  # [C, D]
+        k = torch.einsum("nj,ij,mj,ci,di->ncmd", a1, w, a2, eig.qb[0], eig.qb[0])
+        if self._bias:
+            inv = eig.bias_eigs(0, factor, deltas[1]).reciprocal()
+            kb = (eig.qbb[0] * inv) @ eig.qbb[0].T
+            k = k + kb.reshape(1, *kb.shape[:1], 1, kb.shape[1]).expand_as(k)
+        return k
+
+
+# ---------------------------------------------------------------------------------- factory
+
+_CLASSES = {
+    ("all", "diag"): LaplaceDiag,
+    ("all", "full"): LaplaceFull,
+    ("all", "kron"): KronLaplace,
+    ("last_layer", "diag"): DiagLLLaplace,
+    ("last_layer", "full"): FullLLLaplace,
+    ("last_layer", "kron"): KronLLLaplace,
+}
+
+
+def Laplace(
+    model: nn.Module,
+    likelihood: str | Likelihood,
+    subset_of_weights: str = "last_layer",
+    hessian_structure: str = "kron",
+    **kwargs: Any,
+) -> BaseLaplace:
+    """A fitted-Laplace object in laplace-torch's words: ``Laplace(model, "classification",
+    subset_of_weights="last_layer", hessian_structure="kron")`` (laplace-torch's defaults),
+    then ``.fit(train_loader)``, ``.optimize_prior_precision()``, ``la(x)``.
+
+    ``subset_of_weights``: ``"all"`` or ``"last_layer"`` (the last ``nn.Linear``, whose
+    output must be the model's). ``hessian_structure``: ``"diag"``, ``"kron"`` or
+    ``"full"``. Keyword arguments: those of :class:`BaseLaplace` (``sigma_noise``,
+    ``prior_precision``, ``prior_mean``, ``temperature``, ``chunk_size``, ...).
+    ``"subnetwork"`` and ``"lowrank"`` are not available and refused."""
+    if subset_of_weights not in SUBSETS:
+        raise ValueError(f"subset_of_weights must be one of {SUBSETS}, got {subset_of_weights!r}")
+    if hessian_structure not in STRUCTURES:
+        raise ValueError(
+            f"hessian_structure must be one of {STRUCTURES}, got {hessian_structure!r}"
+        )
+    cls = _CLASSES.get((subset_of_weights, hessian_structure))
+    if cls is None:
+        supported = ", ".join(f"({s!r}, {h!r})" for s, h in _CLASSES)
+        raise ValueError(
+            f"subset_of_weights={subset_of_weights!r} with hessian_structure="
+            f"{hessian_structure!r} is not available; supported: {supported}"
+        )
+    return cls(model, likelihood, **kwargs)
