@@ -3,16 +3,17 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The stamp changes with pyproject.toml and with the checkout's path (the install is editable).
-STAMP := $(VENV)/.installed-$(shell (cat pyproject.toml; pwd) | sha256sum | cut -c1-16)
+# The stamp changes with pyproject.toml, constraints.txt and the checkout's path (the install
+# is editable). constraints.txt pins the versions tested; pyproject.toml states ranges.
+STAMP := $(VENV)/.installed-$(shell (cat pyproject.toml constraints.txt; pwd) | sha256sum | cut -c1-16)
 
 .PHONY: demo test lint format venv clean gpu-check
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
 	@rm -f $(VENV)/.installed-*
 	@touch $(STAMP)
 

@@ -56,7 +56,7 @@ from fromp.sensitivity import (
     prediction_variance,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.3.0"
 
 __all__ = [  # noqa: RUF022 (grouped by topic, sorted within each group)
     "__version__",

@@ -89,3 +89,14 @@ def test_laplace_torch_regression_example_raises_the_evidence():
     end = la.log_marginal_likelihood(env["log_prior"].exp(), env["log_sigma"].exp())
     assert float(end.detach()) > float(start.detach()) + 10  # the noise moved from e towards 0.2
     assert 0.1 < float(env["log_sigma"].detach().exp()) < 1.0
+
+
+def test_version_is_the_packages_and_the_changelogs():
+    import tomllib
+
+    import fromp
+
+    root = DOCS.parent
+    version = tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"]
+    assert fromp.__version__ == version
+    assert f"## {version} (" in (root / "CHANGELOG.md").read_text()
