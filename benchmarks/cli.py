@@ -9,9 +9,12 @@ rebuild the benchmark's network, and work on one task of the benchmark's data::
 ``fromp-memorable`` writes ``memorable.json`` (indices into the task's training set, their
 classes and scores) and ``memorable.png`` (a grid of the selected images per class); with
 ``--map`` also the task's memory map (:func:`write_memory_map`): ``memory_map.png``, each
-training example's prediction error against its prediction variance under a diagonal
-Laplace-GGN posterior, memorable points marked, and ``memory_map.json`` with the
-per-example numbers (:mod:`fromp.sensitivity`).
+training example's prediction error against its prediction variance under a Laplace posterior
+fitted on all of the task's training examples (by default the last layer with its full GGN,
+the prior precision by the evidence), memorable points marked, and
+``memory_map.json`` with the per-example numbers, the estimated leave-one-out NLL and
+accuracy (memory perturbation with the example's own curvature removed,
+:mod:`fromp.sensitivity`) and the task's test NLL and accuracy beside them.
 ``fromp-gp`` fits a diagonal Laplace-GGN posterior on the task's training data (the prior
 precision chosen by the Laplace evidence unless given), converts the network into its DNN2GP
 Gaussian process and writes ``gp.npz`` (GP mean, kernel ``[N, C, N, C]``, marginal variances and
@@ -32,8 +35,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from benchmarks.data import CorruptDataError, DataNotFoundError, TaskSequence
 from benchmarks.registry import STRATEGIES, UnknownNameError, get_benchmark
-from fromp.data import CorruptDataError, DataNotFoundError, TaskSequence
 from fromp.models import with_task
 
 __all__ = ["gp_main", "load_trained", "memorable_main", "write_memory_map"]
@@ -186,6 +189,8 @@ def write_memory_map(
     title: str = "memory map",
     meta: dict[str, Any] | None = None,
     chunk_size: int = 64,
+    covariance: str = "diagonal",
+    correction: bool = False,
 ) -> dict[str, Any]:
     """The memory map of ``(x, y)``: ``memory_map.png`` (prediction error ``|e_i|_1``
     against prediction variance ``sum_k v_ik``, colour: sensitivity, memorable points
@@ -194,10 +199,13 @@ def write_memory_map(
     ``memorable`` flags, the leave-one-out summary and ``meta``) in the directory ``out``.
 
     Args:
-        model: ``[N, ...] -> [N, C]`` in eval mode. posterior: over its parameters.
+        model: ``[N, ...] -> [N, C]`` in eval mode. posterior: over its parameters (a
+            Gaussian or a fitted :func:`fromp.Laplace` of ``model``).
         x: ``[N, ...]``. y: ``[N]``.
         indices: ``[N]`` indices of the examples in their data set (default ``arange``).
         memorable: indices (same numbering as ``indices``) of the memorable examples.
+        covariance, correction: the leave-one-out form
+            (:func:`fromp.sensitivity.memory_perturbation`).
 
     Returns:
         The JSON payload.
@@ -205,7 +213,9 @@ def write_memory_map(
     from fromp.sensitivity import memory_perturbation
 
     idx = torch.arange(len(x)) if indices is None else indices.cpu()
-    mp = memory_perturbation(model, posterior, x, y, chunk_size=chunk_size)
+    mp = memory_perturbation(
+        model, posterior, x, y, covariance=covariance, correction=correction, chunk_size=chunk_size
+    )
     per = mp.to_dict()
     mem = set() if memorable is None else {int(i) for i in memorable}
     flags = [int(i) in mem for i in idx]
@@ -272,11 +282,23 @@ def memorable_main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--map",
         action="store_true",
-        help="also write the memory map (memory_map.png/.json) of the first --n-fit training "
-        "examples and the memorable ones, under a diagonal Laplace-GGN posterior fitted on them",
+        help="also write the memory map (memory_map.png/.json): each training example's "
+        "prediction error, variance, sensitivity, and the estimated leave-one-out NLL and "
+        "accuracy, beside the task's test NLL and accuracy",
     )
     p.add_argument(
-        "--n-fit", type=int, default=2000, help="training examples for --map (default 2000)"
+        "--posterior",
+        default="last-layer-full",
+        choices=tuple(_POSTERIORS),
+        help="the Laplace posterior of --map (default last-layer-full: the last layer with "
+        "its full GGN; last-layer-kron: Kronecker factors; diag: all weights, diagonal GGN)",
+    )
+    p.add_argument(
+        "--n-fit",
+        type=int,
+        default=None,
+        help="fit the posterior of --map on the first N training examples (and the memorable "
+        "ones) instead of all of the task's training examples (the default)",
     )
     p.add_argument(
         "--prior-precision",
@@ -325,11 +347,20 @@ def memorable_main(argv: list[str] | None = None) -> int:
     print(f"{len(idx)} memorable examples -> {out / 'memorable.json'}, {out / 'memorable.png'}")
     if map_args is not None:
         posterior, sub, delta = map_args
+        with torch.no_grad():
+            f_test = model(task.test_x)
+        test = {
+            "nll": float(torch.nn.functional.cross_entropy(f_test, task.test_y)),
+            "accuracy": float((f_test.argmax(1) == task.test_y).double().mean()),
+        }
         meta = {
             "command": "fromp-memorable " + shlex.join(sys.argv[1:] if argv is None else argv),
             "checkpoint": str(args.checkpoint),
             "task": args.task,
+            "posterior": args.posterior,
+            "n_fit": len(sub),
             "prior_precision": delta,
+            "test": test,
         }
         payload = write_memory_map(
             model,
@@ -339,39 +370,68 @@ def memorable_main(argv: list[str] | None = None) -> int:
             out,
             indices=sub,
             memorable=idx,
-            title=f"memory map, {cfg['benchmark']} task {args.task + 1} (Laplace, δ={delta:.3g})",
+            covariance=_POSTERIORS[args.posterior][2],
+            correction=_POSTERIORS[args.posterior][3],
+            title=f"memory map, {cfg['benchmark']} task {args.task + 1} "
+            f"({args.posterior} Laplace, δ={delta:.3g})",
             meta=meta,
         )
         loo = payload["loo"]
         print(
-            f"memory map of {payload['n']} examples: estimated leave-one-out NLL "
-            f"{loo['loo_nll']:.4f} (training {loo['train_nll']:.4f}), accuracy "
-            f"{100 * loo['loo_accuracy']:.2f} % -> {out / 'memory_map.png'}, "
+            f"memory map of {payload['n']} examples ({args.posterior} Laplace fitted on "
+            f"{len(sub)} training examples, prior precision {delta:.3g}): estimated "
+            f"leave-one-out NLL {loo['loo_nll']:.4f}, accuracy {100 * loo['loo_accuracy']:.2f} % "
+            f"(training {loo['train_nll']:.4f}; test {test['nll']:.4f}, "
+            f"{100 * test['accuracy']:.2f} %) -> {out / 'memory_map.png'}, "
             f"{out / 'memory_map.json'}"
         )
     return 0
 
 
+#: ``--posterior``: (subset, structure, leave-one-out covariance form, correction). The
+#: correction ``(I - Lambda V)^{-1}`` needs ``Lambda V < I``, which the exact last-layer GGN
+#: guarantees; with a diagonal or Kronecker approximation it can fail, so those keep the
+#: uncorrected forms.
+_POSTERIORS = {
+    "last-layer-full": ("last_layer", "full", "full", True),
+    "last-layer-kron": ("last_layer", "kron", "full", False),
+    "diag": ("all", "diag", "diagonal", False),
+}
+
+
 def _map_inputs(
     args: argparse.Namespace, model: nn.Module, task: Any, memorable: torch.Tensor
 ) -> tuple[Any, torch.Tensor, float]:
-    """``(posterior, example indices, delta)`` of ``--map``: the mapped examples are the
-    first ``--n-fit`` training examples and the memorable ones; the diagonal Laplace-GGN
-    posterior is fitted on exactly those (so that each is in the data its leave-one-out
-    estimate removes it from), the prior precision by the Laplace evidence unless given."""
-    from fromp.laplace import laplace, optimize_prior_precision
+    """``(posterior, example indices, delta)`` of ``--map``: a :func:`fromp.Laplace` of the
+    chosen structure fitted on the task's training examples (all of them, or the first
+    ``--n-fit`` and the memorable ones), so that each mapped example is in the data its
+    leave-one-out estimate removes it from; the prior precision by the Laplace evidence
+    unless given."""
+    from fromp import Laplace
 
-    if args.n_fit < 1:
+    n = len(task.train_y)
+    if args.n_fit is not None and args.n_fit < 1:
         raise ValueError(f"--n-fit must be >= 1, got {args.n_fit}")
-    sub = torch.unique(torch.cat([torch.arange(min(args.n_fit, len(task.train_y))), memorable]))
-    fit = (task.train_x[sub], task.train_y[sub])
-    if args.prior_precision == "auto":
-        delta = float(optimize_prior_precision(model, fit, "categorical"))
+    if args.n_fit is None or args.n_fit >= n:
+        sub = torch.arange(n)
     else:
-        delta = float(args.prior_precision)
-        if not delta > 0:
-            raise ValueError(f"--prior-precision must be > 0, got {delta}")
-    return laplace(model, fit, "categorical", delta), sub, delta
+        sub = torch.unique(torch.cat([torch.arange(args.n_fit), memorable]))
+    subset, structure, _, _ = _POSTERIORS[args.posterior]
+    if args.prior_precision != "auto":
+        try:
+            delta = float(args.prior_precision)
+        except ValueError as err:
+            raise ValueError(f"--prior-precision must be a number or 'auto', got "
+                             f"{args.prior_precision!r}") from err  # fmt: skip
+        if not (delta > 0 and np.isfinite(delta)):
+            raise ValueError(f"--prior-precision must be a finite number > 0, got {delta}")
+    la = Laplace(model, "classification", subset, structure,
+                 prior_precision=1.0 if args.prior_precision == "auto" else delta)  # fmt: skip
+    x, y = task.train_x[sub], task.train_y[sub]
+    la.fit([(x[i : i + 1000], y[i : i + 1000]) for i in range(0, len(x), 1000)])
+    if args.prior_precision == "auto":
+        la.optimize_prior_precision(method="marglik")
+    return la, sub, float(la.prior_precision)
 
 
 def gp_main(argv: list[str] | None = None) -> int:

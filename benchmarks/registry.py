@@ -20,8 +20,7 @@ from typing import Any
 
 from torch import nn
 
-from benchmarks.settings import settings_for
-from fromp.data import (
+from benchmarks.data import (
     TaskSequence,
     permuted_mnist,
     split_cifar,
@@ -29,6 +28,7 @@ from fromp.data import (
     split_fashion_mnist,
     split_mnist,
 )
+from benchmarks.settings import settings_for
 from fromp.models import CifarCNN, MultiHeadMLP
 
 __all__ = [

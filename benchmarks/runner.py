@@ -1,7 +1,7 @@
 """Run one strategy on one benchmark with one seed, with checkpoints and full metrics.
 
 The loop is Avalanche's: the task sequence becomes an Avalanche benchmark
-(:func:`strategies.benchmarks.to_avalanche`), the strategy is an Avalanche
+(:func:`benchmarks.data.to_avalanche`), the strategy is an Avalanche
 ``SupervisedTemplate``, and after every experience the strategy is evaluated on the test sets
 of all tasks seen so far. A plugin collects the predicted probabilities during evaluation, so
 accuracy, negative log-likelihood and expected calibration error come from the same outputs
@@ -11,13 +11,13 @@ After every experience a checkpoint holds the model, the strategy's method state
 plugins' ``state_dict``, keyed by plugin class name), the optimizer state, the random-number
 generators and the metrics so far; :func:`run` with ``resume=True`` continues from it and ends
 with the same results as an uninterrupted run. The checkpoint is keyed by the run's settings,
-the data root and a fingerprint of the data (:meth:`fromp.data.TaskSequence.fingerprint`):
+the data root and a fingerprint of the data (:meth:`benchmarks.data.TaskSequence.fingerprint`):
 resuming with any of them changed is refused.
 
 Integrity: a non-finite loss, weight or predicted probability stops the run; the result is
 marked ``failed`` with the task where it happened and never enters a table.
 
-With ``valid_fraction`` each task's training data is split (:meth:`~fromp.data.TaskSequence.
+With ``valid_fraction`` each task's training data is split (:meth:`~benchmarks.data.TaskSequence.
 with_validation`) and the validation sets are evaluated after every experience too, under a
 forked random-number generator so that the test results do not depend on it.
 """
@@ -25,7 +25,6 @@ forked random-number generator so that the test results do not depend on it.
 from __future__ import annotations
 
 import inspect
-import itertools
 import math
 import os
 import random
@@ -38,15 +37,25 @@ from typing import Any
 
 import numpy as np
 import torch
-from avalanche.core import SupervisedPlugin
 from avalanche.evaluation.metrics import accuracy_metrics
 from avalanche.training.plugins import EvaluationPlugin
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
+from benchmarks.data import Task, TaskSequence, resolve_data_root, to_avalanche
+from benchmarks.plugins import (
+    NonFiniteError,
+    _Collector,
+    _Guard,
+    _phase_times,
+    _plugin_state,
+    _Progress,
+    _RestoreOptimizer,
+    _summarise,
+    _timing_counts,
+    expected_calibration_error,
+    method_plugins,
+)
 from benchmarks.registry import BenchmarkSpec, StrategySpec, get_benchmark, get_strategy
-from fromp.data import Task, TaskSequence, resolve_data_root
-from strategies.benchmarks import to_avalanche
 from strategies.models import as_avalanche_model
 
 __all__ = [
@@ -75,10 +84,6 @@ class SettingsError(ValueError):
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read or belongs to another run (one-line message)."""
-
-
-class NonFiniteError(RuntimeError):
-    """A loss, weight or prediction that is NaN or infinite."""
 
 
 @dataclass
@@ -400,154 +405,6 @@ def _make_optimizer(
     raise ValueError(f"optimizer must be 'adam', 'sgd', 'vogn' or 'ivon', got {name!r}")
 
 
-def expected_calibration_error(probs: Tensor, y: Tensor, n_bins: int = 15) -> float:
-    """ECE: ``sum_b |B_b| / N * |acc(B_b) - conf(B_b)|`` over equal-width confidence bins.
-
-    Args:
-        probs: ``[N, C]`` predicted class probabilities.
-        y: ``[N]`` labels.
-
-    Returns:
-        The ECE in [0, 1]; NaN when any probability is not finite (such predictions fall in
-        no bin, so they must not be averaged away).
-    """
-    if not bool(torch.isfinite(probs).all()):
-        return math.nan
-    conf, pred = probs.max(dim=1)
-    correct = (pred == y).double()
-    edges = torch.linspace(0, 1, n_bins + 1, dtype=conf.dtype)
-    ece = 0.0
-    for lo, hi in itertools.pairwise(edges):
-        mask = (conf > lo) & (conf <= hi)
-        if mask.any():
-            ece += mask.double().mean().item() * abs(
-                correct[mask].mean().item() - conf[mask].double().mean().item()
-            )
-    return ece
-
-
-class _Collector(SupervisedPlugin):
-    """Keeps the softmax outputs and labels of every evaluated experience."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.outputs: dict[int, list[tuple[Tensor, Tensor]]] = {}
-
-    def before_eval(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
-        self.outputs = {}
-
-    def after_eval_iteration(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
-        exp = strategy.experience.current_experience
-        probs = torch.softmax(strategy.mb_output.detach().double(), dim=1).cpu()
-        self.outputs.setdefault(exp, []).append((probs, strategy.mb_y.detach().cpu()))
-
-    def metrics(self, split: str = "test") -> dict[int, dict[str, float]]:
-        """Accuracy (%), NLL and ECE per evaluated experience.
-
-        Raises:
-            NonFiniteError: a predicted probability is NaN or infinite (the metrics would
-                hide it: NaN is never the argmax and falls in no ECE bin).
-        """
-        out = {}
-        for exp, chunks in self.outputs.items():
-            probs = torch.cat([p for p, _ in chunks])
-            y = torch.cat([t for _, t in chunks])
-            if not bool(torch.isfinite(probs).all()):
-                bad = int((~torch.isfinite(probs)).any(1).sum())
-                raise NonFiniteError(
-                    f"{bad} of {len(y)} predictions on task {exp + 1}'s {split} set are not finite"
-                )
-            p_true = probs[torch.arange(len(y)), y].clamp_min(1e-12)
-            out[exp] = {
-                "accuracy": 100.0 * (probs.argmax(1) == y).double().mean().item(),
-                "nll": -p_true.log().mean().item(),
-                "ece": expected_calibration_error(probs, y),
-            }
-        return out
-
-
-class _Guard(SupervisedPlugin):
-    """Stops training at the first non-finite loss, and after each experience when a weight
-    is not finite."""
-
-    def after_training_iteration(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
-        loss = strategy.loss
-        if isinstance(loss, Tensor) and not bool(torch.isfinite(loss).all()):
-            raise NonFiniteError(
-                f"training loss is {float(loss.detach().reshape(-1)[0])} at epoch "
-                f"{strategy.clock.train_exp_epochs + 1}, iteration "
-                f"{strategy.clock.train_epoch_iterations + 1}"
-            )
-
-    def after_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
-        for name, p in strategy.model.named_parameters():
-            if not bool(torch.isfinite(p).all()):
-                raise NonFiniteError(f"weights {name} are not finite after training")
-
-
-class _Progress(SupervisedPlugin):
-    """A tqdm bar per experience over all its training iterations, showing the loss."""
-
-    def __init__(self, label: str, enabled: bool = True) -> None:
-        super().__init__()
-        self.label, self.enabled, self.bar = label, enabled, None
-
-    def before_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
-        if self.enabled:
-            total = strategy.train_epochs * len(strategy.dataloader)
-            exp = strategy.experience.current_experience
-            what = "all tasks" if getattr(strategy, "_is_joint", False) else f"task {exp + 1}"
-            self.bar = tqdm(total=total, desc=f"{self.label} {what}", leave=False, mininterval=1.0)
-
-    def after_training_iteration(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
-        if self.bar is not None:
-            self.bar.update(1)
-            if self.bar.n % 20 == 0:
-                self.bar.set_postfix(loss=f"{float(strategy.loss.detach()):.4f}")
-
-    def after_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-
-class _RestoreOptimizer(SupervisedPlugin):
-    """Loads a checkpointed optimizer state once, after Avalanche has (re)built the optimizer
-    for the first experience of a resumed run."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.pending: dict[str, Any] | None = None
-
-    def before_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
-        if self.pending is not None:
-            strategy.optimizer.load_state_dict(self.pending)
-            self.pending = None
-
-
-_OWN = (_Collector, _Guard, _Progress, _RestoreOptimizer)
-
-
-def method_plugins(strategy: Any) -> dict[str, Any]:
-    """The strategy's own plugins (not the runner's, not the evaluator), keyed by class
-    name; a repeated class gets ``#2``, ``#3``... in plugin order."""
-    out: dict[str, Any] = {}
-    for p in strategy.plugins:
-        if isinstance(p, (*_OWN, EvaluationPlugin)) or p is strategy.evaluator:
-            continue
-        name, k = type(p).__name__, 1
-        while (name if k == 1 else f"{name}#{k}") in out:
-            k += 1
-        out[name if k == 1 else f"{name}#{k}"] = p
-    return out
-
-
-def _plugin_state(plugin: Any) -> dict[str, Any]:
-    if hasattr(plugin, "state_dict"):
-        return {"state_dict": plugin.state_dict()}
-    return {"vars": dict(vars(plugin))}
-
-
 def _load_plugin_states(strategy: Any, states: Mapping[str, Any], path: Path) -> None:
     plugins = method_plugins(strategy)
     if set(plugins) != set(states):
@@ -561,55 +418,6 @@ def _load_plugin_states(strategy: Any, states: Mapping[str, Any], path: Path) ->
             plugin.load_state_dict(state["state_dict"])
         else:
             vars(plugin).update(state["vars"])
-
-
-def _phase_times(strategy: Any, before: dict[str, int]) -> dict[str, float]:
-    """Seconds the method plugins spent in memorable selection, curvature and kernel set-up
-    during the last experience (from the ``timings`` lists they keep, e.g. FROMP's)."""
-    out = {"memorable_s": 0.0, "curvature_s": 0.0, "kernel_s": 0.0}
-    for name, p in method_plugins(strategy).items():
-        timings = getattr(p, "timings", None)
-        if not isinstance(timings, list):
-            continue
-        for t in timings[before.get(name, 0) :]:
-            out["memorable_s"] += float(t.get("select_s", 0.0))
-            out["curvature_s"] += float(t.get("curvature_s", 0.0))
-            out["kernel_s"] += float(t.get("kernel_s", 0.0))
-    return out
-
-
-def _timing_counts(strategy: Any) -> dict[str, int]:
-    return {
-        name: len(p.timings)
-        for name, p in method_plugins(strategy).items()
-        if isinstance(getattr(p, "timings", None), list)
-    }
-
-
-def _summarise(
-    matrix: list[list[float | None]], final: dict[int, dict[str, float]], n_tasks: int
-) -> dict[str, Any]:
-    last = matrix[-1]
-    accs = [a for a in last if a is not None]
-    out: dict[str, Any] = {
-        "final_accuracies": last,
-        "mean_accuracy": float(np.mean(accs)),
-        "mean_nll": float(np.mean([m["nll"] for m in final.values()])),
-        "mean_ece": float(np.mean([m["ece"] for m in final.values()])),
-    }
-    if len(matrix) == n_tasks and n_tasks > 1:
-        # forgetting: best earlier accuracy minus final accuracy; BWT: final minus just-learned.
-        forget, bwt = [], []
-        for k in range(n_tasks - 1):
-            history = [matrix[j][k] for j in range(k, n_tasks - 1)]
-            best = max(a for a in history if a is not None)
-            forget.append(best - last[k])
-            bwt.append(last[k] - matrix[k][k])
-        out["forgetting"] = float(np.mean(forget))
-        out["backward_transfer"] = float(np.mean(bwt))
-    else:
-        out["forgetting"] = out["backward_transfer"] = None
-    return out
 
 
 def _validation_view(seq: TaskSequence) -> TaskSequence | None:

@@ -9,7 +9,7 @@ command line (``--set``, ``--lr``, ...). A strategy or benchmark missing here us
 benchmark's protocol and the class defaults.
 
 :data:`FROMP_REFERENCE` keeps the settings of the official FROMP code for each benchmark
-(``benchmarks/fromp_speed.py`` times them). How each value was chosen is noted beside it;
+(``benchmarks/studies/fromp_speed.py`` times them). How each value was chosen is noted beside it;
 results files in ``benchmarks/results/`` carry the commands.
 """
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.__main__ import (
+from benchmarks.command import (
     DEMO_STRATEGIES,
     USER_ERRORS,
     UsageError,
@@ -115,7 +115,7 @@ def sweep(
 ) -> dict[str, Any]:
     """Run the grid as Ray Tune trials and write the same report as the plain runner.
 
-    ``options`` are those of :func:`benchmarks.__main__.run_benchmark` (``seeds``, ``out``,
+    ``options`` are those of :func:`benchmarks.command.run_benchmark` (``seeds``, ``out``,
     ``data_root``, ``device``, ``overrides``, ``grid``, ``n_train``, ``n_test``,
     ``valid_fraction``, ``valid_seed``, ``select_on``; ``resume`` restores an interrupted
     sweep). Returns the payload of ``results.json``. Settings are validated (and, on a local

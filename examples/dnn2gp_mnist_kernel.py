@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from benchmarks.data import DataNotFoundError, load_fashion_mnist, load_mnist
 from fromp import dnn2gp, laplace
-from fromp.data import DataNotFoundError, load_fashion_mnist, load_mnist
 from fromp.laplace import optimize_prior_precision
 from fromp.models import MultiHeadMLP
 

@@ -8,6 +8,7 @@ message names the argument and says what was expected.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -104,3 +105,26 @@ def require_eval(model: nn.Module) -> None:
             f"model has batch-norm/dropout layers in training mode ({', '.join(bad[:3])}); "
             "call model.eval() first"
         )
+
+
+def check_ivon_group(group: dict[str, Any]) -> None:
+    """Validate one IVON parameter group's hyperparameters (``ValueError`` naming the
+    argument)."""
+    check_positive(group["lr"], "lr")
+    check_positive(group["ess"], "ess")
+    check_positive(group["hess_init"], "hess_init")
+    for name in ("beta1", "beta2"):
+        b = group[name]
+        if isinstance(b, bool) or not isinstance(b, int | float) or not 0.0 <= b < 1.0:
+            raise ValueError(f"{name} must be a float in [0, 1), got {b!r}")
+    wd = group["weight_decay"]
+    if isinstance(wd, bool) or not isinstance(wd, int | float) or not wd >= 0:
+        raise ValueError(f"weight_decay must be a float >= 0, got {wd!r}")
+    r = group["clip_radius"]
+    if r is not None:
+        check_positive(r, "clip_radius")
+    mc = group["mc_samples"]
+    if isinstance(mc, bool) or not isinstance(mc, int) or mc < 1:
+        raise ValueError(f"mc_samples must be an int >= 1, got {mc!r}")
+    if not isinstance(group["antithetic"], bool):
+        raise ValueError(f"antithetic must be a bool, got {group['antithetic']!r}")

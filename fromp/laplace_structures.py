@@ -161,8 +161,10 @@ class LaplaceFull(_AllWeightsGP, BaseLaplace):
             if self._eig is None:
                 self._eig = torch.linalg.eigvalsh(g).clamp_min(0)
             return (self._eig * factor + delta).log().sum()
-        chol = torch.linalg.cholesky(g * factor + torch.diag(self._delta_vector(delta)))
-        return 2 * torch.log(torch.diagonal(chol)).sum()
+        # factorised in float64: a float32 G with a small delta is often not numerically PD
+        prec = g.double() * factor + torch.diag(self._delta_vector(delta).double())
+        chol = torch.linalg.cholesky(prec)
+        return (2 * torch.log(torch.diagonal(chol)).sum()).to(g.dtype)
 
     @property
     def posterior_precision(self) -> Tensor:
@@ -170,7 +172,8 @@ class LaplaceFull(_AllWeightsGP, BaseLaplace):
 
     @property
     def posterior_covariance(self) -> Tensor:
-        return torch.cholesky_inverse(torch.linalg.cholesky(self.posterior_precision))
+        prec = self.posterior_precision
+        return torch.cholesky_inverse(torch.linalg.cholesky(prec.double())).to(prec.dtype)
 
     @property
     def posterior_variance(self) -> Tensor:
@@ -182,8 +185,9 @@ class LaplaceFull(_AllWeightsGP, BaseLaplace):
 
     def _sqrt_cov_times(self, z):
         # Sigma = (L L^T)^{-1} = L^{-T} L^{-1}: theta = L^{-T} z
-        chol = torch.linalg.cholesky(self.posterior_precision)
-        return torch.linalg.solve_triangular(chol.T, z.T, upper=True).T
+        prec = self.posterior_precision
+        chol = torch.linalg.cholesky(prec.double())
+        return torch.linalg.solve_triangular(chol.T, z.double().T, upper=True).T.to(z.dtype)
 
 
 class _KronMixin:

@@ -95,6 +95,12 @@ class CategoricalLikelihood(Likelihood):
 
     def nll(self, f: Tensor, y: Tensor) -> Tensor:
         _check_f(f)
+        if y.shape != f.shape[:1]:
+            raise ValueError(f"y must be [N]=[{len(f)}] class indices, got {tuple(y.shape)}")
+        if y.is_floating_point():
+            if not bool((y == y.round()).all()):
+                raise ValueError("y must hold class indices; got fractional labels")
+        # indices out of range: cross_entropy raises (CPU) or asserts on the device (CUDA)
         return F.cross_entropy(f, y.long(), reduction="none")
 
     def hessian(self, f: Tensor) -> Tensor:
@@ -164,7 +170,13 @@ class GaussianLikelihood(Likelihood):
 
     def _y(self, f: Tensor, y: Tensor) -> Tensor:
         y = y.to(f.dtype)
-        return y.unsqueeze(-1) if y.ndim == 1 else y
+        y = y.unsqueeze(-1) if y.ndim == 1 and f.shape[1] == 1 else y
+        if y.shape != f.shape:
+            raise ValueError(
+                f"y must have the outputs' shape {tuple(f.shape)} ([N] when C = 1), got "
+                f"{tuple(y.shape)}"
+            )
+        return y
 
     def nll(self, f: Tensor, y: Tensor) -> Tensor:
         _check_f(f)

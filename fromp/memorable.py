@@ -123,6 +123,11 @@ def select_memorable(
     check_tensor(y, "y", f"[N]=[{len(x)}]")
     if y.ndim != 1 or len(y) != len(x):
         raise ValueError(f"y must be a [N] tensor with N={len(x)} labels, got {tuple(y.shape)}")
+    if y.is_floating_point() or (len(y) and int(y.min()) < 0):
+        raise ValueError("y must hold non-negative integer class labels")
+    for name, p in model.named_parameters():
+        if not bool(torch.isfinite(p).all()):
+            raise ValueError(f"model weights {name} are not finite (NaN or inf)")
     if order not in _ORDERS:
         raise ValueError(f"order must be one of {_ORDERS}, got {order!r}")
     if not isinstance(n_per_class, int) or n_per_class < 1:

@@ -56,6 +56,7 @@ import torch
 from torch import Tensor, nn
 
 from fromp._checks import check_batch, check_tensor
+from fromp.baselaplace import BaseLaplace
 from fromp.gp import GP, Posterior
 from fromp.jacobian import num_params, unflatten
 from fromp.likelihood import CategoricalLikelihood, Likelihood, get_likelihood
@@ -175,8 +176,9 @@ def memory_perturbation(
             :func:`fromp.models.with_task`); evaluated at ``posterior.mean``.
         posterior: :class:`~fromp.posterior.DiagonalGaussian` (``fromp.laplace``,
             ``VOGN.posterior()``, ``IVON.posterior(model)``) or
-            :class:`~fromp.posterior.FullGaussian` over the model's ``P`` parameters, fitted
-            on a training set that contains ``(x, y)``.
+            :class:`~fromp.posterior.FullGaussian` over the model's ``P`` parameters, or a
+            fitted :func:`fromp.Laplace` of ``model`` (any subset and structure: ``V_i`` is
+            its ``functional_variance``), fitted on a training set that contains ``(x, y)``.
         x: ``[N, ...]``. y: ``[N]`` targets (``[N, C]`` for a Gaussian likelihood).
         likelihood: its name or a :class:`~fromp.likelihood.Likelihood`.
         covariance: ``"diagonal"`` (``f + e * v``) or ``"full"`` (``f + V e``) for the
@@ -189,14 +191,25 @@ def memory_perturbation(
         raise ValueError(f"covariance must be one of {_COVARIANCES}, got {covariance!r}")
     _check_examples(x, y)
     lik = get_likelihood(likelihood)
-    gp = GP(model, posterior, lik, chunk_size=chunk_size)
-    f = gp.mean(x)
+    if isinstance(posterior, BaseLaplace):  # any structure and subset of fromp.Laplace
+        if posterior.model is not model:
+            raise ValueError("posterior is a fitted Laplace of another model")
+        lgp, step = posterior.gp(), max(chunk_size, 256)
+        f = torch.cat([lgp.mean(x[s : s + step]) for s in range(0, len(x), step)])
+
+        def variance(xx: Tensor) -> Tensor:
+            return torch.cat([lgp.variance(xx[s : s + step]) for s in range(0, len(xx), step)])
+
+    else:
+        gp = GP(model, posterior, lik, chunk_size=chunk_size)
+        f = gp.mean(x)
+        variance = gp.variance
     y = y.to(f.device)
     with torch.enable_grad():
         fr = f.detach().requires_grad_(True)
         error = torch.autograd.grad(lik.nll(fr, y).sum(), fr)[0]
     lam = torch.diagonal(lik.hessian(f), dim1=-2, dim2=-1)
-    cov = gp.variance(x)
+    cov = variance(x)
     var = torch.diagonal(cov, dim1=-2, dim2=-1)
     if covariance == "diagonal":
         shift = error * var
@@ -264,7 +277,7 @@ def newton_step_loo(
     *,
     curvature: str = "hessian",
     linearize: bool = False,
-    tol: float = 1e-10,
+    tol: float | None = None,
     max_iter: int = 2000,
     return_steps: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -305,7 +318,9 @@ def newton_step_loo(
         likelihood: its name or a :class:`~fromp.likelihood.Likelihood`.
         curvature: ``"hessian"`` or ``"ggn"``, the example's curvature removed.
         linearize: evaluate the linearised network instead of the network.
-        tol: relative residual at which GMRES stops. max_iter: GMRES steps at most.
+        tol: relative residual at which GMRES stops; default ``max(1e-10, 100 eps)`` of the
+            posterior's dtype (``1e-10`` in float64, ``1.2e-5`` in float32, which a float32
+            residual can reach). max_iter: GMRES steps at most.
         return_steps: also return the weight steps ``w^{\i} - w*`` ``[N, P]``.
 
     Returns:
@@ -324,6 +339,8 @@ def newton_step_loo(
         )
     lik = get_likelihood(likelihood)
     w0 = posterior.mean.detach()
+    if tol is None:
+        tol = max(1e-10, 100 * torch.finfo(w0.dtype).eps)
     cov = posterior.covariance  # Sigma = H^{-1} [P, P], once: matrix-vector products after
     buffers = dict(model.named_buffers())
 

@@ -5,7 +5,7 @@ maths to :mod:`fromp`, so it runs on any Avalanche benchmark with Avalanche's me
 loggers.
 """
 
-from strategies.benchmarks import experience_tensors, to_avalanche
+from strategies.benchmarks import experience_tensors
 from strategies.ewc import EWC, EWCPlugin
 from strategies.fromp import FROMP, FROMPPlugin
 from strategies.ivon import IVONPlugin, IVONStrategy
@@ -24,5 +24,4 @@ __all__ = [
     "VOGNPlugin",
     "VOGNStrategy",
     "experience_tensors",
-    "to_avalanche",
 ]

@@ -309,7 +309,7 @@ def test_demo_leaks_no_warnings_and_explains_a_low_vcl(tmp_path, capsys, monkeyp
 
 
 def test_opt_prefix_sets_optimizer_keyword_arguments():
-    from benchmarks.__main__ import _merge, _parse_set, grid_tag, parse_grid
+    from benchmarks.command import _merge, _parse_set, grid_tag, parse_grid
 
     parsed = _parse_set(["opt.beta2=0.999", "tau=0.5", "lr=0.1"])
     assert parsed == {"optimizer_kwargs": {"beta2": 0.999}, "kwargs": {"tau": 0.5}, "lr": 0.1}
@@ -326,7 +326,7 @@ def test_opt_prefix_sets_optimizer_keyword_arguments():
 
 
 def test_speed_benchmark_ratios_come_from_its_own_timings(tmp_path):
-    from benchmarks import vogn_speed
+    from benchmarks.studies import vogn_speed
 
     out = tmp_path / "speed.json"
     vogn_speed.main(["--ivon", "--steps", "3", "--models", "mlp", "--out", str(out)])

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torchvision.datasets as tvd
 
+from benchmarks.data import split_cifar
 from benchmarks.runner import RunConfig, run
-from fromp.data import split_cifar
 
 
 def _write(path, labels_key, labels, rng):

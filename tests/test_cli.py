@@ -118,25 +118,51 @@ def test_mismatched_checkpoint_is_one_line(checkpoint, tmp_path, capsys):
 
 
 def test_memorable_cli_memory_map(checkpoint, tmp_path):
+    """``--map``: by default a last-layer full-GGN Laplace fitted on the task's training
+    examples; the per-example numbers are those of the memory-perturbation equation under
+    that posterior (``--posterior diag``: under the all-weights diagonal one), the test-set
+    NLL and accuracy are reported beside the leave-one-out estimate."""
+    from fromp import Laplace
     from fromp.laplace import laplace
     from fromp.sensitivity import memory_perturbation
 
-    out = tmp_path / "map"
-    args = [str(checkpoint), "--task", "1", "--n-per-class", "3", "--out", str(out)]
-    assert memorable_main([*args, "--map", "--n-fit", "20", "--prior-precision", "2.0"]) == 0
-    payload = json.loads((out / "memory_map.json").read_text())
-    chosen = json.loads((out / "memorable.json").read_text())["indices"]
-    idx = payload["index"]
-    assert set(range(20)) <= set(idx) and set(chosen) <= set(idx)
-    assert [i in chosen for i in idx] == payload["memorable"] and sum(payload["memorable"]) == 6
-    # the per-example numbers are those of the memory-perturbation equation
     net, seq, _ = load_trained(checkpoint)
     model = with_task(net, 1)
-    x, y = seq[1].train_x[idx], seq[1].train_y[idx]
-    mp = memory_perturbation(model, laplace(model, (x, y), "categorical", 2.0), x, y)
-    np.testing.assert_allclose(payload["sensitivity"], mp.sensitivity.tolist(), rtol=1e-4)
-    np.testing.assert_allclose(payload["variance_sum"], mp.variance.sum(-1).tolist(), rtol=1e-4)
-    assert payload["loo"]["loo_nll"] >= payload["loo"]["train_nll"]
-    assert payload["command"].startswith("fromp-memorable ") and "--map" in payload["command"]
-    assert (out / "memory_map.png").stat().st_size > 1000
+    for posterior in ("last-layer-full", "diag"):
+        out = tmp_path / posterior
+        args = [str(checkpoint), "--task", "1", "--n-per-class", "3", "--out", str(out)]
+        extra = ["--n-fit", "20", "--prior-precision", "2.0", "--posterior", posterior]
+        assert memorable_main([*args, "--map", *extra]) == 0
+        payload = json.loads((out / "memory_map.json").read_text())
+        chosen = json.loads((out / "memorable.json").read_text())["indices"]
+        idx = payload["index"]
+        assert set(range(20)) <= set(idx) and set(chosen) <= set(idx)
+        assert [i in chosen for i in idx] == payload["memorable"]
+        assert sum(payload["memorable"]) == 6
+        assert payload["posterior"] == posterior and payload["n_fit"] == len(idx)
+        x, y = seq[1].train_x[idx], seq[1].train_y[idx]
+        if posterior == "diag":
+            q = laplace(model, (x, y), "categorical", 2.0)
+        else:
+            q = Laplace(model, "classification", "last_layer", "full", prior_precision=2.0)
+            q.fit((x, y))
+        full = posterior != "diag"  # the exact last-layer GGN allows the corrected form
+        mp = memory_perturbation(
+            model, q, x, y, covariance="full" if full else "diagonal", correction=full
+        )
+        np.testing.assert_allclose(payload["sensitivity"], mp.sensitivity.tolist(), rtol=1e-4)
+        np.testing.assert_allclose(payload["variance_sum"], mp.variance.sum(-1).tolist(), rtol=1e-4)
+        assert payload["loo"]["loo_nll"] >= payload["loo"]["train_nll"]
+        with torch.no_grad():
+            f = model(seq[1].test_x)
+        want = float(torch.nn.functional.cross_entropy(f, seq[1].test_y))
+        assert payload["test"]["nll"] == pytest.approx(want, rel=1e-6)
+        assert payload["command"].startswith("fromp-memorable ") and "--map" in payload["command"]
+        assert (out / "memory_map.png").stat().st_size > 1000
+    # default: all of the task's training examples
+    out = tmp_path / "default"
+    args = [str(checkpoint), "--task", "1", "--n-per-class", "3", "--out", str(out)]
+    assert memorable_main([*args, "--map"]) == 0
+    payload = json.loads((out / "memory_map.json").read_text())
+    assert payload["n_fit"] == len(seq[1].train_y) == payload["n"]
     assert memorable_main([*args, "--map", "--n-fit", "0"]) == 2

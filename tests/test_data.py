@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fromp import data as D
+from benchmarks import data as D
 
 
 def test_root_precedence(monkeypatch, tmp_path):

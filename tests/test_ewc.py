@@ -8,11 +8,10 @@ import torch.nn.functional as F
 from avalanche.evaluation.metrics import accuracy_metrics
 from avalanche.training.plugins import EvaluationPlugin
 
+from benchmarks.data import synthetic_split, to_avalanche
 from benchmarks.settings import SETTINGS
-from fromp.data import synthetic_split
 from fromp.jacobian import flat_params
 from fromp.models import MultiHeadMLP
-from strategies.benchmarks import to_avalanche
 from strategies.ewc import EWC, EWCPlugin, ewc_penalty
 from strategies.models import as_avalanche_model
 

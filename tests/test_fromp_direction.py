@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from fromp.data import synthetic_split
+from benchmarks.data import synthetic_split
 from fromp.jacobian import flat_params, num_params, unflatten
 from fromp.models import MultiHeadMLP
 from fromp.regularizer import FROMPRegularizer

@@ -10,10 +10,9 @@ from avalanche.evaluation.metrics import accuracy_metrics
 from avalanche.training import Naive
 from avalanche.training.plugins import EvaluationPlugin
 
+from benchmarks.data import permuted_mnist, synthetic_split, to_avalanche
 from benchmarks.settings import SETTINGS
-from fromp.data import permuted_mnist, synthetic_split
 from fromp.models import MultiHeadMLP
-from strategies.benchmarks import to_avalanche
 from strategies.fromp import FROMP, FROMPPlugin
 from strategies.models import as_avalanche_model, unwrap
 

@@ -405,7 +405,7 @@ def test_structured_kernel_range_pairs_and_chunks_match_dense(
     """Symmetric blocks split into example ranges (upper range pairs computed, the rest
     mirrored), example chunks and output-channel / row chunks from a tiny memory budget, and
     dropped zero columns: the structured kernel still equals the dense float64 kernel."""
-    import fromp.gp as gp_mod
+    import fromp.kernel as gp_mod
 
     monkeypatch.setattr(gp_mod, "_GRAM_MIN_ROWS", 2)  # 7 examples: 3 ranges (4 for C rows)
     model = make().double().eval()
@@ -423,7 +423,7 @@ def test_structured_kernel_range_pairs_and_chunks_match_dense(
 def test_gram_ranges_cover_the_block_once():
     """The upper range pairs of a symmetric block plus their mirrors cover every entry
     exactly once (no range dropped or counted twice at the chunk edges)."""
-    from fromp.gp import _Gram
+    from fromp.kernel import _Gram
 
     for n, c, diag in ((1000, 1, True), (300, 3, False), (7, 10, True), (129, 1, True)):
         acc = _Gram(c, n, n, diag, True, F64, "cpu")
@@ -468,7 +468,7 @@ def test_structured_kernel_sparse_row_steps_match_dense(monkeypatch, diagonal_ou
     keeping only the columns nonzero in one of its rows and one row of ``x2`` (never, by
     default, or whenever any column is zero). Selecting the columns of the wrong rows, or
     dropping a column nonzero on one side only, changes the kernel."""
-    import fromp.gp as gp_mod
+    import fromp.kernel as gp_mod
 
     monkeypatch.setattr(gp_mod, "_OUTER_ROWS", rows)
     monkeypatch.setattr(gp_mod, "_SPARSE_KEEP", keep)
@@ -496,7 +496,7 @@ def test_structured_kernel_grouped_one_position_conv_matches_dense(
     """A grouped convolution with one output position (an outer-product layer with ``G =
     2`` groups) on inputs with zeros, row steps of one row: kernel and variance equal the
     dense float64 ones (a group mixed up with another changes them)."""
-    import fromp.gp as gp_mod
+    import fromp.kernel as gp_mod
 
     monkeypatch.setattr(gp_mod, "_OUTER_ROWS", 1)
     monkeypatch.setattr(gp_mod, "_SPARSE_KEEP", keep)
@@ -513,7 +513,7 @@ def test_structured_kernel_grouped_one_position_conv_matches_dense(
 def test_structured_chunks_follow_the_memory_budget(monkeypatch):
     """Without a chunk size the structured kernel and variance take feature chunks of at most
     what the budget allows (``example_chunk``), as few as possible; a given chunk size wins."""
-    from fromp.gp import _CaptureStructure
+    from fromp.kernel import _CaptureStructure
 
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double().eval()
     post = _random_posterior(sum(q.numel() for q in model.parameters()), full=False)

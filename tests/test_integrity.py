@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks import __main__ as bench_main
+from benchmarks import command as bench_main
+from benchmarks import data as D
 from benchmarks.__main__ import main
 from benchmarks.cli import gp_main, memorable_main
 from benchmarks.report import aggregate
@@ -24,7 +25,6 @@ from benchmarks.runner import (
     method_plugins,
     run,
 )
-from fromp import data as D
 
 QUICK = ["--epochs", "1", "--n-train", "60", "--n-test", "30", "--no-progress"]
 

@@ -4,6 +4,7 @@ restoring the mean, parameter groups, the posterior as a DNN2GP kernel against t
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
 
 import pytest
@@ -500,3 +501,36 @@ def test_bad_group_and_model_arguments():
         opt.posterior(b)
     with pytest.raises(ValueError, match="ess"):
         opt.ess = -2
+
+
+def test_a_non_finite_loss_is_refused_and_changes_nothing():
+    """A NaN loss (so NaN gradients at the draw) raises in step() with the mean, the
+    Hessian estimate, the momentum and the step count as they were; training then goes on."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = IVON(model.parameters(), lr=0.1, ess=100)
+    x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+
+    def good():
+        with opt.sampled_params(train=True):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    good()
+    before = [p.detach().clone() for p in model.parameters()]
+    state = copy.deepcopy(opt.state_dict())
+    with opt.sampled_params(train=True):
+        opt.zero_grad()
+        (torch.nn.functional.cross_entropy(model(x), y) * float("nan")).backward()
+    with pytest.raises(FloatingPointError, match="not finite"):
+        opt.step()
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p, b)
+    after = opt.state_dict()
+    assert after["ivon"]["step"] == state["ivon"]["step"]
+    for k in ("hess", "momentum"):
+        for s0, s1 in zip(state["ivon"]["params"], after["ivon"]["params"]):
+            assert torch.equal(s0[k], s1[k]), k
+    good()  # the next step works
+    assert all(torch.isfinite(p).all() for p in model.parameters())

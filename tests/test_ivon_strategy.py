@@ -11,11 +11,10 @@ import torch
 from avalanche.evaluation.metrics import accuracy_metrics
 from avalanche.training.plugins import EvaluationPlugin, SupervisedPlugin
 
-from fromp.data import synthetic_split
+from benchmarks.data import synthetic_split, to_avalanche
 from fromp.jacobian import flat_params
 from fromp.models import MultiHeadMLP
 from fromp.optim import IVON
-from strategies.benchmarks import to_avalanche
 from strategies.fromp import FROMP, FROMPPlugin
 from strategies.ivon import IVONPlugin, IVONStrategy
 from strategies.models import as_avalanche_model

@@ -76,8 +76,7 @@ def test_naive_strategy_trains_on_split_digits():
     from avalanche.training import Naive
     from avalanche.training.plugins import EvaluationPlugin
 
-    from fromp.data import split_digits
-    from strategies.benchmarks import to_avalanche
+    from benchmarks.data import split_digits, to_avalanche
 
     seq = split_digits().subsample(200, 100)
     bench = to_avalanche(seq)

@@ -1,4 +1,4 @@
-"""Smoke test of the scale benchmark (python -m benchmarks.scale) on tiny settings."""
+"""Smoke test of the scale benchmark (python -m benchmarks.studies.scale) on tiny settings."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 import torch
 
-from benchmarks.scale import _plan, check_device, main, run_case
+from benchmarks.studies.scale import _plan, check_device, main, run_case
 
 
 def test_plan_and_one_case_run():
@@ -62,7 +62,7 @@ def test_fromp_matches_laplace_torch_diag_ggn():
 
 
 def test_kernel_profile_refuses_no_inputs(capsys):
-    from benchmarks.kernel_profile import main as profile_main
+    from benchmarks.studies.kernel_profile import main as profile_main
 
     with pytest.raises(SystemExit):
         profile_main(["--n", "0"])
@@ -77,7 +77,7 @@ def test_kernel_vs_revision_runs_and_compares(tmp_path):
     import shutil
     import subprocess
 
-    from benchmarks import kernel_vs_revision as kvr
+    from benchmarks.studies import kernel_vs_revision as kvr
 
     repo = tmp_path / "repo"
     (repo / "fromp").mkdir(parents=True)

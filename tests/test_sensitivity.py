@@ -287,3 +287,35 @@ def test_newton_step_loo_bad_arguments():
     small = fromp.FullGaussian(torch.zeros(3, dtype=D), torch.eye(3, dtype=D))
     with pytest.raises(ValueError, match="posterior must be over the model's P="):
         newton_step_loo(net, small, x, y)
+
+
+def test_newton_step_loo_default_tolerance_is_reached_in_float32(monkeypatch):
+    """In float32 the default tolerance follows the dtype: GMRES stops after at most
+    ``C + 1`` steps per example (the rank of the GGN term plus one), as in float64, instead
+    of running to ``max_iter``; the result agrees with float64."""
+    import fromp.sensitivity as sens
+
+    net, x, y, _, _ = _trained_tiny_mlp(1.0)
+    q64 = fromp.laplace_full(net, x, "categorical", prior_precision=1.0)
+    want = newton_step_loo(net, q64, x, y, curvature="ggn")
+    net32 = net.float()
+    q32 = fromp.FullGaussian(q64.mean.float(), q64.precision.float())
+    steps = []
+    real = sens._gmres
+
+    def counting(apply, b, tol, max_iter):
+        n = [0]
+
+        def counted(v):
+            n[0] += 1
+            return apply(v)
+
+        out = real(counted, b, tol, max_iter)
+        steps.append(n[0])
+        return out
+
+    monkeypatch.setattr(sens, "_gmres", counting)
+    got = newton_step_loo(net32, q32, x.float(), y, curvature="ggn")
+    c = want.shape[1]
+    assert max(steps) <= c + 1, steps
+    torch.testing.assert_close(got.double(), want, rtol=1e-3, atol=1e-4)

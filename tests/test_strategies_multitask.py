@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
+from benchmarks.data import synthetic_split
 from fromp.curvature import diag_ggn
-from fromp.data import synthetic_split
 from fromp.jacobian import flat_params
 from fromp.memorable import select_memorable
 from fromp.models import MultiHeadMLP, with_task

@@ -7,11 +7,10 @@ import torch
 from avalanche.evaluation.metrics import accuracy_metrics
 from avalanche.training.plugins import EvaluationPlugin
 
+from benchmarks.data import synthetic_split, to_avalanche
 from benchmarks.settings import SETTINGS
 from fromp.bayesian import BayesMultiHeadModel
-from fromp.data import synthetic_split
 from fromp.models import MultiHeadMLP
-from strategies.benchmarks import to_avalanche
 from strategies.models import as_avalanche_model
 from strategies.vcl import VCL, VCLPlugin
 

@@ -11,13 +11,12 @@ from avalanche.models.dynamic_optimizers import update_optimizer
 from avalanche.training.plugins import SupervisedPlugin
 from torch import nn
 
+from benchmarks.data import synthetic_split, to_avalanche
 from fromp import OGN, VOGN
-from fromp.data import synthetic_split
 from fromp.likelihood import CategoricalLikelihood, GaussianLikelihood
 from fromp.models import MultiHeadMLP, with_task
 from fromp.optim.vogn import LayerCapture, per_example_grad_stats, predict_mc, predict_mean
 from fromp.posterior import DiagonalGaussian
-from strategies.benchmarks import to_avalanche
 from strategies.models import as_avalanche_model
 from strategies.vogn import VOGNStrategy, minibatch_curvature
 

@@ -77,39 +77,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fromp._checks import check_positive
-from fromp.posterior import DiagonalGaussian
+from fromp._checks import check_ivon_group, check_positive
+from fromp.optim.ivon_posterior import IVONPosterior
 
 __all__ = ["IVON"]
 
 
-def _positive(name: str, value: Any) -> float:
-    return check_positive(value, name)
-
-
-def _check_group(group: dict[str, Any]) -> None:
-    """Validate one parameter group's hyperparameters (``ValueError`` naming the argument)."""
-    _positive("lr", group["lr"])
-    _positive("ess", group["ess"])
-    _positive("hess_init", group["hess_init"])
-    for name in ("beta1", "beta2"):
-        b = group[name]
-        if isinstance(b, bool) or not isinstance(b, int | float) or not 0.0 <= b < 1.0:
-            raise ValueError(f"{name} must be a float in [0, 1), got {b!r}")
-    wd = group["weight_decay"]
-    if isinstance(wd, bool) or not isinstance(wd, int | float) or not wd >= 0:
-        raise ValueError(f"weight_decay must be a float >= 0, got {wd!r}")
-    r = group["clip_radius"]
-    if r is not None:
-        _positive("clip_radius", r)
-    mc = group["mc_samples"]
-    if isinstance(mc, bool) or not isinstance(mc, int) or mc < 1:
-        raise ValueError(f"mc_samples must be an int >= 1, got {mc!r}")
-    if not isinstance(group["antithetic"], bool):
-        raise ValueError(f"antithetic must be a bool, got {group['antithetic']!r}")
-
-
-class IVON(torch.optim.Optimizer):
+class IVON(IVONPosterior, torch.optim.Optimizer):
     r"""Improved Variational Online Newton; see the module docstring for the update.
 
     Args:
@@ -175,10 +149,10 @@ class IVON(torch.optim.Optimizer):
             rescale_lr=bool(rescale_lr),
             antithetic=antithetic,
         )
-        _check_group(defaults)
+        check_ivon_group(defaults)
         super().__init__(params, defaults)
         for group in self.param_groups:
-            _check_group(group)
+            check_ivon_group(group)
             for name in ("mc_samples", "antithetic"):
                 if group[name] != defaults[name]:
                     raise ValueError(f"{name} is global: do not set it per parameter group")
@@ -235,7 +209,7 @@ class IVON(torch.optim.Optimizer):
 
     @ess.setter
     def ess(self, value: float) -> None:
-        value = _positive("ess", value)
+        value = check_positive(value, "ess")
         for group in self.param_groups:
             group["ess"] = value
 
@@ -518,6 +492,14 @@ class IVON(torch.optim.Optimizer):
                 "IVON.step() needs gradients at sampled weights: compute the loss and "
                 "backward() inside `with opt.sampled_params(train=True):`, or pass a closure"
             )
+        work = self._group_work()
+        finite = torch.stack([torch.isfinite(w["ga"]).all() for _, w, _ in work]).all()
+        if not bool(finite):  # one host sync per step; refuse before any state changes
+            self._n_acc = 0
+            raise FloatingPointError(
+                "IVON.step(): the gradient at the sampled weights is not finite (a NaN or "
+                "infinite loss?); the weights and the optimizer state are unchanged"
+            )
         self._update(self._n_acc)
         self._n_acc = 0
         return loss
@@ -572,102 +554,6 @@ class IVON(torch.optim.Optimizer):
                 alpha = alpha * (group["hess_init"] + group["weight_decay"])
             torch._foreach_add_(params, w["buf_v"], alpha=-alpha / bc1)
             w["den_key"] = self._den_key(group)
-
-    # ------------------------------------------------------------------ posterior
-    def _order(self, model: nn.Module | None) -> list[int]:
-        """Positions of the parameters in flat order: group order, or ``model``'s
-        ``named_parameters()`` order (its trainable parameters must be exactly these)."""
-        params = self.params
-        if model is None:
-            return list(range(len(params)))
-        where = {id(p): i for i, p in enumerate(params)}
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        if {id(p) for p in trainable} != set(where) or len(trainable) != len(params):
-            raise ValueError("model's trainable parameters must be exactly the optimizer's")
-        return [where[id(p)] for p in trainable]
-
-    @torch.no_grad()
-    def posterior(self, model: nn.Module | None = None) -> DiagonalGaussian:
-        """``q = N(m, diag(1 / (N (h + delta))))`` over the flat parameters ``[P]``.
-
-        Args:
-            model: flatten in ``model.named_parameters()`` order (what :func:`fromp.dnn2gp`
-                and :func:`fromp.flat_params` use); None: parameter-group order.
-        """
-        if self._drawn:
-            raise RuntimeError("IVON.posterior(): the parameters hold a draw; restore() first")
-        states = self._states()
-        pairs = list(self._pairs())
-        means, precs = [], []
-        for i in self._order(model):
-            (group, p), st = pairs[i], states[i]
-            means.append(p.detach().reshape(-1))
-            prec = torch.add(st["hess"], self._delta(group, st)).mul_(group["ess"])
-            precs.append(prec.reshape(-1))
-        return DiagonalGaussian(torch.cat(means).clone(), torch.cat(precs))
-
-    def prior(self, model: nn.Module | None = None) -> DiagonalGaussian:
-        """The prior ``N(m0, diag(1 / p0))``: ``N(0, 1 / (N delta))`` before :meth:`set_prior`
-        (needs ``weight_decay > 0``)."""
-        states = self._states()
-        pairs = list(self._pairs())
-        means, precs = [], []
-        for i in self._order(model):
-            (group, p), st = pairs[i], states[i]
-            m0 = st.get("prior_mean", torch.zeros_like(p))
-            p0 = st.get("prior_precision")
-            if p0 is None:
-                if group["weight_decay"] == 0:
-                    raise ValueError("prior(): weight_decay is 0, the prior is improper")
-                p0 = torch.full_like(p, group["weight_decay"] * group["ess"])
-            means.append(m0.reshape(-1))
-            precs.append(p0.reshape(-1))
-        return DiagonalGaussian(torch.cat(means).clone(), torch.cat(precs).clone())
-
-    @torch.no_grad()
-    def set_prior(
-        self,
-        prior: DiagonalGaussian | None = None,
-        *,
-        model: nn.Module | None = None,
-        reset: bool = True,
-    ) -> DiagonalGaussian:
-        """Make ``prior`` (default: the current posterior) the prior ``N(m0, diag(1/p0))``
-        (continual IVON; ``delta = p0 / N`` from then on, the weight decay is no longer used).
-
-        Args:
-            prior: over the flat parameters ``[P]`` in ``model``'s order (group order when
-                ``model`` is None).
-            reset: restart the momentum, the step count and ``h`` (at ``hess_init``), as
-                for a new task; the mean is kept.
-
-        Returns the new prior.
-        """
-        if self._drawn:
-            raise RuntimeError("IVON.set_prior(): the parameters hold a draw; restore() first")
-        prior = self.posterior(model) if prior is None else prior
-        if not isinstance(prior, DiagonalGaussian):
-            raise ValueError(f"prior must be a DiagonalGaussian, got {type(prior).__name__}")
-        params = self.params
-        total = sum(p.numel() for p in params)
-        if prior.num_params != total:
-            raise ValueError(f"prior must have P={total} entries, got {prior.num_params}")
-        states = self._states()
-        offsets, i = {}, 0
-        for k in self._order(model):
-            offsets[k] = i
-            i += params[k].numel()
-        for k, ((group, p), st) in enumerate(zip(self._pairs(), states)):
-            s = slice(offsets[k], offsets[k] + p.numel())
-            st["prior_mean"] = prior.mean[s].detach().to(p).view_as(p).clone()
-            st["prior_precision"] = prior.precision[s].detach().to(p).view_as(p).clone()
-            if reset:
-                st["momentum"].zero_()
-                st["hess"].fill_(group["hess_init"])
-        if reset:
-            self.ivon_state["step"] = 0
-        self._version += 1
-        return self.prior(model)
 
     # ------------------------------------------------------------------ (de)serialisation
     def state_dict(self) -> dict[str, Any]:

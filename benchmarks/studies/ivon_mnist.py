@@ -9,10 +9,10 @@ Reports test accuracy, negative log-likelihood and expected calibration error (1
 
 Usage (real MNIST under ``$FROMP_DATA`` or ``--data-root``)::
 
-    python -m benchmarks.ivon_mnist [--epochs 10] [--hidden 256,256] [--threads 1]
+    python -m benchmarks.studies.ivon_mnist [--epochs 10] [--hidden 256,256] [--threads 1]
 
 Defaults: MLP 784-256-256-10, batch 128, 10 epochs, Adam lr 1e-3 (as
-``benchmarks.vogn_mnist``); IVON lr 0.2 (rescaled by ``h0 + delta``), ``ess`` = training-set
+``benchmarks.studies.vogn_mnist``); IVON lr 0.2 (rescaled by ``h0 + delta``), ``ess`` = training-set
 size, ``h0 = 0.1``, betas (0.9, 0.99999) (the paper's ``beta2``; 0.999 diverged in epoch 5
 with lr 0.2, as did lr 0.5), weight decay 1e-4, one training sample, 20 test samples.
 
@@ -32,13 +32,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.vogn_mnist import _batches, _chunks, _metrics, adam_baseline
-from fromp.data import load_mnist
+from benchmarks.data import load_mnist
+from benchmarks.studies.vogn_mnist import _batches, _chunks, _metrics, adam_baseline
 from fromp.models import MultiHeadMLP
 from fromp.optim import IVON
 from fromp.optim.vogn import predict_mc, predict_mean
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     hidden = tuple(int(h) for h in args.hidden.split(","))
     n = len(xtr)
     out: dict[str, Any] = {
-        "command": "python -m benchmarks.ivon_mnist " + shlex.join(sys.argv[1:]),
+        "command": "python -m benchmarks.studies.ivon_mnist " + shlex.join(sys.argv[1:]),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "n_train": n,
         "n_test": len(xte),

@@ -1,7 +1,8 @@
 """Time and peak memory of Laplace / GGN / DNN2GP on real-size networks, beside laplace-torch.
 
-    python -m benchmarks.scale [--models mlp,cnn,resnet18] [--cases kernel,...] [--device cpu]
-                               [--threads 1]
+    python -m benchmarks.studies.scale [--models mlp,cnn,resnet18] [--cases kernel,...]
+                                       [--device cpu]
+                                       [--threads 1]
 
 Networks (random weights, eval mode; the cost does not depend on the weights):
 
@@ -52,7 +53,7 @@ from typing import Any
 import torch
 from torch import nn
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 MODELS = ("resnet18", "cnn", "mlp")
 DEFAULTS: dict[str, dict[str, Any]] = {
     # inputs per case; laplace-torch is run on at most lt_max inputs (linear extrapolation)
@@ -163,7 +164,7 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _spawn(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "benchmarks.scale", "--case-json", json.dumps(spec)]
+    cmd = [sys.executable, "-m", "benchmarks.studies.scale", "--case-json", json.dumps(spec)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -258,7 +259,8 @@ def main(argv: list[str] | None = None) -> None:
 def _write(out: Path, argv: list[str] | None, results: list[dict[str, Any]]) -> None:
     """Write the results so far (a killed run keeps what it measured)."""
     record = {
-        "command": "python -m benchmarks.scale " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m benchmarks.studies.scale "
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "torch": torch.__version__,
         "machine": platform.machine(),
         "processor": platform.processor(),

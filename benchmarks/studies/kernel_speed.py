@@ -1,6 +1,6 @@
 """Speed and memory of the DNN2GP kernel ``K = J Sigma J^T`` against the reference loop.
 
-    python -m benchmarks.kernel_speed [--n 1000] [--ref-n 100] [--data-root DIR]
+    python -m benchmarks.studies.kernel_speed [--n 1000] [--ref-n 100] [--data-root DIR]
 
 For ``--n`` MNIST test images (uniform-noise images of MNIST's shape when MNIST is not found;
 the output says so) and two networks, split MNIST's ``MultiHeadMLP(784, (256, 256), 5, 2)``
@@ -195,7 +195,7 @@ def _run(task: dict[str, Any]) -> dict[str, Any]:
 
 def load_images(n: int, data_root: str | None) -> tuple[Tensor, str]:
     """``n`` MNIST test images ``[n, 1, 28, 28]`` and where they came from."""
-    from fromp.data import DataNotFoundError, load_mnist
+    from benchmarks.data import DataNotFoundError, load_mnist
 
     try:
         _, _, x_test, _ = load_mnist(data_root, download=False)
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
     parser.add_argument("--no-full", action="store_true", help="skip the full [N,C,N,C] kernel")
     parser.add_argument(
-        "--out", default=str(Path(__file__).parent / "results" / "kernel_speed.json")
+        "--out", default=str(Path(__file__).resolve().parents[1] / "results" / "kernel_speed.json")
     )
     args = parser.parse_args(argv)
     if args.n < 1 or not 1 <= args.ref_n <= args.n:

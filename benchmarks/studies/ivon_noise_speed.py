@@ -8,7 +8,7 @@ restore 2, the update 13; torch's Adam makes about seven, in a loop over the ten
 
 Usage::
 
-    python -m benchmarks.ivon_noise_speed [--calls 200]
+    python -m benchmarks.studies.ivon_noise_speed [--calls 200]
 """
 
 from __future__ import annotations

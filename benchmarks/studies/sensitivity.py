@@ -25,7 +25,7 @@ changes of the removed example's logits are compared with the estimates:
 
 Usage (real MNIST under ``$FROMP_DATA`` or ``--data-root``)::
 
-    python -m benchmarks.sensitivity [--n-train 1000] [--n-each 50] [--threads 1]
+    python -m benchmarks.studies.sensitivity [--n-train 1000] [--n-each 50] [--threads 1]
 
 Writes ``benchmarks/results/sensitivity.json`` and ``sensitivity.png``.
 """
@@ -46,14 +46,14 @@ from scipy.stats import pearsonr, spearmanr
 from torch import Tensor, nn
 from torch.func import functional_call, jvp
 
-from fromp.data import load_mnist
+from benchmarks.data import load_mnist
 from fromp.jacobian import flat_params, unflatten
 from fromp.laplace import laplace, laplace_full
 from fromp.likelihood import get_likelihood
 from fromp.posterior import FullGaussian
 from fromp.sensitivity import memory_perturbation, newton_step_loo
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def _objective(net: nn.Module, x: Tensor, y: Tensor, delta: float):
@@ -333,7 +333,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     print(json.dumps(summary, indent=2), flush=True)
     out = {
-        "command": "python -m benchmarks.sensitivity " + shlex.join(sys.argv[1:]),
+        "command": "python -m benchmarks.studies.sensitivity " + shlex.join(sys.argv[1:]),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "num_params": int(w_star.numel()),
         "train": {"lbfgs_iterations": iters, "max_grad": gmax, "time_s": train_time},

@@ -1,6 +1,7 @@
 """The DNN2GP kernel now against the kernel of an earlier revision, side by side in one process.
 
-    python -m benchmarks.kernel_vs_revision [--rev c35553b~1] [--repo DIR] [--n 1024] [--repeats 3]
+    python -m benchmarks.studies.kernel_vs_revision [--rev c35553b~1] [--repo DIR] [--n 1024]
+                                                    [--repeats 3]
                                             [--data-root DIR] [--out FILE]
 
 A regression check for speed: ``fromp/gp.py`` of ``--rev`` (``git show REV:fromp/gp.py``,
@@ -31,11 +32,11 @@ from typing import Any
 
 import torch
 
-from benchmarks.kernel_speed import _posterior, load_images, make_model
+from benchmarks.studies.kernel_speed import _posterior, load_images, make_model
 
 __all__ = ["main"]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 
 
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     gps = {"revision": old_mod.GP(view, post, "categorical"), "now": GP(view, post, "categorical")}
     print(f"data: {source}, n={args.n}, revision {args.rev}")
     report: dict[str, Any] = {
-        "command": " ".join(["python -m benchmarks.kernel_vs_revision", *cli]),
+        "command": " ".join(["python -m benchmarks.studies.kernel_vs_revision", *cli]),
         "revision": args.rev,
         "data": source,
         "n": args.n,

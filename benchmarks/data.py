@@ -22,8 +22,8 @@ Validation: :meth:`TaskSequence.with_validation` holds out ``fraction`` (default
 result or checkpoint records the data it was computed from.
 
 A task sequence is a list of :class:`Task`, each holding plain tensors (inputs as float32 in
-[0, 1], labels relabelled ``0..k-1`` within the task for multi-head protocols). Nothing here
-imports Avalanche; ``strategies.benchmarks`` turns a sequence into an Avalanche benchmark.
+[0, 1], labels relabelled ``0..k-1`` within the task for multi-head protocols);
+:func:`to_avalanche` turns a sequence into an Avalanche benchmark.
 """
 
 from __future__ import annotations
@@ -37,6 +37,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from avalanche.benchmarks.scenarios.dataset_scenario import benchmark_from_datasets
+from avalanche.benchmarks.scenarios.generic_scenario import CLScenario
+from avalanche.benchmarks.scenarios.supervised import with_classes_timeline
+from avalanche.benchmarks.scenarios.task_aware import with_task_labels
+from avalanche.benchmarks.utils import _make_taskaware_tensor_classification_dataset
 from torch import Tensor
 
 __all__ = [
@@ -59,6 +64,7 @@ __all__ = [
     "split_mnist",
     "split_tasks",
     "synthetic_split",
+    "to_avalanche",
 ]
 
 DATA_ENV_VAR = "FROMP_DATA"
@@ -641,3 +647,21 @@ def synthetic_split(
     groups = [list(range(s, s + classes_per_task)) for s in range(0, n_classes, classes_per_task)]
     tasks = split_tasks(xtr, ytr, xte, yte, groups)
     return TaskSequence("synthetic", tasks, multi_head, tuple(input_shape), classes_per_task)
+
+
+def to_avalanche(seq: TaskSequence) -> CLScenario:
+    """An Avalanche scenario with ``train_stream`` and ``test_stream``, one experience per
+    task. Multi-head sequences carry task labels ``0..T-1`` (the head index); single-head
+    ones (permuted MNIST) carry task label 0 everywhere."""
+    if len(seq) == 0:
+        raise ValueError(f"task sequence {seq.name!r} has no tasks")
+
+    def make(x, y, t):
+        label = t if seq.multi_head else 0
+        return _make_taskaware_tensor_classification_dataset(
+            x, y, task_labels=label, targets=y.tolist()
+        )
+
+    train = [make(t.train_x, t.train_y, t.task_id) for t in seq]
+    test = [make(t.test_x, t.test_y, t.task_id) for t in seq]
+    return with_classes_timeline(with_task_labels(benchmark_from_datasets(train=train, test=test)))

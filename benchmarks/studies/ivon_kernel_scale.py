@@ -12,7 +12,7 @@ task's worth of steps, then prints, for the trained network:
 
 Usage (real MNIST under ``$FROMP_DATA`` or ``--data-root``)::
 
-    python -m benchmarks.ivon_kernel_scale --beta2 0.999 --epochs 15 --clip-radius 0.1
+    python -m benchmarks.studies.ivon_kernel_scale --beta2 0.999 --epochs 15 --clip-radius 0.1
 
 Memory: the Jacobians of 40 points, ``[40, 2, P]`` with ``P = 269,322``; no ``P x P`` matrix.
 """
@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 import fromp
+from benchmarks.data import load_mnist
 from fromp.curvature import diag_ggn_linear
-from fromp.data import load_mnist
 from fromp.jacobian import flat_params
 from fromp.memorable import select_memorable
 from fromp.models import MultiHeadMLP, with_task

@@ -25,8 +25,9 @@ Timings per model, batch of 128, interleaved step by step, median, minimum and m
 
 Usage::
 
-    python -m benchmarks.vogn_speed [--steps 20] [--threads 1] [--models mlp,cnn]
-    python -m benchmarks.vogn_speed --ivon --steps 40 --out benchmarks/results/ivon_speed.json
+    python -m benchmarks.studies.vogn_speed [--steps 20] [--threads 1] [--models mlp,cnn]
+    python -m benchmarks.studies.vogn_speed --ivon --steps 40 \\
+        --out benchmarks/results/ivon_speed.json
 
 Writes ``benchmarks/results/vogn_speed.json`` (or ``--out``).
 """
@@ -50,7 +51,7 @@ from fromp.models import CifarCNN, MultiHeadMLP, with_task
 from fromp.optim import IVON, VOGN
 from fromp.optim.vogn import LayerCapture
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def _models() -> dict[str, Callable[[], tuple[nn.Module, torch.Tensor, torch.Tensor]]]:
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     result = {
-        "command": "python -m benchmarks.vogn_speed " + shlex.join(argv or sys.argv[1:]),
+        "command": "python -m benchmarks.studies.vogn_speed " + shlex.join(argv or sys.argv[1:]),
         "batch_size": 128,
         "threads": args.threads,
         "steps": args.steps,

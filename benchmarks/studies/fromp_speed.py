@@ -8,8 +8,8 @@ same optimiser, epochs and batch size).
 Reported: total training wall time of each, the ratio FROMP / Naive, and FROMP's per-task
 cost of memorable-point selection, curvature (diagonal GGN) and kernel construction.
 
-    python -m benchmarks.fromp_speed --data-root $FROMP_DATA
-    python -m benchmarks.fromp_speed --n-train 2000 --epochs 2      # quick
+    python -m benchmarks.studies.fromp_speed --data-root $FROMP_DATA
+    python -m benchmarks.studies.fromp_speed --n-train 2000 --epochs 2      # quick
 
 Without MNIST (``--benchmark split-digits``) the built-in 8x8 digits are used.
 """
@@ -30,10 +30,9 @@ from avalanche.evaluation.metrics import accuracy_metrics
 from avalanche.training import Naive
 from avalanche.training.plugins import EvaluationPlugin
 
+from benchmarks.data import split_digits, split_mnist, to_avalanche
 from benchmarks.settings import FROMP_REFERENCE, SETTINGS
-from fromp.data import split_digits, split_mnist
 from fromp.models import MultiHeadMLP
-from strategies.benchmarks import to_avalanche
 from strategies.fromp import FROMP
 from strategies.models import as_avalanche_model
 
@@ -149,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         seed=args.seed,
         settings=args.settings,
     )
-    result["command"] = "python -m benchmarks.fromp_speed " + " ".join(
+    result["command"] = "python -m benchmarks.studies.fromp_speed " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,268 @@
+"""The runner's own Avalanche plugins and metrics: predictions collected for accuracy, NLL
+and ECE; a guard that stops a run whose loss or weights become non-finite; progress (bars on
+a terminal, one line per task in a log); the optimizer state restored on resume; and the
+method plugins' phase timings."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from avalanche.core import SupervisedPlugin
+from avalanche.training.plugins import EvaluationPlugin
+from torch import Tensor
+from tqdm.auto import tqdm
+
+__all__ = [
+    "NonFiniteError",
+    "expected_calibration_error",
+    "method_plugins",
+]
+
+
+class NonFiniteError(RuntimeError):
+    """A loss, weight or prediction became NaN or infinite: the run failed."""
+
+
+def expected_calibration_error(probs: Tensor, y: Tensor, n_bins: int = 15) -> float:
+    """ECE: ``sum_b |B_b| / N * |acc(B_b) - conf(B_b)|`` over equal-width confidence bins.
+
+    Args:
+        probs: ``[N, C]`` predicted class probabilities.
+        y: ``[N]`` labels.
+
+    Returns:
+        The ECE in [0, 1]; NaN when any probability is not finite (such predictions fall in
+        no bin, so they must not be averaged away).
+    """
+    if not bool(torch.isfinite(probs).all()):
+        return math.nan
+    conf, pred = probs.max(dim=1)
+    correct = (pred == y).double()
+    edges = torch.linspace(0, 1, n_bins + 1, dtype=conf.dtype)
+    ece = 0.0
+    for lo, hi in itertools.pairwise(edges):
+        mask = (conf > lo) & (conf <= hi)
+        if mask.any():
+            ece += mask.double().mean().item() * abs(
+                correct[mask].mean().item() - conf[mask].double().mean().item()
+            )
+    return ece
+
+
+class _Collector(SupervisedPlugin):
+    """Keeps the softmax outputs and labels of every evaluated experience."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: dict[int, list[tuple[Tensor, Tensor]]] = {}
+
+    def before_eval(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        self.outputs = {}
+
+    def after_eval_iteration(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        exp = strategy.experience.current_experience
+        probs = torch.softmax(strategy.mb_output.detach().double(), dim=1).cpu()
+        self.outputs.setdefault(exp, []).append((probs, strategy.mb_y.detach().cpu()))
+
+    def metrics(self, split: str = "test") -> dict[int, dict[str, float]]:
+        """Accuracy (%), NLL and ECE per evaluated experience.
+
+        Raises:
+            NonFiniteError: a predicted probability is NaN or infinite (the metrics would
+                hide it: NaN is never the argmax and falls in no ECE bin).
+        """
+        out = {}
+        for exp, chunks in self.outputs.items():
+            probs = torch.cat([p for p, _ in chunks])
+            y = torch.cat([t for _, t in chunks])
+            if not bool(torch.isfinite(probs).all()):
+                bad = int((~torch.isfinite(probs)).any(1).sum())
+                raise NonFiniteError(
+                    f"{bad} of {len(y)} predictions on task {exp + 1}'s {split} set are not finite"
+                )
+            p_true = probs[torch.arange(len(y)), y].clamp_min(1e-12)
+            out[exp] = {
+                "accuracy": 100.0 * (probs.argmax(1) == y).double().mean().item(),
+                "nll": -p_true.log().mean().item(),
+                "ece": expected_calibration_error(probs, y),
+            }
+        return out
+
+
+class _Guard(SupervisedPlugin):
+    """Stops training at a non-finite loss, and after each experience when a weight is not
+    finite. The loss is checked on the device: a flag accumulated without a host
+    synchronisation, read every ``every`` iterations and at the end of each epoch (so a GPU
+    run does not wait for the device at every step), and the error says between which
+    iterations the loss became non-finite."""
+
+    def __init__(self, every: int = 50) -> None:
+        super().__init__()
+        self.every, self.ok, self.since = every, None, 0
+
+    def after_training_iteration(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        loss = strategy.loss
+        if not isinstance(loss, Tensor):
+            return
+        finite = torch.isfinite(loss.detach()).all()
+        self.ok = finite if self.ok is None else self.ok & finite
+        it = strategy.clock.train_epoch_iterations + 1
+        if it % self.every == 0:
+            self._check(strategy, it)
+
+    def after_training_epoch(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        self._check(strategy, strategy.clock.train_epoch_iterations)
+
+    def _check(self, strategy: Any, it: int) -> None:
+        if self.ok is not None and not bool(self.ok):
+            epoch = strategy.clock.train_exp_epochs + 1
+            raise NonFiniteError(
+                f"training loss is not finite at epoch {epoch}, iteration "
+                f"{max(self.since, 1)}-{max(it, 1)}"
+            )
+        self.ok, self.since = None, it + 1
+
+    def before_training_epoch(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        self.ok, self.since = None, 1
+
+    def after_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        for name, p in strategy.model.named_parameters():
+            if not bool(torch.isfinite(p).all()):
+                raise NonFiniteError(f"weights {name} are not finite after training")
+
+
+class _Progress(SupervisedPlugin):
+    """Progress of each experience: a tqdm bar over its training iterations (with the loss)
+    on a terminal; one line per experience (iterations, last loss, seconds) when the output
+    goes to a file or pipe, so that a log holds no bar updates."""
+
+    def __init__(self, label: str, enabled: bool = True, stream: Any = None) -> None:
+        super().__init__()
+        self.label, self.enabled, self.bar = label, enabled, None
+        self.stream = sys.stderr if stream is None else stream
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.t0, self.iterations = 0.0, 0
+
+    def _what(self, strategy: Any) -> str:
+        exp = strategy.experience.current_experience
+        return "all tasks" if getattr(strategy, "_is_joint", False) else f"task {exp + 1}"
+
+    def before_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        self.t0, self.iterations = time.perf_counter(), 0
+        if self.enabled and self.tty:
+            total = strategy.train_epochs * len(strategy.dataloader)
+            self.bar = tqdm(total=total, desc=f"{self.label} {self._what(strategy)}",
+                            leave=False, mininterval=1.0, file=self.stream)  # fmt: skip
+
+    def after_training_iteration(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        self.iterations += 1
+        if self.bar is not None:
+            self.bar.update(1)
+            if self.bar.n % 20 == 0:
+                self.bar.set_postfix(loss=f"{float(strategy.loss.detach()):.4f}")
+
+    def after_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        elif self.enabled:
+            loss = strategy.loss
+            shown = f", last loss {float(loss.detach()):.4f}" if isinstance(loss, Tensor) else ""
+            print(
+                f"{self.label} {self._what(strategy)}: {self.iterations} iterations{shown}, "
+                f"{time.perf_counter() - self.t0:.1f} s",
+                file=self.stream,
+                flush=True,
+            )
+
+
+class _RestoreOptimizer(SupervisedPlugin):
+    """Loads a checkpointed optimizer state once, after Avalanche has (re)built the optimizer
+    for the first experience of a resumed run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending: dict[str, Any] | None = None
+
+    def before_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        if self.pending is not None:
+            strategy.optimizer.load_state_dict(self.pending)
+            self.pending = None
+
+
+_OWN = (_Collector, _Guard, _Progress, _RestoreOptimizer)
+
+
+def method_plugins(strategy: Any) -> dict[str, Any]:
+    """The strategy's own plugins (not the runner's, not the evaluator), keyed by class
+    name; a repeated class gets ``#2``, ``#3``... in plugin order."""
+    out: dict[str, Any] = {}
+    for p in strategy.plugins:
+        if isinstance(p, (*_OWN, EvaluationPlugin)) or p is strategy.evaluator:
+            continue
+        name, k = type(p).__name__, 1
+        while (name if k == 1 else f"{name}#{k}") in out:
+            k += 1
+        out[name if k == 1 else f"{name}#{k}"] = p
+    return out
+
+
+def _plugin_state(plugin: Any) -> dict[str, Any]:
+    if hasattr(plugin, "state_dict"):
+        return {"state_dict": plugin.state_dict()}
+    return {"vars": dict(vars(plugin))}
+
+
+def _phase_times(strategy: Any, before: dict[str, int]) -> dict[str, float]:
+    """Seconds the method plugins spent in memorable selection, curvature and kernel set-up
+    during the last experience (from the ``timings`` lists they keep, e.g. FROMP's)."""
+    out = {"memorable_s": 0.0, "curvature_s": 0.0, "kernel_s": 0.0}
+    for name, p in method_plugins(strategy).items():
+        timings = getattr(p, "timings", None)
+        if not isinstance(timings, list):
+            continue
+        for t in timings[before.get(name, 0) :]:
+            out["memorable_s"] += float(t.get("select_s", 0.0))
+            out["curvature_s"] += float(t.get("curvature_s", 0.0))
+            out["kernel_s"] += float(t.get("kernel_s", 0.0))
+    return out
+
+
+def _timing_counts(strategy: Any) -> dict[str, int]:
+    return {
+        name: len(p.timings)
+        for name, p in method_plugins(strategy).items()
+        if isinstance(getattr(p, "timings", None), list)
+    }
+
+
+def _summarise(
+    matrix: list[list[float | None]], final: dict[int, dict[str, float]], n_tasks: int
+) -> dict[str, Any]:
+    last = matrix[-1]
+    accs = [a for a in last if a is not None]
+    out: dict[str, Any] = {
+        "final_accuracies": last,
+        "mean_accuracy": float(np.mean(accs)),
+        "mean_nll": float(np.mean([m["nll"] for m in final.values()])),
+        "mean_ece": float(np.mean([m["ece"] for m in final.values()])),
+    }
+    if len(matrix) == n_tasks and n_tasks > 1:
+        # forgetting: best earlier accuracy minus final accuracy; BWT: final minus just-learned.
+        forget, bwt = [], []
+        for k in range(n_tasks - 1):
+            history = [matrix[j][k] for j in range(k, n_tasks - 1)]
+            best = max(a for a in history if a is not None)
+            forget.append(best - last[k])
+            bwt.append(last[k] - matrix[k][k])
+        out["forgetting"] = float(np.mean(forget))
+        out["backward_transfer"] = float(np.mean(bwt))
+    else:
+        out["forgetting"] = out["backward_transfer"] = None
+    return out
