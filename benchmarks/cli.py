@@ -39,7 +39,7 @@ from benchmarks.data import CorruptDataError, DataNotFoundError, TaskSequence
 from benchmarks.registry import STRATEGIES, UnknownNameError, get_benchmark
 from fromp.models import with_task
 
-__all__ = ["gp_main", "load_trained", "memorable_main", "write_memory_map"]
+__all__ = ["gp_main", "load_trained", "load_user_model", "memorable_main", "write_memory_map"]
 
 warnings.filterwarnings("ignore", message="no QP solver found")
 
@@ -114,6 +114,77 @@ def load_trained(
             f"{path} does not match the {cfg['benchmark']} network: {first}"
         ) from err
     return net.eval(), seq, cfg
+
+
+def load_user_model(
+    spec: str, weights: str | Path | None, benchmark: str, data_root: str | None = None
+) -> tuple[nn.Module, TaskSequence, dict[str, Any]]:
+    """A user's network and a benchmark's tasks, for ``--model package.module:factory
+    --weights state_dict.pt --benchmark NAME``.
+
+    ``factory()`` (no arguments) builds the module; ``weights`` is a file written by
+    ``torch.save(model.state_dict(), path)`` (or a dict holding it under ``"state_dict"``
+    or ``"model"``), loaded on the CPU with ``weights_only=True`` and strictly (every key
+    must match). The module maps the benchmark's inputs ``[N, *input_shape]`` to logits; on a
+    multi-head benchmark it takes the task as ``model(x, task=t)`` or ``model(x,
+    task_labels)`` (see :func:`fromp.models.with_task`). Returns ``(net, seq, config)`` as
+    :func:`load_trained`."""
+    import importlib
+
+    from benchmarks.runner import load_sequence
+
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise CheckpointError(f"--model must be package.module:factory, got {spec!r}")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise CheckpointError(f"--model {spec}: {type(err).__name__}: {err}") from err
+    net = factory()
+    if not isinstance(net, nn.Module):
+        raise CheckpointError(f"--model {spec}: the factory returned a {type(net).__name__}, "
+                              "not a torch.nn.Module")  # fmt: skip
+    if weights is not None:
+        path = Path(weights)
+        if not path.is_file():
+            raise CheckpointError(f"--weights {path} does not exist")
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:  # pickle, zip and EOF errors come in many types
+            detail = " ".join(str(err).split())[:200]
+            raise CheckpointError(f"--weights {path} cannot be read ({detail})") from err
+        if isinstance(state, dict) and isinstance(state.get("state_dict", state.get("model")),
+                                                  dict):  # fmt: skip
+            state = state.get("state_dict", state.get("model"))
+        try:
+            net.load_state_dict(state)
+        except (RuntimeError, TypeError, AttributeError) as err:
+            first = str(err).strip().splitlines()[0]
+            raise CheckpointError(f"--weights {path} does not fit --model {spec}: {first}") from err
+    seq = load_sequence(get_benchmark(benchmark), data_root, None, None, None, 0)
+    return net.eval(), seq, {"benchmark": benchmark, "model": spec, "weights": str(weights)}
+
+
+def _load(args: argparse.Namespace) -> tuple[nn.Module, TaskSequence, dict[str, Any]]:
+    """The network and tasks of a CLI call: a ``fromp-bench`` checkpoint, or ``--model``."""
+    if args.model is not None:
+        if args.checkpoint is not None:
+            raise CheckpointError("give a checkpoint or --model, not both")
+        if args.benchmark is None:
+            raise CheckpointError("--model needs --benchmark (whose tasks' data to use)")
+        return load_user_model(args.model, args.weights, args.benchmark, args.data_root)
+    if args.checkpoint is None:
+        raise CheckpointError("a checkpoint (.pt of fromp-bench) or --model is required")
+    return load_trained(args.checkpoint, args.data_root)
+
+
+def _model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", nargs="?", help="a fromp-bench checkpoint (.pt)")
+    p.add_argument(
+        "--model", default=None, help="instead of a checkpoint: a network, package.module:factory"
+    )
+    p.add_argument("--weights", default=None, help="with --model: a state_dict file (.pt)")
+    p.add_argument("--benchmark", default=None, help="with --model: the benchmark's data to use")
 
 
 def _bayesian_net_state(state: dict[str, Any]) -> dict[str, Any] | None:
@@ -273,7 +344,7 @@ def memorable_main(argv: list[str] | None = None) -> int:
         description="Select the memorable training examples (largest tr Lambda, balanced per "
         "class) of a trained fromp-bench checkpoint; write JSON and a PNG grid.",
     )
-    p.add_argument("checkpoint", help="a fromp-bench checkpoint (.pt)")
+    _model_arguments(p)
     p.add_argument("--task", type=int, default=0, help="task index (default 0)")
     p.add_argument("--n-per-class", type=int, default=10, help="examples per class")
     p.add_argument("--order", default="descending", choices=("descending", "ascending", "random"))
@@ -291,7 +362,8 @@ def memorable_main(argv: list[str] | None = None) -> int:
         default="last-layer-full",
         choices=tuple(_POSTERIORS),
         help="the Laplace posterior of --map (default last-layer-full: the last layer with "
-        "its full GGN; last-layer-kron: Kronecker factors; diag: all weights, diagonal GGN)",
+        "its full GGN; last-layer-kron: Kronecker factors; kron: all Linear/Conv2d weights, "
+        "Kronecker factors, for networks that overfit; diag: all weights, diagonal GGN)",
     )
     p.add_argument(
         "--n-fit",
@@ -309,7 +381,7 @@ def memorable_main(argv: list[str] | None = None) -> int:
     from fromp.memorable import memorability_scores, select_memorable
 
     try:
-        net, seq, cfg = load_trained(args.checkpoint, args.data_root)
+        net, seq, cfg = _load(args)
         task = _task(seq, args.task, cfg)
         model = with_task(net, task.task_id if seq.multi_head else None)
         with torch.no_grad():
@@ -395,6 +467,7 @@ def memorable_main(argv: list[str] | None = None) -> int:
 _POSTERIORS = {
     "last-layer-full": ("last_layer", "full", "full", True),
     "last-layer-kron": ("last_layer", "kron", "full", False),
+    "kron": ("all", "kron", "full", False),
     "diag": ("all", "diag", "diagonal", False),
 }
 
@@ -441,7 +514,7 @@ def gp_main(argv: list[str] | None = None) -> int:
         description="Convert a trained fromp-bench checkpoint into its DNN2GP Gaussian "
         "process on one task; write the kernel and predictive (.npz) and a kernel heatmap.",
     )
-    p.add_argument("checkpoint", help="a fromp-bench checkpoint (.pt)")
+    _model_arguments(p)
     p.add_argument("--task", type=int, default=0, help="task index (default 0)")
     p.add_argument("--n", type=int, default=100, help="test inputs (sorted by class)")
     p.add_argument(
@@ -461,7 +534,7 @@ def gp_main(argv: list[str] | None = None) -> int:
     try:
         if args.n < 1 or args.n_fit < 1:
             raise ValueError(f"--n and --n-fit must be >= 1, got {args.n} and {args.n_fit}")
-        net, seq, cfg = load_trained(args.checkpoint, args.data_root)
+        net, seq, cfg = _load(args)
         task = _task(seq, args.task, cfg)
         model = with_task(net, task.task_id if seq.multi_head else None)
         fit = (task.train_x[: args.n_fit], task.train_y[: args.n_fit])

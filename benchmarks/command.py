@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import json
 import math
+import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +171,11 @@ def build_parser(sweep: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--data-root", default=None, help="data root (default: $FROMP_DATA or ./data)")
     p.add_argument("--out", default="runs", help="output directory (default ./runs)")
     p.add_argument("--resume", action="store_true", help="continue from checkpoints")
+    p.add_argument(
+        "--allow-code-change",
+        action="store_true",
+        help="with --resume: accept checkpoints written by other code (recorded in the run)",
+    )
     p.add_argument("--epochs", type=int, default=None, help="override epochs per task")
     p.add_argument("--lr", type=float, default=None, help="override the learning rate")
     p.add_argument("--batch-size", type=int, default=None, help="override the batch size")
@@ -328,7 +336,12 @@ def check_data(
     """Load the data once (corrupt or missing data fail here) and check the settings that
     depend on it (memorable points per class, coreset size), before any training."""
     bench = get_benchmark(benchmark)
-    seq = load_sequence(bench, data_root, n_train, n_test, valid_fraction, valid_seed)
+    try:
+        seq = load_sequence(bench, data_root, n_train, n_test, valid_fraction, valid_seed)
+    except ValueError as err:
+        if isinstance(err, USER_ERRORS):
+            raise
+        raise UsageError(str(err)) from err
     for name, merged, _ in jobs:
         check_sequence(seq, resolve_settings(bench, get_strategy(name), merged))
 
@@ -355,6 +368,7 @@ def run_benchmark(
     resume: bool = False,
     stop_after: int | None = None,
     progress: bool = True,
+    allow_code_change: bool = False,
 ) -> dict[str, Any]:
     """Run every (strategy, grid point, seed), then write the JSON, the Markdown report and
     the plot. Settings are validated and the data checked before the first run starts.
@@ -362,45 +376,104 @@ def run_benchmark(
     Returns the payload written to ``results.json`` (``failed`` lists runs stopped by a
     non-finite value).
     """
-    from benchmarks.report import save_json
-
     grid = grid or [{}]
     jobs = plan(benchmark, strategies, dict(overrides or {}), grid, device)
     check_data(benchmark, jobs, data_root, n_train, n_test, valid_fraction, valid_seed)
     base = out / benchmark
     results = []
+    labels = set()
     started = time.perf_counter()
-    for name, merged, tag in jobs:
-        for seed in seeds:
-            label = run_name(name, tag, seed)
-            cfg = RunConfig(
-                benchmark,
-                name,
-                seed,
-                data_root,
-                device,
-                merged,
-                n_train,
-                n_test,
-                str(base / "checkpoints" / f"{label}.pt"),
-                resume,
-                stop_after,
-                progress,
-                valid_fraction,
-                valid_seed,
-            )
-            res = run(cfg)
-            results.append(res)
-            save_json(base / "runs" / f"{label}.json", res)
-            print(describe(res, tag), flush=True)
-    return write_report(
-        benchmark,
-        base,
-        results,
-        command=" ".join(["fromp-bench", *sys.argv[1:]]),
-        total_time_s=time.perf_counter() - started,
-        select_on=select_on,
-    )
+    with out_lock(base):
+        for name, merged, tag in jobs:
+            for seed in seeds:
+                label = run_name(name, tag, seed)
+                labels.add(label)
+                res = _run_one(benchmark, name, merged, seed, label, base, data_root, device,
+                               n_train, n_test, resume, stop_after, progress, valid_fraction,
+                               valid_seed, allow_code_change)  # fmt: skip
+                results.append(res)
+                print(describe(res, tag), flush=True)
+        # results.json keeps this directory's earlier runs (other strategies, settings or
+        # seeds); a run of the same (strategy, settings, seed) replaces its earlier result
+        earlier = _earlier_runs(base, labels)
+        return write_report(
+            benchmark,
+            base,
+            earlier + results,
+            command=" ".join(["fromp-bench", *sys.argv[1:]]),
+            total_time_s=time.perf_counter() - started,
+            select_on=select_on,
+        )
+
+
+def _run_one(benchmark: str, name: str, merged: dict[str, Any], seed: int, label: str,
+             base: Path, *args: Any) -> dict[str, Any]:  # fmt: skip
+    """One run (``args``: the rest of :class:`RunConfig`'s fields after ``overrides``, the
+    checkpoint path excepted), its result saved as ``base/runs/<label>.json``."""
+    from benchmarks.report import save_json
+
+    data_root, device, n_train, n_test, resume, stop_after, progress, *rest = args
+    cfg = RunConfig(benchmark, name, seed, data_root, device, merged, n_train, n_test,
+                    str(base / "checkpoints" / f"{label}.pt"), resume, stop_after, progress,
+                    *rest)  # fmt: skip
+    res = run(cfg)
+    save_json(base / "runs" / f"{label}.json", res)
+    return res
+
+
+def _earlier_runs(base: Path, exclude: set[str]) -> list[dict[str, Any]]:
+    """The run results in ``base/runs`` other than ``exclude`` (labels); unreadable files
+    are refused with their path."""
+    out = []
+    for f in sorted((base / "runs").glob("*.json")):
+        if f.stem in exclude:
+            continue
+        try:
+            out.append(json.loads(f.read_text()))
+        except (OSError, ValueError) as err:
+            raise UsageError(f"{f}: not a run result ({' '.join(str(err).split())})") from err
+    return out
+
+
+@contextlib.contextmanager
+def out_lock(base: Path) -> Iterator[None]:
+    """Hold ``base/.lock`` (the process id) while a job writes into ``base``: a second job
+    into the same directory is refused in one line; a lock left by a process that no longer
+    runs is taken over."""
+    base.mkdir(parents=True, exist_ok=True)
+    lock = base / ".lock"
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                pid = int(lock.read_text().strip() or 0)
+            except (OSError, ValueError):
+                pid = 0
+            if pid and pid != os.getpid() and _alive(pid):
+                raise UsageError(
+                    f"--out {base.parent}: another fromp-bench (pid {pid}) is writing to "
+                    f"{base}; wait for it or use another --out"
+                ) from None
+            lock.unlink(missing_ok=True)  # stale: its process is gone
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        break
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def describe(res: dict[str, Any], tag: str = "") -> str:
@@ -576,4 +649,5 @@ def run_options(args: argparse.Namespace) -> dict[str, Any]:
         "valid_seed": args.valid_seed,
         "select_on": args.select_on,
         "resume": args.resume,
+        "allow_code_change": args.allow_code_change,
     }

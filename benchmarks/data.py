@@ -251,6 +251,12 @@ def _load_idx(name: str, files: list[Path]) -> list[Tensor]:
         ):
             if arr.ndim != want:
                 raise CorruptDataError(f"{f}: expected {what}, got shape {list(arr.shape)}")
+            if arr.dtype != np.uint8:  # MNIST and Fashion-MNIST store unsigned bytes (0x08)
+                raise CorruptDataError(
+                    f"{f}: expected unsigned-byte items (IDX type code 0x08), got {arr.dtype}"
+                )
+        if x.shape[1:] != (28, 28):
+            raise CorruptDataError(f"{images}: expected 28x28 images, got {list(x.shape[1:])}")
         if len(x) != len(y):
             raise CorruptDataError(
                 f"{labels}: {len(y)} labels for the {len(x)} images of {images.name}"
@@ -398,12 +404,26 @@ class TaskSequence:
     def _replace(self, tasks: list[Task]) -> TaskSequence:
         return TaskSequence(self.name, tasks, self.multi_head, self.input_shape, self.n_outputs)
 
-    def subsample(self, n_train: int | None, n_test: int | None, seed: int = 0) -> TaskSequence:
+    def subsample(
+        self, n_train: int | None, n_test: int | None, seed: int = 0, *, strict: bool = False
+    ) -> TaskSequence:
         """A copy keeping the first ``n_train`` / ``n_test`` examples of each task after a
-        seeded shuffle (for quick runs and tests). Validation sets are kept whole."""
+        seeded shuffle (for quick runs and tests; a task with fewer keeps all). Validation
+        sets are kept whole. ``strict``: refuse a size above the smallest task's (what the
+        runner does, so that a run never records a subsample it did not take)."""
         for name, n in (("n_train", n_train), ("n_test", n_test)):
             if n is not None and (not isinstance(n, int) or n < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {n!r}")
+        smallest = {
+            "n_train": min(len(t.train_x) for t in self.tasks),
+            "n_test": min(len(t.test_x) for t in self.tasks),
+        }
+        for name, n in (("n_train", n_train), ("n_test", n_test)):
+            if strict and n is not None and n > smallest[name]:
+                raise ValueError(
+                    f"--{name.replace('_', '-')} {n} is more than the smallest task of "
+                    f"{self.name} has ({smallest[name]}); use at most {smallest[name]} or drop it"
+                )
         g = torch.Generator().manual_seed(seed)
         tasks = []
         for t in self.tasks:

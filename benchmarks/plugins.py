@@ -1,14 +1,18 @@
-"""The runner's own Avalanche plugins and metrics: predictions collected for accuracy, NLL
-and ECE; a guard that stops a run whose loss or weights become non-finite; progress (bars on
-a terminal, one line per task in a log); the optimizer state restored on resume; and the
-method plugins' phase timings."""
+"""The runner's machinery: its own Avalanche plugins and metrics (predictions collected for
+accuracy, NLL and ECE; a guard that stops a run whose loss or weights become non-finite;
+progress, bars on a terminal and one line per task in a log; the optimizer state restored on
+resume; the method plugins' phase timings) and its checkpoint files (written atomically
+with a SHA-256 beside them, verified on reading)."""
 
 from __future__ import annotations
 
 import itertools
 import math
+import os
 import sys
 import time
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,10 +23,19 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 __all__ = [
+    "CHECKPOINT_VERSION",
+    "CheckpointError",
     "NonFiniteError",
     "expected_calibration_error",
     "method_plugins",
 ]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or belongs to another run (one-line message)."""
+
+
+CHECKPOINT_VERSION = 3
 
 
 class NonFiniteError(RuntimeError):
@@ -266,3 +279,82 @@ def _summarise(
     else:
         out["forgetting"] = out["backward_transfer"] = None
     return out
+
+
+def _write_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    """Atomic and checked: the bytes go to a temporary file, are flushed to disk and then
+    renamed over ``path``; their SHA-256 goes to ``path.sha256`` (written the same way), which
+    :func:`_read_checkpoint` verifies. A crash leaves the previous checkpoint whole."""
+    import hashlib
+    import io
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    data = buf.getvalue()
+    for target, payload in ((path, data), (_sum_path(path), hashlib.sha256(data).hexdigest())):
+        tmp = target.with_name(target.name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(payload if isinstance(payload, bytes) else payload.encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+
+
+def _sum_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _read_checkpoint(path: Path, device: str = "cpu") -> dict[str, Any]:
+    """A checkpoint's content; :class:`CheckpointError` (one line, naming the file) when it is
+    empty, truncated, not a checkpoint or from another checkpoint version."""
+    import hashlib
+
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"checkpoint {path} is empty; delete it or drop --resume")
+    sums = _sum_path(path)
+    if not sums.exists():
+        raise CheckpointError(f"checkpoint {path} has no checksum file {sums.name}; delete it "
+                              "or drop --resume")  # fmt: skip
+    if hashlib.sha256(path.read_bytes()).hexdigest() != sums.read_text().strip():
+        raise CheckpointError(f"checkpoint {path} does not match its checksum (a damaged or "
+                              "truncated file); delete it or drop --resume")  # fmt: skip
+    try:
+        # read on the CPU whatever the run's device (`cpu:0`, `cuda:1`, ...): RNG states
+        # must stay CPU byte tensors; the caller moves what belongs on the device
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # pickle, zip and EOF errors come in many types
+        detail = " ".join(str(err).split())[:200] or type(err).__name__
+        raise CheckpointError(
+            f"checkpoint {path} cannot be read ({type(err).__name__}: {detail}); "
+            "delete it or drop --resume"
+        ) from err
+    if not isinstance(state, dict) or "config" not in state or "model" not in state:
+        raise CheckpointError(f"{path} is not a fromp-bench checkpoint (no model/config)")
+    if state.get("version") != CHECKPOINT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {path} has format version {state.get('version')}, this fromp-bench "
+            f"writes version {CHECKPOINT_VERSION}; delete it or drop --resume"
+        )
+    return state
+
+
+def _check_key(path: Path, state: Mapping[str, Any], key: Mapping[str, Any]) -> None:
+    old = state["config"]
+    diff = [k for k in sorted(set(old) | set(key)) if old.get(k) != key.get(k)]
+    if diff:
+        parts = []
+        for k in diff:
+            a, b = _short(old.get(k)), _short(key.get(k))
+            parts.append(f"{k} {a} (checkpoint) vs {b} (now)")
+        raise CheckpointError(
+            f"checkpoint {path} was written by a different run: {'; '.join(parts)}; "
+            "delete it or drop --resume"
+        )
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, Mapping) and "hash" in value:
+        return f"data hash {value['hash']}"
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."

@@ -30,9 +30,59 @@ def _nan_to_none(rows: Any) -> Any:
 _PHASES = ("training_s", "memorable_s", "curvature_s", "kernel_s", "evaluation_s")
 
 
+_CODE: dict[str, Any] = {}
+
+
+def code_record() -> dict[str, Any]:
+    """Which code made a run: the package version, a SHA-256 of the sources of ``fromp``,
+    ``strategies`` and ``benchmarks`` (every ``.py`` file, path and content, in sorted order)
+    and the git commit when the checkout is clean (None otherwise or outside git)."""
+    if not _CODE:
+        import hashlib
+        import subprocess
+        from pathlib import Path
+
+        import fromp
+
+        root = Path(__file__).resolve().parents[1]
+        h = hashlib.sha256()
+        for pkg in ("fromp", "strategies", "benchmarks"):
+            for f in sorted((root / pkg).rglob("*.py")):
+                h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+        commit = None
+        try:
+            git = ["git", "-C", str(root)]
+            dirty = subprocess.run([*git, "status", "--porcelain", "--", *_PACKAGES],
+                                   capture_output=True, text=True, timeout=10)  # fmt: skip
+            head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True,
+                                  timeout=10)  # fmt: skip
+            if dirty.returncode == 0 and not dirty.stdout.strip() and head.returncode == 0:
+                commit = head.stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+        _CODE.update(version=fromp.__version__, source_hash=h.hexdigest()[:16], git_commit=commit)
+    return dict(_CODE)
+
+
+_PACKAGES = ("fromp", "strategies", "benchmarks")
+
+
+def env_record(device: str) -> dict[str, Any]:
+    """Python, torch and NumPy versions and the device a run used."""
+    import platform
+
+    import torch
+
+    dev = torch.device(device)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor()
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "numpy": np.__version__, "device": device, "device_name": name}  # fmt: skip
+
+
 def group_key(run: dict[str, Any]) -> str:
     """What must be identical for two runs to be seeds of one experiment: the benchmark,
-    strategy, resolved settings, subsample sizes, validation split and data fingerprint."""
+    strategy, resolved settings, subsample sizes, validation split, data fingerprint and the
+    code that made them (runs of two code versions are never averaged)."""
     cfg = run.get("config", {})
     data = run.get("data") or {}
     key = {
@@ -44,6 +94,7 @@ def group_key(run: dict[str, Any]) -> str:
         "valid_fraction": cfg.get("valid_fraction"),
         "valid_seed": cfg.get("valid_seed", 0),
         "data": (data.get("fingerprint") or {}).get("hash"),
+        "code": (run.get("code") or {}).get("source_hash"),
     }
     return json.dumps(key, sort_keys=True)
 

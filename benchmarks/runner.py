@@ -43,19 +43,25 @@ from torch import Tensor, nn
 
 from benchmarks.data import Task, TaskSequence, resolve_data_root, to_avalanche
 from benchmarks.plugins import (
+    CHECKPOINT_VERSION,
+    CheckpointError,
     NonFiniteError,
+    _check_key,
     _Collector,
     _Guard,
     _phase_times,
     _plugin_state,
     _Progress,
+    _read_checkpoint,
     _RestoreOptimizer,
     _summarise,
     _timing_counts,
+    _write_checkpoint,
     expected_calibration_error,
     method_plugins,
 )
 from benchmarks.registry import BenchmarkSpec, StrategySpec, get_benchmark, get_strategy
+from benchmarks.report import code_record, env_record
 from strategies.models import as_avalanche_model
 
 __all__ = [
@@ -74,16 +80,11 @@ __all__ = [
     "validate_settings",
 ]
 
-CHECKPOINT_VERSION = 2
 OPTIMIZERS = ("adam", "sgd", "vogn", "ivon")
 
 
 class SettingsError(ValueError):
     """A setting that cannot be used; the message names it and what was expected."""
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read or belongs to another run (one-line message)."""
 
 
 @dataclass
@@ -106,6 +107,7 @@ class RunConfig:
         valid_fraction: hold out this share of each task's training data for validation
             (None: no validation split, train on everything).
         valid_seed: seed of the validation split (the same split for every run seed).
+        allow_code_change: resume a checkpoint written by other code (recorded in the run).
     """
 
     benchmark: str
@@ -122,6 +124,7 @@ class RunConfig:
     progress: bool = True
     valid_fraction: float | None = None
     valid_seed: int = 0
+    allow_code_change: bool = False
 
 
 _SEQ_CACHE: dict[tuple[Any, ...], tuple[TaskSequence, dict[str, Any]]] = {}
@@ -155,7 +158,7 @@ def _load_with_fingerprint(spec, data_root, n_train, n_test, valid_fraction, val
         if valid_fraction is not None:
             seq = seq.with_validation(valid_fraction, seed=valid_seed)
         if n_train is not None or n_test is not None:
-            seq = seq.subsample(n_train, n_test, seed=0)
+            seq = seq.subsample(n_train, n_test, seed=0, strict=True)
         _SEQ_CACHE[key] = (seq, seq.fingerprint())
     return _SEQ_CACHE[key]
 
@@ -506,9 +509,16 @@ def run(
     timing: list[dict[str, float]] = []
     elapsed, done = 0.0, 0
     key = _ckpt_key(cfg, settings, data)
+    code = code_record()
+    key["code"] = code["source_hash"]
     ckpt = Path(cfg.checkpoint) if cfg.checkpoint else None
+    resumed_from_code = None
     if cfg.resume and ckpt is not None and ckpt.exists():
         state = _read_checkpoint(ckpt, cfg.device)
+        old_code = state["config"].get("code")
+        if cfg.allow_code_change and old_code != key["code"]:
+            resumed_from_code = old_code
+            state["config"]["code"] = key["code"]
         _check_key(ckpt, state, key)
         model.load_state_dict(state["model"])
         _load_plugin_states(strategy, state["plugins"], ckpt)
@@ -598,7 +608,11 @@ def run(
         "config": asdict(cfg),
         "data": data,
         "n_train_per_task": [len(t.train_x) for t in seq],
+        "code": code,
+        "env": env_record(cfg.device),
     }
+    if resumed_from_code is not None:
+        result["resumed_from_code"] = resumed_from_code
     if matrix and failed is None:
         result.update(_summarise(matrix, metrics, n_tasks if not strat.joint else 1))
     if valid_matrix and failed is None:
@@ -614,57 +628,6 @@ def _cuda_devices(device: str) -> list[int]:
     if d.type != "cuda":
         return []
     return [d.index if d.index is not None else torch.cuda.current_device()]
-
-
-def _write_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
-def _read_checkpoint(path: Path, device: str = "cpu") -> dict[str, Any]:
-    """A checkpoint's content; :class:`CheckpointError` (one line, naming the file) when it is
-    empty, truncated, not a checkpoint or from another checkpoint version."""
-    if path.stat().st_size == 0:
-        raise CheckpointError(f"checkpoint {path} is empty; delete it or drop --resume")
-    try:
-        state = torch.load(path, map_location=device, weights_only=False)
-    except Exception as err:  # pickle, zip and EOF errors come in many types
-        detail = " ".join(str(err).split())[:200] or type(err).__name__
-        raise CheckpointError(
-            f"checkpoint {path} cannot be read ({type(err).__name__}: {detail}); "
-            "delete it or drop --resume"
-        ) from err
-    if not isinstance(state, dict) or "config" not in state or "model" not in state:
-        raise CheckpointError(f"{path} is not a fromp-bench checkpoint (no model/config)")
-    if state.get("version") != CHECKPOINT_VERSION:
-        raise CheckpointError(
-            f"checkpoint {path} has format version {state.get('version')}, this fromp-bench "
-            f"writes version {CHECKPOINT_VERSION}; delete it or drop --resume"
-        )
-    return state
-
-
-def _check_key(path: Path, state: Mapping[str, Any], key: Mapping[str, Any]) -> None:
-    old = state["config"]
-    diff = [k for k in sorted(set(old) | set(key)) if old.get(k) != key.get(k)]
-    if diff:
-        parts = []
-        for k in diff:
-            a, b = _short(old.get(k)), _short(key.get(k))
-            parts.append(f"{k} {a} (checkpoint) vs {b} (now)")
-        raise CheckpointError(
-            f"checkpoint {path} was written by a different run: {'; '.join(parts)}; "
-            "delete it or drop --resume"
-        )
-
-
-def _short(value: Any) -> str:
-    if isinstance(value, Mapping) and "hash" in value:
-        return f"data hash {value['hash']}"
-    text = repr(value)
-    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _ckpt_key(

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -53,6 +54,15 @@ __all__ = ["sweep", "sweep_main"]
 _CKPT = "run.pt"
 
 
+def failure_reason(error: Any, limit: int = 300) -> str:
+    """One line of at most ``limit`` characters from a trial's error, without the ANSI colour
+    escapes Ray puts in its tracebacks (cutting the text could split one)."""
+    if not error:
+        return "no result reported"
+    text = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", str(error))
+    return " ".join(text.split())[:limit]
+
+
 def _trial(config: dict[str, Any]) -> None:
     """One Ray Tune trial: a runner run that reports (and checkpoints) every experience and
     resumes from Tune's checkpoint when the trial is retried."""
@@ -65,7 +75,8 @@ def _trial(config: dict[str, Any]) -> None:
     restored = tune.get_checkpoint()
     if restored is not None:
         with restored.as_directory() as d:
-            shutil.copy(Path(d) / _CKPT, ckpt)
+            for name in (_CKPT, _CKPT + ".sha256"):  # the checkpoint and its checksum
+                shutil.copy(Path(d) / name, work / name)
     cfg = RunConfig(
         config["benchmark"],
         job["strategy"],
@@ -214,7 +225,7 @@ def _collect(grid_results: Any, benchmark: str, base: Path) -> list[dict[str, An
         if "result_json" in metrics:
             res = json.loads(metrics["result_json"])
         else:
-            reason = " ".join(str(r.error).split())[:300] if r.error else "no result reported"
+            reason = failure_reason(r.error)
             res = {
                 "benchmark": benchmark,
                 "strategy": job["strategy"],

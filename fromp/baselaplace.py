@@ -612,6 +612,8 @@ class BaseLaplace:
         for key, mine in (("structure", self.structure),
                           ("subset_of_weights", self.subset_of_weights),
                           ("likelihood", repr(self.likelihood))):  # fmt: skip
+            if state.get(key) != mine and key == "likelihood":
+                raise ValueError(f"state was fitted with {state.get(key)}, this is {mine}")
             if state.get(key) != mine:
                 raise ValueError(f"state has {key}={state.get(key)!r}, this is {mine!r}")
         self._prepare_names(list(state["parameter_names"]))

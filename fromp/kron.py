@@ -180,10 +180,9 @@ def kron_curvature(
             if id(c.module) in by_layer:
                 raise ValueError(f"{c.module} is called more than once per forward pass")
             by_layer[id(c.module)] = c
-        missing = [m for m in layers if id(m) not in by_layer]
-        if missing:
-            raise ValueError(f"layers not called in the forward pass: {missing[:2]}")
-        calls = [by_layer[id(m)] for m in layers]
+        # a layer the forward pass does not call (another task's head) has no curvature
+        used = [i for i, m in enumerate(layers) if id(m) in by_layer]
+        calls = [by_layer[id(layers[i])] for i in used]
         if fisher == "ggn":
             root = likelihood.sqrt_hessian(f.detach())  # [B, C, K]
             columns = [root[:, :, k] for k in range(root.shape[2])]
@@ -196,7 +195,8 @@ def kron_curvature(
         zs = [c.z for c in calls]
         for k, v in enumerate(columns):
             gs = torch.autograd.grad(f, zs, grad_outputs=v, retain_graph=k < len(columns) - 1)
-            for i, (m, g) in enumerate(zip(layers, gs)):
+            for i, g in zip(used, gs):
+                m = layers[i]
                 g = _rows_out(m, g.detach())  # [B, L, out]
                 b = torch.einsum("nlo,nlp->op", g, g)
                 b_sum[i] = b if b_sum[i] is None else b_sum[i] + b
@@ -204,14 +204,23 @@ def kron_curvature(
                     gb = g.sum(1)
                     bb = gb.T @ gb
                     bb_sum[i] = bb if bb_sum[i] is None else bb_sum[i] + bb
-        for i, (m, c) in enumerate(zip(layers, calls)):
-            u = unfold_input(m, c.a).flatten(0, 1)  # [B L, in']
+        for i, c in zip(used, calls):
+            u = unfold_input(layers[i], c.a).flatten(0, 1)  # [B L, in']
             a = u.T @ u
             a_sum[i] = a if a_sum[i] is None else a_sum[i] + a
         n += len(x)
     if n == 0:
         raise ValueError("data is empty: expected at least one batch")
-    blocks = [KronBlock(a / n, b, bb) for a, b, bb in zip(a_sum, b_sum, bb_sum)]
+    blocks = []
+    for m, a, b, bb in zip(layers, a_sum, b_sum, bb_sum):
+        w = m.weight
+        if a is None:  # never called: zero factors (the posterior is the prior there)
+            d_in = w[0].numel()
+            a = w.new_zeros(d_in, d_in)
+            b = w.new_zeros(w.shape[0], w.shape[0])
+            has_bias = m.bias is not None and m.bias.requires_grad
+            bb = w.new_zeros(w.shape[0], w.shape[0]) if has_bias else None
+        blocks.append(KronBlock(a.detach() / n, b.detach(), None if bb is None else bb.detach()))
     return KronCurvature(blocks, names, n)
 
 

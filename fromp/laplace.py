@@ -30,7 +30,8 @@ from fromp.curvature import DataArg, diag_ggn, iter_batches
 from fromp.ggn import ggn
 from fromp.gp import GP
 from fromp.jacobian import flat_params
-from fromp.likelihood import Likelihood, get_likelihood
+from fromp.laplace_structures import LaplaceDiag, LaplaceFull
+from fromp.likelihood import Likelihood
 from fromp.posterior import DiagonalGaussian, FullGaussian
 
 __all__ = [
@@ -199,10 +200,11 @@ def laplace_full(
 # ----------------------------------------------------------------------------- fitted
 
 
-class _FittedLaplace:
-    """Shared code of :class:`DiagLaplace` and :class:`FullLaplace`."""
-
-    _kind = ""
+class _Compat:
+    """The earlier fitted-Laplace API on top of :mod:`fromp.baselaplace` (one
+    implementation): a tensor or None ``prior_mean``, ``optimize_prior_precision(method=
+    "gradient" | "grid", structure=...)``, ``predictive(x, method)`` and ``gp()`` returning
+    :class:`fromp.gp.GP`, ``curvature`` and ``nll``."""
 
     def __init__(
         self,
@@ -216,153 +218,25 @@ class _FittedLaplace:
         method: str = "auto",
         max_params: int = 20_000,
     ) -> None:
-        self.model = model
-        self.likelihood = get_likelihood(likelihood)
-        self.mean = flat_params(model).clone()
-        _check_prior_mean(prior_mean, self.mean)
-        self.prior_mean = (
-            torch.zeros_like(self.mean) if prior_mean is None else prior_mean.detach().to(self.mean)
-        )
-        self.chunk_size, self.memory_budget, self.method = chunk_size, memory_budget, method
-        self.max_params = max_params
-        self.sizes = [p.numel() for p in model.parameters() if p.requires_grad]
-        self.prior_precision = prior_precision
-        self.curvature: Tensor | None = None
-        self.nll: Tensor | None = None
-        self.n_data = 0
-
-    # ------------------------------------------------------------------ prior precision
-    @property
-    def num_params(self) -> int:
-        """``P``."""
-        return self.mean.numel()
+        if prior_mean is not None:
+            _check_prior_mean(prior_mean, flat_params(model))
+        super().__init__(  # type: ignore[call-arg]
+            model, likelihood, prior_precision=prior_precision,
+            prior_mean=0.0 if prior_mean is None else prior_mean.detach(),
+            subset_of_weights="all", chunk_size=chunk_size, memory_budget=memory_budget,
+            method=method, max_params=max_params,
+        )  # fmt: skip
 
     @property
-    def n_layers(self) -> int:
-        """Number of trainable parameter tensors: the length of a per-layer ``delta``."""
-        return len(self.sizes)
+    def curvature(self) -> Tensor | None:
+        """``diag(G)`` ``[P]`` or ``G`` ``[P, P]`` of the fitted data (None before a fit)."""
+        return self.H
 
     @property
-    def prior_precision(self) -> Tensor:
-        """``delta``: a 0-d tensor, ``[n_layers]`` (one per parameter tensor, in
-        ``named_parameters()`` order) or ``[P]``."""
-        return self._delta
+    def nll(self) -> Tensor | None:
+        return None if self.loss is None or self.regression else self.loss
 
-    @prior_precision.setter
-    def prior_precision(self, value: float | Tensor) -> None:
-        self._delta = self._check_delta(value).detach().clone()
-
-    def _check_delta(self, value: float | Tensor) -> Tensor:
-        if isinstance(value, bool) or not isinstance(value, int | float | Tensor):
-            raise ValueError(
-                "prior_precision must be a positive number or a tensor of shape [], "
-                f"[n_layers]=[{self.n_layers}] or [P]=[{self.num_params}], got "
-                f"{type(value).__name__}"
-            )
-        d = value if isinstance(value, Tensor) else torch.tensor(float(value))
-        d = d.to(dtype=self.mean.dtype, device=self.mean.device)
-        if d.ndim > 1 or (d.ndim == 1 and len(d) not in (self.n_layers, self.num_params)):
-            raise ValueError(
-                f"prior_precision must have shape [], [n_layers]=[{self.n_layers}] or "
-                f"[P]=[{self.num_params}], got {tuple(d.shape)}"
-            )
-        dd = d.detach()
-        if not (torch.isfinite(dd).all() and (dd > 0).all()):
-            raise ValueError("prior_precision must be finite and strictly positive")
-        return d
-
-    def _delta_vector(self, d: Tensor) -> Tensor:
-        """``delta`` expanded to ``[P]`` (differentiable)."""
-        if d.ndim == 0:
-            return d.expand(self.num_params)
-        if len(d) == self.num_params:
-            return d
-        sizes = torch.tensor(self.sizes, device=d.device)
-        return torch.repeat_interleave(d, sizes)
-
-    # ------------------------------------------------------------------ fit
-    def fit(self, data: DataArg, *, override: bool = True) -> _FittedLaplace:
-        """Compute the curvature of ``data`` at the model's weights (and, when ``data`` has
-        targets, the negative log-likelihood the evidence needs). ``override=False`` adds
-        to the curvature of earlier fits (several data sets, or tasks)."""
-        require_eval(model := self.model)
-        w = flat_params(model)
-        if w.shape != self.mean.shape:
-            raise ValueError(f"model has P={w.numel()} parameters, the fit had {self.num_params}")
-        self.mean = w.clone()
-        nll = torch.zeros((), dtype=w.dtype, device=w.device)
-        state = {"targets": True, "n": 0}
-
-        def batches():
-            for batch in _checked_batches(data):
-                x = batch[0].to(w.device)
-                if len(batch) > 1:
-                    with torch.no_grad():
-                        nonlocal nll
-                        nll = nll + self.likelihood.nll(model(x), batch[1].to(w.device)).sum()
-                else:
-                    state["targets"] = False
-                state["n"] += len(x)
-                yield (x,)
-
-        curv = self._curvature(batches())
-        if override or self.curvature is None:
-            self.curvature, self.n_data = curv, 0
-            self.nll = nll if state["targets"] else None
-        else:
-            self.curvature = self.curvature + curv
-            self.nll = None if (self.nll is None or not state["targets"]) else self.nll + nll
-        self.n_data += state["n"]
-        return self
-
-    def _curvature(self, batches: Any) -> Tensor:
-        raise NotImplementedError
-
-    def _require_fit(self) -> Tensor:
-        if self.curvature is None:
-            raise ValueError("call fit(data) first")
-        return self.curvature
-
-    # ------------------------------------------------------------------ evidence
-    def _log_det_posterior(self, delta: Tensor) -> Tensor:
-        raise NotImplementedError
-
-    def log_det_ratio(self, prior_precision: float | Tensor | None = None) -> Tensor:
-        """``log det(G + D) - log det(D)``, ``D = diag(delta)`` (differentiable in delta)."""
-        self._require_fit()
-        d = self._delta if prior_precision is None else self._check_delta(prior_precision)
-        vec = self._delta_vector(d)
-        return self._log_det_posterior(d) - vec.log().sum()
-
-    def scatter(self, prior_precision: float | Tensor | None = None) -> Tensor:
-        """``(w* - m0)^T D (w* - m0)`` (differentiable in delta)."""
-        d = self._delta if prior_precision is None else self._check_delta(prior_precision)
-        return (self._delta_vector(d) * (self.mean - self.prior_mean) ** 2).sum()
-
-    @property
-    def log_likelihood(self) -> Tensor:
-        """``log p(D | w*) = -sum_n nll_n`` of the fitted data."""
-        self._require_fit()
-        if self.nll is None:
-            raise ValueError("the evidence needs targets: fit with data=(x, y) batches")
-        return -self.nll
-
-    def log_marginal_likelihood(self, prior_precision: float | Tensor | None = None) -> Tensor:
-        """Laplace evidence, differentiable in ``prior_precision`` (scalar, per layer, per
-        parameter; default: the current one):
-
-        ``log p(D | delta) ~= log p(D | w*) - 1/2 [(w* - m0)^T D (w* - m0)]
-        - 1/2 [log det(G + D) - log det D]``
-
-        i.e. :attr:`log_likelihood` ``- (`` :meth:`scatter` ``+`` :meth:`log_det_ratio`
-        ``) / 2`` (the ``P/2 log 2 pi`` of the prior and of the Laplace integral cancel).
-        ``w*`` is kept fixed (post-hoc); for a linear-Gaussian model with the full GGN and
-        ``w*`` the exact MAP this is the exact evidence.
-        """
-        ll = self.log_likelihood
-        return ll - 0.5 * (self.scatter(prior_precision) + self.log_det_ratio(prior_precision))
-
-    def optimize_prior_precision(
+    def optimize_prior_precision(  # type: ignore[override]
         self,
         method: str = "gradient",
         *,
@@ -371,28 +245,21 @@ class _FittedLaplace:
         init: float | Tensor | None = None,
         max_iter: int = 200,
     ) -> Tensor:
-        """Maximise :meth:`log_marginal_likelihood` over ``delta``; sets and returns it.
-
-        Args:
-            method: ``"gradient"`` (L-BFGS with strong Wolfe line search on ``log delta``,
-                exact autograd gradients; default) or ``"grid"`` (scalar only; best of
-                ``grid``, default ``logspace(-4, 4, 81)``).
-            structure: ``"scalar"``, ``"layerwise"`` (one per parameter tensor) or
-                ``"diagonal"`` (one per parameter).
-            init: starting ``delta`` (default: the current one, broadcast).
-        """
+        """Maximise the evidence over ``delta``: ``"gradient"`` (L-BFGS on ``log delta``;
+        ``structure`` ``"scalar"``, ``"layerwise"`` or ``"diagonal"``) or ``"grid"`` (the
+        best scalar of ``grid``, default ``logspace(-4, 4, 81)``); sets and returns it."""
         if method not in ("gradient", "grid"):
             raise ValueError(f"method must be 'gradient' or 'grid', got {method!r}")
-        shapes = {"scalar": (), "layerwise": (self.n_layers,), "diagonal": (self.num_params,)}
-        if structure not in shapes:
+        names = {"scalar": "scalar", "layerwise": "layerwise", "diagonal": "diag"}
+        if structure not in names:
             raise ValueError(
                 f"structure must be 'scalar', 'layerwise' or 'diagonal', got {structure!r}"
             )
-        if method == "grid" and structure != "scalar":
-            raise ValueError("method='grid' supports structure='scalar' only")
-        self.log_likelihood  # noqa: B018  (fails early without a fit or targets)
-        opts = {"dtype": self.mean.dtype, "device": self.mean.device}
         if method == "grid":
+            if structure != "scalar":
+                raise ValueError("method='grid' supports structure='scalar' only")
+            self.log_likelihood  # noqa: B018  (fails early without a fit or targets)
+            opts = {"dtype": self.mean.dtype, "device": self.mean.device}
             deltas = torch.as_tensor(
                 torch.logspace(-4, 4, 81) if grid is None else grid, **opts
             ).reshape(-1)
@@ -402,161 +269,37 @@ class _FittedLaplace:
                 values = torch.stack([self.log_marginal_likelihood(d) for d in deltas])
             self.prior_precision = deltas[int(torch.argmax(values))]
             return self.prior_precision
-        start = self._check_delta(self._delta if init is None else init).detach()
-        start = self._delta_vector(start) if structure == "diagonal" else start
-        if structure == "layerwise" and start.ndim == 0:
-            start = start.expand(self.n_layers)
-        if structure == "scalar" and start.ndim != 0:
-            start = start.mean()
-        if tuple(start.shape) != shapes[structure]:
-            raise ValueError(f"init must broadcast to {shapes[structure]}, got {start.shape}")
-        log_d = start.log().clone().requires_grad_(True)
-        opt = torch.optim.LBFGS(
-            [log_d], lr=1.0, max_iter=max_iter, line_search_fn="strong_wolfe",
-            tolerance_grad=1e-10, tolerance_change=1e-14,
-        )  # fmt: skip
+        return super().optimize_prior_precision(  # type: ignore[misc]
+            "marglik", prior_structure=names[structure], n_steps=max_iter, init_prior_prec=init
+        )
 
-        def closure() -> Tensor:
-            opt.zero_grad()
-            loss = -self.log_marginal_likelihood(log_d.exp())
-            loss.backward()
-            return loss
-
-        opt.step(closure)
-        self.prior_precision = log_d.detach().exp()
-        return self.prior_precision
-
-    # ------------------------------------------------------------------ posterior & GP
-    @property
-    def posterior_precision(self) -> Tensor:
-        """``G + D``: ``[P]`` (diagonal) or ``[P, P]`` (full)."""
-        raise NotImplementedError
-
-    def gp(self, *, chunk_size: int = 64) -> Any:
+    def gp(self, *, chunk_size: int = 64) -> GP:  # type: ignore[override]
         """The DNN2GP :class:`fromp.gp.GP` of the model under :attr:`posterior`."""
         return GP(self.model, self.posterior, self.likelihood, chunk_size=chunk_size)
 
     dnn2gp = gp
 
     def predictive(self, x: Tensor, method: str = "probit", **kwargs: Any) -> Any:
-        """The GP predictive at ``x`` (:meth:`fromp.gp.GP.predictive`): class probabilities
-        ``[N, C]`` for classification, ``(mean [N, C], covariance [N, C, C])`` for the
-        Gaussian likelihood."""
+        """The GP predictive at ``x`` (:meth:`fromp.gp.GP.predictive`)."""
         return self.gp().predictive(x, method, **kwargs)
 
     __call__ = predictive
 
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to rebuild the fit without the data (``torch.save``-able)."""
-        return {
-            "kind": self._kind,
-            "mean": self.mean,
-            "prior_mean": self.prior_mean,
-            "prior_precision": self._delta,
-            "curvature": self._require_fit(),
-            "nll": self.nll,
-            "n_data": self.n_data,
-            "likelihood": repr(self.likelihood),
-        }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Inverse of :meth:`state_dict`; refuses a fit of another kind, size or likelihood."""
-        if state.get("kind") != self._kind:
-            raise ValueError(f"state is a {state.get('kind')!r} fit, this is {self._kind!r}")
-        if state["mean"].shape != self.mean.shape:
-            raise ValueError(f"state has P={state['mean'].numel()}, model has {self.num_params}")
-        if state["likelihood"] != repr(self.likelihood):
-            raise ValueError(
-                f"state was fitted with {state['likelihood']}, this is {self.likelihood!r}"
-            )
-        self.mean = state["mean"].to(self.mean)
-        self.prior_mean = state["prior_mean"].to(self.mean)
-        self.prior_precision = state["prior_precision"]
-        self.curvature = state["curvature"].to(self.mean)
-        self.nll = None if state["nll"] is None else state["nll"].to(self.mean)
-        self.n_data = int(state["n_data"])
-
-
-class DiagLaplace(_FittedLaplace):
-    """Diagonal Laplace-GGN fitted once: ``q = N(w*, diag(diag(G) + delta)^{-1})``.
-
-    The GGN diagonal ``diag(G)`` ``[P]`` is computed by :meth:`fit` (layer capture,
-    :func:`fromp.curvature.diag_ggn`, within ``memory_budget`` bytes); the evidence, its
-    gradient in ``delta`` and the posterior for any ``delta`` are then closed forms in ``P``
-    operations. The workflow of laplace-torch's ``DiagLaplace``::
+class DiagLaplace(_Compat, LaplaceDiag):
+    """Diagonal Laplace-GGN of all weights, fitted once (``fromp.Laplace(model, lik, "all",
+    "diag")`` with the earlier method names): ``q = N(w*, diag(diag(G) + delta)^{-1})``::
 
         la = DiagLaplace(model, "categorical").fit(train_loader)
         la.optimize_prior_precision()              # gradient of the evidence (default)
         probs = la.predictive(x_test)              # probit GP predictive
         q = la.posterior                           # DiagonalGaussian for FROMP / VOGN
-
-    Args:
-        model: the trained network at ``w*`` (``[N, ...] -> [N, C]``), eval mode.
-        likelihood: a :class:`~fromp.likelihood.Likelihood` or its name.
-        prior_precision: initial ``delta``: a float, or a tensor ``[]``, ``[n_layers]`` (one
-            per trainable parameter tensor) or ``[P]``.
-        prior_mean: ``m0`` ``[P]`` (default 0), entering the evidence's scatter term.
-        chunk_size, memory_budget, method: as :func:`fromp.curvature.diag_ggn`.
     """
 
-    _kind = "diag"
 
-    def _curvature(self, batches: Any) -> Tensor:
-        return diag_ggn(
-            self.model, batches, self.likelihood, chunk_size=self.chunk_size,
-            memory_budget=self.memory_budget, method=self.method,
-        )  # fmt: skip
-
-    def _log_det_posterior(self, delta: Tensor) -> Tensor:
-        return (self._require_fit() + self._delta_vector(delta)).log().sum()
-
-    @property
-    def posterior_precision(self) -> Tensor:
-        return self._require_fit() + self._delta_vector(self._delta)
-
-    @property
-    def posterior_variance(self) -> Tensor:
-        """``1 / (diag(G) + delta)`` ``[P]``."""
-        return self.posterior_precision.reciprocal()
-
-    @property
-    def posterior(self) -> DiagonalGaussian:
-        """:class:`~fromp.posterior.DiagonalGaussian` ``N(w*, diag(G + delta)^{-1})``."""
-        return DiagonalGaussian(self.mean.clone(), self.posterior_precision.detach().clone())
-
-
-class FullLaplace(_FittedLaplace):
-    """Full-covariance Laplace-GGN of a SMALL model (``P <= max_params``), fitted once:
-    ``q = N(w*, (G + D)^{-1})``. As :class:`DiagLaplace`; the evidence uses the eigenvalues
-    of ``G`` for a scalar ``delta`` and a Cholesky factor of ``G + D`` otherwise."""
-
-    _kind = "full"
-
-    def _curvature(self, batches: Any) -> Tensor:
-        g = ggn(
-            self.model, batches, self.likelihood, chunk_size=self.chunk_size or 32,
-            max_params=self.max_params,
-        )  # fmt: skip
-        return 0.5 * (g + g.T)
-
-    def _log_det_posterior(self, delta: Tensor) -> Tensor:
-        g = self._require_fit()
-        if delta.ndim == 0:
-            key = id(g)
-            if getattr(self, "_eig_key", None) != key:
-                self._eig, self._eig_key = torch.linalg.eigvalsh(g).clamp_min(0), key
-            return (self._eig + delta).log().sum()
-        chol = torch.linalg.cholesky(g + torch.diag(self._delta_vector(delta)))
-        return 2 * torch.log(torch.diagonal(chol)).sum()
-
-    @property
-    def posterior_precision(self) -> Tensor:
-        return self._require_fit() + torch.diag(self._delta_vector(self._delta))
-
-    @property
-    def posterior(self) -> FullGaussian:
-        """:class:`FullGaussian` ``N(w*, (G + D)^{-1})``."""
-        return FullGaussian(self.mean.clone(), self.posterior_precision.detach().clone())
+class FullLaplace(_Compat, LaplaceFull):
+    """Full-covariance Laplace-GGN of a SMALL model (``P <= max_params``), fitted once
+    (``fromp.Laplace(model, lik, "all", "full")`` with the earlier method names)."""
 
 
 # ----------------------------------------------------------------------------- evidence
@@ -570,7 +313,7 @@ def _fitted(
     curvature: str,
     chunk_size: int | None,
     max_params: int,
-) -> _FittedLaplace:
+) -> DiagLaplace | FullLaplace:
     if curvature not in ("diag", "full"):
         raise ValueError(f"curvature must be 'diag' or 'full', got {curvature!r}")
     cls = DiagLaplace if curvature == "diag" else FullLaplace

@@ -306,17 +306,25 @@ class KronLaplace(_KronMixin, BaseLaplace):
         with torch.enable_grad(), capture_calls(layers) as calls:
             f = self.model(x)
         calls = {id(c.module): c for c in calls}
-        zs = [calls[id(m)].z for m in layers]
+        used = [i for i, m in enumerate(layers) if id(m) in calls]
+        zs = [calls[id(layers[i])].z for i in used]
         c_out = f.shape[1]
-        grads = [[] for _ in layers]
+        grads: list[list[Tensor]] = [[] for _ in layers]
         for c in range(c_out):
             v = torch.zeros_like(f)
             v[:, c] = 1
             gs = torch.autograd.grad(f, zs, grad_outputs=v, retain_graph=c < c_out - 1)
-            for i, g in enumerate(gs):
+            for i, g in zip(used, gs):
                 grads[i].append(g.detach())
         rows = []
         for i, m in enumerate(layers):
+            if not grads[i]:  # not called (another task's head): zero Jacobian rows
+                blk = self.H.blocks[i]
+                o, a = blk.B.shape[0], blk.A.shape[0]
+                rows.append((i, "w", f.new_zeros(len(x), c_out, o, a)))
+                if len(self.H.names[i]) > 1:
+                    rows.append((i, "b", f.new_zeros(len(x), c_out, o)))
+                continue
             u = unfold_input(m, calls[id(m)].a)  # [N, L, in']
             g = torch.stack(grads[i], 1)  # [N, C, out, ...]
             g = g.reshape(g.shape[0], c_out, g.shape[2], -1) if isinstance(m, nn.Conv2d) else \
@@ -432,23 +440,12 @@ class DiagLLLaplace(_LastLayer, BaseLaplace):
             h = h + lam.T @ self._tilde(phi) ** 2
         return self._to_flat(h)
 
-    def _log_det_posterior(self, delta, factor):
-        return (self._require_fit() * factor + self._delta_vector(delta)).log().sum()
-
-    @property
-    def posterior_precision(self) -> Tensor:
-        return self._require_fit() * self._factor() + self._delta_vector(self._delta)
-
-    @property
-    def posterior_variance(self) -> Tensor:
-        return self.posterior_precision.reciprocal()
-
-    @property
-    def posterior_covariance(self) -> Tensor:
-        return torch.diag(self.posterior_variance)
-
-    def _sqrt_cov_times(self, z):
-        return z * self.posterior_variance.sqrt()
+    # the diagonal posterior's maths, shared with all weights
+    _log_det_posterior = LaplaceDiag._log_det_posterior
+    posterior_precision = LaplaceDiag.posterior_precision
+    posterior_variance = LaplaceDiag.posterior_variance
+    posterior_covariance = LaplaceDiag.posterior_covariance
+    _sqrt_cov_times = LaplaceDiag._sqrt_cov_times
 
     def _mean_and_variance(self, x):
         f, phi = self._phi(x)

@@ -19,6 +19,7 @@ units) keeps its old entries in the leading slice and new entries start from the
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -178,8 +179,10 @@ class FROMPMethod:
         seed: int = 0,
         ivon_penalty: str = "mean",
     ) -> None:
-        if not tau >= 0:
-            raise ValueError(f"tau must be >= 0, got {tau!r}")
+        if not (tau >= 0 and math.isfinite(tau)):
+            raise ValueError(f"tau must be a finite number >= 0, got {tau!r}")
+        if not (jitter >= 0 and math.isfinite(jitter)):
+            raise ValueError(f"jitter must be a finite number >= 0, got {jitter!r}")
         if not isinstance(n_points, int) or n_points < 1:
             raise ValueError(f"n_points must be a positive int, got {n_points!r}")
         if select not in _SELECT:

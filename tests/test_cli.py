@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.cli import gp_main, load_trained, memorable_main
+from benchmarks.cli import gp_main, load_trained, load_user_model, memorable_main
 from benchmarks.runner import RunConfig, run
 from fromp.memorable import memorability_scores
 from fromp.models import with_task
@@ -166,3 +166,75 @@ def test_memorable_cli_memory_map(checkpoint, tmp_path):
     payload = json.loads((out / "memory_map.json").read_text())
     assert payload["n_fit"] == len(seq[1].train_y) == payload["n"]
     assert memorable_main([*args, "--map", "--n-fit", "0"]) == 2
+
+
+USER_MODULE = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    """A user's multi-head network for Split-Digits: forward(x, task=t)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 32), nn.ReLU())
+        self.heads = nn.ModuleList(nn.Linear(32, 2) for _ in range(5))
+
+    def forward(self, x, task=0):
+        return self.heads[task](self.body(x.flatten(1)))
+
+
+def make():
+    torch.manual_seed(0)
+    return Net()
+'''
+
+
+@pytest.mark.parametrize("tool", ["memorable", "gp"])
+def test_clis_take_a_users_model_and_weights(tool, tmp_path, monkeypatch, capsys):
+    """``--model package.module:factory --weights state_dict.pt --benchmark NAME``: the
+    user's network (here a multi-head module of their own) gives the same memorable points
+    or GP as the same weights would; bad specifications are one-line errors."""
+    (tmp_path / "usernet.py").write_text(USER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import usernet
+
+    net = usernet.make()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.mul_(1.5)
+    torch.save(net.state_dict(), tmp_path / "w.pt")
+    main = memorable_main if tool == "memorable" else gp_main
+    out = tmp_path / "out"
+    base = ["--model", "usernet:make", "--weights", str(tmp_path / "w.pt"),
+            "--benchmark", "split-digits", "--task", "1", "--out", str(out)]  # fmt: skip
+    extra = ["--n-per-class", "3"] if tool == "memorable" else ["--n", "8"]
+    assert main([*base, *extra]) == 0
+    if tool == "memorable":
+        from fromp import select_memorable
+
+        chosen = json.loads((out / "memorable.json").read_text())["indices"]
+        _, seq, _ = load_user_model("usernet:make", tmp_path / "w.pt", "split-digits")
+        loaded = usernet.make()
+        loaded.load_state_dict(torch.load(tmp_path / "w.pt"))
+        want = select_memorable(with_task(loaded.eval(), 1), seq[1].train_x, seq[1].train_y,
+                                n_per_class=3)  # fmt: skip
+        assert chosen == want.tolist()
+    else:
+        assert (out / "gp.npz").exists()
+    capsys.readouterr()
+    for bad, msg in (
+        (["--model", "usernet", "--benchmark", "split-digits"], "package.module:factory"),
+        (["--model", "nosuchmod:make", "--benchmark", "split-digits"], "ModuleNotFoundError"),
+        (["--model", "usernet:make"], "--model needs --benchmark"),
+        ([], "a checkpoint"),
+    ):
+        assert main([*bad, "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and msg in err, err
+    torch.save({"other": torch.zeros(1)}, tmp_path / "bad.pt")
+    bad = ["--model", "usernet:make", "--weights", str(tmp_path / "bad.pt"),
+           "--benchmark", "split-digits"]  # fmt: skip
+    assert main([*bad, "--out", str(out)]) == 2
+    assert "does not fit --model usernet:make" in capsys.readouterr().err

@@ -100,3 +100,14 @@ def test_version_is_the_packages_and_the_changelogs():
     version = tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"]
     assert fromp.__version__ == version
     assert f"## {version} (" in (root / "CHANGELOG.md").read_text()
+
+
+def test_memory_perturbation_guide_example():
+    model, train, _, _ = _classifier_and_loaders()
+    xs, ys = zip(*train)
+    x_train, y_train = torch.cat(xs), torch.cat(ys)
+    env = {"model": model, "train_loader": train, "x_train": x_train, "y_train": y_train}
+    exec(python_block("memory-perturbation.md", "## In code"), env)
+    summary = env["mp"].loo_summary()
+    assert summary["loo_nll"] >= summary["train_nll"]
+    assert env["mp"].sensitivity.shape == (150,)

@@ -74,3 +74,138 @@ def test_likelihoods_accept_only_the_documented_target_shapes(n, c, extra):
     else:
         with pytest.raises(ValueError, match=r"\[N\]"):
             CategoricalLikelihood().nll(f, y.long())
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def _cfg(path, **kw):
+    from benchmarks.runner import RunConfig
+
+    base = dict(overrides={"train_epochs": 1}, n_train=60, n_test=20, checkpoint=str(path),
+                progress=False)  # fmt: skip
+    base.update(kw)
+    return RunConfig("split-digits", "naive", **base)
+
+
+def test_a_run_records_its_code_and_environment(tmp_path):
+    from benchmarks.runner import run
+
+    res = run(_cfg(tmp_path / "c.pt", stop_after=1))
+    assert set(res["code"]) == {"version", "source_hash", "git_commit"}
+    assert len(res["code"]["source_hash"]) == 16
+    assert res["env"]["torch"] == torch.__version__ and res["env"]["device"] == "cpu"
+
+
+def test_resume_refuses_other_code_unless_allowed_and_records_it(tmp_path, monkeypatch):
+    import benchmarks.runner as runner
+
+    path = tmp_path / "c.pt"
+    runner.run(_cfg(path, stop_after=1))
+    real = runner.code_record()
+    other = {**real, "source_hash": "0" * 16}
+    monkeypatch.setattr(runner, "code_record", lambda: other)
+    with pytest.raises(runner.CheckpointError, match="code"):
+        runner.run(_cfg(path, resume=True))
+    res = runner.run(_cfg(path, resume=True, allow_code_change=True))
+    assert res["resumed_from_code"] == real["source_hash"] and res["complete"]
+
+
+def test_a_damaged_or_unchecked_checkpoint_is_refused_with_its_path(tmp_path):
+    import benchmarks.runner as runner
+
+    path = tmp_path / "c.pt"
+    runner.run(_cfg(path, stop_after=1))
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit inside the zip (a CRC torch would skip)
+    path.write_bytes(bytes(data))
+    with pytest.raises(runner.CheckpointError, match=rf"{path}.*checksum"):
+        runner.run(_cfg(path, resume=True))
+    path.with_name(path.name + ".sha256").unlink()
+    with pytest.raises(runner.CheckpointError, match="no checksum"):
+        runner.run(_cfg(path, resume=True))
+
+
+def test_resume_on_a_device_string_with_an_index(tmp_path):
+    """``--device cpu:0``: the checkpoint is read on the CPU and the RNG state restored
+    (``torch.set_rng_state`` needs a CPU byte tensor); the resumed run equals a straight one."""
+    from benchmarks.runner import run
+
+    straight = run(_cfg(tmp_path / "a.pt", device="cpu:0"))
+    run(_cfg(tmp_path / "b.pt", device="cpu:0", stop_after=2))
+    resumed = run(_cfg(tmp_path / "b.pt", device="cpu:0", resume=True))
+    assert resumed["accuracy_matrix"] == straight["accuracy_matrix"]
+
+
+def test_a_crash_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
+    import os
+
+    import benchmarks.runner as runner
+
+    path = tmp_path / "c.pt"
+    runner.run(_cfg(path, stop_after=1))
+    before = path.read_bytes()
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        runner._write_checkpoint(path, {"x": torch.zeros(3)})
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    runner._read_checkpoint(path)  # still whole and matching its checksum
+
+
+QUICK = ["--seeds", "1", "--epochs", "1", "--n-train", "40", "--n-test", "20", "--no-progress"]
+
+
+def test_a_second_job_into_the_same_out_is_refused_and_a_stale_lock_taken_over(tmp_path, capsys):
+    import os
+    import subprocess
+    import sys
+
+    from benchmarks.__main__ import main
+
+    base = tmp_path / "split-digits"
+    base.mkdir()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        (base / ".lock").write_text(str(alive.pid))
+        argv = ["split-digits", "--strategies", "naive", *QUICK, "--out", str(tmp_path)]
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"pid {alive.pid}" in err
+    finally:
+        alive.kill()
+        alive.wait()
+    (base / ".lock").write_text(str(alive.pid))  # its process is gone: stale
+    assert main(argv) == 0
+    assert not (base / ".lock").exists()
+    assert os.path.exists(base / "results.json")
+
+
+def test_a_later_invocation_adds_to_results_json_instead_of_replacing_it(tmp_path, capsys):
+    import json
+
+    from benchmarks.__main__ import main
+
+    out = ["--out", str(tmp_path)]
+    assert main(["split-digits", "--strategies", "naive", *QUICK, *out]) == 0
+    assert main(["split-digits", "--strategies", "ewc", *QUICK, *out]) == 0
+    runs = json.loads((tmp_path / "split-digits" / "results.json").read_text())["runs"]
+    assert sorted(r["strategy"] for r in runs) == ["ewc", "naive"]
+    # the same (strategy, settings, seed) again replaces its earlier result
+    assert main(["split-digits", "--strategies", "ewc", *QUICK, *out]) == 0
+    runs = json.loads((tmp_path / "split-digits" / "results.json").read_text())["runs"]
+    assert sorted(r["strategy"] for r in runs) == ["ewc", "naive"]
+
+
+def test_ansi_escapes_never_reach_a_failure_reason():
+    from benchmarks.sweep import failure_reason
+
+    coloured = "\x1b[36mray::ImplicitFunc.train()\x1b[39m (pid=1)\n  boom " + "x" * 400
+    reason = failure_reason(RuntimeError(coloured))
+    assert "\x1b" not in reason and "[36m" not in reason
+    assert reason.startswith("ray::ImplicitFunc.train() (pid=1) boom") and len(reason) == 300
+    assert failure_reason(None) == "no result reported"

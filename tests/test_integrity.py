@@ -17,6 +17,7 @@ from benchmarks import command as bench_main
 from benchmarks import data as D
 from benchmarks.__main__ import main
 from benchmarks.cli import gp_main, memorable_main
+from benchmarks.plugins import _write_checkpoint
 from benchmarks.report import aggregate
 from benchmarks.runner import (
     CheckpointError,
@@ -44,7 +45,7 @@ def _idx(array: np.ndarray) -> bytes:
     return header + array.astype(np.uint8).tobytes()
 
 
-def write_mnist(root: Path, n_train: int = 200, n_test: int = 60, seed: int = 0) -> Path:
+def write_mnist(root: Path, n_train: int = 400, n_test: int = 200, seed: int = 0) -> Path:
     """Tiny MNIST-format files (random images, balanced labels) under ``root/MNIST/raw``."""
     rng = np.random.default_rng(seed)
     raw = root / "MNIST" / "raw"
@@ -126,7 +127,7 @@ def test_nan_weights_after_a_task_fail_the_run_with_that_task(tmp_path, monkeypa
         (["--valid-fraction", "1.5"], "--valid-fraction must be in (0, 1)"),
         (["--select-on", "validation"], "--select-on validation needs --valid-fraction"),
         (["--strategies", "fromp", "--set", "tau=abc"], "--set tau='abc': expected"),
-        (["--strategies", "fromp", "--set", "tau=-1"], "tau must be >= 0"),
+        (["--strategies", "fromp", "--set", "tau=-1"], "tau must be a finite number >= 0"),
         (["--strategies", "fromp", "--set", "n_points=2.5"], "--set n_points=2.5: expected int"),
         (["--strategies", "naive", "--set", "nope=1"], "--set nope: not a setting"),
         (["--strategies", "naive", "--set", "optimizer='rmsprop'"], "optimizer must be one of"),
@@ -219,7 +220,7 @@ def test_corrupt_checkpoint_is_one_line(content, tmp_path, capsys):
     capsys.readouterr()
     assert main([*argv, "--resume"]) == 2
     err = _one_line_error(capsys, str(ckpt))
-    assert "empty" in err or "cannot be read" in err
+    assert "empty" in err or "does not match its checksum" in err
 
 
 def test_ctrl_c_says_how_to_resume(tmp_path, capsys, monkeypatch):
@@ -248,7 +249,7 @@ def test_plugin_state_is_keyed_by_name_and_restored(tmp_path):
     resumed = run(part)
     assert resumed["accuracy_matrix"] == full["accuracy_matrix"]
     state["plugins"]["OtherPlugin"] = state["plugins"].pop("FROMPPlugin")
-    torch.save(state, tmp_path / "b.pt")
+    _write_checkpoint(tmp_path / "b.pt", state)  # a consistent file with other plugins
     with pytest.raises(CheckpointError, match="OtherPlugin"):
         run(part)
 
@@ -312,7 +313,7 @@ def test_gzipped_garbage_is_named(tmp_path, capsys):
 @pytest.mark.parametrize("benchmark", ["split-mnist", "permuted-mnist"])
 def test_labels_out_of_range_are_refused(benchmark, tmp_path, capsys):
     raw = write_mnist(tmp_path)
-    labels = np.arange(200) % 10
+    labels = np.arange(400) % 10
     labels[7] = 17
     (raw / "train-labels-idx1-ubyte").write_bytes(_idx(labels))
     argv = [benchmark, "--strategies", "naive", *QUICK, "--data-root", str(tmp_path)]
@@ -350,3 +351,38 @@ def test_cli_names_an_empty_checkpoint(tool, tmp_path, capsys):
     empty.write_bytes(b"")
     assert tool([str(empty)]) == 2
     _one_line_error(capsys, f"checkpoint {empty} is empty")
+
+
+@pytest.mark.parametrize("fault", ["type_code", "image_size"])
+def test_mnist_with_a_wrong_type_code_or_image_size_is_refused(fault, tmp_path, capsys):
+    """Read as data before: a float32 IDX file (type code 0x0D) decodes to numbers, and
+    other image sizes broke the network only after loading."""
+    raw = write_mnist(tmp_path)
+    f = raw / "train-images-idx3-ubyte"
+    if fault == "type_code":
+        a = np.zeros((400, 28, 28), dtype=">f4")
+        f.write_bytes(bytes([0, 0, 0x0D, 3]) + b"".join(int(d).to_bytes(4, "big")
+                      for d in a.shape) + a.tobytes())  # fmt: skip
+        want = "type code 0x08"
+    else:
+        f.write_bytes(_idx(np.zeros((400, 32, 32))))
+        want = "28x28"
+    argv = ["split-mnist", "--strategies", "naive", *QUICK, "--data-root", str(tmp_path)]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 2
+    err = _one_line_error(capsys, want)
+    assert "train-images-idx3-ubyte" in err
+
+
+@pytest.mark.parametrize("setting", ["tau=inf", "jitter=inf", "tau=nan"])
+def test_infinite_fromp_settings_are_refused_before_training(setting, tmp_path, capsys):
+    argv = ["split-digits", "--strategies", "fromp", *QUICK, "--set", setting]
+    assert main([*argv, "--out", str(tmp_path)]) == 2
+    _one_line_error(capsys, setting.split("=")[0])
+
+
+def test_n_train_above_a_tasks_size_is_refused(tmp_path, capsys):
+    """Accepted silently before (the task kept all its examples, the run recorded n_train)."""
+    argv = ["split-digits", "--strategies", "naive", "--seeds", "1", "--epochs", "1",
+            "--n-train", "100000", "--no-progress", "--out", str(tmp_path)]  # fmt: skip
+    assert main(argv) == 2
+    _one_line_error(capsys, "--n-train 100000 is more than the smallest task")
