@@ -1,40 +1,28 @@
-"""fromp: continual learning in function space (FROMP, DNN2GP, VOGN) for PyTorch."""
+"""fromp: continual learning in function space for PyTorch.
 
-from fromp import gp
-from fromp.bayesian import (
-    BayesCifarCNN,
-    BayesConv2d,
-    BayesLayer,
-    BayesLinear,
-    BayesMultiHeadMLP,
-    BayesMultiHeadModel,
-    gaussian_kl,
-    to_bayesian,
-)
-from fromp.coreset import kcenter_coreset, random_coreset, select_coreset
-from fromp.curvature import diag_ef, diag_fisher, diag_ggn, diag_ggn_linear
+FROMP (functional regularisation of memorable past), DNN2GP (a trained network as a Gaussian
+process), Laplace posteriors in laplace-torch's words, the VOGN and IVON optimizers and the
+memory-perturbation equation. The package is plain PyTorch (it never imports Avalanche);
+the Avalanche strategies are in ``strategies``, the benchmark runner in ``benchmarks``.
+
+The public surface below is grouped by task; everything else lives in its module
+(``fromp.bayesian`` for VCL's mean-field layers, ``fromp.coreset``, ``fromp.kron`` for
+Kronecker factors, ``fromp.capture`` for layer capture, ...). See ``docs/glossary.md`` for
+the names and ``CHANGELOG.md`` for what moved.
+"""
+
+from fromp.curvature import diag_ef, diag_fisher, diag_ggn
 from fromp.ggn import ggn, ggn_vp
 from fromp.gp import GP, dnn2gp
-from fromp.jacobian import (
-    flat_params,
-    jacobians,
-    jvp,
-    num_params,
-    per_example_grads,
-    trainable_params,
-    unflatten,
-    vjp_sum,
-)
+from fromp.jacobian import flat_params, jacobians, num_params, per_example_grads, unflatten
 from fromp.laplace import (
     DiagLaplace,
     FullLaplace,
-    accumulate_ggn,
     laplace,
     laplace_full,
     log_evidence_grid,
     log_marginal_likelihood,
     optimize_prior_precision,
-    prior_precision_vector,
 )
 from fromp.laplace_structures import Laplace
 from fromp.likelihood import (
@@ -48,7 +36,7 @@ from fromp.memorable import memorability_scores, select_memorable
 from fromp.methods import EWCMethod, FROMPMethod
 from fromp.optim import IVON, OGN, VOGN
 from fromp.posterior import DiagonalGaussian, FullGaussian, GaussianPosterior
-from fromp.regularizer import FROMPRegularizer, MemorableSet, prob_jacobian, task_fn
+from fromp.regularizer import FROMPRegularizer
 from fromp.sensitivity import (
     MemoryPerturbation,
     memory_perturbation,
@@ -58,85 +46,94 @@ from fromp.sensitivity import (
 
 __version__ = "0.3.0"
 
-__all__ = [  # noqa: RUF022 (grouped by topic, sorted within each group)
+__all__ = [  # noqa: RUF022 (grouped by task, sorted within each group)
     "__version__",
+    # fitted posteriors, laplace-torch's API and fromp's one-call functions
     "Laplace",
+    "DiagLaplace",
+    "FullLaplace",
+    "laplace",
+    "laplace_full",
+    "log_evidence_grid",
+    "log_marginal_likelihood",
+    "optimize_prior_precision",
+    "DiagonalGaussian",
+    "FullGaussian",
+    "GaussianPosterior",
+    # networks as Gaussian processes
+    "GP",
+    "dnn2gp",
     # continual-learning methods as plain objects for any training loop
-    "EWCMethod",
     "FROMPMethod",
-    # Jacobians and parameter vectors
+    "EWCMethod",
+    "FROMPRegularizer",
+    "memorability_scores",
+    "select_memorable",
+    # optimizers with a posterior
+    "IVON",
+    "OGN",
+    "VOGN",
+    # how much each example matters
+    "MemoryPerturbation",
+    "memory_perturbation",
+    "newton_step_loo",
+    "prediction_variance",
+    # curvature and Jacobians
+    "diag_ef",
+    "diag_fisher",
+    "diag_ggn",
+    "ggn",
+    "ggn_vp",
     "flat_params",
     "jacobians",
-    "jvp",
     "num_params",
     "per_example_grads",
-    "trainable_params",
     "unflatten",
-    "vjp_sum",
     # likelihoods
     "BernoulliLikelihood",
     "CategoricalLikelihood",
     "GaussianLikelihood",
     "Likelihood",
     "get_likelihood",
-    # curvature: diagonal GGN / Fisher, full GGN, GGN-vector products
-    "diag_ef",
-    "diag_fisher",
-    "diag_ggn",
-    "diag_ggn_linear",
-    "ggn",
-    "ggn_vp",
-    # posteriors and the Laplace approximation
-    "DiagLaplace",
-    "DiagonalGaussian",
-    "FullGaussian",
-    "GaussianPosterior",
-    "FullLaplace",
-    "accumulate_ggn",
-    "laplace",
-    "laplace_full",
-    "prior_precision_vector",
-    # DNN2GP Gaussian process and the Laplace evidence
-    "GP",
-    "dnn2gp",
-    "gp",
-    "log_evidence_grid",
-    "log_marginal_likelihood",
-    "optimize_prior_precision",
-    # optimizers
-    "IVON",
-    "OGN",
-    "VOGN",
-    # memory perturbation: sensitivity and leave-one-out estimates
-    "MemoryPerturbation",
-    "memory_perturbation",
-    "newton_step_loo",
-    "prediction_variance",
-    # FROMP: memorable past and functional regulariser
-    "FROMPRegularizer",
-    "MemorableSet",
-    "memorability_scores",
-    "prob_jacobian",
-    "select_memorable",
-    "task_fn",
-    # baselines: mean-field Gaussian layers (VCL) and coresets
-    "BayesCifarCNN",
-    "BayesConv2d",
-    "BayesLayer",
-    "BayesLinear",
-    "BayesMultiHeadMLP",
-    "BayesMultiHeadModel",
-    "gaussian_kl",
-    "kcenter_coreset",
-    "random_coreset",
-    "select_coreset",
-    "to_bayesian",
 ]
+
+#: Names that left the top level in 0.3.0, and the module that has them.
+_MOVED = {
+    "accumulate_ggn": "fromp.laplace",
+    "prior_precision_vector": "fromp.laplace",
+    "prob_jacobian": "fromp.regularizer",
+    "task_fn": "fromp.regularizer",
+    "MemorableSet": "fromp.regularizer",
+    "BayesCifarCNN": "fromp.bayesian",
+    "BayesConv2d": "fromp.bayesian",
+    "BayesLayer": "fromp.bayesian",
+    "BayesLinear": "fromp.bayesian",
+    "BayesMultiHeadMLP": "fromp.bayesian",
+    "BayesMultiHeadModel": "fromp.bayesian",
+    "gaussian_kl": "fromp.bayesian",
+    "to_bayesian": "fromp.bayesian",
+    "kcenter_coreset": "fromp.coreset",
+    "random_coreset": "fromp.coreset",
+    "select_coreset": "fromp.coreset",
+    "trainable_params": "fromp.jacobian",
+    "jvp": "fromp.jacobian",
+    "vjp_sum": "fromp.jacobian",
+    "diag_ggn_linear": "fromp.curvature",
+}
 
 
 def __getattr__(name: str) -> object:
+    """Moved names still resolve, with a ``DeprecationWarning`` naming their module."""
+    import importlib
+    import warnings
+
     if name == "FunctionalRegularizer":  # the former name of FROMPRegularizer
         from fromp.regularizer import _former_name
 
         return _former_name(stacklevel=2)
+    if name in _MOVED:
+        warnings.warn(
+            f"fromp.{name} moved to {_MOVED[name]}.{name}", DeprecationWarning, stacklevel=2
+        )
+        return getattr(importlib.import_module(_MOVED[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,8 +6,8 @@ import pytest
 import torch
 from _dense import dense_jacobian, flat, tiny_cnn, tiny_mlp
 
-from fromp import jacobians, jvp, per_example_grads, vjp_sum
-from fromp.jacobian import iter_jacobians, unflatten
+from fromp import jacobians, per_example_grads
+from fromp.jacobian import iter_jacobians, jvp, unflatten, vjp_sum
 from fromp.likelihood import CategoricalLikelihood
 from fromp.models import MultiHeadMLP, with_task
 

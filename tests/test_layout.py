@@ -92,3 +92,29 @@ def test_module_sizes_and_benchmarks_top_level():
     assert not {n: k for n, k in long.items() if k > 700}
     top = [p for p in (ROOT / "benchmarks").glob("*.py") if p.name != "__init__.py"]
     assert len(top) <= 10, sorted(p.name for p in top)
+
+
+def test_public_surface_and_moved_names():
+    """About 40 names at the top of ``fromp``; the names that moved in 0.3.0 still resolve,
+    with a DeprecationWarning naming their module, to the same objects."""
+    import warnings
+
+    import fromp
+    from fromp.bayesian import to_bayesian
+    from fromp.jacobian import vjp_sum
+
+    assert 35 <= len(fromp.__all__) <= 45
+    assert all(hasattr(fromp, n) for n in fromp.__all__)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert fromp.to_bayesian is to_bayesian and fromp.vjp_sum is vjp_sum
+    assert [str(w.message) for w in caught] == [
+        "fromp.to_bayesian moved to fromp.bayesian.to_bayesian",
+        "fromp.vjp_sum moved to fromp.jacobian.vjp_sum",
+    ]
+    try:
+        fromp.no_such_name
+    except AttributeError as err:
+        assert "no_such_name" in str(err)
+    else:
+        raise AssertionError("an unknown name must raise AttributeError")
