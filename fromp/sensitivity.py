@@ -61,7 +61,15 @@ from fromp.jacobian import num_params, unflatten
 from fromp.likelihood import CategoricalLikelihood, Likelihood, get_likelihood
 from fromp.posterior import FullGaussian
 
-__all__ = ["MemoryPerturbation", "memory_perturbation", "newton_step_loo", "prediction_variance"]
+__all__ = [
+    "LastLayerLOO",
+    "MemoryPerturbation",
+    "last_layer_features",
+    "last_layer_loo",
+    "memory_perturbation",
+    "newton_step_loo",
+    "prediction_variance",
+]
 
 _COVARIANCES = ("diagonal", "full")
 
@@ -264,7 +272,7 @@ def newton_step_loo(
     *,
     curvature: str = "hessian",
     linearize: bool = False,
-    tol: float = 1e-10,
+    tol: float | None = None,
     max_iter: int = 2000,
     return_steps: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -305,7 +313,10 @@ def newton_step_loo(
         likelihood: its name or a :class:`~fromp.likelihood.Likelihood`.
         curvature: ``"hessian"`` or ``"ggn"``, the example's curvature removed.
         linearize: evaluate the linearised network instead of the network.
-        tol: relative residual at which GMRES stops. max_iter: GMRES steps at most.
+        tol: relative residual at which GMRES stops; default ``max(1e-10, 100 eps)`` with
+            ``eps`` the machine epsilon of the posterior's dtype (``1e-10`` in float64,
+            about ``1.2e-5`` in float32, which a float32 solve reaches).
+        max_iter: GMRES steps at most (a ``RuntimeError`` if ``tol`` is not reached).
         return_steps: also return the weight steps ``w^{\i} - w*`` ``[N, P]``.
 
     Returns:
@@ -322,6 +333,12 @@ def newton_step_loo(
             f"posterior must be over the model's P={n_params} parameters, got "
             f"{posterior.num_params}"
         )
+    if max_iter < 1:
+        raise ValueError(f"max_iter must be >= 1, got {max_iter}")
+    if tol is None:
+        tol = max(1e-10, 100 * torch.finfo(posterior.mean.dtype).eps)
+    elif not tol > 0:
+        raise ValueError(f"tol must be > 0, got {tol}")
     lik = get_likelihood(likelihood)
     w0 = posterior.mean.detach()
     cov = posterior.covariance  # Sigma = H^{-1} [P, P], once: matrix-vector products after
@@ -371,3 +388,167 @@ def newton_step_loo(
     if return_steps:
         return torch.stack(rows), torch.stack(steps)
     return torch.stack(rows)
+
+
+# ----------------------------------------------------------------------------- last layer
+
+
+def last_layer_features(model: nn.Module, x: Tensor) -> tuple[Tensor, nn.Linear]:
+    """The inputs ``phi(x)`` ``[N, D]`` of the model's output layer and that layer.
+
+    The output layer is the last :class:`torch.nn.Linear` called in the forward pass, and its
+    output must be the model's output ``[N, C]`` (true for an MLP, a CNN with a linear
+    classifier, a multi-head model seen through :func:`fromp.models.with_task`); otherwise a
+    ``ValueError``. ``model`` in eval mode; no gradients are kept."""
+    check_batch(x, "x")
+    calls: list[tuple[nn.Linear, Tensor, Tensor]] = []
+
+    def hook(mod: nn.Module, inp: tuple[Tensor, ...], out: Tensor) -> None:
+        calls.append((mod, inp[0], out))  # type: ignore[arg-type]
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, nn.Linear)]
+    try:
+        with torch.no_grad():
+            f = model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    if not calls:
+        raise ValueError(f"model must end in an nn.Linear layer; {type(model).__name__} has none")
+    head, phi, out = calls[-1]
+    if out.shape != f.shape or not torch.equal(out, f):
+        raise ValueError(
+            "model's output must be the output of its last nn.Linear layer (a last-layer "
+            f"posterior needs a linear head); {type(model).__name__} transforms it further"
+        )
+    return phi.reshape(len(x), -1), head
+
+
+def _augment(phi: Tensor, bias: bool) -> Tensor:
+    """``[phi, 1]`` ``[N, D+1]`` with a bias, else ``phi``."""
+    return torch.cat([phi, phi.new_ones(len(phi), 1)], 1) if bias else phi
+
+
+def last_layer_ggn(phi: Tensor, logits: Tensor, likelihood: str | Likelihood) -> Tensor:
+    r"""GGN of a linear head ``f = Theta phi~`` over ``theta = vec(Theta)`` (row-major,
+    ``Theta = [W | b]`` ``[C, D1]``, ``phi~`` the features with a trailing 1 for a bias):
+
+        ``G = sum_n Lambda_n (x) phi~_n phi~_n^T``  ``[C D1, C D1]``,
+
+    since ``J_n = I_C (x) phi~_n^T``. For a canonical link (softmax, sigmoid, Gaussian) and a
+    head linear in ``theta`` it is the exact Hessian of the summed NLL over the head.
+
+    Args:
+        phi: ``[N, D1]`` the (augmented) features. logits: ``[N, C]`` the head's outputs.
+        likelihood: its name or a :class:`~fromp.likelihood.Likelihood`.
+    """
+    lik = get_likelihood(likelihood)
+    big_lam = lik.hessian(logits)  # [N, C, C]
+    c, d1 = logits.shape[1], phi.shape[1]
+    g = torch.einsum("nck,nd,ne->cdke", big_lam, phi, phi)
+    return g.reshape(c * d1, c * d1)
+
+
+@dataclass
+class LastLayerLOO:
+    """A full-covariance last-layer Laplace posterior and its leave-one-out estimates.
+
+    Attributes:
+        perturbation: the :class:`MemoryPerturbation` of the examples (``loo_logits`` the
+            one-step leave-one-out outputs with the example's own curvature removed,
+            ``f + V (I - Lambda V)^{-1} e``: the exact Newton step of the head).
+        precision: ``G + delta I`` ``[C D1, C D1]`` over ``vec([W | b])`` (float64).
+        prior_precision: ``delta``.
+        n_fit: examples in the GGN.
+    """
+
+    perturbation: MemoryPerturbation
+    precision: Tensor
+    prior_precision: float
+    n_fit: int
+
+    def summary(self) -> dict[str, Any]:
+        """:meth:`MemoryPerturbation.loo_summary` plus ``posterior``, ``prior_precision``
+        and ``n_fit``."""
+        out: dict[str, Any] = {"posterior": "last-layer full Laplace-GGN"}
+        out |= {"prior_precision": self.prior_precision, "n_fit": self.n_fit}
+        return out | self.perturbation.loo_summary()
+
+
+def last_layer_loo(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    prior_precision: float,
+    likelihood: str | Likelihood = "categorical",
+    *,
+    chunk_size: int = 2048,
+) -> LastLayerLOO:
+    r"""Leave-one-out estimates of every example of ``(x, y)`` under a full-covariance
+    Laplace-GGN posterior over the output layer, fitted on exactly ``(x, y)``.
+
+    With features ``phi~_n`` ``[D1]`` (:func:`last_layer_features`, a trailing 1 for a
+    bias), ``J_n = I_C (x) phi~_n^T``, precision ``H = sum_n Lambda_n (x) phi~_n phi~_n^T +
+    delta I`` (:func:`last_layer_ggn`) and ``Sigma = H^{-1}``, the prediction covariance is
+    ``V_n[c, k] = phi~_n^T Sigma[c, :, k, :] phi~_n`` and the leave-one-out outputs are
+
+        ``f_n^{\n} = f_n + V_n (I - Lambda_n V_n)^{-1} e_n``,
+
+    one exact Newton step of the head's training objective without example ``n`` (exact for a
+    Gaussian likelihood: the classical ``e_n / (1 - h_nn)``). The features are held fixed, so
+    this is the leave-one-out of retraining the head alone. ``delta`` should be the prior
+    precision (weight decay times ``N`` for a mean-reduced loss) the network was trained
+    with; too small a ``delta`` with few examples per feature makes ``H`` ill-conditioned.
+
+    Cost: one forward pass, ``O(N C^2 D1^2)`` for ``G`` and ``V``, one Cholesky of
+    ``C D1 x C D1`` (full by definition: the last layer is small).
+
+    Args:
+        model: ``[N, ...] -> [N, C]`` in eval mode, ending in an ``nn.Linear``.
+        x: ``[N, ...]`` the training examples. y: ``[N]`` targets.
+        prior_precision: ``delta > 0``.
+        likelihood: its name or a :class:`~fromp.likelihood.Likelihood`.
+        chunk_size: examples per chunk of the ``V_n`` computation.
+    """
+    _check_examples(x, y)
+    if not (isinstance(prior_precision, int | float) and prior_precision > 0):
+        raise ValueError(f"prior_precision must be a number > 0, got {prior_precision!r}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    lik = get_likelihood(likelihood)
+    phi, head = last_layer_features(model, x)
+    with torch.no_grad():
+        f = head(phi)
+    dtype = f.dtype
+    # float64 inside: softmax's Lambda is singular along the sum of the logits, so with a
+    # small delta the precision is too ill-conditioned for a float32 Cholesky
+    phi, f = _augment(phi, head.bias is not None).double(), f.double()
+    y = y.to(f.device)
+    c, d1 = f.shape[1], phi.shape[1]
+    eye = torch.eye(c * d1, dtype=phi.dtype, device=phi.device)
+    precision = last_layer_ggn(phi, f, lik) + prior_precision * eye
+    chol = torch.linalg.cholesky(precision)
+    sigma = torch.cholesky_inverse(chol).reshape(c, d1, c, d1)
+    cov = torch.cat([torch.einsum("nd,cdke,ne->nck", p, sigma, p) for p in phi.split(chunk_size)])
+    with torch.enable_grad():
+        fr = f.detach().requires_grad_(True)
+        error = torch.autograd.grad(lik.nll(fr, y).sum(), fr)[0]
+    big_lam = lik.hessian(f)
+    lam = torch.diagonal(big_lam, dim1=-2, dim2=-1)
+    eye_c = torch.eye(c, dtype=f.dtype, device=f.device)
+    rhs = torch.linalg.solve(eye_c - big_lam @ cov, error.unsqueeze(-1)).squeeze(-1)
+    var = torch.diagonal(cov, dim1=-2, dim2=-1).clone()
+    loo = f + torch.einsum("ncd,nd->nc", cov, rhs)
+    sens = (error * lam * var).abs().sum(-1)
+    mp = MemoryPerturbation(
+        logits=f.to(dtype),
+        targets=y.to(dtype) if y.is_floating_point() else y,
+        error=error.to(dtype),
+        lam=lam.to(dtype),
+        variance=var.to(dtype),
+        covariance=cov.to(dtype),
+        sensitivity=sens.to(dtype),
+        loo_logits=loo.to(dtype),
+        likelihood=lik,
+    )
+    return LastLayerLOO(mp, precision, float(prior_precision), len(x))
