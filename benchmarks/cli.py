@@ -205,7 +205,10 @@ def write_memory_map(
     from fromp.sensitivity import memory_perturbation
 
     idx = torch.arange(len(x)) if indices is None else indices.cpu()
-    mp = memory_perturbation(model, posterior, x, y, chunk_size=chunk_size)
+    if isinstance(posterior, _Precomputed):
+        mp = posterior.perturbation
+    else:
+        mp = memory_perturbation(model, posterior, x, y, chunk_size=chunk_size)
     per = mp.to_dict()
     mem = set() if memorable is None else {int(i) for i in memorable}
     flags = [int(i) in mem for i in idx]
@@ -272,16 +275,30 @@ def memorable_main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--map",
         action="store_true",
-        help="also write the memory map (memory_map.png/.json) of the first --n-fit training "
-        "examples and the memorable ones, under a diagonal Laplace-GGN posterior fitted on them",
+        help="also write the memory map (memory_map.png/.json) and the leave-one-out estimate "
+        "of the task's training examples, next to the task's test NLL and accuracy",
     )
     p.add_argument(
-        "--n-fit", type=int, default=2000, help="training examples for --map (default 2000)"
+        "--posterior",
+        default="last-layer",
+        choices=("last-layer", "diagonal"),
+        help="posterior of --map: 'last-layer' (full Laplace-GGN over the output layer, exact "
+        "Newton-step leave-one-out of the head; default) or 'diagonal' (diagonal Laplace-GGN "
+        "over all weights)",
+    )
+    p.add_argument(
+        "--n-fit",
+        type=int,
+        default=None,
+        help="training examples for --map: the first N and the memorable ones (default: all "
+        "of the task's training examples, the data the network was trained on)",
     )
     p.add_argument(
         "--prior-precision",
-        default="auto",
-        help="delta for --map, or 'auto' to maximise the Laplace evidence (default)",
+        default="trained",
+        help="delta for --map: a number, 'trained' (the prior precision the run was trained "
+        "with, from the checkpoint's settings; the evidence's choice when they have none; "
+        "default) or 'auto' (maximise the Laplace evidence)",
     )
     args = p.parse_args(argv)
     from fromp.memorable import memorability_scores, select_memorable
@@ -295,7 +312,7 @@ def memorable_main(argv: list[str] | None = None) -> int:
                 model, task.train_x, task.train_y, n_per_class=args.n_per_class, order=args.order
             )
             scores = memorability_scores(model, task.train_x[idx])
-        map_args = _map_inputs(args, model, task, idx) if args.map else None
+        map_args = _map_inputs(args, model, task, idx, cfg) if args.map else None
     except _ERRORS as err:
         print(f"fromp-memorable: error: {err}", file=sys.stderr)
         return 2
@@ -324,12 +341,21 @@ def memorable_main(argv: list[str] | None = None) -> int:
     _image_grid(grid, names, out / "memorable.png", f"{args.order} tr Λ, task {args.task + 1}")
     print(f"{len(idx)} memorable examples -> {out / 'memorable.json'}, {out / 'memorable.png'}")
     if map_args is not None:
-        posterior, sub, delta = map_args
+        posterior, sub, delta, source = map_args
+        name = (
+            "last-layer full Laplace-GGN"
+            if args.posterior == "last-layer"
+            else "diagonal Laplace-GGN (all weights)"
+        )
         meta = {
             "command": "fromp-memorable " + shlex.join(sys.argv[1:] if argv is None else argv),
             "checkpoint": str(args.checkpoint),
             "task": args.task,
+            "posterior": name,
             "prior_precision": delta,
+            "prior_precision_source": source,
+            "n_fit": len(sub),
+            **_test_metrics(model, task),
         }
         payload = write_memory_map(
             model,
@@ -339,40 +365,106 @@ def memorable_main(argv: list[str] | None = None) -> int:
             out,
             indices=sub,
             memorable=idx,
-            title=f"memory map, {cfg['benchmark']} task {args.task + 1} (Laplace, δ={delta:.3g})",
+            title=f"memory map, {cfg['benchmark']} task {args.task + 1} ({name}, δ={delta:.3g})",
             meta=meta,
         )
         loo = payload["loo"]
         print(
-            f"memory map of {payload['n']} examples: estimated leave-one-out NLL "
-            f"{loo['loo_nll']:.4f} (training {loo['train_nll']:.4f}), accuracy "
-            f"{100 * loo['loo_accuracy']:.2f} % -> {out / 'memory_map.png'}, "
-            f"{out / 'memory_map.json'}"
+            f"posterior: {name} on {len(sub)} training examples, δ={delta:.3g} ({source})\n"
+            f"estimated leave-one-out NLL {loo['loo_nll']:.4f} (training "
+            f"{loo['train_nll']:.4f}), accuracy {100 * loo['loo_accuracy']:.2f} %"
         )
+        if "test_nll" in meta:
+            print(
+                f"test set ({meta['n_test']} examples): NLL {meta['test_nll']:.4f}, accuracy "
+                f"{100 * meta['test_accuracy']:.2f} %"
+            )
+        print(f"-> {out / 'memory_map.png'}, {out / 'memory_map.json'}")
     return 0
 
 
+def _test_metrics(model: nn.Module, task: Any) -> dict[str, Any]:
+    """``{"n_test", "test_nll", "test_accuracy"}`` of the task's test set (empty without
+    one)."""
+    from fromp.likelihood import get_likelihood
+
+    tx, ty = getattr(task, "test_x", None), getattr(task, "test_y", None)
+    if tx is None or ty is None or len(ty) == 0:
+        return {}
+    with torch.no_grad():
+        f = torch.cat([model(b) for b in tx.split(1024)])
+    nll = get_likelihood("categorical").nll(f, ty).mean().item()
+    acc = (f.argmax(-1) == ty).double().mean().item()
+    return {"n_test": len(ty), "test_nll": nll, "test_accuracy": acc}
+
+
+def _trained_prior_precision(cfg: dict[str, Any], n: int) -> float | None:
+    """The prior precision of the run's training objective (summed over the ``n`` examples),
+    from the checkpoint's settings: the strategy's ``prior_precision``, else the optimizer's
+    ``weight_decay`` times ``n`` (weight decay on a mean-reduced loss); None if neither."""
+    settings = cfg.get("settings") or {}
+    delta = (settings.get("kwargs") or {}).get("prior_precision")
+    if delta is not None and float(delta) > 0:
+        return float(delta)
+    wd = (settings.get("optimizer_kwargs") or {}).get("weight_decay")
+    if wd is not None and float(wd) > 0:
+        return float(wd) * n
+    return None
+
+
 def _map_inputs(
-    args: argparse.Namespace, model: nn.Module, task: Any, memorable: torch.Tensor
-) -> tuple[Any, torch.Tensor, float]:
-    """``(posterior, example indices, delta)`` of ``--map``: the mapped examples are the
-    first ``--n-fit`` training examples and the memorable ones; the diagonal Laplace-GGN
-    posterior is fitted on exactly those (so that each is in the data its leave-one-out
-    estimate removes it from), the prior precision by the Laplace evidence unless given."""
+    args: argparse.Namespace,
+    model: nn.Module,
+    task: Any,
+    memorable: torch.Tensor,
+    cfg: dict[str, Any] | None = None,
+) -> tuple[Any, torch.Tensor, float, str]:
+    """``(posterior, example indices, delta, where delta came from)`` of ``--map``: the
+    mapped examples are all of the task's training examples (or the first ``--n-fit`` and the
+    memorable ones); the posterior is fitted on exactly those (so that each is in the data
+    its leave-one-out estimate removes it from)."""
     from fromp.gp import optimize_prior_precision
     from fromp.laplace import laplace
+    from fromp.sensitivity import last_layer_loo
 
-    if args.n_fit < 1:
+    n_train = len(task.train_y)
+    if args.n_fit is None:
+        sub = torch.arange(n_train)
+    elif args.n_fit < 1:
         raise ValueError(f"--n-fit must be >= 1, got {args.n_fit}")
-    sub = torch.unique(torch.cat([torch.arange(min(args.n_fit, len(task.train_y))), memorable]))
-    fit = (task.train_x[sub], task.train_y[sub])
-    if args.prior_precision == "auto":
-        delta = float(optimize_prior_precision(model, fit, "categorical"))
     else:
-        delta = float(args.prior_precision)
+        sub = torch.unique(torch.cat([torch.arange(min(args.n_fit, n_train)), memorable]))
+    fit = (task.train_x[sub], task.train_y[sub])
+    delta: float | None
+    if args.prior_precision == "trained":
+        delta = _trained_prior_precision(cfg or {}, len(sub))
+        source = "trained with, from the checkpoint's settings"
+    elif args.prior_precision == "auto":
+        delta, source = None, ""
+    else:
+        try:
+            delta = float(args.prior_precision)
+        except ValueError:
+            delta = float("nan")
         if not delta > 0:
-            raise ValueError(f"--prior-precision must be > 0, got {delta}")
-    return laplace(model, fit, "categorical", delta), sub, delta
+            raise ValueError(
+                f"--prior-precision must be a number > 0, 'trained' or 'auto', got "
+                f"{args.prior_precision!r}"
+            )
+        source = "given"
+    if delta is None:
+        delta = float(optimize_prior_precision(model, fit, "categorical"))
+        source = "Laplace evidence maximised"
+    if args.posterior == "last-layer":
+        return _Precomputed(last_layer_loo(model, *fit, delta).perturbation), sub, delta, source
+    return laplace(model, fit, "categorical", delta), sub, delta, source
+
+
+class _Precomputed:
+    """A posterior whose memory perturbation is already computed (the last-layer one)."""
+
+    def __init__(self, perturbation: Any) -> None:
+        self.perturbation = perturbation
 
 
 def gp_main(argv: list[str] | None = None) -> int:

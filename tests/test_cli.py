@@ -123,7 +123,12 @@ def test_memorable_cli_memory_map(checkpoint, tmp_path):
 
     out = tmp_path / "map"
     args = [str(checkpoint), "--task", "1", "--n-per-class", "3", "--out", str(out)]
-    assert memorable_main([*args, "--map", "--n-fit", "20", "--prior-precision", "2.0"]) == 0
+    assert (
+        memorable_main(
+            [*args, "--map", "--posterior", "diagonal", "--n-fit", "20", "--prior-precision", "2.0"]
+        )
+        == 0
+    )
     payload = json.loads((out / "memory_map.json").read_text())
     chosen = json.loads((out / "memorable.json").read_text())["indices"]
     idx = payload["index"]

@@ -194,3 +194,31 @@ def test_last_layer_bad_arguments():
         last_layer_loo(net[0], x, y, 0.0)
     with pytest.raises(ValueError, match="y must have N=4"):
         last_layer_loo(net[0], x, y[:3], 1.0)
+
+
+def test_memorable_map_defaults_last_layer_on_all_training_examples(tmp_path, capsys):
+    import json
+
+    from benchmarks.cli import memorable_main
+    from benchmarks.runner import RunConfig, run
+
+    path = tmp_path / "naive.pt"
+    cfg = RunConfig(
+        "split-digits", "naive", n_train=120, n_test=40, checkpoint=str(path), progress=False,
+        overrides={"train_epochs": 2, "optimizer_kwargs": {"weight_decay": 1e-3}},
+    )  # fmt: skip
+    run(cfg)
+    out = tmp_path / "map"
+    args = [str(path), "--task", "2", "--n-per-class", "2", "--out", str(out), "--map"]
+    assert memorable_main(args) == 0
+    printed = capsys.readouterr().out
+    payload = json.loads((out / "memory_map.json").read_text())
+    assert payload["posterior"] == "last-layer full Laplace-GGN"
+    n = payload["n_fit"]
+    assert payload["n"] == n == len(payload["index"]) and n >= 100  # all training examples
+    assert payload["prior_precision"] == pytest.approx(1e-3 * n)  # weight decay x N
+    assert "(trained with" in printed and "test set (" in printed
+    assert 0 <= payload["test_accuracy"] <= 1 and payload["test_nll"] > 0
+    bad = [str(path), "--task", "2", "--out", str(out), "--map", "--prior-precision", "-1"]
+    assert memorable_main(bad) == 2
+    assert "--prior-precision must be a number > 0" in capsys.readouterr().err
