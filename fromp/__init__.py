@@ -47,7 +47,9 @@ from fromp.optim import IVON, OGN, VOGN
 from fromp.posterior import DiagonalGaussian, FullGaussian, GaussianPosterior
 from fromp.regularizer import FROMPRegularizer, MemorableSet, prob_jacobian, task_fn
 from fromp.sensitivity import (
+    LOOTracker,
     MemoryPerturbation,
+    last_layer_loo,
     memory_perturbation,
     newton_step_loo,
     prediction_variance,
@@ -104,7 +106,9 @@ __all__ = [  # noqa: RUF022 (grouped by topic, sorted within each group)
     "OGN",
     "VOGN",
     # memory perturbation: sensitivity and leave-one-out estimates
+    "LOOTracker",
     "MemoryPerturbation",
+    "last_layer_loo",
     "memory_perturbation",
     "newton_step_loo",
     "prediction_variance",

@@ -62,6 +62,7 @@ from fromp.likelihood import CategoricalLikelihood, Likelihood, get_likelihood
 from fromp.posterior import FullGaussian
 
 __all__ = [
+    "LOOTracker",
     "LastLayerLOO",
     "MemoryPerturbation",
     "last_layer_features",
@@ -530,25 +531,202 @@ def last_layer_loo(
     chol = torch.linalg.cholesky(precision)
     sigma = torch.cholesky_inverse(chol).reshape(c, d1, c, d1)
     cov = torch.cat([torch.einsum("nd,cdke,ne->nck", p, sigma, p) for p in phi.split(chunk_size)])
+    mp = _corrected_loo(f, y, cov, lik, dtype)
+    return LastLayerLOO(mp, precision, float(prior_precision), len(x))
+
+
+def _corrected_loo(f: Tensor, y: Tensor, cov: Tensor, lik: Likelihood, dtype: torch.dtype):
+    """:class:`MemoryPerturbation` with ``loo_logits = f + V (I - Lambda V)^{-1} e`` from the
+    outputs ``f`` ``[N, C]`` and prediction covariances ``V`` ``[N, C, C]``; tensors returned
+    in ``dtype``."""
     with torch.enable_grad():
         fr = f.detach().requires_grad_(True)
         error = torch.autograd.grad(lik.nll(fr, y).sum(), fr)[0]
     big_lam = lik.hessian(f)
     lam = torch.diagonal(big_lam, dim1=-2, dim2=-1)
-    eye_c = torch.eye(c, dtype=f.dtype, device=f.device)
+    eye_c = torch.eye(f.shape[1], dtype=f.dtype, device=f.device)
     rhs = torch.linalg.solve(eye_c - big_lam @ cov, error.unsqueeze(-1)).squeeze(-1)
     var = torch.diagonal(cov, dim1=-2, dim2=-1).clone()
     loo = f + torch.einsum("ncd,nd->nc", cov, rhs)
-    sens = (error * lam * var).abs().sum(-1)
-    mp = MemoryPerturbation(
+    return MemoryPerturbation(
         logits=f.to(dtype),
         targets=y.to(dtype) if y.is_floating_point() else y,
         error=error.to(dtype),
         lam=lam.to(dtype),
         variance=var.to(dtype),
         covariance=cov.to(dtype),
-        sensitivity=sens.to(dtype),
+        sensitivity=(error * lam * var).abs().sum(-1).to(dtype),
         loo_logits=loo.to(dtype),
         likelihood=lik,
     )
-    return LastLayerLOO(mp, precision, float(prior_precision), len(x))
+
+
+def _head_slices(model: nn.Module, head: nn.Linear) -> tuple[slice, slice | None]:
+    """Positions of ``head.weight`` and ``head.bias`` in the flat trainable parameters."""
+    where: dict[int, slice] = {}
+    i = 0
+    for p in model.parameters():
+        if p.requires_grad:
+            where[id(p)] = slice(i, i + p.numel())
+            i += p.numel()
+    if id(head.weight) not in where:
+        raise ValueError("model's output layer must be trainable for a last-layer posterior")
+    return where[id(head.weight)], where.get(id(head.bias)) if head.bias is not None else None
+
+
+def _diagonal_last_layer_loo(
+    model: nn.Module, posterior: Any, x: Tensor, y: Tensor, lik: Likelihood
+) -> MemoryPerturbation:
+    """Leave-one-out from a diagonal posterior (IVON, VOGN) restricted to the output layer:
+    ``V_n = diag_c(sum_d phi~_nd^2 s_cd)`` with ``s`` the head's posterior variances (exact:
+    ``J_n = I_C (x) phi~_n^T`` and a diagonal ``Sigma`` give a diagonal ``V_n``)."""
+    phi, head = last_layer_features(model, x)
+    sw, sb = _head_slices(model, head)
+    mean, var = posterior.mean.detach(), posterior.variance.detach()
+    if mean.numel() != sum(p.numel() for p in model.parameters() if p.requires_grad) or (
+        not torch.equal(mean[sw].view_as(head.weight).to(head.weight), head.weight.detach())
+    ):
+        raise ValueError(
+            "optimizer's posterior must be over the model's trainable parameters in "
+            "model.parameters() order, with its mean in the model (not a sampled draw)"
+        )
+    with torch.no_grad():
+        f = head(phi)
+    dtype = f.dtype
+    phi, f = phi.double(), f.double()
+    s_w = var[sw].view_as(head.weight).double()  # [C, D]
+    v = phi.pow(2) @ s_w.T  # [N, C]
+    if sb is not None:
+        v = v + var[sb].double()
+    return _corrected_loo(f, y.to(f.device), torch.diag_embed(v), lik, dtype)
+
+
+class LOOTracker:
+    r"""Leave-one-out estimates of the training set after each epoch of training, a
+    generalisation estimate computed without a validation set.
+
+    Call it after an epoch with the model, the training examples and optionally the
+    optimizer::
+
+        tracker = LOOTracker(prior_precision=1e-4 * len(x))   # or weight decay from Adam
+        for epoch in range(epochs):
+            train_one_epoch(model, opt)
+            tracker(model, x, y, opt)          # -> {"loo_nll": ..., "loo_accuracy": ...}
+        tracker.history                        # one record per call
+
+    Posterior, by optimizer:
+
+    * an optimizer with its own posterior (:class:`fromp.optim.IVON`,
+      :class:`fromp.optim.VOGN`): its diagonal Gaussian, restricted to the output layer
+      (``scope="last-layer"``, cost one forward pass) or over all weights
+      (``scope="all"``, :func:`memory_perturbation`, ``C`` backward passes per example);
+    * any other (Adam, SGD) or none: a full-covariance last-layer Laplace-GGN refitted at each
+      call (:func:`last_layer_loo`) with ``prior_precision``, by default the optimizer's
+      ``weight_decay`` times ``N`` (the prior precision of the summed objective that a
+      mean-reduced loss with weight decay optimises).
+
+    The leave-one-out outputs are ``f + V (I - Lambda V)^{-1} e`` (the example's own curvature
+    removed). Cost: one forward pass over ``x`` plus ``O(N C^2 D1^2 + (C D1)^3)`` for the
+    last-layer Laplace; ``max_examples`` caps ``N`` by a fixed random subset (the posterior is
+    then fitted on the subset, which makes it wider: the estimate is pessimistic).
+
+    Args:
+        likelihood: its name or a :class:`~fromp.likelihood.Likelihood`.
+        prior_precision: ``delta`` of the last-layer Laplace (None: the optimizer's weight
+            decay times ``N``; an error if there is none).
+        scope: ``"last-layer"`` or ``"all"``, for an optimizer's own posterior.
+        max_examples: use at most this many training examples (None: all).
+        seed: of the subset.
+    """
+
+    def __init__(
+        self,
+        likelihood: str | Likelihood = "categorical",
+        *,
+        prior_precision: float | None = None,
+        scope: str = "last-layer",
+        max_examples: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        if scope not in ("last-layer", "all"):
+            raise ValueError(f"scope must be 'last-layer' or 'all', got {scope!r}")
+        if prior_precision is not None and not (
+            isinstance(prior_precision, int | float) and prior_precision > 0
+        ):
+            raise ValueError(
+                f"prior_precision must be a number > 0 or None, got {prior_precision!r}"
+            )
+        if max_examples is not None and max_examples < 1:
+            raise ValueError(f"max_examples must be >= 1 or None, got {max_examples}")
+        self.likelihood = get_likelihood(likelihood)
+        self.prior_precision = prior_precision
+        self.scope = scope
+        self.max_examples = max_examples
+        self.seed = seed
+        self.history: list[dict[str, Any]] = []
+
+    def _delta(self, optimizer: Any, n: int) -> tuple[float, str]:
+        if self.prior_precision is not None:
+            return float(self.prior_precision), "given"
+        groups = getattr(optimizer, "param_groups", None) or []
+        wd = {float(g.get("weight_decay", 0.0)) for g in groups}
+        if len(wd) == 1 and (w := wd.pop()) > 0:
+            return w * n, "optimizer weight_decay x N"
+        raise ValueError(
+            "prior_precision is needed: the optimizer has no (single, positive) weight_decay "
+            "to derive it from; pass LOOTracker(prior_precision=...)"
+        )
+
+    def __call__(
+        self,
+        model: nn.Module,
+        x: Tensor,
+        y: Tensor,
+        optimizer: Any = None,
+        *,
+        epoch: int | None = None,
+    ) -> dict[str, Any]:
+        """Estimate, append to :attr:`history` and return ``{"epoch", "posterior",
+        "prior_precision", "n", "loo_nll", "train_nll", "loo_accuracy", "train_accuracy",
+        "seconds"}`` (accuracies for classification). ``model`` is put in eval mode for the
+        estimate and restored after."""
+        import time
+
+        _check_examples(x, y)
+        start = time.perf_counter()
+        if self.max_examples is not None and len(x) > self.max_examples:
+            gen = torch.Generator().manual_seed(self.seed)
+            keep = torch.randperm(len(x), generator=gen)[: self.max_examples].to(x.device)
+            x, y = x[keep], y[keep.to(y.device)]
+        was_training = model.training
+        model.eval()
+        try:
+            own = getattr(optimizer, "posterior", None)
+            if callable(own):
+                import inspect
+
+                q = own(model) if "model" in inspect.signature(own).parameters else own()
+                name = f"{type(optimizer).__name__} posterior ({self.scope})"
+                delta: float | None = None
+                if self.scope == "all":
+                    mp = memory_perturbation(
+                        model, q, x, y, self.likelihood, covariance="full", correction=True
+                    )
+                else:
+                    mp = _diagonal_last_layer_loo(model, q, x, y, self.likelihood)
+            else:
+                delta, how = self._delta(optimizer, len(x))
+                name = f"last-layer full Laplace-GGN (delta: {how})"
+                mp = last_layer_loo(model, x, y, delta, self.likelihood).perturbation
+        finally:
+            model.train(was_training)
+        record: dict[str, Any] = {
+            "epoch": len(self.history) if epoch is None else epoch,
+            "posterior": name,
+            "prior_precision": delta,
+            "n": len(x),
+            **mp.loo_summary(),
+            "seconds": time.perf_counter() - start,
+        }
+        self.history.append(record)
+        return record

@@ -222,3 +222,87 @@ def test_memorable_map_defaults_last_layer_on_all_training_examples(tmp_path, ca
     bad = [str(path), "--task", "2", "--out", str(out), "--map", "--prior-precision", "-1"]
     assert memorable_main(bad) == 2
     assert "--prior-precision must be a number > 0" in capsys.readouterr().err
+
+
+def _blobs(n: int = 60, seed: int = 6):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, 3, (n,), generator=g)
+    x = torch.randn(n, 4, generator=g) + 1.5 * nn.functional.one_hot(y, 4).float()
+    return x, y
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def test_loo_tracker_adam_uses_last_layer_laplace_with_weight_decay_times_n():
+    from fromp.sensitivity import LOOTracker
+
+    torch.manual_seed(7)
+    x, y = _blobs()
+    net = _mlp()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.05, weight_decay=0.01)
+    tracker = LOOTracker()
+    for epoch in range(3):
+        net.train()
+        for i in range(0, 60, 20):
+            opt.zero_grad()
+            nn.functional.cross_entropy(net(x[i : i + 20]), y[i : i + 20]).backward()
+            opt.step()
+        rec = tracker(net, x, y, opt)
+        assert net.training  # mode restored
+        ref = last_layer_loo(net.eval(), x, y, 0.01 * 60).perturbation.loo_summary()
+        net.train()
+        assert rec["epoch"] == epoch and rec["prior_precision"] == pytest.approx(0.6)
+        assert rec["loo_nll"] == pytest.approx(ref["loo_nll"], rel=1e-6)
+        assert rec["loo_accuracy"] == ref["loo_accuracy"] and rec["n"] == 60
+    assert len(tracker.history) == 3
+    # no weight decay and no prior precision: refused, naming the argument
+    with pytest.raises(ValueError, match="prior_precision is needed"):
+        LOOTracker()(net, x, y, torch.optim.SGD(net.parameters(), lr=0.1))
+    # a subset: fixed across calls, the posterior fitted on it
+    sub = LOOTracker(prior_precision=1.0, max_examples=25)
+    a, b = sub(net, x, y), sub(net, x, y)
+    assert a["n"] == 25 and a["loo_nll"] == b["loo_nll"]
+
+
+def test_loo_tracker_ivon_last_layer_against_dense():
+    from fromp.optim import IVON
+    from fromp.sensitivity import LOOTracker
+
+    torch.manual_seed(8)
+    x, y = _blobs()
+    x = x.double()
+    net = _mlp().double()
+    opt = IVON(net.parameters(), lr=0.1, ess=60, hess_init=0.5)
+    for _ in range(5):
+        with opt.sampled_params():
+            opt.zero_grad()
+            nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    rec = LOOTracker()(net, x, y, opt)
+    q = opt.posterior(net)
+    # dense: V_n = J_n Sigma_head J_n^T with Sigma the IVON variances of the head only
+    mask = torch.zeros_like(q.variance)
+    mask[-(6 * 3 + 3) :] = 1  # the head is the last Linear: its weight and bias come last
+    w = q.mean
+    jac = torch.func.jacrev(
+        lambda w: torch.func.functional_call(net.eval(), fromp.jacobian.unflatten(net, w), (x,))
+    )(w)  # [N, C, P]
+    cov = torch.einsum("ncp,p,nkp->nck", jac, q.variance * mask, jac)
+    f = net(x).detach()
+    lik = get_likelihood("categorical")
+    e = torch.softmax(f, -1) - nn.functional.one_hot(y, 3)
+    lam = lik.hessian(f)
+    loo = f + torch.einsum(
+        "ncd,nd->nc", cov, torch.linalg.solve(torch.eye(3, dtype=D) - lam @ cov, e)
+    )
+    assert rec["loo_nll"] == pytest.approx(lik.nll(loo, y).mean().item(), rel=1e-8)
+    assert rec["posterior"].startswith("IVON posterior")
+    # scope="all": the full memory-perturbation equation over every weight
+    rec_all = LOOTracker(scope="all")(net, x, y, opt)
+    full = memory_perturbation(net, q, x, y, covariance="full", correction=True)
+    assert rec_all["loo_nll"] == pytest.approx(full.loo_nll().mean().item(), rel=1e-8)
+    assert rec_all["loo_nll"] > rec["loo_nll"]  # all weights vary: larger leave-one-out moves
+    with pytest.raises(ValueError, match="scope must be"):
+        LOOTracker(scope="head")
