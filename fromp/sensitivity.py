@@ -446,7 +446,13 @@ def last_layer_ggn(phi: Tensor, logits: Tensor, likelihood: str | Likelihood) ->
     lik = get_likelihood(likelihood)
     big_lam = lik.hessian(logits)  # [N, C, C]
     c, d1 = logits.shape[1], phi.shape[1]
-    g = torch.einsum("nck,nd,ne->cdke", big_lam, phi, phi)
+    g = phi.new_zeros(c, d1, c, d1)
+    for i in range(c):  # C (C + 1) / 2 matrix products [D1, N] x [N, D1]
+        for k in range(i, c):
+            block = (phi * big_lam[:, i, k, None]).T @ phi
+            g[i, :, k] = block
+            if k != i:
+                g[k, :, i] = block.T
     return g.reshape(c * d1, c * d1)
 
 
@@ -483,7 +489,7 @@ def last_layer_loo(
     prior_precision: float,
     likelihood: str | Likelihood = "categorical",
     *,
-    chunk_size: int = 2048,
+    chunk_size: int = 256,
 ) -> LastLayerLOO:
     r"""Leave-one-out estimates of every example of ``(x, y)`` under a full-covariance
     Laplace-GGN posterior over the output layer, fitted on exactly ``(x, y)``.
@@ -529,8 +535,14 @@ def last_layer_loo(
     eye = torch.eye(c * d1, dtype=phi.dtype, device=phi.device)
     precision = last_layer_ggn(phi, f, lik) + prior_precision * eye
     chol = torch.linalg.cholesky(precision)
-    sigma = torch.cholesky_inverse(chol).reshape(c, d1, c, d1)
-    cov = torch.cat([torch.einsum("nd,cdke,ne->nck", p, sigma, p) for p in phi.split(chunk_size)])
+    sigma = torch.cholesky_inverse(chol).reshape(c, d1, c * d1).permute(1, 0, 2)
+    sigma = sigma.reshape(d1, c * c * d1)  # [D1, C C D1]: V_n[c, k] = phi~_n^T Sigma_ck phi~_n
+    cov = torch.cat(
+        [
+            ((p @ sigma).view(len(p), c, c, d1) * p[:, None, None, :]).sum(-1)
+            for p in phi.split(chunk_size)
+        ]
+    )
     mp = _corrected_loo(f, y, cov, lik, dtype)
     return LastLayerLOO(mp, precision, float(prior_precision), len(x))
 
