@@ -306,3 +306,35 @@ def test_loo_tracker_ivon_last_layer_against_dense():
     assert rec_all["loo_nll"] > rec["loo_nll"]  # all weights vary: larger leave-one-out moves
     with pytest.raises(ValueError, match="scope must be"):
         LOOTracker(scope="head")
+
+
+def test_loo_plugin_records_each_epoch_on_the_current_experience():
+    from avalanche.training.supervised import Naive
+
+    from fromp.data import split_digits
+    from fromp.sensitivity import LOOTracker
+    from strategies.benchmarks import to_avalanche
+    from strategies.loo import LOOPlugin
+
+    torch.manual_seed(9)
+    seq = split_digits()
+    bench = to_avalanche(seq)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, weight_decay=1e-3)
+    plugin = LOOPlugin()
+    strategy = Naive(
+        model=net, optimizer=opt, criterion=nn.CrossEntropyLoss(), train_mb_size=32,
+        train_epochs=2, plugins=[plugin], evaluator=None,
+    )  # fmt: skip
+    for k, exp in enumerate(bench.train_stream[:3]):
+        strategy.train(exp)
+        assert [h["experience"] for h in plugin.history] == [
+            e for e in range(k + 1) for _ in (0, 1)
+        ]
+        # the last record is the estimate on this experience's data, not a previous one's
+        task = seq[k]
+        ref = LOOTracker()(net, task.train_x, task.train_y, opt)
+        last = plugin.history[-1]
+        assert last["n"] == len(task.train_y)
+        assert last["loo_nll"] == pytest.approx(ref["loo_nll"], rel=1e-5)
+        assert last["prior_precision"] == pytest.approx(1e-3 * len(task.train_y))
