@@ -67,6 +67,7 @@ __all__ = [
     "MemoryPerturbation",
     "last_layer_features",
     "last_layer_loo",
+    "last_layer_remove",
     "memory_perturbation",
     "newton_step_loo",
     "prediction_variance",
@@ -742,3 +743,66 @@ class LOOTracker:
         }
         self.history.append(record)
         return record
+
+
+def last_layer_remove(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    remove: Tensor,
+    prior_precision: float,
+    x_eval: Tensor,
+    likelihood: str | Likelihood = "categorical",
+) -> tuple[Tensor, Tensor]:
+    r"""Outputs at ``x_eval`` before and after removing the examples ``remove`` from the
+    training set, by one Newton step of the output layer (features held fixed).
+
+    With the head's Laplace-GGN precision ``H = sum_n J_n^T Lambda_n J_n + delta I`` over all
+    of ``(x, y)`` (:func:`last_layer_ggn`), ``S`` the removed set, ``H_S`` its part of the sum
+    and ``g_S = sum_{i in S} J_i^T e_i`` its gradient, the head moves by
+
+        ``d theta = (H - H_S)^{-1} g_S``
+
+    (exact for a Gaussian likelihood; for one example it is :func:`last_layer_loo`'s step),
+    and the outputs at ``x_eval`` become ``f + J d theta``.
+
+    Args:
+        model: ``[N, ...] -> [N, C]`` in eval mode, ending in an ``nn.Linear``.
+        x: ``[N, ...]`` the training examples. y: ``[N]`` targets.
+        remove: ``[N]`` bool, the examples removed (e.g. ``y == c``: a whole class).
+        prior_precision: ``delta > 0``.
+        x_eval: ``[M, ...]`` where to evaluate.
+
+    Returns:
+        ``(f_eval [M, C], f_eval_after [M, C])``.
+    """
+    _check_examples(x, y)
+    check_tensor(remove, "remove", f"[N]=[{len(x)}] bool")
+    if remove.dtype != torch.bool or remove.shape != (len(x),):
+        raise ValueError(
+            f"remove must be a bool tensor of shape [{len(x)}], got {remove.dtype} "
+            f"{tuple(remove.shape)}"
+        )
+    if not (isinstance(prior_precision, int | float) and prior_precision > 0):
+        raise ValueError(f"prior_precision must be a number > 0, got {prior_precision!r}")
+    check_batch(x_eval, "x_eval")
+    lik = get_likelihood(likelihood)
+    phi, head = last_layer_features(model, x)
+    phi_e, _ = last_layer_features(model, x_eval)
+    with torch.no_grad():
+        f, f_e = head(phi).double(), head(phi_e).double()
+    bias = head.bias is not None
+    phi, phi_e = _augment(phi, bias).double(), _augment(phi_e, bias).double()
+    remove = remove.to(phi.device)
+    y = y.to(f.device)
+    c, d1 = f.shape[1], phi.shape[1]
+    eye = torch.eye(c * d1, dtype=phi.dtype, device=phi.device)
+    keep = ~remove
+    h_keep = last_layer_ggn(phi[keep], f[keep], lik) + prior_precision * eye
+    with torch.enable_grad():
+        fr = f[remove].detach().requires_grad_(True)
+        e_s = torch.autograd.grad(lik.nll(fr, y[remove]).sum(), fr)[0]  # [S, C]
+    g_s = (e_s[:, :, None] * phi[remove][:, None, :]).sum(0).reshape(-1)  # sum J^T e
+    step = torch.linalg.solve(h_keep, g_s).reshape(c, d1)
+    dtype = x_eval.dtype if x_eval.is_floating_point() else f_e.dtype
+    return f_e.to(dtype), (f_e + phi_e @ step.T).to(dtype)

@@ -338,3 +338,42 @@ def test_loo_plugin_records_each_epoch_on_the_current_experience():
         assert last["n"] == len(task.train_y)
         assert last["loo_nll"] == pytest.approx(ref["loo_nll"], rel=1e-5)
         assert last["prior_precision"] == pytest.approx(1e-3 * len(task.train_y))
+
+
+def test_last_layer_remove_a_class_against_ridge_and_retraining():
+    from fromp.sensitivity import last_layer_remove
+
+    torch.manual_seed(10)
+    # Gaussian likelihood: removing a set is exact (ridge refitted without it)
+    n, d, delta = 30, 3, 0.4
+    x = torch.randn(n, d, dtype=D)
+    y = x @ torch.tensor([0.5, -1.0, 2.0], dtype=D) + 0.3 * torch.randn(n, dtype=D)
+    xa = torch.cat([x, torch.ones(n, 1, dtype=D)], 1)
+    w = torch.linalg.solve(xa.T @ xa + delta * torch.eye(d + 1, dtype=D), xa.T @ y)
+    lin = nn.Linear(d, 1).double().eval()
+    with torch.no_grad():
+        lin.weight.copy_(w[:d][None])
+        lin.bias.copy_(w[d:])
+    remove = x[:, 0] > 0.3
+    xe = torch.randn(7, d, dtype=D)
+    before, after = last_layer_remove(lin, x, y[:, None], remove, delta, xe, "gaussian")
+    k = ~remove
+    wk = torch.linalg.solve(xa[k].T @ xa[k] + delta * torch.eye(d + 1, dtype=D), xa[k].T @ y[k])
+    xea = torch.cat([xe, torch.ones(7, 1, dtype=D)], 1)
+    torch.testing.assert_close(before[:, 0], xea @ w)
+    torch.testing.assert_close(after[:, 0], xea @ wk)
+    # softmax regression, a whole class removed: close to retraining without it
+    x, y = _blobs(90, seed=11)
+    x = x.double()
+    model = _fit(nn.Linear(4, 3).double(), x, y, "categorical", 1.0)
+    remove = y == 2
+    before, after = last_layer_remove(model, x, y, remove, 1.0, x)
+    retrained = _fit(nn.Linear(4, 3).double().requires_grad_(), x[~remove], y[~remove],
+                     "categorical", 1.0)  # fmt: skip
+    with torch.no_grad():
+        p0, p1 = torch.softmax(before, -1), torch.softmax(after, -1)
+        pr = torch.softmax(retrained(x), -1)
+    corr = torch.corrcoef(torch.stack([(p1 - p0).flatten(), (pr - p0).flatten()]))[0, 1]
+    assert corr > 0.9, corr
+    with pytest.raises(ValueError, match="remove must be a bool tensor"):
+        last_layer_remove(model, x, y, remove.long(), 1.0, x)
