@@ -32,6 +32,7 @@ from fromp.likelihood import (
     Likelihood,
     get_likelihood,
 )
+from fromp.loo import LOOTracker, last_layer_loo
 from fromp.memorable import memorability_scores, select_memorable
 from fromp.methods import EWCMethod, FROMPMethod
 from fromp.optim import IVON, OGN, VOGN
@@ -78,6 +79,8 @@ __all__ = [  # noqa: RUF022 (grouped by task, sorted within each group)
     "memory_perturbation",
     "newton_step_loo",
     "prediction_variance",
+    "LOOTracker",
+    "last_layer_loo",
     # curvature and Jacobians
     "diag_ef",
     "diag_fisher",

@@ -339,8 +339,12 @@ def newton_step_loo(
         )
     lik = get_likelihood(likelihood)
     w0 = posterior.mean.detach()
+    if max_iter < 1:
+        raise ValueError(f"max_iter must be >= 1, got {max_iter}")
     if tol is None:
         tol = max(1e-10, 100 * torch.finfo(w0.dtype).eps)
+    elif not tol > 0:
+        raise ValueError(f"tol must be > 0, got {tol}")
     cov = posterior.covariance  # Sigma = H^{-1} [P, P], once: matrix-vector products after
     buffers = dict(model.named_buffers())
 

@@ -1,0 +1,448 @@
+r"""Leave-one-out as a training tool: closed-form last-layer estimates, a per-epoch tracker
+and the removal of a set of examples (a whole class).
+
+* :func:`last_layer_loo`: the full-covariance last-layer Laplace-GGN ``(G + delta I)^{-1}``
+  of ``f = W phi + b`` from the features, and the leave-one-out outputs
+  ``f + V (I - Lambda V)^{-1} e`` (the exact Newton step of the output layer);
+* :class:`LOOTracker`: the leave-one-out NLL and accuracy after each epoch of a plain
+  PyTorch loop, from IVON's or VOGN's own posterior, or a last-layer Laplace for Adam/SGD
+  (``strategies.loo.LOOPlugin`` calls it from Avalanche);
+* :func:`last_layer_remove`: the outputs after removing a set of examples, by one Newton
+  step of the output layer.
+
+The memory-perturbation quantities themselves are in :mod:`fromp.sensitivity`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from fromp._checks import check_batch, check_tensor
+from fromp.likelihood import Likelihood, get_likelihood
+from fromp.sensitivity import MemoryPerturbation, _check_examples, memory_perturbation
+
+__all__ = [
+    "LOOTracker",
+    "LastLayerLOO",
+    "last_layer_features",
+    "last_layer_ggn",
+    "last_layer_loo",
+    "last_layer_remove",
+]
+
+
+def last_layer_features(model: nn.Module, x: Tensor) -> tuple[Tensor, nn.Linear]:
+    """The inputs ``phi(x)`` ``[N, D]`` of the model's output layer and that layer.
+
+    The output layer is the last :class:`torch.nn.Linear` called in the forward pass, and its
+    output must be the model's output ``[N, C]`` (true for an MLP, a CNN with a linear
+    classifier, a multi-head model seen through :func:`fromp.models.with_task`); otherwise a
+    ``ValueError``. ``model`` in eval mode; no gradients are kept."""
+    check_batch(x, "x")
+    calls: list[tuple[nn.Linear, Tensor, Tensor]] = []
+
+    def hook(mod: nn.Module, inp: tuple[Tensor, ...], out: Tensor) -> None:
+        calls.append((mod, inp[0], out))  # type: ignore[arg-type]
+
+    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, nn.Linear)]
+    try:
+        with torch.no_grad():
+            f = model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    if not calls:
+        raise ValueError(f"model must end in an nn.Linear layer; {type(model).__name__} has none")
+    head, phi, out = calls[-1]
+    if out.shape != f.shape or not torch.equal(out, f):
+        raise ValueError(
+            "model's output must be the output of its last nn.Linear layer (a last-layer "
+            f"posterior needs a linear head); {type(model).__name__} transforms it further"
+        )
+    return phi.reshape(len(x), -1), head
+
+
+def _augment(phi: Tensor, bias: bool) -> Tensor:
+    """``[phi, 1]`` ``[N, D+1]`` with a bias, else ``phi``."""
+    return torch.cat([phi, phi.new_ones(len(phi), 1)], 1) if bias else phi
+
+
+def last_layer_ggn(phi: Tensor, logits: Tensor, likelihood: str | Likelihood) -> Tensor:
+    r"""GGN of a linear head ``f = Theta phi~`` over ``theta = vec(Theta)`` (row-major,
+    ``Theta = [W | b]`` ``[C, D1]``, ``phi~`` the features with a trailing 1 for a bias):
+
+        ``G = sum_n Lambda_n (x) phi~_n phi~_n^T``  ``[C D1, C D1]``,
+
+    since ``J_n = I_C (x) phi~_n^T``. For a canonical link (softmax, sigmoid, Gaussian) and a
+    head linear in ``theta`` it is the exact Hessian of the summed NLL over the head.
+
+    Args:
+        phi: ``[N, D1]`` the (augmented) features. logits: ``[N, C]`` the head's outputs.
+        likelihood: its name or a :class:`~fromp.likelihood.Likelihood`.
+    """
+    lik = get_likelihood(likelihood)
+    big_lam = lik.hessian(logits)  # [N, C, C]
+    c, d1 = logits.shape[1], phi.shape[1]
+    g = phi.new_zeros(c, d1, c, d1)
+    for i in range(c):  # C (C + 1) / 2 matrix products [D1, N] x [N, D1]
+        for k in range(i, c):
+            block = (phi * big_lam[:, i, k, None]).T @ phi
+            g[i, :, k] = block
+            if k != i:
+                g[k, :, i] = block.T
+    return g.reshape(c * d1, c * d1)
+
+
+@dataclass
+class LastLayerLOO:
+    """A full-covariance last-layer Laplace posterior and its leave-one-out estimates.
+
+    Attributes:
+        perturbation: the :class:`MemoryPerturbation` of the examples (``loo_logits`` the
+            one-step leave-one-out outputs with the example's own curvature removed,
+            ``f + V (I - Lambda V)^{-1} e``: the exact Newton step of the head).
+        precision: ``G + delta I`` ``[C D1, C D1]`` over ``vec([W | b])`` (float64).
+        prior_precision: ``delta``.
+        n_fit: examples in the GGN.
+    """
+
+    perturbation: MemoryPerturbation
+    precision: Tensor
+    prior_precision: float
+    n_fit: int
+
+    def summary(self) -> dict[str, Any]:
+        """:meth:`MemoryPerturbation.loo_summary` plus ``posterior``, ``prior_precision``
+        and ``n_fit``."""
+        out: dict[str, Any] = {"posterior": "last-layer full Laplace-GGN"}
+        out |= {"prior_precision": self.prior_precision, "n_fit": self.n_fit}
+        return out | self.perturbation.loo_summary()
+
+
+def last_layer_loo(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    prior_precision: float,
+    likelihood: str | Likelihood = "categorical",
+    *,
+    chunk_size: int = 256,
+) -> LastLayerLOO:
+    r"""Leave-one-out estimates of every example of ``(x, y)`` under a full-covariance
+    Laplace-GGN posterior over the output layer, fitted on exactly ``(x, y)``.
+
+    With features ``phi~_n`` ``[D1]`` (:func:`last_layer_features`, a trailing 1 for a
+    bias), ``J_n = I_C (x) phi~_n^T``, precision ``H = sum_n Lambda_n (x) phi~_n phi~_n^T +
+    delta I`` (:func:`last_layer_ggn`) and ``Sigma = H^{-1}``, the prediction covariance is
+    ``V_n[c, k] = phi~_n^T Sigma[c, :, k, :] phi~_n`` and the leave-one-out outputs are
+
+        ``f_n^{\n} = f_n + V_n (I - Lambda_n V_n)^{-1} e_n``,
+
+    one exact Newton step of the head's training objective without example ``n`` (exact for a
+    Gaussian likelihood: the classical ``e_n / (1 - h_nn)``). The features are held fixed, so
+    this is the leave-one-out of retraining the head alone. ``delta`` should be the prior
+    precision (weight decay times ``N`` for a mean-reduced loss) the network was trained
+    with; too small a ``delta`` with few examples per feature makes ``H`` ill-conditioned.
+
+    Cost: one forward pass, ``O(N C^2 D1^2)`` for ``G`` and ``V``, one Cholesky of
+    ``C D1 x C D1`` (full by definition: the last layer is small).
+
+    Args:
+        model: ``[N, ...] -> [N, C]`` in eval mode, ending in an ``nn.Linear``.
+        x: ``[N, ...]`` the training examples. y: ``[N]`` targets.
+        prior_precision: ``delta > 0``.
+        likelihood: its name or a :class:`~fromp.likelihood.Likelihood`.
+        chunk_size: examples per chunk of the ``V_n`` computation.
+    """
+    _check_examples(x, y)
+    if not (isinstance(prior_precision, int | float) and prior_precision > 0):
+        raise ValueError(f"prior_precision must be a number > 0, got {prior_precision!r}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    lik = get_likelihood(likelihood)
+    phi, head = last_layer_features(model, x)
+    with torch.no_grad():
+        f = head(phi)
+    dtype = f.dtype
+    # float64 inside: softmax's Lambda is singular along the sum of the logits, so with a
+    # small delta the precision is too ill-conditioned for a float32 Cholesky
+    phi, f = _augment(phi, head.bias is not None).double(), f.double()
+    y = y.to(f.device)
+    c, d1 = f.shape[1], phi.shape[1]
+    eye = torch.eye(c * d1, dtype=phi.dtype, device=phi.device)
+    precision = last_layer_ggn(phi, f, lik) + prior_precision * eye
+    chol = torch.linalg.cholesky(precision)
+    sigma = torch.cholesky_inverse(chol).reshape(c, d1, c * d1).permute(1, 0, 2)
+    sigma = sigma.reshape(d1, c * c * d1)  # [D1, C C D1]: V_n[c, k] = phi~_n^T Sigma_ck phi~_n
+    cov = torch.cat(
+        [
+            ((p @ sigma).view(len(p), c, c, d1) * p[:, None, None, :]).sum(-1)
+            for p in phi.split(chunk_size)
+        ]
+    )
+    mp = _corrected_loo(f, y, cov, lik, dtype)
+    return LastLayerLOO(mp, precision, float(prior_precision), len(x))
+
+
+def _corrected_loo(f: Tensor, y: Tensor, cov: Tensor, lik: Likelihood, dtype: torch.dtype):
+    """:class:`MemoryPerturbation` with ``loo_logits = f + V (I - Lambda V)^{-1} e`` from the
+    outputs ``f`` ``[N, C]`` and prediction covariances ``V`` ``[N, C, C]``; tensors returned
+    in ``dtype``."""
+    with torch.enable_grad():
+        fr = f.detach().requires_grad_(True)
+        error = torch.autograd.grad(lik.nll(fr, y).sum(), fr)[0]
+    big_lam = lik.hessian(f)
+    lam = torch.diagonal(big_lam, dim1=-2, dim2=-1)
+    eye_c = torch.eye(f.shape[1], dtype=f.dtype, device=f.device)
+    rhs = torch.linalg.solve(eye_c - big_lam @ cov, error.unsqueeze(-1)).squeeze(-1)
+    var = torch.diagonal(cov, dim1=-2, dim2=-1).clone()
+    loo = f + torch.einsum("ncd,nd->nc", cov, rhs)
+    return MemoryPerturbation(
+        logits=f.to(dtype),
+        targets=y.to(dtype) if y.is_floating_point() else y,
+        error=error.to(dtype),
+        lam=lam.to(dtype),
+        variance=var.to(dtype),
+        covariance=cov.to(dtype),
+        sensitivity=(error * lam * var).abs().sum(-1).to(dtype),
+        loo_logits=loo.to(dtype),
+        likelihood=lik,
+    )
+
+
+def _head_slices(model: nn.Module, head: nn.Linear) -> tuple[slice, slice | None]:
+    """Positions of ``head.weight`` and ``head.bias`` in the flat trainable parameters."""
+    where: dict[int, slice] = {}
+    i = 0
+    for p in model.parameters():
+        if p.requires_grad:
+            where[id(p)] = slice(i, i + p.numel())
+            i += p.numel()
+    if id(head.weight) not in where:
+        raise ValueError("model's output layer must be trainable for a last-layer posterior")
+    return where[id(head.weight)], where.get(id(head.bias)) if head.bias is not None else None
+
+
+def _diagonal_last_layer_loo(
+    model: nn.Module, posterior: Any, x: Tensor, y: Tensor, lik: Likelihood
+) -> MemoryPerturbation:
+    """Leave-one-out from a diagonal posterior (IVON, VOGN) restricted to the output layer:
+    ``V_n = diag_c(sum_d phi~_nd^2 s_cd)`` with ``s`` the head's posterior variances (exact:
+    ``J_n = I_C (x) phi~_n^T`` and a diagonal ``Sigma`` give a diagonal ``V_n``)."""
+    phi, head = last_layer_features(model, x)
+    sw, sb = _head_slices(model, head)
+    mean, var = posterior.mean.detach(), posterior.variance.detach()
+    if mean.numel() != sum(p.numel() for p in model.parameters() if p.requires_grad) or (
+        not torch.equal(mean[sw].view_as(head.weight).to(head.weight), head.weight.detach())
+    ):
+        raise ValueError(
+            "optimizer's posterior must be over the model's trainable parameters in "
+            "model.parameters() order, with its mean in the model (not a sampled draw)"
+        )
+    with torch.no_grad():
+        f = head(phi)
+    dtype = f.dtype
+    phi, f = phi.double(), f.double()
+    s_w = var[sw].view_as(head.weight).double()  # [C, D]
+    v = phi.pow(2) @ s_w.T  # [N, C]
+    if sb is not None:
+        v = v + var[sb].double()
+    return _corrected_loo(f, y.to(f.device), torch.diag_embed(v), lik, dtype)
+
+
+class LOOTracker:
+    r"""Leave-one-out estimates of the training set after each epoch of training, a
+    generalisation estimate computed without a validation set.
+
+    Call it after an epoch with the model, the training examples and optionally the
+    optimizer::
+
+        tracker = LOOTracker(prior_precision=1e-4 * len(x))   # or weight decay from Adam
+        for epoch in range(epochs):
+            train_one_epoch(model, opt)
+            tracker(model, x, y, opt)          # -> {"loo_nll": ..., "loo_accuracy": ...}
+        tracker.history                        # one record per call
+
+    Posterior, by optimizer:
+
+    * an optimizer with its own posterior (:class:`fromp.optim.IVON`,
+      :class:`fromp.optim.VOGN`): its diagonal Gaussian, restricted to the output layer
+      (``scope="last-layer"``, cost one forward pass) or over all weights
+      (``scope="all"``, :func:`memory_perturbation`, ``C`` backward passes per example);
+    * any other (Adam, SGD) or none: a full-covariance last-layer Laplace-GGN refitted at each
+      call (:func:`last_layer_loo`) with ``prior_precision``, by default the optimizer's
+      ``weight_decay`` times ``N`` (the prior precision of the summed objective that a
+      mean-reduced loss with weight decay optimises).
+
+    The leave-one-out outputs are ``f + V (I - Lambda V)^{-1} e`` (the example's own curvature
+    removed). Cost: one forward pass over ``x`` plus ``O(N C^2 D1^2 + (C D1)^3)`` for the
+    last-layer Laplace; ``max_examples`` caps ``N`` by a fixed random subset (the posterior is
+    then fitted on the subset, which makes it wider: the estimate is pessimistic).
+
+    Args:
+        likelihood: its name or a :class:`~fromp.likelihood.Likelihood`.
+        prior_precision: ``delta`` of the last-layer Laplace (None: the optimizer's weight
+            decay times ``N``; an error if there is none).
+        scope: ``"last-layer"`` or ``"all"``, for an optimizer's own posterior.
+        max_examples: use at most this many training examples (None: all).
+        seed: of the subset.
+    """
+
+    def __init__(
+        self,
+        likelihood: str | Likelihood = "categorical",
+        *,
+        prior_precision: float | None = None,
+        scope: str = "last-layer",
+        max_examples: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        if scope not in ("last-layer", "all"):
+            raise ValueError(f"scope must be 'last-layer' or 'all', got {scope!r}")
+        if prior_precision is not None and not (
+            isinstance(prior_precision, int | float) and prior_precision > 0
+        ):
+            raise ValueError(
+                f"prior_precision must be a number > 0 or None, got {prior_precision!r}"
+            )
+        if max_examples is not None and max_examples < 1:
+            raise ValueError(f"max_examples must be >= 1 or None, got {max_examples}")
+        self.likelihood = get_likelihood(likelihood)
+        self.prior_precision = prior_precision
+        self.scope = scope
+        self.max_examples = max_examples
+        self.seed = seed
+        self.history: list[dict[str, Any]] = []
+
+    def _delta(self, optimizer: Any, n: int) -> tuple[float, str]:
+        if self.prior_precision is not None:
+            return float(self.prior_precision), "given"
+        groups = getattr(optimizer, "param_groups", None) or []
+        wd = {float(g.get("weight_decay", 0.0)) for g in groups}
+        if len(wd) == 1 and (w := wd.pop()) > 0:
+            return w * n, "optimizer weight_decay x N"
+        raise ValueError(
+            "prior_precision is needed: the optimizer has no (single, positive) weight_decay "
+            "to derive it from; pass LOOTracker(prior_precision=...)"
+        )
+
+    def __call__(
+        self,
+        model: nn.Module,
+        x: Tensor,
+        y: Tensor,
+        optimizer: Any = None,
+        *,
+        epoch: int | None = None,
+    ) -> dict[str, Any]:
+        """Estimate, append to :attr:`history` and return ``{"epoch", "posterior",
+        "prior_precision", "n", "loo_nll", "train_nll", "loo_accuracy", "train_accuracy",
+        "seconds"}`` (accuracies for classification). ``model`` is put in eval mode for the
+        estimate and restored after."""
+        import time
+
+        _check_examples(x, y)
+        start = time.perf_counter()
+        if self.max_examples is not None and len(x) > self.max_examples:
+            gen = torch.Generator().manual_seed(self.seed)
+            keep = torch.randperm(len(x), generator=gen)[: self.max_examples].to(x.device)
+            x, y = x[keep], y[keep.to(y.device)]
+        was_training = model.training
+        model.eval()
+        try:
+            own = getattr(optimizer, "posterior", None)
+            if callable(own):
+                import inspect
+
+                q = own(model) if "model" in inspect.signature(own).parameters else own()
+                name = f"{type(optimizer).__name__} posterior ({self.scope})"
+                delta: float | None = None
+                if self.scope == "all":
+                    mp = memory_perturbation(
+                        model, q, x, y, self.likelihood, covariance="full", correction=True
+                    )
+                else:
+                    mp = _diagonal_last_layer_loo(model, q, x, y, self.likelihood)
+            else:
+                delta, how = self._delta(optimizer, len(x))
+                name = f"last-layer full Laplace-GGN (delta: {how})"
+                mp = last_layer_loo(model, x, y, delta, self.likelihood).perturbation
+        finally:
+            model.train(was_training)
+        record: dict[str, Any] = {
+            "epoch": len(self.history) if epoch is None else epoch,
+            "posterior": name,
+            "prior_precision": delta,
+            "n": len(x),
+            **mp.loo_summary(),
+            "seconds": time.perf_counter() - start,
+        }
+        self.history.append(record)
+        return record
+
+
+def last_layer_remove(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    remove: Tensor,
+    prior_precision: float,
+    x_eval: Tensor,
+    likelihood: str | Likelihood = "categorical",
+) -> tuple[Tensor, Tensor]:
+    r"""Outputs at ``x_eval`` before and after removing the examples ``remove`` from the
+    training set, by one Newton step of the output layer (features held fixed).
+
+    With the head's Laplace-GGN precision ``H = sum_n J_n^T Lambda_n J_n + delta I`` over all
+    of ``(x, y)`` (:func:`last_layer_ggn`), ``S`` the removed set, ``H_S`` its part of the sum
+    and ``g_S = sum_{i in S} J_i^T e_i`` its gradient, the head moves by
+
+        ``d theta = (H - H_S)^{-1} g_S``
+
+    (exact for a Gaussian likelihood; for one example it is :func:`last_layer_loo`'s step),
+    and the outputs at ``x_eval`` become ``f + J d theta``.
+
+    Args:
+        model: ``[N, ...] -> [N, C]`` in eval mode, ending in an ``nn.Linear``.
+        x: ``[N, ...]`` the training examples. y: ``[N]`` targets.
+        remove: ``[N]`` bool, the examples removed (e.g. ``y == c``: a whole class).
+        prior_precision: ``delta > 0``.
+        x_eval: ``[M, ...]`` where to evaluate.
+
+    Returns:
+        ``(f_eval [M, C], f_eval_after [M, C])``.
+    """
+    _check_examples(x, y)
+    check_tensor(remove, "remove", f"[N]=[{len(x)}] bool")
+    if remove.dtype != torch.bool or remove.shape != (len(x),):
+        raise ValueError(
+            f"remove must be a bool tensor of shape [{len(x)}], got {remove.dtype} "
+            f"{tuple(remove.shape)}"
+        )
+    if not (isinstance(prior_precision, int | float) and prior_precision > 0):
+        raise ValueError(f"prior_precision must be a number > 0, got {prior_precision!r}")
+    check_batch(x_eval, "x_eval")
+    lik = get_likelihood(likelihood)
+    phi, head = last_layer_features(model, x)
+    phi_e, _ = last_layer_features(model, x_eval)
+    with torch.no_grad():
+        f, f_e = head(phi).double(), head(phi_e).double()
+    bias = head.bias is not None
+    phi, phi_e = _augment(phi, bias).double(), _augment(phi_e, bias).double()
+    remove = remove.to(phi.device)
+    y = y.to(f.device)
+    c, d1 = f.shape[1], phi.shape[1]
+    eye = torch.eye(c * d1, dtype=phi.dtype, device=phi.device)
+    keep = ~remove
+    h_keep = last_layer_ggn(phi[keep], f[keep], lik) + prior_precision * eye
+    with torch.enable_grad():
+        fr = f[remove].detach().requires_grad_(True)
+        e_s = torch.autograd.grad(lik.nll(fr, y[remove]).sum(), fr)[0]  # [S, C]
+    g_s = (e_s[:, :, None] * phi[remove][:, None, :]).sum(0).reshape(-1)  # sum J^T e
+    step = torch.linalg.solve(h_keep, g_s).reshape(c, d1)
+    dtype = x_eval.dtype if x_eval.is_floating_point() else f_e.dtype
+    return f_e.to(dtype), (f_e + phi_e @ step.T).to(dtype)

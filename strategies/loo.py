@@ -1,0 +1,70 @@
+"""An Avalanche plugin recording the leave-one-out estimate of the current experience's
+training set after every training epoch (:class:`fromp.loo.LOOTracker`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from avalanche.core import SupervisedPlugin
+from torch import Tensor, nn
+
+from fromp.loo import LOOTracker
+from strategies.benchmarks import experience_tensors
+
+
+class _FixedTask(nn.Module):
+    """``x -> model(x, task)`` for a multi-task (Avalanche ``MultiTaskModule``) model."""
+
+    def __init__(self, model: nn.Module, task: int) -> None:
+        super().__init__()
+        self.model, self.task = model, task
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(x, torch.full((len(x),), self.task, dtype=torch.long, device=x.device))
+
+
+class LOOPlugin(SupervisedPlugin):
+    """After each training epoch, estimate the leave-one-out NLL and accuracy of the
+    experience's training examples and append ``{"experience", **record}`` to
+    :attr:`history` (``record`` as :meth:`fromp.loo.LOOTracker.__call__`).
+
+    The posterior is the optimizer's own when it has one (IVON, VOGN; list this plugin after
+    their plugins so that the mean is back in the model), else a last-layer Laplace with
+    ``prior_precision`` (default: the optimizer's weight decay times ``N``).
+
+    Args:
+        tracker_kwargs: keyword arguments of :class:`~fromp.loo.LOOTracker`
+            (``prior_precision``, ``scope``, ``max_examples``, ``likelihood``).
+    """
+
+    def __init__(self, **tracker_kwargs: Any) -> None:
+        super().__init__()
+        self.tracker = LOOTracker(**tracker_kwargs)
+        self.history: list[dict[str, Any]] = []
+        self._data: tuple[Tensor, Tensor, int] | None = None
+
+    def before_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        x, y, t = experience_tensors(strategy.experience.dataset)
+        tasks = t.unique()
+        if len(tasks) != 1:
+            raise ValueError(
+                f"LOOPlugin needs experiences with one task label each, got {tasks.tolist()}"
+            )
+        self._data = (x, y, int(tasks[0]))
+
+    def after_training_epoch(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        if self._data is None:
+            return
+        from avalanche.models import MultiTaskModule
+
+        x, y, task = self._data
+        model = strategy.model
+        if isinstance(model, MultiTaskModule):
+            model = _FixedTask(model, task)
+        dev = strategy.device
+        rec = self.tracker(model, x.to(dev), y.to(dev), strategy.optimizer)
+        self.history.append({"experience": strategy.experience.current_experience, **rec})
+
+    def after_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        self._data = None

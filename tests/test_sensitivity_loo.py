@@ -1,0 +1,345 @@
+"""Leave-one-out estimates against brute-force retraining without each example: linear
+regression (exact, ``e_i / (1 - h_ii)``), logistic and softmax regression (the Newton-step
+estimate against retraining and against the dense Hessian), a small MLP (approximate), and
+``newton_step_loo``'s default tolerance in float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fromp
+from fromp.jacobian import flat_params
+from fromp.likelihood import get_likelihood
+from fromp.loo import last_layer_features, last_layer_ggn, last_layer_loo
+from fromp.sensitivity import memory_perturbation, newton_step_loo
+
+D = torch.float64
+
+
+def _fit(model: nn.Module, x, y, lik, delta: float, steps: int = 200) -> nn.Module:
+    """Minimise ``sum_n nll + delta/2 |w|^2`` by L-BFGS to (float64) convergence."""
+    lik = get_likelihood(lik)
+    opt = torch.optim.LBFGS(
+        model.parameters(), lr=1, max_iter=steps, tolerance_grad=1e-13, tolerance_change=0,
+        line_search_fn="strong_wolfe",
+    )  # fmt: skip
+
+    def closure():
+        opt.zero_grad()
+        sq = sum(p.pow(2).sum() for p in model.parameters())
+        loss = lik.nll(model(x), y).sum() + 0.5 * delta * sq
+        loss.backward()
+        return loss
+
+    for _ in range(5):
+        opt.step(closure)
+    return model.eval()
+
+
+def _retrained_loo(make, x, y, lik, delta, init: nn.Module) -> torch.Tensor:
+    """Outputs ``f(x_i; w^{\\i})`` of the model retrained without example ``i`` ``[N, C]``."""
+    rows = []
+    for i in range(len(x)):
+        keep = torch.arange(len(x)) != i
+        net = make()
+        net.load_state_dict(init.state_dict())  # warm start at w*: same basin
+        _fit(net.train(), x[keep], y[keep], lik, delta)
+        with torch.no_grad():
+            rows.append(net(x[i : i + 1])[0])
+    return torch.stack(rows)
+
+
+def test_linear_regression_exact_closed_form():
+    torch.manual_seed(0)
+    n, d, delta = 20, 3, 0.7
+    x = torch.randn(n, d, dtype=D)
+    y = x @ torch.tensor([1.0, -2.0, 0.5], dtype=D) + 0.3 + 0.5 * torch.randn(n, dtype=D)
+    xa = torch.cat([x, torch.ones(n, 1, dtype=D)], 1)
+    hess = xa.T @ xa + delta * torch.eye(d + 1, dtype=D)
+    w = torch.linalg.solve(hess, xa.T @ y)
+    model = nn.Linear(d, 1).double().eval()
+    with torch.no_grad():
+        model.weight.copy_(w[:d][None])
+        model.bias.copy_(w[d:])
+    res = last_layer_loo(model, x, y[:, None], delta, "gaussian")
+    loo = res.perturbation.loo_logits[:, 0]
+    # closed form: LOO residual e_i / (1 - h_ii), h = X (X^T X + delta)^{-1} X^T
+    h = torch.diagonal(xa @ torch.linalg.solve(hess, xa.T))
+    e = y - xa @ w
+    torch.testing.assert_close(y - loo, e / (1 - h), rtol=1e-10, atol=1e-12)
+    # brute force: ridge refitted without example i (closed form again)
+    for i in range(n):
+        k = torch.arange(n) != i
+        wi = torch.linalg.solve(xa[k].T @ xa[k] + delta * torch.eye(d + 1, dtype=D), xa[k].T @ y[k])
+        torch.testing.assert_close(loo[i], xa[i] @ wi, rtol=1e-10, atol=1e-12)
+    assert res.summary()["prior_precision"] == delta and res.summary()["n_fit"] == n
+
+
+@pytest.mark.parametrize("classes", [2, 3])
+def test_softmax_regression_against_dense_hessian_and_retraining(classes):
+    torch.manual_seed(1)
+    n, d, delta = 30, 2, 0.5
+    x = torch.randn(n, d, dtype=D)
+    y = (x[:, 0] * 2 + x[:, 1] + 0.8 * torch.randn(n, dtype=D) > 0).long()
+    if classes == 3:
+        y = y + (x[:, 1] > 0.7).long()
+
+    def make():
+        return nn.Linear(d, classes).double()
+
+    model = _fit(make(), x, y, "categorical", delta)
+    res = last_layer_loo(model, x, y, delta)
+    # precision: the dense Hessian of the objective over theta = vec([W | b])
+    lik = get_likelihood("categorical")
+    xa = torch.cat([x, torch.ones(n, 1, dtype=D)], 1)
+
+    def objective(theta):
+        return lik.nll(xa @ theta.reshape(classes, d + 1).T, y).sum() + 0.5 * delta * theta @ theta
+
+    theta = torch.cat([model.weight, model.bias[:, None]], 1).detach().flatten()
+    torch.testing.assert_close(res.precision, torch.func.hessian(objective)(theta))
+    # the same Newton step as newton_step_loo with the exact Hessian (nn.Linear's ordering)
+    w = flat_params(model).detach()
+
+    def obj_flat(w):
+        wt, b = w[: classes * d].reshape(classes, d), w[classes * d :]
+        return lik.nll(x @ wt.T + b, y).sum() + 0.5 * delta * w @ w
+
+    q = fromp.FullGaussian(w, torch.func.hessian(obj_flat)(w))
+    ref = newton_step_loo(model, q, x, y)
+    torch.testing.assert_close(res.perturbation.loo_logits, ref, rtol=1e-8, atol=1e-10)
+    # against retraining without each example: one Newton step from w*, close
+    retrained = _retrained_loo(make, x, y, "categorical", delta, model)
+    err = (res.perturbation.loo_logits - retrained).abs().max()
+    shift = (retrained - res.perturbation.logits).abs().max()
+    assert err < 0.2 * shift, (err, shift)
+    # the uncorrected first-order estimate is much worse: the correction is what is tested
+    plain = memory_perturbation(model, q, x, y, covariance="full").loo_logits
+    assert (plain - retrained).abs().max() > err
+
+
+def test_small_mlp_loo_correlates_with_retraining():
+    torch.manual_seed(2)
+    n, delta = 40, 1.0
+    x = torch.randn(n, 2, dtype=D)
+    y = ((x[:, 0] ** 2 + x[:, 1] + 0.5 * torch.randn(n, dtype=D)) > 0.8).long()
+
+    def make():
+        torch.manual_seed(3)
+        return nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+
+    model = _fit(make(), x, y, "categorical", delta)
+    lik = get_likelihood("categorical")
+    retrained = lik.nll(_retrained_loo(make, x, y, "categorical", delta, model), y)
+    q = fromp.laplace_full(model, x, "categorical", prior_precision=delta)
+    est = memory_perturbation(model, q, x, y, covariance="full", correction=True).loo_nll()
+    train = lik.nll(model(x).detach(), y)
+    corr = torch.corrcoef(torch.stack([est, retrained]))[0, 1]
+    assert corr > 0.95, corr
+    # the estimate beats the training NLL as a predictor of the retrained LOO NLL
+    assert (est - retrained).abs().mean() < 0.5 * (train - retrained).abs().mean()
+    assert est.mean() > train.mean()  # leaving an example out can only hurt it on average
+
+
+def test_newton_step_loo_default_tolerance_reached_in_float32():
+    torch.manual_seed(4)
+    x = torch.randn(12, 3)
+    y = torch.randint(0, 3, (12,))
+    net = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 3)).eval()
+    q = fromp.laplace_full(net, x, "categorical", prior_precision=1.0)
+    # GGN curvature has rank <= C = 3, so GMRES is exact after C + 1 = 4 steps; a tolerance
+    # float32 cannot reach would run to max_iter and raise
+    out = newton_step_loo(net, q, x, y, curvature="ggn", max_iter=5)
+    assert out.dtype == torch.float32 and out.shape == (12, 3)
+    with pytest.raises(RuntimeError, match="GMRES did not reach"):
+        newton_step_loo(net, q, x, y, curvature="ggn", max_iter=5, tol=1e-12)
+    q64 = fromp.laplace_full(net.double(), x.double(), "categorical", prior_precision=1.0)
+    ref = newton_step_loo(net, q64, x.double(), y, curvature="ggn")
+    torch.testing.assert_close(out.double(), ref, rtol=1e-3, atol=1e-4)
+    with pytest.raises(ValueError, match="tol must be > 0"):
+        newton_step_loo(net, q64, x.double(), y, tol=0.0)
+
+
+def test_last_layer_ggn_and_features_against_dense():
+    torch.manual_seed(5)
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 3)).double().eval()
+    x = torch.randn(9, 3, dtype=D)
+    phi, head = last_layer_features(net, x)
+    assert head is net[2]
+    torch.testing.assert_close(phi, torch.relu(net[0](x)).detach())
+    lik = get_likelihood("categorical")
+    xa = torch.cat([phi, torch.ones(9, 1, dtype=D)], 1)
+    theta = torch.cat([head.weight, head.bias[:, None]], 1).detach().flatten()
+    jac = torch.func.jacrev(lambda t: xa @ t.reshape(3, 5).T)(theta)  # [N, C, P]
+    f = xa @ theta.reshape(3, 5).T
+    dense = torch.einsum("ncp,nck,nkq->pq", jac, lik.hessian(f), jac)
+    torch.testing.assert_close(last_layer_ggn(xa, f, lik), dense)
+
+
+def test_last_layer_bad_arguments():
+    net = nn.Sequential(nn.Linear(3, 2), nn.Softmax(-1)).eval()
+    x, y = torch.randn(4, 3), torch.tensor([0, 1, 0, 1])
+    with pytest.raises(ValueError, match=r"last nn\.Linear"):
+        last_layer_loo(net, x, y, 1.0)
+    with pytest.raises(ValueError, match=r"nn\.Linear"):
+        last_layer_features(nn.Sequential(nn.Tanh()).eval(), x)
+    with pytest.raises(ValueError, match="prior_precision must be a number > 0"):
+        last_layer_loo(net[0], x, y, 0.0)
+    with pytest.raises(ValueError, match="y must have N=4"):
+        last_layer_loo(net[0], x, y[:3], 1.0)
+
+
+def _blobs(n: int = 60, seed: int = 6):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, 3, (n,), generator=g)
+    x = torch.randn(n, 4, generator=g) + 1.5 * nn.functional.one_hot(y, 4).float()
+    return x, y
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def test_loo_tracker_adam_uses_last_layer_laplace_with_weight_decay_times_n():
+    from fromp.loo import LOOTracker
+
+    torch.manual_seed(7)
+    x, y = _blobs()
+    net = _mlp()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.05, weight_decay=0.01)
+    tracker = LOOTracker()
+    for epoch in range(3):
+        net.train()
+        for i in range(0, 60, 20):
+            opt.zero_grad()
+            nn.functional.cross_entropy(net(x[i : i + 20]), y[i : i + 20]).backward()
+            opt.step()
+        rec = tracker(net, x, y, opt)
+        assert net.training  # mode restored
+        ref = last_layer_loo(net.eval(), x, y, 0.01 * 60).perturbation.loo_summary()
+        net.train()
+        assert rec["epoch"] == epoch and rec["prior_precision"] == pytest.approx(0.6)
+        assert rec["loo_nll"] == pytest.approx(ref["loo_nll"], rel=1e-6)
+        assert rec["loo_accuracy"] == ref["loo_accuracy"] and rec["n"] == 60
+    assert len(tracker.history) == 3
+    # no weight decay and no prior precision: refused, naming the argument
+    with pytest.raises(ValueError, match="prior_precision is needed"):
+        LOOTracker()(net, x, y, torch.optim.SGD(net.parameters(), lr=0.1))
+    # a subset: fixed across calls, the posterior fitted on it
+    sub = LOOTracker(prior_precision=1.0, max_examples=25)
+    a, b = sub(net, x, y), sub(net, x, y)
+    assert a["n"] == 25 and a["loo_nll"] == b["loo_nll"]
+
+
+def test_loo_tracker_ivon_last_layer_against_dense():
+    from fromp.loo import LOOTracker
+    from fromp.optim import IVON
+
+    torch.manual_seed(8)
+    x, y = _blobs()
+    x = x.double()
+    net = _mlp().double()
+    opt = IVON(net.parameters(), lr=0.1, ess=60, hess_init=0.5)
+    for _ in range(5):
+        with opt.sampled_params():
+            opt.zero_grad()
+            nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    rec = LOOTracker()(net, x, y, opt)
+    q = opt.posterior(net)
+    # dense: V_n = J_n Sigma_head J_n^T with Sigma the IVON variances of the head only
+    mask = torch.zeros_like(q.variance)
+    mask[-(6 * 3 + 3) :] = 1  # the head is the last Linear: its weight and bias come last
+    w = q.mean
+    jac = torch.func.jacrev(
+        lambda w: torch.func.functional_call(net.eval(), fromp.jacobian.unflatten(net, w), (x,))
+    )(w)  # [N, C, P]
+    cov = torch.einsum("ncp,p,nkp->nck", jac, q.variance * mask, jac)
+    f = net(x).detach()
+    lik = get_likelihood("categorical")
+    e = torch.softmax(f, -1) - nn.functional.one_hot(y, 3)
+    lam = lik.hessian(f)
+    loo = f + torch.einsum(
+        "ncd,nd->nc", cov, torch.linalg.solve(torch.eye(3, dtype=D) - lam @ cov, e)
+    )
+    assert rec["loo_nll"] == pytest.approx(lik.nll(loo, y).mean().item(), rel=1e-8)
+    assert rec["posterior"].startswith("IVON posterior")
+    # scope="all": the full memory-perturbation equation over every weight
+    rec_all = LOOTracker(scope="all")(net, x, y, opt)
+    full = memory_perturbation(net, q, x, y, covariance="full", correction=True)
+    assert rec_all["loo_nll"] == pytest.approx(full.loo_nll().mean().item(), rel=1e-8)
+    assert rec_all["loo_nll"] > rec["loo_nll"]  # all weights vary: larger leave-one-out moves
+    with pytest.raises(ValueError, match="scope must be"):
+        LOOTracker(scope="head")
+
+
+def test_loo_plugin_records_each_epoch_on_the_current_experience():
+    from avalanche.training.supervised import Naive
+
+    from benchmarks.data import split_digits, to_avalanche
+    from fromp.loo import LOOTracker
+    from strategies.loo import LOOPlugin
+
+    torch.manual_seed(9)
+    seq = split_digits()
+    bench = to_avalanche(seq)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, weight_decay=1e-3)
+    plugin = LOOPlugin()
+    strategy = Naive(
+        model=net, optimizer=opt, criterion=nn.CrossEntropyLoss(), train_mb_size=32,
+        train_epochs=2, plugins=[plugin], evaluator=None,
+    )  # fmt: skip
+    for k, exp in enumerate(bench.train_stream[:3]):
+        strategy.train(exp)
+        assert [h["experience"] for h in plugin.history] == [
+            e for e in range(k + 1) for _ in (0, 1)
+        ]
+        # the last record is the estimate on this experience's data, not a previous one's
+        task = seq[k]
+        ref = LOOTracker()(net, task.train_x, task.train_y, opt)
+        last = plugin.history[-1]
+        assert last["n"] == len(task.train_y)
+        assert last["loo_nll"] == pytest.approx(ref["loo_nll"], rel=1e-5)
+        assert last["prior_precision"] == pytest.approx(1e-3 * len(task.train_y))
+
+
+def test_last_layer_remove_a_class_against_ridge_and_retraining():
+    from fromp.loo import last_layer_remove
+
+    torch.manual_seed(10)
+    # Gaussian likelihood: removing a set is exact (ridge refitted without it)
+    n, d, delta = 30, 3, 0.4
+    x = torch.randn(n, d, dtype=D)
+    y = x @ torch.tensor([0.5, -1.0, 2.0], dtype=D) + 0.3 * torch.randn(n, dtype=D)
+    xa = torch.cat([x, torch.ones(n, 1, dtype=D)], 1)
+    w = torch.linalg.solve(xa.T @ xa + delta * torch.eye(d + 1, dtype=D), xa.T @ y)
+    lin = nn.Linear(d, 1).double().eval()
+    with torch.no_grad():
+        lin.weight.copy_(w[:d][None])
+        lin.bias.copy_(w[d:])
+    remove = x[:, 0] > 0.3
+    xe = torch.randn(7, d, dtype=D)
+    before, after = last_layer_remove(lin, x, y[:, None], remove, delta, xe, "gaussian")
+    k = ~remove
+    wk = torch.linalg.solve(xa[k].T @ xa[k] + delta * torch.eye(d + 1, dtype=D), xa[k].T @ y[k])
+    xea = torch.cat([xe, torch.ones(7, 1, dtype=D)], 1)
+    torch.testing.assert_close(before[:, 0], xea @ w)
+    torch.testing.assert_close(after[:, 0], xea @ wk)
+    # softmax regression, a whole class removed: close to retraining without it
+    x, y = _blobs(90, seed=11)
+    x = x.double()
+    model = _fit(nn.Linear(4, 3).double(), x, y, "categorical", 1.0)
+    remove = y == 2
+    before, after = last_layer_remove(model, x, y, remove, 1.0, x)
+    retrained = _fit(nn.Linear(4, 3).double().requires_grad_(), x[~remove], y[~remove],
+                     "categorical", 1.0)  # fmt: skip
+    with torch.no_grad():
+        p0, p1 = torch.softmax(before, -1), torch.softmax(after, -1)
+        pr = torch.softmax(retrained(x), -1)
+    corr = torch.corrcoef(torch.stack([(p1 - p0).flatten(), (pr - p0).flatten()]))[0, 1]
+    assert corr > 0.9, corr
+    with pytest.raises(ValueError, match="remove must be a bool tensor"):
+        last_layer_remove(model, x, y, remove.long(), 1.0, x)
