@@ -275,6 +275,33 @@ def check_out(out: Path) -> None:
         raise UsageError(f"--out {out}: cannot write there ({err.strerror or err})") from err
 
 
+#: Free space below which a run is refused before training (checkpoints of the paper's
+#: networks are a few MB each; a full disk would lose the task being trained).
+MIN_FREE_BYTES = 200 * 2**20
+
+
+def check_writable_run_dirs(base: Path) -> None:
+    """Before any training: ``base/checkpoints`` and ``base/runs`` exist and can be written,
+    and the disk has at least :data:`MIN_FREE_BYTES` free (a one-line ``UsageError`` naming
+    the directory otherwise)."""
+    import shutil
+
+    for sub in ("checkpoints", "runs"):
+        d = base / sub
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=d, prefix=".write-test-"):
+                pass
+        except OSError as err:
+            raise UsageError(f"{d}: cannot write there ({err.strerror or err})") from err
+    free = shutil.disk_usage(base).free
+    if free < MIN_FREE_BYTES:
+        raise UsageError(
+            f"{base}: only {free / 2**20:.0f} MB free on its disk, under the "
+            f"{MIN_FREE_BYTES / 2**20:.0f} MB a run needs for its checkpoints; free some space"
+        )
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Every command-line value that can be checked without data; one line per error."""
     for flag, value in (
@@ -384,6 +411,7 @@ def run_benchmark(
     labels = set()
     started = time.perf_counter()
     with out_lock(base):
+        check_writable_run_dirs(base)
         for name, merged, tag in jobs:
             for seed in seeds:
                 label = run_name(name, tag, seed)

@@ -209,3 +209,78 @@ def test_ansi_escapes_never_reach_a_failure_reason():
     assert "\x1b" not in reason and "[36m" not in reason
     assert reason.startswith("ray::ImplicitFunc.train() (pid=1) boom") and len(reason) == 300
     assert failure_reason(None) == "no result reported"
+
+
+def test_unwritable_run_directories_and_a_full_disk_are_refused_before_training(
+    tmp_path, capsys, monkeypatch
+):
+    """Found only after a task had trained before (the checkpoint write failed). The
+    unwritable directory is simulated (the tests may run as root, which ignores modes)."""
+    import shutil
+    import tempfile
+    from collections import namedtuple
+    from pathlib import Path
+
+    import benchmarks.command as command
+    from benchmarks.__main__ import main
+
+    trained = []
+    monkeypatch.setattr(command, "run", lambda cfg: trained.append(cfg) or {})
+    argv = ["split-digits", "--strategies", "naive", *QUICK, "--out", str(tmp_path)]
+    real = tempfile.NamedTemporaryFile
+
+    def read_only(*args, **kwargs):
+        if Path(kwargs.get("dir", ".")).name == "checkpoints":
+            raise PermissionError(13, "Permission denied")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", read_only)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "checkpoints: cannot write there (Permission denied)" in err
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", real)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 10**6, 10**6))
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "MB free" in err and len(err.strip().splitlines()) == 1
+    assert trained == []  # nothing was trained
+
+
+def test_sigkill_during_a_checkpoint_write_keeps_the_previous_checkpoint(tmp_path):
+    """A process killed (SIGKILL) in the middle of writing a checkpoint: the previous
+    checkpoint and its checksum are untouched and still load."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from benchmarks.plugins import _read_checkpoint, _write_checkpoint
+
+    path = tmp_path / "c.pt"
+    _write_checkpoint(path, {"version": 3, "config": {}, "model": {"w": torch.ones(3)}})
+    before = path.read_bytes()
+    script = f"""
+import os, time, torch
+from pathlib import Path
+import benchmarks.plugins as p
+def stall(fd):
+    Path({str(tmp_path)!r}, "stalled").write_text("1")
+    time.sleep(60)
+os.fsync = stall
+p._write_checkpoint(Path({str(path)!r}), {{"version": 3, "config": {{}},
+                    "model": {{"w": torch.zeros(1000)}}}})
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.time() + 60
+        while not (tmp_path / "stalled").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        assert (tmp_path / "stalled").exists(), "the writer never reached the write"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        proc.kill()
+    assert path.read_bytes() == before
+    state = _read_checkpoint(path)
+    assert torch.equal(state["model"]["w"], torch.ones(3))

@@ -606,3 +606,30 @@ def test_closure_step_matches_batch_step_and_restores_the_mean():
         opt_b.step(closure, y)
     with pytest.raises(TypeError, match="a closure or nothing"):
         opt_b.step("x")
+
+
+def test_a_non_finite_loss_is_refused_and_changes_nothing():
+    """A NaN loss gives NaN gradients (and curvature): the update raises with the mean, the
+    momentum, the curvature estimate and the step count as they were; training goes on."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = VOGN(model, lr=0.1, train_set_size=20, prior_precision=1.0)
+    x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+    opt.step(x, y)
+    before = [p.detach().clone() for p in model.parameters()]
+    state = copy.deepcopy(opt.state_dict()["vogn"])
+    p = state["mu"].numel()
+    for grad, curv in ((torch.full((p,), float("nan")), torch.ones(p)),
+                       (torch.zeros(p), torch.full((p,), float("inf")))):  # fmt: skip
+        with pytest.raises(FloatingPointError, match="not finite"):
+            opt.update(grad, curv)
+    for q, b in zip(model.parameters(), before):
+        assert torch.equal(q, b)
+    after = opt.state_dict()["vogn"]
+    assert after["step"] == state["step"]
+    for k in ("mu", "m", "s"):
+        assert torch.equal(after[k], state[k]), k
+    opt.step(x, y)  # training goes on
+    assert all(torch.isfinite(q).all() for q in model.parameters())

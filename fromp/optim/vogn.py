@@ -420,6 +420,15 @@ class VOGN(torch.optim.Optimizer):
         for name, v in (("grad", grad), ("curv", curv)):
             if v.shape != mu.shape:
                 raise ValueError(f"{name} must have shape [P]=[{mu.numel()}], got {tuple(v.shape)}")
+        # one host sync per step; refuse before any state changes (a NaN loss would
+        # otherwise be written into the mean, the momentum and the curvature estimate)
+        if not bool(torch.isfinite(grad).all() & torch.isfinite(curv).all()):
+            self.load_mean()
+            raise FloatingPointError(
+                "VOGN.step(): the gradient or the curvature at the sampled weights is not "
+                "finite (a NaN or infinite loss?); the weights and the optimizer state are "
+                "unchanged"
+            )
         group = self.param_groups[0]
         beta1, beta2 = group["betas"]
         dt = self._delta_tilde()
