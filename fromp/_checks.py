@@ -8,6 +8,7 @@ message names the argument and says what was expected.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any
 
 import torch
@@ -128,3 +129,21 @@ def check_ivon_group(group: dict[str, Any]) -> None:
         raise ValueError(f"mc_samples must be an int >= 1, got {mc!r}")
     if not isinstance(group["antithetic"], bool):
         raise ValueError(f"antithetic must be a bool, got {group['antithetic']!r}")
+
+
+def check_chunk_size(chunk_size: object, *, allow_none: bool = True) -> int | None:
+    """``chunk_size`` as an int ``>= 1`` (or None where ``allow_none``: the default chunk);
+    ValueError naming the argument otherwise (bools and floats included). The one rule for
+    every ``chunk_size`` argument of fromp."""
+    if chunk_size is None and allow_none:
+        return None
+    what = "a positive int or None" if allow_none else "a positive int"
+    try:
+        if isinstance(chunk_size, bool):
+            raise TypeError
+        value = operator.index(chunk_size)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"chunk_size must be {what}, got {chunk_size!r}") from None
+    if value < 1:
+        raise ValueError(f"chunk_size must be {what}, got {chunk_size!r}")
+    return value

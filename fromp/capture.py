@@ -50,6 +50,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vmap
 
+from fromp._checks import check_chunk_size
+
 __all__ = [
     "DEFAULT_MEMORY_BUDGET",
     "CapturePlan",
@@ -589,10 +591,7 @@ def sum_squared_column_grads(
     """
     if isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget < 1:
         raise ValueError(f"memory_budget must be a positive int (bytes), got {memory_budget!r}")
-    if chunk_size is not None and (
-        isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-    ):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    chunk_size = check_chunk_size(chunk_size)
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if not named:
         raise ValueError("model has no trainable parameters")

@@ -26,10 +26,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vmap
 
-from fromp._checks import check_batch, require_eval
-from fromp.capture import (
-    DEFAULT_MEMORY_BUDGET,
-)
+from fromp._checks import check_batch, check_chunk_size, require_eval
+from fromp.capture import DEFAULT_MEMORY_BUDGET
 from fromp.jacobian import _flatten_leading, _single_output_fn, num_params, unflatten
 from fromp.kernel import _CaptureStructure, _nbytes, _NotStructured
 from fromp.likelihood import (
@@ -50,9 +48,7 @@ _PROBIT_SCALE = math.pi / 8
 
 
 def _check_chunk(chunk_size: int) -> int:
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-    return chunk_size
+    return check_chunk_size(chunk_size, allow_none=False)
 
 
 class GP:

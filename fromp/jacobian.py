@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vjp, vmap
 from torch.func import jvp as _jvp
 
-from fromp._checks import check_batch
+from fromp._checks import check_batch, check_chunk_size
 
 __all__ = [
     "flat_params",
@@ -103,9 +103,8 @@ def iter_jacobians(
     params = trainable_params(model)
     jac_fn = vmap(jacrev(_single_output_fn(model)), in_dims=(None, 0))
     n = len(x)
-    step = n if chunk_size is None else int(chunk_size)
-    if step < 1:
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size}")
+    chunk_size = check_chunk_size(chunk_size)
+    step = n if chunk_size is None else chunk_size
     for start in range(0, n, step):
         rows = slice(start, min(start + step, n))
         yield rows, _flatten_leading(jac_fn(params, x[rows]), 2)

@@ -123,3 +123,31 @@ def test_check_finite_exact_when_the_sum_overflows_or_cancels():
             check_finite(torch.tensor(bad), "x")
     ints = torch.tensor([1, 2])  # integer tensors are never checked
     assert check_finite(ints, "x") is ints
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True, "4", [4]])
+def test_chunk_size_rule_is_one_rule_everywhere(bad):
+    """Every chunk_size argument goes through check_chunk_size: the same refusal, naming the
+    argument, from the GP, the Jacobian, and VOGN."""
+    from fromp._checks import check_chunk_size
+    from fromp.jacobian import jacobians
+    from fromp.optim import VOGN
+
+    with pytest.raises(ValueError, match="chunk_size must be a positive int or None"):
+        check_chunk_size(bad)
+    net = torch.nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+        jacobians(net, x, chunk_size=bad)
+    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+        VOGN(net, train_set_size=4, chunk_size=bad)
+
+
+def test_chunk_size_accepts_ints_and_none():
+    from fromp._checks import check_chunk_size
+
+    assert check_chunk_size(None) is None
+    assert check_chunk_size(3) == 3
+    assert type(check_chunk_size(torch.tensor(5).item())) is int
+    with pytest.raises(ValueError, match="positive int, got None"):
+        check_chunk_size(None, allow_none=False)

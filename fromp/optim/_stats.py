@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, jacrev, vmap
 
-from fromp._checks import check_batch, check_tensor
+from fromp._checks import check_batch, check_chunk_size, check_tensor
 from fromp.capture import LayerCall, capture_calls, squared_grad_sums, supported_layer
 from fromp.likelihood import Likelihood, get_likelihood
 
@@ -281,9 +281,8 @@ def per_example_grad_stats(
     check_tensor(y, "y", f"[M]=[{len(x)}]")
     if len(y) != len(x):
         raise ValueError(f"y must have M={len(x)} entries, got {len(y)}")
-    step = len(x) if chunk_size is None else int(chunk_size)
-    if step < 1:
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size}")
+    chunk_size = check_chunk_size(chunk_size)
+    step = len(x) if chunk_size is None else chunk_size
     if curvature == "ggn" and not isinstance(loss, str | Likelihood):
         raise ValueError("curvature='ggn' needs loss to be a Likelihood (or its name)")
     lik = get_likelihood(loss) if isinstance(loss, str | Likelihood) else None

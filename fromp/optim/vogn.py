@@ -62,7 +62,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fromp._checks import check_positive
+from fromp._checks import check_chunk_size, check_positive
 from fromp.likelihood import Likelihood
 from fromp.optim._stats import (
     GradStats,
@@ -181,8 +181,7 @@ class VOGN(torch.optim.Optimizer):
         check_positive(kl_weight, "kl_weight")
         if curvature not in ("ef", "ggn"):
             raise ValueError(f"curvature must be 'ef' or 'ggn', got {curvature!r}")
-        if chunk_size is not None and int(chunk_size) < 1:
-            raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size}")
+        chunk_size = check_chunk_size(chunk_size)
         if method not in ("auto", "vmap", "hooks"):
             raise ValueError(f"method must be 'auto', 'vmap' or 'hooks', got {method!r}")
         defaults = dict(
