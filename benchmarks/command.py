@@ -1,24 +1,8 @@
 """The runner's command line: argument parsing and checks, planning, running and reporting
-(``fromp-bench``; the entry point is :func:`benchmarks.__main__.main`).
-
-Examples::
-
-    fromp-bench split-mnist --strategies fromp,ewc,vcl,naive --seeds 3
-    fromp-bench permuted-mnist --strategies fromp --seeds 1 --data-root ../shared/data
-    fromp-bench split-mnist --strategies fromp --resume        # continue a killed run
-    fromp-bench demo                                            # the README's main job
-    fromp-bench --list
-    fromp-bench split-mnist --strategies fromp --grid tau=10,30 --valid-fraction 0.1 \\
-        --select-on validation                                  # select on validation
-    fromp-bench sweep split-digits --strategies naive,ewc --seeds 2   # the same on Ray Tune
-
-Exit status: 0 done; 2 a usage, data or checkpoint error (one line); 3 a run failed (a
-non-finite loss, weight or prediction; listed in the report, never in the table); 130
-interrupted (the message says how to resume).
-
-Writes ``<out>/<benchmark>/results.json`` (every run and the aggregate), ``report.md`` and
-``accuracy.png``; checkpoints go to ``<out>/<benchmark>/checkpoints/``.
-"""
+(``fromp-bench``; the entry point, its examples and exit statuses are in
+:mod:`benchmarks.__main__`). Writes ``<out>/<benchmark>/results.json`` (every run and the
+aggregate), ``report.md`` and ``accuracy.png``; checkpoints go to
+``<out>/<benchmark>/checkpoints/``."""
 
 from __future__ import annotations
 

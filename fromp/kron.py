@@ -29,7 +29,7 @@ nothing of size ``P x P`` is formed.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -108,7 +108,6 @@ class KronCurvature:
     blocks: list[KronBlock]
     names: list[list[str]]
     n: int = 0
-    _a_sums: list[Tensor] = field(default_factory=list, repr=False)
 
     def __add__(self, other: KronCurvature) -> KronCurvature:
         """The curvature of both data sets: the ``B`` sums add, the ``A`` averages are

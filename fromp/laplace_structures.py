@@ -30,6 +30,7 @@ from fromp.curvature import diag_ggn
 from fromp.ggn import ggn
 from fromp.kron import KronBlock, KronCurvature, KronEigen, kron_curvature, unfold_input
 from fromp.likelihood import Likelihood
+from fromp.loo import last_layer_features
 from fromp.posterior import DiagonalGaussian, FullGaussian
 
 __all__ = [
@@ -41,33 +42,6 @@ __all__ = [
     "LaplaceDiag",
     "LaplaceFull",
 ]
-
-
-def last_layer(model: nn.Module, x: Tensor) -> tuple[str, nn.Linear]:
-    """The last ``nn.Linear`` called by ``model`` on ``x`` and its name; refuses a model
-    whose output is not that layer's output."""
-    calls: list[tuple[nn.Module, Tensor]] = []
-    handles = [
-        m.register_forward_hook(lambda m, i, o: calls.append((m, o)))
-        for m in model.modules()
-        if type(m) is nn.Linear
-    ]
-    try:
-        with torch.no_grad():
-            out = model(x)
-    finally:
-        for h in handles:
-            h.remove()
-    if not calls:
-        raise ValueError("subset_of_weights='last_layer' needs a model with an nn.Linear layer")
-    layer, z = calls[-1]
-    if z.shape != out.shape or not torch.equal(z, out):
-        raise ValueError(
-            "subset_of_weights='last_layer' needs the model's output to be the output of its "
-            f"last nn.Linear ({layer}); it is transformed after that layer"
-        )
-    name = next(n for n, m in model.named_modules() if m is layer)
-    return name, layer
 
 
 class _Features:
@@ -195,9 +169,6 @@ class _KronMixin:
 
     def _fitted(self):
         self._eig = KronEigen(self.H) if self.H is not None else None
-
-    def _add(self, old, new):
-        return old + new
 
     def _h_state(self, h):
         return h.state_dict()
@@ -371,7 +342,8 @@ class _LastLayer:
 
     def _prepare(self, x: Tensor) -> None:
         if self.layer is None:
-            self._use_layer(*last_layer(self.model, x))
+            _, layer = last_layer_features(self.model, x)  # refuses a non-linear head
+            self._use_layer(next(n for n, m in self.model.named_modules() if m is layer), layer)
 
     def _prepare_names(self, names: list[str]) -> None:
         if self.layer is None:

@@ -62,3 +62,18 @@ def test_phase_clock_synchronises_cuda(monkeypatch):
     assert calls == []
     methods._clock(torch.device("cuda", 0))
     assert calls == [torch.device("cuda", 0)]
+
+
+def test_the_avalanche_study_refuses_a_diverged_run():
+    from types import SimpleNamespace
+
+    from benchmarks.studies.avalanche_models import check_trained
+
+    net = torch.nn.Linear(2, 2)
+    check_trained(SimpleNamespace(model=net, loss=torch.tensor(0.3)), "ok")
+    with pytest.raises(RuntimeError, match="loss is not finite"):
+        check_trained(SimpleNamespace(model=net, loss=torch.tensor(float("nan"))), "x")
+    with torch.no_grad():
+        net.weight[0, 0] = float("inf")
+    with pytest.raises(RuntimeError, match="weights weight are not finite"):
+        check_trained(SimpleNamespace(model=net, loss=torch.tensor(0.3)), "x")

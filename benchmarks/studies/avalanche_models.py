@@ -57,6 +57,17 @@ def _acc(results: dict, exp: int) -> float:
     return float(results[key])
 
 
+def check_trained(strategy, where: str) -> None:
+    """Refuse (``RuntimeError``) a run whose last training loss or weights are not finite:
+    a diverged run is a failed run, never a row of the table."""
+    loss = getattr(strategy, "loss", None)
+    if isinstance(loss, torch.Tensor) and not bool(torch.isfinite(loss).all()):
+        raise RuntimeError(f"{where}: the training loss is not finite; the run diverged")
+    for name, p in strategy.model.named_parameters():
+        if not bool(torch.isfinite(p).all()):
+            raise RuntimeError(f"{where}: weights {name} are not finite; the run diverged")
+
+
 def run_one(method: str, model_name: str, data: str, device: str = "cpu", n_exp: int = 2):
     torch.manual_seed(0)
     multi = model_name == "MTSimpleMLP"
@@ -68,6 +79,7 @@ def run_one(method: str, model_name: str, data: str, device: str = "cpu", n_exp:
     test = list(bm.test_stream)[:n_exp]
     for e, exp in enumerate(list(bm.train_stream)[:n_exp]):
         strategy.train(exp)
+        check_trained(strategy, f"{method} on {model_name}, experience {e}")
         res = strategy.eval(test[: e + 1])
         for s in range(e + 1):
             row[f"acc_exp{s}_after_exp{e}"] = _acc(res, s)
