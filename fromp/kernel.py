@@ -20,14 +20,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vmap
 
-from fromp.capture import (
-    LayerCall,
-    _conv_geometry,
-    _norm_per_example,
-    capture_calls,
-    supported_layer,
-)
+from fromp.capture import LayerCall, LayerMap, capture_calls
 from fromp.jacobian import _flatten_leading, unflatten
+from fromp.layer_rules import _conv_geometry, _norm_per_example, supported_layer
 
 if TYPE_CHECKING:
     from fromp.gp import GP
@@ -71,24 +66,18 @@ class _CaptureStructure:
         self.gp = gp
         model = gp.model
         var = unflatten(model, gp.posterior.variance.detach().to(gp._dtype))
-        owners: dict[int, int] = {}
-        for mod in model.modules():
-            for prm in mod._parameters.values():
-                if prm is not None:
-                    owners[id(prm)] = owners.get(id(prm), 0) + 1
-        names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+        layer_map = LayerMap.of(model)
         self.layers: dict[str, nn.Module] = {}
         self.var: dict[str, dict[str, Tensor]] = {}
         self.std: dict[str, dict[str, Tensor]] = {}
         captured: set[str] = set()
-        for mname, mod in model.named_modules():
-            own = {pn: p for pn, p in mod._parameters.items() if p is not None and p.requires_grad}
-            if not own or not supported_layer(mod) or any(owners[id(p)] != 1 for p in own.values()):
-                continue
+        own_params = layer_map.layers()
+        for mod in layer_map.exclusive_layers(supported_layer):
+            mname = layer_map.module_names[mod]
             self.layers[mname] = mod
-            self.var[mname] = {pn: var[names[id(p)]] for pn, p in own.items()}
+            self.var[mname] = {pn: var[name] for name, pn in own_params[mod]}
             self.std[mname] = {pn: v.sqrt() for pn, v in self.var[mname].items()}
-            captured.update(names[id(p)] for p in own.values())
+            captured.update(name for name, _ in own_params[mod])
         if not self.layers:
             raise _NotStructured("the model has no layer with a capture rule")
         self.other = [n for n in gp._params if n not in captured]

@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fromp.capture import capture_calls
+from fromp.capture import LayerMap, capture_calls
+from fromp.layer_rules import _conv_geometry
 from fromp.likelihood import Likelihood
 
 __all__ = ["KronBlock", "KronCurvature", "kron_curvature", "kron_layers", "unfold_input"]
@@ -46,24 +47,26 @@ def kron_layers(model: nn.Module) -> list[nn.Module]:
     ``named_parameters()`` order; refuses (``ValueError``) a model with trainable
     parameters elsewhere, a grouped convolution or a layer whose weight is frozen while its
     bias is not (KFAC covers these two layer types only)."""
-    layers, covered = [], set()
-    for m in model.modules():
-        own = [p for p in m.parameters(recurse=False) if p.requires_grad]
-        if not own:
-            continue
+    layer_map = LayerMap.of(model)
+    for name in layer_map.named:
+        if layer_map.shared(name):
+            raise ValueError(
+                f"hessian_structure='kron': parameter {name!r} is shared between layers "
+                "(use hessian_structure='diag')"
+            )
+    layers = []
+    for m, plist in layer_map.layers().items():
         if type(m) not in (nn.Linear, nn.Conv2d):
-            names = [n for n, p in m.named_parameters(recurse=False) if p.requires_grad]
             raise ValueError(
                 f"hessian_structure='kron' covers nn.Linear and nn.Conv2d only; "
-                f"{type(m).__name__} has trainable parameters {names} (freeze them, or use "
-                "hessian_structure='diag')"
+                f"{type(m).__name__} has trainable parameters {[pn for _, pn in plist]} "
+                "(freeze them, or use hessian_structure='diag')"
             )
         if isinstance(m, nn.Conv2d) and m.groups != 1:
             raise ValueError(f"hessian_structure='kron' needs groups=1 convolutions, got {m}")
         if not m.weight.requires_grad:
             raise ValueError(f"hessian_structure='kron': {m} has a frozen weight and a bias")
         layers.append(m)
-        covered.update(id(p) for p in own)
     if not layers:
         raise ValueError("model has no trainable nn.Linear or nn.Conv2d parameters")
     return layers
@@ -74,11 +77,8 @@ def unfold_input(m: nn.Module, a: Tensor) -> Tensor:
     every leading position is a row; ``Conv2d``: unfolded patches, ``in' = in k_h k_w``)."""
     if isinstance(m, nn.Linear):
         return a.reshape(a.shape[0], -1, a.shape[-1])
-    mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
-    pad = m._reversed_padding_repeated_twice
-    if isinstance(m.padding, str) or any(pad):
-        a = F.pad(a, pad, mode=mode)
-    u = F.unfold(a, m.kernel_size, dilation=m.dilation, stride=m.stride)  # [N, in k k, L]
+    a, _, geo = _conv_geometry(m, a, a)
+    u = F.unfold(a, geo["kernel"], dilation=geo["dil"], stride=geo["stride"])  # [N, in k k, L]
     return u.transpose(1, 2)
 
 
@@ -160,11 +160,8 @@ def kron_curvature(
     if fisher not in ("ggn", "ef"):
         raise ValueError(f"fisher must be 'ggn' or 'ef', got {fisher!r}")
     layers = kron_layers(model) if layers is None else layers
-    names_of = {id(p): n for n, p in model.named_parameters()}
-    names = [
-        [names_of[id(p)] for p in (m.weight, m.bias) if p is not None and p.requires_grad]
-        for m in layers
-    ]
+    own = LayerMap.of(model).layers()
+    names = [[name for name, _ in own.get(m, [])] for m in layers]
     a_sum: list[Tensor | None] = [None] * len(layers)
     b_sum: list[Tensor | None] = [None] * len(layers)
     bb_sum: list[Tensor | None] = [None] * len(layers)

@@ -9,16 +9,15 @@ import torch
 from _dense import ConvZoo, Scale, conv_zoo, dense_ggn, dense_jacobian, flat, tiny_cnn, tiny_mlp
 from torch import nn
 
-from fromp.capture import (
-    CapturePlan,
+from fromp.capture import CapturePlan, capture_calls
+from fromp.curvature import diag_ef, diag_fisher, diag_ggn
+from fromp.layer_rules import (
     _conv_gram,
     _conv_grouped_squares,
     _conv_unfold_squares,
-    capture_calls,
     per_example_layer_grads,
     squared_grad_sums,
 )
-from fromp.curvature import diag_ef, diag_fisher, diag_ggn
 from fromp.likelihood import CategoricalLikelihood, GaussianLikelihood
 
 F64 = torch.float64
@@ -199,3 +198,54 @@ def test_laplace_on_the_fromp_mlp_takes_the_capture_route(monkeypatch):
     q = laplace(net, x, "categorical", 1.0)
     ref = torch.diagonal(dense_ggn(net, x, CategoricalLikelihood())) + 1.0
     torch.testing.assert_close(q.precision, ref, rtol=1e-9, atol=1e-12)
+
+
+class _Tied(nn.Module):
+    """A weight registered in two layers (``enc`` and the never-called ``head``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(4, 3, dtype=F64)
+        self.mid = nn.Linear(3, 3, dtype=F64)
+        self.dec = nn.Linear(3, 4, dtype=F64)
+        self.dec.weight = nn.Parameter(self.enc.weight.detach().T.clone())
+        self.head = nn.Linear(4, 2, dtype=F64)
+        self.head.weight = self.enc.weight
+
+    def forward(self, x):
+        return self.mid(torch.tanh(self.enc(x)))
+
+
+def test_layer_map_reads_owners_shared_parameters_and_refreshes_on_freeze():
+    """One reading of the layer structure for every capture user: shared parameters are
+    flagged (not silently given to one layer), the exclusive layers exclude a layer holding
+    a shared parameter, and freezing a parameter gives a new map rather than a stale one."""
+    from fromp.capture import LayerMap, supported_layer
+
+    net = _Tied()
+    lm = LayerMap.of(net)
+    assert list(lm.named) == [n for n, p in net.named_parameters()]
+    assert lm.shared("enc.weight") and not lm.shared("mid.weight")
+    assert {m for m, _ in lm.owners["enc.weight"]} == {net.enc, net.head}
+    assert lm.exclusive_layers(supported_layer) == [net.mid, net.dec]
+    assert lm.name_of()[(id(net.mid), "bias")] == "mid.bias"
+    assert "enc.weight" not in lm.name_of().values()
+    assert LayerMap.of(net) is lm  # cached while the trainable parameters are the same
+    net.mid.bias.requires_grad_(False)
+    lm2 = LayerMap.of(net)
+    assert lm2 is not lm and "mid.bias" not in lm2.named
+
+
+def test_every_capture_user_routes_a_shared_weight_away_from_capture():
+    """The curvature plan sends the shared weight to the Jacobian fallback, VOGN's hook route
+    declines, and KFAC refuses it by name (summing both layers' factors would be wrong)."""
+    from fromp.kron import kron_layers
+    from fromp.optim._stats import _layout
+
+    net = _Tied()
+    plan = CapturePlan.build(net, torch.randn(3, 4, dtype=F64), n_columns=2)
+    assert "enc.weight" in plan.fallback and "shared" in plan.reasons["enc.weight"]
+    assert "mid.weight" in plan.captured_params
+    assert _layout(net)[0] is False
+    with pytest.raises(ValueError, match=r"'enc\.weight' is shared"):
+        kron_layers(net)

@@ -633,3 +633,67 @@ def test_a_non_finite_loss_is_refused_and_changes_nothing():
         assert torch.equal(after[k], state[k]), k
     opt.step(x, y)  # training goes on
     assert all(torch.isfinite(q).all() for q in model.parameters())
+
+
+def test_parameter_groups_step_sizes_prior_precisions_and_schedulers():
+    """Parameter groups: each group moves by the closed-form step with its own ``lr`` and
+    its own slice of ``delta``; one group = the single-group optimizer exactly; a scheduler
+    editing ``param_groups`` applies at the next step; keys that act on the whole posterior
+    are refused per group, naming the key."""
+    torch.manual_seed(3)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
+    body, head = list(net[0].parameters()), list(net[2].parameters())
+    mu = torch.cat([p.detach().reshape(-1) for p in net.parameters()]).clone()
+    k = sum(p.numel() for p in body)
+    g, h = torch.randn_like(mu), torch.rand_like(mu)
+    n, lrs, deltas, b1 = 50, (0.1, 0.003), (2.0, 7.0), 0.9
+
+    groups = [
+        {"params": body, "lr": lrs[0], "prior_precision": deltas[0]},
+        {"params": head, "lr": lrs[1], "prior_precision": deltas[1]},
+    ]
+    opt = OGN(groups, train_set_size=n, betas=(b1, 0.99))
+    delta = torch.cat([mu.new_full((k,), deltas[0]), mu.new_full((len(mu) - k,), deltas[1])])
+    torch.testing.assert_close(opt.prior().precision, delta, atol=0, rtol=0)
+    opt.update(g, h)
+    lr = torch.cat([mu.new_full((k,), lrs[0]), mu.new_full((len(mu) - k,), lrs[1])])
+    dt = delta / n
+    want = mu - lr * (g + dt * mu) / (h + dt)  # bias-corrected first step: m^ = g_tot, s^ = h
+    torch.testing.assert_close(opt.vogn_state["mu"], want, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(opt.posterior().precision, n * h + delta, atol=0, rtol=1e-10)
+
+    # equal groups: bit-identical to one group
+    with torch.no_grad():
+        for p, v in zip(net.parameters(), mu.split([p.numel() for p in net.parameters()])):
+            p.copy_(v.view_as(p))
+    one = OGN(list(net.parameters()), lr=0.01, train_set_size=n)
+    one.update(g, h)
+    with torch.no_grad():
+        for p, v in zip(net.parameters(), mu.split([p.numel() for p in net.parameters()])):
+            p.copy_(v.view_as(p))
+    two = OGN([{"params": body}, {"params": head}], lr=0.01, train_set_size=n)
+    two.update(g, h)
+    assert torch.equal(one.vogn_state["mu"], two.vogn_state["mu"])
+
+    # a scheduler that sets the head's lr to zero freezes the head at the next step
+    sched = torch.optim.lr_scheduler.LambdaLR(two, [lambda e: 1.0, lambda e: 0.0])
+    before = two.vogn_state["mu"].clone()
+    two.update(g, h)
+    assert sched.get_last_lr() == [0.01, 0.0]
+    assert torch.equal(two.vogn_state["mu"][k:], before[k:])
+    assert not torch.equal(two.vogn_state["mu"][:k], before[:k])
+    state = two.state_dict()
+    assert [grp["lr"] for grp in state["param_groups"]] == [0.01, 0.0]
+
+    with pytest.raises(ValueError, match=r"\['betas'\].*one betas for all parameter groups"):
+        OGN([{"params": body, "betas": (0.5, 0.5)}, {"params": head}], train_set_size=n)
+    with pytest.raises(ValueError, match="unknown keys \\['momentum'\\]"):
+        OGN([{"params": body, "momentum": 0.9}], train_set_size=n)
+    with pytest.raises(ValueError, match=r"params_or_model\[1\]\['lr'\] must be a positive"):
+        OGN([{"params": body}, {"params": head, "lr": -1.0}], train_set_size=n)
+    with pytest.raises(ValueError, match="group key"):
+        OGN(
+            [{"params": body, "prior_precision": 1.0}, {"params": head}],
+            prior_mean=DiagonalGaussian(mu, torch.ones_like(mu)),
+            train_set_size=n,
+        )

@@ -23,7 +23,6 @@ stays active in training mode (independent masks per example).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -33,7 +32,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, jacrev, vmap
 
 from fromp._checks import check_batch, check_chunk_size, check_tensor
-from fromp.capture import LayerCall, capture_calls, squared_grad_sums, supported_layer
+from fromp.capture import LayerCall, LayerMap, capture_calls, squared_grad_sums, supported_layer
 from fromp.likelihood import Likelihood, get_likelihood
 
 __all__ = ["GradStats", "LayerCapture", "LossFn", "per_example_grad_stats"]
@@ -81,50 +80,29 @@ def _loss_fn(loss: Likelihood | LossFn | str) -> LossFn:
     raise ValueError(f"loss must be a Likelihood, a likelihood name or a callable, got {loss!r}")
 
 
-def _hook_supported(model: nn.Module) -> bool:
-    """Whether every trainable parameter sits directly in one layer that
-    :mod:`fromp.capture` handles (``Linear``, ``Conv1d/2d``, batch norm with running
-    statistics, ``LayerNorm``, ``GroupNorm``); batch norm in training mode counts, since the
-    per-example pass runs it in eval mode."""
-    owners: dict[int, int] = {}
-    for m in model.modules():
-        own = [p for p in m.parameters(recurse=False) if p.requires_grad]
-        if not own:
-            continue
-        for p in own:
-            owners[id(p)] = owners.get(id(p), 0) + 1
-        if isinstance(m, _BN) and type(m) in _BN_TYPES:
+def _hook_supported(layer_map: LayerMap) -> bool:
+    """Whether every trainable parameter sits in exactly one layer that :mod:`fromp.capture`
+    handles (``Linear``, ``Conv1d/2d``, batch norm with running statistics, ``LayerNorm``,
+    ``GroupNorm``); batch norm in training mode counts, since the per-example pass runs it
+    in eval mode."""
+    if any(layer_map.shared(n) for n in layer_map.named):
+        return False
+    for m in layer_map.layers():
+        if type(m) in _BN_TYPES:
             if m.running_mean is None or m.running_var is None:
                 return False
         elif not supported_layer(m):
             return False
-    return all(c == 1 for c in owners.values())
+    return True
 
 
 _BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
-_LAYOUT_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _layout(
-    model: nn.Module,
-) -> tuple[bool, dict[str, Tensor], dict[int, tuple[nn.Module, str]], dict[tuple[int, str], str]]:
-    """``(hooks supported, trainable params by name, id(param) -> (layer, name),
-    (id(layer), name) -> param name)``, cached per model while its trainable parameters stay
-    the same objects."""
-    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    sig = tuple(id(p) for p in named.values())
-    hit = _LAYOUT_CACHE.get(model)
-    if hit is not None and hit[0] == sig:
-        return hit[1]
-    owner: dict[int, tuple[nn.Module, str]] = {}
-    for m in model.modules():
-        for pn, p in m.named_parameters(recurse=False):
-            if p.requires_grad:
-                owner[id(p)] = (m, pn)
-    name_of = {(id(owner[id(p)][0]), owner[id(p)][1]): n for n, p in named.items()}
-    out = (_hook_supported(model), named, owner, name_of)
-    _LAYOUT_CACHE[model] = (sig, out)
-    return out
+def _layout(model: nn.Module) -> tuple[bool, LayerMap]:
+    """``(hooks supported, the model's LayerMap)``."""
+    layer_map = LayerMap.of(model)
+    return _hook_supported(layer_map), layer_map
 
 
 def _captured_squares(
@@ -146,8 +124,8 @@ def _ef_stats_hooks(
     """Squared per-example gradients from layer inputs and output gradients
     (:mod:`fromp.capture`; one forward and one backward per chunk, the mean gradient from
     the same backward). Returns None when a layer is called more than once."""
-    _, named, owner, name_of = _layout(model)
-    layers = list(dict.fromkeys(m for m, _ in owner.values()))
+    layer_map = LayerMap.of(model)
+    named, name_of, layers = layer_map.named, layer_map.name_of(), list(layer_map.layers())
     p0 = next(iter(named.values()))
     total = sum(p.numel() for p in named.values())
     g_flat = torch.zeros(total, dtype=p0.dtype, device=p0.device)
@@ -191,15 +169,16 @@ class LayerCapture:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        ok, self._named, self._owner, self._name_of = _layout(model)
+        ok, layer_map = _layout(model)
+        self._named, self._name_of = layer_map.named, layer_map.name_of()
+        self._layers = list(layer_map.layers())
         bn_train = any(isinstance(m, _BN) and m.training for m in model.modules())
         self.supported = ok and not bn_train
         self.calls: list[LayerCall] = []
         self._ctx: Any = None
 
     def __enter__(self) -> LayerCapture:
-        layers = list(dict.fromkeys(m for m, _ in self._owner.values()))
-        self._ctx = capture_calls(layers)
+        self._ctx = capture_calls(self._layers)
         self.calls = self._ctx.__enter__()
         return self
 

@@ -95,6 +95,41 @@ def _as_vector(value: float | Tensor, like: Tensor, name: str) -> Tensor:
     return t.detach().clone()
 
 
+_SHARED_KEYS = ("betas", "mc_samples", "kl_weight", "bias_correction")
+
+
+def _check_groups(groups: list[Any]) -> list[dict[str, Any]]:
+    """Parameter groups for :class:`VOGN`: dicts with ``"params"`` and optionally ``"lr"``
+    and ``"prior_precision"`` (a float for the group's slice of ``delta``); the keys of
+    :data:`_SHARED_KEYS` act on the whole posterior (one draw, one KL weight, one ``s``
+    schedule) and must be the constructor's."""
+    out = []
+    for i, g in enumerate(groups):
+        if not isinstance(g, dict) or "params" not in g:
+            raise ValueError(
+                f"params_or_model[{i}] must be a parameter group dict with 'params' (or pass "
+                f"tensors only), got {type(g).__name__}"
+            )
+        unknown = set(g) - {"params", "lr", "prior_precision"}
+        if unknown & set(_SHARED_KEYS):
+            key = sorted(unknown & set(_SHARED_KEYS))[0]
+            raise ValueError(
+                f"params_or_model[{i}][{key!r}]: VOGN keeps one {key} for all parameter groups; "
+                f"pass it to the constructor"
+            )
+        if unknown:
+            raise ValueError(
+                f"params_or_model[{i}] has unknown keys {sorted(unknown)}; a VOGN parameter "
+                "group takes 'params', 'lr' and 'prior_precision'"
+            )
+        if "lr" in g:
+            check_positive(g["lr"], f"params_or_model[{i}]['lr']")
+        params = g["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        out.append({**g, "params": params})
+    return out
+
+
 class VOGN(torch.optim.Optimizer):
     r"""Variational Online Gauss-Newton with a diagonal Gaussian posterior.
 
@@ -122,8 +157,13 @@ class VOGN(torch.optim.Optimizer):
       any regulariser). The lowest level is :meth:`update` ``(g, h)``.
 
     Args:
-        params_or_model: the model (needed by the standalone step) or an iterable of its
-            parameters (only the two-phase / :meth:`update` API then).
+        params_or_model: the model (needed by the standalone step), an iterable of its
+            parameters, or parameter groups (dicts with ``"params"`` and optionally ``"lr"``
+            and ``"prior_precision"``, a float for the group's part of ``delta``); with
+            tensors or groups only the closure, two-phase and :meth:`update` APIs apply. The
+            flat ``[P]`` state follows the groups' order. ``lr`` is read from
+            ``param_groups`` at every step, so learning-rate schedulers work; ``betas``,
+            ``mc_samples``, ``kl_weight`` and ``bias_correction`` are one per optimizer.
         lr: step size ``alpha``.
         betas: ``(beta1, beta2)`` decays of ``m`` and ``s``.
         train_set_size: ``N``; may be None until the first step (the Avalanche plugin sets
@@ -170,7 +210,7 @@ class VOGN(torch.optim.Optimizer):
             self.model = None
             params = list(params_or_model)
             if any(isinstance(p, dict) for p in params):
-                raise ValueError("VOGN takes one parameter group: a model or a list of tensors")
+                params = _check_groups(params)
         if not params:
             raise ValueError("params_or_model has no trainable parameters")
         check_positive(lr, "lr")
@@ -190,6 +230,7 @@ class VOGN(torch.optim.Optimizer):
             mc_samples=int(mc_samples),
             kl_weight=float(kl_weight),
             bias_correction=bool(bias_correction),
+            prior_precision=None,
         )
         super().__init__(params, defaults)
         self.likelihood = likelihood
@@ -198,18 +239,25 @@ class VOGN(torch.optim.Optimizer):
         self.chunk_size = chunk_size
         self.method = method
 
-        mu = torch.cat([p.detach().reshape(-1) for p in params]).clone()
+        mu = torch.cat([p.detach().reshape(-1) for p in self.params]).clone()
+        group_deltas = [g["prior_precision"] for g in self.param_groups]
         if isinstance(prior_mean, DiagonalGaussian):
-            if prior_precision is not None:
+            if prior_precision is not None or any(d is not None for d in group_deltas):
                 raise ValueError(
-                    "prior_precision must be None when prior_mean is a DiagonalGaussian "
-                    "(its precision is the prior precision)"
+                    "prior_precision (argument or group key) must be None when prior_mean is "
+                    "a DiagonalGaussian (its precision is the prior precision)"
                 )
             prior_precision = prior_mean.precision
             prior_mean = prior_mean.mean
         delta = _as_vector(
             1.0 if prior_precision is None else prior_precision, mu, "prior_precision"
         )
+        i = 0
+        for group, d in zip(self.param_groups, group_deltas):
+            k = sum(p.numel() for p in group["params"])
+            if d is not None:
+                delta[i : i + k] = check_positive(d, "prior_precision of a parameter group")
+            i += k
         if not (torch.isfinite(delta).all() and (delta > 0).all()):
             raise ValueError("prior_precision must be finite and strictly positive")
         mu0 = (
@@ -238,12 +286,14 @@ class VOGN(torch.optim.Optimizer):
         self._version = 0  # bumped when the prior or the state is replaced
         self._std_cache: tuple[tuple, Tensor] | None = None
         self._dt_cache: tuple[tuple, Tensor] | None = None
+        self._lr_cache: tuple[tuple, Tensor] | None = None
         self._work: dict[str, Tensor] = {}  # [P] work buffers (see _buffer)
 
     # ---------------------------------------------------------------- hyper-parameters
     @property
     def params(self) -> list[Tensor]:
-        return self.param_groups[0]["params"]
+        """All parameters, group by group: the order of the flat ``[P]`` state."""
+        return [p for group in self.param_groups for p in group["params"]]
 
     @property
     def mc_samples(self) -> int:
@@ -430,6 +480,7 @@ class VOGN(torch.optim.Optimizer):
             )
         group = self.param_groups[0]
         beta1, beta2 = group["betas"]
+        lr = self._lr()
         dt = self._delta_tilde()
         st["step"] += 1
         t = st["step"]
@@ -440,8 +491,25 @@ class VOGN(torch.optim.Optimizer):
         s.mul_(beta2).add_(curv.to(mu), alpha=1 - beta2)
         bc1 = 1 - beta1**t if group["bias_correction"] else 1.0
         denom = torch.add(dt, s, alpha=self._s_scale(), out=self._buffer("denom"))  # s^ + δ~
-        mu.addcdiv_(m, denom, value=-group["lr"] / bc1)
+        if isinstance(lr, float):
+            mu.addcdiv_(m, denom, value=-lr / bc1)
+        else:  # parameter groups with different step sizes
+            mu.addcmul_(torch.div(m, denom, out=denom), lr, value=-1.0 / bc1)
         self.load_mean()
+
+    def _lr(self) -> float | Tensor:
+        """The step size: a float when every group has the same ``lr``, else ``[P]`` (read
+        at every step, so learning-rate schedulers that edit ``param_groups`` apply)."""
+        lrs = tuple(float(g["lr"]) for g in self.param_groups)
+        if len(set(lrs)) == 1:
+            return lrs[0]
+        mu = self.vogn_state["mu"]
+        key = (lrs, mu.device, mu.dtype)
+        if self._lr_cache is None or self._lr_cache[0] != key:
+            sizes = [sum(p.numel() for p in g["params"]) for g in self.param_groups]
+            vec = torch.cat([mu.new_full((k,), lr) for k, lr in zip(sizes, lrs)])
+            self._lr_cache = (key, vec)
+        return self._lr_cache[1]
 
     def set_curvature(self, curv: Tensor) -> None:
         """Store ``h`` ``[P]`` for the next argument-less :meth:`step`."""
