@@ -232,6 +232,12 @@ STRATEGIES: dict[str, StrategySpec] = {
             kwargs={"kernel": "identity"},
         ),
         StrategySpec(
+            "fromp-kron",
+            "strategies.fromp:FROMP",
+            "FROMP with Kronecker-factored (KFAC) posterior kernels instead of diagonal ones",
+            kwargs={"posterior": "kron"},
+        ),
+        StrategySpec(
             "fromp-vogn",
             "strategies.fromp:FROMP",
             "FROMP trained with VOGN; the kernel uses VOGN's posterior",

@@ -273,6 +273,7 @@ _VCL_CORESET: dict[str, Settings] = {
 SETTINGS: dict[str, dict[str, Settings]] = {
     "fromp": _FROMP,
     "fromp-l2": _FROMP,
+    "fromp-kron": _FROMP,
     "fromp-vogn": _FROMP_VOGN,
     "fromp-ivon": _FROMP_IVON,
     "vogn": _VOGN,

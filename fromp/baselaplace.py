@@ -278,6 +278,17 @@ class BaseLaplace:
         self._fitted()
         return self
 
+    def use_curvature(self, curvature: Any, n_data: int) -> BaseLaplace:
+        """Take a curvature computed elsewhere (this structure's type, e.g. the sum of a
+        continual method's per-task KFAC terms) at the model's current weights, in place of
+        :meth:`fit`; the evidence's data term is then unknown (``loss`` None)."""
+        if self.subset_of_weights != "all":
+            raise ValueError("use_curvature needs subset_of_weights='all'")
+        self._set_mean()
+        self.H, self.loss, self.n_data, self.n_outputs = curvature, None, int(n_data), 0
+        self._fitted()
+        return self
+
     def _loss_sum(self, f: Tensor, y: Tensor) -> Tensor:
         if self.regression:
             yy = y.to(f.dtype)

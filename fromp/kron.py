@@ -91,12 +91,14 @@ def _rows_out(m: nn.Module, g: Tensor) -> Tensor:
 
 @dataclass
 class KronBlock:
-    """One layer's factors: ``A [in', in']`` (already divided by ``N``), ``B [out, out]``
-    for the weight, and ``B_bias [out, out]`` (None without a trainable bias)."""
+    """One layer's factors: ``A [in', in']`` (the mean over the ``n`` examples that reached
+    the layer), ``B [out, out]`` (their sum) for the weight, and ``B_bias [out, out]`` (None
+    without a trainable bias). ``n`` None: every example of the curvature (older state)."""
 
     A: Tensor
     B: Tensor
     B_bias: Tensor | None
+    n: int | None = None
 
 
 @dataclass
@@ -111,19 +113,18 @@ class KronCurvature:
 
     def __add__(self, other: KronCurvature) -> KronCurvature:
         """The curvature of both data sets: the ``B`` sums add, the ``A`` averages are
-        weighted by their example counts."""
+        weighted by the examples that reached each layer (a layer one data set never calls,
+        e.g. another task's head, keeps the other's average instead of being diluted)."""
         if self.names != other.names:
             raise ValueError("cannot add KFAC curvatures of different layers")
-        n = self.n + other.n
-        blocks = [
-            KronBlock(
-                (s.A * self.n + o.A * other.n) / n,
-                s.B + o.B,
-                None if s.B_bias is None else s.B_bias + o.B_bias,
-            )
-            for s, o in zip(self.blocks, other.blocks)
-        ]
-        return KronCurvature(blocks, self.names, n)
+        blocks = []
+        for s, o in zip(self.blocks, other.blocks):
+            ns = self.n if s.n is None else s.n
+            no = other.n if o.n is None else o.n
+            a = (s.A * ns + o.A * no) / (ns + no) if ns + no > 0 else s.A
+            bb = None if s.B_bias is None else s.B_bias + o.B_bias
+            blocks.append(KronBlock(a, s.B + o.B, bb, ns + no))
+        return KronCurvature(blocks, self.names, self.n + other.n)
 
     def state_dict(self) -> dict:
         return {
@@ -132,11 +133,16 @@ class KronCurvature:
             "B_bias": [b.B_bias for b in self.blocks],
             "names": self.names,
             "n": self.n,
+            "n_blocks": [b.n for b in self.blocks],
         }
 
     @classmethod
     def from_state_dict(cls, state: dict) -> KronCurvature:
-        blocks = [KronBlock(a, b, c) for a, b, c in zip(state["A"], state["B"], state["B_bias"])]
+        counts = state.get("n_blocks", [None] * len(state["A"]))
+        blocks = [
+            KronBlock(a, b, c, None if k is None else int(k))
+            for a, b, c, k in zip(state["A"], state["B"], state["B_bias"], counts)
+        ]
         return cls(blocks, [list(n) for n in state["names"]], int(state["n"]))
 
 
@@ -165,7 +171,7 @@ def kron_curvature(
     a_sum: list[Tensor | None] = [None] * len(layers)
     b_sum: list[Tensor | None] = [None] * len(layers)
     bb_sum: list[Tensor | None] = [None] * len(layers)
-    n = 0
+    n, n_used = 0, [0] * len(layers)
     for x, y in batches:
         with torch.enable_grad(), capture_calls(layers) as calls:
             f = model(x)
@@ -204,11 +210,12 @@ def kron_curvature(
             u = unfold_input(layers[i], c.a).flatten(0, 1)  # [B L, in']
             a = u.T @ u
             a_sum[i] = a if a_sum[i] is None else a_sum[i] + a
+            n_used[i] += len(x)
         n += len(x)
     if n == 0:
         raise ValueError("data is empty: expected at least one batch")
     blocks = []
-    for m, a, b, bb in zip(layers, a_sum, b_sum, bb_sum):
+    for m, a, b, bb, k in zip(layers, a_sum, b_sum, bb_sum, n_used):
         w = m.weight
         if a is None:  # never called: zero factors (the posterior is the prior there)
             d_in = w[0].numel()
@@ -216,7 +223,8 @@ def kron_curvature(
             b = w.new_zeros(w.shape[0], w.shape[0])
             has_bias = m.bias is not None and m.bias.requires_grad
             bb = w.new_zeros(w.shape[0], w.shape[0]) if has_bias else None
-        blocks.append(KronBlock(a.detach() / n, b.detach(), None if bb is None else bb.detach()))
+        a = a.detach() / max(k, 1)  # the mean over the examples that reached the layer
+        blocks.append(KronBlock(a, b.detach(), None if bb is None else bb.detach(), k))
     return KronCurvature(blocks, names, n)
 
 

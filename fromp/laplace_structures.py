@@ -326,10 +326,12 @@ class KronLaplace(_KronMixin, BaseLaplace):
 
     def _kernel(self, x1, x2):
         _, r1 = self._rows(x1)
-        _, r2 = self._rows(x2)
+        r2 = r1 if x2 is x1 else self._rows(x2)[1]  # the Gram of one set: rows once
         k = 0.0
         for (_, _, a), (_, _, b), w in zip(r1, r2, self._weights()):
-            k = k + torch.einsum("ncp,p,mdp->ncmd", a.flatten(2), w.flatten(), b.flatten(2))
+            a = a.flatten(2)
+            aw = a * w.flatten()
+            k = k + torch.einsum("ncp,mdp->ncmd", aw, a if b is a else b.flatten(2))
         return k
 
 
@@ -426,7 +428,7 @@ class DiagLLLaplace(_LastLayer, BaseLaplace):
 
     def _kernel(self, x1, x2):
         _, p1 = self._phi(x1)
-        _, p2 = self._phi(x2)
+        p2 = p1 if x2 is x1 else self._phi(x2)[1]
         s = self._from_flat(self.posterior_variance)  # [C, D']
         k = torch.einsum("nd,cd,md->ncm", self._tilde(p1), s, self._tilde(p2))
         eye = torch.eye(s.shape[0], dtype=s.dtype, device=s.device)
@@ -479,7 +481,7 @@ class FullLLLaplace(_LastLayer, BaseLaplace):
 
     def _kernel(self, x1, x2):
         _, p1 = self._phi(x1)
-        _, p2 = self._phi(x2)
+        p2 = p1 if x2 is x1 else self._phi(x2)[1]
         return torch.einsum("nd,cdke,me->ncmk", self._tilde(p1), self._cov4(), self._tilde(p2))
 
 
@@ -514,7 +516,7 @@ class KronLLLaplace(_LastLayer, _KronMixin, BaseLaplace):
 
     def _kernel(self, x1, x2):
         _, p1 = self._phi(x1)
-        _, p2 = self._phi(x2)
+        p2 = p1 if x2 is x1 else self._phi(x2)[1]
         eig, deltas, factor = self._eig, self._deltas(self._delta), self._factor()
         a1, a2 = p1 @ eig.qa[0], p2 @ eig.qa[0]
         w = eig.weight_eigs(0, factor, deltas[0]).reciprocal()  # [C, D]

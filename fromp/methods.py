@@ -29,11 +29,13 @@ from torch import Tensor, nn
 from fromp._checks import check_batch, check_vector, device_dtype
 from fromp.curvature import diag_ef, diag_fisher, diag_ggn, diag_ggn_linear
 from fromp.jacobian import flat_params, num_params, unflatten
+from fromp.kron import KronBlock, KronCurvature, kron_curvature
+from fromp.laplace_structures import KronLaplace
 from fromp.likelihood import Likelihood, get_likelihood
 from fromp.memorable import select_memorable
-from fromp.models import is_multitask, with_task
+from fromp.models import TaskView, is_multitask, with_task
 from fromp.posterior import DiagonalGaussian
-from fromp.regularizer import FROMPRegularizer
+from fromp.regularizer import FROMPRegularizer, FunctionKernel
 
 __all__ = ["EWCMethod", "FROMPMethod", "Named", "by_name", "ewc_penalty", "fit_shape", "to_flat"]
 
@@ -41,7 +43,8 @@ __all__ = ["EWCMethod", "FROMPMethod", "Named", "by_name", "ewc_penalty", "fit_s
 Named = dict[str, Tensor]
 
 _SELECT = ("descending", "ascending", "random", "sensitivity")
-_POSTERIORS = ("ggn", "vogn", "ivon")
+_POSTERIORS = ("ggn", "kron", "vogn", "ivon")
+_OWN_CURVATURE = ("ggn", "kron")  # curvature computed by the method, not by an optimizer
 _IVON_PENALTY = ("mean", "sample")
 _FISHERS = ("sampled", "empirical", "exact")
 
@@ -145,7 +148,13 @@ class FROMPMethod:
             the regulariser's gradient enters VOGN's mean gradient only, its curvature
             uses the data loss only); ``"ivon"``: the same with a
             :class:`fromp.optim.IVON` driven by :class:`strategies.ivon.IVONPlugin`
-            (``Sigma = 1 / (N (h + delta))``; see ``ivon_penalty``).
+            (``Sigma = 1 / (N (h + delta))``; see ``ivon_penalty``); ``"kron"``: ``Sigma =
+            (G_kfac + prior_precision)^{-1}`` with ``G_kfac`` the running sum of the tasks'
+            Kronecker-factored GGNs (KFAC of every ``Linear`` / ``Conv2d`` layer, through
+            the task's head; :mod:`fromp.kron`), so the kernels keep the correlations within
+            each layer (``K = A J Sigma J^T A^T``, ``A = dp/df``; :func:`fromp.Laplace` with
+            ``hessian_structure="kron"``). Models with other trainable parameters (batch
+            norm) are refused; memorable points by ``"sensitivity"`` use its diagonal.
         curvature_examples: use at most this many (random) training examples of a task for
             its GGN, rescaled to the task size (None: all, as in the paper).
         chunk_size: examples per Jacobian chunk for the GGN and kernels.
@@ -221,6 +230,8 @@ class FROMPMethod:
         # per experience key: its GGN (by name) and its place in the regulariser's list
         self.ggn_terms: dict[int, Named] = {}
         self.experiences: list[int] = []
+        # posterior="kron": per experience key, its KFAC GGN (through its head)
+        self.kron_terms: dict[int, KronCurvature] = {}
 
     # ---------------------------------------------------------------------- helpers
     @property
@@ -233,6 +244,10 @@ class FROMPMethod:
         posterior stored after the last task. In ``net``'s parameter order when given (a
         parameter added since, e.g. a new head, gets the prior variance
         ``1 / prior_precision``), else in the order the state was stored."""
+        if self.posterior == "kron":
+            if net is None:
+                raise ValueError("posterior='kron': posterior_variance needs the network")
+            return self._kron_laplace(net)[0].posterior_variance.detach()
         state = self.ggn_sum if self.posterior == "ggn" else self.optimizer_variance
         if state is None:
             raise RuntimeError("no task has been learnt yet")
@@ -268,7 +283,8 @@ class FROMPMethod:
             x: the experience's training inputs ``[N, ...]``.
             y: their labels ``[N]``, indices of the head's output units.
             task: the task label (head) of the experience; None for single-head models.
-            posterior_variance: ``[P]``, required iff ``posterior`` is not ``"ggn"``.
+            posterior_variance: ``[P]``, required iff ``posterior`` is ``"vogn"`` or
+                ``"ivon"``.
             experience: a key for the experience (default: a new key per call). Learning
                 a key again replaces its GGN term and its memorable set instead of adding
                 them twice.
@@ -276,8 +292,11 @@ class FROMPMethod:
         Returns the wall times of the three steps (seconds)."""
         if experience is None:
             experience = max(self.experiences, default=-1) + 1
-        if (posterior_variance is None) != (self.posterior == "ggn"):
-            raise ValueError("posterior_variance must be given iff posterior is not 'ggn'")
+        if (posterior_variance is None) != (self.posterior in _OWN_CURVATURE):
+            raise ValueError(
+                "posterior_variance must be given iff posterior is 'vogn' or 'ivon' (the "
+                f"optimizer's), got posterior={self.posterior!r}"
+            )
         check_batch(x, "x")
         if posterior_variance is not None:
             check_vector(posterior_variance, num_params(net), "posterior_variance", positive=True)
@@ -319,7 +338,7 @@ class FROMPMethod:
                 self._add_curvature(net, head, x, device, posterior_variance, experience)
                 times["curvature_s"] = _clock(device) - t0
             t0 = _clock(device)
-            variance = self.posterior_variance(net)
+            variance = self._kernel_source(net)
             if experience in self.experiences:  # learnt again: drop its old memorable set
                 i = self.experiences.index(experience)
                 del self.regularizer.memories[i]
@@ -353,6 +372,9 @@ class FROMPMethod:
         if self.curvature_examples is not None and self.curvature_examples < len(x):
             sub = torch.randperm(len(x), generator=self.generator)
             xc, scale = x[sub[: self.curvature_examples]], len(x) / self.curvature_examples
+        if self.posterior == "kron":
+            self._add_kron(net, head, xc, device, scale, experience)
+            return
         self.ggn_terms[experience] = by_name(net, scale * self._diag_ggn(head, xc, device))
         total: Named = {}
         for term in self.ggn_terms.values():
@@ -364,6 +386,80 @@ class FROMPMethod:
                 else:
                     total[n] = g.clone()
         self.ggn_sum = total
+
+    @staticmethod
+    def _view(net: nn.Module, head: nn.Module) -> nn.Module:
+        """The module the KFAC terms are taken through: one :class:`TaskView` type for every
+        task of a multi-head model (the parameter names agree across tasks), else ``net``."""
+        return TaskView(net, head.task) if isinstance(head, TaskView) else net
+
+    def _add_kron(
+        self,
+        net: nn.Module,
+        head: nn.Module,
+        x: Tensor,
+        device: torch.device,
+        scale: float,
+        experience: int,
+    ) -> None:
+        """Set the experience's KFAC GGN term (``scale`` for a subsample: the ``B`` sums and
+        the example counts are scaled to the task's size)."""
+        view = self._view(net, head)
+        batches = [(x[s : s + 1024].to(device), None) for s in range(0, len(x), 1024)]
+        term = kron_curvature(view, batches, get_likelihood(self.likelihood))
+        if scale != 1.0:
+            term = KronCurvature(
+                [
+                    KronBlock(
+                        b.A,
+                        b.B * scale,
+                        None if b.B_bias is None else b.B_bias * scale,
+                        None if b.n is None else round(b.n * scale),
+                    )
+                    for b in term.blocks
+                ],
+                term.names,
+                round(term.n * scale),
+            )
+        for key, old in self.kron_terms.items():
+            if key == experience:
+                continue
+            shapes = [(b.A.shape, b.B.shape) for b in old.blocks]
+            if old.names != term.names or shapes != [(b.A.shape, b.B.shape) for b in term.blocks]:
+                raise ValueError(
+                    "posterior='kron' needs the same Linear/Conv2d layers in every experience; "
+                    f"the layers changed since experience {key} (a grown head?): use "
+                    "posterior='ggn'"
+                )
+        self.kron_terms[experience] = term
+
+    def _kron_laplace(self, net: nn.Module) -> tuple[KronLaplace, nn.Module]:
+        """The Kronecker Laplace of the summed KFAC terms at ``net``'s current weights and
+        the module it is taken through."""
+        if not self.kron_terms:
+            raise RuntimeError("no task has been learnt yet")
+        view = TaskView(net, 0) if is_multitask(net) else net
+        total = None
+        for key in sorted(self.kron_terms):
+            term = self.kron_terms[key]
+            total = term if total is None else total + term
+        assert total is not None
+        la = KronLaplace(view, self.likelihood, prior_precision=self.prior_precision)
+        return la.use_curvature(total, total.n), view
+
+    def _kernel_source(self, net: nn.Module) -> Tensor | FunctionKernel:
+        """What the regulariser builds its kernels from: ``Sigma``'s diagonal ``[P]``, or
+        for ``posterior="kron"`` the outputs' kernel under the Kronecker posterior."""
+        if self.posterior != "kron":
+            return self.posterior_variance(net)
+        la, view = self._kron_laplace(net)
+
+        def kernel(model: nn.Module, x: Tensor, task: int | None) -> Tensor:
+            if isinstance(view, TaskView):
+                view.task = int(task)  # type: ignore[arg-type]
+            return la.gp().kernel(x).detach()
+
+        return kernel
 
     def _diag_ggn(self, head: nn.Module, x: Tensor, device: torch.device) -> Tensor:
         """Exact diagonal GGN of ``x``: the batched linear-layer formula for MLPs, per-example
@@ -392,6 +488,7 @@ class FROMPMethod:
             "ggn_sum": self.ggn_sum,
             "optimizer_variance": self.optimizer_variance,
             "ggn_terms": {k: dict(v) for k, v in self.ggn_terms.items()},
+            "kron_terms": {k: v.state_dict() for k, v in self.kron_terms.items()},
             "experiences": list(self.experiences),
             "regularizer": self.regularizer.state_dict(),
             "tasks_done": self.tasks_done,
@@ -442,6 +539,14 @@ class FROMPMethod:
             self.ggn_terms = {int(k): mv(v) for k, v in state["ggn_terms"].items()}
         else:  # older checkpoints: the sum as one term under a key no experience has
             self.ggn_terms = {} if self.ggn_sum is None else {-1: self.ggn_sum}
+        self.kron_terms = {}
+        for k, v in state.get("kron_terms", {}).items():
+            curv = KronCurvature.from_state_dict(v)
+            if device is not None:
+                for b in curv.blocks:
+                    b.A, b.B = b.A.to(device), b.B.to(device)
+                    b.B_bias = None if b.B_bias is None else b.B_bias.to(device)
+            self.kron_terms[int(k)] = curv
         if "generator" in state:
             self.generator.set_state(state["generator"])
         self.timings = list(state.get("timings", []))

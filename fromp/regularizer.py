@@ -51,9 +51,13 @@ from fromp.likelihood import Likelihood, get_likelihood
 from fromp.models import takes_task_labels, with_task
 from fromp.posterior import DiagonalGaussian
 
-__all__ = ["FROMPRegularizer", "MemorableSet", "prob_jacobian", "task_fn"]
+__all__ = ["FROMPRegularizer", "FunctionKernel", "MemorableSet", "prob_jacobian", "task_fn"]
 
 ModelFn = Callable[[Tensor, int], Tensor]
+FunctionKernel = Callable[[nn.Module, Tensor, "int | None"], Tensor]
+"""``(model, x [M, ...], task) -> J(x) Sigma J(x)^T`` ``[M, C, M, C]``: the DNN2GP kernel of
+the outputs ``f`` through head ``task`` under a posterior of any structure (e.g. a fitted
+Kronecker :func:`fromp.Laplace`); FROMP maps it to the probabilities' kernel."""
 _KERNELS = ("per_class", "joint", "identity")
 
 
@@ -202,36 +206,65 @@ class FROMPRegularizer:
 
     # ----------------------------------------------------------------------------- kernels
     def kernel_matrix(
-        self, model: nn.Module, x: Tensor, task: int | None, posterior_variance: Tensor
+        self,
+        model: nn.Module,
+        x: Tensor,
+        task: int | None,
+        posterior_variance: Tensor | FunctionKernel,
     ) -> Tensor:
         """The kernel of ``x`` through head ``task`` (float64, before jitter):
         ``[C, M, M]`` for ``"per_class"`` (``K_c = G_c Sigma G_c^T``, ``G_c = dp_c/dw``),
         ``[1, C M, C M]`` for ``"joint"``, an identity ``[1, C M, C M]`` for ``"identity"``.
 
-        ``K`` is the DNN2GP kernel of ``p = inverse_link(f)``:
-        ``GP(p, N(w, Sigma)).kernel(x, diagonal_outputs=True)`` (per class) or its full
-        ``[M, C, M, C]`` kernel reordered class-major (joint), computed in the model's dtype
-        and returned in float64; see :meth:`fromp.gp.GP.kernel` for cost and memory (chunks
-        of ``chunk_size`` examples, never a ``P x P`` matrix). Batch-norm and dropout layers
-        must be in eval mode.
+        ``K`` is the DNN2GP kernel of ``p = inverse_link(f)``. With a diagonal ``Sigma``
+        (``posterior_variance`` ``[P]``): ``GP(p, N(w, Sigma)).kernel(x,
+        diagonal_outputs=True)`` (per class) or its full ``[M, C, M, C]`` kernel reordered
+        class-major (joint), computed in the model's dtype and returned in float64; see
+        :meth:`fromp.gp.GP.kernel` for cost and memory (chunks of ``chunk_size`` examples,
+        never a ``P x P`` matrix). With a :data:`FunctionKernel` ``k_f`` (any posterior
+        structure): ``K = A k_f(x) A^T``, ``A_m = dp(x_m)/df(x_m)`` ``[C, C]`` the
+        inverse link's Jacobian (softmax: ``diag(p) - p p^T``), since ``dp/dw = A df/dw``.
+        Batch-norm and dropout layers must be in eval mode.
         """
         module = with_task(model, task)
-        var = self._check_variance(model, posterior_variance)
         x = check_batch(x, "x")
         if self.kernel == "identity":
             with torch.no_grad():
                 c_out = module(x[:1]).shape[1]
             return torch.eye(c_out * len(x), dtype=torch.float64, device=x.device).unsqueeze(0)
-        gp = _prob_gp(module, self.likelihood, var, self.chunk_size)
-        if self.kernel == "per_class":
-            k = gp.kernel(x, diagonal_outputs=True).double()
+        if callable(posterior_variance):
+            k = self._prob_kernel(module, x, posterior_variance(model, x, task))
         else:
-            k = gp.kernel(x)  # [M, C, M, C] -> class-major [C M, C M]
-            m, c = k.shape[:2]
-            k = k.permute(1, 0, 3, 2).reshape(1, c * m, c * m).double()
-        return k if bool((var > 0).any()) else torch.zeros_like(k)  # Sigma = 0: K = 0
+            var = self._check_variance(model, posterior_variance)
+            gp = _prob_gp(module, self.likelihood, var, self.chunk_size)
+            k = gp.kernel(x, diagonal_outputs=self.kernel == "per_class").double()
+            if not bool((var > 0).any()):  # Sigma = 0: K = 0
+                k = torch.zeros_like(k)
+            if self.kernel == "per_class":
+                return k
+        if self.kernel == "per_class":
+            return torch.diagonal(k, dim1=1, dim2=3).permute(2, 0, 1).contiguous()
+        m, c = k.shape[:2]  # [M, C, M, C] -> class-major [C M, C M]
+        return k.permute(1, 0, 3, 2).reshape(1, c * m, c * m)
 
-    def _check_variance(self, model: nn.Module, v: Tensor) -> Tensor:
+    def _prob_kernel(self, module: nn.Module, x: Tensor, kf: Tensor) -> Tensor:
+        """``A k_f A^T`` ``[M, C, M, C]`` (float64) from the outputs' kernel ``k_f``."""
+        with torch.no_grad():
+            f = module(x).double()
+        m, c = f.shape
+        if kf.shape != (m, c, m, c):
+            raise ValueError(
+                f"the function-space kernel must have shape [M, C, M, C]={(m, c, m, c)}, got "
+                f"{tuple(kf.shape)}"
+            )
+        a = torch.func.vmap(torch.func.jacrev(self.likelihood.inverse_link))(f)  # [M, C, C]
+        return torch.einsum("mca,manb,ndb->mcnd", a, kf.double(), a)
+
+    def _check_variance(
+        self, model: nn.Module, v: Tensor | FunctionKernel
+    ) -> Tensor | FunctionKernel:
+        if callable(v):
+            return v
         v = check_vector(v, num_params(model), "posterior_variance", nonnegative=True)
         return v.detach().double()
 
@@ -260,7 +293,7 @@ class FROMPRegularizer:
         )
 
     def _build(
-        self, model: nn.Module, x: Tensor, task: int | None, variance: Tensor
+        self, model: nn.Module, x: Tensor, task: int | None, variance: Tensor | FunctionKernel
     ) -> MemorableSet:
         module = with_task(model, task)
         with torch.no_grad():
@@ -277,7 +310,7 @@ class FROMPRegularizer:
         model: nn.Module,
         x_mem: Tensor,
         task: int | None,
-        posterior_variance: Tensor,
+        posterior_variance: Tensor | FunctionKernel,
         *,
         update_previous: bool = True,
     ) -> None:
@@ -289,7 +322,8 @@ class FROMPRegularizer:
                 plain ``x -> [N, C]`` module. Put it in eval mode if it has dropout.
             x_mem: memorable inputs (``M >= 1``).
             task: head / task id (None or any int for single-head models).
-            posterior_variance: ``[P]`` diagonal of ``Sigma``.
+            posterior_variance: ``[P]`` diagonal of ``Sigma``, or the outputs' kernel under
+                a posterior of any structure (:data:`FunctionKernel`).
             update_previous: also recompute targets and kernels of the tasks stored before
                 at the current parameters and ``Sigma`` (what FROMP does at the start of
                 every task: it regularises towards the latest solution ``w_t``).
@@ -302,7 +336,7 @@ class FROMPRegularizer:
         self.memories.append(self._build(model, x_mem.detach().to(device), task, var))
         self._cache = {}
 
-    def update(self, model: nn.Module, posterior_variance: Tensor) -> None:
+    def update(self, model: nn.Module, posterior_variance: Tensor | FunctionKernel) -> None:
         """Recompute every stored task's targets and kernel at the current parameters and
         ``posterior_variance`` (inputs and heads are kept)."""
         var = self._check_variance(model, posterior_variance)
