@@ -12,6 +12,7 @@ the names and ``CHANGELOG.md`` for what moved.
 """
 
 from fromp.curvature import diag_ef, diag_fisher, diag_ggn
+from fromp.ewc import EWCMethod
 from fromp.ggn import ggn, ggn_vp
 from fromp.gp import GP, dnn2gp
 from fromp.jacobian import flat_params, jacobians, num_params, per_example_grads, unflatten
@@ -34,7 +35,7 @@ from fromp.likelihood import (
 )
 from fromp.loo import LOOTracker, last_layer_loo
 from fromp.memorable import memorability_scores, select_memorable
-from fromp.methods import EWCMethod, FROMPMethod
+from fromp.methods import FROMPMethod
 from fromp.optim import IVON, OGN, VOGN
 from fromp.posterior import DiagonalGaussian, FullGaussian, GaussianPosterior
 from fromp.regularizer import FROMPRegularizer

@@ -147,3 +147,38 @@ def check_chunk_size(chunk_size: object, *, allow_none: bool = True) -> int | No
     if value < 1:
         raise ValueError(f"chunk_size must be {what}, got {chunk_size!r}")
     return value
+
+
+_VOGN_SHARED_KEYS = ("betas", "mc_samples", "kl_weight", "bias_correction")
+
+
+def check_vogn_groups(groups: list[Any]) -> list[dict[str, Any]]:
+    """Parameter groups for :class:`fromp.optim.VOGN`: dicts with ``"params"`` and optionally
+    ``"lr"`` and ``"prior_precision"`` (a float for the group's slice of ``delta``); the keys
+    of :data:`_VOGN_SHARED_KEYS` act on the whole posterior (one draw, one KL weight, one
+    ``s`` schedule) and must be the constructor's."""
+    out = []
+    for i, g in enumerate(groups):
+        if not isinstance(g, dict) or "params" not in g:
+            raise ValueError(
+                f"params_or_model[{i}] must be a parameter group dict with 'params' (or pass "
+                f"tensors only), got {type(g).__name__}"
+            )
+        unknown = set(g) - {"params", "lr", "prior_precision"}
+        if unknown & set(_VOGN_SHARED_KEYS):
+            key = sorted(unknown & set(_VOGN_SHARED_KEYS))[0]
+            raise ValueError(
+                f"params_or_model[{i}][{key!r}]: VOGN keeps one {key} for all parameter groups; "
+                f"pass it to the constructor"
+            )
+        if unknown:
+            raise ValueError(
+                f"params_or_model[{i}] has unknown keys {sorted(unknown)}; a VOGN parameter "
+                "group takes 'params', 'lr' and 'prior_precision'"
+            )
+        if "lr" in g:
+            check_positive(g["lr"], f"params_or_model[{i}]['lr']")
+        params = g["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        out.append({**g, "params": params})
+    return out

@@ -33,8 +33,8 @@ import torch
 from avalanche.training.plugins import SupervisedPlugin
 from torch import Tensor, nn
 
+from fromp.ewc import EWCMethod, ewc_penalty
 from fromp.likelihood import Likelihood
-from fromp.methods import EWCMethod, ewc_penalty
 from strategies.benchmarks import experience_tensors
 from strategies.models import unwrap
 from strategies.template import MethodStrategy
@@ -43,17 +43,17 @@ __all__ = ["EWC", "EWCPlugin", "ewc_penalty"]
 
 
 class EWCPlugin(SupervisedPlugin):
-    """EWC as an Avalanche plugin: a thin driver of a :class:`fromp.methods.EWCMethod`
+    """EWC as an Avalanche plugin: a thin driver of a :class:`fromp.ewc.EWCMethod`
     (see the module docstring for the maths).
 
     ``before_backward`` adds the penalty; ``after_training_exp`` calls
-    :meth:`~fromp.methods.EWCMethod.learn_task` with the experience's data and task label
+    :meth:`~fromp.ewc.EWCMethod.learn_task` with the experience's data and task label
     (the head of a multi-task model). The method's attributes (``anchors``,
     ``importances``, ``task_count``, ...) are readable on the plugin.
 
     Args:
         net: the network inside the strategy's model (its parameters are the model's).
-        ewc_lambda, **kwargs: those of :class:`fromp.methods.EWCMethod`.
+        ewc_lambda, **kwargs: those of :class:`fromp.ewc.EWCMethod`.
     """
 
     def __init__(self, net: nn.Module, ewc_lambda: float, **kwargs: Any) -> None:
@@ -94,7 +94,7 @@ class EWCPlugin(SupervisedPlugin):
         self.method.learn_task(self.net, x, y, int(tasks[0]))
 
     def state_dict(self) -> dict:
-        """The method's state (:meth:`fromp.methods.EWCMethod.state_dict`)."""
+        """The method's state (:meth:`fromp.ewc.EWCMethod.state_dict`)."""
         return self.method.state_dict()
 
     def load_state_dict(self, state: dict) -> None:

@@ -92,7 +92,10 @@ def test_continual_ivon_three_tasks_posterior_becomes_prior_and_resumes():
     torch.manual_seed(11)
     strat.train(scenario.train_stream[1])
     start2 = probe.seen[1]  # Avalanche reset optimizer.state; the IVON state was intact
-    assert len(start2["state"]) == 0 and start2["step"] == 0
+    assert start2["step"] == 0
+    # the replaced optimizer.state was relinked to the surviving per-parameter state
+    p0 = opt.params[0]
+    assert opt.state[p0] is opt.ivon_state["params"][0] and "prior_precision" in opt.state[p0]
     torch.testing.assert_close(start2["prior"].precision, q1.precision, rtol=0, atol=0)
     torch.testing.assert_close(start2["mean"], q1.mean, rtol=0, atol=0)
     q2 = strat.plugin.posteriors[1]

@@ -466,7 +466,10 @@ def test_vogn_strategy_two_experiences_checkpoint_and_resume():
     torch.testing.assert_close(start2["prior"].mean, q1.mean, atol=0, rtol=0)
     torch.testing.assert_close(start2["prior"].precision, q1.precision, atol=0, rtol=0)
     torch.testing.assert_close(start2["mu"], q1.mean, atol=0, rtol=0)
-    assert len(start2["state"]) == 0
+    # Avalanche replaced opt.state at exp 2; VOGN relinked it to the surviving posterior
+    st = opt.state[opt.params[0]]
+    assert st["step"] == opt.vogn_state["step"]
+    assert st["mean"].data_ptr() == opt.vogn_state["mu"].data_ptr()
     q2 = strat.plugin.posteriors[1]
     assert not torch.equal(q2.mean, q1.mean)
     assert (q2.precision >= q1.precision - 1e-6).float().mean() > 0.5
@@ -697,3 +700,37 @@ def test_parameter_groups_step_sizes_prior_precisions_and_schedulers():
             prior_mean=DiagonalGaussian(mu, torch.ones_like(mu)),
             train_set_size=n,
         )
+
+
+def test_torch_per_parameter_state_shows_the_live_posterior():
+    """``opt.state[p]`` holds views of VOGN's flat state (torch's per-parameter convention):
+    they follow every step and every replacement of the flat tensors (set_prior, load), and
+    ``state_dict`` saves the posterior once (not the views as well)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
+    opt = VOGN(net, lr=0.1, train_set_size=20, prior_precision=3.0)
+    x, y = torch.randn(8, 3, dtype=D), torch.randint(0, 2, (8,))
+    opt.step(x, y)
+    mu, s = opt.vogn_state["mu"], opt.vogn_state["s"]
+    sizes = [p.numel() for p in net.parameters()]
+    for p, m_p, s_p in zip(net.parameters(), mu.split(sizes), s.split(sizes)):
+        assert torch.equal(opt.state[p]["mean"], m_p.view_as(p))
+        assert torch.equal(opt.state[p]["curvature"], s_p.view_as(p))
+        assert torch.equal(opt.state[p]["mean"], p.detach())
+        assert opt.state[p]["step"] == 1
+    opt.set_prior()  # new prior tensors and s: the views follow
+    p0 = next(net.parameters())
+    assert opt.state[p0]["prior_precision"].data_ptr() == opt.vogn_state[
+        "prior_precision"
+    ].data_ptr()
+    assert opt.state[p0]["step"] == 0
+    saved = opt.state_dict()
+    assert saved["state"] == {}
+    opt.state.clear()  # what Avalanche's reset does
+    opt.step(x, y)
+    assert opt.state[p0]["step"] == 1 and opt.state[p0]["mean"].data_ptr() == mu.data_ptr()
+    other = VOGN(net, lr=0.1, train_set_size=20)
+    other.load_state_dict(saved)
+    assert other.state[p0]["step"] == 0
+    assert torch.equal(other.state[p0]["prior_precision"], opt.prior().precision[: p0.numel()]
+                       .view_as(p0))  # fmt: skip

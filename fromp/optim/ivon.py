@@ -175,8 +175,17 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
         self._n_acc = 0  # draws accumulated for the next step
         # antithetic: the z of the last fresh draw, per group, while its mirror is unused
         self._mirror: list[Tensor] | None = None
+        self._link_state()
 
     # ------------------------------------------------------------------ bookkeeping
+    def _link_state(self) -> None:
+        """torch's per-parameter state: ``self.state[p]`` is ``p``'s dict of
+        :attr:`ivon_state` (the same object, so it always shows the live tensors). Relinked
+        at every step when missing: Avalanche's optimizer resets replace ``self.state``,
+        while :attr:`ivon_state`, the posterior, survives them."""
+        for p, st in zip(self.params, self.ivon_state["params"]):
+            self.state[p] = st
+
     def _pairs(self) -> Iterator[tuple[dict[str, Any], Tensor]]:
         for group in self.param_groups:
             for p in group["params"]:
@@ -512,6 +521,8 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
         (12 without ``clip_radius``), fewer than half of them divisions or square roots."""
         self.ivon_state["step"] += 1
         t = self.ivon_state["step"]
+        if self.params[0] not in self.state:  # self.state was reset (Avalanche)
+            self._link_state()
         for group, w, prior in self._group_work():
             params = group["params"]
             b1, b2 = group["beta1"], group["beta2"]
@@ -562,6 +573,7 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
         if self._drawn:
             raise RuntimeError("IVON.state_dict(): the parameters hold a draw; restore() first")
         out = super().state_dict()
+        out["state"] = {}  # self.state is a view of ivon_state, saved once under "ivon"
         out["ivon"] = self._ivon_copy()
         return out
 
@@ -597,6 +609,7 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
                 raise ValueError(f"ivon state shape {tuple(st['hess'].shape)} != {tuple(p.shape)}")
             loaded.append({k: v.detach().to(p).clone() for k, v in st.items()})
         self.ivon_state = {"step": int(ivon["step"]), "params": loaded}
+        self._link_state()
         mirror = ivon.get("mirror")
         if mirror is not None:
             sizes = [sum(p.numel() for p in g["params"]) for g in self.param_groups]

@@ -62,7 +62,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fromp._checks import check_chunk_size, check_positive
+from fromp._checks import check_chunk_size, check_positive, check_vogn_groups
 from fromp.likelihood import Likelihood
 from fromp.optim._stats import (
     GradStats,
@@ -95,49 +95,24 @@ def _as_vector(value: float | Tensor, like: Tensor, name: str) -> Tensor:
     return t.detach().clone()
 
 
-_SHARED_KEYS = ("betas", "mc_samples", "kl_weight", "bias_correction")
-
-
-def _check_groups(groups: list[Any]) -> list[dict[str, Any]]:
-    """Parameter groups for :class:`VOGN`: dicts with ``"params"`` and optionally ``"lr"``
-    and ``"prior_precision"`` (a float for the group's slice of ``delta``); the keys of
-    :data:`_SHARED_KEYS` act on the whole posterior (one draw, one KL weight, one ``s``
-    schedule) and must be the constructor's."""
-    out = []
-    for i, g in enumerate(groups):
-        if not isinstance(g, dict) or "params" not in g:
-            raise ValueError(
-                f"params_or_model[{i}] must be a parameter group dict with 'params' (or pass "
-                f"tensors only), got {type(g).__name__}"
-            )
-        unknown = set(g) - {"params", "lr", "prior_precision"}
-        if unknown & set(_SHARED_KEYS):
-            key = sorted(unknown & set(_SHARED_KEYS))[0]
-            raise ValueError(
-                f"params_or_model[{i}][{key!r}]: VOGN keeps one {key} for all parameter groups; "
-                f"pass it to the constructor"
-            )
-        if unknown:
-            raise ValueError(
-                f"params_or_model[{i}] has unknown keys {sorted(unknown)}; a VOGN parameter "
-                "group takes 'params', 'lr' and 'prior_precision'"
-            )
-        if "lr" in g:
-            check_positive(g["lr"], f"params_or_model[{i}]['lr']")
-        params = g["params"]
-        params = [params] if isinstance(params, Tensor) else list(params)
-        out.append({**g, "params": params})
-    return out
+_VIEWS = (
+    ("mean", "mu"),
+    ("momentum", "m"),
+    ("curvature", "s"),
+    ("prior_mean", "prior_mean"),
+    ("prior_precision", "prior_precision"),
+)
 
 
 class VOGN(torch.optim.Optimizer):
     r"""Variational Online Gauss-Newton with a diagonal Gaussian posterior.
 
     See the module docstring for the update. The optimiser keeps its own flat state
-    (``mu``, ``s``, ``m``, step count, prior, ``N``) outside ``self.state``, so Avalanche's
+    (``mu``, ``s``, ``m``, step count, prior, ``N``) in :attr:`vogn_state`, so Avalanche's
     optimizer resets (``make_optimizer(reset_optimizer_state=True)``) do not erase the
-    posterior; :meth:`state_dict` / :meth:`load_state_dict` carry it. After every step the
-    parameters hold ``mu``.
+    posterior; ``self.state[p]`` shows ``p``'s part of it as views (torch's per-parameter
+    convention; relinked after such a reset), and :meth:`state_dict` /
+    :meth:`load_state_dict` carry it once. After every step the parameters hold ``mu``.
 
     Two ways to step:
 
@@ -210,7 +185,7 @@ class VOGN(torch.optim.Optimizer):
             self.model = None
             params = list(params_or_model)
             if any(isinstance(p, dict) for p in params):
-                params = _check_groups(params)
+                params = check_vogn_groups(params)
         if not params:
             raise ValueError("params_or_model has no trainable parameters")
         check_positive(lr, "lr")
@@ -288,6 +263,21 @@ class VOGN(torch.optim.Optimizer):
         self._dt_cache: tuple[tuple, Tensor] | None = None
         self._lr_cache: tuple[tuple, Tensor] | None = None
         self._work: dict[str, Tensor] = {}  # [P] work buffers (see _buffer)
+        self._link_state()
+
+    def _link_state(self) -> None:
+        """torch's per-parameter state: ``self.state[p]`` holds views shaped like ``p`` of
+        the flat state (``"mean"`` ``mu``, ``"momentum"`` ``m``, ``"curvature"`` ``s``,
+        ``"prior_mean"``, ``"prior_precision"``) and ``"step"``. Relinked whenever a flat
+        tensor is replaced, and at the next step after Avalanche's optimizer resets replace
+        ``self.state`` (:attr:`vogn_state`, the posterior, survives them)."""
+        st = self.vogn_state
+        i = 0
+        for p in self.params:
+            k = p.numel()
+            self.state[p] = {name: st[key][i : i + k].view_as(p) for name, key in _VIEWS}
+            self.state[p]["step"] = st["step"]
+            i += k
 
     # ---------------------------------------------------------------- hyper-parameters
     @property
@@ -374,6 +364,7 @@ class VOGN(torch.optim.Optimizer):
             st["m"].zero_()
             st["step"] = 0
             st["s"] = torch.zeros_like(st["mu"]) if st["init_s"] is None else st["init_s"].clone()
+        self._link_state()
         return self.prior()
 
     # ---------------------------------------------------------------- parameters
@@ -386,6 +377,7 @@ class VOGN(torch.optim.Optimizer):
                 if isinstance(v, Tensor):
                     st[k] = v.to(device=p0.device, dtype=p0.dtype)
             self._version += 1
+            self._link_state()
 
     @torch.no_grad()
     def _write(self, vec: Tensor) -> None:
@@ -456,6 +448,7 @@ class VOGN(torch.optim.Optimizer):
     def sync_mean_from_params(self) -> None:
         """Set ``mu`` to the parameters' current values (after loading a model by hand)."""
         self.vogn_state["mu"] = torch.cat([p.detach().reshape(-1) for p in self.params]).clone()
+        self._link_state()
 
     # ---------------------------------------------------------------- updates
     @torch.no_grad()
@@ -484,6 +477,10 @@ class VOGN(torch.optim.Optimizer):
         dt = self._delta_tilde()
         st["step"] += 1
         t = st["step"]
+        if self.params[0] not in self.state:  # self.state was reset (Avalanche)
+            self._link_state()
+        for p in self.params:
+            self.state[p]["step"] = t
         m, s = st["m"], st["s"]
         m.mul_(beta1).add_(grad.to(mu), alpha=1 - beta1)
         diff = torch.sub(mu, st["prior_mean"], out=self._buffer("diff"))
@@ -647,6 +644,7 @@ class VOGN(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state plus ``"vogn"``: the posterior state (tensors cloned)."""
         out = super().state_dict()
+        out["state"] = {}  # self.state is a view of vogn_state, saved once under "vogn"
         out["vogn"] = {
             k: (v.clone() if isinstance(v, Tensor) else v) for k, v in self.vogn_state.items()
         }
@@ -673,6 +671,7 @@ class VOGN(torch.optim.Optimizer):
             k: (v.detach().to(mu).clone() if isinstance(v, Tensor) else v) for k, v in vogn.items()
         }
         self._version += 1
+        self._link_state()
         self.load_mean()
 
 
