@@ -720,9 +720,9 @@ def test_torch_per_parameter_state_shows_the_live_posterior():
         assert opt.state[p]["step"] == 1
     opt.set_prior()  # new prior tensors and s: the views follow
     p0 = next(net.parameters())
-    assert opt.state[p0]["prior_precision"].data_ptr() == opt.vogn_state[
-        "prior_precision"
-    ].data_ptr()
+    assert (
+        opt.state[p0]["prior_precision"].data_ptr() == opt.vogn_state["prior_precision"].data_ptr()
+    )
     assert opt.state[p0]["step"] == 0
     saved = opt.state_dict()
     assert saved["state"] == {}
