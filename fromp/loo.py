@@ -15,6 +15,9 @@ The memory-perturbation quantities themselves are in :mod:`fromp.sensitivity`.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,8 +166,15 @@ def last_layer_loo(
         raise ValueError(f"prior_precision must be a number > 0, got {prior_precision!r}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    lik = get_likelihood(likelihood)
     phi, head = last_layer_features(model, x)
+    return _full_loo(phi, head, y, float(prior_precision), get_likelihood(likelihood), chunk_size)
+
+
+def _full_loo(
+    phi: Tensor, head: nn.Linear, y: Tensor, prior_precision: float, lik: Likelihood,
+    chunk_size: int = 256,
+) -> LastLayerLOO:  # fmt: skip
+    """:func:`last_layer_loo` from the features ``phi`` ``[N, D]`` of the head."""
     with torch.no_grad():
         f = head(phi)
     dtype = f.dtype
@@ -185,7 +195,33 @@ def last_layer_loo(
         ]
     )
     mp = _corrected_loo(f, y, cov, lik, dtype)
-    return LastLayerLOO(mp, precision, float(prior_precision), len(x))
+    return LastLayerLOO(mp, precision, float(prior_precision), len(phi))
+
+
+def _kron_loo(
+    phi: Tensor, head: nn.Linear, y: Tensor, prior_precision: float, lik: Likelihood
+) -> MemoryPerturbation:
+    r"""Leave-one-out under a Kronecker (KFAC) last-layer Laplace-GGN: precision
+    ``B (x) A + delta I`` with ``B = sum_n Lambda_n`` ``[C, C]`` and ``A = (1/N) sum_n phi~_n
+    phi~_n^T`` ``[D1, D1]`` (fromp's KFAC convention, :mod:`fromp.kron`). With ``B = Q_b
+    diag(b) Q_b^T`` and ``A = Q_a diag(a) Q_a^T``, the prediction covariance is
+
+        ``V_n = Q_b diag_k(sum_j (Q_a^T phi~_n)_j^2 / (b_k a_j + delta)) Q_b^T``,
+
+    ``O(N D1^2 + N C^2)`` in all: no ``C D1 x C D1`` matrix, so it stays cheap for wide
+    features and many classes."""
+    with torch.no_grad():
+        f = head(phi)
+    dtype = f.dtype
+    phi, f = _augment(phi, head.bias is not None).double(), f.double()
+    y = y.to(f.device)
+    b, qb = torch.linalg.eigh(lik.hessian(f).sum(0))
+    a, qa = torch.linalg.eigh(phi.T @ phi / len(phi))
+    b, a = b.clamp_min(0), a.clamp_min(0)
+    w = 1.0 / (b[:, None] * a[None, :] + prior_precision)  # [C, D1]
+    m = (phi @ qa).pow(2) @ w.T  # [N, C] in B's eigenbasis
+    cov = torch.einsum("ck,nk,dk->ncd", qb, m, qb)
+    return _corrected_loo(f, y, cov, lik, dtype)
 
 
 def _corrected_loo(f: Tensor, y: Tensor, cov: Tensor, lik: Likelihood, dtype: torch.dtype):
@@ -228,12 +264,12 @@ def _head_slices(model: nn.Module, head: nn.Linear) -> tuple[slice, slice | None
 
 
 def _diagonal_last_layer_loo(
-    model: nn.Module, posterior: Any, x: Tensor, y: Tensor, lik: Likelihood
+    model: nn.Module, posterior: Any, phi: Tensor, head: nn.Linear, y: Tensor, lik: Likelihood
 ) -> MemoryPerturbation:
-    """Leave-one-out from a diagonal posterior (IVON, VOGN) restricted to the output layer:
-    ``V_n = diag_c(sum_d phi~_nd^2 s_cd)`` with ``s`` the head's posterior variances (exact:
-    ``J_n = I_C (x) phi~_n^T`` and a diagonal ``Sigma`` give a diagonal ``V_n``)."""
-    phi, head = last_layer_features(model, x)
+    """Leave-one-out from a diagonal posterior (IVON, VOGN) restricted to the output layer,
+    from the head's features ``phi``: ``V_n = diag_c(sum_d phi~_nd^2 s_cd)`` with ``s`` the
+    head's posterior variances (exact: ``J_n = I_C (x) phi~_n^T`` and a diagonal ``Sigma``
+    give a diagonal ``V_n``)."""
     sw, sb = _head_slices(model, head)
     mean, var = posterior.mean.detach(), posterior.variance.detach()
     if mean.numel() != sum(p.numel() for p in model.parameters() if p.requires_grad) or (
@@ -280,14 +316,33 @@ class LOOTracker:
 
     The leave-one-out outputs are ``f + V (I - Lambda V)^{-1} e`` (the example's own curvature
     removed). Cost: one forward pass over ``x`` plus ``O(N C^2 D1^2 + (C D1)^3)`` for the
-    last-layer Laplace; ``max_examples`` caps ``N`` by a fixed random subset (the posterior is
-    then fitted on the subset, which makes it wider: the estimate is pessimistic).
+    full last-layer Laplace, ``O(N D1^2 + N C^2)`` for ``structure="kron"``;
+    ``max_examples`` caps ``N`` by a fixed random subset (the posterior is then fitted on the
+    subset, which makes it wider: the estimate is pessimistic).
+
+    **Free during training.** Inside ``with tracker.recording(model):`` every forward pass
+    records the inputs ``phi`` of the output layer; ``tracker.observe(y)`` after each pass
+    pairs them with that batch's targets, and ``tracker(model, optimizer=opt)`` (no ``x``)
+    estimates from what the epoch recorded, with the output layer's current weights: no
+    extra forward pass. The features are those of the training passes (their weights, their
+    dropout masks; IVON's sampled weights), the price of not evaluating again::
+
+        tracker = LOOTracker(structure="kron")
+        for epoch in range(epochs):
+            with tracker.recording(model):
+                for xb, yb in loader:
+                    loss = F.cross_entropy(model(xb), yb)
+                    tracker.observe(yb)
+                    ...
+            tracker(model, optimizer=opt, epoch=epoch)
 
     Args:
         likelihood: its name or a :class:`~fromp.likelihood.Likelihood`.
         prior_precision: ``delta`` of the last-layer Laplace (None: the optimizer's weight
             decay times ``N``; an error if there is none).
         scope: ``"last-layer"`` or ``"all"``, for an optimizer's own posterior.
+        structure: the last-layer Laplace for Adam/SGD: ``"full"`` (exact GGN) or
+            ``"kron"`` (KFAC, ``B (x) A``: cheap for wide features and many classes).
         max_examples: use at most this many training examples (None: all).
         seed: of the subset.
     """
@@ -298,11 +353,14 @@ class LOOTracker:
         *,
         prior_precision: float | None = None,
         scope: str = "last-layer",
+        structure: str = "full",
         max_examples: int | None = None,
         seed: int = 0,
     ) -> None:
         if scope not in ("last-layer", "all"):
             raise ValueError(f"scope must be 'last-layer' or 'all', got {scope!r}")
+        if structure not in ("full", "kron"):
+            raise ValueError(f"structure must be 'full' or 'kron', got {structure!r}")
         if prior_precision is not None and not (
             isinstance(prior_precision, int | float) and prior_precision > 0
         ):
@@ -314,9 +372,52 @@ class LOOTracker:
         self.likelihood = get_likelihood(likelihood)
         self.prior_precision = prior_precision
         self.scope = scope
+        self.structure = structure
         self.max_examples = max_examples
         self.seed = seed
         self.history: list[dict[str, Any]] = []
+        self._pending: tuple[nn.Linear, Tensor] | None = None  # the last Linear call
+        self._recorded: list[tuple[Tensor, Tensor]] = []  # (phi, y) of observed passes
+        self._head: nn.Linear | None = None
+
+    @contextmanager
+    def recording(self, model: nn.Module) -> Iterator[LOOTracker]:
+        """Record the output layer's inputs of every forward pass of ``model`` inside the
+        block (a hook on each ``nn.Linear``: the last one called in a pass is the head);
+        pair each pass with its targets by :meth:`observe`. Hooks are removed on exit."""
+
+        def hook(mod: nn.Module, inp: tuple[Tensor, ...], out: Tensor) -> None:
+            self._pending = (mod, inp[0])  # type: ignore[assignment]
+
+        linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+        if not linears:
+            raise ValueError(
+                f"model must end in an nn.Linear layer; {type(model).__name__} has none"
+            )
+        handles = [m.register_forward_hook(hook) for m in linears]
+        try:
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+            self._pending = None
+
+    def observe(self, y: Tensor) -> None:
+        """Pair the forward pass just made inside :meth:`recording` with its targets
+        ``y`` ``[B]`` (the features are stored detached: ``B x D`` numbers per pass)."""
+        if self._pending is None:
+            raise RuntimeError(
+                "observe(y) needs a forward pass of the model inside tracker.recording(model)"
+            )
+        head, phi = self._pending
+        phi = phi.detach().reshape(len(phi), -1)
+        if len(phi) != len(y):
+            raise ValueError(f"y must have the batch's {len(phi)} targets, got {len(y)}")
+        if self._head is not None and head is not self._head:
+            raise ValueError("the output layer changed between recorded forward passes")
+        self._head = head
+        self._recorded.append((phi, y.detach()))
+        self._pending = None
 
     def _delta(self, optimizer: Any, n: int) -> tuple[float, str]:
         if self.prior_precision is not None:
@@ -333,27 +434,49 @@ class LOOTracker:
     def __call__(
         self,
         model: nn.Module,
-        x: Tensor,
-        y: Tensor,
+        x: Tensor | None = None,
+        y: Tensor | None = None,
         optimizer: Any = None,
         *,
         epoch: int | None = None,
     ) -> dict[str, Any]:
         """Estimate, append to :attr:`history` and return ``{"epoch", "posterior",
         "prior_precision", "n", "loo_nll", "train_nll", "loo_accuracy", "train_accuracy",
-        "seconds"}`` (accuracies for classification). ``model`` is put in eval mode for the
-        estimate and restored after."""
-        import time
-
-        _check_examples(x, y)
+        "seconds", "features"}`` (accuracies for classification). Without ``x`` and ``y``:
+        from the passes recorded since the last call (:meth:`recording`), which are then
+        cleared. ``model`` is put in eval mode for the estimate and restored after."""
         start = time.perf_counter()
-        if self.max_examples is not None and len(x) > self.max_examples:
+        recorded = x is None
+        if recorded:
+            if y is not None:
+                raise ValueError("pass both x and y, or neither (to use the recorded passes)")
+            if not self._recorded or self._head is None:
+                raise ValueError(
+                    "no x given and nothing recorded: call tracker(model, x, y, ...), or train "
+                    "inside tracker.recording(model) with tracker.observe(y) after each pass"
+                )
+            phi = torch.cat([p for p, _ in self._recorded])
+            y = torch.cat([t.to(phi.device) for _, t in self._recorded])
+            head, self._recorded = self._head, []
+        else:
+            assert y is not None, "pass both x and y, or neither"
+            _check_examples(x, y)
+        n = len(y)
+        keep = None
+        if self.max_examples is not None and n > self.max_examples:
             gen = torch.Generator().manual_seed(self.seed)
-            keep = torch.randperm(len(x), generator=gen)[: self.max_examples].to(x.device)
-            x, y = x[keep], y[keep.to(y.device)]
+            keep = torch.randperm(n, generator=gen)[: self.max_examples]
+            y = y[keep.to(y.device)]
+            if recorded:
+                phi = phi[keep.to(phi.device)]
+            else:
+                x = x[keep.to(x.device)]
         was_training = model.training
         model.eval()
         try:
+            if not recorded and not (callable(getattr(optimizer, "posterior", None))
+                                     and self.scope == "all"):  # fmt: skip
+                phi, head = last_layer_features(model, x)
             own = getattr(optimizer, "posterior", None)
             if callable(own):
                 import inspect
@@ -362,22 +485,29 @@ class LOOTracker:
                 name = f"{type(optimizer).__name__} posterior ({self.scope})"
                 delta: float | None = None
                 if self.scope == "all":
+                    if recorded:
+                        raise ValueError("scope='all' needs x and y (recorded passes hold the "
+                                         "output layer's inputs only)")  # fmt: skip
                     mp = memory_perturbation(
                         model, q, x, y, self.likelihood, covariance="full", correction=True
                     )
                 else:
-                    mp = _diagonal_last_layer_loo(model, q, x, y, self.likelihood)
+                    mp = _diagonal_last_layer_loo(model, q, phi, head, y, self.likelihood)
             else:
-                delta, how = self._delta(optimizer, len(x))
-                name = f"last-layer full Laplace-GGN (delta: {how})"
-                mp = last_layer_loo(model, x, y, delta, self.likelihood).perturbation
+                delta, how = self._delta(optimizer, len(y))
+                name = f"last-layer {self.structure} Laplace-GGN (delta: {how})"
+                if self.structure == "kron":
+                    mp = _kron_loo(phi, head, y, delta, self.likelihood)
+                else:
+                    mp = _full_loo(phi, head, y, delta, self.likelihood).perturbation
         finally:
             model.train(was_training)
         record: dict[str, Any] = {
             "epoch": len(self.history) if epoch is None else epoch,
             "posterior": name,
             "prior_precision": delta,
-            "n": len(x),
+            "n": len(y),
+            "features": "recorded training passes" if recorded else "one evaluation pass",
             **mp.loo_summary(),
             "seconds": time.perf_counter() - start,
         }

@@ -3,6 +3,7 @@ training set after every training epoch (:class:`fromp.loo.LOOTracker`)."""
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -34,15 +35,29 @@ class LOOPlugin(SupervisedPlugin):
     ``prior_precision`` (default: the optimizer's weight decay times ``N``).
 
     Args:
+        recorded: estimate from the output layer's inputs recorded during the epoch's own
+            forward passes (:meth:`fromp.loo.LOOTracker.recording`): no extra pass over the
+            data; with ``structure="kron"`` the whole estimate costs a few matrix products.
         tracker_kwargs: keyword arguments of :class:`~fromp.loo.LOOTracker`
-            (``prior_precision``, ``scope``, ``max_examples``, ``likelihood``).
+            (``prior_precision``, ``scope``, ``structure``, ``max_examples``, ``likelihood``).
     """
 
-    def __init__(self, **tracker_kwargs: Any) -> None:
+    def __init__(self, *, recorded: bool = False, **tracker_kwargs: Any) -> None:
         super().__init__()
         self.tracker = LOOTracker(**tracker_kwargs)
+        self.recorded = bool(recorded)
         self.history: list[dict[str, Any]] = []
         self._data: tuple[Tensor, Tensor, int] | None = None
+        self._recording: ExitStack | None = None
+
+    def before_training_epoch(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        if self.recorded:
+            self._recording = ExitStack()
+            self._recording.enter_context(self.tracker.recording(strategy.model))
+
+    def after_forward(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        if self._recording is not None:
+            self.tracker.observe(strategy.mb_y)
 
     def before_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
         x, y, t = experience_tensors(strategy.experience.dataset)
@@ -62,9 +77,17 @@ class LOOPlugin(SupervisedPlugin):
         model = strategy.model
         if isinstance(model, MultiTaskModule):
             model = _FixedTask(model, task)
-        dev = strategy.device
-        rec = self.tracker(model, x.to(dev), y.to(dev), strategy.optimizer)
+        if self._recording is not None:
+            self._recording.close()
+            self._recording = None
+            rec = self.tracker(model, optimizer=strategy.optimizer)
+        else:
+            dev = strategy.device
+            rec = self.tracker(model, x.to(dev), y.to(dev), strategy.optimizer)
         self.history.append({"experience": strategy.experience.current_experience, **rec})
 
     def after_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
         self._data = None
+        if self._recording is not None:  # an epoch ended without after_training_epoch
+            self._recording.close()
+            self._recording = None

@@ -343,3 +343,103 @@ def test_last_layer_remove_a_class_against_ridge_and_retraining():
     assert corr > 0.9, corr
     with pytest.raises(ValueError, match="remove must be a bool tensor"):
         last_layer_remove(model, x, y, remove.long(), 1.0, x)
+
+
+def test_kron_last_layer_loo_against_dense_kfac_posterior():
+    """``structure="kron"``: ``V_n = J_n (B (x) A + delta I)^{-1} J_n^T`` with ``B = sum
+    Lambda_n``, ``A = mean phi~ phi~^T`` formed densely, then the corrected LOO outputs."""
+    from fromp.loo import LOOTracker
+
+    torch.manual_seed(3)
+    x, y = _blobs()
+    x = x.double()
+    net = _mlp().double().eval()
+    delta = 0.8
+    rec = LOOTracker(prior_precision=delta, structure="kron")(net, x, y)
+    phi, head = last_layer_features(net, x)
+    phi1 = torch.cat([phi, torch.ones(len(phi), 1, dtype=D)], 1)
+    f = head(phi).detach()
+    lik = get_likelihood("categorical")
+    lam = lik.hessian(f)
+    prec = torch.kron(lam.sum(0), phi1.T @ phi1 / len(x)) + delta * torch.eye(3 * 7, dtype=D)
+    jac = torch.einsum("ck,nd->nckd", torch.eye(3, dtype=D), phi1).reshape(len(x), 3, -1)
+    cov = jac @ torch.linalg.inv(prec) @ jac.transpose(1, 2)
+    e = torch.softmax(f, -1) - nn.functional.one_hot(y, 3)
+    loo = f + torch.einsum(
+        "ncd,nd->nc", cov, torch.linalg.solve(torch.eye(3, dtype=D) - lam @ cov, e)
+    )
+    assert rec["loo_nll"] == pytest.approx(lik.nll(loo, y).mean().item(), rel=1e-9)
+    assert rec["posterior"].startswith("last-layer kron")
+    with pytest.raises(ValueError, match="structure must be"):
+        LOOTracker(structure="diag")
+
+
+@pytest.mark.parametrize("structure", ["full", "kron"])
+def test_recorded_training_passes_give_the_evaluation_pass_estimate(structure):
+    """Features recorded during the epoch's forward passes (paired by ``observe``) give the
+    same estimate as a separate evaluation pass when the weights did not move; after a
+    real epoch of training they differ only through the features' staleness; the record
+    is cleared after each estimate, so epoch 2 does not count epoch 1's passes."""
+    from fromp.loo import LOOTracker
+
+    torch.manual_seed(4)
+    x, y = _blobs()
+    net = _mlp().eval()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.05, weight_decay=0.01)
+    tracker = LOOTracker(structure=structure)
+    with tracker.recording(net):
+        for i in range(0, 60, 20):
+            net(x[i : i + 20])
+            tracker.observe(y[i : i + 20])
+    free = tracker(net, optimizer=opt)
+    full = LOOTracker(structure=structure)(net, x, y, opt)
+    assert free["features"] == "recorded training passes" and free["n"] == 60
+    assert free["loo_nll"] == pytest.approx(full["loo_nll"], rel=1e-5)
+    assert free["loo_accuracy"] == full["loo_accuracy"]
+    with pytest.raises(ValueError, match="nothing recorded"):
+        tracker(net, optimizer=opt)
+    net.train()
+    with tracker.recording(net):
+        for i in range(0, 60, 20):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(net(x[i : i + 20]), y[i : i + 20])
+            tracker.observe(y[i : i + 20])
+            loss.backward()
+            opt.step()
+    rec = tracker(net, optimizer=opt, epoch=1)
+    assert rec["n"] == 60 and rec["epoch"] == 1 and net.training
+    with pytest.raises(RuntimeError, match="observe"):
+        tracker.observe(y[:20])
+    with pytest.raises(ValueError, match="neither"):
+        tracker(net, None, y, opt)
+
+
+def test_loo_plugin_recorded_uses_the_epochs_own_passes_of_the_current_experience():
+    """``LOOPlugin(recorded=True)``: each epoch's estimate is over exactly that epoch's
+    training passes of the current experience (every example once), with the head at the
+    epoch's end; close to the evaluation-pass estimate, and the hooks are gone afterwards."""
+    from avalanche.training.supervised import Naive
+
+    from benchmarks.data import split_digits, to_avalanche
+    from fromp.loo import LOOTracker
+    from strategies.loo import LOOPlugin
+
+    torch.manual_seed(10)
+    seq = split_digits()
+    bench = to_avalanche(seq)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 2))
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, weight_decay=1e-3)
+    plugin = LOOPlugin(recorded=True, structure="kron")
+    strategy = Naive(
+        model=net, optimizer=opt, criterion=nn.CrossEntropyLoss(), train_mb_size=32,
+        train_epochs=2, plugins=[plugin], evaluator=None,
+    )  # fmt: skip
+    for k, exp in enumerate(bench.train_stream[:2]):
+        strategy.train(exp)
+        last = plugin.history[-1]
+        assert last["n"] == len(seq[k].train_y) and last["experience"] == k
+        assert last["features"] == "recorded training passes"
+        ref = LOOTracker(structure="kron")(net, seq[k].train_x, seq[k].train_y, opt)
+        assert abs(last["loo_nll"] - ref["loo_nll"]) < 0.5 * ref["loo_nll"] + 0.02
+    assert len(plugin.history) == 4
+    assert all(not m._forward_hooks for m in net.modules())
