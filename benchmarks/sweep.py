@@ -25,8 +25,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -63,14 +65,29 @@ def failure_reason(error: Any, limit: int = 300) -> str:
     return " ".join(text.split())[:limit]
 
 
+def _job_seed(config: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """A trial's job and seed (``config["trial"]``; sweeps written before 0.4 kept them as
+    ``config["job"]`` and ``config["seed"]``)."""
+    pair = config.get("trial") or config
+    return pair["job"], int(pair["seed"])
+
+
+def _key(job: dict[str, Any], seed: int) -> tuple[str, str, int]:
+    """A trial's identity across invocations: (strategy, settings tag, seed)."""
+    return job["strategy"], job["tag"], int(seed)
+
+
 def _trial(config: dict[str, Any]) -> None:
     """One Ray Tune trial: a runner run that reports (and checkpoints) every experience and
     resumes from Tune's checkpoint when the trial is retried."""
     from ray import tune
 
     torch.set_num_threads(int(config["threads"]))
-    job = config["job"]
-    work = Path(tempfile.mkdtemp(prefix="fromp-trial-"))
+    job, seed = _job_seed(config)
+    root = config.get("work_root")
+    if root:
+        Path(root).mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="fromp-trial-", dir=root or None))
     ckpt = work / _CKPT
     restored = tune.get_checkpoint()
     if restored is not None:
@@ -80,7 +97,7 @@ def _trial(config: dict[str, Any]) -> None:
     cfg = RunConfig(
         config["benchmark"],
         job["strategy"],
-        int(config["seed"]),
+        seed,
         config["data_root"],
         config["device"],
         job["overrides"],
@@ -157,10 +174,12 @@ def sweep(
         {"index": i, "strategy": name, "overrides": merged, "tag": tag}
         for i, (name, merged, tag) in enumerate(jobs)
     ]
+    wanted = [(job, int(seed)) for job in job_list for seed in seeds]  # report order
+    # a local sweep's trial directories live under one root that is removed at the end,
+    # also after an interruption (Ray may kill a trial before its own clean-up runs)
+    work_root = tempfile.mkdtemp(prefix="fromp-sweep-") if address is None else None
     space = {
         "benchmark": benchmark,
-        "job": tune.grid_search(job_list),
-        "seed": tune.grid_search(list(seeds)),
         "data_root": root,
         "device": device,
         "n_train": n_train,
@@ -168,6 +187,7 @@ def sweep(
         "valid_fraction": valid_fraction,
         "valid_seed": valid_seed,
         "threads": max(1, int(cpus_per_trial)),
+        "work_root": work_root,
         **(test_hooks or {}),
     }
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -179,28 +199,46 @@ def sweep(
         log_to_driver=False,
         ignore_reinit_error=True,
     )
+    # SIGTERM (a job scheduler, kill) ends the sweep as Ctrl-C does: Ray is shut down and the
+    # trials' temporary directories removed; the Tune state stays for --resume. Installed
+    # after ray.init, which sets a handler of its own that exits without either.
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
     try:
         trainable = tune.with_resources(_trial, {"cpu": cpus_per_trial, "gpu": gpus_per_trial})
         storage = base / "ray"
-        path = storage / "sweep"
-        if options.get("resume") and tune.Tuner.can_restore(str(path)):
-            tuner = tune.Tuner.restore(str(path), trainable, resume_errored=True)
-        else:
+        earlier = sorted(storage.glob("sweep*")) if storage.is_dir() else []
+        trials: list[Any] = []
+        if options.get("resume"):  # finish the earlier experiments first
+            for path in earlier:
+                if tune.Tuner.can_restore(str(path)):
+                    restored = tune.Tuner.restore(str(path), trainable, resume_errored=True)
+                    trials.extend(restored.fit())
+        done = {_key(*_job_seed(r.config)) for r in trials}
+        missing = [(job, seed) for job, seed in wanted if _key(job, seed) not in done]
+        if missing:  # new strategies, settings or seeds: a further experiment runs only them
+            name = f"sweep-{len(earlier)}" if options.get("resume") and earlier else "sweep"
+            space["trial"] = tune.grid_search([{"job": j, "seed": s} for j, s in missing])
             tuner = tune.Tuner(
                 trainable,
                 param_space=space,
                 tune_config=tune.TuneConfig(max_concurrent_trials=max_concurrent),
                 run_config=tune.RunConfig(
-                    name="sweep",
+                    name=name,
                     storage_path=str(storage),
                     failure_config=tune.FailureConfig(max_failures=max_failures),
                     verbose=0,
                 ),
             )
-        grid_results = tuner.fit()
-        results = _collect(grid_results, benchmark, base)
+            trials.extend(tuner.fit())
+        order = {_key(job, seed): i for i, (job, seed) in enumerate(wanted)}
+        results = _collect(trials, benchmark, base, order)
     finally:
         ray.shutdown()
+        if work_root is not None:
+            shutil.rmtree(work_root, ignore_errors=True)
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     return write_report(
         benchmark,
         base,
@@ -212,15 +250,17 @@ def sweep(
     )
 
 
-def _collect(grid_results: Any, benchmark: str, base: Path) -> list[dict[str, Any]]:
-    """The run results of all trials in grid order (job, then seed), saved to ``runs/``; a
-    trial that errored beyond its retries becomes a failed run."""
+def _collect(
+    trials: list[Any], benchmark: str, base: Path, order: dict[tuple[str, str, int], int]
+) -> list[dict[str, Any]]:
+    """The run results of all trials in the plan's order (job, then seed; trials of earlier
+    invocations outside the plan after them), saved to ``runs/``; a trial that errored beyond
+    its retries becomes a failed run."""
     from benchmarks.report import save_json
 
     rows = []
-    for r in grid_results:
-        cfg = r.config
-        job, seed = cfg["job"], cfg["seed"]
+    for r in trials:
+        job, seed = _job_seed(r.config)
         metrics = r.metrics or {}
         if "result_json" in metrics:
             res = json.loads(metrics["result_json"])
@@ -235,7 +275,9 @@ def _collect(grid_results: Any, benchmark: str, base: Path) -> list[dict[str, An
                 "accuracy_matrix": [],
                 "settings": None,
             }
-        rows.append(((job["index"], seed), job["tag"], res))
+        rows.append(
+            ((order.get(_key(job, seed), len(order)), job["strategy"], seed), job["tag"], res)
+        )
     results = []
     for _, tag, res in sorted(rows, key=lambda x: x[0]):
         save_json(base / "runs" / f"{run_name(res['strategy'], tag, res['seed'])}.json", res)
@@ -269,17 +311,7 @@ def sweep_main(argv: list[str] | None = None) -> int:
         if args.report_only:
             raise UsageError("--report-only: use 'fromp-bench <benchmark> --report-only'")
         names = (args.strategies or ",".join(DEMO_STRATEGIES)).split(",")
-        payload = sweep(
-            args.benchmark,
-            names,
-            **run_options(args),
-            address=args.address,
-            num_cpus=args.num_cpus,
-            cpus_per_trial=args.cpus_per_trial,
-            gpus_per_trial=args.gpus_per_trial,
-            max_concurrent=args.max_concurrent,
-            max_failures=args.max_failures,
-        )
+        payload = _sweep_with_args(args, names)
     except USER_ERRORS as err:
         print(f"fromp-bench sweep: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
@@ -294,3 +326,21 @@ def sweep_main(argv: list[str] | None = None) -> int:
         print(f"fromp-bench sweep: {len(payload['failed'])} run(s) failed", file=sys.stderr)
         return 3
     return 0
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _sweep_with_args(args: Any, names: list[str]) -> dict[str, Any]:
+    return sweep(
+        args.benchmark,
+        names,
+        **run_options(args),
+        address=args.address,
+        num_cpus=args.num_cpus,
+        cpus_per_trial=args.cpus_per_trial,
+        gpus_per_trial=args.gpus_per_trial,
+        max_concurrent=args.max_concurrent,
+        max_failures=args.max_failures,
+    )

@@ -284,3 +284,47 @@ p._write_checkpoint(Path({str(path)!r}), {{"version": 3, "config": {{}},
     assert path.read_bytes() == before
     state = _read_checkpoint(path)
     assert torch.equal(state["model"]["w"], torch.ones(3))
+
+
+def test_sigkill_during_a_results_write_keeps_the_previous_results_json(tmp_path):
+    """``results.json`` killed (SIGKILL) half-written: the previous file is whole and loads,
+    and the next write replaces the half-written temporary file."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from benchmarks.report import save_json
+
+    path = tmp_path / "results.json"
+    save_json(path, {"runs": [{"seed": 0}]})
+    before = path.read_text()
+    script = f"""
+import time
+from pathlib import Path
+import benchmarks.report as report
+def half(self, data, *args, **kwargs):
+    with open(self, "w") as f:
+        f.write(data[: len(data) // 2])
+        f.flush()
+    with open({str(tmp_path / "stalled")!r}, "w") as f:
+        f.write("1")
+    time.sleep(60)
+Path.write_text = half
+report.save_json(Path({str(path)!r}), {{"runs": [{{"seed": s}} for s in range(1000)]}})
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.time() + 60
+        while not (tmp_path / "stalled").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        assert (tmp_path / "stalled").exists(), "the writer never reached the write"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        proc.kill()
+    assert path.read_text() == before and json.loads(before) == {"runs": [{"seed": 0}]}
+    assert (tmp_path / "results.json.tmp").exists()  # the half-written file, never renamed
+    save_json(path, {"runs": [{"seed": 1}]})
+    assert json.loads(path.read_text()) == {"runs": [{"seed": 1}]}

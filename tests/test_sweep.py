@@ -66,3 +66,76 @@ def test_sweep_validates_before_starting_ray(tmp_path, capsys, monkeypatch):
     assert "--set tau='abc'" in err and "\n" not in err
     assert main(["sweep", "split-digits", "--gpus-per-trial", "-1", "--out", str(tmp_path)]) == 2
     assert "--gpus-per-trial must be >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_resume_runs_only_the_added_trials_and_keeps_the_finished_ones(tmp_path):
+    """A sweep resumed with an added seed and an added strategy runs exactly those trials (in
+    a further Tune experiment), keeps the finished trial's result, and reports all of them."""
+    from benchmarks.sweep import sweep
+
+    kw = dict(n_train=40, n_test=20, overrides={"train_epochs": 1}, num_cpus=2)
+    out = tmp_path / "out"
+    first = sweep("split-digits", ["naive"], seeds=[0], out=out, **kw)
+    base = out / "split-digits"
+    before = (base / "runs" / "naive-seed0.json").read_text()
+    again = sweep("split-digits", ["naive", "joint"], seeds=[0, 1], out=out, resume=True, **kw)
+    got = sorted((r["strategy"], r["seed"]) for r in again["runs"])
+    assert got == [("joint", 0), ("joint", 1), ("naive", 0), ("naive", 1)]
+    assert not again["failed"]
+    naive0 = next(r for r in again["runs"] if (r["strategy"], r["seed"]) == ("naive", 0))
+    assert naive0["accuracy_matrix"] == first["runs"][0]["accuracy_matrix"]
+    assert (base / "runs" / "naive-seed0.json").read_text() == before
+    ran = {p.name: len(list(p.glob("*/progress.csv"))) for p in (base / "ray").iterdir()}
+    assert ran == {"sweep": 1, "sweep-1": 3}, ran  # the finished trial was not run again
+    # nothing left behind in the temporary directory
+    import tempfile
+    from pathlib import Path
+
+    assert not list(Path(tempfile.gettempdir()).glob("fromp-sweep-*"))
+
+
+@pytest.mark.slow
+def test_sigterm_shuts_ray_down_and_removes_the_trials_temporary_files(tmp_path):
+    """``kill`` (SIGTERM) of a running sweep: exit 130 with the --resume hint, no Ray process
+    of the sweep left, its trial directories removed, the Tune state kept for --resume."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    import time
+    from pathlib import Path
+
+    psutil = pytest.importorskip("psutil")
+    # a short TMPDIR of the sweep's own: Ray puts its sockets there (a 107-character limit)
+    tmp_root = Path(tempfile.mkdtemp(prefix="fs-"))
+    env = {**os.environ, "TMPDIR": str(tmp_root), "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable, "-m", "benchmarks", "sweep", "split-digits", "--strategies", "naive",
+        "--seeds", "1", "--n-train", "200", "--n-test", "20", "--epochs", "5000",
+        "--num-cpus", "1", "--out", str(tmp_path / "out"),
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not list(tmp_root.glob("fromp-sweep-*/fromp-trial-*")):
+            time.sleep(0.5)
+        assert list(tmp_root.glob("fromp-sweep-*/fromp-trial-*")), "no trial started"
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert children
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        leftover = list(tmp_root.glob("fromp-sweep-*"))
+        shutil.rmtree(tmp_root, ignore_errors=True)
+    assert proc.returncode == 130, err
+    assert "--resume" in err
+    time.sleep(2)
+    alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, [c.cmdline()[:3] for c in alive]
+    assert not leftover
+    assert (tmp_path / "out" / "split-digits" / "ray" / "sweep").is_dir()
