@@ -172,19 +172,21 @@ def last_layer_loo(
 
 def _full_loo(
     phi: Tensor, head: nn.Linear, y: Tensor, prior_precision: float, lik: Likelihood,
-    chunk_size: int = 256,
+    chunk_size: int = 256, fit_phi: Tensor | None = None,
 ) -> LastLayerLOO:  # fmt: skip
-    """:func:`last_layer_loo` from the features ``phi`` ``[N, D]`` of the head."""
+    """:func:`last_layer_loo` from the features ``phi`` ``[N, D]`` of the head; the GGN from
+    ``fit_phi`` ``[N', D]`` when given (else from ``phi``)."""
     with torch.no_grad():
         f = head(phi)
     dtype = f.dtype
     # float64 inside: softmax's Lambda is singular along the sum of the logits, so with a
     # small delta the precision is too ill-conditioned for a float32 Cholesky
     phi, f = _augment(phi, head.bias is not None).double(), f.double()
+    fit, f_fit = _fit_set(head, phi, f, fit_phi)
     y = y.to(f.device)
     c, d1 = f.shape[1], phi.shape[1]
     eye = torch.eye(c * d1, dtype=phi.dtype, device=phi.device)
-    precision = last_layer_ggn(phi, f, lik) + prior_precision * eye
+    precision = last_layer_ggn(fit, f_fit, lik) + prior_precision * eye
     chol = torch.linalg.cholesky(precision)
     sigma = torch.cholesky_inverse(chol).reshape(c, d1, c * d1).permute(1, 0, 2)
     sigma = sigma.reshape(d1, c * c * d1)  # [D1, C C D1]: V_n[c, k] = phi~_n^T Sigma_ck phi~_n
@@ -195,11 +197,27 @@ def _full_loo(
         ]
     )
     mp = _corrected_loo(f, y, cov, lik, dtype)
-    return LastLayerLOO(mp, precision, float(prior_precision), len(phi))
+    return LastLayerLOO(mp, precision, float(prior_precision), len(fit))
+
+
+def _fit_set(
+    head: nn.Linear, phi: Tensor, f: Tensor, fit_phi: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """The (augmented, float64) features and outputs the curvature is summed over."""
+    if fit_phi is None:
+        return phi, f
+    with torch.no_grad():
+        f_fit = head(fit_phi.to(head.weight)).double()
+    return _augment(fit_phi, head.bias is not None).double(), f_fit
 
 
 def _kron_loo(
-    phi: Tensor, head: nn.Linear, y: Tensor, prior_precision: float, lik: Likelihood
+    phi: Tensor,
+    head: nn.Linear,
+    y: Tensor,
+    prior_precision: float,
+    lik: Likelihood,
+    fit_phi: Tensor | None = None,
 ) -> MemoryPerturbation:
     r"""Leave-one-out under a Kronecker (KFAC) last-layer Laplace-GGN: precision
     ``B (x) A + delta I`` with ``B = sum_n Lambda_n`` ``[C, C]`` and ``A = (1/N) sum_n phi~_n
@@ -209,17 +227,23 @@ def _kron_loo(
         ``V_n = Q_b diag_k(sum_j (Q_a^T phi~_n)_j^2 / (b_k a_j + delta)) Q_b^T``,
 
     ``O(N D1^2 + N C^2)`` in all: no ``C D1 x C D1`` matrix, so it stays cheap for wide
-    features and many classes."""
+    features and many classes. The factors are summed over ``fit_phi`` ``[N', D]`` when
+    given (else over ``phi``)."""
     with torch.no_grad():
         f = head(phi)
+        f_fit = f if fit_phi is None else head(fit_phi.to(head.weight))
     dtype = f.dtype
-    phi, f = _augment(phi, head.bias is not None).double(), f.double()
+    bias = head.bias is not None
+    # the N x D1 products in the features' precision, the small factors in float64
+    phi = _augment(phi.detach(), bias)
+    fit = phi if fit_phi is None else _augment(fit_phi.detach().to(phi), bias)
+    f, f_fit = f.double(), f_fit.double()
     y = y.to(f.device)
-    b, qb = torch.linalg.eigh(lik.hessian(f).sum(0))
-    a, qa = torch.linalg.eigh(phi.T @ phi / len(phi))
+    b, qb = torch.linalg.eigh(lik.hessian(f_fit).sum(0))
+    a, qa = torch.linalg.eigh((fit.T @ fit).double() / len(fit))
     b, a = b.clamp_min(0), a.clamp_min(0)
     w = 1.0 / (b[:, None] * a[None, :] + prior_precision)  # [C, D1]
-    m = (phi @ qa).pow(2) @ w.T  # [N, C] in B's eigenbasis
+    m = (phi @ qa.to(phi)).double().pow(2) @ w.T  # [N, C] in B's eigenbasis
     cov = torch.einsum("ck,nk,dk->ncd", qb, m, qb)
     return _corrected_loo(f, y, cov, lik, dtype)
 
@@ -325,7 +349,10 @@ class LOOTracker:
     pairs them with that batch's targets, and ``tracker(model, optimizer=opt)`` (no ``x``)
     estimates from what the epoch recorded, with the output layer's current weights: no
     extra forward pass. The features are those of the training passes (their weights, their
-    dropout masks; IVON's sampled weights), the price of not evaluating again::
+    dropout masks; IVON's sampled weights), the price of not evaluating again. Between the
+    two: ``tracker(model, x_sub, y_sub, opt)`` after a recorded epoch sums the Laplace
+    curvature over all recorded passes and estimates on a fresh pass over a subset
+    (``max_examples``), which keeps the posterior of all ``N`` examples::
 
         tracker = LOOTracker(structure="kron")
         for epoch in range(epochs):
@@ -461,6 +488,9 @@ class LOOTracker:
         else:
             assert y is not None, "pass both x and y, or neither"
             _check_examples(x, y)
+        fit_phi = None
+        if not recorded and self._recorded:  # passes recorded: the curvature from them
+            fit_phi, self._recorded = torch.cat([p for p, _ in self._recorded]), []
         n = len(y)
         keep = None
         if self.max_examples is not None and n > self.max_examples:
@@ -494,12 +524,14 @@ class LOOTracker:
                 else:
                     mp = _diagonal_last_layer_loo(model, q, phi, head, y, self.likelihood)
             else:
-                delta, how = self._delta(optimizer, len(y))
+                n_fit = len(y) if fit_phi is None else len(fit_phi)
+                delta, how = self._delta(optimizer, n_fit)
                 name = f"last-layer {self.structure} Laplace-GGN (delta: {how})"
                 if self.structure == "kron":
-                    mp = _kron_loo(phi, head, y, delta, self.likelihood)
+                    mp = _kron_loo(phi, head, y, delta, self.likelihood, fit_phi)
                 else:
-                    mp = _full_loo(phi, head, y, delta, self.likelihood).perturbation
+                    mp = _full_loo(phi, head, y, delta, self.likelihood, fit_phi=fit_phi)
+                    mp = mp.perturbation
         finally:
             model.train(was_training)
         record: dict[str, Any] = {
@@ -508,6 +540,7 @@ class LOOTracker:
             "prior_precision": delta,
             "n": len(y),
             "features": "recorded training passes" if recorded else "one evaluation pass",
+            "curvature_examples": n if fit_phi is None else len(fit_phi),
             **mp.loo_summary(),
             "seconds": time.perf_counter() - start,
         }

@@ -398,6 +398,22 @@ def test_recorded_training_passes_give_the_evaluation_pass_estimate(structure):
     assert free["loo_accuracy"] == full["loo_accuracy"]
     with pytest.raises(ValueError, match="nothing recorded"):
         tracker(net, optimizer=opt)
+    # recorded passes + a fresh pass over a subset: the posterior of all 60, estimates on 20
+    with tracker.recording(net):
+        for i in range(0, 60, 20):
+            net(x[i : i + 20])
+            tracker.observe(y[i : i + 20])
+    part = tracker(net, x[:20], y[:20], opt)
+    assert part["curvature_examples"] == 60 and part["n"] == 20
+    from fromp.loo import _full_loo, _kron_loo
+
+    phi, head = last_layer_features(net, x)
+    lik = get_likelihood("categorical")
+    if structure == "kron":
+        every = _kron_loo(phi, head, y, 0.01 * 60, lik)
+    else:
+        every = _full_loo(phi, head, y, 0.01 * 60, lik).perturbation
+    assert part["loo_nll"] == pytest.approx(every.loo_nll()[:20].mean().item(), rel=1e-6)
     net.train()
     with tracker.recording(net):
         for i in range(0, 60, 20):
