@@ -8,13 +8,21 @@ output gradient of column ``k`` of the square root of the output Hessian
 convolutional form "expand" of Grosse & Martens 2016, as in laplace-torch and curvlinops)
 approximates it by
 
-    ``G_W ~= B (x) A``,  ``A = (1/N) sum_{n,l} u_nl u_nl^T`` ``[in', in']``,
+    ``G_W ~= B (x) A``,  ``A = (1/(N L)) sum_{n,l} u_nl u_nl^T`` ``[in', in']``,
     ``B = sum_{n,k,l} g_nkl g_nkl^T`` ``[out, out]``,
 
-exact for one example of a ``Linear`` layer. With the row-major ``vec`` of ``W`` (fromp's
-flattening: index ``o * in' + i``), ``(B (x) A)[(o,i),(o',i')] = B[o,o'] A[i,i']``. The
-bias is its own block, ``G_b = sum_{n,k} (sum_l g_nkl)(sum_l g_nkl)^T`` ``[out, out]``,
-which is exact (laplace-torch keeps the bias as a separate factor as well).
+with ``L`` the number of positions (1 for a ``Linear`` layer on ``[N, in]``): the positions
+are treated as extra examples, ``sum_{n,l} (g g^T) (x) (u u^T) ~= (N L) E[g g^T] (x) E[u u^T]``
+(Grosse & Martens' ``Omega (x) Gamma`` with ``Gamma = (1/L) E[sum_l g g^T]``; curvlinops'
+``KFACLinearOperator(kfac_approx="expand")``, laplace-torch's default). It is exact for one
+example of a ``Linear`` layer, and for one example of a convolution whose input patches are
+all equal and whose output reaches the loss through one position.
+
+With the row-major ``vec`` of ``W`` (fromp's flattening: index ``o * in' + i``),
+``(B (x) A)[(o,i),(o',i')] = B[o,o'] A[i,i']``. The bias is its own block,
+``G_b = sum_{n,k} (sum_l g_nkl)(sum_l g_nkl)^T`` ``[out, out]``, which is exact
+(laplace-torch keeps the bias as a separate factor too, but takes the weight's ``B`` for it:
+the same for a ``Linear`` layer, the positions' cross terms dropped for a convolution).
 
 The empirical-Fisher variant uses the gradient of the loss (one column, ``k = 1``:
 ``g_nl = d nll_n / d z_nl``) in place of the columns of ``L``.
@@ -92,8 +100,9 @@ def _rows_out(m: nn.Module, g: Tensor) -> Tensor:
 @dataclass
 class KronBlock:
     """One layer's factors: ``A [in', in']`` (the mean over the ``n`` examples that reached
-    the layer), ``B [out, out]`` (their sum) for the weight, and ``B_bias [out, out]`` (None
-    without a trainable bias). ``n`` None: every example of the curvature (older state)."""
+    the layer and over the ``L`` positions of each), ``B [out, out]`` (the sum) for the
+    weight, and ``B_bias [out, out]`` (None without a trainable bias). ``n`` None: every
+    example of the curvature (older state)."""
 
     A: Tensor
     B: Tensor
@@ -207,8 +216,8 @@ def kron_curvature(
                     bb = gb.T @ gb
                     bb_sum[i] = bb if bb_sum[i] is None else bb_sum[i] + bb
         for i, c in zip(used, calls):
-            u = unfold_input(layers[i], c.a).flatten(0, 1)  # [B L, in']
-            a = u.T @ u
+            u = unfold_input(layers[i], c.a)  # [B, L, in']
+            a = torch.einsum("nli,nlj->ij", u, u) / u.shape[1]  # the positions averaged
             a_sum[i] = a if a_sum[i] is None else a_sum[i] + a
             n_used[i] += len(x)
         n += len(x)

@@ -72,7 +72,8 @@ def dense_ggn_blocks(model, x, names):
 
 
 def kfac_reference(model, x, names):
-    """KFAC by definition: ``A = (1/N) sum u u^T`` from the layers' inputs (unfolded),
+    """KFAC by definition: ``A = (1/(N L)) sum u u^T`` from the layers' inputs (unfolded, L
+    positions),
     ``B = sum_n Jz_n^T Lambda_n Jz_n`` with ``Jz = df/dz`` by autograd; bias blocks exact."""
     layers = {n.rsplit(".", 1)[0] for n in names}
     blocks = []
@@ -96,7 +97,7 @@ def kfac_reference(model, x, names):
         else:
             u = a.unsqueeze(1)
             jz = jz.unsqueeze(-1)
-        amat = torch.einsum("nli,nlj->ij", u, u) / len(x)
+        amat = torch.einsum("nli,nlj->ij", u, u) / (len(x) * u.shape[1])  # KFAC-expand
         # B = sum_n sum_l,l' over positions of the output-gradient covariance
         bmat = torch.einsum("ncol,ncd,ndpl->op", jz, lam, jz)
         bbias = torch.einsum("ncol,ncd,ndpk->op", jz, lam, jz)
