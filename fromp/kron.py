@@ -37,24 +37,49 @@ nothing of size ``P x P`` is formed.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fromp.capture import LayerMap, capture_calls
-from fromp.layer_rules import _conv_geometry
+from fromp.layer_rules import _conv_geometry, squared_grad_sums, supported_layer
 from fromp.likelihood import Likelihood
 
-__all__ = ["KronBlock", "KronCurvature", "kron_curvature", "kron_layers", "unfold_input"]
+__all__ = [
+    "KronBlock",
+    "KronCurvature",
+    "kron_curvature",
+    "kron_layers",
+    "kron_split",
+    "unfold_input",
+]
 
 
 def kron_layers(model: nn.Module) -> list[nn.Module]:
     """The ``Linear`` / ``Conv2d`` layers holding ``model``'s trainable parameters, in
     ``named_parameters()`` order; refuses (``ValueError``) a model with trainable
-    parameters elsewhere, a grouped convolution or a layer whose weight is frozen while its
-    bias is not (KFAC covers these two layer types only)."""
+    parameters elsewhere (:func:`kron_split` gives those diagonal blocks instead), a shared
+    parameter, or a layer whose weight is frozen while its bias is not."""
+    kron, diag = kron_split(model)
+    if diag:
+        m = diag[0]
+        names = [n for n, p in m.named_parameters(recurse=False) if p.requires_grad]
+        raise ValueError(
+            f"KFAC covers nn.Linear and nn.Conv2d with groups=1 only; {type(m).__name__} has "
+            f"trainable parameters {names} (kron_split gives them diagonal blocks)"
+        )
+    return kron
+
+
+def kron_split(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
+    """``(kron, diag)``: the ``Linear`` / ``Conv2d`` (``groups=1``) layers that get KFAC
+    blocks, and the other layers with trainable parameters that :mod:`fromp.layer_rules`
+    handles (batch norm in eval mode, ``LayerNorm``, ``GroupNorm``, grouped or 1-d
+    convolutions), whose parameters get exact GGN-diagonal blocks; both in
+    ``named_parameters()`` order. A shared parameter or a layer of another type is refused
+    by name."""
     layer_map = LayerMap.of(model)
     for name in layer_map.named:
         if layer_map.shared(name):
@@ -62,22 +87,24 @@ def kron_layers(model: nn.Module) -> list[nn.Module]:
                 f"hessian_structure='kron': parameter {name!r} is shared between layers "
                 "(use hessian_structure='diag')"
             )
-    layers = []
+    kron, diag = [], []
     for m, plist in layer_map.layers().items():
-        if type(m) not in (nn.Linear, nn.Conv2d):
+        if type(m) in (nn.Linear, nn.Conv2d) and getattr(m, "groups", 1) == 1:
+            if not m.weight.requires_grad:
+                raise ValueError(f"hessian_structure='kron': {m} has a frozen weight and a bias")
+            kron.append(m)
+        elif supported_layer(m):
+            diag.append(m)
+        else:
             raise ValueError(
-                f"hessian_structure='kron' covers nn.Linear and nn.Conv2d only; "
-                f"{type(m).__name__} has trainable parameters {[pn for _, pn in plist]} "
-                "(freeze them, or use hessian_structure='diag')"
+                f"hessian_structure='kron' covers nn.Linear and nn.Conv2d (KFAC) and batch "
+                f"norm, layer norm, group norm (diagonal); {type(m).__name__} has trainable "
+                f"parameters {[pn for _, pn in plist]} (freeze them, or use "
+                "hessian_structure='diag')"
             )
-        if isinstance(m, nn.Conv2d) and m.groups != 1:
-            raise ValueError(f"hessian_structure='kron' needs groups=1 convolutions, got {m}")
-        if not m.weight.requires_grad:
-            raise ValueError(f"hessian_structure='kron': {m} has a frozen weight and a bias")
-        layers.append(m)
-    if not layers:
+    if not kron:
         raise ValueError("model has no trainable nn.Linear or nn.Conv2d parameters")
-    return layers
+    return kron, diag
 
 
 def unfold_input(m: nn.Module, a: Tensor) -> Tensor:
@@ -119,6 +146,9 @@ class KronCurvature:
     blocks: list[KronBlock]
     names: list[list[str]]
     n: int = 0
+    diag: dict[str, Tensor] = field(default_factory=dict)
+    """GGN diagonals (shaped like the parameter) of the parameters outside the KFAC layers
+    (batch norm, layer norm, ...), by parameter name."""
 
     def __add__(self, other: KronCurvature) -> KronCurvature:
         """The curvature of both data sets: the ``B`` sums add, the ``A`` averages are
@@ -133,7 +163,10 @@ class KronCurvature:
             a = (s.A * ns + o.A * no) / (ns + no) if ns + no > 0 else s.A
             bb = None if s.B_bias is None else s.B_bias + o.B_bias
             blocks.append(KronBlock(a, s.B + o.B, bb, ns + no))
-        return KronCurvature(blocks, self.names, self.n + other.n)
+        if set(self.diag) != set(other.diag):
+            raise ValueError("cannot add curvatures with different diagonal parameters")
+        diag = {k: v + other.diag[k] for k, v in self.diag.items()}
+        return KronCurvature(blocks, self.names, self.n + other.n, diag)
 
     def state_dict(self) -> dict:
         return {
@@ -143,6 +176,7 @@ class KronCurvature:
             "names": self.names,
             "n": self.n,
             "n_blocks": [b.n for b in self.blocks],
+            "diag": dict(self.diag),
         }
 
     @classmethod
@@ -152,7 +186,8 @@ class KronCurvature:
             KronBlock(a, b, c, None if k is None else int(k))
             for a, b, c, k in zip(state["A"], state["B"], state["B_bias"], counts)
         ]
-        return cls(blocks, [list(n) for n in state["names"]], int(state["n"]))
+        names = [list(n) for n in state["names"]]
+        return cls(blocks, names, int(state["n"]), dict(state.get("diag", {})))
 
 
 def kron_curvature(
@@ -161,31 +196,44 @@ def kron_curvature(
     likelihood: Likelihood,
     *,
     layers: list[nn.Module] | None = None,
+    diag_layers: list[nn.Module] | None = None,
     fisher: str = "ggn",
 ) -> KronCurvature:
     """KFAC factors of ``model``'s ``Linear``/``Conv2d`` layers over ``batches`` of
     ``(x [B, ...], y [B] or None)``; the model maps ``x`` to ``[B, C]`` and is in eval mode.
 
     Args:
-        layers: the layers (default :func:`kron_layers` ``(model)``, which refuses other
-            trainable parameters). Each must be called exactly once per forward pass.
+        layers: the KFAC layers; ``diag_layers``: layers whose parameters get exact
+            GGN-diagonal blocks (:attr:`KronCurvature.diag`). Default (``layers`` None): both
+            from :func:`kron_split` ``(model)``. Each layer must be called exactly once per
+            forward pass.
         fisher: ``"ggn"`` (columns of the output-Hessian square root, targets not needed)
             or ``"ef"`` (the empirical Fisher: the per-example loss gradient; needs ``y``).
     """
     if fisher not in ("ggn", "ef"):
         raise ValueError(f"fisher must be 'ggn' or 'ef', got {fisher!r}")
-    layers = kron_layers(model) if layers is None else layers
-    own = LayerMap.of(model).layers()
+    if layers is None:
+        layers, diag_layers = kron_split(model)
+    diag_layers = list(diag_layers or [])
+    layer_map = LayerMap.of(model)
+    own, name_of = layer_map.layers(), layer_map.name_of()
     names = [[name for name, _ in own.get(m, [])] for m in layers]
+    diag = {name: torch.zeros_like(layer_map.named[name]) for m in diag_layers
+            for name, _ in own.get(m, [])}  # fmt: skip
     a_sum: list[Tensor | None] = [None] * len(layers)
     b_sum: list[Tensor | None] = [None] * len(layers)
     bb_sum: list[Tensor | None] = [None] * len(layers)
     n, n_used = 0, [0] * len(layers)
     for x, y in batches:
-        with torch.enable_grad(), capture_calls(layers) as calls:
+        with torch.enable_grad(), capture_calls(layers + diag_layers) as all_calls:
             f = model(x)
         if f.ndim != 2:
             raise ValueError(f"model output must be [N, C], got {tuple(f.shape)}")
+        kron_ids = {id(m) for m in layers}
+        calls = [c for c in all_calls if id(c.module) in kron_ids]
+        d_calls = [c for c in all_calls if id(c.module) not in kron_ids]
+        if len({id(c.module) for c in d_calls}) != len(d_calls):
+            raise ValueError("a normalisation layer is called more than once per forward pass")
         by_layer = {}
         for c in calls:
             if id(c.module) in by_layer:
@@ -203,10 +251,15 @@ def kron_curvature(
             fd = f.detach().requires_grad_(True)
             (e,) = torch.autograd.grad(likelihood.nll(fd, y.to(f.device)).sum(), fd)
             columns = [e]
-        zs = [c.z for c in calls]
+        zs = [c.z for c in calls] + [c.z for c in d_calls]
+        d_grads: list[list[Tensor]] = [[] for _ in d_calls]
         for k, v in enumerate(columns):
-            gs = torch.autograd.grad(f, zs, grad_outputs=v, retain_graph=k < len(columns) - 1)
-            for i, g in zip(used, gs):
+            gs = torch.autograd.grad(f, zs, grad_outputs=v, retain_graph=k < len(columns) - 1,
+                                     allow_unused=True)  # fmt: skip
+            for j, g in enumerate(gs[len(calls) :]):
+                if g is not None:
+                    d_grads[j].append(g.detach())
+            for i, g in zip(used, gs[: len(calls)]):
                 m = layers[i]
                 g = _rows_out(m, g.detach())  # [B, L, out]
                 b = torch.einsum("nlo,nlp->op", g, g)
@@ -215,6 +268,12 @@ def kron_curvature(
                     gb = g.sum(1)
                     bb = gb.T @ gb
                     bb_sum[i] = bb if bb_sum[i] is None else bb_sum[i] + bb
+        for c, g in zip(d_calls, d_grads):  # exact: sum over examples and columns
+            if g:
+                for pn, t in squared_grad_sums(c.module, c.a, torch.stack(g)).items():
+                    name = name_of.get((id(c.module), pn))
+                    if name is not None:
+                        diag[name] += t.detach()
         for i, c in zip(used, calls):
             u = unfold_input(layers[i], c.a)  # [B, L, in']
             a = torch.einsum("nli,nlj->ij", u, u) / u.shape[1]  # the positions averaged
@@ -234,7 +293,7 @@ def kron_curvature(
             bb = w.new_zeros(w.shape[0], w.shape[0]) if has_bias else None
         a = a.detach() / max(k, 1)  # the mean over the examples that reached the layer
         blocks.append(KronBlock(a, b.detach(), None if bb is None else bb.detach(), k))
-    return KronCurvature(blocks, names, n)
+    return KronCurvature(blocks, names, n, diag)
 
 
 class KronEigen:

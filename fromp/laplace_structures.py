@@ -25,10 +25,11 @@ import torch
 from torch import Tensor, nn
 
 from fromp.baselaplace import STRUCTURES, SUBSETS, BaseLaplace
-from fromp.capture import capture_calls
+from fromp.capture import LayerMap, capture_calls
 from fromp.curvature import diag_ggn
 from fromp.ggn import ggn
 from fromp.kron import KronBlock, KronCurvature, KronEigen, kron_curvature, unfold_input
+from fromp.layer_rules import per_example_layer_grads
 from fromp.likelihood import Likelihood
 from fromp.loo import last_layer_features
 from fromp.posterior import DiagonalGaussian, FullGaussian
@@ -178,7 +179,33 @@ class _KronMixin:
         for b in curv.blocks:
             b.A, b.B = b.A.to(self.mean), b.B.to(self.mean)
             b.B_bias = None if b.B_bias is None else b.B_bias.to(self.mean)
+        curv.diag = {k: v.to(self.mean) for k, v in curv.diag.items()}
         return curv
+
+    def _entries(self) -> list[tuple[str, Any]]:
+        """Per parameter tensor of the subset, in its order: ``("w", i)`` / ``("b", i)`` for
+        KFAC block ``i``'s weight / bias, ``("d", name)`` for a GGN-diagonal block."""
+        where: dict[str, tuple[str, Any]] = {}
+        for i, names in enumerate(self.H.names):
+            where[names[0]] = ("w", i)
+            if len(names) > 1:
+                where[names[1]] = ("b", i)
+        where |= {name: ("d", name) for name in self.H.diag}
+        missing = [n for n in self.parameter_names if n not in where]
+        if missing:
+            raise ValueError(f"the Kronecker curvature does not cover parameters {missing}")
+        return [where[n] for n in self.parameter_names]
+
+    def _split_deltas(self, deltas: list[Tensor]) -> tuple[list[Tensor], dict[str, Tensor]]:
+        """Per-tensor ``delta`` (subset order) as the KFAC blocks' (in the order of
+        ``H.names`` flattened) and the diagonal blocks' (by name)."""
+        kron, diag = [], {}
+        for (kind, ref), d in zip(self._entries(), deltas):
+            if kind == "d":
+                diag[ref] = d
+            else:
+                kron.append(d)
+        return kron, diag
 
     def _check_prior_structure(self, prior_structure):
         if prior_structure == "diag":
@@ -207,30 +234,45 @@ class _KronMixin:
 
     def _log_det_posterior(self, delta, factor):
         self._require_fit()
-        return self._eig.logdet(factor, self._deltas(delta))
+        kron, diag = self._split_deltas(self._deltas(delta))
+        total = self._eig.logdet(factor, kron)
+        for name, d in diag.items():
+            total = total + (self.H.diag[name] * factor + d).log().sum()
+        return total
 
     @property
     def posterior_precision(self) -> list[Tensor]:
         """Dense precision blocks, one per parameter tensor (``B (x) A / (s^2 T) + delta``
-        for a weight): for inspection and tests; the posterior itself is never formed."""
+        for a weight, ``diag(h / (s^2 T) + delta)`` for a diagonal block): for inspection
+        and tests; the posterior itself is never formed."""
         self._require_fit()
-        return self._eig.to_dense(self._factor(), self._deltas(self._delta))
+        kron, diag = self._split_deltas(self._deltas(self._delta))
+        dense = iter(self._eig.to_dense(self._factor(), kron))
+        return [
+            torch.diag((self.H.diag[ref] * self._factor() + diag[ref]).reshape(-1))
+            if kind == "d" else next(dense)
+            for kind, ref in self._entries()
+        ]  # fmt: skip
 
     @property
     def posterior_covariance(self) -> Tensor:
         return torch.block_diag(*[torch.linalg.inv(b) for b in self.posterior_precision])
 
-    def _block_views(self, v: Tensor) -> list[tuple[int, str, Tensor]]:
-        """Split ``v [..., P]`` into ``(layer, "w"|"b", [..., out, in'] or [..., out])``."""
+    def _block_views(self, v: Tensor) -> list[tuple[Any, str, Tensor]]:
+        """Split ``v [..., P]`` (subset order) into ``(layer, "w"|"b", [..., out, in'] or
+        [..., out])`` for KFAC blocks and ``(name, "d", [..., numel])`` for diagonal ones."""
         out, k = [], 0
-        for i, (blk, names) in enumerate(zip(self.H.blocks, self.H.names)):
-            o, a = blk.B.shape[0], blk.A.shape[0]
-            out.append((i, "w", v[..., k : k + o * a].reshape(*v.shape[:-1], o, a)))
-            k += o * a
-            if len(names) > 1:
-                out.append((i, "b", v[..., k : k + o]))
-                k += o
+        for (kind, ref), size in zip(self._entries(), self.sizes):
+            m = v[..., k : k + size]
+            if kind == "w":
+                blk = self.H.blocks[ref]
+                m = m.reshape(*v.shape[:-1], blk.B.shape[0], blk.A.shape[0])
+            out.append((ref, kind, m))
+            k += size
         return out
+
+    def _diag_eigs(self, name: str, factor: Tensor | float, delta: Tensor) -> Tensor:
+        return self.H.diag[name].reshape(-1) * factor + delta
 
     def _sqrt_cov_times(self, z):
         eig, deltas, factor = self._eig, self._deltas(self._delta), self._factor()
@@ -239,9 +281,11 @@ class _KronMixin:
             if kind == "w":
                 r = m / eig.weight_eigs(i, factor, deltas[j]).sqrt()
                 parts.append(eig.unrotate_weight(i, r).flatten(-2))
-            else:
+            elif kind == "b":
                 r = m / eig.bias_eigs(i, factor, deltas[j]).sqrt()
                 parts.append(r @ eig.qbb[i].T)
+            else:
+                parts.append(m / self._diag_eigs(i, factor, deltas[j]).sqrt())
         return torch.cat(parts, -1)
 
     @property
@@ -252,67 +296,87 @@ class _KronMixin:
             if kind == "w":
                 inv = eig.weight_eigs(i, factor, deltas[j]).reciprocal()
                 parts.append((eig.qb[i] ** 2 @ inv @ (eig.qa[i] ** 2).T).flatten())
-            else:
+            elif kind == "b":
                 inv = eig.bias_eigs(i, factor, deltas[j]).reciprocal()
                 parts.append(eig.qbb[i] ** 2 @ inv)
+            else:
+                parts.append(self._diag_eigs(i, factor, deltas[j]).reciprocal())
         return torch.cat(parts)
 
 
 class KronLaplace(_KronMixin, BaseLaplace):
     """``subset_of_weights="all"``, ``hessian_structure="kron"``: KFAC of every
-    ``Linear`` / ``Conv2d`` layer (:mod:`fromp.kron`); models with other trainable
-    parameters are refused (use ``"diag"``). The functional variance and the kernel come
-    from each layer's per-example Jacobian rows ``sum_l g_ncl u_nl^T`` rotated into the
-    factors' eigenbases: ``sum_ij R_nc,ij R_mc',ij / (b_i a_j / (s^2 T) + delta)``."""
+    ``Linear`` / ``Conv2d`` layer (:mod:`fromp.kron`) and exact GGN-diagonal blocks for the
+    parameters of batch-norm, layer-norm and group-norm layers (a ResNet's); models with
+    parameters in other layers are refused (use ``"diag"``). The functional variance and the
+    kernel come from each layer's per-example Jacobian rows ``sum_l g_ncl u_nl^T`` rotated
+    into the factors' eigenbases: ``sum_ij R_nc,ij R_mc',ij / (b_i a_j / (s^2 T) +
+    delta)``, and the diagonal blocks' per-example gradients."""
 
     structure = "kron"
 
     def _curvature(self, batches):
         return kron_curvature(self.model, batches, self.likelihood)
 
-    def _rows(self, x: Tensor) -> tuple[Tensor, list[tuple[int, str, Tensor]]]:
-        """``f(x)`` and, per parameter tensor, the rotated Jacobian rows ``[N, C, ...]``."""
-        layers = [self.model.get_submodule(n[0].rsplit(".", 1)[0]) if "." in n[0] else
-                  self.model for n in self.H.names]  # fmt: skip
-        with torch.enable_grad(), capture_calls(layers) as calls:
+    def _rows(self, x: Tensor) -> tuple[Tensor, list[tuple[Any, str, Tensor]]]:
+        """``f(x)`` and, per parameter tensor (subset order), the Jacobian rows ``[N, C,
+        ...]``: rotated into the factors' eigenbases for KFAC blocks, as they are for
+        diagonal blocks (per-example gradients of the layer, :mod:`fromp.layer_rules`)."""
+        layer_map = LayerMap.of(self.model)
+        layers = [layer_map.owners[n[0]][0][0] for n in self.H.names]
+        d_owner = {name: layer_map.owners[name][0] for name in self.H.diag}
+        d_layers = list(dict.fromkeys(m for m, _ in d_owner.values()))
+        with torch.enable_grad(), capture_calls(layers + d_layers) as calls:
             f = self.model(x)
         calls = {id(c.module): c for c in calls}
-        used = [i for i, m in enumerate(layers) if id(m) in calls]
-        zs = [calls[id(layers[i])].z for i in used]
+        mods = [m for m in layers + d_layers if id(m) in calls]
+        zs = [calls[id(m)].z for m in mods]
         c_out = f.shape[1]
-        grads: list[list[Tensor]] = [[] for _ in layers]
+        grads: dict[int, list[Tensor]] = {id(m): [] for m in mods}
         for c in range(c_out):
             v = torch.zeros_like(f)
             v[:, c] = 1
-            gs = torch.autograd.grad(f, zs, grad_outputs=v, retain_graph=c < c_out - 1)
-            for i, g in zip(used, gs):
-                grads[i].append(g.detach())
-        rows = []
+            gs = torch.autograd.grad(f, zs, grad_outputs=v, retain_graph=c < c_out - 1,
+                                     allow_unused=True)  # fmt: skip
+            for m, g in zip(mods, gs):
+                grads[id(m)].append(torch.zeros_like(calls[id(m)].z) if g is None else g.detach())
+        rows: dict[tuple[str, Any], Tensor] = {}
         for i, m in enumerate(layers):
-            if not grads[i]:  # not called (another task's head): zero Jacobian rows
-                blk = self.H.blocks[i]
+            blk = self.H.blocks[i]
+            if not grads.get(id(m)):  # not called (another task's head): zero Jacobian rows
                 o, a = blk.B.shape[0], blk.A.shape[0]
-                rows.append((i, "w", f.new_zeros(len(x), c_out, o, a)))
+                rows["w", i] = f.new_zeros(len(x), c_out, o, a)
                 if len(self.H.names[i]) > 1:
-                    rows.append((i, "b", f.new_zeros(len(x), c_out, o)))
+                    rows["b", i] = f.new_zeros(len(x), c_out, o)
                 continue
             u = unfold_input(m, calls[id(m)].a)  # [N, L, in']
-            g = torch.stack(grads[i], 1)  # [N, C, out, ...]
+            g = torch.stack(grads[id(m)], 1)  # [N, C, out, ...]
             g = g.reshape(g.shape[0], c_out, g.shape[2], -1) if isinstance(m, nn.Conv2d) else \
                 g.reshape(g.shape[0], c_out, -1, g.shape[-1]).transpose(2, 3)  # fmt: skip
             # g: [N, C, out, L]
             jw = torch.einsum("ncol,nli->ncoi", g, u)
-            rows.append((i, "w", self._eig.rotate_weight(i, jw)))
+            rows["w", i] = self._eig.rotate_weight(i, jw)
             if len(self.H.names[i]) > 1:
-                rows.append((i, "b", g.sum(-1) @ self._eig.qbb[i]))
-        return f.detach(), rows
+                rows["b", i] = g.sum(-1) @ self._eig.qbb[i]
+        for name, (m, pn) in d_owner.items():
+            numel = self.H.diag[name].numel()
+            if not grads.get(id(m)):
+                rows["d", name] = f.new_zeros(len(x), c_out, numel)
+                continue
+            per = [per_example_layer_grads(m, calls[id(m)].a, g)[pn] for g in grads[id(m)]]
+            rows["d", name] = torch.stack(per, 1).reshape(len(x), c_out, numel)
+        return f.detach(), [(ref, kind, rows[kind, ref]) for kind, ref in self._entries()]
 
     def _weights(self) -> list[Tensor]:
         eig, deltas, factor = self._eig, self._deltas(self._delta), self._factor()
         out = []
         for j, (i, kind, _) in enumerate(self._block_views(self.mean)):
-            e = eig.weight_eigs(i, factor, deltas[j]) if kind == "w" else \
-                eig.bias_eigs(i, factor, deltas[j])  # fmt: skip
+            if kind == "w":
+                e = eig.weight_eigs(i, factor, deltas[j])
+            elif kind == "b":
+                e = eig.bias_eigs(i, factor, deltas[j])
+            else:
+                e = self._diag_eigs(i, factor, deltas[j])
             out.append(e.reciprocal())
         return out
 

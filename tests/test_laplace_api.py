@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from _dense import dense_nll_hessians
+from _dense import Scale, dense_nll_hessians
 from torch import nn
 from torch.func import functional_call
 
@@ -299,10 +299,10 @@ def test_refusals_name_the_argument():
         Laplace(model, "classification", "subnetwork", "full")
     with pytest.raises(ValueError, match="hessian_structure"):
         Laplace(model, "classification", "all", "block")
-    bn = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.Linear(5, 3)).to(F64).eval()
+    odd = nn.Sequential(nn.Linear(4, 5), Scale(5), nn.Linear(5, 3)).to(F64).eval()
     x, y = data((4,))
-    with pytest.raises(ValueError, match=r"BatchNorm1d.*diag"):
-        Laplace(bn, "classification", "all", "kron").fit((x, y))
+    with pytest.raises(ValueError, match=r"Scale has trainable parameters \['s'\].*diag"):
+        Laplace(odd, "classification", "all", "kron").fit((x, y))
     la = Laplace(model, "classification", "all", "kron").fit((x, y))
     with pytest.raises(ValueError, match="prior_structure"):
         la.optimize_prior_precision(prior_structure="diag")
