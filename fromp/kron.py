@@ -296,6 +296,31 @@ def kron_curvature(
     return KronCurvature(blocks, names, n, diag)
 
 
+def _eigh(m: Tensor) -> tuple[Tensor, Tensor]:
+    """Eigendecomposition of the symmetric part of a factor. A factor of fewer examples than
+    its size has many equal (zero) eigenvalues, where LAPACK's solver can fail to converge
+    or return NaN: then it is done in float64 with the degeneracy broken by a diagonal ramp
+    of at most ``1e-10`` times the largest diagonal entry (which moves each eigenvalue by no
+    more)."""
+    sym = 0.5 * (m + m.T)
+    try:
+        vals, vecs = torch.linalg.eigh(sym)
+        if bool(torch.isfinite(vals).all() & torch.isfinite(vecs).all()):
+            return vals, vecs
+    except torch.linalg.LinAlgError:
+        pass  # (it may also return NaN without an error: both are retried)
+    d = sym.double()
+    scale = float(d.diagonal().abs().max()) or 1.0
+    ramp = torch.linspace(0.0, 1e-10 * scale, len(d), dtype=d.dtype, device=d.device)
+    vals, vecs = torch.linalg.eigh(d + torch.diag(ramp))
+    if not bool(torch.isfinite(vals).all() & torch.isfinite(vecs).all()):
+        raise FloatingPointError(
+            f"the eigendecomposition of a {len(d)} x {len(d)} Kronecker factor is not finite "
+            "even in float64 (a factor with NaN or inf?)"
+        )
+    return vals.to(m.dtype), vecs.to(m.dtype)
+
+
 class KronEigen:
     """Eigendecompositions of a :class:`KronCurvature`'s factors, for the posterior
     precision ``G / T + delta`` block by block (``delta`` one positive scalar per parameter
@@ -309,8 +334,8 @@ class KronEigen:
         self.curv = curv
         self.qa, self.la, self.qb, self.lb, self.qbb, self.lbb = [], [], [], [], [], []
         for blk in curv.blocks:
-            la, qa = torch.linalg.eigh(0.5 * (blk.A + blk.A.T))
-            lb, qb = torch.linalg.eigh(0.5 * (blk.B + blk.B.T))
+            la, qa = _eigh(blk.A)
+            lb, qb = _eigh(blk.B)
             self.la.append(la.clamp_min(0))
             self.qa.append(qa)
             self.lb.append(lb.clamp_min(0))
@@ -319,7 +344,7 @@ class KronEigen:
                 self.lbb.append(None)
                 self.qbb.append(None)
             else:
-                lbb, qbb = torch.linalg.eigh(0.5 * (blk.B_bias + blk.B_bias.T))
+                lbb, qbb = _eigh(blk.B_bias)
                 self.lbb.append(lbb.clamp_min(0))
                 self.qbb.append(qbb)
 

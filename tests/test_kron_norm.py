@@ -116,3 +116,34 @@ def test_fromp_kron_kernel_on_a_batch_norm_network_matches_dense():
     k = mem.chol @ mem.chol.transpose(-1, -2) - mem.jitter * torch.eye(1, dtype=F64)
     torch.testing.assert_close(k, want, rtol=1e-8, atol=1e-12)
     assert float(method.penalty(net).detach()) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_a_factor_the_solver_cannot_decompose_is_retried_in_float64(monkeypatch):
+    """LAPACK's eigh can fail on a large factor with many equal eigenvalues (a ResNet layer
+    fitted on few inputs); the retry in float64 with a tiny diagonal ramp gives the same
+    decomposition up to 1e-10 relative."""
+    from fromp import kron
+
+    u = torch.randn(50, 3, dtype=torch.float32)
+    m = u @ u.T
+    real = torch.linalg.eigh
+
+    def failing_once(failure: str, calls: list):
+        def eigh(a, *args, **kwargs):
+            calls.append(a.dtype)
+            if len(calls) == 1 and failure == "raise":
+                raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
+            vals, vecs = real(a, *args, **kwargs)
+            return (vals * float("nan"), vecs) if len(calls) == 1 else (vals, vecs)
+
+        return eigh
+
+    for failure in ("raise", "nan"):
+        calls: list = []
+        monkeypatch.setattr(torch.linalg, "eigh", failing_once(failure, calls))
+        vals, vecs = kron._eigh(m)
+        assert calls == [torch.float32, torch.float64] and vals.dtype == torch.float32
+        torch.testing.assert_close(vecs @ torch.diag(vals) @ vecs.T, m, rtol=1e-5, atol=1e-4)
+    monkeypatch.setattr(torch.linalg, "eigh", lambda a: (a[0] * float("nan"), a))
+    with pytest.raises(FloatingPointError, match="not finite even in float64"):
+        kron._eigh(m)

@@ -24,6 +24,9 @@ Cases (inputs are standard-normal tensors of the network's input shape, labels u
 * ``kernel_full``: the same with ``diagonal_outputs=False`` (all ``C x C`` output pairs,
   ``[N, C, N, C]``);
 * ``predictive``: ``GP.predictive(x, "probit")`` for ``--n-pred`` inputs;
+* ``laplace_kron``: ``fromp.Laplace(net, "classification", "all", "kron").fit(batches)``
+  (KFAC of every ``Linear`` / ``Conv2d``, diagonal blocks for batch norm) and its evidence;
+  above a network's ``kron_max`` inputs it is timed on ``kron_max`` and scaled linearly;
 * ``check``: fromp's and laplace-torch's GGN diagonals on 8 inputs, max relative difference.
 
 Every case runs in a fresh subprocess: ``peak_rss_mb`` is that process's peak resident set
@@ -58,11 +61,14 @@ MODELS = ("resnet18", "cnn", "mlp")
 DEFAULTS: dict[str, dict[str, Any]] = {
     # inputs per case; laplace-torch is run on at most lt_max inputs (linear extrapolation)
     "mlp": {"ggn": [1000, 10000], "kernel": [256, 1024], "kernel_full": [256, 1024],
-            "pred": 256, "lt_max": 1000, "lt_batch": 256, "gp_chunk": 64},
+            "pred": 256, "lt_max": 1000, "lt_batch": 256, "gp_chunk": 64,
+            "kron": [1000, 10000], "kron_max": 10000, "kron_batch": 256},
     "cnn": {"ggn": [1000, 10000], "kernel": [256, 1024], "kernel_full": [256, 1024],
-            "pred": 256, "lt_max": 1000, "lt_batch": 32, "gp_chunk": 16},
+            "pred": 256, "lt_max": 1000, "lt_batch": 32, "gp_chunk": 16,
+            "kron": [1000, 10000], "kron_max": 10000, "kron_batch": 64},
     "resnet18": {"ggn": [1000, 10000], "kernel": [256, 1024], "kernel_full": [256],
-                 "pred": 256, "lt_max": 16, "lt_batch": 2, "gp_chunk": 32},
+                 "pred": 256, "lt_max": 16, "lt_batch": 2, "gp_chunk": 32,
+                 "kron": [10000], "kron_max": 1000, "kron_batch": 32},
 }  # fmt: skip
 
 
@@ -124,6 +130,14 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
 
         q = laplace(net, x, "categorical", 1.0)
         out["precision_sum"] = float(q.precision.sum())
+    elif spec["case"] == "laplace_kron":
+        from fromp import Laplace
+
+        b = spec["kron_batch"]
+        batches = [(x[i : i + b], y[i : i + b]) for i in range(0, n, b)]
+        la = Laplace(net, "classification", "all", "kron", prior_precision=1.0).fit(batches)
+        out["log_marginal_likelihood"] = float(la.log_marginal_likelihood())
+        out["kron_blocks"], out["diagonal_tensors"] = len(la.H.blocks), len(la.H.diag)
     elif spec["case"] == "laplace_torch":
         h = _laplace_torch_fit(net, x, y, spec["lt_batch"])
         out["precision_sum"] = float(h.sum()) + h.numel()
@@ -174,7 +188,9 @@ def _spawn(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-CASES = ("check", "laplace", "laplace_torch", "kernel", "kernel_full", "predictive")
+CASES = (
+    "check", "laplace", "laplace_torch", "laplace_kron", "kernel", "kernel_full", "predictive"
+)  # fmt: skip
 
 
 def _plan(models: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -185,6 +201,9 @@ def _plan(models: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
         base = {"model": m, "device": args.device, "threads": args.threads,
                 "lt_batch": d["lt_batch"], "gp_chunk": d["gp_chunk"]}  # fmt: skip
         specs.append({**base, "case": "check", "n": 8})
+        for n in d["kron"]:  # above kron_max: timed on kron_max inputs, scaled linearly
+            specs.append({**base, "case": "laplace_kron", "n": min(n, d["kron_max"]),
+                          "target_n": n, "kron_batch": d["kron_batch"]})  # fmt: skip
         for n in d["ggn"]:
             specs.append({**base, "case": "laplace", "n": n})
             if not args.skip_laplace_torch:
@@ -242,7 +261,8 @@ def main(argv: list[str] | None = None) -> None:
     for spec in _plan(models, args):
         res = _spawn(spec, args.timeout)
         row = {**spec, **res}
-        if spec["case"] == "laplace_torch" and spec["n"] < spec["target_n"] and "cpu_s" in res:
+        scaled = spec["case"] in ("laplace_torch", "laplace_kron")
+        if scaled and spec["n"] < spec["target_n"] and "cpu_s" in res:
             f = spec["target_n"] / spec["n"]
             row["extrapolated_from_n"] = spec["n"]
             row["n"] = spec["target_n"]
