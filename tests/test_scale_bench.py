@@ -31,7 +31,7 @@ def test_plan_and_one_case_run():
     out = run_case({**base, "case": "kernel_full", "n": 5})
     assert out["shape"] == [5, 2, 5, 2]
     kron = _plan(["resnet18"], argparse.Namespace(**{**vars(args), "cases": ["laplace_kron"]}))
-    assert [(s["n"], s["target_n"]) for s in kron] == [(1000, 10000)]
+    assert [(s["n"], s["target_n"]) for s in kron] == [(1000, 1000), (10000, 10000)]
     out = run_case({**base, "model": "cnn", "case": "laplace_kron", "n": 3, "kron_batch": 2})
     assert out["kron_blocks"] == 11 and out["diagonal_tensors"] == 0  # 5 conv, 6 heads
     assert out["log_marginal_likelihood"] < 0

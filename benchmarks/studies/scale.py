@@ -68,7 +68,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
             "kron": [1000, 10000], "kron_max": 10000, "kron_batch": 64},
     "resnet18": {"ggn": [1000, 10000], "kernel": [256, 1024], "kernel_full": [256],
                  "pred": 256, "lt_max": 16, "lt_batch": 2, "gp_chunk": 32,
-                 "kron": [10000], "kron_max": 1000, "kron_batch": 32},
+                 "kron": [1000, 10000], "kron_max": 10000, "kron_batch": 32},
 }  # fmt: skip
 
 
