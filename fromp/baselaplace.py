@@ -108,9 +108,9 @@ class BaseLaplace:
         method: str = "auto",
         max_params: int = 20_000,
     ) -> None:
-        if subset_of_weights not in ("all", "last_layer"):
+        if subset_of_weights not in SUBSETS:
             raise ValueError(
-                f"subset_of_weights must be 'all' or 'last_layer', got {subset_of_weights!r}"
+                f"subset_of_weights must be one of {SUBSETS}, got {subset_of_weights!r}"
             )
         if not (isinstance(temperature, int | float) and temperature > 0):
             raise ValueError(f"temperature must be a positive number, got {temperature!r}")
@@ -127,7 +127,7 @@ class BaseLaplace:
             self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             self._set_mean()
         else:
-            self._named = []  # found on the first fit (needs an input)
+            self._named = []  # found on the first fit (needs an input) or by the subclass
             self.mean = torch.zeros(0)
         self._prior_mean_arg = prior_mean
         self._prior_arg = prior_precision
@@ -142,6 +142,10 @@ class BaseLaplace:
     def _set_mean(self) -> None:
         self.mean = torch.cat([p.detach().reshape(-1) for _, p in self._named]).clone()
         self.sizes = [p.numel() for _, p in self._named]
+
+    def _subset_size(self) -> int:
+        """The model's current number of parameters in the subset (checked at each fit)."""
+        return sum(p.numel() for _, p in self._named)
 
     def _prepare(self, x: Tensor) -> None:
         """Hook: find the subset's parameters from an input (the last layer)."""
@@ -247,7 +251,7 @@ class BaseLaplace:
         require_eval(self.model)
         batches = [(x, y) for x, y in iter_batches(train_loader)]
         self._prepare(batches[0][0][:1].to(self._device()))
-        p_now = sum(p.numel() for _, p in self._named)
+        p_now = self._subset_size()
         if p_now != self.num_params:
             raise ValueError(f"model has P={p_now} parameters in the subset, the fit had "
                              f"{self.num_params}")  # fmt: skip

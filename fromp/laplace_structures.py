@@ -7,7 +7,11 @@ subset \\ structure        ``"diag"``           ``"kron"``           ``"full"``
 =========================  ===================  ===================  ===================
 ``"all"``                  :class:`LaplaceDiag`  :class:`KronLaplace`  :class:`LaplaceFull`
 ``"last_layer"``           :class:`DiagLLLaplace` :class:`KronLLLaplace` :class:`FullLLLaplace`
+``"subnetwork"``           ``DiagSubnetLaplace``                     ``FullSubnetLaplace``
 =========================  ===================  ===================  ===================
+
+and ``("all", "lowrank")``: ``LowRankLaplace``. Those three live in
+:mod:`fromp.laplace_subnet` and :mod:`fromp.laplace_lowrank`.
 
 All weights: the diagonal comes from layer capture (any module), the Kronecker factors from
 :mod:`fromp.kron` (``Linear`` / ``Conv2d``), the full GGN from :func:`fromp.ggn.ggn` (small
@@ -615,20 +619,35 @@ def Laplace(
     subset_of_weights="last_layer", hessian_structure="kron")`` (laplace-torch's defaults),
     then ``.fit(train_loader)``, ``.optimize_prior_precision()``, ``la(x)``.
 
-    ``subset_of_weights``: ``"all"`` or ``"last_layer"`` (the last ``nn.Linear``, whose
-    output must be the model's). ``hessian_structure``: ``"diag"``, ``"kron"`` or
-    ``"full"``. Keyword arguments: those of :class:`BaseLaplace` (``sigma_noise``,
-    ``prior_precision``, ``prior_mean``, ``temperature``, ``chunk_size``, ...).
-    ``"subnetwork"`` and ``"lowrank"`` are not available and refused."""
+    ``subset_of_weights``: ``"all"``, ``"last_layer"`` (the last ``nn.Linear``, whose
+    output must be the model's) or ``"subnetwork"`` (``subnetwork_indices=`` a 1-D
+    ``torch.long`` tensor of indices into ``parameters_to_vector(model.parameters())``:
+    :class:`fromp.laplace_subnet.SubnetLaplace`). ``hessian_structure``: ``"diag"``,
+    ``"kron"``, ``"full"`` or, for all weights, ``"lowrank"`` (``low_rank=k`` top GGN
+    eigenpairs: :class:`fromp.laplace_lowrank.LowRankLaplace`); a subnetwork takes
+    ``"full"`` or ``"diag"``. Keyword arguments: those of :class:`BaseLaplace`
+    (``sigma_noise``, ``prior_precision``, ``prior_mean``, ``temperature``,
+    ``chunk_size``, ...) and of the class chosen."""
     if subset_of_weights not in SUBSETS:
         raise ValueError(f"subset_of_weights must be one of {SUBSETS}, got {subset_of_weights!r}")
     if hessian_structure not in STRUCTURES:
         raise ValueError(
             f"hessian_structure must be one of {STRUCTURES}, got {hessian_structure!r}"
         )
-    cls = _CLASSES.get((subset_of_weights, hessian_structure))
+    from fromp.laplace_lowrank import LowRankLaplace
+    from fromp.laplace_subnet import DiagSubnetLaplace, FullSubnetLaplace
+
+    classes: dict[tuple[str, str], Any] = {
+        **_CLASSES,
+        ("subnetwork", "diag"): DiagSubnetLaplace,
+        ("subnetwork", "full"): FullSubnetLaplace,
+        ("all", "lowrank"): LowRankLaplace,
+    }
+    if subset_of_weights != "subnetwork" and "subnetwork_indices" in kwargs:
+        raise ValueError("subnetwork_indices is for subset_of_weights='subnetwork'")
+    cls = classes.get((subset_of_weights, hessian_structure))
     if cls is None:
-        supported = ", ".join(f"({s!r}, {h!r})" for s, h in _CLASSES)
+        supported = ", ".join(f"({s!r}, {h!r})" for s, h in classes)
         raise ValueError(
             f"subset_of_weights={subset_of_weights!r} with hessian_structure="
             f"{hessian_structure!r} is not available; supported: {supported}"
