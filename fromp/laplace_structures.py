@@ -1,4 +1,5 @@
-r"""The Hessian structures of :mod:`fromp.baselaplace` and the :func:`Laplace` factory.
+r"""The Hessian structures of :mod:`fromp.baselaplace` (the :func:`~fromp.Laplace` factory
+is in :mod:`fromp.laplace_factory`).
 
 One class per (subset of weights, structure), as in laplace-torch:
 
@@ -7,11 +8,10 @@ subset \\ structure        ``"diag"``           ``"kron"``           ``"full"``
 =========================  ===================  ===================  ===================
 ``"all"``                  :class:`LaplaceDiag`  :class:`KronLaplace`  :class:`LaplaceFull`
 ``"last_layer"``           :class:`DiagLLLaplace` :class:`KronLLLaplace` :class:`FullLLLaplace`
-``"subnetwork"``           ``DiagSubnetLaplace``                     ``FullSubnetLaplace``
 =========================  ===================  ===================  ===================
 
-and ``("all", "lowrank")``: ``LowRankLaplace``. Those three live in
-:mod:`fromp.laplace_subnet` and :mod:`fromp.laplace_lowrank`.
+Subnetworks (``"diag"``, ``"full"``) are in :mod:`fromp.laplace_subnet`, the all-weights
+``"lowrank"`` structure in :mod:`fromp.laplace_lowrank`.
 
 All weights: the diagonal comes from layer capture (any module), the Kronecker factors from
 :mod:`fromp.kron` (``Linear`` / ``Conv2d``), the full GGN from :func:`fromp.ggn.ggn` (small
@@ -28,13 +28,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fromp.baselaplace import STRUCTURES, SUBSETS, BaseLaplace
+from fromp.baselaplace import BaseLaplace
 from fromp.capture import LayerMap, capture_calls
 from fromp.curvature import diag_ggn
 from fromp.ggn import ggn
 from fromp.kron import KronBlock, KronCurvature, KronEigen, kron_curvature, unfold_input
 from fromp.layer_rules import per_example_layer_grads
-from fromp.likelihood import Likelihood
 from fromp.loo import last_layer_features
 from fromp.posterior import DiagonalGaussian, FullGaussian
 
@@ -43,7 +42,6 @@ __all__ = [
     "FullLLLaplace",
     "KronLLLaplace",
     "KronLaplace",
-    "Laplace",
     "LaplaceDiag",
     "LaplaceFull",
 ]
@@ -594,62 +592,3 @@ class KronLLLaplace(_LastLayer, _KronMixin, BaseLaplace):
             kb = (eig.qbb[0] * inv) @ eig.qbb[0].T
             k = k + kb.reshape(1, *kb.shape[:1], 1, kb.shape[1]).expand_as(k)
         return k
-
-
-# ---------------------------------------------------------------------------------- factory
-
-_CLASSES = {
-    ("all", "diag"): LaplaceDiag,
-    ("all", "full"): LaplaceFull,
-    ("all", "kron"): KronLaplace,
-    ("last_layer", "diag"): DiagLLLaplace,
-    ("last_layer", "full"): FullLLLaplace,
-    ("last_layer", "kron"): KronLLLaplace,
-}
-
-
-def Laplace(
-    model: nn.Module,
-    likelihood: str | Likelihood,
-    subset_of_weights: str = "last_layer",
-    hessian_structure: str = "kron",
-    **kwargs: Any,
-) -> BaseLaplace:
-    """A fitted-Laplace object in laplace-torch's words: ``Laplace(model, "classification",
-    subset_of_weights="last_layer", hessian_structure="kron")`` (laplace-torch's defaults),
-    then ``.fit(train_loader)``, ``.optimize_prior_precision()``, ``la(x)``.
-
-    ``subset_of_weights``: ``"all"``, ``"last_layer"`` (the last ``nn.Linear``, whose
-    output must be the model's) or ``"subnetwork"`` (``subnetwork_indices=`` a 1-D
-    ``torch.long`` tensor of indices into ``parameters_to_vector(model.parameters())``:
-    :class:`fromp.laplace_subnet.SubnetLaplace`). ``hessian_structure``: ``"diag"``,
-    ``"kron"``, ``"full"`` or, for all weights, ``"lowrank"`` (``low_rank=k`` top GGN
-    eigenpairs: :class:`fromp.laplace_lowrank.LowRankLaplace`); a subnetwork takes
-    ``"full"`` or ``"diag"``. Keyword arguments: those of :class:`BaseLaplace`
-    (``sigma_noise``, ``prior_precision``, ``prior_mean``, ``temperature``,
-    ``chunk_size``, ...) and of the class chosen."""
-    if subset_of_weights not in SUBSETS:
-        raise ValueError(f"subset_of_weights must be one of {SUBSETS}, got {subset_of_weights!r}")
-    if hessian_structure not in STRUCTURES:
-        raise ValueError(
-            f"hessian_structure must be one of {STRUCTURES}, got {hessian_structure!r}"
-        )
-    from fromp.laplace_lowrank import LowRankLaplace
-    from fromp.laplace_subnet import DiagSubnetLaplace, FullSubnetLaplace
-
-    classes: dict[tuple[str, str], Any] = {
-        **_CLASSES,
-        ("subnetwork", "diag"): DiagSubnetLaplace,
-        ("subnetwork", "full"): FullSubnetLaplace,
-        ("all", "lowrank"): LowRankLaplace,
-    }
-    if subset_of_weights != "subnetwork" and "subnetwork_indices" in kwargs:
-        raise ValueError("subnetwork_indices is for subset_of_weights='subnetwork'")
-    cls = classes.get((subset_of_weights, hessian_structure))
-    if cls is None:
-        supported = ", ".join(f"({s!r}, {h!r})" for s, h in classes)
-        raise ValueError(
-            f"subset_of_weights={subset_of_weights!r} with hessian_structure="
-            f"{hessian_structure!r} is not available; supported: {supported}"
-        )
-    return cls(model, likelihood, **kwargs)
