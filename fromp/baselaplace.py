@@ -2,7 +2,8 @@ r"""Fitted Laplace posteriors in laplace-torch's words: :func:`Laplace` and one 
 (subset of weights, Hessian structure).
 
 Around the trained weights ``w*`` (the MAP of ``sum_n nll_n / T - log N(w | m0, D^{-1})``),
-for the chosen parameters ``theta`` (all weights, or the last ``nn.Linear`` layer),
+for the chosen parameters ``theta`` (all weights, the last ``nn.Linear`` layer, or a
+subnetwork of chosen entries, the others fixed at ``w*``: :mod:`fromp.laplace_subnet`),
 
     ``q(theta) = N(theta*, (G / (s^2 T) + D)^{-1})``,  ``G = sum_n J_n^T Lambda_n J_n``,
 
@@ -10,12 +11,14 @@ with ``J_n = d f(x_n) / d theta`` ``[C, P]``, ``Lambda_n`` the Hessian of the lo
 outputs (softmax: ``diag(p) - p p^T``; regression: ``I``, the noise ``s = sigma_noise``
 entering as ``1 / s^2``; classification has ``s = 1``), ``T`` the temperature and
 ``D = diag(delta)`` the prior precision (a scalar, one per parameter tensor, or one per
-parameter). ``G`` is kept in one of three structures:
+parameter). ``G`` is kept in one of four structures:
 
 * ``"diag"``: ``diag(G)`` ``[P]`` (layer capture, :func:`fromp.curvature.diag_ggn`);
 * ``"kron"``: KFAC blocks ``B (x) A`` per ``Linear`` / ``Conv2d`` weight and exact ``[out,
   out]`` bias blocks (:mod:`fromp.kron`), eigendecomposed;
-* ``"full"``: ``G`` ``[P, P]`` (small ``P`` only).
+* ``"full"``: ``G`` ``[P, P]`` (small ``P`` only);
+* ``"lowrank"``: the top ``k`` eigenpairs ``U diag(lam) U^T`` (all weights,
+  :mod:`fromp.laplace_lowrank`).
 
 The Laplace evidence (log marginal likelihood), differentiable in ``delta`` and ``s``, is
 

@@ -22,9 +22,9 @@ The eigenpairs (``eig_method``):
 
 * ``"gram"``: ``G = R^T R`` with ``R = [L_n^T J_n]_n`` ``[N K, P]`` (``Lambda_n = L_n
   L_n^T``); the nonzero spectrum of ``G`` is that of ``R R^T`` ``[N K, N K]``, whose
-  eigenvectors ``v`` give ``u = R^T v / sqrt(lam)``. Exact; needs ``R`` in memory
-  (``N K P`` numbers, at most ``memory_budget`` bytes); when ``P < N K`` the ``[P, P]``
-  matrix ``R^T R`` is decomposed instead (small models).
+  eigenvectors ``v`` give ``u = R^T v / sqrt(lam)``. Exact; needs ``R`` and the Gram in
+  memory (``N K P + min(N K, P)^2`` numbers, at most ``memory_budget`` bytes); when
+  ``P < N K`` the ``[P, P]`` matrix ``R^T R`` is decomposed instead (small models).
 * ``"subspace"``: block subspace iteration on GGN-matrix products ``G V`` (forward-mode
   ``J V``, then ``J^T Lambda (J V)`` by reverse mode, vectorised over the ``k +
   oversampling`` columns), with a Rayleigh-Ritz step each pass, until the top ``k`` Ritz
@@ -86,7 +86,8 @@ def top_eigenpairs(
         k_out = likelihood.sqrt_hessian(model(batches[0][:1])).shape[-1]
     rows = sum(len(x) for x in batches) * k_out
     if method == "auto":
-        fits = rows * p_total * ref.element_size() <= memory_budget
+        need = (rows * p_total + min(rows, p_total) ** 2) * ref.element_size()  # R, Gram
+        fits = need <= memory_budget
         method = "gram" if fits else "subspace"
     if method == "gram":
         parts = []
@@ -260,9 +261,9 @@ class LowRankLaplace(BaseLaplace):
         return r * d.rsqrt()
 
     # ------------------------------------------------------------------ predictive
-    def _rows(self, x: Tensor, d: Tensor, w: Tensor, chol: Tensor) -> tuple[Tensor, Tensor]:
-        """``(A [N, C, P], L^{-1} (A W)^T [k, N, C])``, ``A = J D^{-1/2}``."""
-        jac = torch.cat([j for _, j in iter_jacobians(self.model, x, chunk_size=self.chunk_size)])
+    def _rows(self, jac: Tensor, d: Tensor, w: Tensor, chol: Tensor) -> tuple[Tensor, Tensor]:
+        """``(A [N, C, P], L^{-1} (A W)^T [k, N, C])``, ``A = J D^{-1/2}``, for Jacobians
+        ``J`` ``[N, C, P]``."""
         a = jac * d.rsqrt()
         b = torch.einsum("ncp,pk->knc", a, w)
         e = torch.linalg.solve_triangular(chol, b.flatten(1), upper=False)
@@ -272,12 +273,17 @@ class LowRankLaplace(BaseLaplace):
         with torch.no_grad():
             f = self.model(x)
         parts = self._parts(self._delta, self._factor())
-        a, e = self._rows(x, *parts)
-        var = torch.einsum("ncp,ndp->ncd", a, a) - torch.einsum("knc,knd->ncd", e, e)
+        var = f.new_zeros(*f.shape, f.shape[1])
+        for r, jac in iter_jacobians(self.model, x, chunk_size=self.chunk_size or 32):
+            a, e = self._rows(jac, *parts)  # a chunk of examples at a time
+            var[r] = torch.einsum("ncp,ndp->ncd", a, a) - torch.einsum("knc,knd->ncd", e, e)
         return f, var
+
+    def _jac(self, x: Tensor) -> Tensor:
+        return torch.cat([j for _, j in iter_jacobians(self.model, x, chunk_size=self.chunk_size)])
 
     def _kernel(self, x1, x2):
         parts = self._parts(self._delta, self._factor())
-        a1, e1 = self._rows(x1, *parts)
-        a2, e2 = (a1, e1) if x2 is x1 else self._rows(x2, *parts)
+        a1, e1 = self._rows(self._jac(x1), *parts)
+        a2, e2 = (a1, e1) if x2 is x1 else self._rows(self._jac(x2), *parts)
         return torch.einsum("ncp,mdp->ncmd", a1, a2) - torch.einsum("knc,kmd->ncmd", e1, e2)

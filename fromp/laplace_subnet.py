@@ -14,7 +14,8 @@ Jacobian. ``G_SS`` is never cut from a ``[P, P]`` GGN; ``J_{n,S}`` is computed e
 
 * ``method="reverse"``: per-example Jacobians (``vmap(jacrev)``, chunks of examples) with
   respect to the parameter tensors that hold subnetwork entries only, then column-selected:
-  ``chunk * C * P_touched`` numbers at a time (``P_touched`` the size of those tensors);
+  ``chunk * C * P_touched`` numbers at a time (``P_touched`` the size of those tensors;
+  ``chunk`` is ``chunk_size``, or as many examples as fit ``memory_budget``, at most 256);
 * ``method="forward"``: one forward-mode pass (``jvp``) per subnetwork entry, vectorised over
   chunks of entries, over a whole batch: no Jacobian row of any parameter tensor is formed,
   ``S / chunk`` passes over the data (cheaper than ``"reverse"`` when ``S <= C``);
@@ -184,7 +185,9 @@ class SubnetLaplace(BaseLaplace):
                 return functional_call(model, ({**fixed, **params}, buffers), (xi[None],))[0]
 
             jac_fn = vmap(jacrev(one), in_dims=(None, 0))
-            step = self.chunk_size or 32
+            p_touched = sum(p.numel() for p in touched.values())
+            per_example = 3 * n_out * p_touched * f.element_size()  # rows and their grads
+            step = self.chunk_size or max(1, min(256, self.memory_budget // per_example))
             for s in range(0, len(x), step):
                 jac = jac_fn(touched, x[s : s + step])
                 for name, local, pos in self._where:
