@@ -25,7 +25,7 @@ from fromp.laplace import (
     log_marginal_likelihood,
     optimize_prior_precision,
 )
-from fromp.laplace_structures import Laplace
+from fromp.laplace_factory import Laplace
 from fromp.likelihood import (
     BernoulliLikelihood,
     CategoricalLikelihood,

@@ -2,7 +2,8 @@ r"""Fitted Laplace posteriors in laplace-torch's words: :func:`Laplace` and one 
 (subset of weights, Hessian structure).
 
 Around the trained weights ``w*`` (the MAP of ``sum_n nll_n / T - log N(w | m0, D^{-1})``),
-for the chosen parameters ``theta`` (all weights, or the last ``nn.Linear`` layer),
+for the chosen parameters ``theta`` (all weights, the last ``nn.Linear`` layer, or a
+subnetwork of chosen entries, the others fixed at ``w*``: :mod:`fromp.laplace_subnet`),
 
     ``q(theta) = N(theta*, (G / (s^2 T) + D)^{-1})``,  ``G = sum_n J_n^T Lambda_n J_n``,
 
@@ -10,12 +11,14 @@ with ``J_n = d f(x_n) / d theta`` ``[C, P]``, ``Lambda_n`` the Hessian of the lo
 outputs (softmax: ``diag(p) - p p^T``; regression: ``I``, the noise ``s = sigma_noise``
 entering as ``1 / s^2``; classification has ``s = 1``), ``T`` the temperature and
 ``D = diag(delta)`` the prior precision (a scalar, one per parameter tensor, or one per
-parameter). ``G`` is kept in one of three structures:
+parameter). ``G`` is kept in one of four structures:
 
 * ``"diag"``: ``diag(G)`` ``[P]`` (layer capture, :func:`fromp.curvature.diag_ggn`);
 * ``"kron"``: KFAC blocks ``B (x) A`` per ``Linear`` / ``Conv2d`` weight and exact ``[out,
   out]`` bias blocks (:mod:`fromp.kron`), eigendecomposed;
-* ``"full"``: ``G`` ``[P, P]`` (small ``P`` only).
+* ``"full"``: ``G`` ``[P, P]`` (small ``P`` only);
+* ``"lowrank"``: the top ``k`` eigenpairs ``U diag(lam) U^T`` (all weights,
+  :mod:`fromp.laplace_lowrank`).
 
 The Laplace evidence (log marginal likelihood), differentiable in ``delta`` and ``s``, is
 
@@ -108,9 +111,9 @@ class BaseLaplace:
         method: str = "auto",
         max_params: int = 20_000,
     ) -> None:
-        if subset_of_weights not in ("all", "last_layer"):
+        if subset_of_weights not in SUBSETS:
             raise ValueError(
-                f"subset_of_weights must be 'all' or 'last_layer', got {subset_of_weights!r}"
+                f"subset_of_weights must be one of {SUBSETS}, got {subset_of_weights!r}"
             )
         if not (isinstance(temperature, int | float) and temperature > 0):
             raise ValueError(f"temperature must be a positive number, got {temperature!r}")
@@ -127,7 +130,7 @@ class BaseLaplace:
             self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             self._set_mean()
         else:
-            self._named = []  # found on the first fit (needs an input)
+            self._named = []  # found on the first fit (needs an input) or by the subclass
             self.mean = torch.zeros(0)
         self._prior_mean_arg = prior_mean
         self._prior_arg = prior_precision
@@ -142,6 +145,10 @@ class BaseLaplace:
     def _set_mean(self) -> None:
         self.mean = torch.cat([p.detach().reshape(-1) for _, p in self._named]).clone()
         self.sizes = [p.numel() for _, p in self._named]
+
+    def _subset_size(self) -> int:
+        """The model's current number of parameters in the subset (checked at each fit)."""
+        return sum(p.numel() for _, p in self._named)
 
     def _prepare(self, x: Tensor) -> None:
         """Hook: find the subset's parameters from an input (the last layer)."""
@@ -247,7 +254,7 @@ class BaseLaplace:
         require_eval(self.model)
         batches = [(x, y) for x, y in iter_batches(train_loader)]
         self._prepare(batches[0][0][:1].to(self._device()))
-        p_now = sum(p.numel() for _, p in self._named)
+        p_now = self._subset_size()
         if p_now != self.num_params:
             raise ValueError(f"model has P={p_now} parameters in the subset, the fit had "
                              f"{self.num_params}")  # fmt: skip

@@ -1,4 +1,5 @@
-r"""The Hessian structures of :mod:`fromp.baselaplace` and the :func:`Laplace` factory.
+r"""The Hessian structures of :mod:`fromp.baselaplace` (the :func:`~fromp.Laplace` factory
+is in :mod:`fromp.laplace_factory`).
 
 One class per (subset of weights, structure), as in laplace-torch:
 
@@ -8,6 +9,9 @@ subset \\ structure        ``"diag"``           ``"kron"``           ``"full"``
 ``"all"``                  :class:`LaplaceDiag`  :class:`KronLaplace`  :class:`LaplaceFull`
 ``"last_layer"``           :class:`DiagLLLaplace` :class:`KronLLLaplace` :class:`FullLLLaplace`
 =========================  ===================  ===================  ===================
+
+Subnetworks (``"diag"``, ``"full"``) are in :mod:`fromp.laplace_subnet`, the all-weights
+``"lowrank"`` structure in :mod:`fromp.laplace_lowrank`.
 
 All weights: the diagonal comes from layer capture (any module), the Kronecker factors from
 :mod:`fromp.kron` (``Linear`` / ``Conv2d``), the full GGN from :func:`fromp.ggn.ggn` (small
@@ -24,13 +28,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fromp.baselaplace import STRUCTURES, SUBSETS, BaseLaplace
+from fromp.baselaplace import BaseLaplace
 from fromp.capture import LayerMap, capture_calls
 from fromp.curvature import diag_ggn
 from fromp.ggn import ggn
 from fromp.kron import KronBlock, KronCurvature, KronEigen, kron_curvature, unfold_input
 from fromp.layer_rules import per_example_layer_grads
-from fromp.likelihood import Likelihood
 from fromp.loo import last_layer_features
 from fromp.posterior import DiagonalGaussian, FullGaussian
 
@@ -39,7 +42,6 @@ __all__ = [
     "FullLLLaplace",
     "KronLLLaplace",
     "KronLaplace",
-    "Laplace",
     "LaplaceDiag",
     "LaplaceFull",
 ]
@@ -590,47 +592,3 @@ class KronLLLaplace(_LastLayer, _KronMixin, BaseLaplace):
             kb = (eig.qbb[0] * inv) @ eig.qbb[0].T
             k = k + kb.reshape(1, *kb.shape[:1], 1, kb.shape[1]).expand_as(k)
         return k
-
-
-# ---------------------------------------------------------------------------------- factory
-
-_CLASSES = {
-    ("all", "diag"): LaplaceDiag,
-    ("all", "full"): LaplaceFull,
-    ("all", "kron"): KronLaplace,
-    ("last_layer", "diag"): DiagLLLaplace,
-    ("last_layer", "full"): FullLLLaplace,
-    ("last_layer", "kron"): KronLLLaplace,
-}
-
-
-def Laplace(
-    model: nn.Module,
-    likelihood: str | Likelihood,
-    subset_of_weights: str = "last_layer",
-    hessian_structure: str = "kron",
-    **kwargs: Any,
-) -> BaseLaplace:
-    """A fitted-Laplace object in laplace-torch's words: ``Laplace(model, "classification",
-    subset_of_weights="last_layer", hessian_structure="kron")`` (laplace-torch's defaults),
-    then ``.fit(train_loader)``, ``.optimize_prior_precision()``, ``la(x)``.
-
-    ``subset_of_weights``: ``"all"`` or ``"last_layer"`` (the last ``nn.Linear``, whose
-    output must be the model's). ``hessian_structure``: ``"diag"``, ``"kron"`` or
-    ``"full"``. Keyword arguments: those of :class:`BaseLaplace` (``sigma_noise``,
-    ``prior_precision``, ``prior_mean``, ``temperature``, ``chunk_size``, ...).
-    ``"subnetwork"`` and ``"lowrank"`` are not available and refused."""
-    if subset_of_weights not in SUBSETS:
-        raise ValueError(f"subset_of_weights must be one of {SUBSETS}, got {subset_of_weights!r}")
-    if hessian_structure not in STRUCTURES:
-        raise ValueError(
-            f"hessian_structure must be one of {STRUCTURES}, got {hessian_structure!r}"
-        )
-    cls = _CLASSES.get((subset_of_weights, hessian_structure))
-    if cls is None:
-        supported = ", ".join(f"({s!r}, {h!r})" for s, h in _CLASSES)
-        raise ValueError(
-            f"subset_of_weights={subset_of_weights!r} with hessian_structure="
-            f"{hessian_structure!r} is not available; supported: {supported}"
-        )
-    return cls(model, likelihood, **kwargs)

@@ -71,6 +71,18 @@ def test_laplace_torch_classification_example_runs_with_the_fromp_import():
     assert any(abs(chosen - float(g)) < 1e-6 * float(g) for g in torch.logspace(-4, 4, 81))
 
 
+def test_laplace_torch_subnetwork_and_lowrank_example_runs():
+    model, train, _, x = _classifier_and_loaders()
+    env = {"model": model, "train_loader": train, "x": x}
+    exec(python_block("laplace.md", "A subnetwork (laplace-torch's"), env)
+    sub, low = env["sub"], env["low"]
+    assert sub.posterior_precision.shape == (64, 64)
+    flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    assert torch.equal(sub.mean, flat[env["subnetwork_indices"]])
+    assert low.rank == 20 and low.posterior_precision[0][0].shape == (len(flat), 20)
+    torch.testing.assert_close(env["pred"].sum(1), torch.ones(50))
+
+
 def test_laplace_torch_regression_example_raises_the_evidence():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(60, 2, generator=g)

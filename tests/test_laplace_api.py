@@ -294,8 +294,8 @@ def test_predictives_are_probabilities_and_nn_agrees_at_small_variance():
 def test_refusals_name_the_argument():
     model = mlp()
     with pytest.raises(ValueError, match=r"lowrank.*supported"):
-        Laplace(model, "classification", "all", "lowrank")
-    with pytest.raises(ValueError, match="subnetwork"):
+        Laplace(model, "classification", "last_layer", "lowrank")
+    with pytest.raises(ValueError, match="subnetwork_indices"):
         Laplace(model, "classification", "subnetwork", "full")
     with pytest.raises(ValueError, match="hessian_structure"):
         Laplace(model, "classification", "all", "block")

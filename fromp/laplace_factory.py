@@ -1,0 +1,84 @@
+"""The :func:`Laplace` factory: laplace-torch's ``Laplace(model, likelihood,
+subset_of_weights, hessian_structure, **kwargs)``, one class per (subset, structure):
+
+* ``"all"``: ``"diag"`` :class:`~fromp.laplace_structures.LaplaceDiag`, ``"kron"``
+  :class:`~fromp.laplace_structures.KronLaplace`, ``"full"``
+  :class:`~fromp.laplace_structures.LaplaceFull`, ``"lowrank"``
+  :class:`~fromp.laplace_lowrank.LowRankLaplace`;
+* ``"last_layer"``: ``"diag"`` / ``"kron"`` / ``"full"``: ``DiagLLLaplace``,
+  ``KronLLLaplace``, ``FullLLLaplace`` (:mod:`fromp.laplace_structures`);
+* ``"subnetwork"``: ``"diag"`` / ``"full"``: :class:`~fromp.laplace_subnet.DiagSubnetLaplace`,
+  :class:`~fromp.laplace_subnet.FullSubnetLaplace`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from fromp.baselaplace import STRUCTURES, SUBSETS, BaseLaplace
+from fromp.laplace_lowrank import LowRankLaplace
+from fromp.laplace_structures import (
+    DiagLLLaplace,
+    FullLLLaplace,
+    KronLaplace,
+    KronLLLaplace,
+    LaplaceDiag,
+    LaplaceFull,
+)
+from fromp.laplace_subnet import DiagSubnetLaplace, FullSubnetLaplace
+from fromp.likelihood import Likelihood
+
+__all__ = ["Laplace"]
+
+
+_CLASSES = {
+    ("all", "diag"): LaplaceDiag,
+    ("all", "full"): LaplaceFull,
+    ("all", "kron"): KronLaplace,
+    ("last_layer", "diag"): DiagLLLaplace,
+    ("last_layer", "full"): FullLLLaplace,
+    ("last_layer", "kron"): KronLLLaplace,
+    ("subnetwork", "diag"): DiagSubnetLaplace,
+    ("subnetwork", "full"): FullSubnetLaplace,
+    ("all", "lowrank"): LowRankLaplace,
+}
+
+
+def Laplace(
+    model: nn.Module,
+    likelihood: str | Likelihood,
+    subset_of_weights: str = "last_layer",
+    hessian_structure: str = "kron",
+    **kwargs: Any,
+) -> BaseLaplace:
+    """A fitted-Laplace object in laplace-torch's words: ``Laplace(model, "classification",
+    subset_of_weights="last_layer", hessian_structure="kron")`` (laplace-torch's defaults),
+    then ``.fit(train_loader)``, ``.optimize_prior_precision()``, ``la(x)``.
+
+    ``subset_of_weights``: ``"all"``, ``"last_layer"`` (the last ``nn.Linear``, whose
+    output must be the model's) or ``"subnetwork"`` (``subnetwork_indices=`` a 1-D
+    ``torch.long`` tensor of indices into ``parameters_to_vector(model.parameters())``:
+    :class:`fromp.laplace_subnet.SubnetLaplace`). ``hessian_structure``: ``"diag"``,
+    ``"kron"``, ``"full"`` or, for all weights, ``"lowrank"`` (``low_rank=k`` top GGN
+    eigenpairs: :class:`fromp.laplace_lowrank.LowRankLaplace`); a subnetwork takes
+    ``"full"`` or ``"diag"``. Keyword arguments: those of :class:`BaseLaplace`
+    (``sigma_noise``, ``prior_precision``, ``prior_mean``, ``temperature``,
+    ``chunk_size``, ...) and of the class chosen."""
+    if subset_of_weights not in SUBSETS:
+        raise ValueError(f"subset_of_weights must be one of {SUBSETS}, got {subset_of_weights!r}")
+    if hessian_structure not in STRUCTURES:
+        raise ValueError(
+            f"hessian_structure must be one of {STRUCTURES}, got {hessian_structure!r}"
+        )
+    if subset_of_weights != "subnetwork" and "subnetwork_indices" in kwargs:
+        raise ValueError("subnetwork_indices is for subset_of_weights='subnetwork'")
+    cls = _CLASSES.get((subset_of_weights, hessian_structure))
+    if cls is None:
+        supported = ", ".join(f"({s!r}, {h!r})" for s, h in _CLASSES)
+        raise ValueError(
+            f"subset_of_weights={subset_of_weights!r} with hessian_structure="
+            f"{hessian_structure!r} is not available; supported: {supported}"
+        )
+    return cls(model, likelihood, **kwargs)

@@ -1,0 +1,379 @@
+r"""Subnetwork Laplace (laplace-torch's ``subset_of_weights="subnetwork"``) and the score
+rules that pick a subnetwork.
+
+The subnetwork is ``S`` entries of the flat parameter vector ``w = parameters_to_vector(
+model.parameters())`` ``[P]``, given as ``subnetwork_indices`` ``[S]`` (in the order the
+user gives them; the posterior's rows and columns follow that order). The other ``P - S``
+weights stay at the MAP ``w*``, and the posterior over ``theta = w[S]`` is
+
+    ``q(theta) = N(w*[S], (G_SS / (s^2 T) + D)^{-1})``,
+    ``G_SS = sum_n J_{n,S}^T Lambda_n J_{n,S}``  ``[S, S]``,
+
+with ``J_{n,S} = d f(x_n) / d w[S]`` ``[C, S]``: the columns ``S`` of the network's
+Jacobian. ``G_SS`` is never cut from a ``[P, P]`` GGN; ``J_{n,S}`` is computed either
+
+* ``method="reverse"``: per-example Jacobians (``vmap(jacrev)``, chunks of examples) with
+  respect to the parameter tensors that hold subnetwork entries only, then column-selected:
+  ``chunk * C * P_touched`` numbers at a time (``P_touched`` the size of those tensors;
+  ``chunk`` is ``chunk_size``, or as many examples as fit ``memory_budget``, at most 256);
+* ``method="forward"``: one forward-mode pass (``jvp``) per subnetwork entry, vectorised over
+  chunks of entries, over a whole batch: no Jacobian row of any parameter tensor is formed,
+  ``S / chunk`` passes over the data (cheaper than ``"reverse"`` when ``S <= C``);
+
+``method="auto"`` picks ``"forward"`` when ``S <= C`` (the number of outputs), else
+``"reverse"``. ``hessian_structure="full"`` keeps ``G_SS`` ``[S, S]``, ``"diag"`` its
+diagonal; the posterior maths is that of :class:`~fromp.laplace_structures.LaplaceFull` /
+:class:`~fromp.laplace_structures.LaplaceDiag` on ``S`` parameters.
+
+Prior precision ``delta``: a scalar, one per parameter tensor holding subnetwork entries
+(``"layerwise"``, in the model's order) or one per subnetwork entry ``[S]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, jacrev, jvp, vmap
+from torch.nn.utils import parameters_to_vector
+
+from fromp.baselaplace import BaseLaplace
+from fromp.laplace_structures import LaplaceDiag, LaplaceFull
+from fromp.likelihood import Likelihood
+
+__all__ = [
+    "DiagSubnetLaplace",
+    "FullSubnetLaplace",
+    "LargestMagnitudeSubnetMask",
+    "LargestVarianceDiagLaplaceSubnetMask",
+    "SubnetLaplace",
+    "check_subnetwork_indices",
+]
+
+
+def check_subnetwork_indices(indices: Any, n_params: int) -> Tensor:
+    """``indices`` as given when they are a valid subnetwork of a model with ``n_params``
+    parameters: a non-empty 1-D ``torch.long`` tensor of distinct entries in ``[0,
+    n_params)``. Raises ``TypeError`` (not a tensor, not ``torch.long``) or ``ValueError``
+    naming ``subnetwork_indices``."""
+    if indices is None:
+        raise ValueError(
+            "subset_of_weights='subnetwork' needs subnetwork_indices: a 1-D torch.long tensor "
+            "of indices into parameters_to_vector(model.parameters())"
+        )
+    if not isinstance(indices, Tensor):
+        raise TypeError(
+            f"subnetwork_indices must be a 1-D torch.long tensor, got {type(indices).__name__}"
+        )
+    if indices.dtype != torch.long:
+        raise TypeError(f"subnetwork_indices must have dtype torch.long, got {indices.dtype}")
+    if indices.ndim != 1 or indices.numel() == 0:
+        raise ValueError(
+            f"subnetwork_indices must be a non-empty 1-D tensor, got shape {tuple(indices.shape)}"
+        )
+    lo, hi = int(indices.min()), int(indices.max())
+    if lo < 0 or hi >= n_params:
+        raise ValueError(
+            f"subnetwork_indices must lie in [0, {n_params}) (the model's P={n_params} "
+            f"parameters), got entries in [{lo}, {hi}]"
+        )
+    if len(torch.unique(indices)) != len(indices):
+        raise ValueError("subnetwork_indices must not contain duplicate entries")
+    return indices
+
+
+class SubnetLaplace(BaseLaplace):
+    """Laplace over a subnetwork (module docstring); build one with
+    ``fromp.Laplace(model, likelihood, subset_of_weights="subnetwork", hessian_structure=
+    "full" | "diag", subnetwork_indices=idx)``.
+
+    ``la.mean`` (also ``la.mean_subnet``) is ``w*[S]`` ``[S]``, and ``posterior_precision``,
+    ``posterior_covariance``, ``posterior_variance``, ``prior_mean`` are over the ``S``
+    entries; ``sample(n)`` returns full parameter vectors ``[n, P]`` (the subnetwork
+    drawn, the rest at ``w*``: laplace-torch's convention), ``la.full_mean`` is ``w*``
+    ``[P]``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: str | Likelihood,
+        subnetwork_indices: Tensor | None = None,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.pop("subset_of_weights", None)
+        n_total = sum(p.numel() for p in model.parameters())
+        idx = check_subnetwork_indices(subnetwork_indices, n_total)
+        if kwargs.get("method", "auto") not in ("auto", "forward", "reverse"):
+            raise ValueError(
+                f"method must be 'auto', 'forward' or 'reverse' for subset_of_weights="
+                f"'subnetwork', got {kwargs['method']!r}"
+            )
+        super().__init__(model, likelihood, subset_of_weights="subnetwork", **kwargs)
+        self.subnetwork_indices = idx.detach().cpu().clone()
+        self._locate()
+        self._set_mean()
+        self._init_prior()
+
+    # ------------------------------------------------------------------ the subnetwork
+    def _locate(self) -> None:
+        """Where each subnetwork entry lives: the parameter tensors holding entries
+        (``_named``, model order), per tensor the entries' flat offsets inside it and their
+        positions in ``theta``, and per entry its tensor's number (``_layer_of``)."""
+        named = list(self.model.named_parameters())
+        self._all_named = named
+        starts = torch.tensor([0] + [p.numel() for _, p in named]).cumsum(0)
+        idx = self.subnetwork_indices
+        tensor_of = torch.searchsorted(starts[1:], idx, right=True)  # [S]
+        self._named, self._where, layer_of = [], [], torch.empty_like(idx)
+        for t in torch.unique(tensor_of).tolist():
+            pos = (tensor_of == t).nonzero(as_tuple=True)[0]  # positions in theta
+            layer_of[pos] = len(self._named)
+            self._named.append(named[t])
+            self._where.append((named[t][0], idx[pos] - starts[t], pos))
+        self._layer_of = layer_of
+
+    def _set_mean(self) -> None:
+        self.full_mean = parameters_to_vector(self.model.parameters()).detach().clone()
+        idx = self.subnetwork_indices.to(self.full_mean.device)
+        self.mean = self.full_mean[idx].clone()
+        self.sizes = [len(pos) for _, _, pos in self._where]
+
+    def _subset_size(self) -> int:
+        n_total = sum(p.numel() for p in self.model.parameters())
+        if n_total != self.full_mean.numel():
+            raise ValueError(f"model has P={n_total} parameters, the subnetwork was chosen "
+                             f"in a model of {self.full_mean.numel()}")  # fmt: skip
+        return self.num_params
+
+    @property
+    def n_params_subnet(self) -> int:
+        """``S``: laplace-torch's name."""
+        return self.num_params
+
+    @property
+    def mean_subnet(self) -> Tensor:
+        """``w*[S]`` ``[S]`` (laplace-torch's name)."""
+        return self.mean
+
+    def _delta_vector(self, d: Tensor) -> Tensor:
+        if d.ndim == 0:
+            return d.expand(self.num_params)
+        if len(d) == self.num_params:
+            return d
+        return d[self._layer_of.to(d.device)]  # one per parameter tensor holding entries
+
+    # ------------------------------------------------------------------ Jacobian columns
+    def _jacobian(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``(f(x) [N, C], J_S(x) [N, C, S])``: the subnetwork's Jacobian columns, in the
+        order of ``subnetwork_indices`` (module docstring for the two methods)."""
+        model = self.model
+        buffers = dict(model.named_buffers())
+        fixed = {n: p.detach() for n, p in self._all_named}
+        touched = {n: p.detach() for n, p in self._named}
+        with torch.no_grad():
+            f = model(x)
+        n_out = f.shape[1]
+        method = self.method
+        if method == "auto":
+            method = "forward" if self.num_params <= n_out else "reverse"
+        out = f.new_zeros(len(x), n_out, self.num_params)
+        if method == "reverse":
+
+            def one(params: dict[str, Tensor], xi: Tensor) -> Tensor:
+                return functional_call(model, ({**fixed, **params}, buffers), (xi[None],))[0]
+
+            jac_fn = vmap(jacrev(one), in_dims=(None, 0))
+            p_touched = sum(p.numel() for p in touched.values())
+            per_example = 3 * n_out * p_touched * f.element_size()  # rows and their grads
+            step = self.chunk_size or max(1, min(256, self.memory_budget // per_example))
+            for s in range(0, len(x), step):
+                jac = jac_fn(touched, x[s : s + step])
+                for name, local, pos in self._where:
+                    j = jac[name].flatten(2)  # [n, C, numel]
+                    out[s : s + step, :, pos.to(x.device)] = j[..., local.to(x.device)]
+            return f, out
+
+        def batch(params: dict[str, Tensor]) -> Tensor:
+            return functional_call(model, ({**fixed, **params}, buffers), (x,))
+
+        def column(tangent: dict[str, Tensor]) -> Tensor:
+            return jvp(batch, (touched,), (tangent,))[1]
+
+        step = self.chunk_size or 16
+        for s in range(0, self.num_params, step):
+            cols = torch.arange(s, min(s + step, self.num_params))
+            tangents = {}
+            for name, local, pos in self._where:
+                p = touched[name]
+                t = torch.zeros(len(cols), p.numel(), dtype=p.dtype, device=p.device)
+                hit = (pos[:, None] == cols[None, :]).nonzero()  # [(entry, column)]
+                t[hit[:, 1], local[hit[:, 0]]] = 1.0
+                tangents[name] = t.reshape(len(cols), *p.shape)
+            out[..., s : s + len(cols)] = vmap(column)(tangents).permute(1, 2, 0)
+        return f, out
+
+    def _sqrt_ggn_rows(self, batches: list[tuple[Tensor, Tensor | None]]):
+        for x, _ in batches:
+            f, jac = self._jacobian(x)
+            yield torch.einsum("nck,ncs->nks", self.likelihood.sqrt_hessian(f), jac).flatten(0, 1)
+
+    # ------------------------------------------------------------------ samples, predictive
+    def sample(self, n_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
+        """``[n_samples, P]`` full parameter vectors: ``w[S] ~ q``, the rest ``w*``."""
+        theta = super().sample(n_samples, generator)
+        full = self.full_mean.repeat(n_samples, 1)
+        full[:, self.subnetwork_indices.to(full.device)] = theta
+        return full
+
+    def _nn_samples(self, x: Tensor, n_samples: int, generator: torch.Generator | None) -> Tensor:
+        outs = []
+        with torch.no_grad():
+            for w in self.sample(n_samples, generator):
+                params, k = {}, 0
+                for name, p in self._all_named:
+                    params[name] = w[k : k + p.numel()].view_as(p).to(p.dtype)
+                    k += p.numel()
+                outs.append(functional_call(self.model, params, (x,)))
+        return torch.stack(outs)
+
+    def _cov_times(self, jac: Tensor) -> Tensor:
+        """``Sigma J^T`` as ``[S, N C]`` for ``J`` ``[N, C, S]``."""
+        raise NotImplementedError
+
+    def _mean_and_variance(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        f, jac = self._jacobian(x)
+        sj = self._cov_times(jac).reshape(self.num_params, *jac.shape[:2])  # [S, N, C]
+        return f, torch.einsum("ncs,snd->ncd", jac, sj)
+
+    def _kernel(self, x1: Tensor, x2: Tensor) -> Tensor:
+        _, j1 = self._jacobian(x1)
+        j2 = j1 if x2 is x1 else self._jacobian(x2)[1]
+        sj = self._cov_times(j2).reshape(self.num_params, *j2.shape[:2])
+        return torch.einsum("ncs,smd->ncmd", j1, sj)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "subnetwork_indices": self.subnetwork_indices}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        idx = state.get("subnetwork_indices")
+        if idx is None or not torch.equal(idx.cpu(), self.subnetwork_indices):
+            raise ValueError("state has other subnetwork_indices than this Laplace")
+        super().load_state_dict(state)
+        self.full_mean = self.full_mean.to(self.mean)
+        self.full_mean[self.subnetwork_indices.to(self.mean.device)] = self.mean
+
+
+class FullSubnetLaplace(SubnetLaplace):
+    """Subnetwork, ``hessian_structure="full"``: ``G_SS`` ``[S, S]``."""
+
+    structure = "full"
+
+    def _curvature(self, batches):
+        g = 0.0
+        for rows in self._sqrt_ggn_rows(batches):
+            g = g + rows.T @ rows
+        return 0.5 * (g + g.T)
+
+    _fitted = LaplaceFull._fitted
+    _log_det_posterior = LaplaceFull._log_det_posterior
+    posterior_precision = LaplaceFull.posterior_precision
+    posterior_covariance = LaplaceFull.posterior_covariance
+    posterior_variance = LaplaceFull.posterior_variance
+    posterior = LaplaceFull.posterior
+    _sqrt_cov_times = LaplaceFull._sqrt_cov_times
+
+    def _cov_times(self, jac):
+        return self.posterior_covariance @ jac.flatten(0, 1).T
+
+
+class DiagSubnetLaplace(SubnetLaplace):
+    """Subnetwork, ``hessian_structure="diag"``: ``diag(G_SS)`` ``[S]``."""
+
+    structure = "diag"
+
+    def _curvature(self, batches):
+        h = 0.0
+        for rows in self._sqrt_ggn_rows(batches):
+            h = h + (rows**2).sum(0)
+        return h
+
+    _log_det_posterior = LaplaceDiag._log_det_posterior
+    posterior_precision = LaplaceDiag.posterior_precision
+    posterior_variance = LaplaceDiag.posterior_variance
+    posterior_covariance = LaplaceDiag.posterior_covariance
+    posterior = LaplaceDiag.posterior
+    _sqrt_cov_times = LaplaceDiag._sqrt_cov_times
+
+    def _cov_times(self, jac):
+        return self.posterior_variance[:, None] * jac.flatten(0, 1).T
+
+
+# ------------------------------------------------------------------------------ subnet masks
+
+
+class _ScoreMask:
+    """laplace-torch's score-based subnetwork masks: the ``n_params_subnet`` entries of
+    ``parameters_to_vector(model.parameters())`` with the largest score, returned sorted
+    by :meth:`select` as a ``torch.long`` tensor (``subnetwork_indices``)."""
+
+    def __init__(self, model: nn.Module, n_params_subnet: int) -> None:
+        self.model = model
+        self.parameter_vector = parameters_to_vector(model.parameters()).detach()
+        n = self.parameter_vector.numel()
+        if isinstance(n_params_subnet, bool) or not isinstance(n_params_subnet, int):
+            raise TypeError(f"n_params_subnet must be an int, got {n_params_subnet!r}")
+        if not 1 <= n_params_subnet <= n:
+            raise ValueError(f"n_params_subnet must be in [1, P={n}], got {n_params_subnet}")
+        self.n_params_subnet = n_params_subnet
+        self._indices: Tensor | None = None
+
+    def compute_param_scores(self, train_loader: Any) -> Tensor:
+        raise NotImplementedError
+
+    def select(self, train_loader: Any = None) -> Tensor:
+        scores = self.compute_param_scores(train_loader)
+        top = torch.topk(scores, self.n_params_subnet).indices
+        self._indices = top.sort().values.cpu().long()
+        return self._indices
+
+    @property
+    def indices(self) -> Tensor:
+        if self._indices is None:
+            raise AttributeError("call select() first")
+        return self._indices
+
+
+class LargestMagnitudeSubnetMask(_ScoreMask):
+    """The subnetwork of the ``n_params_subnet`` weights of largest ``|w*|``."""
+
+    def compute_param_scores(self, train_loader: Any = None) -> Tensor:
+        return self.parameter_vector.abs()
+
+
+class LargestVarianceDiagLaplaceSubnetMask(_ScoreMask):
+    """The subnetwork of the ``n_params_subnet`` weights of largest marginal variance under
+    a diagonal all-weights Laplace (``diag_laplace_model``, e.g. ``fromp.Laplace(model,
+    lik, "all", "diag")``, fitted on ``train_loader`` by :meth:`select`; frozen parameters,
+    which that posterior does not cover, score ``-inf``)."""
+
+    def __init__(self, model: nn.Module, n_params_subnet: int, diag_laplace_model: Any) -> None:
+        super().__init__(model, n_params_subnet)
+        self.diag_laplace_model = diag_laplace_model
+
+    def compute_param_scores(self, train_loader: Any) -> Tensor:
+        if train_loader is None:
+            raise ValueError("select(train_loader) needs the training data for the variances")
+        la = self.diag_laplace_model
+        la.fit(train_loader)
+        var = la.posterior_variance
+        scores = torch.full_like(self.parameter_vector, -torch.inf)
+        mine = dict(zip(la.parameter_names, torch.split(var, la.sizes)))
+        k = 0
+        for name, p in self.model.named_parameters():
+            if name in mine:
+                scores[k : k + p.numel()] = mine[name].to(scores)
+            k += p.numel()
+        return scores
