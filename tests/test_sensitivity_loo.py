@@ -459,3 +459,59 @@ def test_loo_plugin_recorded_uses_the_epochs_own_passes_of_the_current_experienc
         assert abs(last["loo_nll"] - ref["loo_nll"]) < 0.5 * ref["loo_nll"] + 0.02
     assert len(plugin.history) == 4
     assert all(not m._forward_hooks for m in net.modules())
+
+
+def test_last_layer_remove_iterated_newton_matches_refitted_softmax_regression():
+    """Removing a class from softmax regression on fixed features: the iterated Newton steps
+    reach the head refitted without the class (dense float64, to ~1e-6); one step is the
+    memory-perturbation step ``(H_K + delta I)^{-1} g_S`` formed densely; from a head that
+    is not at the optimum the move is that of the residual-corrected objective."""
+    from fromp.loo import last_layer_remove
+
+    x, y = _blobs(120, seed=12)
+    x = x.double()
+    delta = 0.5
+    model = _fit(nn.Linear(4, 3).double(), x, y, "categorical", delta)
+    remove = y == 1
+    xe = torch.randn(9, 4, dtype=D)
+    before, after = last_layer_remove(model, x, y, remove, delta, xe)
+    refit = nn.Linear(4, 3).double()
+    refit.load_state_dict(model.state_dict())
+    _fit(refit.requires_grad_(), x[~remove], y[~remove], "categorical", delta)
+    with torch.no_grad():
+        torch.testing.assert_close(before, model(xe))
+        torch.testing.assert_close(after, refit(xe), atol=1e-6, rtol=1e-6)
+        one = last_layer_remove(model, x, y, remove, delta, xe, steps=1)[1]
+        # dense one-step: theta + (H_K + delta I)^{-1} g_S over vec([W | b]) (row-major)
+        xa = torch.cat([x, torch.ones(len(x), 1, dtype=D)], 1)
+        theta = torch.cat([model.weight, model.bias[:, None]], 1)
+        f = xa @ theta.T
+        p = torch.softmax(f, -1)
+        e = p - nn.functional.one_hot(y, 3).double()
+        k = ~remove
+        lam = torch.diag_embed(p[k]) - p[k, :, None] * p[k, None, :]
+        h = torch.einsum("nck,ni,nj->cikj", lam, xa[k], xa[k]).reshape(15, 15)
+        g = torch.einsum("nc,ni->ci", e[remove], xa[remove]).reshape(15)
+        step = torch.linalg.solve(h + delta * torch.eye(15, dtype=D), g).reshape(3, 5)
+        xea = torch.cat([xe, torch.ones(9, 1, dtype=D)], 1)
+        torch.testing.assert_close(one, xea @ (theta + step).T)
+        # the one step overshoots here; iterating moves the answer away from it
+        assert (one - refit(xe)).abs().max() > 10 * (after - refit(xe)).abs().max()
+    # a head short of the optimum: the answer zeroes grad [L_K + delta/2 |t|^2] - r
+    off = nn.Linear(4, 3).double()
+    with torch.no_grad():
+        off.weight.copy_(model.weight + 0.1 * torch.randn(3, 4, dtype=D))
+        off.bias.copy_(model.bias)
+    _, moved = last_layer_remove(off.eval(), x, y, remove, delta, x)
+
+    def grad(w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        w = w.detach().requires_grad_(True)
+        loss = nn.functional.cross_entropy(xa[rows] @ w.T, y[rows], reduction="sum")
+        return torch.autograd.grad(loss + 0.5 * delta * w.pow(2).sum(), w)[0]
+
+    t0 = torch.cat([off.weight, off.bias[:, None]], 1).detach()
+    t1 = torch.linalg.lstsq(xa, moved).solution.T  # [C, D1]: the head the outputs come from
+    r = grad(t0, torch.ones_like(k))
+    torch.testing.assert_close(grad(t1, k) - r, torch.zeros_like(r), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="steps must be"):
+        last_layer_remove(model, x, y, remove, delta, xe, steps=0)
