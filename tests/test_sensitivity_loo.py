@@ -515,3 +515,31 @@ def test_last_layer_remove_iterated_newton_matches_refitted_softmax_regression()
     torch.testing.assert_close(grad(t1, k) - r, torch.zeros_like(r), atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="steps must be"):
         last_layer_remove(model, x, y, remove, delta, xe, steps=0)
+
+
+def test_kron_factor_shortcuts_against_dense_sums():
+    """The Kronecker factors without ``[N, C, C]`` Hessians or an augmented copy: ``sum_n
+    Lambda_n`` (softmax closed form, other likelihoods summed), ``mean phi~ phi~^T`` with the
+    bias column assembled, and the curvature of a separate fit set equal to the set itself."""
+    from fromp.loo import _hessian_sum, _kron_loo, _second_moment
+
+    torch.manual_seed(13)
+    f = 3 * torch.randn(50, 4)
+    cat = get_likelihood("categorical")
+    tol = {"rtol": 1e-5, "atol": 1e-5}  # the probabilities in float32, like the outputs
+    torch.testing.assert_close(_hessian_sum(cat, f), cat.hessian(f.double()).sum(0), **tol)
+    dense = cat.hessian(f.double()).sum(0)
+    torch.testing.assert_close(_hessian_sum(cat, f + 80.0), dense, **tol)
+    torch.testing.assert_close(_hessian_sum(cat, f.double()), dense)
+    gau = get_likelihood("gaussian")
+    torch.testing.assert_close(_hessian_sum(gau, f), gau.hessian(f.double()).sum(0))
+    phi = torch.rand(50, 6)
+    aug = torch.cat([phi, torch.ones(50, 1)], 1).double()
+    torch.testing.assert_close(_second_moment(phi, True), aug.T @ aug / 50)
+    torch.testing.assert_close(_second_moment(phi, False), phi.double().T @ phi.double() / 50)
+    head = nn.Linear(6, 4)
+    y = torch.randint(0, 4, (50,))
+    own = _kron_loo(phi, head, y, 0.3, cat)
+    given = _kron_loo(phi, head, y, 0.3, cat, fit_phi=phi.clone())
+    torch.testing.assert_close(given.loo_logits, own.loo_logits)
+    torch.testing.assert_close(given.covariance, own.covariance)
