@@ -606,7 +606,7 @@ def last_layer_remove(
     ``Lambda`` has changed); the iterated steps follow the curvature along the way.
 
     Cost: per step one ``C D1 x C D1`` GGN over the kept examples and one Cholesky solve;
-    typically 5-10 steps.
+    10 steps on the MNIST study (``benchmarks/studies/loo_class_out.py``).
 
     Args:
         model: ``[N, ...] -> [N, C]`` in eval mode, ending in an ``nn.Linear``.
