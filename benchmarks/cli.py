@@ -377,6 +377,13 @@ def memorable_main(argv: list[str] | None = None) -> int:
         default="auto",
         help="delta for --map, or 'auto' to maximise the Laplace evidence (default)",
     )
+    p.add_argument(
+        "--prior-structure",
+        default="scalar",
+        choices=("scalar", "layerwise"),
+        help="with --prior-precision auto: one delta (default) or one per parameter tensor, "
+        "each maximising the evidence",
+    )
     args = p.parse_args(argv)
     from fromp.memorable import memorability_scores, select_memorable
 
@@ -419,6 +426,8 @@ def memorable_main(argv: list[str] | None = None) -> int:
     print(f"{len(idx)} memorable examples -> {out / 'memorable.json'}, {out / 'memorable.png'}")
     if map_args is not None:
         posterior, sub, delta = map_args
+        dtxt = (f"{delta:.3g}" if isinstance(delta, float)
+                else "layerwise " + ", ".join(f"{d:.3g}" for d in delta))  # fmt: skip
         with torch.no_grad():
             f_test = model(task.test_x)
         test = {
@@ -445,13 +454,13 @@ def memorable_main(argv: list[str] | None = None) -> int:
             covariance=_POSTERIORS[args.posterior][2],
             correction=_POSTERIORS[args.posterior][3],
             title=f"memory map, {cfg['benchmark']} task {args.task + 1} "
-            f"({args.posterior} Laplace, δ={delta:.3g})",
+            f"({args.posterior} Laplace, δ={dtxt})",
             meta=meta,
         )
         loo = payload["loo"]
         print(
             f"memory map of {payload['n']} examples ({args.posterior} Laplace fitted on "
-            f"{len(sub)} training examples, prior precision {delta:.3g}): estimated "
+            f"{len(sub)} training examples, prior precision {dtxt}): estimated "
             f"leave-one-out NLL {loo['loo_nll']:.4f}, accuracy {100 * loo['loo_accuracy']:.2f} % "
             f"(training {loo['train_nll']:.4f}; test {test['nll']:.4f}, "
             f"{100 * test['accuracy']:.2f} %) -> {out / 'memory_map.png'}, "
@@ -474,7 +483,7 @@ _POSTERIORS = {
 
 def _map_inputs(
     args: argparse.Namespace, model: nn.Module, task: Any, memorable: torch.Tensor
-) -> tuple[Any, torch.Tensor, float]:
+) -> tuple[Any, torch.Tensor, float | list[float]]:
     """``(posterior, example indices, delta)`` of ``--map``: a :func:`fromp.Laplace` of the
     chosen structure fitted on the task's training examples (all of them, or the first
     ``--n-fit`` and the memorable ones), so that each mapped example is in the data its
@@ -503,8 +512,11 @@ def _map_inputs(
     x, y = task.train_x[sub], task.train_y[sub]
     la.fit([(x[i : i + 1000], y[i : i + 1000]) for i in range(0, len(x), 1000)])
     if args.prior_precision == "auto":
-        la.optimize_prior_precision(method="marglik")
-    return la, sub, float(la.prior_precision)
+        la.optimize_prior_precision(method="marglik", prior_structure=args.prior_structure)
+    elif args.prior_structure != "scalar":
+        raise ValueError("--prior-structure layerwise needs --prior-precision auto")
+    delta = la.prior_precision
+    return la, sub, float(delta) if delta.numel() == 1 else delta.tolist()
 
 
 def gp_main(argv: list[str] | None = None) -> int:

@@ -166,6 +166,18 @@ def test_memorable_cli_memory_map(checkpoint, tmp_path):
     payload = json.loads((out / "memory_map.json").read_text())
     assert payload["n_fit"] == len(seq[1].train_y) == payload["n"]
     assert memorable_main([*args, "--map", "--n-fit", "0"]) == 2
+    # one evidence-chosen delta per parameter tensor: the Laplace's own layerwise optimum
+    out = tmp_path / "layerwise"
+    args = [str(checkpoint), "--task", "1", "--n-per-class", "3", "--out", str(out)]
+    lw = ["--map", "--posterior", "kron", "--n-fit", "20", "--prior-structure", "layerwise"]
+    assert memorable_main([*args, *lw]) == 0
+    payload = json.loads((out / "memory_map.json").read_text())
+    x, y = seq[1].train_x[payload["index"]], seq[1].train_y[payload["index"]]
+    la = Laplace(model, "classification", "all", "kron", prior_precision=1.0).fit((x, y))
+    want = la.optimize_prior_precision(method="marglik", prior_structure="layerwise")
+    assert len(payload["prior_precision"]) == len(want) > 1
+    np.testing.assert_allclose(payload["prior_precision"], want.tolist(), rtol=1e-4)
+    assert memorable_main([*args, *lw, "--prior-precision", "2.0"]) == 2
 
 
 USER_MODULE = '''

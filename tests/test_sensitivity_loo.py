@@ -459,3 +459,87 @@ def test_loo_plugin_recorded_uses_the_epochs_own_passes_of_the_current_experienc
         assert abs(last["loo_nll"] - ref["loo_nll"]) < 0.5 * ref["loo_nll"] + 0.02
     assert len(plugin.history) == 4
     assert all(not m._forward_hooks for m in net.modules())
+
+
+def test_last_layer_remove_iterated_newton_matches_refitted_softmax_regression():
+    """Removing a class from softmax regression on fixed features: the iterated Newton steps
+    reach the head refitted without the class (dense float64, to ~1e-6); one step is the
+    memory-perturbation step ``(H_K + delta I)^{-1} g_S`` formed densely; from a head that
+    is not at the optimum the move is that of the residual-corrected objective."""
+    from fromp.loo import last_layer_remove
+
+    x, y = _blobs(120, seed=12)
+    x = x.double()
+    delta = 0.5
+    model = _fit(nn.Linear(4, 3).double(), x, y, "categorical", delta)
+    remove = y == 1
+    xe = torch.randn(9, 4, dtype=D)
+    before, after = last_layer_remove(model, x, y, remove, delta, xe)
+    refit = nn.Linear(4, 3).double()
+    refit.load_state_dict(model.state_dict())
+    _fit(refit.requires_grad_(), x[~remove], y[~remove], "categorical", delta)
+    with torch.no_grad():
+        torch.testing.assert_close(before, model(xe))
+        torch.testing.assert_close(after, refit(xe), atol=1e-6, rtol=1e-6)
+        one = last_layer_remove(model, x, y, remove, delta, xe, steps=1)[1]
+        # dense one-step: theta + (H_K + delta I)^{-1} g_S over vec([W | b]) (row-major)
+        xa = torch.cat([x, torch.ones(len(x), 1, dtype=D)], 1)
+        theta = torch.cat([model.weight, model.bias[:, None]], 1)
+        f = xa @ theta.T
+        p = torch.softmax(f, -1)
+        e = p - nn.functional.one_hot(y, 3).double()
+        k = ~remove
+        lam = torch.diag_embed(p[k]) - p[k, :, None] * p[k, None, :]
+        h = torch.einsum("nck,ni,nj->cikj", lam, xa[k], xa[k]).reshape(15, 15)
+        g = torch.einsum("nc,ni->ci", e[remove], xa[remove]).reshape(15)
+        step = torch.linalg.solve(h + delta * torch.eye(15, dtype=D), g).reshape(3, 5)
+        xea = torch.cat([xe, torch.ones(9, 1, dtype=D)], 1)
+        torch.testing.assert_close(one, xea @ (theta + step).T)
+        # the one step overshoots here; iterating moves the answer away from it
+        assert (one - refit(xe)).abs().max() > 10 * (after - refit(xe)).abs().max()
+    # a head short of the optimum: the answer zeroes grad [L_K + delta/2 |t|^2] - r
+    off = nn.Linear(4, 3).double()
+    with torch.no_grad():
+        off.weight.copy_(model.weight + 0.1 * torch.randn(3, 4, dtype=D))
+        off.bias.copy_(model.bias)
+    _, moved = last_layer_remove(off.eval(), x, y, remove, delta, x)
+
+    def grad(w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        w = w.detach().requires_grad_(True)
+        loss = nn.functional.cross_entropy(xa[rows] @ w.T, y[rows], reduction="sum")
+        return torch.autograd.grad(loss + 0.5 * delta * w.pow(2).sum(), w)[0]
+
+    t0 = torch.cat([off.weight, off.bias[:, None]], 1).detach()
+    t1 = torch.linalg.lstsq(xa, moved).solution.T  # [C, D1]: the head the outputs come from
+    r = grad(t0, torch.ones_like(k))
+    torch.testing.assert_close(grad(t1, k) - r, torch.zeros_like(r), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="steps must be"):
+        last_layer_remove(model, x, y, remove, delta, xe, steps=0)
+
+
+def test_kron_factor_shortcuts_against_dense_sums():
+    """The Kronecker factors without ``[N, C, C]`` Hessians or an augmented copy: ``sum_n
+    Lambda_n`` (softmax closed form, other likelihoods summed), ``mean phi~ phi~^T`` with the
+    bias column assembled, and the curvature of a separate fit set equal to the set itself."""
+    from fromp.loo import _hessian_sum, _kron_loo, _second_moment
+
+    torch.manual_seed(13)
+    f = 3 * torch.randn(50, 4)
+    cat = get_likelihood("categorical")
+    tol = {"rtol": 1e-5, "atol": 1e-5}  # the probabilities in float32, like the outputs
+    torch.testing.assert_close(_hessian_sum(cat, f), cat.hessian(f.double()).sum(0), **tol)
+    dense = cat.hessian(f.double()).sum(0)
+    torch.testing.assert_close(_hessian_sum(cat, f + 80.0), dense, **tol)
+    torch.testing.assert_close(_hessian_sum(cat, f.double()), dense)
+    gau = get_likelihood("gaussian")
+    torch.testing.assert_close(_hessian_sum(gau, f), gau.hessian(f.double()).sum(0))
+    phi = torch.rand(50, 6)
+    aug = torch.cat([phi, torch.ones(50, 1)], 1).double()
+    torch.testing.assert_close(_second_moment(phi, True), aug.T @ aug / 50)
+    torch.testing.assert_close(_second_moment(phi, False), phi.double().T @ phi.double() / 50)
+    head = nn.Linear(6, 4)
+    y = torch.randint(0, 4, (50,))
+    own = _kron_loo(phi, head, y, 0.3, cat)
+    given = _kron_loo(phi, head, y, 0.3, cat, fit_phi=phi.clone())
+    torch.testing.assert_close(given.loo_logits, own.loo_logits)
+    torch.testing.assert_close(given.covariance, own.covariance)

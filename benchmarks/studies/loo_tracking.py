@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hess-init", type=float, default=0.1)
     p.add_argument("--wd", type=float, default=1e-4, help="weight decay (both optimizers)")
     p.add_argument("--n-all", type=int, default=500, help="examples of the all-weights LOO")
-    p.add_argument("--n-sub", type=int, default=1000, help="examples of the subset estimate")
+    p.add_argument("--n-sub", type=int, default=500, help="examples of the subset estimate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
