@@ -153,14 +153,26 @@ class LaplaceFull(_AllWeightsGP, BaseLaplace):
     def posterior_precision(self) -> Tensor:
         return self._require_fit() * self._factor() + torch.diag(self._delta_vector(self._delta))
 
+    def _covariance(self) -> Tensor:
+        """``Sigma`` ``[P, P]``, cached until the fit, ``delta`` or ``1 / (s^2 T)`` change (a
+        predictive in chunks inverts the ``P x P`` precision once, not once per chunk)."""
+        h, delta, factor = self._require_fit(), self._delta, float(self._factor())
+        key = (h._version, delta._version, factor)  # _version: in-place changes
+        cache = getattr(self, "_cov_cache", None)
+        if cache is not None and cache[0] is h and cache[1] is delta and cache[2] == key:
+            return cache[3]
+        prec = self.posterior_precision
+        cov = torch.cholesky_inverse(torch.linalg.cholesky(prec.double())).to(prec.dtype)
+        self._cov_cache = (h, delta, key, cov)
+        return cov
+
     @property
     def posterior_covariance(self) -> Tensor:
-        prec = self.posterior_precision
-        return torch.cholesky_inverse(torch.linalg.cholesky(prec.double())).to(prec.dtype)
+        return self._covariance().clone()
 
     @property
     def posterior_variance(self) -> Tensor:
-        return torch.diagonal(self.posterior_covariance)
+        return torch.diagonal(self._covariance()).clone()
 
     @property
     def posterior(self) -> FullGaussian:
@@ -552,13 +564,14 @@ class FullLLLaplace(_LastLayer, BaseLaplace):
     _fitted = LaplaceFull._fitted
     _log_det_posterior = LaplaceFull._log_det_posterior
     posterior_precision = LaplaceFull.posterior_precision
+    _covariance = LaplaceFull._covariance
     posterior_covariance = LaplaceFull.posterior_covariance
     posterior_variance = LaplaceFull.posterior_variance
     _sqrt_cov_times = LaplaceFull._sqrt_cov_times
 
     def _cov4(self) -> Tensor:
         """``Sigma`` as ``[C, D', C, D']`` (internal order)."""
-        cov = self.posterior_covariance
+        cov = self._covariance()
         c = self.layer.out_features
         d = self.num_params // c
         inv = torch.empty_like(self._perm(c, d))

@@ -84,3 +84,26 @@ def test_kron_factors_over_batches_equal_one_batch():
         torch.testing.assert_close(a.A, b.A, rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(a.B, b.B, rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(a.B_bias, b.B_bias, rtol=1e-12, atol=1e-14)
+
+
+def test_full_covariance_cache_follows_the_prior_and_the_fit():
+    net = _net()
+    x, y = _data(9)
+    for subset in ("all", "last_layer"):
+        la = Laplace(net, "classification", subset, "full", prior_precision=0.5).fit([(x, y)])
+
+        def dense(la=la) -> torch.Tensor:
+            return torch.linalg.inv(la.posterior_precision)
+
+        torch.testing.assert_close(la.posterior_covariance, dense())
+        la.posterior_covariance.mul_(0)  # a returned copy: the cache is not touched
+        torch.testing.assert_close(la.posterior_covariance, dense())
+        la.prior_precision = 3.0
+        torch.testing.assert_close(la.posterior_covariance, dense())
+        la.prior_precision.mul_(2)  # in place: seen through the tensor's version
+        torch.testing.assert_close(la.posterior_covariance, dense())
+        la.temperature = 0.5
+        torch.testing.assert_close(la.posterior_covariance, dense())
+        la.fit([(x[:4], y[:4])], override=False)
+        torch.testing.assert_close(la.posterior_covariance, dense())
+        torch.testing.assert_close(la.posterior_variance, torch.diagonal(dense()))
