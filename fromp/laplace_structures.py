@@ -95,6 +95,9 @@ class LaplaceDiag(_AllWeightsGP, BaseLaplace):
     def _log_det_posterior(self, delta, factor):
         return (self._require_fit() * factor + self._delta_vector(delta)).log().sum()
 
+    def _log_det_ratio(self, delta, factor):
+        return torch.log1p(self._require_fit() * factor / self._delta_vector(delta)).sum()
+
     @property
     def posterior_precision(self) -> Tensor:
         return self._require_fit() * self._factor() + self._delta_vector(self._delta)
@@ -258,6 +261,23 @@ class _KronMixin:
         total = self._eig.logdet(factor, kron)
         for name, d in diag.items():
             total = total + (self.H.diag[name] * factor + d).log().sum()
+        return total
+
+    def _log_det_ratio(self, delta, factor):
+        # sum log1p(b_i a_j factor / delta) per weight block, log1p(b factor / delta) per
+        # bias block, log1p(h factor / delta) per diagonal block
+        self._require_fit()
+        eig, total = self._eig, 0.0
+        kron, diag = self._split_deltas(self._deltas(delta))
+        k = 0
+        for i in range(len(eig.la)):
+            total = total + torch.log1p(torch.outer(eig.lb[i], eig.la[i]) * factor / kron[k]).sum()
+            k += 1
+            if eig.lbb[i] is not None:
+                total = total + torch.log1p(eig.lbb[i] * factor / kron[k]).sum()
+                k += 1
+        for name, d in diag.items():
+            total = total + torch.log1p(self.H.diag[name] * factor / d).sum()
         return total
 
     @property
@@ -519,6 +539,7 @@ class DiagLLLaplace(_LastLayer, BaseLaplace):
 
     # the diagonal posterior's maths, shared with all weights
     _log_det_posterior = LaplaceDiag._log_det_posterior
+    _log_det_ratio = LaplaceDiag._log_det_ratio
     posterior_precision = LaplaceDiag.posterior_precision
     posterior_variance = LaplaceDiag.posterior_variance
     posterior_covariance = LaplaceDiag.posterior_covariance
