@@ -302,12 +302,31 @@ def kron_curvature(
     return KronCurvature(blocks, names, n, diag)
 
 
+def _eigh_mrrr(sym: Tensor) -> tuple[Tensor, Tensor] | None:
+    """LAPACK's MRRR solver (``?syevr`` through SciPy) in the factor's own dtype, on CPU; None
+    where it is not available or does not give finite results."""
+    if sym.device.type != "cpu" or sym.dtype not in (torch.float32, torch.float64):
+        return None
+    try:
+        import scipy.linalg
+
+        w, q = scipy.linalg.eigh(sym.detach().numpy(), driver="evr", check_finite=False)
+    except (ImportError, ValueError, ArithmeticError):  # LinAlgError is a ValueError
+        return None
+    vals, vecs = torch.from_numpy(w).to(sym.dtype), torch.from_numpy(q).to(sym.dtype)
+    if not bool(torch.isfinite(vals).all() & torch.isfinite(vecs).all()):
+        return None
+    return vals, vecs
+
+
 def _eigh(m: Tensor) -> tuple[Tensor, Tensor]:
     """Eigendecomposition of the symmetric part of a factor. A factor of fewer examples than
-    its size has many equal (zero) eigenvalues, where LAPACK's solver can fail to converge
-    or return NaN: then it is done in float64 with the degeneracy broken by a diagonal ramp
-    of at most ``1e-10`` times the largest diagonal entry (which moves each eigenvalue by no
-    more)."""
+    its size has many equal (zero) eigenvalues, where LAPACK's divide-and-conquer solver
+    (torch's) can fail to converge or return NaN: then LAPACK's MRRR solver is tried in the
+    same dtype (:func:`_eigh_mrrr`; a 4608 x 4608 ResNet-18 factor of 16 inputs: 12 s against
+    31 s for the next step), and if that fails too, torch's in float64 with the degeneracy
+    broken by a diagonal ramp of at most ``1e-10`` times the largest diagonal entry (which
+    moves each eigenvalue by no more)."""
     sym = 0.5 * (m + m.T)
     try:
         vals, vecs = torch.linalg.eigh(sym)
@@ -315,6 +334,9 @@ def _eigh(m: Tensor) -> tuple[Tensor, Tensor]:
             return vals, vecs
     except torch.linalg.LinAlgError:
         pass  # (it may also return NaN without an error: both are retried)
+    mrrr = _eigh_mrrr(sym)
+    if mrrr is not None:
+        return mrrr
     d = sym.double()
     scale = float(d.diagonal().abs().max()) or 1.0
     ramp = torch.linspace(0.0, 1e-10 * scale, len(d), dtype=d.dtype, device=d.device)

@@ -133,3 +133,26 @@ def test_float32_evidence_has_no_cancellation():
     la.use_curvature(curv, 100)
     ref = torch.log1p(torch.outer(b, a).double() / 30).sum() + torch.log1p(bb.double() / 30).sum()
     assert abs(float(la.log_det_ratio()) - float(ref)) < 1e-4 * abs(float(ref))
+
+
+def test_a_factor_torch_cannot_decompose_goes_to_the_mrrr_solver(monkeypatch):
+    """torch's eigh failing (a large degenerate factor): LAPACK's MRRR solver in the same
+    dtype gives the decomposition, without the float64 retry."""
+    import pytest
+
+    from fromp import kron
+
+    pytest.importorskip("scipy")
+    u = torch.randn(60, 4, dtype=torch.float32)
+    m = u @ u.T  # rank 4: 56 equal (zero) eigenvalues
+    calls: list = []
+
+    def failing(a, *args, **kwargs):
+        calls.append(a.dtype)
+        raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
+
+    monkeypatch.setattr(torch.linalg, "eigh", failing)
+    vals, vecs = kron._eigh(m)
+    assert calls == [torch.float32] and vals.dtype == vecs.dtype == torch.float32
+    torch.testing.assert_close(vecs @ torch.diag(vals) @ vecs.T, m, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(vecs.T @ vecs, torch.eye(60), rtol=0, atol=1e-5)
