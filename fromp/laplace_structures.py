@@ -491,8 +491,13 @@ class _LastLayer:
         return f, feats.phi.reshape(len(x), -1)
 
     def _feature_batches(self, batches) -> Iterable[tuple[Tensor, Tensor]]:
+        """``(f, phi)`` per batch; the outputs are kept in ``_outputs`` for the fit's data
+        term (one forward pass per batch in all)."""
+        self._outputs = []
         for x, _ in batches:
-            yield self._phi(x)
+            f, phi = self._phi(x)
+            self._outputs.append(f)
+            yield f, phi
 
     @property
     def _bias(self) -> bool:
