@@ -169,13 +169,8 @@ class LaplaceFull(_AllWeightsGP, BaseLaplace):
         self._cov_cache = (h, delta, key, cov)
         return cov
 
-    @property
-    def posterior_covariance(self) -> Tensor:
-        return self._covariance().clone()
-
-    @property
-    def posterior_variance(self) -> Tensor:
-        return torch.diagonal(self._covariance()).clone()
+    posterior_covariance = property(lambda self: self._covariance().clone())
+    posterior_variance = property(lambda self: torch.diagonal(self._covariance()).clone())
 
     @property
     def posterior(self) -> FullGaussian:
@@ -491,8 +486,7 @@ class _LastLayer:
         return f, feats.phi.reshape(len(x), -1)
 
     def _feature_batches(self, batches) -> Iterable[tuple[Tensor, Tensor]]:
-        """``(f, phi)`` per batch; the outputs are kept in ``_outputs`` for the fit's data
-        term (one forward pass per batch in all)."""
+        """``(f, phi)`` per batch; ``f`` is kept in ``_outputs`` for the fit's data term."""
         self._outputs = []
         for x, _ in batches:
             f, phi = self._phi(x)
