@@ -262,8 +262,10 @@ def kron_curvature(
             for i, g in zip(used, gs[: len(calls)]):
                 m = layers[i]
                 g = _rows_out(m, g.detach())  # [B, L, out]
-                b = torch.einsum("nlo,nlp->op", g, g)
-                b_sum[i] = b if b_sum[i] is None else b_sum[i] + b
+                g2 = g.reshape(-1, g.shape[-1])  # (n, l) rows
+                if b_sum[i] is None:
+                    b_sum[i] = g2.new_zeros(g2.shape[1], g2.shape[1])
+                b_sum[i].addmm_(g2.T, g2)  # accumulated in the GEMM: no extra pass over B
                 if m.bias is not None and m.bias.requires_grad:
                     gb = g.sum(1)
                     bb = gb.T @ gb
@@ -275,9 +277,13 @@ def kron_curvature(
                     if name is not None:
                         diag[name] += t.detach()
         for i, c in zip(used, calls):
-            u = unfold_input(layers[i], c.a)  # [B, L, in']
-            a = torch.einsum("nli,nlj->ij", u, u) / u.shape[1]  # the positions averaged
-            a_sum[i] = a if a_sum[i] is None else a_sum[i] + a
+            u = unfold_input(layers[i], c.a).detach()  # [B, L, in']
+            u2 = u.reshape(-1, u.shape[-1])
+            if a_sum[i] is None:
+                a_sum[i] = u2.new_zeros(u2.shape[1], u2.shape[1])
+            # the positions averaged (alpha = 1/L) and the batches summed inside the GEMM:
+            # a separate division and addition would each be a full pass over [in', in']
+            a_sum[i].addmm_(u2.T, u2, alpha=1.0 / u.shape[1])
             n_used[i] += len(x)
         n += len(x)
     if n == 0:
@@ -291,17 +297,36 @@ def kron_curvature(
             b = w.new_zeros(w.shape[0], w.shape[0])
             has_bias = m.bias is not None and m.bias.requires_grad
             bb = w.new_zeros(w.shape[0], w.shape[0]) if has_bias else None
-        a = a.detach() / max(k, 1)  # the mean over the examples that reached the layer
+        a = a.detach().div_(max(k, 1))  # the mean over the examples that reached the layer
         blocks.append(KronBlock(a, b.detach(), None if bb is None else bb.detach(), k))
     return KronCurvature(blocks, names, n, diag)
 
 
+def _eigh_mrrr(sym: Tensor) -> tuple[Tensor, Tensor] | None:
+    """LAPACK's MRRR solver (``?syevr`` through SciPy) in the factor's own dtype, on CPU; None
+    where it is not available or does not give finite results."""
+    if sym.device.type != "cpu" or sym.dtype not in (torch.float32, torch.float64):
+        return None
+    try:
+        import scipy.linalg
+
+        w, q = scipy.linalg.eigh(sym.detach().numpy(), driver="evr", check_finite=False)
+    except (ImportError, ValueError, ArithmeticError):  # LinAlgError is a ValueError
+        return None
+    vals, vecs = torch.from_numpy(w).to(sym.dtype), torch.from_numpy(q).to(sym.dtype)
+    if not bool(torch.isfinite(vals).all() & torch.isfinite(vecs).all()):
+        return None
+    return vals, vecs
+
+
 def _eigh(m: Tensor) -> tuple[Tensor, Tensor]:
     """Eigendecomposition of the symmetric part of a factor. A factor of fewer examples than
-    its size has many equal (zero) eigenvalues, where LAPACK's solver can fail to converge
-    or return NaN: then it is done in float64 with the degeneracy broken by a diagonal ramp
-    of at most ``1e-10`` times the largest diagonal entry (which moves each eigenvalue by no
-    more)."""
+    its size has many equal (zero) eigenvalues, where LAPACK's divide-and-conquer solver
+    (torch's) can fail to converge or return NaN: then LAPACK's MRRR solver is tried in the
+    same dtype (:func:`_eigh_mrrr`; a 4608 x 4608 ResNet-18 factor of 16 inputs: 12 s against
+    31 s for the next step), and if that fails too, torch's in float64 with the degeneracy
+    broken by a diagonal ramp of at most ``1e-10`` times the largest diagonal entry (which
+    moves each eigenvalue by no more)."""
     sym = 0.5 * (m + m.T)
     try:
         vals, vecs = torch.linalg.eigh(sym)
@@ -309,6 +334,9 @@ def _eigh(m: Tensor) -> tuple[Tensor, Tensor]:
             return vals, vecs
     except torch.linalg.LinAlgError:
         pass  # (it may also return NaN without an error: both are retried)
+    mrrr = _eigh_mrrr(sym)
+    if mrrr is not None:
+        return mrrr
     d = sym.double()
     scale = float(d.diagonal().abs().max()) or 1.0
     ramp = torch.linspace(0.0, 1e-10 * scale, len(d), dtype=d.dtype, device=d.device)

@@ -97,6 +97,9 @@ class LaplaceDiag(_AllWeightsGP, BaseLaplace):
     def _log_det_posterior(self, delta, factor):
         return (self._require_fit() * factor + self._delta_vector(delta)).log().sum()
 
+    def _log_det_ratio(self, delta, factor):
+        return torch.log1p(self._require_fit() * factor / self._delta_vector(delta)).sum()
+
     @property
     def posterior_precision(self) -> Tensor:
         return self._require_fit() * self._factor() + self._delta_vector(self._delta)
@@ -130,31 +133,46 @@ class LaplaceFull(_AllWeightsGP, BaseLaplace):
         return 0.5 * (g + g.T)
 
     def _fitted(self):
-        self._eig = None
+        self._eig, self._logdet_calls = None, 0
 
     def _log_det_posterior(self, delta, factor):
         g = self._require_fit()
-        if delta.ndim == 0:
+        self._logdet_calls = getattr(self, "_logdet_calls", 0) + 1
+        if delta.ndim == 0 and (self._eig is not None or self._logdet_calls > 1):
+            # repeated evaluations (the evidence in delta): one eigendecomposition, then O(P)
             if self._eig is None:
                 self._eig = torch.linalg.eigvalsh(g).clamp_min(0)
             return (self._eig * factor + delta).log().sum()
-        # factorised in float64: a float32 G with a small delta is often not numerically PD
+        # one evaluation: a Cholesky factorisation (several times cheaper than eigvalsh),
+        # in float64: a float32 G with a small delta is often not numerically PD
         prec = g.double() * factor + torch.diag(self._delta_vector(delta).double())
-        chol = torch.linalg.cholesky(prec)
+        chol, info = torch.linalg.cholesky_ex(prec)
+        if int(info) != 0 and delta.ndim == 0:  # not PD in float64 either: clamped eigenvalues
+            self._eig = torch.linalg.eigvalsh(g).clamp_min(0)
+            return (self._eig * factor + delta).log().sum()
+        if int(info) != 0:
+            chol = torch.linalg.cholesky(prec)  # raises, naming the failure
         return (2 * torch.log(torch.diagonal(chol)).sum()).to(g.dtype)
 
     @property
     def posterior_precision(self) -> Tensor:
         return self._require_fit() * self._factor() + torch.diag(self._delta_vector(self._delta))
 
-    @property
-    def posterior_covariance(self) -> Tensor:
+    def _covariance(self) -> Tensor:
+        """``Sigma`` ``[P, P]``, cached until the fit, ``delta`` or ``1 / (s^2 T)`` change (a
+        predictive in chunks inverts the ``P x P`` precision once, not once per chunk)."""
+        h, delta, factor = self._require_fit(), self._delta, float(self._factor())
+        key = (h._version, delta._version, factor)  # _version: in-place changes
+        cache = getattr(self, "_cov_cache", None)
+        if cache is not None and cache[0] is h and cache[1] is delta and cache[2] == key:
+            return cache[3]
         prec = self.posterior_precision
-        return torch.cholesky_inverse(torch.linalg.cholesky(prec.double())).to(prec.dtype)
+        cov = torch.cholesky_inverse(torch.linalg.cholesky(prec.double())).to(prec.dtype)
+        self._cov_cache = (h, delta, key, cov)
+        return cov
 
-    @property
-    def posterior_variance(self) -> Tensor:
-        return torch.diagonal(self.posterior_covariance)
+    posterior_covariance = property(lambda self: self._covariance().clone())
+    posterior_variance = property(lambda self: torch.diagonal(self._covariance()).clone())
 
     @property
     def posterior(self) -> FullGaussian:
@@ -242,6 +260,23 @@ class _KronMixin:
             total = total + (self.H.diag[name] * factor + d).log().sum()
         return total
 
+    def _log_det_ratio(self, delta, factor):
+        # sum log1p(b_i a_j factor / delta) per weight block, log1p(b factor / delta) per
+        # bias block, log1p(h factor / delta) per diagonal block
+        self._require_fit()
+        eig, total = self._eig, 0.0
+        kron, diag = self._split_deltas(self._deltas(delta))
+        k = 0
+        for i in range(len(eig.la)):
+            total = total + torch.log1p(torch.outer(eig.lb[i], eig.la[i]) * factor / kron[k]).sum()
+            k += 1
+            if eig.lbb[i] is not None:
+                total = total + torch.log1p(eig.lbb[i] * factor / kron[k]).sum()
+                k += 1
+        for name, d in diag.items():
+            total = total + torch.log1p(self.H.diag[name] * factor / d).sum()
+        return total
+
     @property
     def posterior_precision(self) -> list[Tensor]:
         """Dense precision blocks, one per parameter tensor (``B (x) A / (s^2 T) + delta``
@@ -320,10 +355,17 @@ class KronLaplace(_KronMixin, BaseLaplace):
     def _curvature(self, batches):
         return kron_curvature(self.model, batches, self.likelihood)
 
-    def _rows(self, x: Tensor) -> tuple[Tensor, list[tuple[Any, str, Tensor]]]:
+    def _rows(self, x: Tensor, factored: bool = False) -> tuple[Tensor, list[tuple[Any, str, Any]]]:
         """``f(x)`` and, per parameter tensor (subset order), the Jacobian rows ``[N, C,
         ...]``: rotated into the factors' eigenbases for KFAC blocks, as they are for
-        diagonal blocks (per-example gradients of the layer, :mod:`fromp.layer_rules`)."""
+        diagonal blocks (per-example gradients of the layer, :mod:`fromp.layer_rules`).
+
+        A weight's rotated rows ``R_nc = Q_B^T (sum_l g_ncl u_nl^T) Q_A`` ``[out, in']`` are
+        formed from the rotated factors ``(Q_B^T g_ncl)`` and ``(Q_A^T u_nl)`` when that is
+        cheaper (``C L out^2 + L in'^2 < C (out^2 in' + out in'^2)``: few positions ``L``),
+        else by rotating the product. ``factored``: a layer with one position (``Linear``)
+        gives the pair ``(Q_B^T g_nc [N, C, out], Q_A^T u_n [N, in'])`` instead of ``R``
+        (``R_nc`` is their outer product: the variance needs no ``[N, C, out, in']``)."""
         layer_map = LayerMap.of(self.model)
         layers = [layer_map.owners[n[0]][0][0] for n in self.H.names]
         d_owner = {name: layer_map.owners[name][0] for name in self.H.diag}
@@ -356,8 +398,16 @@ class KronLaplace(_KronMixin, BaseLaplace):
             g = g.reshape(g.shape[0], c_out, g.shape[2], -1) if isinstance(m, nn.Conv2d) else \
                 g.reshape(g.shape[0], c_out, -1, g.shape[-1]).transpose(2, 3)  # fmt: skip
             # g: [N, C, out, L]
-            jw = torch.einsum("ncol,nli->ncoi", g, u)
-            rows["w", i] = self._eig.rotate_weight(i, jw)
+            qa, qb = self._eig.qa[i], self._eig.qb[i]
+            n_pos, o, d_in = u.shape[1], g.shape[2], u.shape[2]
+            if factored and n_pos == 1:
+                rows["w", i] = (torch.einsum("nco,op->ncp", g[..., 0], qb), u[:, 0] @ qa)
+            elif c_out * n_pos * o * o + n_pos * d_in * d_in < c_out * o * d_in * (o + d_in):
+                gb = torch.einsum("ncol,op->ncpl", g, qb)
+                rows["w", i] = torch.einsum("ncol,nli->ncoi", gb, u @ qa)
+            else:
+                jw = torch.einsum("ncol,nli->ncoi", g, u)
+                rows["w", i] = self._eig.rotate_weight(i, jw)
             if len(self.H.names[i]) > 1:
                 rows["b", i] = g.sum(-1) @ self._eig.qbb[i]
         for name, (m, pn) in d_owner.items():
@@ -383,9 +433,13 @@ class KronLaplace(_KronMixin, BaseLaplace):
         return out
 
     def _mean_and_variance(self, x):
-        f, rows = self._rows(x)
+        f, rows = self._rows(x, factored=True)
         var = 0.0
         for (_, _, r), w in zip(rows, self._weights()):
+            if isinstance(r, tuple):  # R_nc = gb_nc ua_n^T: sum_ij gb_ci gb_di ua_j^2 w_ij
+                gb, ua = r
+                var = var + torch.einsum("nci,ni,ndi->ncd", gb, (ua**2) @ w.T, gb)
+                continue
             r = r.flatten(2)
             var = var + torch.einsum("ncp,p,ndp->ncd", r, w.flatten(), r)
         return f, var
@@ -434,8 +488,12 @@ class _LastLayer:
         return f, feats.phi.reshape(len(x), -1)
 
     def _feature_batches(self, batches) -> Iterable[tuple[Tensor, Tensor]]:
+        """``(f, phi)`` per batch; ``f`` is kept in ``_outputs`` for the fit's data term."""
+        self._outputs = []
         for x, _ in batches:
-            yield self._phi(x)
+            f, phi = self._phi(x)
+            self._outputs.append(f)
+            yield f, phi
 
     @property
     def _bias(self) -> bool:
@@ -482,6 +540,7 @@ class DiagLLLaplace(_LastLayer, BaseLaplace):
 
     # the diagonal posterior's maths, shared with all weights
     _log_det_posterior = LaplaceDiag._log_det_posterior
+    _log_det_ratio = LaplaceDiag._log_det_ratio
     posterior_precision = LaplaceDiag.posterior_precision
     posterior_variance = LaplaceDiag.posterior_variance
     posterior_covariance = LaplaceDiag.posterior_covariance
@@ -527,13 +586,14 @@ class FullLLLaplace(_LastLayer, BaseLaplace):
     _fitted = LaplaceFull._fitted
     _log_det_posterior = LaplaceFull._log_det_posterior
     posterior_precision = LaplaceFull.posterior_precision
+    _covariance = LaplaceFull._covariance
     posterior_covariance = LaplaceFull.posterior_covariance
     posterior_variance = LaplaceFull.posterior_variance
     _sqrt_cov_times = LaplaceFull._sqrt_cov_times
 
     def _cov4(self) -> Tensor:
         """``Sigma`` as ``[C, D', C, D']`` (internal order)."""
-        cov = self.posterior_covariance
+        cov = self._covariance()
         c = self.layer.out_features
         d = self.num_params // c
         inv = torch.empty_like(self._perm(c, d))
