@@ -280,13 +280,14 @@ class FullSubnetLaplace(SubnetLaplace):
     _fitted = LaplaceFull._fitted
     _log_det_posterior = LaplaceFull._log_det_posterior
     posterior_precision = LaplaceFull.posterior_precision
+    _covariance = LaplaceFull._covariance
     posterior_covariance = LaplaceFull.posterior_covariance
     posterior_variance = LaplaceFull.posterior_variance
     posterior = LaplaceFull.posterior
     _sqrt_cov_times = LaplaceFull._sqrt_cov_times
 
     def _cov_times(self, jac):
-        return self.posterior_covariance @ jac.flatten(0, 1).T
+        return self._covariance() @ jac.flatten(0, 1).T
 
 
 class DiagSubnetLaplace(SubnetLaplace):
