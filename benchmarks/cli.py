@@ -10,8 +10,10 @@ rebuild the benchmark's network, and work on one task of the benchmark's data::
 classes and scores) and ``memorable.png`` (a grid of the selected images per class); with
 ``--map`` also the task's memory map (:func:`write_memory_map`): ``memory_map.png``, each
 training example's prediction error against its prediction variance under a Laplace posterior
-fitted on all of the task's training examples (by default the last layer with its full GGN,
-the prior precision by the evidence), memorable points marked, and
+(by default the Laplace approximation of the training method's own objective: a Kronecker
+(KFAC) posterior over all weights whose curvature is that of every task trained so far for a
+strategy whose objective keeps its earlier tasks, of the evaluated task alone otherwise
+(:func:`_auto_curvature`), the prior precision by the evidence), memorable points marked, and
 ``memory_map.json`` with the per-example numbers, the estimated leave-one-out NLL and
 accuracy (memory perturbation with the example's own curvature removed,
 :mod:`fromp.sensitivity`) and the task's test NLL and accuracy beside them.
@@ -359,11 +361,21 @@ def memorable_main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--posterior",
-        default="last-layer-full",
+        default="kron",
         choices=tuple(_POSTERIORS),
-        help="the Laplace posterior of --map (default last-layer-full: the last layer with "
-        "its full GGN; last-layer-kron: Kronecker factors; kron: all Linear/Conv2d weights, "
-        "Kronecker factors, for networks that overfit; diag: all weights, diagonal GGN)",
+        help="the Laplace posterior of --map (default kron: all Linear/Conv2d weights, "
+        "Kronecker factors, one-step estimate f + V e; last-layer-full: the last layer with "
+        "its full GGN, the earlier default; last-layer-kron: its Kronecker factors; diag: all "
+        "weights, diagonal GGN)",
+    )
+    p.add_argument(
+        "--curvature",
+        default="auto",
+        choices=("auto", "task", "trained-tasks"),
+        help="with --posterior kron, whose data the curvature sums: the task's, or every "
+        "task the checkpoint trained (each through its own head); auto (default): the "
+        "training method's objective, trained-tasks for strategies that keep earlier tasks "
+        "(FROMP, EWC, VCL, IVON/VOGN with their continual prior, joint), task otherwise",
     )
     p.add_argument(
         "--n-fit",
@@ -396,7 +408,7 @@ def memorable_main(argv: list[str] | None = None) -> int:
                 model, task.train_x, task.train_y, n_per_class=args.n_per_class, order=args.order
             )
             scores = memorability_scores(model, task.train_x[idx])
-        map_args = _map_inputs(args, model, task, idx) if args.map else None
+        map_args = _map_inputs(args, model, task, idx, (net, seq, cfg)) if args.map else None
     except _ERRORS as err:
         print(f"fromp-memorable: error: {err}", file=sys.stderr)
         return 2
@@ -425,7 +437,7 @@ def memorable_main(argv: list[str] | None = None) -> int:
     _image_grid(grid, names, out / "memorable.png", f"{args.order} tr Λ, task {args.task + 1}")
     print(f"{len(idx)} memorable examples -> {out / 'memorable.json'}, {out / 'memorable.png'}")
     if map_args is not None:
-        posterior, sub, delta = map_args
+        posterior, sub, delta, curv = map_args
         dtxt = (f"{delta:.3g}" if isinstance(delta, float)
                 else "layerwise " + ", ".join(f"{d:.3g}" for d in delta))  # fmt: skip
         with torch.no_grad():
@@ -439,6 +451,8 @@ def memorable_main(argv: list[str] | None = None) -> int:
             "checkpoint": str(args.checkpoint),
             "task": args.task,
             "posterior": args.posterior,
+            "curvature": curv,
+            "loo_form": "corrected" if _POSTERIORS[args.posterior][3] else "one-step (f + V e)",
             "n_fit": len(sub),
             "prior_precision": delta,
             "test": test,
@@ -459,8 +473,11 @@ def memorable_main(argv: list[str] | None = None) -> int:
         )
         loo = payload["loo"]
         print(
-            f"memory map of {payload['n']} examples ({args.posterior} Laplace fitted on "
-            f"{len(sub)} training examples, prior precision {dtxt}): estimated "
+            f"memory map of {payload['n']} examples ({args.posterior} Laplace, "
+            f"{meta['loo_form']} estimate, {_describe(curv)}, fitted on {len(sub)} of the "
+            f"task's training examples, prior precision {dtxt} by "
+            f"{'the evidence' if args.prior_precision == 'auto' else '--prior-precision'}): "
+            "estimated "
             f"leave-one-out NLL {loo['loo_nll']:.4f}, accuracy {100 * loo['loo_accuracy']:.2f} % "
             f"(training {loo['train_nll']:.4f}; test {test['nll']:.4f}, "
             f"{100 * test['accuracy']:.2f} %) -> {out / 'memory_map.png'}, "
@@ -481,16 +498,54 @@ _POSTERIORS = {
 }
 
 
-def _map_inputs(
-    args: argparse.Namespace, model: nn.Module, task: Any, memorable: torch.Tensor
-) -> tuple[Any, torch.Tensor, float | list[float]]:
-    """``(posterior, example indices, delta)`` of ``--map``: a :func:`fromp.Laplace` of the
-    chosen structure fitted on the task's training examples (all of them, or the first
-    ``--n-fit`` and the memorable ones), so that each mapped example is in the data its
-    leave-one-out estimate removes it from; the prior precision by the Laplace evidence
-    unless given."""
-    from fromp import Laplace
+#: Strategies whose training objective keeps the earlier tasks (a functional or weight-space
+#: regulariser, the previous posterior as the prior, or all tasks at once): the Laplace
+#: approximation of that objective has every trained task's curvature in the shared layers.
+#: ``naive`` fine-tunes on the last task alone. ``ivon`` / ``vogn`` keep their posterior as
+#: the next prior unless trained with ``continual=False``.
+_KEEPS_EARLIER_TASKS = ("fromp", "fromp-l2", "fromp-kron", "fromp-vogn", "fromp-ivon", "ewc",
+                        "ewc-avalanche", "vcl", "vcl-coreset", "ivon", "vogn", "joint")  # fmt: skip
 
+
+def _auto_curvature(cfg: dict[str, Any]) -> tuple[str, str]:
+    """``(curvature, reason)`` of ``--curvature auto`` for a checkpoint's run config:
+    ``"trained-tasks"`` when the strategy's objective keeps its earlier tasks, ``"task"``
+    otherwise (also for a user's ``--model``, whose objective is unknown)."""
+    name = cfg.get("strategy")
+    if name is None:
+        return "task", "no strategy recorded (--model): the task's data alone"
+    kwargs = (cfg.get("settings") or {}).get("kwargs") or {}
+    if name in ("ivon", "vogn") and kwargs.get("continual", True) is False:
+        return "task", f"{name} trained with continual=False keeps no earlier task"
+    if name in _KEEPS_EARLIER_TASKS:
+        return "trained-tasks", f"{name}'s objective keeps the earlier tasks"
+    return "task", f"{name}'s objective is the last task's data alone"
+
+
+def _describe(curv: dict[str, Any]) -> str:
+    tasks = curv["tasks"]
+    span = str(tasks[0]) if len(tasks) == 1 else f"{tasks[0]}-{tasks[-1]}"
+    how = f"{curv['option']}: {curv['reason']}" if curv["option"] == "auto" else curv["option"]
+    return f"curvature of task{'s' if len(tasks) > 1 else ''} {span} ({how})"
+
+
+def _map_inputs(
+    args: argparse.Namespace, model: nn.Module, task: Any, memorable: torch.Tensor, loaded: tuple
+) -> tuple[Any, torch.Tensor, float | list[float], dict[str, Any]]:
+    """``(posterior, example indices, delta, curvature)`` of ``--map``: a :func:`fromp.Laplace`
+    of the chosen structure fitted on the task's training examples (all of them, or the first
+    ``--n-fit`` and the memorable ones), so that each mapped example is in the data its
+    leave-one-out estimate removes it from; for ``--posterior kron`` with the curvature
+    ``trained-tasks`` (``--curvature``, :func:`_auto_curvature`) the KFAC GGN is summed over
+    every task the checkpoint trained, each through its own head
+    (:func:`fromp.kron.kron_curvature_tasks`; the other tasks' first ``--n-fit`` examples),
+    with the evidence's data term their summed NLL. The prior precision by the Laplace
+    evidence unless given. ``curvature``: ``{"option", "used", "tasks", "reason"}``."""
+    from fromp import Laplace
+    from fromp.kron import kron_curvature_tasks
+    from fromp.likelihood import get_likelihood
+
+    net, seq, cfg = loaded
     n = len(task.train_y)
     if args.n_fit is not None and args.n_fit < 1:
         raise ValueError(f"--n-fit must be >= 1, got {args.n_fit}")
@@ -499,6 +554,15 @@ def _map_inputs(
     else:
         sub = torch.unique(torch.cat([torch.arange(args.n_fit), memorable]))
     subset, structure, _, _ = _POSTERIORS[args.posterior]
+    used, reason = args.curvature, "--curvature " + args.curvature
+    if args.curvature == "auto":
+        used, reason = (_auto_curvature(cfg) if args.posterior == "kron"
+                        else ("task", f"{args.posterior} is fitted on the task"))  # fmt: skip
+    if used == "trained-tasks" and args.posterior != "kron":
+        raise ValueError("--curvature trained-tasks needs --posterior kron")
+    if used == "trained-tasks" and cfg.get("tasks_trained") is None:
+        raise ValueError("--curvature trained-tasks needs a fromp-bench checkpoint (the tasks "
+                         "it trained)")  # fmt: skip
     if args.prior_precision != "auto":
         try:
             delta = float(args.prior_precision)
@@ -510,13 +574,28 @@ def _map_inputs(
     la = Laplace(model, "classification", subset, structure,
                  prior_precision=1.0 if args.prior_precision == "auto" else delta)  # fmt: skip
     x, y = task.train_x[sub], task.train_y[sub]
-    la.fit([(x[i : i + 1000], y[i : i + 1000]) for i in range(0, len(x), 1000)])
+    tasks = [args.task]
+    if used == "trained-tasks":  # tasks 0 .. last trained, the evaluated one on its subset
+        tasks = list(range(cfg["tasks_trained"]))
+        lik, data = get_likelihood("categorical"), []
+        for t in tasks:
+            tt = seq[t]
+            keep = slice(None) if args.n_fit is None else slice(args.n_fit)
+            xt, yt = (x, y) if t == args.task else (tt.train_x[keep], tt.train_y[keep])
+            data.append((xt, yt, tt.task_id if seq.multi_head else None))
+        curv = kron_curvature_tasks(net, [(xt, t) for xt, _, t in data], lik)
+        with torch.no_grad():
+            loss = sum(float(lik.nll(with_task(net, t)(xt), yt).sum()) for xt, yt, t in data)
+        la.use_curvature(curv, curv.n, loss)
+    else:
+        la.fit([(x[i : i + 1000], y[i : i + 1000]) for i in range(0, len(x), 1000)])
     if args.prior_precision == "auto":
         la.optimize_prior_precision(method="marglik", prior_structure=args.prior_structure)
     elif args.prior_structure != "scalar":
         raise ValueError("--prior-structure layerwise needs --prior-precision auto")
     delta = la.prior_precision
-    return la, sub, float(delta) if delta.numel() == 1 else delta.tolist()
+    info = {"option": args.curvature, "used": used, "tasks": tasks, "reason": reason}
+    return la, sub, float(delta) if delta.numel() == 1 else delta.tolist(), info
 
 
 def gp_main(argv: list[str] | None = None) -> int:

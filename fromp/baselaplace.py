@@ -291,14 +291,20 @@ class BaseLaplace:
         self._fitted()
         return self
 
-    def use_curvature(self, curvature: Any, n_data: int) -> BaseLaplace:
+    def use_curvature(
+        self, curvature: Any, n_data: int, loss: Tensor | float | None = None
+    ) -> BaseLaplace:
         """Take a curvature computed elsewhere (this structure's type, e.g. the sum of a
         continual method's per-task KFAC terms) at the model's current weights, in place of
-        :meth:`fit`; the evidence's data term is then unknown (``loss`` None)."""
+        :meth:`fit`. ``loss``: the evidence's data term for that curvature's data (the
+        summed NLL at these weights; classification), when known; None leaves the evidence
+        (and ``optimize_prior_precision``) unavailable."""
         if self.subset_of_weights != "all":
             raise ValueError("use_curvature needs subset_of_weights='all'")
         self._set_mean()
-        self.H, self.loss, self.n_data, self.n_outputs = curvature, None, int(n_data), 0
+        if loss is not None:
+            loss = torch.as_tensor(loss, dtype=self.mean.dtype, device=self.mean.device)
+        self.H, self.loss, self.n_data, self.n_outputs = curvature, loss, int(n_data), 0
         self._fitted()
         return self
 

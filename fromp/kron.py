@@ -51,6 +51,7 @@ __all__ = [
     "KronBlock",
     "KronCurvature",
     "kron_curvature",
+    "kron_curvature_tasks",
     "kron_layers",
     "kron_split",
     "unfold_input",
@@ -300,6 +301,46 @@ def kron_curvature(
         a = a.detach().div_(max(k, 1))  # the mean over the examples that reached the layer
         blocks.append(KronBlock(a, b.detach(), None if bb is None else bb.detach(), k))
     return KronCurvature(blocks, names, n, diag)
+
+
+def kron_curvature_tasks(
+    model: nn.Module,
+    tasks: Iterable[tuple[Tensor, int | None]],
+    likelihood: Likelihood,
+    *,
+    batch_size: int = 1000,
+) -> KronCurvature:
+    r"""KFAC GGN of several tasks' data, each task's examples through its own head: the
+    curvature of an objective that sums the tasks' losses (a continual method that keeps
+    its earlier tasks; :class:`fromp.methods.FROMPMethod` with ``posterior="kron"`` sums
+    its experiences' terms the same way).
+
+    ``tasks``: ``(x_t [N_t, ...], t)``, with ``t`` the task label (head) of a multi-task
+    model (:func:`fromp.models.is_multitask`), ignored (may be None) otherwise. Every term
+    is :func:`kron_curvature` of ``model`` with its head fixed to ``t``, all through one
+    :class:`fromp.models.TaskView` (so the parameter names are those of ``with_task(model,
+    t)`` for any ``t``), added by :meth:`KronCurvature.__add__`: for each layer ``B =
+    sum_t sum_{n in t} sum_k g_nk g_nk^T`` and ``A`` the mean of ``u u^T`` over the
+    examples of the tasks that call it. A shared (trunk) layer thus gets every task's
+    curvature, task ``t``'s head only task ``t``'s, a head no task calls none (the prior
+    alone in a posterior). ``model`` is in eval mode; returns one :class:`KronCurvature`
+    with ``n = sum_t N_t``."""
+    from fromp.models import TaskView, is_multitask
+
+    multi = is_multitask(model)
+    view = TaskView(model, 0) if multi else model
+    total: KronCurvature | None = None
+    for x, t in tasks:
+        if multi:
+            if t is None:
+                raise ValueError("a multi-task model needs each task's label (head), got None")
+            view.task = int(t)
+        batches = [(x[s : s + batch_size], None) for s in range(0, len(x), batch_size)]
+        term = kron_curvature(view, batches, likelihood)
+        total = term if total is None else total + term
+    if total is None:
+        raise ValueError("tasks is empty: expected at least one (x, task)")
+    return total
 
 
 def _eigh_mrrr(sym: Tensor) -> tuple[Tensor, Tensor] | None:
