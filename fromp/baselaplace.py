@@ -444,6 +444,7 @@ class BaseLaplace:
             start = start.mean()
         with torch.no_grad():
             before = self.log_marginal_likelihood(start)
+        free = self._identifiable(start)
         log_d = start.log().clone().requires_grad_(True)
         opt = torch.optim.LBFGS(
             [log_d], lr=1.0, max_iter=n_steps, line_search_fn="strong_wolfe",
@@ -452,16 +453,32 @@ class BaseLaplace:
 
         def closure() -> Tensor:
             opt.zero_grad()
-            loss = -self.log_marginal_likelihood(log_d.exp())
+            loss = -self.log_marginal_likelihood(torch.where(free, log_d.exp(), start))
             loss.backward()
             return loss
 
         opt.step(closure)
-        best = log_d.detach().exp()
+        best = torch.where(free, log_d.detach().exp(), start)
         with torch.no_grad():
             after = self.log_marginal_likelihood(best)
         self.prior_precision = best if bool(after >= before) else start
         return self.prior_precision
+
+    def _identifiable(self, delta: Tensor) -> Tensor:
+        """Which entries of a layerwise / per-parameter ``delta`` the evidence determines
+        (bool, ``delta``'s shape; all True for a scalar). A parameter tensor that no fitted
+        example reached (another task's head, a frozen branch) has no curvature, so its part
+        of ``log det(G / (s^2 T) + D) - log det D`` is zero and the evidence, ``-delta_l
+        |theta_l - m0_l|^2 / 2`` in its ``delta_l``, grows without bound as ``delta_l -> 0``;
+        such entries keep their value. Found as a derivative of the log-determinant ratio
+        that is zero next to the prior's own ``n_l / delta_l``."""
+        if delta.ndim == 0:
+            return torch.ones((), dtype=torch.bool, device=delta.device)
+        probe = delta.detach().clone().requires_grad_(True)
+        with torch.enable_grad():
+            (g,) = torch.autograd.grad(self.log_det_ratio(probe), probe)
+            (n,) = torch.autograd.grad(self._delta_vector(probe).log().sum(), probe)
+        return g.abs() > 1e-6 * n.abs()
 
     def _check_prior_structure(self, prior_structure: str) -> None:
         """Hook: a structure may refuse a prior structure."""

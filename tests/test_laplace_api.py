@@ -345,3 +345,30 @@ def test_temperature_divides_the_curvature_and_the_data_term(subset, structure):
     eye = torch.eye(len(prec), dtype=F64) if prec.ndim == 2 else torch.ones_like(prec)
     torch.testing.assert_close(hot_prec, (prec - 0.4 * eye) / 2 + 0.4 * eye)
     torch.testing.assert_close(hot.log_likelihood, cold.log_likelihood / 2)
+
+
+@pytest.mark.parametrize("structure", ["diag", "kron", "full"])
+def test_layerwise_evidence_keeps_the_prior_of_tensors_no_example_reached(structure):
+    """A multi-head network fitted through head 1: heads 0 and 2 have no curvature, so the
+    evidence in their ``delta`` grows without bound as it goes to 0 (a bug drove it to 0 and
+    refused the result as not strictly positive); they keep their prior, the tensors the data
+    reached get their own evidence-chosen values, and the evidence does not fall."""
+    from fromp.models import MultiHeadMLP, with_task
+
+    torch.manual_seed(0)
+    net = MultiHeadMLP(4, (5,), n_heads=3, head_size=2).to(F64).eval()
+    model = with_task(net, 1)
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(12, 4, generator=g, dtype=F64), torch.randint(0, 2, (12,), generator=g)
+    la = Laplace(model, "classification", "all", structure, prior_precision=1.0)
+    la.fit((x, y))
+    before = float(la.log_marginal_likelihood())
+    delta = la.optimize_prior_precision(method="marglik", prior_structure="layerwise")
+    names = la.parameter_names
+    assert torch.isfinite(delta).all() and (delta > 0).all()
+    unreached = [i for i, n in enumerate(names) if ".heads.0." in n or ".heads.2." in n]
+    reached = [i for i in range(len(names)) if i not in unreached]
+    assert len(unreached) == 4 and len(reached) == 4
+    assert torch.equal(delta[unreached], torch.ones(4, dtype=F64))
+    assert not torch.allclose(delta[reached], torch.ones(4, dtype=F64), atol=1e-3)
+    assert float(la.log_marginal_likelihood()) >= before
