@@ -199,6 +199,7 @@ def kron_curvature(
     layers: list[nn.Module] | None = None,
     diag_layers: list[nn.Module] | None = None,
     fisher: str = "ggn",
+    outputs: list[Tensor] | None = None,
 ) -> KronCurvature:
     """KFAC factors of ``model``'s ``Linear``/``Conv2d`` layers over ``batches`` of
     ``(x [B, ...], y [B] or None)``; the model maps ``x`` to ``[B, C]`` and is in eval mode.
@@ -210,6 +211,9 @@ def kron_curvature(
             forward pass.
         fisher: ``"ggn"`` (columns of the output-Hessian square root, targets not needed)
             or ``"ef"`` (the empirical Fisher: the per-example loss gradient; needs ``y``).
+        outputs: a list that receives each batch's outputs ``f(x)`` ``[B, C]`` (detached),
+            so that a caller needing them (the evidence's data term) makes no second
+            forward pass.
     """
     if fisher not in ("ggn", "ef"):
         raise ValueError(f"fisher must be 'ggn' or 'ef', got {fisher!r}")
@@ -230,6 +234,8 @@ def kron_curvature(
             f = model(x)
         if f.ndim != 2:
             raise ValueError(f"model output must be [N, C], got {tuple(f.shape)}")
+        if outputs is not None:
+            outputs.append(f.detach())
         kron_ids = {id(m) for m in layers}
         calls = [c for c in all_calls if id(c.module) in kron_ids]
         d_calls = [c for c in all_calls if id(c.module) not in kron_ids]

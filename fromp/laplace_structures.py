@@ -353,7 +353,9 @@ class KronLaplace(_KronMixin, BaseLaplace):
     structure = "kron"
 
     def _curvature(self, batches):
-        return kron_curvature(self.model, batches, self.likelihood)
+        # the curvature pass's outputs serve the evidence's data term (no second forward pass)
+        self._outputs = []
+        return kron_curvature(self.model, batches, self.likelihood, outputs=self._outputs)
 
     def _rows(self, x: Tensor, factored: bool = False) -> tuple[Tensor, list[tuple[Any, str, Any]]]:
         """``f(x)`` and, per parameter tensor (subset order), the Jacobian rows ``[N, C,

@@ -372,3 +372,24 @@ def test_layerwise_evidence_keeps_the_prior_of_tensors_no_example_reached(struct
     assert torch.equal(delta[unreached], torch.ones(4, dtype=F64))
     assert not torch.allclose(delta[reached], torch.ones(4, dtype=F64), atol=1e-3)
     assert float(la.log_marginal_likelihood()) >= before
+
+
+@pytest.mark.parametrize("subset", ["all", "last_layer"])
+def test_kron_fit_runs_the_model_once_per_batch_and_keeps_the_evidence(subset):
+    """The evidence's data term comes from the curvature pass's outputs: one forward pass
+    per batch (a second pass doubled the fit's forward cost); the evidence is unchanged."""
+    model = mlp()
+    x, y = data((4,), n=12)
+    calls = []
+
+    def count(module, inputs, output):  # batch-sized calls: last_layer probes one example
+        if len(inputs[0]) > 1:
+            calls.append(1)
+
+    handle = model.register_forward_hook(count)
+    la = Laplace(model, "classification", subset, "kron", prior_precision=0.7)
+    la.fit([(x[:5], y[:5]), (x[5:], y[5:])])
+    handle.remove()
+    assert len(calls) == 2
+    nll = torch.nn.functional.cross_entropy(model(x), y, reduction="sum")
+    torch.testing.assert_close(la.log_likelihood, -nll)
