@@ -43,6 +43,7 @@ from torch.func import functional_call
 from fromp._checks import require_eval
 from fromp.capture import DEFAULT_MEMORY_BUDGET
 from fromp.curvature import DataArg, iter_batches
+from fromp.gp import LaplaceGP
 from fromp.likelihood import (
     BernoulliLikelihood,
     CategoricalLikelihood,
@@ -466,15 +467,13 @@ class BaseLaplace:
 
     def _identifiable(self, delta: Tensor) -> Tensor:
         """Which entries of a layerwise / per-parameter ``delta`` the evidence determines
-        (bool, ``delta``'s shape; all True for a scalar). A parameter tensor that no fitted
-        example reached (another task's head, a frozen branch) has no curvature, so its part
-        of ``log det(G / (s^2 T) + D) - log det D`` is zero and the evidence, ``-delta_l
-        |theta_l - m0_l|^2 / 2`` in its ``delta_l``, grows without bound as ``delta_l -> 0``;
-        such entries keep their value. Found as a derivative of the log-determinant ratio
-        that is zero next to the prior's own ``n_l / delta_l``."""
-        if delta.ndim == 0:
-            return torch.ones((), dtype=torch.bool, device=delta.device)
+        (bool, ``delta``'s shape). A tensor no fitted example reached (another task's head) has
+        no curvature: its part of the log-determinant ratio is zero, so the evidence,
+        ``-delta_l |theta_l - m0_l|^2 / 2``, grows without bound as ``delta_l -> 0``. Found as
+        a derivative of the ratio that is zero next to the prior's ``n_l / delta_l``."""
         probe = delta.detach().clone().requires_grad_(True)
+        if delta.ndim == 0:
+            return torch.ones_like(probe, dtype=torch.bool)
         with torch.enable_grad():
             (g,) = torch.autograd.grad(self.log_det_ratio(probe), probe)
             (n,) = torch.autograd.grad(self._delta_vector(probe).log().sum(), probe)
@@ -683,26 +682,3 @@ class BaseLaplace:
         self.n_data, self.n_outputs = int(state["n_data"]), int(state["n_outputs"])
         self._fitted()
 
-
-class LaplaceGP:
-    """The GP of a fitted Laplace: :meth:`mean` ``f_w*(x)`` ``[N, C]``, :meth:`kernel`
-    ``J(x1) Sigma J(x2)^T`` ``[N, C, M, C]``, :meth:`variance` ``[N, C, C]``, and
-    :meth:`predictive` (the Laplace's ``__call__``)."""
-
-    def __init__(self, la: BaseLaplace) -> None:
-        self.la = la
-
-    def mean(self, x: Tensor) -> Tensor:
-        with torch.no_grad():
-            return self.la.model(x.to(self.la._device()))
-
-    def variance(self, x: Tensor) -> Tensor:
-        return self.la.functional_variance(x.to(self.la._device()))
-
-    def kernel(self, x1: Tensor, x2: Tensor | None = None) -> Tensor:
-        dev = self.la._device()
-        x1 = x1.to(dev)
-        return self.la._kernel(x1, x1 if x2 is None else x2.to(dev))
-
-    def predictive(self, x: Tensor, method: str = "probit", **kwargs: Any) -> Any:
-        return self.la(x, link_approx=method, **kwargs)

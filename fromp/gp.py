@@ -40,7 +40,7 @@ from fromp.likelihood import (
 )
 from fromp.posterior import DiagonalGaussian, GaussianPosterior
 
-__all__ = ["GP", "dnn2gp"]
+__all__ = ["GP", "LaplaceGP", "dnn2gp"]
 
 Posterior = GaussianPosterior
 
@@ -429,3 +429,27 @@ def dnn2gp(
 ) -> GP:
     """The DNN2GP :class:`GP` of ``model`` under ``posterior`` (see :class:`GP`)."""
     return GP(model, posterior, likelihood, chunk_size=chunk_size, memory_budget=memory_budget)
+
+
+class LaplaceGP:
+    """The GP of a fitted :class:`fromp.Laplace` (``la.gp()``): :meth:`mean` ``f_w*(x)``
+    ``[N, C]``, :meth:`kernel` ``J(x1) Sigma J(x2)^T`` ``[N, C, M, C]``, :meth:`variance`
+    ``[N, C, C]``, and :meth:`predictive` (the Laplace's ``__call__``)."""
+
+    def __init__(self, la: Any) -> None:
+        self.la = la
+
+    def mean(self, x: Tensor) -> Tensor:
+        with torch.no_grad():
+            return self.la.model(x.to(self.la._device()))
+
+    def variance(self, x: Tensor) -> Tensor:
+        return self.la.functional_variance(x.to(self.la._device()))
+
+    def kernel(self, x1: Tensor, x2: Tensor | None = None) -> Tensor:
+        dev = self.la._device()
+        x1 = x1.to(dev)
+        return self.la._kernel(x1, x1 if x2 is None else x2.to(dev))
+
+    def predictive(self, x: Tensor, method: str = "probit", **kwargs: Any) -> Any:
+        return self.la(x, link_approx=method, **kwargs)
