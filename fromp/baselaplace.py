@@ -681,4 +681,3 @@ class BaseLaplace:
         self.loss = None if state["loss"] is None else state["loss"].to(self.mean)
         self.n_data, self.n_outputs = int(state["n_data"]), int(state["n_outputs"])
         self._fitted()
-
