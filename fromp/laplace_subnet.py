@@ -302,6 +302,7 @@ class DiagSubnetLaplace(SubnetLaplace):
         return h
 
     _log_det_posterior = LaplaceDiag._log_det_posterior
+    _log_det_ratio = LaplaceDiag._log_det_ratio  # sum log1p(h / delta): no cancellation
     posterior_precision = LaplaceDiag.posterior_precision
     posterior_variance = LaplaceDiag.posterior_variance
     posterior_covariance = LaplaceDiag.posterior_covariance
