@@ -144,6 +144,9 @@ class BaseLaplace:
 
     # ------------------------------------------------------------------ parameters
     def _set_mean(self) -> None:
+        for name, p in self._named:  # a diverged network has no Laplace approximation
+            if not bool(torch.isfinite(p.detach()).all()):
+                raise ValueError(f"model weights {name} are not finite (NaN or inf)")
         self.mean = torch.cat([p.detach().reshape(-1) for _, p in self._named]).clone()
         self.sizes = [p.numel() for _, p in self._named]
 

@@ -60,6 +60,8 @@ def last_layer_features(model: nn.Module, x: Tensor) -> tuple[Tensor, nn.Linear]
             h.remove()
     if not calls:
         raise ValueError(f"model must end in an nn.Linear layer; {type(model).__name__} has none")
+    if not bool(torch.isfinite(f).all()):
+        raise ValueError("model outputs are not finite (NaN or inf): check its weights")
     head, phi, out = calls[-1]
     if out.shape != f.shape or not torch.equal(out, f):
         raise ValueError(

@@ -393,3 +393,15 @@ def test_kron_fit_runs_the_model_once_per_batch_and_keeps_the_evidence(subset):
     assert len(calls) == 2
     nll = torch.nn.functional.cross_entropy(model(x), y, reduction="sum")
     torch.testing.assert_close(la.log_likelihood, -nll)
+
+
+@pytest.mark.parametrize(("subset", "structure"), PAIRS)
+def test_fit_refuses_a_diverged_network(subset, structure):
+    """NaN weights (a diverged run) are refused by name before any curvature is computed,
+    also where the NaN sits outside the subset (it makes the features NaN)."""
+    model = mlp()
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")
+    match = "0.weight are not finite" if subset == "all" else "outputs are not finite"
+    with pytest.raises(ValueError, match=match):  # all weights: already at construction
+        Laplace(model, "classification", subset, structure).fit(data((4,)))

@@ -119,6 +119,29 @@ def test_fromp_side_smoke():
         assert out["n_params"] > 10**6
 
 
+def test_a_diverged_case_is_refused_not_tabulated(monkeypatch):
+    """A library whose evidence or predictive is NaN fails its case (the row then carries
+    the error, never numbers): here fromp's model is poisoned with a NaN weight."""
+    make = study.make_model
+
+    def poisoned(*args, **kwargs):
+        net, shape = make(*args, **kwargs)
+        with torch.no_grad():
+            next(net.parameters()).view(-1)[0] = float("nan")
+        return net, shape
+
+    monkeypatch.setattr(study, "make_model", poisoned)
+    base = {"model": "cnn", "n_fit": 4, "n_test": 2, "batch": 2, "pred_batch": 2,
+            "library": "fromp", "prior_precision": 30.0, "subset": "last_layer",
+            "structure": "kron"}  # fmt: skip
+    with pytest.raises((RuntimeError, ValueError), match="finite"):
+        run_case(base)
+    with pytest.raises(RuntimeError, match="laplace_torch: predictive is not finite"):
+        study.require_finite("laplace_torch", log_marginal_likelihood=-3.0,
+                             predictive=torch.tensor([[0.5, float("nan")]]))  # fmt: skip
+    study.require_finite("fromp", log_marginal_likelihood=-3.0, predictive=torch.ones(2, 2))
+
+
 def test_refuses_without_laplace_torch(monkeypatch, capsys, tmp_path):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",

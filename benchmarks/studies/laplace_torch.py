@@ -163,10 +163,26 @@ def train_mlp(path: Path, data_root: str | None, epochs: int = 1) -> dict[str, f
     for _ in range(epochs):
         for idx in torch.randperm(len(x), generator=gen).split(128):
             opt.zero_grad()
-            nn.functional.cross_entropy(net(x[idx]), y[idx]).backward()
+            loss = nn.functional.cross_entropy(net(x[idx]), y[idx])
+            loss.backward()
             opt.step()
+    net.eval()
+    with torch.no_grad():
+        train_nll = float(nn.functional.cross_entropy(net(x[:2000]), y[:2000]))
+    # a diverged network gives no comparison worth printing: refuse it
+    if not (math.isfinite(train_nll) and train_nll < math.log(10)):
+        raise RuntimeError(f"the MLP did not train (NLL {train_nll} on 2,000 training images)")
     torch.save(net.state_dict(), path)
-    return {"train_s": time.perf_counter() - t0, "epochs": epochs, "n_train": len(x)}
+    return {"train_s": time.perf_counter() - t0, "epochs": epochs, "n_train": len(x),
+            "train_nll_first_2000": train_nll}  # fmt: skip
+
+
+def require_finite(library: str, **values: Any) -> None:
+    """Refuse a case whose evidence or predictive is not finite (NaN / inf), naming it."""
+    for name, v in values.items():
+        t = torch.as_tensor(v)
+        if not bool(torch.isfinite(t).all()):
+            raise RuntimeError(f"{library}: {name} is not finite")
 
 
 def load_data(model: str, n_fit: int, n_test: int, data_root: str | None = None):
@@ -286,6 +302,7 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
     with torch.no_grad() if spec["library"] == "laplace_torch" else contextlib.nullcontext():
         probs = predict(la, xt, spec["pred_batch"])
     out["predict_s"], out["predict_cpu_s"] = time.perf_counter() - t0, time.process_time() - c0
+    require_finite(spec["library"], log_marginal_likelihood=lml, predictive=probs)
     out |= scores(probs, yt)
     out["n_params"] = int(sum(p.numel() for p in net.parameters() if p.requires_grad))
     out["base_rss_mb"] = base
