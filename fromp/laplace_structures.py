@@ -82,17 +82,10 @@ class _AllWeightsGP:
         return self._gp().kernel(x1, x2)
 
 
-class LaplaceDiag(_AllWeightsGP, BaseLaplace):
-    """``subset_of_weights="all"``, ``hessian_structure="diag"``: ``diag(G)`` ``[P]`` by
-    layer capture (any ``nn.Module``; Linear, convolution and norm layers from their inputs
-    and output gradients, per-example Jacobians for other parameters)."""
-
-    structure = "diag"
-
-    def _curvature(self, batches):
-        return diag_ggn(self.model, [(x,) for x, _ in batches], self.likelihood,
-                        chunk_size=self.chunk_size, memory_budget=self.memory_budget,
-                        method=self.method)  # fmt: skip
+class _DiagMaths:
+    """The posterior maths of a diagonal curvature ``h`` ``[P]`` (the fitted ``H``):
+    precision ``h / (s^2 T) + delta``; every diagonal structure (all weights, last layer,
+    subnetwork) takes it from here."""
 
     def _log_det_posterior(self, delta, factor):
         return (self._require_fit() * factor + self._delta_vector(delta)).log().sum()
@@ -112,25 +105,32 @@ class LaplaceDiag(_AllWeightsGP, BaseLaplace):
     def posterior_covariance(self) -> Tensor:
         return torch.diag(self.posterior_variance)
 
+    def _sqrt_cov_times(self, z):
+        return z * self.posterior_variance.sqrt()
+
+
+class LaplaceDiag(_AllWeightsGP, _DiagMaths, BaseLaplace):
+    """``subset_of_weights="all"``, ``hessian_structure="diag"``: ``diag(G)`` ``[P]`` by
+    layer capture (any ``nn.Module``; Linear, convolution and norm layers from their inputs
+    and output gradients, per-example Jacobians for other parameters)."""
+
+    structure = "diag"
+
+    def _curvature(self, batches):
+        return diag_ggn(self.model, [(x,) for x, _ in batches], self.likelihood,
+                        chunk_size=self.chunk_size, memory_budget=self.memory_budget,
+                        method=self.method)  # fmt: skip
+
     @property
     def posterior(self) -> DiagonalGaussian:
         """:class:`~fromp.posterior.DiagonalGaussian` ``N(theta*, diag(precision)^{-1})``."""
         return DiagonalGaussian(self.mean.clone(), self.posterior_precision.detach().clone())
 
-    def _sqrt_cov_times(self, z):
-        return z * self.posterior_variance.sqrt()
 
-
-class LaplaceFull(_AllWeightsGP, BaseLaplace):
-    """``subset_of_weights="all"``, ``hessian_structure="full"``: ``G`` ``[P, P]`` (small
-    models: ``P <= max_params``)."""
-
-    structure = "full"
-
-    def _curvature(self, batches):
-        g = ggn(self.model, [(x,) for x, _ in batches], self.likelihood,
-                chunk_size=self.chunk_size or 32, max_params=self.max_params)  # fmt: skip
-        return 0.5 * (g + g.T)
+class _FullMaths:
+    """The posterior maths of a dense curvature ``G`` ``[P, P]`` (the fitted ``H``):
+    precision ``G / (s^2 T) + diag(delta)``, its covariance cached; every full structure (all
+    weights, last layer, subnetwork) takes it from here."""
 
     def _fitted(self):
         self._eig, self._logdet_calls = None, 0
@@ -174,15 +174,27 @@ class LaplaceFull(_AllWeightsGP, BaseLaplace):
     posterior_covariance = property(lambda self: self._covariance().clone())
     posterior_variance = property(lambda self: torch.diagonal(self._covariance()).clone())
 
-    @property
-    def posterior(self) -> FullGaussian:
-        return FullGaussian(self.mean.clone(), self.posterior_precision.detach().clone())
-
     def _sqrt_cov_times(self, z):
         # Sigma = (L L^T)^{-1} = L^{-T} L^{-1}: theta = L^{-T} z
         prec = self.posterior_precision
         chol = torch.linalg.cholesky(prec.double())
         return torch.linalg.solve_triangular(chol.T, z.double().T, upper=True).T.to(z.dtype)
+
+
+class LaplaceFull(_AllWeightsGP, _FullMaths, BaseLaplace):
+    """``subset_of_weights="all"``, ``hessian_structure="full"``: ``G`` ``[P, P]`` (small
+    models: ``P <= max_params``)."""
+
+    structure = "full"
+
+    def _curvature(self, batches):
+        g = ggn(self.model, [(x,) for x, _ in batches], self.likelihood,
+                chunk_size=self.chunk_size or 32, max_params=self.max_params)  # fmt: skip
+        return 0.5 * (g + g.T)
+
+    @property
+    def posterior(self) -> FullGaussian:
+        return FullGaussian(self.mean.clone(), self.posterior_precision.detach().clone())
 
 
 class _KronMixin:
@@ -525,7 +537,7 @@ class _LastLayer:
         return self.likelihood.hessian(f)
 
 
-class DiagLLLaplace(_LastLayer, BaseLaplace):
+class DiagLLLaplace(_LastLayer, _DiagMaths, BaseLaplace):
     """Last layer, diagonal: ``diag(G)[c, d] = sum_n Lambda_n[c, c] phi~_nd^2``."""
 
     structure = "diag"
@@ -539,14 +551,6 @@ class DiagLLLaplace(_LastLayer, BaseLaplace):
             lam = torch.diagonal(self._lambda(f), dim1=-2, dim2=-1)  # [N, C]
             h = h + lam.T @ self._tilde(phi) ** 2
         return self._to_flat(h)
-
-    # the diagonal posterior's maths, shared with all weights
-    _log_det_posterior = LaplaceDiag._log_det_posterior
-    _log_det_ratio = LaplaceDiag._log_det_ratio
-    posterior_precision = LaplaceDiag.posterior_precision
-    posterior_variance = LaplaceDiag.posterior_variance
-    posterior_covariance = LaplaceDiag.posterior_covariance
-    _sqrt_cov_times = LaplaceDiag._sqrt_cov_times
 
     def _mean_and_variance(self, x):
         f, phi = self._phi(x)
@@ -562,7 +566,7 @@ class DiagLLLaplace(_LastLayer, BaseLaplace):
         return torch.einsum("ncm,cd->ncmd", k, eye)
 
 
-class FullLLLaplace(_LastLayer, BaseLaplace):
+class FullLLLaplace(_LastLayer, _FullMaths, BaseLaplace):
     """Last layer, full: ``G = sum_n Lambda_n (x) phi~_n phi~_n^T`` ``[P, P]``."""
 
     structure = "full"
@@ -584,14 +588,6 @@ class FullLLLaplace(_LastLayer, BaseLaplace):
         """Flat index -> internal ``[W | b]`` row-major index."""
         idx = torch.arange(c * d).reshape(c, d)
         return self._to_flat(idx)
-
-    _fitted = LaplaceFull._fitted
-    _log_det_posterior = LaplaceFull._log_det_posterior
-    posterior_precision = LaplaceFull.posterior_precision
-    _covariance = LaplaceFull._covariance
-    posterior_covariance = LaplaceFull.posterior_covariance
-    posterior_variance = LaplaceFull.posterior_variance
-    _sqrt_cov_times = LaplaceFull._sqrt_cov_times
 
     def _cov4(self) -> Tensor:
         """``Sigma`` as ``[C, D', C, D']`` (internal order)."""

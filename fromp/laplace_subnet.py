@@ -39,7 +39,7 @@ from torch.func import functional_call, jacrev, jvp, vmap
 from torch.nn.utils import parameters_to_vector
 
 from fromp.baselaplace import BaseLaplace
-from fromp.laplace_structures import LaplaceDiag, LaplaceFull
+from fromp.laplace_structures import LaplaceDiag, LaplaceFull, _DiagMaths, _FullMaths
 from fromp.likelihood import Likelihood
 
 __all__ = [
@@ -266,7 +266,7 @@ class SubnetLaplace(BaseLaplace):
         self.full_mean[self.subnetwork_indices.to(self.mean.device)] = self.mean
 
 
-class FullSubnetLaplace(SubnetLaplace):
+class FullSubnetLaplace(_FullMaths, SubnetLaplace):
     """Subnetwork, ``hessian_structure="full"``: ``G_SS`` ``[S, S]``."""
 
     structure = "full"
@@ -277,20 +277,13 @@ class FullSubnetLaplace(SubnetLaplace):
             g = g + rows.T @ rows
         return 0.5 * (g + g.T)
 
-    _fitted = LaplaceFull._fitted
-    _log_det_posterior = LaplaceFull._log_det_posterior
-    posterior_precision = LaplaceFull.posterior_precision
-    _covariance = LaplaceFull._covariance
-    posterior_covariance = LaplaceFull.posterior_covariance
-    posterior_variance = LaplaceFull.posterior_variance
     posterior = LaplaceFull.posterior
-    _sqrt_cov_times = LaplaceFull._sqrt_cov_times
 
     def _cov_times(self, jac):
         return self._covariance() @ jac.flatten(0, 1).T
 
 
-class DiagSubnetLaplace(SubnetLaplace):
+class DiagSubnetLaplace(_DiagMaths, SubnetLaplace):
     """Subnetwork, ``hessian_structure="diag"``: ``diag(G_SS)`` ``[S]``."""
 
     structure = "diag"
@@ -301,13 +294,7 @@ class DiagSubnetLaplace(SubnetLaplace):
             h = h + (rows**2).sum(0)
         return h
 
-    _log_det_posterior = LaplaceDiag._log_det_posterior
-    _log_det_ratio = LaplaceDiag._log_det_ratio  # sum log1p(h / delta): no cancellation
-    posterior_precision = LaplaceDiag.posterior_precision
-    posterior_variance = LaplaceDiag.posterior_variance
-    posterior_covariance = LaplaceDiag.posterior_covariance
     posterior = LaplaceDiag.posterior
-    _sqrt_cov_times = LaplaceDiag._sqrt_cov_times
 
     def _cov_times(self, jac):
         return self.posterior_variance[:, None] * jac.flatten(0, 1).T
