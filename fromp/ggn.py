@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.func import functional_call, vmap
+from torch.func import jvp as func_jvp
+from torch.func import vjp as func_vjp
 
 from fromp._checks import check_vector, device_dtype
 from fromp.curvature import DataArg, iter_batches
-from fromp.jacobian import iter_jacobians, jvp, num_params, vjp_sum
+from fromp.jacobian import iter_jacobians, jvp, num_params, trainable_params, unflatten, vjp_sum
 from fromp.likelihood import Likelihood, get_likelihood
 
-__all__ = ["ggn", "ggn_vp"]
+__all__ = ["ggn", "ggn_matmat", "ggn_vp"]
 
 
 def ggn(
@@ -102,4 +105,29 @@ def ggn_vp(model: nn.Module, x: DataArg, likelihood: str | Likelihood, v: Tensor
         f, jv = jvp(model, xb, v)
         u = torch.einsum("ncd,nd->nc", lik.hessian(f.detach()), jv.detach())
         out += vjp_sum(model, xb, u)
+    return out
+
+
+def ggn_matmat(
+    model: nn.Module, batches: list[Tensor], likelihood: Likelihood, v: Tensor
+) -> Tensor:
+    """``G V = sum_n J_n^T Lambda_n (J_n V)`` ``[P, m]`` for ``V`` ``[P, m]`` (:func:`ggn_vp`
+    for several directions at once, over a list of input batches): per batch
+    one forward-mode pass per column (vectorised) and one reverse-mode pullback per column
+    (vectorised); ``J`` and ``G`` are never formed."""
+    params = trainable_params(model)
+    buffers = dict(model.named_buffers())
+    tangents = unflatten(model, v.T.to(next(iter(params.values())).dtype))  # [m, ...] each
+    out = torch.zeros_like(v)
+    for x in batches:
+
+        def fwd(p: dict[str, Tensor], x: Tensor = x) -> Tensor:
+            return functional_call(model, (p, buffers), (x,))
+
+        f, pullback = func_vjp(fwd, params)
+        lam = likelihood.hessian(f.detach())  # [N, C, C]
+        jv = vmap(lambda t, fwd=fwd: func_jvp(fwd, (params,), (t,))[1])(tangents)  # [m, N, C]
+        u = torch.einsum("ncd,mnd->mnc", lam, jv)
+        (g,) = vmap(pullback)(u)
+        out += torch.cat([t.reshape(len(u), -1) for t in g.values()], 1).T
     return out

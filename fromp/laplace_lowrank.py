@@ -45,10 +45,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, jvp, vjp, vmap
 
 from fromp.baselaplace import BaseLaplace
-from fromp.jacobian import iter_jacobians, trainable_params, unflatten
+from fromp.ggn import ggn_matmat
+from fromp.jacobian import iter_jacobians, trainable_params
 from fromp.likelihood import Likelihood
 
 __all__ = ["LowRankLaplace", "top_eigenpairs"]
@@ -123,28 +123,6 @@ def top_eigenpairs(
         prev = top
         q, _ = torch.linalg.qr(y)
     return _truncate(theta, q @ s, k, max(p_total, rows))
-
-
-def ggn_matmat(model: nn.Module, batches: list[Tensor], likelihood: Likelihood, v: Tensor):
-    """``G V = sum_n J_n^T Lambda_n (J_n V)`` ``[P, m]`` for ``V`` ``[P, m]``: per batch
-    one forward-mode pass per column (vectorised) and one reverse-mode pullback per column
-    (vectorised); ``J`` and ``G`` are never formed."""
-    params = trainable_params(model)
-    buffers = dict(model.named_buffers())
-    tangents = unflatten(model, v.T.to(next(iter(params.values())).dtype))  # [m, ...] each
-    out = torch.zeros_like(v)
-    for x in batches:
-
-        def fwd(p: dict[str, Tensor], x: Tensor = x) -> Tensor:
-            return functional_call(model, (p, buffers), (x,))
-
-        f, pullback = vjp(fwd, params)
-        lam = likelihood.hessian(f.detach())  # [N, C, C]
-        jv = vmap(lambda t, fwd=fwd: jvp(fwd, (params,), (t,))[1])(tangents)  # [m, N, C]
-        u = torch.einsum("ncd,mnd->mnc", lam, jv)
-        (g,) = vmap(pullback)(u)
-        out += torch.cat([t.reshape(len(u), -1) for t in g.values()], 1).T
-    return out
 
 
 class LowRankLaplace(BaseLaplace):
