@@ -12,10 +12,8 @@ experience 1, and of experience 1 after experience 1, and the wall time.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
 from avalanche.benchmarks.classic import SplitMNIST
@@ -23,6 +21,7 @@ from avalanche.evaluation.metrics import accuracy_metrics
 from avalanche.models import MTSimpleMLP, SimpleMLP
 from avalanche.training.plugins import EvaluationPlugin
 
+from benchmarks.studies import harness
 from strategies.ewc import EWC
 from strategies.fromp import FROMP
 from strategies.vcl import VCL
@@ -88,20 +87,22 @@ def run_one(method: str, model_name: str, data: str, device: str = "cpu", n_exp:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__name__, __doc__)
     parser.add_argument("--data", required=True, help="folder holding MNIST/raw")
-    parser.add_argument("--out", default="benchmarks/results/avalanche_models.json")
+    harness.add_out(parser, harness.RESULTS / "avalanche_models.json")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--methods", nargs="+", default=["fromp", "ewc", "vcl"])
     parser.add_argument("--models", nargs="+", default=["MTSimpleMLP", "SimpleMLP"])
     args = parser.parse_args(argv)
+    harness.prepare_out(args.out)
     rows = []
     for model_name in args.models:
         for method in args.methods:
             rows.append(run_one(method, model_name, args.data, args.device))
             print(json.dumps(rows[-1]), flush=True)
             out = {"settings": SETTINGS, "benchmark": "SplitMNIST(n_experiences=5, seed=0)"}
-            Path(args.out).write_text(json.dumps({**out, "runs": rows}, indent=1) + "\n")
+            record = {**out, "runs": rows}
+            harness.write_record(args.out, record, module=__name__, argv=argv, device=args.device)
     return rows
 
 

@@ -16,13 +16,10 @@ Without MNIST (``--benchmark split-digits``) the built-in 8x8 digits are used.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
-import sys
 import time
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +29,7 @@ from avalanche.training.plugins import EvaluationPlugin
 
 from benchmarks.data import split_digits, split_mnist, to_avalanche
 from benchmarks.settings import FROMP_REFERENCE, SETTINGS
+from benchmarks.studies import harness
 from fromp.models import MultiHeadMLP
 from strategies.fromp import FROMP
 from strategies.models import as_avalanche_model
@@ -124,21 +122,22 @@ def measure(
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = harness.parser(__name__, __doc__)
     ap.add_argument("--benchmark", choices=["split-mnist", "split-digits"], default="split-mnist")
-    ap.add_argument("--data-root", default=None)
+    harness.add_data_root(ap)
     ap.add_argument("--n-train", type=int, default=None, help="train examples per task")
     ap.add_argument("--epochs", type=int, default=None, help="default: FROMP's SETTINGS")
-    ap.add_argument("--seed", type=int, default=0)
+    harness.add_seed(ap)
     ap.add_argument(
         "--settings",
         choices=["reference", "default"],
         default="reference",
         help="FROMP settings: the official code's (default) or the runner's defaults",
     )
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default="benchmarks/results/fromp_speed.json")
+    harness.add_threads(ap, 1)
+    harness.add_out(ap, harness.RESULTS / "fromp_speed.json")
     args = ap.parse_args(argv)
+    harness.prepare_out(args.out)
     torch.set_num_threads(args.threads)
     result = measure(
         args.benchmark,
@@ -148,11 +147,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         seed=args.seed,
         settings=args.settings,
     )
-    result["command"] = "python -m benchmarks.studies.fromp_speed " + " ".join(
-        sys.argv[1:] if argv is None else argv
-    )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    result = harness.write_record(args.out, result, module=__name__, argv=argv, indent=1)
     keys = ("ratio_fromp_over_naive", "cpu_ratio_fromp_over_naive", "expected_compute_ratio")
     print(json.dumps({k: result[k] for k in keys}, indent=1))
     naive, fromp = result["naive"]["train_wall_s"], result["fromp"]["train_wall_s"]

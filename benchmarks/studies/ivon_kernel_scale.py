@@ -19,7 +19,6 @@ Memory: the Jacobians of 40 points, ``[40, 2, P]`` with ``P = 269,322``; no ``P 
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 
 import fromp
 from benchmarks.data import load_mnist
+from benchmarks.studies import harness
 from fromp.curvature import diag_ggn_linear
 from fromp.jacobian import flat_params
 from fromp.memorable import select_memorable
@@ -43,14 +43,14 @@ def _quantiles(v: torch.Tensor) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.parser(__name__, __doc__)
     ap.add_argument("--beta2", type=float, default=0.99999)
     ap.add_argument("--hess-init", type=float, default=0.1)
     ap.add_argument("--weight-decay", type=float, default=1e-4)
     ap.add_argument("--lr", type=float, default=0.2)
     ap.add_argument("--clip-radius", type=float, default=None)
     ap.add_argument("--epochs", type=int, default=15, help="epochs (default 15, FROMP's)")
-    ap.add_argument("--data-root", default=None)
+    harness.add_data_root(ap)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     xtr, ytr, _, _ = load_mnist(args.data_root, download=False)

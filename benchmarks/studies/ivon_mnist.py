@@ -22,9 +22,6 @@ Writes ``benchmarks/results/ivon_mnist.json``.
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.data import load_mnist
+from benchmarks.studies import harness
 from benchmarks.studies.vogn_mnist import _batches, _chunks, _metrics, adam_baseline
 from fromp.models import MultiHeadMLP
 from fromp.optim import IVON
@@ -52,7 +50,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     hidden = tuple(int(h) for h in args.hidden.split(","))
     n = len(xtr)
     out: dict[str, Any] = {
-        "command": "python -m benchmarks.studies.ivon_mnist " + shlex.join(sys.argv[1:]),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "n_train": n,
         "n_test": len(xte),
@@ -107,7 +104,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.parser(__name__, __doc__)
     ap.add_argument("--data-root", type=Path, default=None)
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--batch-size", type=int, default=128)
@@ -126,14 +123,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     ap.add_argument("--n-train", type=int, default=None, help="use the first n examples")
     ap.add_argument("--n-test", type=int, default=None)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1)
+    harness.add_seed(ap)
+    harness.add_threads(ap, 1)
     ap.add_argument("--skip-adam", action="store_true", help="IVON only (tuning)")
-    ap.add_argument("--out", type=Path, default=RESULTS / "ivon_mnist.json")
+    harness.add_out(ap, RESULTS / "ivon_mnist.json")
     args = ap.parse_args(argv)
+    harness.prepare_out(args.out)
     result = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    harness.write_record(args.out, result, module=__name__, argv=argv)
     return result
 
 

@@ -13,11 +13,12 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Callable
 
 import torch
+
+from benchmarks.studies import harness
 
 P = 269_322
 
@@ -34,7 +35,7 @@ def _median_ms(fn: Callable[[], object], calls: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.parser(__name__, __doc__)
     ap.add_argument("--calls", type=int, default=200)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)

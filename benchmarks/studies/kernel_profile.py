@@ -12,7 +12,6 @@ times are wall-clock: on a shared machine use their shares, not their values).
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import pstats
 import resource
@@ -20,9 +19,11 @@ import time
 
 import torch
 
+from benchmarks.studies import harness
+
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__name__, __doc__)
     parser.add_argument("--n", type=int, default=256)
     parser.add_argument("--full", action="store_true", help="the [N, C, N, C] kernel")
     args = parser.parse_args(argv)

@@ -29,8 +29,6 @@ Results go to
 
 from __future__ import annotations
 
-import argparse
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -38,11 +36,12 @@ import resource
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from benchmarks.studies import harness
 
 __all__ = ["main", "make_model", "measure"]
 
@@ -210,7 +209,7 @@ def load_images(n: int, data_root: str | None) -> tuple[Tensor, str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.parser(__name__, __doc__)
     parser.add_argument("--n", type=int, default=1000, help="images in the kernel")
     parser.add_argument("--ref-n", type=int, default=100, help="images for the timed loop")
     parser.add_argument("--data-root", default=None, help="holds MNIST/raw (else $FROMP_DATA)")
@@ -220,10 +219,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
     parser.add_argument("--no-full", action="store_true", help="skip the full [N,C,N,C] kernel")
-    parser.add_argument(
-        "--out", default=str(Path(__file__).resolve().parents[1] / "results" / "kernel_speed.json")
-    )
+    harness.add_out(parser, harness.RESULTS / "kernel_speed.json")
     args = parser.parse_args(argv)
+    harness.prepare_out(args.out)
     if args.n < 1 or not 1 <= args.ref_n <= args.n:
         parser.error("need --n >= 1 and 1 <= --ref-n <= --n")
     models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -314,10 +312,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{products[k]:.2f} s): {res[f'speedup_{k}_end_to_end']:.1f}x"
             )
         del net, view
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"\nwrote {out}")
+    harness.write_record(args.out, report, module=__name__, argv=argv)
+    print(f"\nwrote {args.out}")
     return report
 
 

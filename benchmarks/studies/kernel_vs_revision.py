@@ -19,9 +19,7 @@ relative difference of the kernels, and the time ratios) go to ``--out``
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import json
 import platform
 import subprocess
 import sys
@@ -32,6 +30,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.studies import harness
 from benchmarks.studies.kernel_speed import _posterior, load_images, make_model
 
 __all__ = ["main"]
@@ -62,7 +61,7 @@ def load_revision(rev: str, repo: Path = ROOT) -> Any:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.parser(__name__, __doc__)
     parser.add_argument("--rev", default="c35553b~1", help="git revision to compare with")
     parser.add_argument("--n", type=int, default=1024, help="images in the kernel")
     parser.add_argument("--repeats", type=int, default=3)
@@ -70,9 +69,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--repo", type=Path, default=ROOT, help="git repository holding --rev (default: this one)"
     )
     parser.add_argument("--data-root", default=None, help="holds MNIST/raw (else $FROMP_DATA)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "kernel_vs_revision.json")
+    harness.add_out(parser, RESULTS / "kernel_vs_revision.json")
     args = parser.parse_args(argv)
-    cli = sys.argv[1:] if argv is None else list(argv)
+    harness.prepare_out(args.out)
     if args.n < 2 or args.repeats < 1:
         parser.error("need --n >= 2 and --repeats >= 1")
     torch.set_num_threads(1)
@@ -85,7 +84,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     gps = {"revision": old_mod.GP(view, post, "categorical"), "now": GP(view, post, "categorical")}
     print(f"data: {source}, n={args.n}, revision {args.rev}")
     report: dict[str, Any] = {
-        "command": " ".join(["python -m benchmarks.studies.kernel_vs_revision", *cli]),
         "revision": args.rev,
         "data": source,
         "n": args.n,
@@ -116,8 +114,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         }
         print(f"{kind:9s}: revision {best['revision']:.2f} s, now {best['now']:.2f} s "
               f"(x{best['now'] / best['revision']:.2f}), max rel diff {rel:.1e}")  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    harness.write_record(args.out, report, module=__name__, argv=argv, indent=1)
     print(f"wrote {args.out}")
     return report
 

@@ -60,6 +60,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from benchmarks.studies import harness
 from benchmarks.studies.laplace_torch_table import compare_rows, markdown_table, rel_diff
 from benchmarks.studies.scale import _inputs
 
@@ -512,7 +513,7 @@ CURVLINOPS_SIZES = {"mlp": (1000, 100), "cnn": (256, 32), "resnet18": (32, 8)}
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__name__, __doc__)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--subsets", default=",".join(SUBSETS), help="of the 'cases' part")
@@ -520,7 +521,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prior-precision", type=float, default=30.0)
     parser.add_argument("--data-root", default=None)
     parser.add_argument("--timeout", type=float, default=900.0)
-    parser.add_argument("--out", type=Path, default=RESULTS / "laplace_torch.json")
+    harness.add_out(parser, RESULTS / "laplace_torch.json")
     parser.add_argument("--case-json", help=argparse.SUPPRESS)
     parser.add_argument(
         "--resummarize",
@@ -530,6 +531,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--saved-dir", type=Path, default=None)
     args = parser.parse_args(argv)
+    if not args.case_json and not args.resummarize:
+        harness.prepare_out(args.out)
     if args.resummarize:
         resummarize(args.resummarize, args.saved_dir)
         return
@@ -551,8 +554,8 @@ def main(argv: list[str] | None = None) -> None:
     except MissingExtra as err:
         parser.error(str(err))
     record: dict[str, Any] = {
-        "command": "python -m benchmarks.studies.laplace_torch "
-        + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": harness.command("benchmarks.studies.laplace_torch", argv),
+        "environment": harness.environment(),
         "torch": torch.__version__,
         "laplace_torch": _version("laplace-torch"),
         "curvlinops": _version("curvlinops-for-pytorch"),
@@ -661,8 +664,7 @@ def _version(dist: str) -> str | None:
 
 
 def _write(out: Path, record: dict[str, Any]) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1) + "\n")
+    harness.write_json(out, record, indent=1)
 
 
 if __name__ == "__main__":

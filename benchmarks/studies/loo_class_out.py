@@ -17,15 +17,12 @@ its optimum; the estimate, which treats the trained head as the optimum, exclude
 
 from __future__ import annotations
 
-import argparse
-import json
-import shlex
 import sys
-from pathlib import Path
 
 import torch
 from torch import nn
 
+from benchmarks.studies import harness
 from benchmarks.studies.loo_tracking import _load, _model
 from fromp.loo import last_layer_features, last_layer_remove
 
@@ -74,17 +71,18 @@ def _pearson(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.loo_class_out")
-    p.add_argument("--data-root", default=None)
+    p = harness.parser(__name__, __doc__)
+    harness.add_data_root(p)
     p.add_argument("--n-train", type=int, default=5000)
     p.add_argument("--n-test", type=int, default=2000)
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--epochs-retrain", type=int, default=5)
     p.add_argument("--wd", type=float, default=1e-3)
     p.add_argument("--classes", default="0,1,2")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True)
+    harness.add_seed(p)
+    harness.add_out(p)
     args = p.parse_args(argv)
+    out = harness.prepare_out(args.out)
     x, y, xt, _ = _load(args.data_root)
     g = torch.Generator().manual_seed(args.seed)
     keep = torch.randperm(len(x), generator=g)[: args.n_train]
@@ -135,13 +133,10 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     payload = {
-        "command": "python -m benchmarks.studies.loo_class_out "
-        + shlex.join(sys.argv[1:] if argv is None else argv),
         "config": vars(args),
         "rows": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+    harness.write_record(out, payload, module=__name__, argv=argv)
     return 0
 
 

@@ -32,14 +32,15 @@ prints one line per variant and, with ``--out FILE``, writes them as JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from benchmarks.cli import _load, _task
+from benchmarks.studies import harness
 from fromp.capture import capture_calls
 from fromp.likelihood import get_likelihood
 from fromp.loo import _corrected_loo
@@ -142,8 +143,8 @@ def _best(fn) -> float:
     return max([best * 10 ** (k / 500) for k in range(-50, 51)], key=fn)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    p = harness.parser(__name__, __doc__)
     p.add_argument("checkpoint")
     p.add_argument("task", type=int)
     p.add_argument("--variants", default=",".join(VARIANTS))
@@ -151,8 +152,10 @@ def main() -> None:
     p.add_argument("--curvature", choices=("task", "all-tasks"), default="task",
                    help="sum each layer's GGN over the task's examples, or over every trained "
                    "task's examples that reach the layer (the shared trunk)")  # fmt: skip
-    p.add_argument("--out")
-    a = p.parse_args()
+    p.add_argument("--out", type=Path, help="where the JSON record goes (default: print only)")
+    a = p.parse_args(argv)
+    if a.out is not None:
+        harness.prepare_out(a.out)
     torch.set_num_threads(1)
     ns = argparse.Namespace(checkpoint=a.checkpoint, data_root=None, task=a.task,
                             model=None, model_kwargs=None, benchmark=None)  # fmt: skip
@@ -235,8 +238,7 @@ def main() -> None:
                   f" {nll / tr:.2f}x train) acc {100 * acc:.2f} (gap {100 * (acc - ta):+.2f})"
                   f" [{time.time() - t0:.0f}s]", flush=True)  # fmt: skip
     if a.out:
-        with open(a.out, "w") as fh:
-            json.dump(out, fh, indent=1)
+        harness.write_record(a.out, out, module=__name__, argv=argv, indent=1)
 
 
 if __name__ == "__main__":

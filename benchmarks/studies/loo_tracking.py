@@ -13,9 +13,6 @@ the cost of the estimate relative to an epoch, and a plot next to the JSON (``.p
 
 from __future__ import annotations
 
-import argparse
-import json
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -23,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from benchmarks.studies import harness
 from fromp.loo import LOOTracker
 from fromp.optim import IVON
 
@@ -167,8 +165,8 @@ def _plot(runs: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.loo_tracking")
-    p.add_argument("--data-root", default=None)
+    p = harness.parser(__name__, __doc__)
+    harness.add_data_root(p)
     p.add_argument("--n-train", type=int, default=10000)
     p.add_argument("--n-test", type=int, default=10000)
     p.add_argument("--epochs", type=int, default=12)
@@ -181,9 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wd", type=float, default=1e-4, help="weight decay (both optimizers)")
     p.add_argument("--n-all", type=int, default=500, help="examples of the all-weights LOO")
     p.add_argument("--n-sub", type=int, default=500, help="examples of the subset estimate")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True)
+    harness.add_seed(p)
+    harness.add_out(p)
     args = p.parse_args(argv)
+    out = harness.prepare_out(args.out)
     x, y, xt, yt = _load(args.data_root)
     g = torch.Generator().manual_seed(args.seed)
     keep = torch.randperm(len(x), generator=g)[: args.n_train]
@@ -193,13 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         for optim in args.optimizers.split(","):
             runs.append(run_one(kind, optim, data, args))
             payload = {
-                "command": "python -m benchmarks.studies.loo_tracking "
-                + shlex.join(sys.argv[1:] if argv is None else argv),
                 "config": vars(args),
                 "runs": runs,
             }
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+            harness.write_record(out, payload, module=__name__, argv=argv)
             _plot(runs, Path(args.out).with_suffix(".png"))
     for r in runs:
         print(

@@ -19,30 +19,28 @@ are reported.
 
 from __future__ import annotations
 
-import argparse
-import json
-import shlex
 import sys
-from pathlib import Path
 
 import torch
 from torch import nn
 
+from benchmarks.studies import harness
 from benchmarks.studies.loo_tracking import _load, _model, _test
 from fromp.laplace import log_marginal_likelihood
 from fromp.loo import last_layer_loo
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.loo_weight_decay")
-    p.add_argument("--data-root", default=None)
+    p = harness.parser(__name__, __doc__)
+    harness.add_data_root(p)
     p.add_argument("--n-train", type=int, default=5000)
     p.add_argument("--n-valid", type=int, default=1000)
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--grid", default="1e-5,1e-4,1e-3,3e-3,1e-2,3e-2")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", required=True)
+    harness.add_seed(p)
+    harness.add_out(p)
     args = p.parse_args(argv)
+    out = harness.prepare_out(args.out)
     x, y, xt, yt = _load(args.data_root)
     g = torch.Generator().manual_seed(args.seed)
     keep = torch.randperm(len(x), generator=g)[: args.n_train + args.n_valid]
@@ -91,15 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     ratio = chosen["loo"]["test_nll"] / chosen["validation"]["test_nll"]
     payload = {
-        "command": "python -m benchmarks.studies.loo_weight_decay "
-        + shlex.join(sys.argv[1:] if argv is None else argv),
         "config": vars(args),
         "rows": rows,
         "chosen": chosen,
         "loo_over_validation_test_nll": ratio,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(payload, indent=2) + "\n")
+    harness.write_record(out, payload, module=__name__, argv=argv)
     for k, c in chosen.items():
         print(
             f"{k:10s}: weight decay {c['weight_decay']:g}, test NLL {c['test_nll']:.4f}, "

@@ -56,6 +56,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from benchmarks.studies import harness
+
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 MODELS = ("resnet18", "cnn", "mlp")
 DEFAULTS: dict[str, dict[str, Any]] = {
@@ -232,16 +234,18 @@ def check_device(device: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = harness.parser(__name__, __doc__)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--skip-laplace-torch", action="store_true")
-    parser.add_argument("--out", type=Path, default=RESULTS / "scale.json")
+    harness.add_out(parser, RESULTS / "scale.json")
     parser.add_argument("--case-json", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if not args.case_json:
+        harness.prepare_out(args.out)
     if args.case_json:
         print(json.dumps(run_case(json.loads(args.case_json))))
         return
@@ -279,15 +283,14 @@ def main(argv: list[str] | None = None) -> None:
 def _write(out: Path, argv: list[str] | None, results: list[dict[str, Any]]) -> None:
     """Write the results so far (a killed run keeps what it measured)."""
     record = {
-        "command": "python -m benchmarks.studies.scale "
-        + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": harness.command("benchmarks.studies.scale", argv),
+        "environment": harness.environment(),
         "torch": torch.__version__,
         "machine": platform.machine(),
         "processor": platform.processor(),
         "results": results,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1) + "\n")
+    harness.write_json(out, record, indent=1)
 
 
 if __name__ == "__main__":

@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -47,6 +45,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, jvp
 
 from benchmarks.data import load_mnist
+from benchmarks.studies import harness
 from fromp.jacobian import flat_params, unflatten
 from fromp.laplace import laplace, laplace_full
 from fromp.likelihood import get_likelihood
@@ -333,7 +332,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     print(json.dumps(summary, indent=2), flush=True)
     out = {
-        "command": "python -m benchmarks.studies.sensitivity " + shlex.join(sys.argv[1:]),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "num_params": int(w_star.numel()),
         "train": {"lbfgs_iterations": iters, "max_grad": gmax, "time_s": train_time},
@@ -395,7 +393,7 @@ def _plot(true, est, est_corr, est_newton, n_each, summary, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.parser(__name__, __doc__)
     ap.add_argument("--data-root", type=Path, default=None)
     ap.add_argument("--n-train", type=int, default=1000)
     ap.add_argument("--n-test", type=int, default=2000)
@@ -418,14 +416,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         default=1e-4,
         help="refuse the run if training or a retrain ends with a larger gradient max-norm",
     )
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", type=Path, default=RESULTS / "sensitivity.json")
+    harness.add_seed(ap)
+    harness.add_threads(ap, 1)
+    harness.add_out(ap, RESULTS / "sensitivity.json")
     ap.add_argument("--png", type=Path, default=RESULTS / "sensitivity.png")
     args = ap.parse_args(argv)
+    harness.prepare_out(args.out)
     result = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    harness.write_record(args.out, result, module=__name__, argv=argv)
     return result
 
 

@@ -20,7 +20,6 @@ Writes ``benchmarks/results/vogn_mnist.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from torch import Tensor, nn
 
 from benchmarks.data import load_mnist
 from benchmarks.runner import expected_calibration_error
+from benchmarks.studies import harness
 from fromp.models import MultiHeadMLP
 from fromp.optim import VOGN
 from fromp.optim.vogn import predict_mc, predict_mean
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.parser(__name__, __doc__)
     ap.add_argument("--data-root", type=Path, default=None)
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--batch-size", type=int, default=128)
@@ -152,13 +152,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--mc-test", type=int, default=20)
     ap.add_argument("--n-train", type=int, default=None, help="use the first n examples")
     ap.add_argument("--n-test", type=int, default=None)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", type=Path, default=RESULTS / "vogn_mnist.json")
+    harness.add_seed(ap)
+    harness.add_threads(ap, 1)
+    harness.add_out(ap, RESULTS / "vogn_mnist.json")
     args = ap.parse_args(argv)
+    harness.prepare_out(args.out)
     result = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    harness.write_record(args.out, result, module=__name__, argv=argv)
     return result
 
 

@@ -34,12 +34,8 @@ Writes ``benchmarks/results/vogn_speed.json`` (or ``--out``).
 
 from __future__ import annotations
 
-import argparse
-import json
 import platform
-import shlex
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +43,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from benchmarks.studies import harness
 from fromp.models import CifarCNN, MultiHeadMLP, with_task
 from fromp.optim import IVON, VOGN
 from fromp.optim.vogn import LayerCapture
@@ -167,18 +164,18 @@ def bench(
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = harness.parser(__name__, __doc__)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--threads", type=int, default=1)
+    harness.add_threads(ap, 1)
     ap.add_argument("--models", default="mlp,cnn")
     ap.add_argument("--chunk-size", type=int, default=None)
     ap.add_argument("--method", default="auto", choices=["auto", "hooks", "vmap"])
     ap.add_argument("--ivon", action="store_true", help="also time IVON")
-    ap.add_argument("--out", type=Path, default=RESULTS / "vogn_speed.json")
+    harness.add_out(ap, RESULTS / "vogn_speed.json")
     args = ap.parse_args(argv)
+    harness.prepare_out(args.out)
     torch.set_num_threads(args.threads)
     result = {
-        "command": "python -m benchmarks.studies.vogn_speed " + shlex.join(argv or sys.argv[1:]),
         "batch_size": 128,
         "threads": args.threads,
         "steps": args.steps,
@@ -206,8 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
             ),
             flush=True,
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    harness.write_record(args.out, result, module=__name__, argv=argv)
     return result
 
 
