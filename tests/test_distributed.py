@@ -1,0 +1,97 @@
+"""Data parallelism on torch.distributed (gloo, 2 processes on the CPU): sums over every
+rank's data equal one process on all the data."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from fromp import distributed
+
+WORLD = 2
+
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available() or sys.platform == "win32",
+    reason="torch.distributed (gloo) is not available",
+)
+
+
+def _worker(rank: int, fn_name: str, init_file: str, out_dir: str) -> None:
+    """Runs ``fn_name(rank)`` of this module inside a gloo process group; writes its result
+    (or the traceback) to ``out_dir/rank.pt``."""
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD
+    )
+    try:
+        result = globals()[fn_name](rank)
+        torch.save({"ok": result}, os.path.join(out_dir, f"{rank}.pt"))
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def run_ranks(fn_name: str) -> list:
+    """Each rank's return value of ``fn_name(rank)``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        init = Path(tmp) / "init"
+        mp.spawn(_worker, args=(fn_name, str(init), tmp), nprocs=WORLD, join=True)
+        results = []
+        for r in range(WORLD):
+            got = torch.load(Path(tmp) / f"{r}.pt", weights_only=False)
+            assert "error" not in got, got.get("error")
+            results.append(got["ok"])
+    return results
+
+
+# ----------------------------------------------------------------------- rank functions
+def _sums(rank: int) -> dict:
+    a = torch.arange(6.0).reshape(2, 3) * (rank + 1)  # rank 0: x, rank 1: 2x
+    b = torch.tensor([rank + 1], dtype=torch.int64)
+    c = torch.full((4,), 0.5 * (rank + 1), dtype=torch.float64)
+    distributed.all_reduce_sum([a, b, c])
+    return {"a": a, "b": b, "c": c, "world": distributed.world_size(), "rank": distributed.rank()}
+
+
+def _fold_order(rank: int) -> dict:
+    obj = {"seq": [rank], "t": torch.tensor([float(rank)])}
+    out = distributed.fold(
+        obj, lambda u, v: {"seq": u["seq"] + v["seq"], "t": u["t"] * 10 + v["t"]}
+    )
+    return out
+
+
+# ----------------------------------------------------------------------- tests
+def test_single_process_is_a_no_op():
+    a = torch.ones(3)
+    distributed.all_reduce_sum([a])
+    assert torch.equal(a, torch.ones(3))
+    assert distributed.fold(5, lambda u, v: u + v) == 5
+    assert not distributed.is_distributed()
+    assert distributed.world_size() == 1 and distributed.rank() == 0
+
+
+def test_all_reduce_sum_over_two_ranks():
+    res = run_ranks("_sums")
+    want_a = torch.arange(6.0).reshape(2, 3) * 3  # x + 2x
+    for r, out in enumerate(res):
+        assert out["world"] == WORLD and out["rank"] == r
+        torch.testing.assert_close(out["a"], want_a, rtol=0, atol=0)
+        assert out["b"].tolist() == [3] and out["b"].dtype == torch.int64
+        torch.testing.assert_close(out["c"], torch.full((4,), 1.5, dtype=torch.float64))
+
+
+def test_fold_combines_in_rank_order_on_every_rank():
+    """A non-commutative combine shows the order: rank 0 first, then rank 1."""
+    res = run_ranks("_fold_order")
+    for out in res:
+        assert out["seq"] == [0, 1]
+        assert out["t"].tolist() == [1.0]  # 0 * 10 + 1
