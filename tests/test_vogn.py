@@ -599,8 +599,13 @@ def test_closure_step_matches_batch_step_and_restores_the_mean():
     def failing():
         raise RuntimeError("boom")
 
+    # a closure without set_curvature: VOGN(model) finds h by itself (checked against
+    # step(x, y) in test_optim_contract.py); over bare parameters it cannot
+    bare = VOGN(list(net_b.parameters()), lr=0.1, train_set_size=20)
     with pytest.raises(ValueError, match=r"closure must call set_curvature"):
-        opt_b.step(no_curvature)
+        bare.step(no_curvature)
+    got = torch.cat([p.detach().reshape(-1) for p in net_b.parameters()])
+    torch.testing.assert_close(got, mu, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="boom"):
         opt_b.step(failing)
     got = torch.cat([p.detach().reshape(-1) for p in net_b.parameters()])

@@ -62,7 +62,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fromp._checks import check_chunk_size, check_positive, check_vogn_groups
+from fromp._checks import (
+    check_chunk_size,
+    check_positive,
+    check_vogn_groups,
+    check_vogn_hyper,
+)
 from fromp.likelihood import Likelihood
 from fromp.optim._stats import (
     GradStats,
@@ -84,6 +89,11 @@ __all__ = [
     "predict_mc",
     "predict_mean",
 ]
+
+
+def _as_list(value: Any) -> list[Any]:
+    """``value`` as a list (a tuple or list as it is, anything else in a one-element list)."""
+    return list(value) if isinstance(value, tuple | list) else [value]
 
 
 def _as_vector(value: float | Tensor, like: Tensor, name: str) -> Tensor:
@@ -412,6 +422,7 @@ class VOGN(torch.optim.Optimizer):
         With ``copy=False`` the returned tensor is an internal buffer (``mu`` itself when
         ``mc_samples == 0``) that the next draw overwrites: no ``[P]`` allocation per step,
         what the training loops use."""
+        self._check_hyper("VOGN.sample_params()")
         self._sync_device()
         mu = self.vogn_state["mu"]
         if self.mc_samples == 0:
@@ -456,6 +467,7 @@ class VOGN(torch.optim.Optimizer):
         """One VOGN update from ``g`` ``[P]`` (mean data gradient plus any extra terms, no
         prior term) and ``h`` ``[P]`` (mean per-example curvature); writes ``mu`` into the
         parameters."""
+        self._check_hyper("VOGN.update()")
         self._sync_device()
         st = self.vogn_state
         mu = st["mu"]
@@ -493,6 +505,21 @@ class VOGN(torch.optim.Optimizer):
         else:  # parameter groups with different step sizes
             mu.addcmul_(torch.div(m, denom, out=denom), lr, value=-1.0 / bc1)
         self.load_mean()
+
+    def _check_hyper(self, where: str) -> None:
+        """Refuse, before anything changes, hyperparameters that would write NaN or nonsense
+        into the weights (a scheduler, an edit of ``param_groups`` or a loaded state may have
+        changed them since construction): every group's, the shared ones equal across
+        groups."""
+        first = self.param_groups[0]
+        for i, group in enumerate(self.param_groups):
+            check_vogn_hyper(group, f"{where}: param_groups[{i}]: ")
+            for key in ("betas", "mc_samples", "kl_weight", "bias_correction"):
+                if tuple(_as_list(group[key])) != tuple(_as_list(first[key])):
+                    raise ValueError(
+                        f"{where}: param_groups[{i}]: VOGN keeps one {key} for all parameter "
+                        f"groups, got {group[key]!r} and {first[key]!r}"
+                    )
 
     def _lr(self) -> float | Tensor:
         """The step size: a float when every group has the same ``lr``, else ``[P]`` (read
@@ -534,6 +561,7 @@ class VOGN(torch.optim.Optimizer):
 
         The parameters hold ``mu`` afterwards, also when a draw raises.
         """
+        self._check_hyper("VOGN.step()")
         if isinstance(closure, Tensor):
             return self._step_batch(closure, y, regularizer=regularizer, model=model)
         if y is not None or regularizer is not None or model is not None:
@@ -562,25 +590,55 @@ class VOGN(torch.optim.Optimizer):
         draws = max(self.mc_samples, 1)
         g_acc = h_acc = loss_acc = None
         self._pending_curv = None
+        capture = None if self.model is None else LayerCapture(self.model, retain_grad=True)
         for _ in range(draws):
             with self.sampled_params(), torch.enable_grad():
-                loss = closure()
-            if self._pending_curv is None:
+                for p in self.params:  # a closure that never calls backward(): None
+                    p.grad = None
+                if capture is not None and capture.supported and self.curvature == "ef":
+                    with capture:
+                        loss = closure()
+                    h = self._pending_curv
+                    if h is None:
+                        h = capture.squared_grads_of_mean_loss()
+                    capture.calls, capture._outs = [], []  # free the graph's tensors
+                else:
+                    loss = closure()
+                    h = self._pending_curv
+                self._check_closure(loss)
+            if h is None:
                 raise ValueError(
-                    "VOGN.step(closure): the closure must call set_curvature(h) with the "
-                    "per-example curvature of the data loss at the sampled weights"
+                    "VOGN.step(closure): no per-example curvature: the closure must call "
+                    "set_curvature(h) with the per-example curvature of the data loss at the "
+                    "sampled weights (found by itself only for VOGN(model, curvature='ef') "
+                    "over Linear/Conv/norm layers each called once, with a mean loss)"
                 )
-            g, h = self._read_grad(), self._pending_curv
+            g = self._read_grad()
             self._pending_curv = None
             g_acc = g if g_acc is None else g_acc + g
             h_acc = h if h_acc is None else h_acc + h
-            loss = loss.detach()
+            loss = torch.as_tensor(loss).detach()
             loss_acc = loss if loss_acc is None else loss_acc + loss
         assert g_acc is not None and h_acc is not None and loss_acc is not None
         if draws > 1:
             g_acc, h_acc = g_acc / draws, h_acc / draws
         self.update(g_acc, h_acc)
         return loss_acc / draws
+
+    def _check_closure(self, value: Any) -> None:
+        """The closure's result must be the loss, and the closure must have called
+        ``backward()`` (some parameter has a gradient)."""
+        if value is None:
+            raise TypeError(
+                "VOGN.step(closure): the closure returned None; it must zero the gradients, "
+                "compute the (mean) loss, call loss.backward() and return the loss"
+            )
+        if all(p.grad is None for p in self.params):
+            raise RuntimeError(
+                "VOGN.step(closure): the closure did not call backward() (no parameter has "
+                "a gradient at the sampled weights); the weights and the optimizer state are "
+                "unchanged"
+            )
 
     def _step_batch(
         self,
@@ -656,23 +714,45 @@ class VOGN(torch.optim.Optimizer):
         vogn = state_dict.pop("vogn", None)
         if vogn is None:
             raise ValueError("state_dict has no 'vogn' entry: it was not saved by VOGN")
+        # refuse before anything is replaced: torch's load overwrites the groups
+        for i, group in enumerate(state_dict.get("param_groups", [])):
+            check_vogn_hyper(group, f"VOGN.load_state_dict: param_groups[{i}]: ")
+        self._check_vogn(vogn)
         super().load_state_dict(state_dict)
         self.load_vogn_state(vogn)
 
     def load_vogn_state(self, vogn: dict[str, Any]) -> None:
         """Load the posterior state alone (``state_dict()["vogn"]``)."""
+        self._check_vogn(vogn)
         mu = self.vogn_state["mu"]
-        missing = set(self.vogn_state) - set(vogn)
-        if missing:
-            raise ValueError(f"vogn state is missing {sorted(missing)}")
-        if vogn["mu"].shape != mu.shape:
-            raise ValueError(f"vogn state has P={vogn['mu'].numel()}, optimizer has {mu.numel()}")
         self.vogn_state = {
             k: (v.detach().to(mu).clone() if isinstance(v, Tensor) else v) for k, v in vogn.items()
         }
         self._version += 1
         self._link_state()
         self.load_mean()
+
+    def _check_vogn(self, vogn: Any) -> None:
+        """Refuse a ``"vogn"`` entry that does not fit this optimizer (before any change)."""
+        if not isinstance(vogn, dict):
+            raise ValueError(f"vogn state must be a dict, got {type(vogn).__name__}")
+        mu = self.vogn_state["mu"]
+        missing = set(self.vogn_state) - set(vogn)
+        if missing:
+            raise ValueError(f"vogn state is missing {sorted(missing)}")
+        if vogn["mu"].shape != mu.shape:
+            raise ValueError(f"vogn state has P={vogn['mu'].numel()}, optimizer has {mu.numel()}")
+        for key in ("mu", "s", "m", "prior_mean", "prior_precision"):
+            v = vogn[key]
+            if not isinstance(v, Tensor) or v.shape != mu.shape:
+                raise ValueError(f"vogn state's {key!r} must be a [P]=[{mu.numel()}] tensor")
+            if not bool(torch.isfinite(v).all()):
+                raise ValueError(f"vogn state's {key!r} has non-finite entries (NaN or inf)")
+        if not bool((vogn["prior_precision"] > 0).all()):
+            raise ValueError("vogn state's 'prior_precision' must be strictly positive")
+        n = vogn["train_set_size"]
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"vogn state's train_set_size must be a positive int, got {n!r}")
 
 
 class OGN(VOGN):
