@@ -407,7 +407,7 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="curvature"):
         VOGN(net, curvature="hessian")
     with pytest.raises(ValueError, match="train_set_size"):
-        VOGN(net).step(torch.randn(3, 2, dtype=D), torch.randn(3, dtype=D))
+        VOGN(net).step(torch.randn(3, 2, dtype=D), torch.zeros(3, dtype=torch.long))
     prior = DiagonalGaussian(torch.ones(2, dtype=D), torch.full((2,), 3.0, dtype=D))
     opt = VOGN(net, prior_mean=prior, train_set_size=5)
     torch.testing.assert_close(opt.posterior().precision, prior.precision)

@@ -77,7 +77,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fromp._checks import check_ivon_group, check_ivon_hyper, check_positive
+from fromp._checks import check_ivon_group, check_positive
+from fromp.optim._contract import check_closure_result, check_groups, check_ivon_state
 from fromp.optim.ivon_posterior import IVONPosterior
 
 __all__ = ["IVON"]
@@ -362,7 +363,7 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
         Memory: ten flat buffers of the size of the parameters, kept between steps."""
         if self._drawn:
             raise RuntimeError("IVON.draw(): the parameters already hold a draw; restore() first")
-        self._check_hyper("IVON.draw()")
+        check_groups(self.param_groups, "IVON.draw()")
         mirror = self._mirror
         for gi, (group, w, prior) in enumerate(self._group_work()):
             if w["den_key"] != self._den_key(group):  # else computed by the last update
@@ -485,7 +486,7 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
         ``mc_samples`` draws, each evaluated inside :meth:`sampled_params`; returns the
         mean loss. Without: averages the draws accumulated since the last step (at least
         one :meth:`sampled_params` block with ``train=True``)."""
-        self._check_hyper("IVON.step()")
+        check_groups(self.param_groups, "IVON.step()")
         loss = None
         if closure is not None:
             if self._n_acc:
@@ -497,7 +498,7 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
                         for p in self.params:  # a closure that never calls backward(): None
                             p.grad = None
                         value = closure()
-                        self._check_closure(value)
+                        check_closure_result("IVON", value, self.params)
                     total = total + torch.as_tensor(value).detach()
             except BaseException:
                 self._discard()  # the draws of this step so far: the state is unchanged
@@ -521,34 +522,6 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
         self._update(self._n_acc)
         self._n_acc = 0
         return loss
-
-    def _check_hyper(self, where: str) -> None:
-        """Refuse, before anything changes, hyperparameters that would write NaN or nonsense
-        into the weights: every group's (a scheduler, an edit of ``param_groups`` or a loaded
-        state may have changed them since construction)."""
-        for i, group in enumerate(self.param_groups):
-            check_ivon_hyper(group, f"{where}: param_groups[{i}]: ")
-            for name in ("mc_samples", "antithetic"):
-                if group[name] != self.param_groups[0][name]:
-                    raise ValueError(
-                        f"{where}: param_groups[{i}]: {name} is global: every group must "
-                        f"have the first group's {self.param_groups[0][name]!r}"
-                    )
-
-    def _check_closure(self, value: Any) -> None:
-        """The closure's result must be the loss, and the closure must have called
-        ``backward()`` (some parameter has a gradient)."""
-        if value is None:
-            raise TypeError(
-                "IVON.step(closure): the closure returned None; it must zero the gradients, "
-                "compute the loss, call loss.backward() and return the loss"
-            )
-        if all(p.grad is None for p in self.params):
-            raise RuntimeError(
-                "IVON.step(closure): the closure did not call backward() (no parameter has "
-                "a gradient at the sampled weights); the weights and the optimizer state are "
-                "unchanged"
-            )
 
     def _discard(self) -> None:
         """Forget the draws accumulated for the next step (and any added gradient)."""
@@ -638,15 +611,14 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
         if ivon is None:
             raise ValueError("state_dict has no 'ivon' entry: it was not saved by IVON")
         # refuse before anything is replaced: torch's load overwrites the groups
-        for i, group in enumerate(state_dict.get("param_groups", [])):
-            check_ivon_hyper(group, f"IVON.load_state_dict: param_groups[{i}]: ")
-        self._check_ivon(ivon)
+        check_groups(state_dict.get("param_groups", []), "IVON.load_state_dict")
+        check_ivon_state(ivon, self.params, self.param_groups)
         super().load_state_dict(state_dict)
         self.load_ivon_state(ivon)
 
     def load_ivon_state(self, ivon: dict[str, Any]) -> None:
         """Load ``state_dict()["ivon"]`` alone."""
-        self._check_ivon(ivon)
+        check_ivon_state(ivon, self.params, self.param_groups)
         params = self.params
         loaded = []
         for p, st in zip(params, ivon["params"]):
@@ -661,26 +633,3 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
         self._mirror = mirror
         self._n_acc = 0
         self._version += 1
-
-    def _check_ivon(self, ivon: Any) -> None:
-        """Refuse an ``"ivon"`` entry that does not fit this optimizer (before any change)."""
-        if not isinstance(ivon, dict) or "params" not in ivon or "step" not in ivon:
-            raise ValueError("ivon state must be a dict with 'step' and 'params'")
-        params = self.params
-        if len(ivon["params"]) != len(params):
-            raise ValueError(
-                f"ivon state has {len(ivon['params'])} parameters, optimizer has {len(params)}"
-            )
-        for p, st in zip(params, ivon["params"]):
-            if not isinstance(st, dict) or "hess" not in st or "momentum" not in st:
-                raise ValueError("ivon state must hold 'momentum' and 'hess' per parameter")
-            if st["hess"].shape != p.shape:
-                raise ValueError(f"ivon state shape {tuple(st['hess'].shape)} != {tuple(p.shape)}")
-            if not bool(torch.isfinite(st["hess"]).all() & torch.isfinite(st["momentum"]).all()):
-                raise ValueError("ivon state has non-finite entries (NaN or inf)")
-        mirror = ivon.get("mirror")
-        if mirror is not None:
-            sizes = [sum(p.numel() for p in g["params"]) for g in self.param_groups]
-            if [z.numel() for z in mirror] != sizes:
-                got = [z.numel() for z in mirror]
-                raise ValueError(f"ivon state's mirror draw has sizes {got}, expected {sizes}")

@@ -56,19 +56,21 @@ pass of the mini-batch at the first sampled weights to update the running statis
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from fromp._checks import (
-    check_chunk_size,
-    check_positive,
-    check_vogn_groups,
-    check_vogn_hyper,
-)
+from fromp._checks import check_chunk_size, check_positive, check_vogn_groups
 from fromp.likelihood import Likelihood
+from fromp.optim._contract import (
+    _as_vector,
+    check_closure_result,
+    check_groups,
+    check_targets,
+    check_vogn_state,
+)
 from fromp.optim._stats import (
     GradStats,
     LayerCapture,
@@ -89,20 +91,6 @@ __all__ = [
     "predict_mc",
     "predict_mean",
 ]
-
-
-def _as_list(value: Any) -> list[Any]:
-    """``value`` as a list (a tuple or list as it is, anything else in a one-element list)."""
-    return list(value) if isinstance(value, tuple | list) else [value]
-
-
-def _as_vector(value: float | Tensor, like: Tensor, name: str) -> Tensor:
-    t = torch.as_tensor(value, dtype=like.dtype, device=like.device)
-    if t.ndim == 0:
-        t = t.expand_as(like)
-    if t.shape != like.shape:
-        raise ValueError(f"{name} must be a float or a [P]={like.numel()} tensor, got {t.shape}")
-    return t.detach().clone()
 
 
 _VIEWS = (
@@ -422,7 +410,7 @@ class VOGN(torch.optim.Optimizer):
         With ``copy=False`` the returned tensor is an internal buffer (``mu`` itself when
         ``mc_samples == 0``) that the next draw overwrites: no ``[P]`` allocation per step,
         what the training loops use."""
-        self._check_hyper("VOGN.sample_params()")
+        check_groups(self.param_groups, "VOGN.sample_params()")
         self._sync_device()
         mu = self.vogn_state["mu"]
         if self.mc_samples == 0:
@@ -467,7 +455,7 @@ class VOGN(torch.optim.Optimizer):
         """One VOGN update from ``g`` ``[P]`` (mean data gradient plus any extra terms, no
         prior term) and ``h`` ``[P]`` (mean per-example curvature); writes ``mu`` into the
         parameters."""
-        self._check_hyper("VOGN.update()")
+        check_groups(self.param_groups, "VOGN.update()")
         self._sync_device()
         st = self.vogn_state
         mu = st["mu"]
@@ -506,21 +494,6 @@ class VOGN(torch.optim.Optimizer):
             mu.addcmul_(torch.div(m, denom, out=denom), lr, value=-1.0 / bc1)
         self.load_mean()
 
-    def _check_hyper(self, where: str) -> None:
-        """Refuse, before anything changes, hyperparameters that would write NaN or nonsense
-        into the weights (a scheduler, an edit of ``param_groups`` or a loaded state may have
-        changed them since construction): every group's, the shared ones equal across
-        groups."""
-        first = self.param_groups[0]
-        for i, group in enumerate(self.param_groups):
-            check_vogn_hyper(group, f"{where}: param_groups[{i}]: ")
-            for key in ("betas", "mc_samples", "kl_weight", "bias_correction"):
-                if tuple(_as_list(group[key])) != tuple(_as_list(first[key])):
-                    raise ValueError(
-                        f"{where}: param_groups[{i}]: VOGN keeps one {key} for all parameter "
-                        f"groups, got {group[key]!r} and {first[key]!r}"
-                    )
-
     def _lr(self) -> float | Tensor:
         """The step size: a float when every group has the same ``lr``, else ``[P]`` (read
         at every step, so learning-rate schedulers that edit ``param_groups`` apply)."""
@@ -553,15 +526,15 @@ class VOGN(torch.optim.Optimizer):
           ``(x, y)`` (``x`` a tensor in the place of the closure) averaging
           ``max(mc_samples, 1)`` draws; returns the mean data loss.
         * ``step(closure)``: for each of ``max(mc_samples, 1)`` draws held in the parameters
-          (:meth:`sampled_params`), ``closure()`` zeroes the gradients, computes the loss,
-          calls ``backward()`` and :meth:`set_curvature` ``(h)`` with the per-example
-          curvature of the data loss at the draw (e.g. from :class:`LayerCapture`); ``g`` is
-          read from ``.grad``. Returns the mean of the closure's losses.
+          (:meth:`sampled_params`), ``closure()`` zeroes the gradients, computes the mean
+          loss, calls ``backward()`` and returns the loss; ``g`` is read from ``.grad``, ``h``
+          from the closure's own passes (``VOGN(model)``, ``curvature="ef"``, layers of
+          :mod:`fromp.capture`) or from :meth:`set_curvature` ``(h)`` called by the closure.
         * ``step()``: two-phase step (``g`` from ``.grad``, ``h`` from :meth:`set_curvature`).
 
         The parameters hold ``mu`` afterwards, also when a draw raises.
         """
-        self._check_hyper("VOGN.step()")
+        check_groups(self.param_groups, "VOGN.step()")
         if isinstance(closure, Tensor):
             return self._step_batch(closure, y, regularizer=regularizer, model=model)
         if y is not None or regularizer is not None or model is not None:
@@ -591,27 +564,22 @@ class VOGN(torch.optim.Optimizer):
         g_acc = h_acc = loss_acc = None
         self._pending_curv = None
         capture = None if self.model is None else LayerCapture(self.model, retain_grad=True)
+        auto = capture is not None and capture.supported and self.curvature == "ef"
         for _ in range(draws):
-            with self.sampled_params(), torch.enable_grad():
+            with self.sampled_params(), torch.enable_grad(), capture if auto else nullcontext():
                 for p in self.params:  # a closure that never calls backward(): None
                     p.grad = None
-                if capture is not None and capture.supported and self.curvature == "ef":
-                    with capture:
-                        loss = closure()
-                    h = self._pending_curv
-                    if h is None:
-                        h = capture.squared_grads_of_mean_loss()
-                    capture.calls, capture._outs = [], []  # free the graph's tensors
-                else:
-                    loss = closure()
-                    h = self._pending_curv
-                self._check_closure(loss)
+                loss = closure()
+            check_closure_result("VOGN", loss, self.params)
+            h = self._pending_curv
+            if h is None and auto:  # the per-example squares of the closure's own passes
+                h = capture.squared_grads_of_mean_loss()  # type: ignore[union-attr]
+                capture.calls, capture._outs = [], []  # type: ignore[union-attr]
             if h is None:
                 raise ValueError(
-                    "VOGN.step(closure): no per-example curvature: the closure must call "
-                    "set_curvature(h) with the per-example curvature of the data loss at the "
-                    "sampled weights (found by itself only for VOGN(model, curvature='ef') "
-                    "over Linear/Conv/norm layers each called once, with a mean loss)"
+                    "VOGN.step(closure): the closure must call set_curvature(h) (found without "
+                    "it only for VOGN(model, curvature='ef') over Linear/Conv/norm layers each "
+                    "called once, with a mean loss)"
                 )
             g = self._read_grad()
             self._pending_curv = None
@@ -624,21 +592,6 @@ class VOGN(torch.optim.Optimizer):
             g_acc, h_acc = g_acc / draws, h_acc / draws
         self.update(g_acc, h_acc)
         return loss_acc / draws
-
-    def _check_closure(self, value: Any) -> None:
-        """The closure's result must be the loss, and the closure must have called
-        ``backward()`` (some parameter has a gradient)."""
-        if value is None:
-            raise TypeError(
-                "VOGN.step(closure): the closure returned None; it must zero the gradients, "
-                "compute the (mean) loss, call loss.backward() and return the loss"
-            )
-        if all(p.grad is None for p in self.params):
-            raise RuntimeError(
-                "VOGN.step(closure): the closure did not call backward() (no parameter has "
-                "a gradient at the sampled weights); the weights and the optimizer state are "
-                "unchanged"
-            )
 
     def _step_batch(
         self,
@@ -653,6 +606,7 @@ class VOGN(torch.optim.Optimizer):
         net = model if model is not None else self.model
         if net is None:
             raise ValueError("step(x, y) needs the model: construct VOGN with the model")
+        check_targets(self, net, x, y)
         draws = max(self.mc_samples, 1)
         g_acc = h_acc = loss_acc = None
         for d in range(draws):
@@ -715,15 +669,14 @@ class VOGN(torch.optim.Optimizer):
         if vogn is None:
             raise ValueError("state_dict has no 'vogn' entry: it was not saved by VOGN")
         # refuse before anything is replaced: torch's load overwrites the groups
-        for i, group in enumerate(state_dict.get("param_groups", [])):
-            check_vogn_hyper(group, f"VOGN.load_state_dict: param_groups[{i}]: ")
-        self._check_vogn(vogn)
+        check_groups(state_dict.get("param_groups", []), "VOGN.load_state_dict")
+        check_vogn_state(vogn, self.vogn_state)
         super().load_state_dict(state_dict)
         self.load_vogn_state(vogn)
 
     def load_vogn_state(self, vogn: dict[str, Any]) -> None:
         """Load the posterior state alone (``state_dict()["vogn"]``)."""
-        self._check_vogn(vogn)
+        check_vogn_state(vogn, self.vogn_state)
         mu = self.vogn_state["mu"]
         self.vogn_state = {
             k: (v.detach().to(mu).clone() if isinstance(v, Tensor) else v) for k, v in vogn.items()
@@ -731,28 +684,6 @@ class VOGN(torch.optim.Optimizer):
         self._version += 1
         self._link_state()
         self.load_mean()
-
-    def _check_vogn(self, vogn: Any) -> None:
-        """Refuse a ``"vogn"`` entry that does not fit this optimizer (before any change)."""
-        if not isinstance(vogn, dict):
-            raise ValueError(f"vogn state must be a dict, got {type(vogn).__name__}")
-        mu = self.vogn_state["mu"]
-        missing = set(self.vogn_state) - set(vogn)
-        if missing:
-            raise ValueError(f"vogn state is missing {sorted(missing)}")
-        if vogn["mu"].shape != mu.shape:
-            raise ValueError(f"vogn state has P={vogn['mu'].numel()}, optimizer has {mu.numel()}")
-        for key in ("mu", "s", "m", "prior_mean", "prior_precision"):
-            v = vogn[key]
-            if not isinstance(v, Tensor) or v.shape != mu.shape:
-                raise ValueError(f"vogn state's {key!r} must be a [P]=[{mu.numel()}] tensor")
-            if not bool(torch.isfinite(v).all()):
-                raise ValueError(f"vogn state's {key!r} has non-finite entries (NaN or inf)")
-        if not bool((vogn["prior_precision"] > 0).all()):
-            raise ValueError("vogn state's 'prior_precision' must be strictly positive")
-        n = vogn["train_set_size"]
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise ValueError(f"vogn state's train_set_size must be a positive int, got {n!r}")
 
 
 class OGN(VOGN):
