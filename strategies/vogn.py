@@ -136,13 +136,13 @@ class VOGNPlugin(PosteriorOptimizerPlugin):
     # -------------------------------------------------------------- hooks
     def before_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
         opt = self._opt(strategy)
-        opt.train_set_size = len(strategy.experience.dataset)
+        opt.ess = len(strategy.experience.dataset)
 
     def before_forward(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
         opt = self._opt(strategy)
         n = len(strategy.experience.dataset)
-        if opt.train_set_size != n:
-            opt.train_set_size = n
+        if opt.ess != n:
+            opt.ess = n
         opt.sample_params(copy=False)
         self._curv = None
         if self.reuse_forward and opt.curvature == "ef":
@@ -189,7 +189,7 @@ class VOGNStrategy(MethodStrategy):
     as the prior (multi-head through the task labels, or single-head).
 
     ``optimizer`` must be a :class:`fromp.optim.VOGN` built on ``model`` (its
-    ``train_set_size`` is set per experience). ``criterion`` must be the mean of the
+    ``ess`` is set per experience). ``criterion`` must be the mean of the
     optimizer's per-example loss (the default cross-entropy for the categorical likelihood).
 
     Args:

@@ -261,7 +261,7 @@ def test_param_groups_lr_zero_group_is_refused_and_two_groups_step(make):
     model = _mlp()
     groups = [{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.01}]
     if make is _vogn:
-        opt = VOGN(groups, lr=0.05, train_set_size=16)
+        opt = VOGN(groups, lr=0.05, ess=16)
     else:
         opt = IVON(groups, lr=0.1, ess=16)
     assert len(opt.param_groups) == 2
@@ -342,8 +342,8 @@ def test_vogn_closure_finds_the_per_example_curvature_itself():
     over examples in test_vogn.py), and the same h as a brute-force loop."""
     m1, m2 = _mlp().double(), _mlp().double()
     xd = X.double()
-    o1 = VOGN(m1, lr=0.05, train_set_size=16)
-    o2 = VOGN(m2, lr=0.05, train_set_size=16)
+    o1 = VOGN(m1, lr=0.05, ess=16)
+    o2 = VOGN(m2, lr=0.05, ess=16)
     for _ in range(3):
         torch.manual_seed(3)
         o1.step(xd, Y)
@@ -361,7 +361,7 @@ def test_vogn_closure_finds_the_per_example_curvature_itself():
     torch.testing.assert_close(o1.vogn_state["s"], o2.vogn_state["s"], rtol=1e-12, atol=1e-14)
     # brute force: s after one step from zero is (1 - beta2) (1/M) sum_i g_i^2 at the draw
     m3 = _mlp().double()
-    o3 = VOGN(m3, lr=0.05, train_set_size=16, mc_samples=0)
+    o3 = VOGN(m3, lr=0.05, ess=16, mc_samples=0)
     o3.step(lambda: _mean_loss_backward(o3, m3, xd))
     gs = []
     m4 = _mlp().double()
@@ -407,3 +407,30 @@ def test_vogn_closure_without_backward_or_returning_none_refused():
     with pytest.raises(TypeError, match="returned None"):
         opt.step(lambda: F.cross_entropy(model(X), Y).backward())
     _assert_unchanged(opt, model, snap)
+
+
+# ----------------------------------------------------------------------------- vocabulary
+def test_one_name_for_the_data_size_and_the_old_one_deprecated():
+    """``ess`` in both constructors; ``train_set_size=`` (VOGN's old name) still works in
+    both with a DeprecationWarning, and gives the same optimizer."""
+    for make in (_ivon, _vogn):
+        model = _mlp()
+        new = make(model, ess=16)
+        assert new.ess == 16
+    with pytest.warns(DeprecationWarning, match="ess"):
+        old = VOGN(_mlp(), lr=0.05, train_set_size=16)
+    assert old.ess == 16
+    with pytest.warns(DeprecationWarning, match="VOGN.ess"):
+        assert old.train_set_size == 16
+    with pytest.warns(DeprecationWarning):
+        old.train_set_size = 20
+    assert old.ess == 20
+    with pytest.warns(DeprecationWarning, match="ess"):
+        ivon_old = IVON(_mlp().parameters(), lr=0.1, train_set_size=16)
+    assert ivon_old.ess == 16
+    with pytest.raises(ValueError, match="not both"), pytest.warns(DeprecationWarning):
+        VOGN(_mlp(), ess=10, train_set_size=16)
+    with pytest.raises(ValueError, match="ess is required"):
+        IVON(_mlp().parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="ess"):
+        VOGN(_mlp(), ess=0)

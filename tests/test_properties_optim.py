@@ -111,7 +111,7 @@ def test_ivon_hyperparameters_never_nan_and_refusals_change_nothing(
 )
 def test_vogn_hyperparameters_never_nan_and_refusals_change_nothing(lr, beta1, beta2, kl_weight):
     model = _mlp()
-    opt = VOGN(model, lr=0.05, train_set_size=12, init_precision=1e-2)
+    opt = VOGN(model, lr=0.05, ess=12, init_precision=1e-2)
     opt.step(X, Y)
     opt.param_groups[0].update(lr=lr, betas=(beta1, beta2), kl_weight=kl_weight)
     valid = (

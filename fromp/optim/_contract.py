@@ -7,6 +7,8 @@ names the argument; the weights and the optimizer state are left as they were.""
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,10 +20,13 @@ from fromp.likelihood import Likelihood, get_likelihood
 
 __all__ = [
     "check_closure_result",
+    "check_ess",
     "check_groups",
     "check_ivon_state",
     "check_targets",
     "check_vogn_state",
+    "deprecated_alias",
+    "ess_alias",
 ]
 
 #: Hyperparameters that act on the whole posterior: equal in every group.
@@ -106,8 +111,8 @@ def check_vogn_state(vogn: Any, current: dict[str, Any]) -> None:
     if not bool((vogn["prior_precision"] > 0).all()):
         raise ValueError("vogn state's 'prior_precision' must be strictly positive")
     n = vogn["train_set_size"]
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise ValueError(f"vogn state's train_set_size must be a positive int, got {n!r}")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int | float) or not n > 0):
+        raise ValueError(f"vogn state's train_set_size (ess) must be a positive number, got {n!r}")
 
 
 def check_ivon_state(ivon: Any, params: Sequence[Tensor], groups: Sequence[dict[str, Any]]) -> None:
@@ -141,3 +146,38 @@ def _as_vector(value: float | Tensor, like: Tensor, name: str) -> Tensor:
     if t.shape != like.shape:
         raise ValueError(f"{name} must be a float or a [P]={like.numel()} tensor, got {t.shape}")
     return t.detach().clone()
+
+
+def check_ess(n: object) -> float:
+    """``N`` a finite number ``> 0`` (an int stays an int)."""
+    if isinstance(n, bool) or not isinstance(n, int | float) or not n > 0 or not math.isfinite(n):
+        raise ValueError(f"ess must be a positive number (the training-set size), got {n!r}")
+    return n
+
+
+def ess_alias(ess: float | None, train_set_size: float | None, who: str) -> float | None:
+    """``ess``, or the deprecated ``train_set_size=`` (with a ``DeprecationWarning``)."""
+    if train_set_size is None:
+        return ess
+    warnings.warn(f"{who}(train_set_size=...) is deprecated: use {who}(ess=...)",
+                  DeprecationWarning, stacklevel=3)  # fmt: skip
+    if ess is not None and ess != train_set_size:
+        raise ValueError(f"pass ess or train_set_size (a deprecated synonym), not both: "
+                         f"got {ess!r} and {train_set_size!r}")  # fmt: skip
+    return train_set_size
+
+
+def deprecated_alias(old: str, new: str, who: str) -> property:
+    """A property ``old`` that reads and writes ``new`` with a ``DeprecationWarning``."""
+
+    def get(self: Any) -> Any:
+        warnings.warn(f"{who}.{old} is deprecated: use {who}.{new}", DeprecationWarning,
+                      stacklevel=2)  # fmt: skip
+        return getattr(self, new)
+
+    def put(self: Any, value: Any) -> None:
+        warnings.warn(f"{who}.{old} is deprecated: use {who}.{new}", DeprecationWarning,
+                      stacklevel=2)  # fmt: skip
+        setattr(self, new, value)
+
+    return property(get, put, doc=f"Deprecated synonym of :attr:`{new}`.")

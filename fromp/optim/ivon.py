@@ -78,7 +78,12 @@ import torch
 from torch import Tensor, nn
 
 from fromp._checks import check_ivon_group, check_positive
-from fromp.optim._contract import check_closure_result, check_groups, check_ivon_state
+from fromp.optim._contract import (
+    check_closure_result,
+    check_groups,
+    check_ivon_state,
+    ess_alias,
+)
 from fromp.optim.ivon_posterior import IVONPosterior
 
 __all__ = ["IVON"]
@@ -92,12 +97,14 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
             every hyperparameter below except ``mc_samples`` and ``antithetic``, which are
             global).
         lr: learning rate (scaled by ``hess_init + weight_decay`` when ``rescale_lr``).
-        ess: effective sample size ``N`` (usually the training-set size); sets the
-            posterior scale ``sigma^2 = 1 / (N (h + delta))``.
+        ess: effective sample size ``N`` (usually the training-set size; VOGN's name too);
+            sets the posterior scale ``sigma^2 = 1 / (N (h + delta))``.
+            ``train_set_size=`` is its deprecated synonym.
         hess_init: initial Hessian estimate ``h0 > 0``.
         beta1: momentum decay of the gradient.
         beta2: decay of the Hessian estimate.
-        weight_decay: ``delta >= 0``, the prior precision divided by ``N`` (``h + delta`` must
+        weight_decay: ``delta >= 0``, the prior precision divided by ``N`` (the IVON paper's
+            parameterisation: VOGN's ``prior_precision`` is ``N delta``; ``h + delta`` must
             stay positive: with ``delta = 0``, ``h0 > 0`` keeps it so).
         mc_samples: draws per step when stepping with a closure (``>= 1``).
         antithetic: draw in mirrored pairs: every second draw is ``-z`` of the draw before
@@ -125,7 +132,7 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
         lr: float,
-        ess: float,
+        ess: float | None = None,
         *,
         hess_init: float = 1.0,
         beta1: float = 0.9,
@@ -135,7 +142,11 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
         clip_radius: float | None = None,
         rescale_lr: bool = True,
         antithetic: bool = False,
+        train_set_size: float | None = None,
     ) -> None:
+        ess = ess_alias(ess, train_set_size, "IVON")
+        if ess is None:
+            raise ValueError("ess is required: IVON(params, lr, ess=N), N the training-set size")
         if isinstance(params, nn.Module):
             raise ValueError("params must be an iterable of tensors (model.parameters())")
         defaults = dict(

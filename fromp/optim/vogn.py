@@ -32,16 +32,12 @@ initial value of ``s`` (so ``q`` starts with precision ``N s_0 / kl_weight + del
 Everything is kept as flat ``[P]`` vectors, parameters in ``named_parameters()`` order
 (trainable only), the order of :func:`fromp.jacobian.flat_params`.
 
-The per-example statistics (``g`` and ``h``, exact for any architecture; layer capture or
-``torch.func.vmap``, chunked) come from :mod:`fromp.optim._stats`
-(:func:`per_example_grad_stats`, :class:`LayerCapture`); the predictive helpers
-:func:`predict_mc` and :func:`predict_mean` live in :mod:`fromp.optim.predictive`. Both are
-re-exported here.
+Per-example statistics (``g``, ``h``; exact for any architecture) come from
+:mod:`fromp.optim._stats`, predictives from :mod:`fromp.optim.predictive` (re-exported).
 
 Typical use::
 
-    opt = VOGN(model, lr=1e-3, train_set_size=len(train_x), prior_precision=100.0,
-               kl_weight=0.02)
+    opt = VOGN(model, lr=1e-3, ess=len(train_x), prior_precision=100.0, kl_weight=0.02)
     for x, y in loader:
         loss = opt.step(x, y)            # samples w ~ q, per-example stats, update
     q = opt.posterior()                  # DiagonalGaussian over the flat parameters
@@ -67,9 +63,12 @@ from fromp.likelihood import Likelihood
 from fromp.optim._contract import (
     _as_vector,
     check_closure_result,
+    check_ess,
     check_groups,
     check_targets,
     check_vogn_state,
+    deprecated_alias,
+    ess_alias,
 )
 from fromp.optim._stats import (
     GradStats,
@@ -139,9 +138,11 @@ class VOGN(torch.optim.Optimizer):
             ``mc_samples``, ``kl_weight`` and ``bias_correction`` are one per optimizer.
         lr: step size ``alpha``.
         betas: ``(beta1, beta2)`` decays of ``m`` and ``s``.
-        train_set_size: ``N``; may be None until the first step (the Avalanche plugin sets
-            it for every experience).
-        prior_precision: ``delta``, a float or ``[P]`` tensor (default 1.0).
+        ess: ``N``, the effective sample size (usually the training-set size; IVON's name);
+            may be None until the first step (the Avalanche plugin sets it for every
+            experience). ``train_set_size=`` is its deprecated synonym.
+        prior_precision: ``delta``, a float or ``[P]`` tensor (default 1.0): the precision
+            of the prior on the weights (IVON's ``weight_decay`` is ``delta / N``).
         prior_mean: ``mu_0`` ``[P]`` (default zeros) or a :class:`DiagonalGaussian` prior,
             whose precision is then ``delta`` too (``prior_precision`` must then be None).
         init_precision: initial ``s`` (float or ``[P]``; torchsso's convention); None: 0.
@@ -163,7 +164,7 @@ class VOGN(torch.optim.Optimizer):
         *,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
-        train_set_size: int | None = None,
+        ess: float | None = None,
         prior_precision: float | Tensor | None = None,
         prior_mean: Tensor | DiagonalGaussian | None = None,
         init_precision: float | Tensor | None = None,
@@ -174,7 +175,9 @@ class VOGN(torch.optim.Optimizer):
         bias_correction: bool = True,
         chunk_size: int | None = None,
         method: str = "auto",
+        train_set_size: float | None = None,
     ) -> None:
+        ess = ess_alias(ess, train_set_size, "VOGN")
         if isinstance(params_or_model, nn.Module):
             self.model: nn.Module | None = params_or_model
             named = [(n, p) for n, p in params_or_model.named_parameters() if p.requires_grad]
@@ -242,8 +245,8 @@ class VOGN(torch.optim.Optimizer):
             s0 = _as_vector(init_precision, mu, "init_precision")
             if not (torch.isfinite(s0).all() and (s0 >= 0).all()):
                 raise ValueError("init_precision must be finite and >= 0")
-        if train_set_size is not None and not (int(train_set_size) >= 1):
-            raise ValueError(f"train_set_size must be a positive int, got {train_set_size!r}")
+        if ess is not None:
+            ess = check_ess(ess)
         self.vogn_state: dict[str, Any] = {
             "mu": mu,
             "s": s0.clone(),
@@ -252,7 +255,7 @@ class VOGN(torch.optim.Optimizer):
             "prior_mean": mu0,
             "prior_precision": delta,
             "init_s": s0 if init_precision is not None else None,
-            "train_set_size": None if train_set_size is None else int(train_set_size),
+            "train_set_size": ess,  # the state's key since the first checkpoints
         }
         self._pending_curv: Tensor | None = None
         self._sampled = False
@@ -292,19 +295,20 @@ class VOGN(torch.optim.Optimizer):
         return float(self.param_groups[0]["kl_weight"])
 
     @property
-    def train_set_size(self) -> int | None:
+    def ess(self) -> float | None:
+        """``N``, the effective sample size (None until set)."""
         return self.vogn_state["train_set_size"]
 
-    @train_set_size.setter
-    def train_set_size(self, n: int) -> None:
-        if not (isinstance(n, int) and n >= 1):
-            raise ValueError(f"train_set_size must be a positive int, got {n!r}")
-        self.vogn_state["train_set_size"] = n
+    @ess.setter
+    def ess(self, n: float) -> None:
+        self.vogn_state["train_set_size"] = check_ess(n)
 
-    def _n(self) -> int:
+    train_set_size = deprecated_alias("train_set_size", "ess", "VOGN")
+
+    def _n(self) -> float:
         n = self.vogn_state["train_set_size"]
         if n is None:
-            raise ValueError("train_set_size is not set: pass train_set_size=N or set it")
+            raise ValueError("ess is not set: pass VOGN(..., ess=N) or set opt.ess = N")
         return n
 
     # ---------------------------------------------------------------- posterior
