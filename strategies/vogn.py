@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fromp.models import with_task
+from fromp.models import is_multitask, with_task
 from fromp.optim.vogn import VOGN, LayerCapture, per_example_grad_stats
 from strategies.models import unwrap
 from strategies.template import MethodStrategy, PosteriorOptimizerPlugin, require_optimizer_on
@@ -67,7 +67,7 @@ def minibatch_curvature(
         opt: supplies the likelihood, the curvature type and the chunk size.
     """
     net = unwrap(model)
-    multi = getattr(net, "n_heads", 1) > 1
+    multi = is_multitask(net)  # fromp multi-head models and Avalanche MultiTaskModules
     if not multi or task_labels is None:
         if multi:
             raise ValueError("task_labels are required for a multi-head model")

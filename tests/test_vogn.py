@@ -739,3 +739,32 @@ def test_torch_per_parameter_state_shows_the_live_posterior():
     assert other.state[p0]["step"] == 0
     assert torch.equal(other.state[p0]["prior_precision"], opt.prior().precision[: p0.numel()]
                        .view_as(p0))  # fmt: skip
+
+
+def test_minibatch_curvature_routes_an_avalanche_multitask_module_by_task_label():
+    """An Avalanche ``MultiTaskModule`` (no ``n_heads``) is routed by task label like a fromp
+    multi-head model: each group of the mini-batch through its own head."""
+    from avalanche.models import MultiTaskModule
+
+    class TwoHeads(MultiTaskModule):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(5, 4)
+            self.heads = nn.ModuleList([nn.Linear(4, 2), nn.Linear(4, 2)])
+
+        def forward_single_task(self, x, task_label):
+            return self.heads[int(task_label)](torch.tanh(self.body(x)))
+
+    torch.manual_seed(0)
+    net = TwoHeads()
+    x, y = torch.randn(8, 5), torch.randint(0, 2, (8,))
+    tasks = torch.tensor([0, 1, 0, 1, 1, 0, 0, 1])
+    opt = VOGN(net, lr=0.1, ess=8)
+    got = minibatch_curvature(net, x, y, tasks, opt)
+    want = torch.zeros_like(got)
+    for t in (0, 1):
+        rows = tasks == t
+        stats = per_example_grad_stats(with_task(net, t), x[rows], y[rows], "categorical")
+        want += stats.curv * int(rows.sum())
+    assert want[-10:].abs().sum() > 0 and want[-20:-10].abs().sum() > 0  # both heads
+    torch.testing.assert_close(got, want / 8)
