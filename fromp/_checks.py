@@ -182,3 +182,87 @@ def check_vogn_groups(groups: list[Any]) -> list[dict[str, Any]]:
         params = [params] if isinstance(params, Tensor) else list(params)
         out.append({**g, "params": params})
     return out
+
+
+def _finite_number(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+
+
+def _check_step_lr(lr: object, where: str) -> None:
+    """A step size read at a step: finite and ``>= 0`` (a scheduler may bring it to 0; the
+    constructors ask for ``> 0``)."""
+    if not _finite_number(lr) or not lr >= 0:  # type: ignore[operator]
+        raise ValueError(f"{where}lr must be a finite float >= 0, got {lr!r}")
+
+
+def check_ivon_hyper(group: dict[str, Any], where: str = "") -> None:
+    """:func:`check_ivon_group` plus a finite ``weight_decay``, for the hyperparameters of an
+    IVON parameter group read at every step or loaded from a state dict (a scheduler or an
+    edit of ``param_groups`` may have changed them since construction). ``where`` prefixes
+    the message (e.g. ``"param_groups[1]: "``)."""
+    missing = {"lr", "ess", "hess_init", "beta1", "beta2", "weight_decay"} - set(group)
+    missing |= {"clip_radius", "mc_samples", "antithetic", "rescale_lr"} - set(group)
+    if missing:
+        raise ValueError(f"{where}IVON parameter group is missing {sorted(missing)}")
+    _check_step_lr(group["lr"], where)
+    try:
+        check_ivon_group({**group, "lr": 1.0})  # lr may reach 0 under a scheduler
+    except ValueError as err:
+        raise ValueError(f"{where}{err}") from None
+    if not _finite_number(group["weight_decay"]):
+        wd = group["weight_decay"]
+        raise ValueError(f"{where}weight_decay must be a finite float >= 0, got {wd!r}")
+
+
+def check_vogn_hyper(group: dict[str, Any], where: str = "") -> None:
+    """The hyperparameters of a VOGN parameter group, read at every step or loaded from a
+    state dict (``ValueError`` naming the argument): ``lr`` finite and ``>= 0``, ``betas``
+    two floats in ``[0, 1)``, ``mc_samples`` an int ``>= 0``, ``kl_weight`` finite and
+    positive, ``bias_correction`` a bool, ``prior_precision`` None or finite and positive."""
+    missing = {"lr", "betas", "mc_samples", "kl_weight", "bias_correction"} - set(group)
+    if missing:
+        raise ValueError(f"{where}VOGN parameter group is missing {sorted(missing)}")
+    _check_step_lr(group["lr"], where)
+    try:
+        check_positive(group["kl_weight"], "kl_weight")
+        if group.get("prior_precision") is not None:
+            check_positive(group["prior_precision"], "prior_precision")
+    except ValueError as err:
+        raise ValueError(f"{where}{err}") from None
+    betas = group["betas"]
+    if (
+        not isinstance(betas, tuple | list)
+        or len(betas) != 2
+        or not all(_finite_number(b) and 0.0 <= b < 1.0 for b in betas)
+    ):
+        raise ValueError(f"{where}betas must be two floats in [0, 1), got {betas!r}")
+    mc = group["mc_samples"]
+    if isinstance(mc, bool) or not isinstance(mc, int) or mc < 0:
+        raise ValueError(f"{where}mc_samples must be an int >= 0, got {mc!r}")
+    if not isinstance(group["bias_correction"], bool):
+        raise ValueError(f"{where}bias_correction must be a bool, got {group['bias_correction']!r}")
+
+
+def check_class_targets(y: Tensor, n_outputs: int, likelihood: Any, name: str = "y") -> None:
+    """Targets ``y`` of a classification likelihood refused by name before any work when
+    they do not fit a head of ``n_outputs`` outputs: class indices ``0 <= y < C`` (integer
+    valued) for ``"categorical"``, ``{0, 1}`` for ``"bernoulli"``; finite values for
+    ``"gaussian"``. ``likelihood`` is a :class:`fromp.likelihood.Likelihood` (its ``name``
+    is read)."""
+    kind = getattr(likelihood, "name", likelihood)
+    if kind == "gaussian":
+        if y.is_floating_point() and not bool(torch.isfinite(y).all()):
+            raise ValueError(f"{name} has non-finite regression targets (NaN or inf)")
+        return
+    if y.is_floating_point() and not bool(torch.isfinite(y).all()):
+        raise ValueError(f"{name} has non-finite class labels (NaN or inf)")
+    if y.is_floating_point() and not bool((y == y.round()).all()):
+        raise ValueError(f"{name} must hold class indices, got fractional labels")
+    if y.numel() == 0:
+        return
+    lo, hi = int(y.min()), int(y.max())
+    top = 1 if kind == "bernoulli" else n_outputs - 1
+    if lo < 0 or hi > top:
+        what = "{0, 1}" if kind == "bernoulli" else f"0..{top} (the model has {n_outputs} outputs)"
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"{name} holds label {bad}, outside {what}")

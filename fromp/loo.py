@@ -15,6 +15,7 @@ The memory-perturbation quantities themselves are in :mod:`fromp.sensitivity`.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,9 +25,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fromp._checks import check_batch, check_tensor
+from fromp._checks import check_batch, check_chunk_size, check_positive, check_tensor
 from fromp.likelihood import CategoricalLikelihood, Likelihood, get_likelihood
-from fromp.sensitivity import MemoryPerturbation, _check_examples, memory_perturbation
+from fromp.sensitivity import (
+    MemoryPerturbation,
+    _check_examples,
+    check_loo_targets,
+    memory_perturbation,
+)
 
 __all__ = [
     "LOOTracker",
@@ -164,12 +170,12 @@ def last_layer_loo(
         chunk_size: examples per chunk of the ``V_n`` computation.
     """
     _check_examples(x, y)
-    if not (isinstance(prior_precision, int | float) and prior_precision > 0):
-        raise ValueError(f"prior_precision must be a number > 0, got {prior_precision!r}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    check_positive(prior_precision, "prior_precision")
+    chunk_size = check_chunk_size(chunk_size, allow_none=False)
+    lik = get_likelihood(likelihood)
     phi, head = last_layer_features(model, x)
-    return _full_loo(phi, head, y, float(prior_precision), get_likelihood(likelihood), chunk_size)
+    check_loo_targets(y, head.out_features, lik)
+    return _full_loo(phi, head, y, float(prior_precision), lik, chunk_size)
 
 
 def _full_loo(
@@ -345,8 +351,7 @@ class LOOTracker:
     r"""Leave-one-out estimates of the training set after each epoch of training, a
     generalisation estimate computed without a validation set.
 
-    Call it after an epoch with the model, the training examples and optionally the
-    optimizer::
+    Call it after an epoch with the model, the training examples and the optimizer::
 
         tracker = LOOTracker(prior_precision=1e-4 * len(x))   # or weight decay from Adam
         for epoch in range(epochs):
@@ -365,9 +370,9 @@ class LOOTracker:
       ``weight_decay`` times ``N`` (the prior precision of the summed objective that a
       mean-reduced loss with weight decay optimises).
 
-    The leave-one-out outputs are ``f + V (I - Lambda V)^{-1} e`` (the example's own curvature
-    removed). Cost: one forward pass over ``x`` plus ``O(N C^2 D1^2 + (C D1)^3)`` for the
-    full last-layer Laplace, ``O(N D1^2 + N C^2)`` for ``structure="kron"``;
+    Leave-one-out outputs ``f + V (I - Lambda V)^{-1} e``. Cost: one forward pass over ``x``
+    plus ``O(N C^2 D1^2 + (C D1)^3)`` for the full last-layer Laplace, ``O(N D1^2 + N C^2)``
+    for ``structure="kron"``;
     ``max_examples`` caps ``N`` by a fixed random subset (the posterior is then fitted on the
     subset, which makes it wider: the estimate is pessimistic).
 
@@ -415,14 +420,12 @@ class LOOTracker:
             raise ValueError(f"scope must be 'last-layer' or 'all', got {scope!r}")
         if structure not in ("full", "kron"):
             raise ValueError(f"structure must be 'full' or 'kron', got {structure!r}")
-        if prior_precision is not None and not (
-            isinstance(prior_precision, int | float) and prior_precision > 0
+        if prior_precision is not None:
+            check_positive(prior_precision, "prior_precision")
+        if max_examples is not None and (
+            isinstance(max_examples, bool) or not isinstance(max_examples, int) or max_examples < 1
         ):
-            raise ValueError(
-                f"prior_precision must be a number > 0 or None, got {prior_precision!r}"
-            )
-        if max_examples is not None and max_examples < 1:
-            raise ValueError(f"max_examples must be >= 1 or None, got {max_examples}")
+            raise ValueError(f"max_examples must be an int >= 1 or None, got {max_examples!r}")
         self.likelihood = get_likelihood(likelihood)
         self.prior_precision = prior_precision
         self.scope = scope
@@ -477,6 +480,15 @@ class LOOTracker:
         if self.prior_precision is not None:
             return float(self.prior_precision), "given"
         groups = getattr(optimizer, "param_groups", None) or []
+        decoupled = isinstance(optimizer, torch.optim.AdamW) or any(
+            g.get("decoupled_weight_decay", False) for g in groups
+        )
+        if decoupled and any(float(g.get("weight_decay", 0.0)) > 0 for g in groups):
+            raise ValueError(
+                f"{type(optimizer).__name__}'s weight_decay is decoupled (w <- w - lr wd w "
+                "beside the adaptive step), not an L2 prior on the loss, so it gives no "
+                "prior precision: pass LOOTracker(prior_precision=...)"
+            )
         wd = {float(g.get("weight_decay", 0.0)) for g in groups}
         if len(wd) == 1 and (w := wd.pop()) > 0:
             return w * n, "optimizer weight_decay x N"
@@ -511,13 +523,16 @@ class LOOTracker:
                 )
             phi = torch.cat([p for p, _ in self._recorded])
             y = torch.cat([t.to(phi.device) for _, t in self._recorded])
-            head, self._recorded = self._head, []
+            # the next recording may use another head (multi-head models: the next task's)
+            head, self._recorded, self._head = self._head, [], None
         else:
-            assert y is not None, "pass both x and y, or neither"
+            if y is None:
+                raise ValueError("y is required with x (or pass neither: the recorded passes)")
             _check_examples(x, y)
         fit_phi = None
         if not recorded and self._recorded:  # passes recorded: the curvature from them
-            fit_phi, self._recorded = torch.cat([p for p, _ in self._recorded]), []
+            fit_phi = torch.cat([p for p, _ in self._recorded])
+            self._recorded, self._head = [], None
         n = len(y)
         keep = None
         if self.max_examples is not None and n > self.max_examples:
@@ -531,13 +546,12 @@ class LOOTracker:
         was_training = model.training
         model.eval()
         try:
-            if not recorded and not (callable(getattr(optimizer, "posterior", None))
-                                     and self.scope == "all"):  # fmt: skip
-                phi, head = last_layer_features(model, x)
             own = getattr(optimizer, "posterior", None)
+            if not (callable(own) and self.scope == "all"):  # else memory_perturbation's
+                if not recorded:
+                    phi, head = last_layer_features(model, x)
+                check_loo_targets(y, head.out_features, self.likelihood)
             if callable(own):
-                import inspect
-
                 q = own(model) if "model" in inspect.signature(own).parameters else own()
                 name = f"{type(optimizer).__name__} posterior ({self.scope})"
                 delta: float | None = None
@@ -567,7 +581,7 @@ class LOOTracker:
             "prior_precision": delta,
             "n": len(y),
             "features": "recorded training passes" if recorded else "one evaluation pass",
-            "curvature_examples": n if fit_phi is None else len(fit_phi),
+            "curvature_examples": len(y) if fit_phi is None else len(fit_phi),
             **mp.loo_summary(),
             "seconds": time.perf_counter() - start,
         }

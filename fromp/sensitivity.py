@@ -20,9 +20,9 @@ From these, without retraining:
   to first order for any ``C``). With ``correction=True`` the example's own curvature is
   first taken out of the posterior (one Newton step from the posterior without it, exact for
   a linear-Gaussian model): ``f_i + V_i (I - Lambda_i V_i)^{-1} e_i``, diagonal form
-  ``f_i + e_i v_i / (1 - lambda_i v_i)`` (denominator clamped at machine epsilon: an
-  approximate posterior can give ``lambda_i v_i >= 1``); it matters for the most sensitive
-  examples, where ``lambda_i v_i`` approaches 1;
+  ``f_i + e_i v_i / (1 - lambda_i v_i)`` (refused when an approximate posterior gives
+  ``lambda_i v_i >= 1`` for some example: the form has no meaning there); it matters for
+  the most sensitive examples, where ``lambda_i v_i`` approaches 1;
 * the sensitivity ``s_i = sum_k |e_ik lambda_ik v_ik|`` (large: the model depends on the
   example; the examples FROMP memorises have large ``lambda``);
 * the estimated leave-one-out NLL ``(1/N) sum_i nll(f_i^{\i}, y_i)`` and accuracy, a
@@ -55,11 +55,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fromp._checks import check_batch, check_tensor
+from fromp._checks import check_batch, check_class_targets, check_tensor
 from fromp.baselaplace import BaseLaplace
 from fromp.gp import GP, Posterior
 from fromp.jacobian import num_params, unflatten
-from fromp.likelihood import CategoricalLikelihood, Likelihood, get_likelihood
+from fromp.likelihood import (
+    CategoricalLikelihood,
+    GaussianLikelihood,
+    Likelihood,
+    get_likelihood,
+)
 from fromp.posterior import FullGaussian
 
 __all__ = ["MemoryPerturbation", "memory_perturbation", "newton_step_loo", "prediction_variance"]
@@ -158,12 +163,46 @@ def _check_examples(x: Tensor, y: Tensor) -> None:
         raise ValueError(f"y must have N={len(x)} targets, got {tuple(y.shape)}")
 
 
+def _laplace_likelihood(posterior: BaseLaplace, likelihood: str | Likelihood | None) -> Likelihood:
+    """The likelihood of a fitted :func:`fromp.Laplace` with its noise ``sigma`` (the
+    Laplace keeps a unit-noise likelihood and ``sigma_noise`` apart); an explicit
+    ``likelihood`` must agree with it."""
+    own = posterior.likelihood
+    if isinstance(own, GaussianLikelihood):
+        own = GaussianLikelihood(posterior.sigma_noise)
+    if likelihood is None:
+        return own
+    lik = get_likelihood(likelihood)
+    same = lik.name == own.name and (
+        not isinstance(lik, GaussianLikelihood) or lik.sigma == own.sigma  # type: ignore[attr-defined]
+    )
+    if not same:
+        raise ValueError(
+            f"likelihood={lik!r} does not match the fitted Laplace's {own!r}: omit "
+            "likelihood= to use the Laplace's own (with its sigma_noise)"
+        )
+    return own
+
+
+def check_loo_targets(y: Tensor, n_outputs: int, lik: Likelihood) -> None:
+    """Targets that fit the likelihood and a model of ``n_outputs`` outputs (class indices
+    in range, ``{0, 1}`` for a Bernoulli, finite regression targets), and no softmax over a
+    single output (whose probability is always 1: LOO NLL 0 and accuracy 100 %, meaningless);
+    ``ValueError`` naming ``y`` or ``likelihood``."""
+    if isinstance(lik, CategoricalLikelihood) and n_outputs < 2:
+        raise ValueError(
+            f"likelihood='categorical' needs a model with at least 2 outputs, got {n_outputs} "
+            "(a softmax over one output is always 1): use 'bernoulli' or 'gaussian'"
+        )
+    check_class_targets(y, n_outputs, lik, "y")
+
+
 def memory_perturbation(
     model: nn.Module,
     posterior: Posterior,
     x: Tensor,
     y: Tensor,
-    likelihood: str | Likelihood = "categorical",
+    likelihood: str | Likelihood | None = None,
     *,
     covariance: str = "diagonal",
     correction: bool = False,
@@ -180,20 +219,26 @@ def memory_perturbation(
             fitted :func:`fromp.Laplace` of ``model`` (any subset and structure: ``V_i`` is
             its ``functional_variance``), fitted on a training set that contains ``(x, y)``.
         x: ``[N, ...]``. y: ``[N]`` targets (``[N, C]`` for a Gaussian likelihood).
-        likelihood: its name or a :class:`~fromp.likelihood.Likelihood`.
+        likelihood: its name or a :class:`~fromp.likelihood.Likelihood`; None (default):
+            a fitted :func:`fromp.Laplace`'s own likelihood and ``sigma_noise``, else
+            ``"categorical"``. With a Laplace, an explicit likelihood that disagrees with
+            its own (another kind, another noise) is refused.
         covariance: ``"diagonal"`` (``f + e * v``) or ``"full"`` (``f + V e``) for the
             leave-one-out outputs.
         correction: remove the example's own curvature first (module docstring):
-            ``f + e v / (1 - lambda v)`` or ``f + V (I - Lambda V)^{-1} e``.
+            ``f + e v / (1 - lambda v)`` or ``f + V (I - Lambda V)^{-1} e``. The diagonal
+            form is refused when ``1 - lambda_ik v_ik <= 0`` for some example (an approximate
+            posterior wider than the example's own curvature allows: the form has no
+            meaning there), naming how many.
         chunk_size: examples per Jacobian chunk.
     """
     if covariance not in _COVARIANCES:
         raise ValueError(f"covariance must be one of {_COVARIANCES}, got {covariance!r}")
     _check_examples(x, y)
-    lik = get_likelihood(likelihood)
     if isinstance(posterior, BaseLaplace):  # any structure and subset of fromp.Laplace
         if posterior.model is not model:
             raise ValueError("posterior is a fitted Laplace of another model")
+        lik = _laplace_likelihood(posterior, likelihood)
         lgp, step = posterior.gp(), max(chunk_size, 256)
         f = torch.cat([lgp.mean(x[s : s + step]) for s in range(0, len(x), step)])
 
@@ -201,10 +246,12 @@ def memory_perturbation(
             return torch.cat([lgp.variance(xx[s : s + step]) for s in range(0, len(xx), step)])
 
     else:
+        lik = get_likelihood("categorical" if likelihood is None else likelihood)
         gp = GP(model, posterior, lik, chunk_size=chunk_size)
         f = gp.mean(x)
         variance = gp.variance
     y = y.to(f.device)
+    check_loo_targets(y, f.shape[1], lik)  # before the variances, the costly part
     with torch.enable_grad():
         fr = f.detach().requires_grad_(True)
         error = torch.autograd.grad(lik.nll(fr, y).sum(), fr)[0]
@@ -214,7 +261,16 @@ def memory_perturbation(
     if covariance == "diagonal":
         shift = error * var
         if correction:
-            shift = shift / (1 - lam * var).clamp_min(torch.finfo(var.dtype).eps)
+            denom = 1 - lam * var
+            bad = (denom <= 0).any(-1)
+            if bool(bad.any()):
+                raise ValueError(
+                    f"covariance='diagonal', correction=True: 1 - lambda v <= 0 for "
+                    f"{int(bad.sum())} of {len(bad)} examples (the posterior variance exceeds "
+                    "what the example's own curvature allows, so the corrected diagonal form "
+                    "has no meaning there): use covariance='full' or correction=False"
+                )
+            shift = shift / denom
     else:
         rhs = error
         if correction:  # (I - Lambda V)^{-1} e
@@ -345,11 +401,15 @@ def newton_step_loo(
         tol = max(1e-10, 100 * torch.finfo(w0.dtype).eps)
     elif not tol > 0:
         raise ValueError(f"tol must be > 0, got {tol}")
-    cov = posterior.covariance  # Sigma = H^{-1} [P, P], once: matrix-vector products after
     buffers = dict(model.named_buffers())
 
     def out(w: Tensor, xi: Tensor) -> Tensor:
         return torch.func.functional_call(model, (unflatten(model, w), buffers), (xi,))[0]
+
+    with torch.no_grad():
+        n_out = out(w0, x[:1]).shape[-1]
+    check_loo_targets(y, n_out, lik)
+    cov = posterior.covariance  # Sigma = H^{-1} [P, P], once: matrix-vector products after
 
     def sigma(v: Tensor) -> Tensor:
         return cov @ v

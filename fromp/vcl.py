@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from fromp.bayesian import gaussian_kl
+from fromp.bayesian import gaussian_kl_flat
 from fromp.methods import fit_shape
 from fromp.models import is_multitask, with_task
 
@@ -158,17 +158,16 @@ class MeanFieldTwin(nn.Module):
         return torch.stack(outs)
 
     def kl(self) -> Tensor:
-        """``KL(q || prior)`` summed over the Gaussian parameters (a scalar)."""
+        """``KL(q || prior)`` summed over the Gaussian parameters (a scalar), in one pass
+        over all of them (:func:`fromp.bayesian.gaussian_kl_flat`)."""
         params = dict(self.model.named_parameters())
-        total = None
-        for n in self.names:
-            term = gaussian_kl(
-                params[n], self.variance(n), self.prior_mean[n], self.prior_variance[n]
-            )
-            total = term if total is None else total + term
-        if total is None:
+        names = self.names
+        if not names:
             raise ValueError("the model has no Linear or Conv2d parameters to make Gaussian")
-        return total
+        return gaussian_kl_flat(
+            (params[n], self.logvars[_key(n)], self.prior_mean[n], self.prior_variance[n])
+            for n in names
+        )
 
     @torch.no_grad()
     def set_prior_from_posterior(self) -> None:

@@ -6,23 +6,12 @@ from __future__ import annotations
 from contextlib import ExitStack
 from typing import Any
 
-import torch
 from avalanche.core import SupervisedPlugin
-from torch import Tensor, nn
+from torch import Tensor
 
 from fromp.loo import LOOTracker
+from fromp.models import is_multitask, with_task
 from strategies.benchmarks import experience_tensors
-
-
-class _FixedTask(nn.Module):
-    """``x -> model(x, task)`` for a multi-task (Avalanche ``MultiTaskModule``) model."""
-
-    def __init__(self, model: nn.Module, task: int) -> None:
-        super().__init__()
-        self.model, self.task = model, task
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.model(x, torch.full((len(x),), self.task, dtype=torch.long, device=x.device))
 
 
 class LOOPlugin(SupervisedPlugin):
@@ -71,12 +60,10 @@ class LOOPlugin(SupervisedPlugin):
     def after_training_epoch(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
         if self._data is None:
             return
-        from avalanche.models import MultiTaskModule
-
         x, y, task = self._data
         model = strategy.model
-        if isinstance(model, MultiTaskModule):
-            model = _FixedTask(model, task)
+        if is_multitask(model):  # the experience's head (Avalanche MultiTaskModule, fromp)
+            model = with_task(model, task)
         if self._recording is not None:
             self._recording.close()
             self._recording = None

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fromp.models import with_task
+from fromp.models import is_multitask, with_task
 from fromp.optim.vogn import VOGN, LayerCapture, per_example_grad_stats
 from strategies.models import unwrap
 from strategies.template import MethodStrategy, PosteriorOptimizerPlugin, require_optimizer_on
@@ -67,7 +67,7 @@ def minibatch_curvature(
         opt: supplies the likelihood, the curvature type and the chunk size.
     """
     net = unwrap(model)
-    multi = getattr(net, "n_heads", 1) > 1
+    multi = is_multitask(net)  # fromp multi-head models and Avalanche MultiTaskModules
     if not multi or task_labels is None:
         if multi:
             raise ValueError("task_labels are required for a multi-head model")
@@ -136,13 +136,13 @@ class VOGNPlugin(PosteriorOptimizerPlugin):
     # -------------------------------------------------------------- hooks
     def before_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
         opt = self._opt(strategy)
-        opt.train_set_size = len(strategy.experience.dataset)
+        opt.ess = len(strategy.experience.dataset)
 
     def before_forward(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
         opt = self._opt(strategy)
         n = len(strategy.experience.dataset)
-        if opt.train_set_size != n:
-            opt.train_set_size = n
+        if opt.ess != n:
+            opt.ess = n
         opt.sample_params(copy=False)
         self._curv = None
         if self.reuse_forward and opt.curvature == "ef":
@@ -189,7 +189,7 @@ class VOGNStrategy(MethodStrategy):
     as the prior (multi-head through the task labels, or single-head).
 
     ``optimizer`` must be a :class:`fromp.optim.VOGN` built on ``model`` (its
-    ``train_set_size`` is set per experience). ``criterion`` must be the mean of the
+    ``ess`` is set per experience). ``criterion`` must be the mean of the
     optimizer's per-example loss (the default cross-entropy for the categorical likelihood).
 
     Args:

@@ -185,7 +185,7 @@ def test_last_layer_bad_arguments():
         last_layer_loo(net, x, y, 1.0)
     with pytest.raises(ValueError, match=r"nn\.Linear"):
         last_layer_features(nn.Sequential(nn.Tanh()).eval(), x)
-    with pytest.raises(ValueError, match="prior_precision must be a number > 0"):
+    with pytest.raises(ValueError, match="prior_precision must be a positive float"):
         last_layer_loo(net[0], x, y, 0.0)
     with pytest.raises(ValueError, match="y must have N=4"):
         last_layer_loo(net[0], x, y[:3], 1.0)
@@ -208,7 +208,8 @@ def test_loo_tracker_adam_uses_last_layer_laplace_with_weight_decay_times_n():
     torch.manual_seed(7)
     x, y = _blobs()
     net = _mlp()
-    opt = torch.optim.AdamW(net.parameters(), lr=0.05, weight_decay=0.01)
+    # Adam's weight_decay is an L2 term of the loss (coupled): prior precision wd x N
+    opt = torch.optim.Adam(net.parameters(), lr=0.05, weight_decay=0.01)
     tracker = LOOTracker()
     for epoch in range(3):
         net.train()
@@ -227,10 +228,14 @@ def test_loo_tracker_adam_uses_last_layer_laplace_with_weight_decay_times_n():
     # no weight decay and no prior precision: refused, naming the argument
     with pytest.raises(ValueError, match="prior_precision is needed"):
         LOOTracker()(net, x, y, torch.optim.SGD(net.parameters(), lr=0.1))
-    # a subset: fixed across calls, the posterior fitted on it
+    # AdamW's weight decay is decoupled, not an L2 prior: refused, not read as one
+    with pytest.raises(ValueError, match="decoupled"):
+        LOOTracker()(net, x, y, torch.optim.AdamW(net.parameters(), lr=0.1, weight_decay=0.01))
+    # a subset: fixed across calls, the posterior fitted on it (and reported so)
     sub = LOOTracker(prior_precision=1.0, max_examples=25)
     a, b = sub(net, x, y), sub(net, x, y)
     assert a["n"] == 25 and a["loo_nll"] == b["loo_nll"]
+    assert a["curvature_examples"] == 25
 
 
 def test_loo_tracker_ivon_last_layer_against_dense():
@@ -385,7 +390,7 @@ def test_recorded_training_passes_give_the_evaluation_pass_estimate(structure):
     torch.manual_seed(4)
     x, y = _blobs()
     net = _mlp().eval()
-    opt = torch.optim.AdamW(net.parameters(), lr=0.05, weight_decay=0.01)
+    opt = torch.optim.Adam(net.parameters(), lr=0.05, weight_decay=0.01)
     tracker = LOOTracker(structure=structure)
     with tracker.recording(net):
         for i in range(0, 60, 20):

@@ -49,7 +49,7 @@ def test_ogn_ggn_recovers_exact_posterior_of_linear_regression(tau):
     opt = OGN(
         _linear(3),
         lr=0.3,
-        train_set_size=len(x),
+        ess=len(x),
         prior_precision=delta,
         kl_weight=tau,
         likelihood=GaussianLikelihood(sigma),
@@ -72,7 +72,7 @@ def test_vogn_ggn_linear_regression_mean_and_precision():
     opt = VOGN(
         _linear(3),
         lr=0.1,
-        train_set_size=len(x),
+        ess=len(x),
         prior_precision=delta,
         likelihood=GaussianLikelihood(sigma),
         curvature="ggn",
@@ -99,7 +99,7 @@ def test_ogn_squared_gradients_fixed_point():
         _linear(3),
         lr=0.3,
         betas=(0.9, 0.9),
-        train_set_size=len(x),
+        ess=len(x),
         prior_precision=delta,
         likelihood=GaussianLikelihood(sigma),
     )
@@ -270,7 +270,7 @@ def test_one_step_formula_and_regulariser_only_in_gradient():
     g, sq, _ = _brute_stats(net, x, y, lik)
     loss0 = lik.nll(net(x), y).mean().detach()
     n, delta, lr, (b1, b2) = 40, 0.5, 0.01, (0.8, 0.7)
-    opt = OGN(net, lr=lr, betas=(b1, b2), train_set_size=n, prior_precision=delta)
+    opt = OGN(net, lr=lr, betas=(b1, b2), ess=n, prior_precision=delta)
     loss = opt.step(x, y, regularizer=reg)
     torch.testing.assert_close(loss, loss0, atol=1e-12, rtol=0)
     dt = delta / n
@@ -288,7 +288,7 @@ def test_one_step_formula_and_regulariser_only_in_gradient():
         for p2, v in zip(net2.parameters(), mu.split([p.numel() for p in params])):
             p2.copy_(v.view_as(p2))
     params = list(net2.parameters())
-    opt2 = OGN(net2, lr=lr, betas=(b1, b2), train_set_size=n, prior_precision=delta)
+    opt2 = OGN(net2, lr=lr, betas=(b1, b2), ess=n, prior_precision=delta)
     opt2.sample_params()
     (lik.nll(net2(x), y).mean() + reg()).backward()
     opt2.set_curvature(per_example_grad_stats(net2, x, y, lik).curv)
@@ -300,7 +300,7 @@ def test_one_step_formula_and_regulariser_only_in_gradient():
 
 def test_sampling_uses_posterior_std_and_ogn_does_not_sample():
     net = _linear(4)
-    opt = VOGN(net, train_set_size=10, prior_precision=torch.tensor([1.0, 4.0, 16.0, 100.0]))
+    opt = VOGN(net, ess=10, prior_precision=torch.tensor([1.0, 4.0, 16.0, 100.0]))
     ws = torch.stack([opt.sample_params() for _ in range(4000)])
     torch.testing.assert_close(
         ws.std(0), torch.tensor([1.0, 0.5, 0.25, 0.1], dtype=D), rtol=0.05, atol=0
@@ -308,7 +308,7 @@ def test_sampling_uses_posterior_std_and_ogn_does_not_sample():
     torch.testing.assert_close(
         torch.cat([p.detach().reshape(-1) for p in net.parameters()]), ws[-1]
     )
-    ogn = OGN(_linear(4), train_set_size=10)
+    ogn = OGN(_linear(4), ess=10)
     assert torch.equal(ogn.sample_params(), ogn.vogn_state["mu"])
 
 
@@ -316,7 +316,7 @@ def test_state_survives_avalanche_reset_and_round_trips():
     x, y = torch.rand(16, 1, 8, 8, dtype=D), torch.randint(0, 4, (16,))
     torch.manual_seed(3)
     net = _TinyCNN().to(D)
-    opt = VOGN(net, lr=0.01, train_set_size=100, init_precision=1e-3, prior_precision=0.1)
+    opt = VOGN(net, lr=0.01, ess=100, init_precision=1e-3, prior_precision=0.1)
     for _ in range(3):
         opt.step(x, y)
     before = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.vogn_state.items()}
@@ -327,9 +327,9 @@ def test_state_survives_avalanche_reset_and_round_trips():
     saved = opt.state_dict()
 
     net2 = _TinyCNN().to(D)
-    opt2 = VOGN(net2, lr=0.5, train_set_size=1)
+    opt2 = VOGN(net2, lr=0.5, ess=1)
     opt2.load_state_dict(saved)
-    assert opt2.param_groups[0]["lr"] == 0.01 and opt2.train_set_size == 100
+    assert opt2.param_groups[0]["lr"] == 0.01 and opt2.ess == 100
     for a, b in zip(net.parameters(), net2.parameters()):
         assert torch.equal(a, b)
     torch.manual_seed(7)
@@ -346,7 +346,7 @@ def test_batchnorm_cnn_trains_and_updates_running_stats():
     torch.manual_seed(0)
     net = _TinyCNN(bn=True, dropout=True)
     x, y = torch.rand(32, 1, 8, 8), torch.randint(0, 4, (32,))
-    opt = VOGN(net, lr=1e-2, train_set_size=3200, init_precision=1e-2)
+    opt = VOGN(net, lr=1e-2, ess=3200, init_precision=1e-2)
     bn = net.net[1]
     mean0 = bn.running_mean.clone()
 
@@ -406,10 +406,10 @@ def test_bad_arguments():
         VOGN(net, prior_mean=DiagonalGaussian.isotropic(net, 2.0), prior_precision=1.0)
     with pytest.raises(ValueError, match="curvature"):
         VOGN(net, curvature="hessian")
-    with pytest.raises(ValueError, match="train_set_size"):
-        VOGN(net).step(torch.randn(3, 2, dtype=D), torch.randn(3, dtype=D))
+    with pytest.raises(ValueError, match="ess is not set"):
+        VOGN(net).step(torch.randn(3, 2, dtype=D), torch.zeros(3, dtype=torch.long))
     prior = DiagonalGaussian(torch.ones(2, dtype=D), torch.full((2,), 3.0, dtype=D))
-    opt = VOGN(net, prior_mean=prior, train_set_size=5)
+    opt = VOGN(net, prior_mean=prior, ess=5)
     torch.testing.assert_close(opt.posterior().precision, prior.precision)
 
 
@@ -433,7 +433,7 @@ def _avalanche_setup(seed: int = 0):
     seq = synthetic_split(n_tasks=2, input_shape=(1, 6, 6), n_train=100, n_test=10)
     net = MultiHeadMLP(36, (16,), n_heads=2, head_size=2)
     model = as_avalanche_model(net)
-    opt = VOGN(model, lr=2e-2, train_set_size=1, init_precision=0.1, kl_weight=0.1)
+    opt = VOGN(model, lr=2e-2, ess=1, init_precision=0.1, kl_weight=0.1)
     probe = _Probe()
     strat = VOGNStrategy(
         model=model,
@@ -451,7 +451,7 @@ def test_vogn_strategy_two_experiences_checkpoint_and_resume():
     strat.train(scenario.train_stream[0])
     q1 = strat.plugin.posteriors[0]
     assert strat.plugin.task_count == 1
-    assert opt.train_set_size == len(seq[0].train_x)
+    assert opt.ess == len(seq[0].train_x)
     torch.testing.assert_close(opt.prior().mean, q1.mean)  # posterior -> prior
     torch.testing.assert_close(opt.prior().precision, q1.precision)
     assert opt.vogn_state["step"] == 0 and opt.vogn_state["m"].abs().max() == 0
@@ -543,7 +543,7 @@ def test_step_that_raises_restores_the_mean_weights():
     """A regulariser that fails after sampling must not leave a sample in the model."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
-    opt = VOGN(net, lr=0.1, train_set_size=10, prior_precision=1.0, init_precision=1.0)
+    opt = VOGN(net, lr=0.1, ess=10, prior_precision=1.0, init_precision=1.0)
     x, y = torch.randn(5, 3, dtype=D), torch.randint(0, 2, (5,))
     opt.step(x, y)
     mu = opt.posterior().mean
@@ -567,7 +567,7 @@ def test_closure_step_matches_batch_step_and_restores_the_mean():
     def make():
         torch.manual_seed(3)
         net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
-        opt = VOGN(net, lr=0.1, train_set_size=20, prior_precision=1.0, init_precision=0.5)
+        opt = VOGN(net, lr=0.1, ess=20, prior_precision=1.0, init_precision=0.5)
         opt.param_groups[0]["mc_samples"] = 2
         return net, opt
 
@@ -599,8 +599,13 @@ def test_closure_step_matches_batch_step_and_restores_the_mean():
     def failing():
         raise RuntimeError("boom")
 
+    # a closure without set_curvature: VOGN(model) finds h by itself (checked against
+    # step(x, y) in test_optim_contract.py); over bare parameters it cannot
+    bare = VOGN(list(net_b.parameters()), lr=0.1, ess=20)
     with pytest.raises(ValueError, match=r"closure must call set_curvature"):
-        opt_b.step(no_curvature)
+        bare.step(no_curvature)
+    got = torch.cat([p.detach().reshape(-1) for p in net_b.parameters()])
+    torch.testing.assert_close(got, mu, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="boom"):
         opt_b.step(failing)
     got = torch.cat([p.detach().reshape(-1) for p in net_b.parameters()])
@@ -618,7 +623,7 @@ def test_a_non_finite_loss_is_refused_and_changes_nothing():
 
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
-    opt = VOGN(model, lr=0.1, train_set_size=20, prior_precision=1.0)
+    opt = VOGN(model, lr=0.1, ess=20, prior_precision=1.0)
     x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
     opt.step(x, y)
     before = [p.detach().clone() for p in model.parameters()]
@@ -655,7 +660,7 @@ def test_parameter_groups_step_sizes_prior_precisions_and_schedulers():
         {"params": body, "lr": lrs[0], "prior_precision": deltas[0]},
         {"params": head, "lr": lrs[1], "prior_precision": deltas[1]},
     ]
-    opt = OGN(groups, train_set_size=n, betas=(b1, 0.99))
+    opt = OGN(groups, ess=n, betas=(b1, 0.99))
     delta = torch.cat([mu.new_full((k,), deltas[0]), mu.new_full((len(mu) - k,), deltas[1])])
     torch.testing.assert_close(opt.prior().precision, delta, atol=0, rtol=0)
     opt.update(g, h)
@@ -669,12 +674,12 @@ def test_parameter_groups_step_sizes_prior_precisions_and_schedulers():
     with torch.no_grad():
         for p, v in zip(net.parameters(), mu.split([p.numel() for p in net.parameters()])):
             p.copy_(v.view_as(p))
-    one = OGN(list(net.parameters()), lr=0.01, train_set_size=n)
+    one = OGN(list(net.parameters()), lr=0.01, ess=n)
     one.update(g, h)
     with torch.no_grad():
         for p, v in zip(net.parameters(), mu.split([p.numel() for p in net.parameters()])):
             p.copy_(v.view_as(p))
-    two = OGN([{"params": body}, {"params": head}], lr=0.01, train_set_size=n)
+    two = OGN([{"params": body}, {"params": head}], lr=0.01, ess=n)
     two.update(g, h)
     assert torch.equal(one.vogn_state["mu"], two.vogn_state["mu"])
 
@@ -689,16 +694,16 @@ def test_parameter_groups_step_sizes_prior_precisions_and_schedulers():
     assert [grp["lr"] for grp in state["param_groups"]] == [0.01, 0.0]
 
     with pytest.raises(ValueError, match=r"\['betas'\].*one betas for all parameter groups"):
-        OGN([{"params": body, "betas": (0.5, 0.5)}, {"params": head}], train_set_size=n)
+        OGN([{"params": body, "betas": (0.5, 0.5)}, {"params": head}], ess=n)
     with pytest.raises(ValueError, match="unknown keys \\['momentum'\\]"):
-        OGN([{"params": body, "momentum": 0.9}], train_set_size=n)
+        OGN([{"params": body, "momentum": 0.9}], ess=n)
     with pytest.raises(ValueError, match=r"params_or_model\[1\]\['lr'\] must be a positive"):
-        OGN([{"params": body}, {"params": head, "lr": -1.0}], train_set_size=n)
+        OGN([{"params": body}, {"params": head, "lr": -1.0}], ess=n)
     with pytest.raises(ValueError, match="group key"):
         OGN(
             [{"params": body, "prior_precision": 1.0}, {"params": head}],
             prior_mean=DiagonalGaussian(mu, torch.ones_like(mu)),
-            train_set_size=n,
+            ess=n,
         )
 
 
@@ -708,7 +713,7 @@ def test_torch_per_parameter_state_shows_the_live_posterior():
     ``state_dict`` saves the posterior once (not the views as well)."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
-    opt = VOGN(net, lr=0.1, train_set_size=20, prior_precision=3.0)
+    opt = VOGN(net, lr=0.1, ess=20, prior_precision=3.0)
     x, y = torch.randn(8, 3, dtype=D), torch.randint(0, 2, (8,))
     opt.step(x, y)
     mu, s = opt.vogn_state["mu"], opt.vogn_state["s"]
@@ -729,8 +734,37 @@ def test_torch_per_parameter_state_shows_the_live_posterior():
     opt.state.clear()  # what Avalanche's reset does
     opt.step(x, y)
     assert opt.state[p0]["step"] == 1 and opt.state[p0]["mean"].data_ptr() == mu.data_ptr()
-    other = VOGN(net, lr=0.1, train_set_size=20)
+    other = VOGN(net, lr=0.1, ess=20)
     other.load_state_dict(saved)
     assert other.state[p0]["step"] == 0
     assert torch.equal(other.state[p0]["prior_precision"], opt.prior().precision[: p0.numel()]
                        .view_as(p0))  # fmt: skip
+
+
+def test_minibatch_curvature_routes_an_avalanche_multitask_module_by_task_label():
+    """An Avalanche ``MultiTaskModule`` (no ``n_heads``) is routed by task label like a fromp
+    multi-head model: each group of the mini-batch through its own head."""
+    from avalanche.models import MultiTaskModule
+
+    class TwoHeads(MultiTaskModule):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(5, 4)
+            self.heads = nn.ModuleList([nn.Linear(4, 2), nn.Linear(4, 2)])
+
+        def forward_single_task(self, x, task_label):
+            return self.heads[int(task_label)](torch.tanh(self.body(x)))
+
+    torch.manual_seed(0)
+    net = TwoHeads()
+    x, y = torch.randn(8, 5), torch.randint(0, 2, (8,))
+    tasks = torch.tensor([0, 1, 0, 1, 1, 0, 0, 1])
+    opt = VOGN(net, lr=0.1, ess=8)
+    got = minibatch_curvature(net, x, y, tasks, opt)
+    want = torch.zeros_like(got)
+    for t in (0, 1):
+        rows = tasks == t
+        stats = per_example_grad_stats(with_task(net, t), x[rows], y[rows], "categorical")
+        want += stats.curv * int(rows.sum())
+    assert want[-10:].abs().sum() > 0 and want[-20:-10].abs().sum() > 0  # both heads
+    torch.testing.assert_close(got, want / 8)

@@ -167,8 +167,11 @@ class LayerCapture:
     batch-norm layer in training mode (batch statistics couple the examples).
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, retain_grad: bool = False) -> None:
         self.model = model
+        self.retain_grad = retain_grad
+        self._outs: list[Tensor] = []
+        self._handles: list[Any] = []
         ok, layer_map = _layout(model)
         self._named, self._name_of = layer_map.named, layer_map.name_of()
         self._layers = list(layer_map.layers())
@@ -180,12 +183,45 @@ class LayerCapture:
     def __enter__(self) -> LayerCapture:
         self._ctx = capture_calls(self._layers)
         self.calls = self._ctx.__enter__()
+        self._outs = []
+        if self.retain_grad:  # after capture's hooks: sees the output the network uses
+
+            def keep(m: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+                if output.requires_grad:
+                    output.retain_grad()
+                self._outs.append(output)
+
+            self._handles = [m.register_forward_hook(keep) for m in self._layers]
         return self
 
     def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
         if self._ctx is not None:
             self._ctx.__exit__(None, None, None)
             self._ctx = None
+
+    def squared_grads_of_mean_loss(self) -> Tensor | None:
+        """``(1/M) sum_i g_i^2`` ``[P]`` after a ``backward()`` of the **mean** of ``M``
+        per-example losses over the captured forward pass (``retain_grad=True``): the output
+        gradient of the mean loss is ``d l_i / d z_i / M`` on row ``i``, so the per-example
+        gradients are ``M`` times the per-row gradients read from the layers' outputs. None
+        when it cannot be done exactly (unsupported model, a layer called more than once,
+        no backward pass reached the layers)."""
+        if not self.retain_grad or not self.supported or not self.calls:
+            return None
+        if len({id(c.module) for c in self.calls}) != len(self.calls):
+            return None
+        if len(self._outs) != len(self.calls):
+            return None
+        grads = tuple(o.grad for o in self._outs)
+        if all(g is None for g in grads):
+            return None
+        m = len(self.calls[0].a)
+        h_sum = {n: torch.zeros_like(p) for n, p in self._named.items()}
+        _captured_squares(self.calls, grads, self._name_of, h_sum)
+        return torch.cat([t.reshape(-1) for t in h_sum.values()]).mul_(m)
 
     def squared_grads(self, losses: Tensor) -> Tensor | None:
         """``(1/M) sum_i g_i^2`` ``[P]`` for per-example ``losses [M]`` computed from the

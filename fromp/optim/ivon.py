@@ -78,6 +78,12 @@ import torch
 from torch import Tensor, nn
 
 from fromp._checks import check_ivon_group, check_positive
+from fromp.optim._contract import (
+    check_closure_result,
+    check_groups,
+    check_ivon_state,
+    ess_alias,
+)
 from fromp.optim.ivon_posterior import IVONPosterior
 
 __all__ = ["IVON"]
@@ -91,12 +97,14 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
             every hyperparameter below except ``mc_samples`` and ``antithetic``, which are
             global).
         lr: learning rate (scaled by ``hess_init + weight_decay`` when ``rescale_lr``).
-        ess: effective sample size ``N`` (usually the training-set size); sets the
-            posterior scale ``sigma^2 = 1 / (N (h + delta))``.
+        ess: effective sample size ``N`` (usually the training-set size; VOGN's name too);
+            sets the posterior scale ``sigma^2 = 1 / (N (h + delta))``.
+            ``train_set_size=`` is its deprecated synonym.
         hess_init: initial Hessian estimate ``h0 > 0``.
         beta1: momentum decay of the gradient.
         beta2: decay of the Hessian estimate.
-        weight_decay: ``delta >= 0``, the prior precision divided by ``N`` (``h + delta`` must
+        weight_decay: ``delta >= 0``, the prior precision divided by ``N`` (the IVON paper's
+            parameterisation: VOGN's ``prior_precision`` is ``N delta``; ``h + delta`` must
             stay positive: with ``delta = 0``, ``h0 > 0`` keeps it so).
         mc_samples: draws per step when stepping with a closure (``>= 1``).
         antithetic: draw in mirrored pairs: every second draw is ``-z`` of the draw before
@@ -124,7 +132,7 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
         self,
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
         lr: float,
-        ess: float,
+        ess: float | None = None,
         *,
         hess_init: float = 1.0,
         beta1: float = 0.9,
@@ -134,7 +142,11 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
         clip_radius: float | None = None,
         rescale_lr: bool = True,
         antithetic: bool = False,
+        train_set_size: float | None = None,
     ) -> None:
+        ess = ess_alias(ess, train_set_size, "IVON")
+        if ess is None:
+            raise ValueError("ess is required: IVON(params, lr, ess=N), N the training-set size")
         if isinstance(params, nn.Module):
             raise ValueError("params must be an iterable of tensors (model.parameters())")
         defaults = dict(
@@ -362,6 +374,7 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
         Memory: ten flat buffers of the size of the parameters, kept between steps."""
         if self._drawn:
             raise RuntimeError("IVON.draw(): the parameters already hold a draw; restore() first")
+        check_groups(self.param_groups, "IVON.draw()")
         mirror = self._mirror
         for gi, (group, w, prior) in enumerate(self._group_work()):
             if w["den_key"] != self._den_key(group):  # else computed by the last update
@@ -484,15 +497,23 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
         ``mc_samples`` draws, each evaluated inside :meth:`sampled_params`; returns the
         mean loss. Without: averages the draws accumulated since the last step (at least
         one :meth:`sampled_params` block with ``train=True``)."""
+        check_groups(self.param_groups, "IVON.step()")
         loss = None
         if closure is not None:
             if self._n_acc:
                 raise RuntimeError("IVON.step(closure): draws were already accumulated")
             total = 0.0
-            for _ in range(self.mc_samples):
-                with self.sampled_params(train=True), torch.enable_grad():
-                    value = closure()
-                total = total + value.detach()
+            try:
+                for _ in range(self.mc_samples):
+                    with self.sampled_params(train=True), torch.enable_grad():
+                        for p in self.params:  # a closure that never calls backward(): None
+                            p.grad = None
+                        value = closure()
+                        check_closure_result("IVON", value, self.params)
+                    total = total + torch.as_tensor(value).detach()
+            except BaseException:
+                self._discard()  # the draws of this step so far: the state is unchanged
+                raise
             loss = total / self.mc_samples
         if self._drawn:
             raise RuntimeError("IVON.step(): the parameters hold a draw; restore() it first")
@@ -504,7 +525,7 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
         work = self._group_work()
         finite = torch.stack([torch.isfinite(w["ga"]).all() for _, w, _ in work]).all()
         if not bool(finite):  # one host sync per step; refuse before any state changes
-            self._n_acc = 0
+            self._discard()
             raise FloatingPointError(
                 "IVON.step(): the gradient at the sampled weights is not finite (a NaN or "
                 "infinite loss?); the weights and the optimizer state are unchanged"
@@ -512,6 +533,13 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
         self._update(self._n_acc)
         self._n_acc = 0
         return loss
+
+    def _discard(self) -> None:
+        """Forget the draws accumulated for the next step (and any added gradient)."""
+        self._n_acc = 0
+        for w in self._work_cache.values():
+            w["pending"] = False
+            w["has_gx"] = False
 
     def _update(self, n_draws: int) -> None:
         """The update of the module docstring, in place in the flat buffers, from the sums
@@ -593,29 +621,23 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
         ivon = state_dict.pop("ivon", None)
         if ivon is None:
             raise ValueError("state_dict has no 'ivon' entry: it was not saved by IVON")
+        # refuse before anything is replaced: torch's load overwrites the groups
+        check_groups(state_dict.get("param_groups", []), "IVON.load_state_dict")
+        check_ivon_state(ivon, self.params, self.param_groups)
         super().load_state_dict(state_dict)
         self.load_ivon_state(ivon)
 
     def load_ivon_state(self, ivon: dict[str, Any]) -> None:
         """Load ``state_dict()["ivon"]`` alone."""
+        check_ivon_state(ivon, self.params, self.param_groups)
         params = self.params
-        if len(ivon["params"]) != len(params):
-            raise ValueError(
-                f"ivon state has {len(ivon['params'])} parameters, optimizer has {len(params)}"
-            )
         loaded = []
         for p, st in zip(params, ivon["params"]):
-            if st["hess"].shape != p.shape:
-                raise ValueError(f"ivon state shape {tuple(st['hess'].shape)} != {tuple(p.shape)}")
             loaded.append({k: v.detach().to(p).clone() for k, v in st.items()})
         self.ivon_state = {"step": int(ivon["step"]), "params": loaded}
         self._link_state()
         mirror = ivon.get("mirror")
         if mirror is not None:
-            sizes = [sum(p.numel() for p in g["params"]) for g in self.param_groups]
-            if [z.numel() for z in mirror] != sizes:
-                got = [z.numel() for z in mirror]
-                raise ValueError(f"ivon state's mirror draw has sizes {got}, expected {sizes}")
             mirror = [
                 z.detach().to(g["params"][0]).clone() for z, g in zip(mirror, self.param_groups)
             ]

@@ -32,16 +32,12 @@ initial value of ``s`` (so ``q`` starts with precision ``N s_0 / kl_weight + del
 Everything is kept as flat ``[P]`` vectors, parameters in ``named_parameters()`` order
 (trainable only), the order of :func:`fromp.jacobian.flat_params`.
 
-The per-example statistics (``g`` and ``h``, exact for any architecture; layer capture or
-``torch.func.vmap``, chunked) come from :mod:`fromp.optim._stats`
-(:func:`per_example_grad_stats`, :class:`LayerCapture`); the predictive helpers
-:func:`predict_mc` and :func:`predict_mean` live in :mod:`fromp.optim.predictive`. Both are
-re-exported here.
+Per-example statistics (``g``, ``h``; exact for any architecture) come from
+:mod:`fromp.optim._stats`, predictives from :mod:`fromp.optim.predictive` (re-exported).
 
 Typical use::
 
-    opt = VOGN(model, lr=1e-3, train_set_size=len(train_x), prior_precision=100.0,
-               kl_weight=0.02)
+    opt = VOGN(model, lr=1e-3, ess=len(train_x), prior_precision=100.0, kl_weight=0.02)
     for x, y in loader:
         loss = opt.step(x, y)            # samples w ~ q, per-example stats, update
     q = opt.posterior()                  # DiagonalGaussian over the flat parameters
@@ -56,7 +52,7 @@ pass of the mini-batch at the first sampled weights to update the running statis
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -64,6 +60,16 @@ from torch import Tensor, nn
 
 from fromp._checks import check_chunk_size, check_positive, check_vogn_groups
 from fromp.likelihood import Likelihood
+from fromp.optim._contract import (
+    _as_vector,
+    check_closure_result,
+    check_ess,
+    check_groups,
+    check_targets,
+    check_vogn_state,
+    deprecated_alias,
+    ess_alias,
+)
 from fromp.optim._stats import (
     GradStats,
     LayerCapture,
@@ -84,15 +90,6 @@ __all__ = [
     "predict_mc",
     "predict_mean",
 ]
-
-
-def _as_vector(value: float | Tensor, like: Tensor, name: str) -> Tensor:
-    t = torch.as_tensor(value, dtype=like.dtype, device=like.device)
-    if t.ndim == 0:
-        t = t.expand_as(like)
-    if t.shape != like.shape:
-        raise ValueError(f"{name} must be a float or a [P]={like.numel()} tensor, got {t.shape}")
-    return t.detach().clone()
 
 
 _VIEWS = (
@@ -141,9 +138,11 @@ class VOGN(torch.optim.Optimizer):
             ``mc_samples``, ``kl_weight`` and ``bias_correction`` are one per optimizer.
         lr: step size ``alpha``.
         betas: ``(beta1, beta2)`` decays of ``m`` and ``s``.
-        train_set_size: ``N``; may be None until the first step (the Avalanche plugin sets
-            it for every experience).
-        prior_precision: ``delta``, a float or ``[P]`` tensor (default 1.0).
+        ess: ``N``, the effective sample size (usually the training-set size; IVON's name);
+            may be None until the first step (the Avalanche plugin sets it for every
+            experience). ``train_set_size=`` is its deprecated synonym.
+        prior_precision: ``delta``, a float or ``[P]`` tensor (default 1.0): the precision
+            of the prior on the weights (IVON's ``weight_decay`` is ``delta / N``).
         prior_mean: ``mu_0`` ``[P]`` (default zeros) or a :class:`DiagonalGaussian` prior,
             whose precision is then ``delta`` too (``prior_precision`` must then be None).
         init_precision: initial ``s`` (float or ``[P]``; torchsso's convention); None: 0.
@@ -165,7 +164,7 @@ class VOGN(torch.optim.Optimizer):
         *,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
-        train_set_size: int | None = None,
+        ess: float | None = None,
         prior_precision: float | Tensor | None = None,
         prior_mean: Tensor | DiagonalGaussian | None = None,
         init_precision: float | Tensor | None = None,
@@ -176,7 +175,9 @@ class VOGN(torch.optim.Optimizer):
         bias_correction: bool = True,
         chunk_size: int | None = None,
         method: str = "auto",
+        train_set_size: float | None = None,
     ) -> None:
+        ess = ess_alias(ess, train_set_size, "VOGN")
         if isinstance(params_or_model, nn.Module):
             self.model: nn.Module | None = params_or_model
             named = [(n, p) for n, p in params_or_model.named_parameters() if p.requires_grad]
@@ -244,8 +245,8 @@ class VOGN(torch.optim.Optimizer):
             s0 = _as_vector(init_precision, mu, "init_precision")
             if not (torch.isfinite(s0).all() and (s0 >= 0).all()):
                 raise ValueError("init_precision must be finite and >= 0")
-        if train_set_size is not None and not (int(train_set_size) >= 1):
-            raise ValueError(f"train_set_size must be a positive int, got {train_set_size!r}")
+        if ess is not None:
+            ess = check_ess(ess)
         self.vogn_state: dict[str, Any] = {
             "mu": mu,
             "s": s0.clone(),
@@ -254,7 +255,7 @@ class VOGN(torch.optim.Optimizer):
             "prior_mean": mu0,
             "prior_precision": delta,
             "init_s": s0 if init_precision is not None else None,
-            "train_set_size": None if train_set_size is None else int(train_set_size),
+            "train_set_size": ess,  # the state's key since the first checkpoints
         }
         self._pending_curv: Tensor | None = None
         self._sampled = False
@@ -294,19 +295,20 @@ class VOGN(torch.optim.Optimizer):
         return float(self.param_groups[0]["kl_weight"])
 
     @property
-    def train_set_size(self) -> int | None:
+    def ess(self) -> float | None:
+        """``N``, the effective sample size (None until set)."""
         return self.vogn_state["train_set_size"]
 
-    @train_set_size.setter
-    def train_set_size(self, n: int) -> None:
-        if not (isinstance(n, int) and n >= 1):
-            raise ValueError(f"train_set_size must be a positive int, got {n!r}")
-        self.vogn_state["train_set_size"] = n
+    @ess.setter
+    def ess(self, n: float) -> None:
+        self.vogn_state["train_set_size"] = check_ess(n)
 
-    def _n(self) -> int:
+    train_set_size = deprecated_alias("train_set_size", "ess", "VOGN")
+
+    def _n(self) -> float:
         n = self.vogn_state["train_set_size"]
         if n is None:
-            raise ValueError("train_set_size is not set: pass train_set_size=N or set it")
+            raise ValueError("ess is not set: pass VOGN(..., ess=N) or set opt.ess = N")
         return n
 
     # ---------------------------------------------------------------- posterior
@@ -412,6 +414,7 @@ class VOGN(torch.optim.Optimizer):
         With ``copy=False`` the returned tensor is an internal buffer (``mu`` itself when
         ``mc_samples == 0``) that the next draw overwrites: no ``[P]`` allocation per step,
         what the training loops use."""
+        check_groups(self.param_groups, "VOGN.sample_params()")
         self._sync_device()
         mu = self.vogn_state["mu"]
         if self.mc_samples == 0:
@@ -456,6 +459,7 @@ class VOGN(torch.optim.Optimizer):
         """One VOGN update from ``g`` ``[P]`` (mean data gradient plus any extra terms, no
         prior term) and ``h`` ``[P]`` (mean per-example curvature); writes ``mu`` into the
         parameters."""
+        check_groups(self.param_groups, "VOGN.update()")
         self._sync_device()
         st = self.vogn_state
         mu = st["mu"]
@@ -526,14 +530,15 @@ class VOGN(torch.optim.Optimizer):
           ``(x, y)`` (``x`` a tensor in the place of the closure) averaging
           ``max(mc_samples, 1)`` draws; returns the mean data loss.
         * ``step(closure)``: for each of ``max(mc_samples, 1)`` draws held in the parameters
-          (:meth:`sampled_params`), ``closure()`` zeroes the gradients, computes the loss,
-          calls ``backward()`` and :meth:`set_curvature` ``(h)`` with the per-example
-          curvature of the data loss at the draw (e.g. from :class:`LayerCapture`); ``g`` is
-          read from ``.grad``. Returns the mean of the closure's losses.
+          (:meth:`sampled_params`), ``closure()`` zeroes the gradients, computes the mean
+          loss, calls ``backward()`` and returns the loss; ``g`` is read from ``.grad``, ``h``
+          from the closure's own passes (``VOGN(model)``, ``curvature="ef"``, layers of
+          :mod:`fromp.capture`) or from :meth:`set_curvature` ``(h)`` called by the closure.
         * ``step()``: two-phase step (``g`` from ``.grad``, ``h`` from :meth:`set_curvature`).
 
         The parameters hold ``mu`` afterwards, also when a draw raises.
         """
+        check_groups(self.param_groups, "VOGN.step()")
         if isinstance(closure, Tensor):
             return self._step_batch(closure, y, regularizer=regularizer, model=model)
         if y is not None or regularizer is not None or model is not None:
@@ -562,19 +567,29 @@ class VOGN(torch.optim.Optimizer):
         draws = max(self.mc_samples, 1)
         g_acc = h_acc = loss_acc = None
         self._pending_curv = None
+        capture = None if self.model is None else LayerCapture(self.model, retain_grad=True)
+        auto = capture is not None and capture.supported and self.curvature == "ef"
         for _ in range(draws):
-            with self.sampled_params(), torch.enable_grad():
+            with self.sampled_params(), torch.enable_grad(), capture if auto else nullcontext():
+                for p in self.params:  # a closure that never calls backward(): None
+                    p.grad = None
                 loss = closure()
-            if self._pending_curv is None:
+            check_closure_result("VOGN", loss, self.params)
+            h = self._pending_curv
+            if h is None and auto:  # the per-example squares of the closure's own passes
+                h = capture.squared_grads_of_mean_loss()  # type: ignore[union-attr]
+                capture.calls, capture._outs = [], []  # type: ignore[union-attr]
+            if h is None:
                 raise ValueError(
-                    "VOGN.step(closure): the closure must call set_curvature(h) with the "
-                    "per-example curvature of the data loss at the sampled weights"
+                    "VOGN.step(closure): the closure must call set_curvature(h) (found without "
+                    "it only for VOGN(model, curvature='ef') over Linear/Conv/norm layers each "
+                    "called once, with a mean loss)"
                 )
-            g, h = self._read_grad(), self._pending_curv
+            g = self._read_grad()
             self._pending_curv = None
             g_acc = g if g_acc is None else g_acc + g
             h_acc = h if h_acc is None else h_acc + h
-            loss = loss.detach()
+            loss = torch.as_tensor(loss).detach()
             loss_acc = loss if loss_acc is None else loss_acc + loss
         assert g_acc is not None and h_acc is not None and loss_acc is not None
         if draws > 1:
@@ -595,6 +610,7 @@ class VOGN(torch.optim.Optimizer):
         net = model if model is not None else self.model
         if net is None:
             raise ValueError("step(x, y) needs the model: construct VOGN with the model")
+        check_targets(self, net, x, y)
         draws = max(self.mc_samples, 1)
         g_acc = h_acc = loss_acc = None
         for d in range(draws):
@@ -656,17 +672,16 @@ class VOGN(torch.optim.Optimizer):
         vogn = state_dict.pop("vogn", None)
         if vogn is None:
             raise ValueError("state_dict has no 'vogn' entry: it was not saved by VOGN")
+        # refuse before anything is replaced: torch's load overwrites the groups
+        check_groups(state_dict.get("param_groups", []), "VOGN.load_state_dict")
+        check_vogn_state(vogn, self.vogn_state)
         super().load_state_dict(state_dict)
         self.load_vogn_state(vogn)
 
     def load_vogn_state(self, vogn: dict[str, Any]) -> None:
         """Load the posterior state alone (``state_dict()["vogn"]``)."""
+        check_vogn_state(vogn, self.vogn_state)
         mu = self.vogn_state["mu"]
-        missing = set(self.vogn_state) - set(vogn)
-        if missing:
-            raise ValueError(f"vogn state is missing {sorted(missing)}")
-        if vogn["mu"].shape != mu.shape:
-            raise ValueError(f"vogn state has P={vogn['mu'].numel()}, optimizer has {mu.numel()}")
         self.vogn_state = {
             k: (v.detach().to(mu).clone() if isinstance(v, Tensor) else v) for k, v in vogn.items()
         }

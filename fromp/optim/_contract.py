@@ -1,0 +1,183 @@
+"""Checks shared by the optimizers that keep a posterior (:class:`~fromp.optim.IVON`,
+:class:`~fromp.optim.VOGN`), run before anything changes: the hyperparameters of every
+parameter group at each step and in a loaded state (a scheduler, an edit of
+``param_groups`` or ``load_state_dict`` may have changed them since construction), the
+closure's result, the labels of a mini-batch and a loaded posterior state. Each refusal
+names the argument; the weights and the optimizer state are left as they were."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from fromp._checks import check_class_targets, check_ivon_hyper, check_vogn_hyper
+from fromp.likelihood import Likelihood, get_likelihood
+
+__all__ = [
+    "check_closure_result",
+    "check_ess",
+    "check_groups",
+    "check_ivon_state",
+    "check_targets",
+    "check_vogn_state",
+    "deprecated_alias",
+    "ess_alias",
+]
+
+#: Hyperparameters that act on the whole posterior: equal in every group.
+_SHARED = {"IVON": ("mc_samples", "antithetic"),
+           "VOGN": ("betas", "mc_samples", "kl_weight", "bias_correction")}  # fmt: skip
+
+
+def _as_tuple(value: Any) -> tuple[Any, ...]:
+    return tuple(value) if isinstance(value, tuple | list) else (value,)
+
+
+def check_groups(groups: Sequence[dict[str, Any]], where: str) -> None:
+    """Every group's hyperparameters valid, the shared ones equal to the first group's;
+    ``where`` (``"IVON.step()"``, ``"VOGN.load_state_dict"``, ...) opens the message and
+    names the optimizer."""
+    kind = where.split(".", 1)[0]
+    check = check_ivon_hyper if kind == "IVON" else check_vogn_hyper
+    for i, group in enumerate(groups):
+        check(group, f"{where}: param_groups[{i}]: ")
+        for key in _SHARED[kind]:
+            if _as_tuple(group[key]) != _as_tuple(groups[0][key]):
+                raise ValueError(
+                    f"{where}: param_groups[{i}]: {kind} keeps one {key} for all parameter "
+                    f"groups, got {group[key]!r} and {groups[0][key]!r}"
+                )
+
+
+def check_closure_result(kind: str, value: Any, params: Sequence[Tensor]) -> None:
+    """The closure returned the loss and called ``backward()`` (the gradients were cleared
+    before it ran, so some parameter must have one)."""
+    if value is None:
+        raise TypeError(
+            f"{kind}.step(closure): the closure returned None; it must zero the gradients, "
+            "compute the (mean) loss, call loss.backward() and return the loss"
+        )
+    if all(p.grad is None for p in params):
+        raise RuntimeError(
+            f"{kind}.step(closure): the closure did not call backward() (no parameter has a "
+            "gradient at the sampled weights); the weights and the optimizer state are "
+            "unchanged"
+        )
+
+
+def check_targets(opt: Any, net: nn.Module, x: Tensor, y: Tensor) -> None:
+    """Labels of a classification likelihood (``opt.likelihood``) in the range of the
+    model's outputs, refused naming ``y``; the output count is found once per model by a
+    one-example forward pass in eval mode (no batch-norm update, no dropout draw)."""
+    if not isinstance(opt.likelihood, str | Likelihood):
+        return  # a callable loss: its own targets
+    lik = get_likelihood(opt.likelihood)
+    if lik.name == "gaussian":
+        return
+    cache = opt.__dict__.setdefault("_n_outputs", {})
+    n_out = cache.get(id(net))
+    if n_out is None:
+        was_training = net.training
+        net.eval()
+        try:
+            with torch.no_grad():
+                n_out = cache[id(net)] = int(net(x[:1]).shape[-1])
+        finally:
+            net.train(was_training)
+    check_class_targets(y, n_out, lik, "y")
+
+
+def check_vogn_state(vogn: Any, current: dict[str, Any]) -> None:
+    """A ``"vogn"`` state entry that fits the optimizer whose state is ``current``."""
+    if not isinstance(vogn, dict):
+        raise ValueError(f"vogn state must be a dict, got {type(vogn).__name__}")
+    mu = current["mu"]
+    missing = set(current) - set(vogn)
+    if missing:
+        raise ValueError(f"vogn state is missing {sorted(missing)}")
+    if vogn["mu"].shape != mu.shape:
+        raise ValueError(f"vogn state has P={vogn['mu'].numel()}, optimizer has {mu.numel()}")
+    for key in ("mu", "s", "m", "prior_mean", "prior_precision"):
+        v = vogn[key]
+        if not isinstance(v, Tensor) or v.shape != mu.shape:
+            raise ValueError(f"vogn state's {key!r} must be a [P]=[{mu.numel()}] tensor")
+        if not bool(torch.isfinite(v).all()):
+            raise ValueError(f"vogn state's {key!r} has non-finite entries (NaN or inf)")
+    if not bool((vogn["prior_precision"] > 0).all()):
+        raise ValueError("vogn state's 'prior_precision' must be strictly positive")
+    n = vogn["train_set_size"]
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int | float) or not n > 0):
+        raise ValueError(f"vogn state's train_set_size (ess) must be a positive number, got {n!r}")
+
+
+def check_ivon_state(ivon: Any, params: Sequence[Tensor], groups: Sequence[dict[str, Any]]) -> None:
+    """An ``"ivon"`` state entry that fits an IVON over ``params`` in ``groups``."""
+    if not isinstance(ivon, dict) or "params" not in ivon or "step" not in ivon:
+        raise ValueError("ivon state must be a dict with 'step' and 'params'")
+    if len(ivon["params"]) != len(params):
+        raise ValueError(
+            f"ivon state has {len(ivon['params'])} parameters, optimizer has {len(params)}"
+        )
+    for p, st in zip(params, ivon["params"]):
+        if not isinstance(st, dict) or "hess" not in st or "momentum" not in st:
+            raise ValueError("ivon state must hold 'momentum' and 'hess' per parameter")
+        if st["hess"].shape != p.shape:
+            raise ValueError(f"ivon state shape {tuple(st['hess'].shape)} != {tuple(p.shape)}")
+        if not bool(torch.isfinite(st["hess"]).all() & torch.isfinite(st["momentum"]).all()):
+            raise ValueError("ivon state has non-finite entries (NaN or inf)")
+    mirror = ivon.get("mirror")
+    if mirror is not None:
+        sizes = [sum(p.numel() for p in g["params"]) for g in groups]
+        if [z.numel() for z in mirror] != sizes:
+            got = [z.numel() for z in mirror]
+            raise ValueError(f"ivon state's mirror draw has sizes {got}, expected {sizes}")
+
+
+def _as_vector(value: float | Tensor, like: Tensor, name: str) -> Tensor:
+    """``value`` (a float or a ``[P]`` tensor) as a detached ``[P]`` copy like ``like``."""
+    t = torch.as_tensor(value, dtype=like.dtype, device=like.device)
+    if t.ndim == 0:
+        t = t.expand_as(like)
+    if t.shape != like.shape:
+        raise ValueError(f"{name} must be a float or a [P]={like.numel()} tensor, got {t.shape}")
+    return t.detach().clone()
+
+
+def check_ess(n: object) -> float:
+    """``N`` a finite number ``> 0`` (an int stays an int)."""
+    if isinstance(n, bool) or not isinstance(n, int | float) or not n > 0 or not math.isfinite(n):
+        raise ValueError(f"ess must be a positive number (the training-set size), got {n!r}")
+    return n
+
+
+def ess_alias(ess: float | None, train_set_size: float | None, who: str) -> float | None:
+    """``ess``, or the deprecated ``train_set_size=`` (with a ``DeprecationWarning``)."""
+    if train_set_size is None:
+        return ess
+    warnings.warn(f"{who}(train_set_size=...) is deprecated: use {who}(ess=...)",
+                  DeprecationWarning, stacklevel=3)  # fmt: skip
+    if ess is not None and ess != train_set_size:
+        raise ValueError(f"pass ess or train_set_size (a deprecated synonym), not both: "
+                         f"got {ess!r} and {train_set_size!r}")  # fmt: skip
+    return train_set_size
+
+
+def deprecated_alias(old: str, new: str, who: str) -> property:
+    """A property ``old`` that reads and writes ``new`` with a ``DeprecationWarning``."""
+
+    def get(self: Any) -> Any:
+        warnings.warn(f"{who}.{old} is deprecated: use {who}.{new}", DeprecationWarning,
+                      stacklevel=2)  # fmt: skip
+        return getattr(self, new)
+
+    def put(self: Any, value: Any) -> None:
+        warnings.warn(f"{who}.{old} is deprecated: use {who}.{new}", DeprecationWarning,
+                      stacklevel=2)  # fmt: skip
+        setattr(self, new, value)
+
+    return property(get, put, doc=f"Deprecated synonym of :attr:`{new}`.")

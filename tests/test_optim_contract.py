@@ -1,0 +1,436 @@
+"""One contract for the optimizers that keep a posterior (:class:`fromp.IVON`,
+:class:`fromp.VOGN`): a step with a closure, NaN losses and bad hyperparameters refused with
+the weights and the state unchanged (also when the hyperparameters change after
+construction: a scheduler, an edit of ``param_groups``, a loaded state), exact state-dict
+round trips, ``zero_grad`` and parameter groups. Every optimizer added later joins
+``OPTIMIZERS``."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fromp import IVON, VOGN
+from fromp.optim.vogn import LayerCapture
+
+X = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))
+Y = torch.randint(0, 3, (16,), generator=torch.Generator().manual_seed(1))
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+def _ivon(model: nn.Module, **kw):
+    return IVON(model.parameters(), **{"lr": 0.1, "ess": 16, **kw})
+
+
+def _vogn(model: nn.Module, **kw):
+    return VOGN(model, **{"lr": 0.05, "train_set_size": 16, **kw})
+
+
+OPTIMIZERS = {"ivon": _ivon, "vogn": _vogn}
+
+
+def _closure(opt, model: nn.Module, loss_scale: float = 1.0):
+    def closure():
+        opt.zero_grad()
+        loss = F.cross_entropy(model(X), Y) * loss_scale
+        loss.backward()
+        return loss
+
+    return closure
+
+
+def _step(opt, model: nn.Module, loss_scale: float = 1.0):
+    """One step through the optimizer's standard closure API."""
+    return opt.step(_closure(opt, model, loss_scale))
+
+
+def _snapshot(opt, model):
+    return [p.detach().clone() for p in model.parameters()], copy.deepcopy(opt.state_dict())
+
+
+def _assert_unchanged(opt, model, snap):
+    weights, state = snap
+    for p, w in zip(model.parameters(), weights):
+        assert torch.equal(p.detach(), w), "the weights changed"
+    _assert_states_equal(opt.state_dict(), state)
+
+
+def _assert_states_equal(a, b):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert set(a) == set(b)
+        for k in a:
+            _assert_states_equal(a[k], b[k])
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b)
+        for u, v in zip(a, b):
+            _assert_states_equal(u, v)
+    elif isinstance(a, float) and math.isnan(a):
+        assert isinstance(b, float) and math.isnan(b)
+    else:
+        assert a == b
+
+
+@pytest.fixture(params=sorted(OPTIMIZERS))
+def make(request):
+    return OPTIMIZERS[request.param]
+
+
+def test_step_with_closure_moves_the_weights_and_returns_the_loss(make):
+    model = _mlp()
+    opt = make(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = _step(opt, model)
+    assert loss is not None and torch.isfinite(torch.as_tensor(loss))
+    assert any(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_nan_loss_refused_with_weights_and_state_unchanged(make):
+    model = _mlp()
+    opt = make(model)
+    _step(opt, model)
+    snap = _snapshot(opt, model)
+    with pytest.raises(FloatingPointError, match="unchanged"):
+        _step(opt, model, loss_scale=float("nan"))
+    _assert_unchanged(opt, model, snap)
+    _step(opt, model)  # and it still works afterwards
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+BAD_GROUP_VALUES = [
+    ("lr", float("nan")),
+    ("lr", float("inf")),
+    ("lr", -0.1),
+    ("lr", True),
+]
+
+
+@pytest.mark.parametrize(("key", "value"), BAD_GROUP_VALUES)
+def test_bad_lr_set_after_construction_refused_at_step(make, key, value):
+    model = _mlp()
+    opt = make(model)
+    _step(opt, model)
+    snap = _snapshot(opt, model)
+    opt.param_groups[0][key] = value
+    with pytest.raises(ValueError, match=rf"param_groups\[0\].*{key}"):
+        _step(opt, model)
+    opt.param_groups[0][key] = snap[1]["param_groups"][0][key]
+    _assert_unchanged(opt, model, snap)
+
+
+def test_lr_zero_from_a_scheduler_is_a_step_that_does_not_move_the_mean(make):
+    model = _mlp()
+    opt = make(model)
+    _step(opt, model)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.param_groups[0]["lr"] = 0.0
+    _step(opt, model)
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p.detach(), b)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("beta2", 1.5),
+        ("beta1", -0.1),
+        ("beta2", float("nan")),
+        ("ess", 0),
+        ("ess", float("inf")),
+        ("weight_decay", float("nan")),
+        ("weight_decay", float("inf")),
+        ("weight_decay", -1.0),
+        ("hess_init", 0.0),
+        ("mc_samples", 0),
+    ],
+)
+def test_ivon_bad_group_hyperparameters_refused_naming_them(key, value):
+    model = _mlp()
+    opt = _ivon(model)
+    _step(opt, model)
+    snap = _snapshot(opt, model)
+    old = opt.param_groups[0][key]
+    opt.param_groups[0][key] = value
+    with pytest.raises(ValueError, match=key):
+        _step(opt, model)
+    with pytest.raises(ValueError, match=key):  # the two-phase path too
+        with opt.sampled_params(train=True):
+            pass
+    opt.param_groups[0][key] = old
+    _assert_unchanged(opt, model, snap)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("betas", (0.9, 1.5)),
+        ("betas", (float("nan"), 0.9)),
+        ("betas", (0.9,)),
+        ("kl_weight", 0.0),
+        ("kl_weight", float("inf")),
+        ("mc_samples", -1),
+    ],
+)
+def test_vogn_bad_group_hyperparameters_refused_naming_them(key, value):
+    model = _mlp()
+    opt = _vogn(model)
+    _step(opt, model)
+    snap = _snapshot(opt, model)
+    old = opt.param_groups[0][key]
+    opt.param_groups[0][key] = value
+    with pytest.raises(ValueError, match=key):
+        opt.step(X, Y)
+    with pytest.raises(ValueError, match=key):
+        _step(opt, model)
+    opt.param_groups[0][key] = old
+    _assert_unchanged(opt, model, snap)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "name"),
+    [("beta2", 1.5, "ivon"), ("lr", float("nan"), "ivon"), ("betas", (0.9, 1.5), "vogn"),
+     ("lr", -1.0, "vogn")],
+)  # fmt: skip
+def test_load_state_dict_with_bad_hyperparameters_refused_before_any_change(key, value, name):
+    model = _mlp()
+    opt = OPTIMIZERS[name](model)
+    _step(opt, model)
+    bad = copy.deepcopy(opt.state_dict())
+    bad["param_groups"][0][key] = value
+    _step(opt, model)
+    snap = _snapshot(opt, model)
+    with pytest.raises(ValueError, match=key):
+        opt.load_state_dict(bad)
+    _assert_unchanged(opt, model, snap)
+    assert opt.param_groups[0][key] == snap[1]["param_groups"][0][key]
+
+
+def test_state_dict_round_trip_is_exact(make):
+    model = _mlp()
+    opt = make(model)
+    for _ in range(3):
+        _step(opt, model)
+    state = copy.deepcopy(opt.state_dict())
+    weights = copy.deepcopy(model.state_dict())
+    torch.manual_seed(5)
+    _step(opt, model)
+    after_a = [p.detach().clone() for p in model.parameters()]
+
+    model2 = _mlp()
+    model2.load_state_dict(weights)
+    opt2 = make(model2)
+    opt2.load_state_dict(state)
+    _assert_states_equal(opt2.state_dict(), state)
+    torch.manual_seed(5)
+    _step(opt2, model2)
+    for a, b in zip(after_a, model2.parameters()):
+        assert torch.equal(a, b.detach())
+
+
+def test_state_is_visible_in_self_state(make):
+    model = _mlp()
+    opt = make(model)
+    _step(opt, model)
+    for p in model.parameters():
+        st = opt.state[p]
+        assert st, "self.state[p] is empty"
+        tensors = [v for v in st.values() if isinstance(v, torch.Tensor) and v.shape == p.shape]
+        assert tensors, "self.state[p] shows no tensor of p's shape"
+
+
+def test_zero_grad_clears_the_gradients(make):
+    model = _mlp()
+    opt = make(model)
+    F.cross_entropy(model(X), Y).backward()
+    opt.zero_grad()
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+def test_param_groups_lr_zero_group_is_refused_and_two_groups_step(make):
+    model = _mlp()
+    groups = [{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 0.01}]
+    if make is _vogn:
+        opt = VOGN(groups, lr=0.05, ess=16)
+    else:
+        opt = IVON(groups, lr=0.1, ess=16)
+    assert len(opt.param_groups) == 2
+    assert opt.param_groups[1]["lr"] == 0.01
+
+    def closure():  # VOGN over parameter groups has no model: the closure gives h
+        opt.zero_grad()
+        with LayerCapture(model) as cap:
+            losses = F.cross_entropy(model(X), Y, reduction="none")
+        if make is _vogn:
+            opt.set_curvature(cap.squared_grads(losses))
+        loss = losses.mean()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    snap = _snapshot(opt, model)
+    opt.param_groups[1]["lr"] = float("nan")
+    with pytest.raises(ValueError, match=r"param_groups\[1\]"):
+        opt.step(closure)
+    opt.param_groups[1]["lr"] = 0.01
+    _assert_unchanged(opt, model, snap)
+
+
+# ----------------------------------------------------------------------------- IVON closures
+def test_ivon_closure_without_backward_refused_weights_unchanged():
+    model = _mlp()
+    opt = _ivon(model, mc_samples=2)
+    _step(opt, model)
+    snap = _snapshot(opt, model)
+
+    def closure():
+        opt.zero_grad()
+        return F.cross_entropy(model(X), Y)  # no backward()
+
+    with pytest.raises(RuntimeError, match="backward"):
+        opt.step(closure)
+    _assert_unchanged(opt, model, snap)
+    _step(opt, model)  # nothing left accumulated: the next step works
+
+
+def test_ivon_closure_returning_none_refused_clearly():
+    model = _mlp()
+    opt = _ivon(model)
+    snap = _snapshot(opt, model)
+
+    def closure():
+        opt.zero_grad()
+        F.cross_entropy(model(X), Y).backward()
+
+    with pytest.raises(TypeError, match="returned None"):
+        opt.step(closure)
+    _assert_unchanged(opt, model, snap)
+
+
+def test_ivon_weight_decay_nan_blames_weight_decay_not_the_loss():
+    model = _mlp()
+    opt = _ivon(model)
+    opt.param_groups[0]["weight_decay"] = float("nan")
+    with pytest.raises(ValueError, match="weight_decay") as err:
+        _step(opt, model)
+    assert "loss" not in str(err.value)
+
+
+def test_ivon_group_ess_zero_is_a_clear_error():
+    model = _mlp()
+    opt = _ivon(model)
+    opt.param_groups[0]["ess"] = 0
+    with pytest.raises(ValueError, match="ess"):
+        _step(opt, model)
+
+
+# ----------------------------------------------------------------------------- VOGN closures
+def test_vogn_closure_finds_the_per_example_curvature_itself():
+    """step(closure) of a mean loss, without set_curvature: the same update as the
+    standalone step(x, y) (whose squared per-example gradients are checked against loops
+    over examples in test_vogn.py), and the same h as a brute-force loop."""
+    m1, m2 = _mlp().double(), _mlp().double()
+    xd = X.double()
+    o1 = VOGN(m1, lr=0.05, ess=16)
+    o2 = VOGN(m2, lr=0.05, ess=16)
+    for _ in range(3):
+        torch.manual_seed(3)
+        o1.step(xd, Y)
+        torch.manual_seed(3)
+
+        def closure():
+            o2.zero_grad()
+            loss = F.cross_entropy(m2(xd), Y)
+            loss.backward()
+            return loss
+
+        o2.step(closure)
+        for a, b in zip(m1.parameters(), m2.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(o1.vogn_state["s"], o2.vogn_state["s"], rtol=1e-12, atol=1e-14)
+    # brute force: s after one step from zero is (1 - beta2) (1/M) sum_i g_i^2 at the draw
+    m3 = _mlp().double()
+    o3 = VOGN(m3, lr=0.05, ess=16, mc_samples=0)
+    o3.step(lambda: _mean_loss_backward(o3, m3, xd))
+    gs = []
+    m4 = _mlp().double()
+    for i in range(len(xd)):
+        m4.zero_grad()
+        F.cross_entropy(m4(xd[i : i + 1]), Y[i : i + 1]).backward()
+        gs.append(torch.cat([p.grad.reshape(-1) for p in m4.parameters()]))
+    h = torch.stack(gs).pow(2).mean(0)
+    torch.testing.assert_close(o3.vogn_state["s"], (1 - 0.999) * h, rtol=1e-10, atol=1e-14)
+
+
+def _mean_loss_backward(opt, model, x):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), Y)
+    loss.backward()
+    return loss
+
+
+def test_vogn_closure_old_way_with_set_curvature_still_works():
+    model = _mlp()
+    opt = _vogn(model)
+
+    def closure():
+        opt.zero_grad()
+        with LayerCapture(model) as cap:
+            losses = F.cross_entropy(model(X), Y, reduction="none")
+        opt.set_curvature(cap.squared_grads(losses))
+        loss = losses.mean()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    assert opt.vogn_state["step"] == 1
+
+
+def test_vogn_closure_without_backward_or_returning_none_refused():
+    model = _mlp()
+    opt = _vogn(model)
+    _step(opt, model)
+    snap = _snapshot(opt, model)
+    with pytest.raises(RuntimeError, match="backward"):
+        opt.step(lambda: F.cross_entropy(model(X), Y))
+    with pytest.raises(TypeError, match="returned None"):
+        opt.step(lambda: F.cross_entropy(model(X), Y).backward())
+    _assert_unchanged(opt, model, snap)
+
+
+# ----------------------------------------------------------------------------- vocabulary
+def test_one_name_for_the_data_size_and_the_old_one_deprecated():
+    """``ess`` in both constructors; ``train_set_size=`` (VOGN's old name) still works in
+    both with a DeprecationWarning, and gives the same optimizer."""
+    for make in (_ivon, _vogn):
+        model = _mlp()
+        new = make(model, ess=16)
+        assert new.ess == 16
+    with pytest.warns(DeprecationWarning, match="ess"):
+        old = VOGN(_mlp(), lr=0.05, train_set_size=16)
+    assert old.ess == 16
+    with pytest.warns(DeprecationWarning, match="VOGN.ess"):
+        assert old.train_set_size == 16
+    with pytest.warns(DeprecationWarning):
+        old.train_set_size = 20
+    assert old.ess == 20
+    with pytest.warns(DeprecationWarning, match="ess"):
+        ivon_old = IVON(_mlp().parameters(), lr=0.1, train_set_size=16)
+    assert ivon_old.ess == 16
+    with pytest.raises(ValueError, match="not both"), pytest.warns(DeprecationWarning):
+        VOGN(_mlp(), ess=10, train_set_size=16)
+    with pytest.raises(ValueError, match="ess is required"):
+        IVON(_mlp().parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="ess"):
+        VOGN(_mlp(), ess=0)
