@@ -61,7 +61,7 @@ def unflatten(model: nn.Module, vec: Tensor) -> dict[str, Tensor]:
     out, i = {}, 0
     lead = vec.shape[:-1]
     for name, p in params.items():
-        out[name] = vec[..., i : i + p.numel()].reshape(*lead, *p.shape)
+        out[name] = vec[..., i : i + p.numel()].reshape((*lead, *p.shape))  # 0-dim p too
         i += p.numel()
     return out
 
