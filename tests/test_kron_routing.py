@@ -60,7 +60,7 @@ def dense_factors(model: Routed, batches):
     lam = dense_nll_hessians(CategoricalLikelihood(), f, torch.zeros(len(x), dtype=torch.long))
     route = x[:, 0] > 0
     out = {}
-    for name, head, mask in (("h0", model.h0, route), ("h1", model.h1, ~route)):
+    for name, mask in (("h0", route), ("h1", ~route)):
         u = z[mask]
         out[name] = (u.T @ u / len(u), lam[mask].sum(0))  # the head's output is f
     # the shared layer: d f / d (body pre-activation) = W_head diag(1 - z^2), per example
