@@ -24,12 +24,18 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, jacrev, vmap
+from torch.func import functional_call, jacrev
 
 import fromp.laplace_checks as checks
 from fromp._checks import check_batch, check_chunk_size, require_eval
 from fromp.capture import DEFAULT_MEMORY_BUDGET
-from fromp.jacobian import _flatten_leading, _single_output_fn, num_params, unflatten
+from fromp.jacobian import (
+    _flatten_leading,
+    _single_output_fn,
+    num_params,
+    over_examples,
+    unflatten,
+)
 from fromp.kernel import _CaptureStructure, _nbytes, _NotStructured
 from fromp.likelihood import (
     BernoulliLikelihood,
@@ -109,7 +115,7 @@ class GP:
         self._dtype, self._device = ref.dtype, ref.device
         self._params = unflatten(model, posterior.mean.detach().to(ref))
         self._buffers = dict(model.named_buffers())
-        self._jac = vmap(jacrev(_single_output_fn(model)), in_dims=(None, 0))
+        self._jac = over_examples(jacrev(_single_output_fn(model)), (None, 0))
         self._structured: _CaptureStructure | bool | None = None
         self._structured_reason = ""
         self._q = posterior.detach()
