@@ -94,6 +94,7 @@ class GP:
                 f"{type(posterior).__name__}"
             )
         require_eval(model)
+        checks.not_on_meta(model)
         p_total = num_params(model)
         if posterior.num_params != p_total:
             raise ValueError(

@@ -41,6 +41,7 @@ __all__ = [
     "at_prior_search",
     "at_state_dict",
     "check_model",
+    "not_on_meta",
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -57,16 +58,23 @@ def check_model(model: nn.Module) -> None:
             "model has no trainable parameters (every parameter has requires_grad=False): "
             "a Laplace posterior is over trainable weights"
         )
+    not_on_meta(model)
     for name, p in params:
-        if p.device.type == "meta":
-            raise ValueError(
-                f"model parameter {name} is on the meta device (no values): load the weights "
-                "first (model.to_empty(device=...) then load_state_dict)"
-            )
         if p.dtype in _HALF:
             raise ValueError(
                 f"model parameter {name} is {p.dtype}: a Laplace posterior needs float32 or "
                 "float64 weights (call model.float())"
+            )
+
+
+def not_on_meta(model: nn.Module) -> None:
+    """``ValueError`` naming the first parameter or buffer of ``model`` on the ``meta`` device
+    (a model built without its weights' values)."""
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.device.type == "meta":
+            raise ValueError(
+                f"model tensor {name} is on the meta device (no values): load the weights "
+                "first (model.to_empty(device=...) then load_state_dict)"
             )
 
 

@@ -259,6 +259,13 @@ def test_meta_device_refused(subset, structure):
         make(model, "classification", subset, structure)
 
 
+def test_meta_device_refused_by_dnn2gp():
+    model = mlp().to("meta")
+    q = fromp.DiagonalGaussian(torch.zeros(43), torch.ones(43))
+    with pytest.raises(ValueError, match=r"0\.weight is on the meta device"):
+        fromp.dnn2gp(model, q, "categorical")
+
+
 @PAIRS
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_refused_for_every_structure(subset, structure, dtype):
