@@ -12,6 +12,12 @@ models only). In continual learning the posterior after task ``t`` is the prior 
 ``T`` tasks the precision is ``sum_t G_t + D`` (one prior, every task's curvature).
 The prior mean ``m0`` does not enter ``q``: it only moves ``w*``, which is taken as given.
 Both Gaussians live in :mod:`fromp.posterior`; ``FullGaussian`` is re-exported here.
+
+One engine: every function here fits a :func:`fromp.Laplace` all-weights class
+(``"diag"`` or ``"full"``) and returns its posterior, evidence or prior precision, so the
+numbers and the refusals (:mod:`fromp.laplace_checks`) are the classes'. :class:`DiagLaplace`
+and :class:`FullLaplace` are those classes under laplace-torch's names, also understanding
+fromp's earlier spellings (with a DeprecationWarning).
 """
 
 from __future__ import annotations
