@@ -40,6 +40,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+import fromp.laplace_checks as checks
 from fromp._checks import require_eval
 from fromp.capture import DEFAULT_MEMORY_BUDGET
 from fromp.curvature import DataArg, iter_batches
@@ -112,6 +113,7 @@ class BaseLaplace:
         method: str = "auto",
         max_params: int = 20_000,
     ) -> None:
+        checks.at_init(self, model, subset_of_weights, temperature, prior_precision, prior_mean)
         if subset_of_weights not in SUBSETS:
             raise ValueError(
                 f"subset_of_weights must be one of {SUBSETS}, got {subset_of_weights!r}"
@@ -255,6 +257,7 @@ class BaseLaplace:
         batches, or one batch ``(x, y)`` / ``x``. ``override=False`` adds the new data to
         the curvature of earlier fits (more data, or the next task in continual learning);
         the model's weights are then those of the last fit."""
+        train_loader = checks.at_fit(self, train_loader)
         require_eval(self.model)
         batches = [(x, y) for x, y in iter_batches(train_loader)]
         self._prepare(batches[0][0][:1].to(self._device()))
@@ -422,6 +425,9 @@ class BaseLaplace:
         ``prior_structure``: ``"scalar"``, ``"layerwise"`` (one per parameter tensor) or
         ``"diag"`` (one per parameter; not for ``"kron"``).
         """
+        val_loader = checks.at_prior_search(
+            self, method, prior_structure, n_steps, grid_size, val_loader
+        )
         if method == "gridsearch":
             return self._gridsearch(
                 val_loader, log_prior_prec_min, log_prior_prec_max, grid_size,
@@ -546,6 +552,7 @@ class BaseLaplace:
     # ------------------------------------------------------------------ predictive
     def functional_variance(self, x: Tensor) -> Tensor:
         """``J(x_n) Sigma J(x_n)^T`` ``[N, C, C]`` of the linearised network."""
+        checks.at_predict(self, x)
         return self._mean_and_variance(x)[1]
 
     def _mean_and_variance(self, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -568,6 +575,7 @@ class BaseLaplace:
         Hobbhahn et al. 2022, with laplace-torch's zero-mean correction) or ``"mc"``
         (``n_samples`` draws of ``f``); ``pred_type="nn"``: ``n_samples`` weight draws
         pushed through the network."""
+        checks.at_predict(self, x)
         if pred_type not in ("glm", "nn"):
             raise ValueError(f"pred_type must be 'glm' or 'nn', got {pred_type!r}")
         if link_approx not in ("probit", "bridge", "mc"):
@@ -601,6 +609,7 @@ class BaseLaplace:
         """``[n_samples, N, C]`` draws of the predictive: probabilities (classification) or
         outputs ``f`` (regression), from the linearised network (``"glm"``) or from weight
         draws (``"nn"``)."""
+        checks.at_predict(self, x)
         self._require_fit()
         x = x.to(self._device())
         if pred_type == "nn":
@@ -637,6 +646,7 @@ class BaseLaplace:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to rebuild the fit without the data (``torch.save``-able)."""
+        checks.at_state_dict(self)
         return {
             "structure": self.structure,
             "subset_of_weights": self.subset_of_weights,
@@ -662,6 +672,7 @@ class BaseLaplace:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Inverse of :meth:`state_dict`; refuses a fit of another structure, subset,
         likelihood or parameter set."""
+        checks.at_load(self, state)
         for key, mine in (("structure", self.structure),
                           ("subset_of_weights", self.subset_of_weights),
                           ("likelihood", repr(self.likelihood))):  # fmt: skip

@@ -32,9 +32,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, jacrev, vmap
+from torch.func import functional_call, jacrev
 
 from fromp._checks import check_chunk_size
+from fromp.jacobian import over_examples
 from fromp.layer_rules import (
     DEFAULT_MEMORY_BUDGET,
     per_example_layer_grads,
@@ -356,7 +357,7 @@ def _fallback_jacobian(model: nn.Module, names: list[str], x: Tensor) -> Tensor:
         full = {**{k: v.detach() for k, v in params.items()}, **p}
         return functional_call(model, (full, buffers), (xi.unsqueeze(0),)).squeeze(0)
 
-    jac = vmap(jacrev(single), in_dims=(None, 0))(sub, x)
+    jac = over_examples(jacrev(single), (None, 0))(sub, x)  # a loop for nn.GRU / nn.RNN
     return torch.cat([jac[n].reshape(*jac[n].shape[:2], -1) for n in names], dim=-1)
 
 

@@ -24,11 +24,18 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, jacrev, vmap
+from torch.func import functional_call, jacrev
 
+import fromp.laplace_checks as checks
 from fromp._checks import check_batch, check_chunk_size, require_eval
 from fromp.capture import DEFAULT_MEMORY_BUDGET
-from fromp.jacobian import _flatten_leading, _single_output_fn, num_params, unflatten
+from fromp.jacobian import (
+    _flatten_leading,
+    _single_output_fn,
+    num_params,
+    over_examples,
+    unflatten,
+)
 from fromp.kernel import _CaptureStructure, _nbytes, _NotStructured
 from fromp.likelihood import (
     BernoulliLikelihood,
@@ -87,6 +94,7 @@ class GP:
                 f"{type(posterior).__name__}"
             )
         require_eval(model)
+        checks.not_on_meta(model)
         p_total = num_params(model)
         if posterior.num_params != p_total:
             raise ValueError(
@@ -108,7 +116,7 @@ class GP:
         self._dtype, self._device = ref.dtype, ref.device
         self._params = unflatten(model, posterior.mean.detach().to(ref))
         self._buffers = dict(model.named_buffers())
-        self._jac = vmap(jacrev(_single_output_fn(model)), in_dims=(None, 0))
+        self._jac = over_examples(jacrev(_single_output_fn(model)), (None, 0))
         self._structured: _CaptureStructure | bool | None = None
         self._structured_reason = ""
         self._q = posterior.detach()
@@ -391,32 +399,51 @@ class GP:
 
         Gaussian likelihood: ``(m [N, C], v + sigma^2 I [N, C, C])``, exact for every method.
         """
-        if method not in ("probit", "mc", "linear"):
-            raise ValueError(f"method must be 'probit', 'mc' or 'linear', got {method!r}")
-        if method == "mc" and (not isinstance(n_samples, int) or n_samples < 1):
-            raise ValueError(f"n_samples must be a positive int, got {n_samples!r}")
-        lik = self.likelihood
-        m = self.mean(x)
-        if isinstance(lik, GaussianLikelihood):
-            v = self.variance(x, chunk_size=chunk_size)
-            eye = torch.eye(m.shape[1], dtype=m.dtype, device=m.device)
-            return m, v + lik.sigma**2 * eye
-        if not isinstance(lik, CategoricalLikelihood | BernoulliLikelihood):
-            raise ValueError(f"predictive does not support likelihood {lik!r}")
-        need_v = return_variance or method != "linear"
-        v = self.variance(x, chunk_size=chunk_size) if need_v else None
-        if method == "linear":
-            probs = lik.inverse_link(m)
-        elif method == "probit":
-            kappa = torch.rsqrt(1 + _PROBIT_SCALE * torch.diagonal(v, dim1=-2, dim2=-1))
-            probs = lik.inverse_link(m * kappa)
-        else:
-            evals, evecs = torch.linalg.eigh(v)
-            root = evecs * evals.clamp_min(0).sqrt().unsqueeze(-2)  # N, C, C: v = root root^T
-            eps = randn_like_on((n_samples, *m.shape), generator, m.dtype, m.device)
-            f = m + torch.einsum("ncd,snd->snc", root, eps)
-            probs = lik.inverse_link(f.reshape(-1, m.shape[1])).reshape(f.shape).mean(0)
-        return (probs, v) if return_variance else probs
+        sigma = self.likelihood.sigma if isinstance(self.likelihood, GaussianLikelihood) else 1.0
+        return _predictive(
+            self.likelihood, sigma, self.mean, lambda z: self.variance(z, chunk_size=chunk_size),
+            x, method, n_samples, generator, return_variance,
+        )  # fmt: skip
+
+
+def _predictive(
+    lik: Likelihood,
+    sigma: float,
+    mean: Any,
+    variance: Any,
+    x: Tensor,
+    method: str,
+    n_samples: int,
+    generator: torch.Generator | None,
+    return_variance: bool,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """:meth:`GP.predictive` from a GP's ``mean(x)`` and ``variance(x)`` (shared by
+    :class:`GP` and :class:`LaplaceGP`); ``sigma``: the Gaussian noise."""
+    if method not in ("probit", "mc", "linear"):
+        raise ValueError(f"method must be 'probit', 'mc' or 'linear', got {method!r}")
+    if method == "mc" and (not isinstance(n_samples, int) or n_samples < 1):
+        raise ValueError(f"n_samples must be a positive int, got {n_samples!r}")
+    m = mean(x)
+    if isinstance(lik, GaussianLikelihood):
+        v = variance(x)
+        eye = torch.eye(m.shape[1], dtype=m.dtype, device=m.device)
+        return m, v + sigma**2 * eye
+    if not isinstance(lik, CategoricalLikelihood | BernoulliLikelihood):
+        raise ValueError(f"predictive does not support likelihood {lik!r}")
+    need_v = return_variance or method != "linear"
+    v = variance(x) if need_v else None
+    if method == "linear":
+        probs = lik.inverse_link(m)
+    elif method == "probit":
+        kappa = torch.rsqrt(1 + _PROBIT_SCALE * torch.diagonal(v, dim1=-2, dim2=-1))
+        probs = lik.inverse_link(m * kappa)
+    else:
+        evals, evecs = torch.linalg.eigh(v)
+        root = evecs * evals.clamp_min(0).sqrt().unsqueeze(-2)  # N, C, C: v = root root^T
+        eps = randn_like_on((n_samples, *m.shape), generator, m.dtype, m.device)
+        f = m + torch.einsum("ncd,snd->snc", root, eps)
+        probs = lik.inverse_link(f.reshape(-1, m.shape[1])).reshape(f.shape).mean(0)
+    return (probs, v) if return_variance else probs
 
 
 def dnn2gp(
@@ -432,24 +459,56 @@ def dnn2gp(
 
 
 class LaplaceGP:
-    """The GP of a fitted :class:`fromp.Laplace` (``la.gp()``): :meth:`mean` ``f_w*(x)``
-    ``[N, C]``, :meth:`kernel` ``J(x1) Sigma J(x2)^T`` ``[N, C, M, C]``, :meth:`variance`
-    ``[N, C, C]``, and :meth:`predictive` (the Laplace's ``__call__``)."""
+    """The GP of a fitted :class:`fromp.Laplace` (``la.gp()``, every structure; the one type
+    ``gp()`` returns): :meth:`mean` ``f_w*(x)`` ``[N, C]``, :meth:`kernel` ``J(x1) Sigma
+    J(x2)^T`` ``[N, C, M, C]``, :meth:`variance` ``[N, C, C]`` and :meth:`predictive`, with
+    :class:`GP`'s signatures (the chunking arguments are the Laplace's own and are ignored
+    here). Every call runs the Laplace's predict checks
+    (:func:`fromp.laplace_checks.at_predict`)."""
 
     def __init__(self, la: Any) -> None:
         self.la = la
 
+    @property
+    def likelihood(self) -> Likelihood:
+        return self.la.likelihood
+
+    @property
+    def num_params(self) -> int:
+        return self.la.num_params
+
     def mean(self, x: Tensor) -> Tensor:
+        checks.at_predict(self.la, x)
         with torch.no_grad():
             return self.la.model(x.to(self.la._device()))
 
-    def variance(self, x: Tensor) -> Tensor:
+    def variance(self, x: Tensor, *, chunk_size: int | None = None, method: str = "auto") -> Tensor:
         return self.la.functional_variance(x.to(self.la._device()))
 
-    def kernel(self, x1: Tensor, x2: Tensor | None = None) -> Tensor:
+    def kernel(self, x1: Tensor, x2: Tensor | None = None, **unused: Any) -> Tensor:
+        checks.at_predict(self.la, x1)
+        if x2 is not None:
+            checks.at_predict(self.la, x2)
         dev = self.la._device()
         x1 = x1.to(dev)
         return self.la._kernel(x1, x1 if x2 is None else x2.to(dev))
 
-    def predictive(self, x: Tensor, method: str = "probit", **kwargs: Any) -> Any:
-        return self.la(x, link_approx=method, **kwargs)
+    def predictive(
+        self,
+        x: Tensor,
+        method: str = "probit",
+        n_samples: int = 100,
+        *,
+        generator: torch.Generator | None = None,
+        chunk_size: int | None = None,
+        return_variance: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """:meth:`GP.predictive` of the Laplace's GP (regression: ``(m, v + sigma_noise^2
+        I)``, the predictive of ``y``); ``method="bridge"``: the Laplace bridge
+        (``la(x, link_approx="bridge")``)."""
+        if method == "bridge":
+            return self.la(x, link_approx="bridge")
+        return _predictive(
+            self.la.likelihood, self.la.sigma_noise, self.mean, self.variance, x, method,
+            n_samples, generator, return_variance,
+        )  # fmt: skip

@@ -15,6 +15,7 @@ Shapes: ``N`` examples, ``C`` outputs, ``P`` parameters.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -29,6 +30,7 @@ __all__ = [
     "jacobians",
     "jvp",
     "num_params",
+    "over_examples",
     "per_example_grads",
     "trainable_params",
     "unflatten",
@@ -61,9 +63,44 @@ def unflatten(model: nn.Module, vec: Tensor) -> dict[str, Tensor]:
     out, i = {}, 0
     lead = vec.shape[:-1]
     for name, p in params.items():
-        out[name] = vec[..., i : i + p.numel()].reshape(*lead, *p.shape)
+        out[name] = vec[..., i : i + p.numel()].reshape((*lead, *p.shape))  # 0-dim p too
         i += p.numel()
     return out
+
+
+def _stack(outs: list[Any]) -> Any:
+    if isinstance(outs[0], dict):
+        return {k: torch.stack([o[k] for o in outs]) for k in outs[0]}
+    return torch.stack(outs)
+
+
+def over_examples(fn: Callable[..., Any], in_dims: tuple[int | None, ...]) -> Callable[..., Any]:
+    """``vmap(fn, in_dims)`` over a batch of examples (dimension 0 of the arguments whose
+    ``in_dims`` entry is 0), or, for a module that ``vmap`` cannot batch, ``fn`` called once
+    per example and the results stacked (same values, one call per example).
+
+    ``nn.GRU`` and ``nn.RNN`` write their hidden state in place into a tensor without the
+    vmapped dimension (``RuntimeError: output with shape [1, H] doesn't match the broadcast
+    shape [B, 1, H]``); ``jacrev`` of one example batches over the outputs only and works.
+    The fallback is taken when the batched call raises a ``RuntimeError`` and then kept for
+    the later calls of the returned function; an error of the per-example call is raised as
+    it is (a real error, not a batching limit)."""
+    batched = vmap(fn, in_dims=in_dims)
+    state = {"loop": False}
+
+    def call(*args: Any) -> Any:
+        if not state["loop"]:
+            try:
+                return batched(*args)
+            except RuntimeError as err:
+                if "random" in str(err):  # dropout in train mode: not a batching limit
+                    raise
+                state["loop"] = True
+        n = next(len(a) for a, d in zip(args, in_dims) if d is not None)
+        outs = [fn(*[a if d is None else a[i] for a, d in zip(args, in_dims)]) for i in range(n)]
+        return _stack(outs)
+
+    return call
 
 
 def _flatten_leading(d: dict[str, Tensor], n_lead: int) -> Tensor:
@@ -101,7 +138,7 @@ def iter_jacobians(
     """
     _check_model_input(model, x)
     params = trainable_params(model)
-    jac_fn = vmap(jacrev(_single_output_fn(model)), in_dims=(None, 0))
+    jac_fn = over_examples(jacrev(_single_output_fn(model)), (None, 0))
     n = len(x)
     chunk_size = check_chunk_size(chunk_size)
     step = n if chunk_size is None else chunk_size
@@ -187,7 +224,7 @@ def per_example_grads(
     def single(p: dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
         return loss(f(p, xi).unsqueeze(0), yi.unsqueeze(0)).sum()
 
-    grad_fn = vmap(torch.func.grad(single), in_dims=(None, 0, 0))
+    grad_fn = over_examples(torch.func.grad(single), (None, 0, 0))
     step = len(x) if chunk_size is None else int(chunk_size)
     outs = [
         _flatten_leading(grad_fn(params, x[s : s + step], y[s : s + step]), 1)

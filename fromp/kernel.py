@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.func import functional_call, jacrev, vmap
+from torch.func import functional_call, jacrev
 
 from fromp.capture import LayerCall, LayerMap, capture_calls
-from fromp.jacobian import _flatten_leading, unflatten
+from fromp.jacobian import _flatten_leading, over_examples, unflatten
 from fromp.layer_rules import _conv_geometry, _norm_per_example, supported_layer
 
 if TYPE_CHECKING:
@@ -122,7 +122,7 @@ class _CaptureStructure:
                 full = {**gp._params, **p}
                 return functional_call(gp.model, (full, gp._buffers), (xi.unsqueeze(0),))[0]
 
-            jac = vmap(jacrev(single), in_dims=(None, 0))(other, xr)
+            jac = over_examples(jacrev(single), (None, 0))(other, xr)
             a_other = _flatten_leading(jac, 2).detach() * self.other_std
         return feats, a_other, n, c
 

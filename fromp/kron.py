@@ -246,8 +246,9 @@ def kron_curvature(
             if id(c.module) in by_layer:
                 raise ValueError(f"{c.module} is called more than once per forward pass")
             by_layer[id(c.module)] = c
-        # a layer the forward pass does not call (another task's head) has no curvature
-        used = [i for i, m in enumerate(layers) if id(m) in by_layer]
+        # a layer the forward pass does not call (another task's head), or calls on none of
+        # the batch's examples (a head chosen per example), has no curvature from it
+        used = [i for i, m in enumerate(layers) if id(m) in by_layer and len(by_layer[id(m)].a)]
         calls = [by_layer[id(layers[i])] for i in used]
         if fisher == "ggn":
             root = likelihood.sqrt_hessian(f.detach())  # [B, C, K]
@@ -291,7 +292,7 @@ def kron_curvature(
             # the positions averaged (alpha = 1/L) and the batches summed inside the GEMM:
             # a separate division and addition would each be a full pass over [in', in']
             a_sum[i].addmm_(u2.T, u2, alpha=1.0 / u.shape[1])
-            n_used[i] += len(x)
+            n_used[i] += len(u)  # the examples that reached the layer (a routed head: some)
         n += len(x)
     if n == 0:
         raise ValueError("data is empty: expected at least one batch")

@@ -12,6 +12,12 @@ models only). In continual learning the posterior after task ``t`` is the prior 
 ``T`` tasks the precision is ``sum_t G_t + D`` (one prior, every task's curvature).
 The prior mean ``m0`` does not enter ``q``: it only moves ``w*``, which is taken as given.
 Both Gaussians live in :mod:`fromp.posterior`; ``FullGaussian`` is re-exported here.
+
+One engine: every function here fits a :func:`fromp.Laplace` all-weights class
+(``"diag"`` or ``"full"``) and returns its posterior, evidence or prior precision, so the
+numbers and the refusals (:mod:`fromp.laplace_checks`) are the classes'. :class:`DiagLaplace`
+and :class:`FullLaplace` are those classes under laplace-torch's names, also understanding
+fromp's earlier spellings (with a DeprecationWarning).
 """
 
 from __future__ import annotations
@@ -25,11 +31,11 @@ import torch
 from torch import Tensor, nn
 
 from fromp._checks import check_vector, require_eval
+from fromp.baselaplace import BaseLaplace
 from fromp.capture import DEFAULT_MEMORY_BUDGET
 from fromp.curvature import DataArg, diag_ggn, iter_batches
-from fromp.ggn import ggn
-from fromp.gp import GP
 from fromp.jacobian import flat_params
+from fromp.laplace_factory import Laplace
 from fromp.laplace_structures import LaplaceDiag, LaplaceFull
 from fromp.likelihood import Likelihood
 from fromp.posterior import DiagonalGaussian, FullGaussian
@@ -117,6 +123,65 @@ def accumulate_ggn(
     return previous.to(g) + g
 
 
+def _fitted(
+    model: nn.Module,
+    data: DataArg,
+    likelihood: str | Likelihood,
+    structure: str,
+    *,
+    prior_precision: float | Tensor = 1.0,
+    prior_mean: Tensor | None = None,
+    chunk_size: int | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    max_params: int = 20_000,
+) -> Any:
+    """``fromp.Laplace(model, likelihood, "all", structure, ...)`` fitted on ``data``: the one
+    engine behind the functions of this module (its checks included: eval mode, the model's
+    dtype and device, the inputs and the targets for the likelihood, before any work)."""
+    if structure not in ("diag", "full"):
+        raise ValueError(f"curvature must be 'diag' or 'full', got {structure!r}")
+    mean = flat_params(model)
+    _check_prior_mean(prior_mean, mean)
+    la = Laplace(
+        model, likelihood, "all", structure, prior_precision=prior_precision,
+        prior_mean=None if prior_mean is None else prior_mean.detach(), chunk_size=chunk_size,
+        memory_budget=memory_budget, max_params=max_params,
+    )  # fmt: skip
+    return la.fit(data)
+
+
+def _posterior(
+    model: nn.Module,
+    data: DataArg,
+    likelihood: str | Likelihood,
+    structure: str,
+    prior_precision: float | Tensor | None,
+    prior_mean: Tensor | None,
+    posterior: Any,
+    **kwargs: Any,
+) -> Any:
+    """The fitted all-weights posterior of :func:`laplace` / :func:`laplace_full`: the
+    Laplace's own, or ``posterior``'s precision plus the new data's ``G / s^2``."""
+    kind = DiagonalGaussian if structure == "diag" else FullGaussian
+    p = sum(q.numel() for q in model.parameters() if q.requires_grad)
+    if posterior is not None:
+        if not isinstance(posterior, kind) or posterior.mean.shape != (p,):
+            raise ValueError(f"posterior must be a {kind.__name__} over P={p} parameters")
+    elif prior_precision is None:
+        raise ValueError("prior_precision is required when no posterior is given")
+    else:
+        prior_precision_vector(prior_precision, flat_params(model))  # scalar or [P], > 0
+    la = _fitted(
+        model, data, likelihood, structure,
+        prior_precision=1.0 if posterior is not None else prior_precision,
+        prior_mean=prior_mean, **kwargs,
+    )  # fmt: skip
+    if posterior is None:
+        return la.posterior
+    g = la.H if la.sigma_noise == 1.0 else la.H / la.sigma_noise**2
+    return kind(la.mean.clone(), posterior.precision.to(g) + g)
+
+
 def laplace(
     model: nn.Module,
     data: DataArg,
@@ -128,13 +193,17 @@ def laplace(
     chunk_size: int | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
 ) -> DiagonalGaussian:
-    """Diagonal Laplace-GGN posterior ``N(w*, diag(diag(G) + delta)^{-1})``.
+    """Diagonal Laplace-GGN posterior ``N(w*, diag(diag(G) + delta)^{-1})``: one call of
+    ``fromp.Laplace(model, likelihood, "all", "diag", ...).fit(data).posterior`` (the same
+    engine and checks).
 
     Args:
         model: the trained network at ``w*`` (``[N, ...] -> [N, C]``; for a multi-head
             model pass :func:`fromp.models.with_task` ``(net, t)``); eval mode.
         data: the task's inputs (``x``, ``(x, y)`` or an iterable of batches); targets are
-            not needed (the GGN uses the model's predictive ``Lambda(f)``).
+            not needed (the GGN uses the model's predictive ``Lambda(f)``); when given they
+            are checked for the likelihood (class indices in ``[0, C)``, Bernoulli labels in
+            ``{0, 1}``, regression targets of the outputs' shape, finite).
         likelihood: a :class:`~fromp.likelihood.Likelihood` or its name.
         prior_precision: ``delta``, a positive scalar or ``[P]`` tensor. Ignored (may be
             None) when ``posterior`` is given: the prior is already in its precision.
@@ -152,22 +221,10 @@ def laplace(
         :class:`DiagonalGaussian` with ``mean = flat_params(model)`` ``[P]`` and
         ``precision [P]``.
     """
-    require_eval(model)
-    mean = flat_params(model).clone()
-    _check_prior_mean(prior_mean, mean)
-    g = diag_ggn(
-        model, _checked_batches(data), likelihood, chunk_size=chunk_size,
-        memory_budget=memory_budget,
+    return _posterior(
+        model, data, likelihood, "diag", prior_precision, prior_mean, posterior,
+        chunk_size=chunk_size, memory_budget=memory_budget,
     )  # fmt: skip
-    if posterior is not None:
-        if not isinstance(posterior, DiagonalGaussian) or posterior.mean.shape != mean.shape:
-            raise ValueError(
-                f"posterior must be a DiagonalGaussian over P={mean.numel()} parameters"
-            )
-        return DiagonalGaussian(mean, posterior.precision.to(g) + g)
-    if prior_precision is None:
-        raise ValueError("prior_precision is required when no posterior is given")
-    return DiagonalGaussian(mean, g + prior_precision_vector(prior_precision, mean))
 
 
 def laplace_full(
@@ -182,144 +239,127 @@ def laplace_full(
     max_params: int = 20_000,
 ) -> FullGaussian:
     """Full-covariance Laplace-GGN posterior ``N(w*, (G + diag(delta))^{-1})`` of a SMALL
-    model (``P <= max_params``; memory ``P^2``). Arguments as :func:`laplace`; with
-    ``posterior`` (a :class:`FullGaussian`) the precision is ``posterior.precision + G``."""
-    require_eval(model)
-    mean = flat_params(model).clone()
-    _check_prior_mean(prior_mean, mean)
-    g = ggn(model, _checked_batches(data), likelihood, chunk_size=chunk_size, max_params=max_params)
-    if posterior is not None:
-        if not isinstance(posterior, FullGaussian) or posterior.mean.shape != mean.shape:
-            raise ValueError(f"posterior must be a FullGaussian over P={mean.numel()} parameters")
-        return FullGaussian(mean, posterior.precision.to(g) + g)
-    if prior_precision is None:
-        raise ValueError("prior_precision is required when no posterior is given")
-    return FullGaussian(mean, g + torch.diag(prior_precision_vector(prior_precision, mean)))
+    model (``P <= max_params``; memory ``P^2``): ``fromp.Laplace(model, likelihood, "all",
+    "full", ...).fit(data).posterior``. Arguments as :func:`laplace`; with ``posterior`` (a
+    :class:`FullGaussian`) the precision is ``posterior.precision + G``."""
+    return _posterior(
+        model, data, likelihood, "full", prior_precision, prior_mean, posterior,
+        chunk_size=chunk_size, max_params=max_params,
+    )  # fmt: skip
 
 
-# ----------------------------------------------------------------------------- fitted
+# ----------------------------------------------------------------------------- prior search
+
+_OLD_STRUCTURES = {"scalar": "scalar", "layerwise": "layerwise", "diagonal": "diag", "diag": "diag"}
 
 
-class _Compat:
-    """The earlier fitted-Laplace API on top of :mod:`fromp.baselaplace` (one
-    implementation): a tensor or None ``prior_mean``, ``optimize_prior_precision(method=
-    "gradient" | "grid", structure=...)``, ``predictive(x, method)`` and ``gp()`` returning
-    :class:`fromp.gp.GP`, ``curvature`` and ``nll``."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        likelihood: str | Likelihood,
-        *,
-        prior_precision: float | Tensor = 1.0,
-        prior_mean: Tensor | None = None,
-        chunk_size: int | None = None,
-        memory_budget: int = DEFAULT_MEMORY_BUDGET,
-        method: str = "auto",
-        max_params: int = 20_000,
-    ) -> None:
-        if prior_mean is not None:
-            _check_prior_mean(prior_mean, flat_params(model))
-        super().__init__(  # type: ignore[call-arg]
-            model, likelihood, prior_precision=prior_precision,
-            prior_mean=0.0 if prior_mean is None else prior_mean.detach(),
-            subset_of_weights="all", chunk_size=chunk_size, memory_budget=memory_budget,
-            method=method, max_params=max_params,
-        )  # fmt: skip
-
-    @property
-    def curvature(self) -> Tensor | None:
-        """``diag(G)`` ``[P]`` or ``G`` ``[P, P]`` of the fitted data (None before a fit)."""
-        return self.H
-
-    @property
-    def nll(self) -> Tensor | None:
-        return None if self.loss is None or self.regression else self.loss
-
-    def optimize_prior_precision(  # type: ignore[override]
-        self,
-        method: str = "gradient",
-        *,
-        structure: str = "scalar",
-        grid: Sequence[float] | Tensor | None = None,
-        init: float | Tensor | None = None,
-        max_iter: int = 200,
-    ) -> Tensor:
-        """Maximise the evidence over ``delta``: ``"gradient"`` (L-BFGS on ``log delta``;
-        ``structure`` ``"scalar"``, ``"layerwise"`` or ``"diagonal"``) or ``"grid"`` (the
-        best scalar of ``grid``, default ``logspace(-4, 4, 81)``); sets and returns it."""
-        if method not in ("gradient", "grid"):
-            raise ValueError(f"method must be 'gradient' or 'grid', got {method!r}")
-        names = {"scalar": "scalar", "layerwise": "layerwise", "diagonal": "diag"}
-        if structure not in names:
-            raise ValueError(
-                f"structure must be 'scalar', 'layerwise' or 'diagonal', got {structure!r}"
-            )
-        if method == "grid":
-            if structure != "scalar":
-                raise ValueError("method='grid' supports structure='scalar' only")
-            self.log_likelihood  # noqa: B018  (fails early without a fit or targets)
-            opts = {"dtype": self.mean.dtype, "device": self.mean.device}
-            deltas = torch.as_tensor(
-                torch.logspace(-4, 4, 81) if grid is None else grid, **opts
-            ).reshape(-1)
-            if len(deltas) == 0 or not (torch.isfinite(deltas).all() and (deltas > 0).all()):
-                raise ValueError("grid must be a non-empty sequence of positive finite numbers")
-            with torch.no_grad():
-                values = torch.stack([self.log_marginal_likelihood(d) for d in deltas])
-            self.prior_precision = deltas[int(torch.argmax(values))]
-            return self.prior_precision
-        return super().optimize_prior_precision(  # type: ignore[misc]
-            "marglik", prior_structure=names[structure], n_steps=max_iter, init_prior_prec=init
-        )
-
-    def gp(self, *, chunk_size: int = 64) -> GP:  # type: ignore[override]
-        """The DNN2GP :class:`fromp.gp.GP` of the model under :attr:`posterior`."""
-        return GP(self.model, self.posterior, self.likelihood, chunk_size=chunk_size)
-
-    dnn2gp = gp
-
-    def predictive(self, x: Tensor, method: str = "probit", **kwargs: Any) -> Any:
-        """The GP predictive at ``x`` (:meth:`fromp.gp.GP.predictive`)."""
-        return self.gp().predictive(x, method, **kwargs)
-
-    __call__ = predictive
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"{old} is deprecated: use {new}", DeprecationWarning, stacklevel=4)
 
 
-class DiagLaplace(_Compat, LaplaceDiag):
-    """Diagonal Laplace-GGN of all weights, fitted once (``fromp.Laplace(model, lik, "all",
-    "diag")`` with the earlier method names): ``q = N(w*, diag(diag(G) + delta)^{-1})``::
+def _new_vocabulary(method: str, kwargs: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """``optimize_prior_precision``'s earlier spellings in the one vocabulary (each with a
+    DeprecationWarning): ``"gradient"`` -> ``"marglik"``, ``structure=`` ->
+    ``prior_structure=`` (``"diagonal"`` -> ``"diag"``), ``max_iter=`` -> ``n_steps=``,
+    ``init=`` -> ``init_prior_prec=``. ``"grid"`` (the best evidence on ``grid=``) stays a
+    method of its own, deprecated for :func:`log_evidence_grid`."""
+    kwargs = dict(kwargs)
+    if method == "gradient":
+        _deprecated("method='gradient'", "method='marglik'")
+        method = "marglik"
+    elif method == "grid":
+        _deprecated("method='grid'", "log_evidence_grid(...) (or method='marglik')")
+    if "structure" in kwargs:
+        _deprecated("structure=", "prior_structure=")
+        structure = kwargs.pop("structure")
+        kwargs["prior_structure"] = _OLD_STRUCTURES.get(structure, structure)
+    for old, new in (("max_iter", "n_steps"), ("init", "init_prior_prec")):
+        if old in kwargs:
+            _deprecated(f"{old}=", f"{new}=")
+            kwargs[new] = kwargs.pop(old)
+    return method, kwargs
 
-        la = DiagLaplace(model, "categorical").fit(train_loader)
-        la.optimize_prior_precision()              # gradient of the evidence (default)
-        probs = la.predictive(x_test)              # probit GP predictive
-        q = la.posterior                           # DiagonalGaussian for FROMP / VOGN
-    """
+
+def _evidence_grid(la: Any, grid: Any, prior_structure: str) -> Tensor:
+    """The scalar of ``grid`` with the largest evidence (the deprecated ``method="grid"``)."""
+    if prior_structure not in (None, "scalar"):
+        raise ValueError("method='grid' supports structure='scalar' only")
+    la.log_likelihood  # noqa: B018  (fails early without a fit or targets)
+    deltas = _checked_grid(grid).to(la.mean)
+    with torch.no_grad():
+        values = torch.stack([la.log_marginal_likelihood(d) for d in deltas])
+    la.prior_precision = deltas[int(torch.argmax(values))]
+    return la.prior_precision
 
 
-class FullLaplace(_Compat, LaplaceFull):
-    """Full-covariance Laplace-GGN of a SMALL model (``P <= max_params``), fitted once
-    (``fromp.Laplace(model, lik, "all", "full")`` with the earlier method names)."""
-
-
-# ----------------------------------------------------------------------------- evidence
-
-
-def _fitted(
+def optimize_prior_precision(
     model: nn.Module,
     data: DataArg,
     likelihood: str | Likelihood,
-    prior_mean: Tensor | None,
-    curvature: str,
-    chunk_size: int | None,
-    max_params: int,
-) -> DiagLaplace | FullLaplace:
-    if curvature not in ("diag", "full"):
-        raise ValueError(f"curvature must be 'diag' or 'full', got {curvature!r}")
-    cls = DiagLaplace if curvature == "diag" else FullLaplace
-    la = cls(model, likelihood, prior_mean=prior_mean, chunk_size=chunk_size, max_params=max_params)
-    batches = list(iter_batches(data, need_targets=True))
-    return la.fit(batches)
+    method: str = "marglik",
+    grid: Sequence[float] | Tensor | None = None,
+    *,
+    prior_structure: str = "scalar",
+    n_steps: int = 200,
+    init_prior_prec: float | Tensor = 1.0,
+    prior_mean: Tensor | None = None,
+    curvature: str = "diag",
+    chunk_size: int | None = None,
+    max_params: int = 20_000,
+    **kwargs: Any,
+) -> float | Tensor:
+    """The prior precision ``delta`` of the all-weights Laplace (``curvature`` ``"diag"`` or
+    ``"full"``) fitted on ``data``, chosen by the fitted class's
+    :meth:`~fromp.baselaplace.BaseLaplace.optimize_prior_precision` (one vocabulary):
+
+    * ``method="marglik"`` (default): maximise the evidence (L-BFGS on ``log delta`` from
+      ``init_prior_prec``, at most ``n_steps`` iterations), ``prior_structure`` ``"scalar"``,
+      ``"layerwise"`` or ``"diag"``;
+    * ``method="gridsearch"``: the best scalar on ``val_loader=`` (validation data), with
+      ``grid_size=``, ``log_prior_prec_min=``, ``log_prior_prec_max=``, ``pred_type=``,
+      ``link_approx=``, ``n_samples=`` passed on.
+
+    Earlier spellings work with a DeprecationWarning: ``"gradient"``, ``structure=``
+    (``"diagonal"``), ``max_iter=``, ``init=``, and ``"grid"`` with ``grid=`` (the scalar of
+    ``grid``, default ``logspace(-4, 4, 81)``, with the largest evidence: see
+    :func:`log_evidence_grid`).
+
+    Returns:
+        ``delta`` as a float for a scalar prior, else the ``[n_layers]`` / ``[P]`` tensor.
+    """
+    method, kwargs = _new_vocabulary(method, kwargs)
+    if method not in ("marglik", "gridsearch", "grid"):
+        raise ValueError(
+            f"method must be 'marglik' or 'gridsearch' (deprecated: 'gradient', 'grid'), got "
+            f"{method!r}"
+        )
+    prior_structure = kwargs.pop("prior_structure", prior_structure)
+    n_steps = kwargs.pop("n_steps", n_steps)
+    init_prior_prec = kwargs.pop("init_prior_prec", init_prior_prec)
+    if method == "grid":
+        _checked_grid(grid)
+    elif grid is not None:
+        raise ValueError("grid is used by method='grid' only; pass method='grid' with it")
+    elif isinstance(init_prior_prec, int | float) and not (
+        init_prior_prec > 0 and math.isfinite(init_prior_prec)
+    ):
+        raise ValueError(
+            f"init_prior_prec must be a positive finite number, got {init_prior_prec!r}"
+        )
+    la = _fitted(
+        model, data, likelihood, curvature, prior_mean=prior_mean, chunk_size=chunk_size,
+        max_params=max_params,
+    )  # fmt: skip
+    if method == "grid":
+        delta = _evidence_grid(la, grid, prior_structure)
+    elif method == "marglik":
+        delta = la.optimize_prior_precision(
+            "marglik", prior_structure=prior_structure, n_steps=n_steps,
+            init_prior_prec=init_prior_prec, **kwargs,
+        )  # fmt: skip
+    else:
+        delta = la.optimize_prior_precision("gridsearch", prior_structure=prior_structure, **kwargs)
+    return float(delta) if delta.ndim == 0 else delta
 
 
 def log_marginal_likelihood(
@@ -333,9 +373,9 @@ def log_marginal_likelihood(
     chunk_size: int | None = None,
     max_params: int = 20_000,
 ) -> Tensor:
-    """Laplace evidence ``log p(D | delta)`` at the model's weights ``w*`` (one call: fits
-    the curvature, then :meth:`DiagLaplace.log_marginal_likelihood`; to evaluate many
-    ``delta`` fit a :class:`DiagLaplace` / :class:`FullLaplace` once).
+    """Laplace evidence ``log p(D | delta)`` at the model's weights ``w*``: one call of
+    ``fromp.Laplace(model, likelihood, "all", curvature).fit(data).log_marginal_likelihood(
+    delta)`` (to evaluate many ``delta`` fit the Laplace once).
 
     ``= -sum_n nll_n - 1/2 (w* - m0)^T D (w* - m0) - 1/2 [log det(G + D) - log det D]`` with
     ``G`` the GGN: its diagonal (``curvature="diag"``) or, for small models, the full matrix
@@ -343,54 +383,17 @@ def log_marginal_likelihood(
     is never larger than the full one. ``prior_precision``: a positive scalar or ``[P]``.
     Returns a scalar tensor (detached). ``data`` needs targets.
     """
-    la = _fitted(model, data, likelihood, prior_mean, curvature, chunk_size, max_params)
-    delta = prior_precision_vector(prior_precision, la.mean)  # validates: scalar or [P]
+    if curvature not in ("diag", "full"):
+        raise ValueError(f"curvature must be 'diag' or 'full', got {curvature!r}")
+    next(iter_batches(data, need_targets=True))  # refuses data without targets, naming it
+    delta = prior_precision_vector(prior_precision, flat_params(model))  # scalar or [P]
     if not isinstance(prior_precision, Tensor) or prior_precision.ndim == 0:
         delta = delta[0]
+    la = _fitted(
+        model, data, likelihood, curvature, prior_mean=prior_mean, chunk_size=chunk_size,
+        max_params=max_params,
+    )  # fmt: skip
     return la.log_marginal_likelihood(delta).detach()
-
-
-def optimize_prior_precision(
-    model: nn.Module,
-    data: DataArg,
-    likelihood: str | Likelihood,
-    method: str = "gradient",
-    grid: Sequence[float] | Tensor | None = None,
-    *,
-    prior_mean: Tensor | None = None,
-    curvature: str = "diag",
-    init: float = 1.0,
-    max_iter: int = 200,
-    chunk_size: int | None = None,
-    max_params: int = 20_000,
-) -> float:
-    """The scalar prior precision ``delta`` maximising :func:`log_marginal_likelihood`
-    (one call; :meth:`DiagLaplace.optimize_prior_precision` is the fitted form, with
-    per-layer / per-parameter ``delta``; :func:`log_evidence_grid` gives the evidence on a
-    grid, e.g. for plots).
-
-    Args:
-        method: ``"gradient"`` (default; L-BFGS on ``log delta`` from ``init``, exact
-            autograd gradients) or ``"grid"`` (best of ``grid``, default
-            ``logspace(-4, 4, 81)``).
-
-    Returns:
-        ``delta`` as a float.
-    """
-    if method not in ("grid", "gradient"):
-        raise ValueError(f"method must be 'grid' or 'gradient', got {method!r}")
-    if method == "grid":
-        deltas = _checked_grid(grid)
-    elif grid is not None:
-        raise ValueError("grid is used by method='grid' only; pass method='grid' with it")
-    elif not (isinstance(init, int | float) and init > 0 and math.isfinite(init)):
-        raise ValueError(f"init must be a positive finite number, got {init!r}")
-    la = _fitted(model, data, likelihood, prior_mean, curvature, chunk_size, max_params)
-    if method == "grid":
-        la.optimize_prior_precision("grid", grid=deltas)
-    else:
-        la.optimize_prior_precision("gradient", init=float(init), max_iter=max_iter)
-    return float(la.prior_precision)
 
 
 def log_evidence_grid(
@@ -408,10 +411,94 @@ def log_evidence_grid(
     scalar ``delta`` of ``grid`` (default ``logspace(-4, 4, 81)``), fitting the curvature
     once. Returns ``(deltas [G], log evidence [G])``, float64, detached."""
     deltas = _checked_grid(grid)
-    la = _fitted(model, data, likelihood, prior_mean, curvature, chunk_size, max_params)
+    la = _fitted(
+        model, data, likelihood, curvature, prior_mean=prior_mean, chunk_size=chunk_size,
+        max_params=max_params,
+    )  # fmt: skip
+    la.log_likelihood  # noqa: B018  (fails early without targets, naming them)
     with torch.no_grad():
         values = torch.stack([la.log_marginal_likelihood(float(d)) for d in deltas])
     return deltas, values.to(torch.float64)
+
+
+# ----------------------------------------------------------------------------- the classes
+
+
+class _Compat:
+    """The all-weights diagonal / full Laplace in laplace-torch's words (the classes of
+    :func:`fromp.Laplace`), also understanding the earlier fitted-Laplace spellings, each
+    with a DeprecationWarning: ``optimize_prior_precision("gradient" | "grid", structure=,
+    max_iter=, init=, grid=)``, ``predictive(x, method)`` / ``la(x, method)`` with a link
+    name (``"probit"``, ``"mc"``, ``"linear"``), ``curvature`` (``H``) and ``nll``."""
+
+    def optimize_prior_precision(self, method: str = "marglik", **kwargs: Any) -> Tensor:
+        """:meth:`fromp.baselaplace.BaseLaplace.optimize_prior_precision`; the earlier
+        spellings are translated (``"grid"``: the scalar of ``grid=`` with the largest
+        evidence)."""
+        method, kwargs = _new_vocabulary(method, kwargs)
+        if method == "grid":
+            return _evidence_grid(
+                self, kwargs.pop("grid", None), kwargs.pop("prior_structure", "scalar")
+            )
+        return super().optimize_prior_precision(method, **kwargs)  # type: ignore[misc]
+
+    def _old_link(self, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        """``(x, "probit")`` / ``method="probit"`` (the earlier predictive) as
+        ``link_approx="probit"``."""
+        if args and args[0] in ("probit", "mc", "linear", "bridge"):
+            kwargs = {**kwargs, "method": args[0]}
+            args = args[1:]
+        if "method" in kwargs:
+            _deprecated("predictive(x, method)", "la(x, link_approx=...)")
+            kwargs = dict(kwargs)
+            kwargs["link_approx"] = kwargs.pop("method")
+        return args, kwargs
+
+    def __call__(self, x: Tensor, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = self._old_link(args, kwargs)
+        if kwargs.get("link_approx") == "linear":  # the linearised mean, no variance
+            kwargs.pop("link_approx")
+            with torch.no_grad():
+                return self.likelihood.inverse_link(self.gp().mean(x))  # type: ignore[attr-defined]
+        return super().__call__(x, *args, **kwargs)  # type: ignore[misc]
+
+    def predictive(self, x: Tensor, *args: Any, **kwargs: Any) -> Any:
+        """laplace-torch's alias of ``la(x, ...)``."""
+        return self(x, *args, **kwargs)
+
+    dnn2gp = BaseLaplace.gp
+
+    @property
+    def curvature(self) -> Tensor | None:
+        """Deprecated: ``H`` (``diag(G)`` ``[P]`` or ``G`` ``[P, P]``)."""
+        _deprecated("curvature", "H")
+        return self.H  # type: ignore[attr-defined]
+
+    @property
+    def nll(self) -> Tensor | None:
+        """Deprecated: ``-log_likelihood`` (classification)."""
+        _deprecated("nll", "-log_likelihood")
+        if self.loss is None or self.regression:  # type: ignore[attr-defined]
+            return None
+        return self.loss  # type: ignore[attr-defined]
+
+
+class DiagLaplace(_Compat, LaplaceDiag):
+    """laplace-torch's ``DiagLaplace``: the diagonal Laplace-GGN of all weights, ``q = N(w*,
+    diag(diag(G) + delta)^{-1})`` (``fromp.Laplace(model, lik, "all", "diag")``, whose class
+    this is a subclass of), also accepting the earlier spellings with a warning::
+
+        la = DiagLaplace(model, "classification").fit(train_loader)
+        la.optimize_prior_precision()              # method="marglik"
+        probs = la(x_test)                         # probit GLM predictive
+        q = la.posterior                           # DiagonalGaussian for FROMP / VOGN
+    """
+
+
+class FullLaplace(_Compat, LaplaceFull):
+    """laplace-torch's ``FullLaplace``: the full-covariance Laplace-GGN of a SMALL model
+    (``P <= max_params``; ``fromp.Laplace(model, lik, "all", "full")``), also accepting the
+    earlier spellings with a warning."""
 
 
 def _checked_grid(grid: Sequence[float] | Tensor | None) -> Tensor:

@@ -80,6 +80,12 @@ class Likelihood(ABC):
     def sample(self, f: Tensor, generator: torch.Generator | None = None) -> Tensor:
         """Targets drawn from ``p(y | f)`` (for the sampled-label Fisher)."""
 
+    def check_targets(self, y: Tensor, n_outputs: int, name: str = "y") -> Tensor:
+        """``y`` unchanged when it is a valid target batch for outputs ``[N, n_outputs]``,
+        else ``ValueError`` naming ``name`` and what was expected (run before any work).
+        The base class accepts any tensor; the likelihoods below check theirs."""
+        return y
+
     def hessian_trace(self, f: Tensor) -> Tensor:
         """``tr Lambda(f) [N]``: FROMP's memorability score."""
         return torch.diagonal(self.hessian(f), dim1=-2, dim2=-1).sum(-1)
@@ -92,6 +98,30 @@ class CategoricalLikelihood(Likelihood):
     """Softmax cross-entropy; ``y`` holds class indices ``[N]``."""
 
     name = "categorical"
+
+    def check_targets(self, y: Tensor, n_outputs: int, name: str = "y") -> Tensor:
+        """Class indices ``[N]`` (integers, or integer-valued floats) in ``[0, C)``, and
+        ``C >= 2`` (a softmax over one output is the constant 1)."""
+        if n_outputs < 2:
+            raise ValueError(
+                f"a softmax (categorical / 'classification') likelihood needs C >= 2 outputs, "
+                f"the model has C={n_outputs} (its softmax is always 1); for two classes with "
+                "one output use likelihood='bernoulli'"
+            )
+        if y.ndim != 1:
+            raise ValueError(
+                f"{name} must be [N] class indices, got shape {tuple(y.shape)} (one-hot "
+                "targets: pass y.argmax(-1))"
+            )
+        if y.is_floating_point() or y.is_complex():
+            if not bool(torch.isfinite(y).all()) or not bool((y == y.round()).all()):
+                raise ValueError(f"{name} must hold class indices; got fractional labels")
+        if len(y) and (int(y.min()) < 0 or int(y.max()) >= n_outputs):
+            raise ValueError(
+                f"{name} must hold class indices in [0, C)=[0, {n_outputs}), got labels in "
+                f"[{int(y.min())}, {int(y.max())}]"
+            )
+        return y
 
     def nll(self, f: Tensor, y: Tensor) -> Tensor:
         _check_f(f)
@@ -138,6 +168,20 @@ class BernoulliLikelihood(Likelihood):
         if f.shape[1] != 1:
             raise ValueError(f"bernoulli likelihood needs f of shape [N, 1], got {tuple(f.shape)}")
 
+    def check_targets(self, y: Tensor, n_outputs: int, name: str = "y") -> Tensor:
+        """Labels in ``{0, 1}``, ``[N]`` or ``[N, 1]``, for one output (``C = 1``)."""
+        if n_outputs != 1:
+            raise ValueError(
+                f"the bernoulli likelihood needs one output (C = 1), the model has "
+                f"C={n_outputs}; use likelihood='categorical' for C classes"
+            )
+        if not (y.ndim == 1 or (y.ndim == 2 and y.shape[1] == 1)):
+            raise ValueError(f"{name} must be [N] labels in {{0, 1}}, got shape {tuple(y.shape)}")
+        if not bool(((y == 0) | (y == 1)).all()):
+            bad = y[(y != 0) & (y != 1)].flatten()[0]
+            raise ValueError(f"{name} must hold labels 0 or 1, got {bad.item()!r}")
+        return y
+
     def nll(self, f: Tensor, y: Tensor) -> Tensor:
         self._check(f)
         return F.binary_cross_entropy_with_logits(f[:, 0], y.to(f.dtype), reduction="none")
@@ -176,6 +220,17 @@ class GaussianLikelihood(Likelihood):
                 f"y must have the outputs' shape {tuple(f.shape)} ([N] when C = 1), got "
                 f"{tuple(y.shape)}"
             )
+        return y
+
+    def check_targets(self, y: Tensor, n_outputs: int, name: str = "y") -> Tensor:
+        """Finite targets ``[N, C]`` (``[N]`` when ``C = 1``)."""
+        if not (y.shape[1:] == (n_outputs,) or (y.ndim == 1 and n_outputs == 1)):
+            raise ValueError(
+                f"{name} must have shape [N, C]=[N, {n_outputs}] ([N] when C = 1), got "
+                f"{tuple(y.shape)}"
+            )
+        if y.is_floating_point() and not bool(torch.isfinite(y).all()):
+            raise ValueError(f"{name} has non-finite entries (NaN or inf)")
         return y
 
     def nll(self, f: Tensor, y: Tensor) -> Tensor:

@@ -304,7 +304,7 @@ def test_errors_named():
     with pytest.raises(ValueError, match="curvature must be"):
         log_marginal_likelihood(model, (torch.zeros(2, 4), torch.zeros(2)), "categorical", 1.0,
                                 curvature="kfac")  # fmt: skip
-    with pytest.raises(ValueError, match="method must be 'grid' or 'gradient'"):
+    with pytest.raises(ValueError, match="method must be 'marglik' or 'gridsearch'"):
         optimize_prior_precision(model, (torch.zeros(2, 4), torch.zeros(2)), "categorical", "em")
     with pytest.raises(ValueError, match="grid must be"):
         optimize_prior_precision(model, (torch.zeros(2, 4), torch.zeros(2)), "categorical",
