@@ -444,7 +444,7 @@ class LaplaceGP:
             return self.la.model(x.to(self.la._device()))
 
     def variance(self, x: Tensor) -> Tensor:
-        return self.la.functional_variance(x.to(self.la._device()))
+        return self.la.functional_variance_at(x.to(self.la._device()))
 
     def kernel(self, x1: Tensor, x2: Tensor | None = None) -> Tensor:
         dev = self.la._device()

@@ -66,13 +66,16 @@ class _Features:
 
 class _AllWeightsGP:
     """All weights, diagonal or full ``Sigma``: the predictive and kernel of
-    :class:`fromp.gp.GP` (structured layer capture for the diagonal)."""
+    :class:`fromp.gp.GP` (structured layer capture for the diagonal), linearised at the
+    model's current weights (as every structure: :mod:`fromp.laplace_predictive`)."""
 
     def _gp(self) -> Any:
         from fromp.gp import GP
 
-        return GP(self.model, self.posterior, self.likelihood, chunk_size=self.chunk_size,
-                  memory_budget=self.memory_budget)  # fmt: skip
+        now = torch.cat([p.detach().reshape(-1) for _, p in self._named]).to(self._mu)
+        post = self.posterior
+        return GP(self.model, type(post)(now, post.precision), self._lik,
+                  chunk_size=self.chunk_size, memory_budget=self.memory_budget)  # fmt: skip
 
     def _mean_and_variance(self, x: Tensor) -> tuple[Tensor, Tensor]:
         gp = self._gp()
@@ -108,6 +111,14 @@ class _DiagMaths:
     def _sqrt_cov_times(self, z):
         return z * self.posterior_variance.sqrt()
 
+    def _sigma_times(self, v: Tensor) -> Tensor:
+        """``Sigma v`` for rows ``v`` ``[K, P]``."""
+        return v * self.posterior_variance
+
+    def _prec_times(self, v: Tensor) -> Tensor:
+        """``Prec v`` for rows ``v`` ``[K, P]``."""
+        return v * self.posterior_precision
+
 
 class LaplaceDiag(_AllWeightsGP, _DiagMaths, BaseLaplace):
     """``subset_of_weights="all"``, ``hessian_structure="diag"``: ``diag(G)`` ``[P]`` by
@@ -117,14 +128,14 @@ class LaplaceDiag(_AllWeightsGP, _DiagMaths, BaseLaplace):
     structure = "diag"
 
     def _curvature(self, batches):
-        return diag_ggn(self.model, [(x,) for x, _ in batches], self.likelihood,
+        return diag_ggn(self.model, [(x,) for x, _ in batches], self._lik,
                         chunk_size=self.chunk_size, memory_budget=self.memory_budget,
                         method=self.method)  # fmt: skip
 
     @property
     def posterior(self) -> DiagonalGaussian:
         """:class:`~fromp.posterior.DiagonalGaussian` ``N(theta*, diag(precision)^{-1})``."""
-        return DiagonalGaussian(self.mean.clone(), self.posterior_precision.detach().clone())
+        return DiagonalGaussian(self._mu.clone(), self.posterior_precision.detach().clone())
 
 
 class _FullMaths:
@@ -174,6 +185,12 @@ class _FullMaths:
     posterior_covariance = property(lambda self: self._covariance().clone())
     posterior_variance = property(lambda self: torch.diagonal(self._covariance()).clone())
 
+    def _sigma_times(self, v: Tensor) -> Tensor:
+        return v @ self._covariance()
+
+    def _prec_times(self, v: Tensor) -> Tensor:
+        return v @ self.posterior_precision
+
     def _sqrt_cov_times(self, z):
         # Sigma = (L L^T)^{-1} = L^{-T} L^{-1}: theta = L^{-T} z
         prec = self.posterior_precision
@@ -188,13 +205,13 @@ class LaplaceFull(_AllWeightsGP, _FullMaths, BaseLaplace):
     structure = "full"
 
     def _curvature(self, batches):
-        g = ggn(self.model, [(x,) for x, _ in batches], self.likelihood,
+        g = ggn(self.model, [(x,) for x, _ in batches], self._lik,
                 chunk_size=self.chunk_size or 32, max_params=self.max_params)  # fmt: skip
         return 0.5 * (g + g.T)
 
     @property
     def posterior(self) -> FullGaussian:
-        return FullGaussian(self.mean.clone(), self.posterior_precision.detach().clone())
+        return FullGaussian(self._mu.clone(), self.posterior_precision.detach().clone())
 
 
 class _KronMixin:
@@ -203,15 +220,46 @@ class _KronMixin:
     def _fitted(self):
         self._eig = KronEigen(self.H) if self.H is not None else None
 
+    damping = False  # laplace-torch's damped Kronecker sum is not offered (exact eigenvalues)
+
+    @property
+    def H_facs(self) -> Any:
+        """laplace-torch's name for the undecomposed Kronecker factors: the fitted
+        :class:`fromp.kron.KronCurvature` (``H``; its eigendecomposition is internal)."""
+        return self.H
+
+    def _power_times(self, v: Tensor, power: int) -> Tensor:
+        """``Prec^power v`` for rows ``v`` ``[K, P]`` (``power`` -1: ``Sigma v``), block by
+        block in the factors' eigenbases."""
+        self._require_fit()
+        eig, deltas, factor = self._eig, self._deltas(self._delta), self._factor()
+        parts = []
+        for j, (i, kind, m) in enumerate(self._block_views(v)):
+            if kind == "w":
+                e = eig.weight_eigs(i, factor, deltas[j]) ** power
+                parts.append(eig.unrotate_weight(i, eig.rotate_weight(i, m) * e).flatten(-2))
+            elif kind == "b":
+                e = eig.bias_eigs(i, factor, deltas[j]) ** power
+                parts.append(((m @ eig.qbb[i]) * e) @ eig.qbb[i].T)
+            else:
+                parts.append(m * self._diag_eigs(i, factor, deltas[j]).reshape(-1) ** power)
+        return torch.cat(parts, -1)
+
+    def _sigma_times(self, v: Tensor) -> Tensor:
+        return self._power_times(v, -1)
+
+    def _prec_times(self, v: Tensor) -> Tensor:
+        return self._power_times(v, 1)
+
     def _h_state(self, h):
         return h.state_dict()
 
     def _h_load(self, state):
         curv = KronCurvature.from_state_dict(state)
         for b in curv.blocks:
-            b.A, b.B = b.A.to(self.mean), b.B.to(self.mean)
-            b.B_bias = None if b.B_bias is None else b.B_bias.to(self.mean)
-        curv.diag = {k: v.to(self.mean) for k, v in curv.diag.items()}
+            b.A, b.B = b.A.to(self._mu), b.B.to(self._mu)
+            b.B_bias = None if b.B_bias is None else b.B_bias.to(self._mu)
+        curv.diag = {k: v.to(self._mu) for k, v in curv.diag.items()}
         return curv
 
     def _entries(self) -> list[tuple[str, Any]]:
@@ -341,7 +389,7 @@ class _KronMixin:
     def posterior_variance(self) -> Tensor:
         eig, deltas, factor = self._eig, self._deltas(self._delta), self._factor()
         parts = []
-        for j, (i, kind, _) in enumerate(self._block_views(self.mean)):
+        for j, (i, kind, _) in enumerate(self._block_views(self._mu)):
             if kind == "w":
                 inv = eig.weight_eigs(i, factor, deltas[j]).reciprocal()
                 parts.append((eig.qb[i] ** 2 @ inv @ (eig.qa[i] ** 2).T).flatten())
@@ -367,7 +415,7 @@ class KronLaplace(_KronMixin, BaseLaplace):
     def _curvature(self, batches):
         # the curvature pass's outputs serve the evidence's data term (no second forward pass)
         self._outputs = []
-        return kron_curvature(self.model, batches, self.likelihood, outputs=self._outputs)
+        return kron_curvature(self.model, batches, self._lik, outputs=self._outputs)
 
     def _rows(self, x: Tensor, factored: bool = False) -> tuple[Tensor, list[tuple[Any, str, Any]]]:
         """``f(x)`` and, per parameter tensor (subset order), the Jacobian rows ``[N, C,
@@ -436,7 +484,7 @@ class KronLaplace(_KronMixin, BaseLaplace):
     def _weights(self) -> list[Tensor]:
         eig, deltas, factor = self._eig, self._deltas(self._delta), self._factor()
         out = []
-        for j, (i, kind, _) in enumerate(self._block_views(self.mean)):
+        for j, (i, kind, _) in enumerate(self._block_views(self._mu)):
             if kind == "w":
                 e = eig.weight_eigs(i, factor, deltas[j])
             elif kind == "b":
@@ -474,12 +522,39 @@ class KronLaplace(_KronMixin, BaseLaplace):
 
 class _LastLayer:
     """The last ``nn.Linear`` layer ``f = W phi + b`` as the subset: ``J_n = I_C (x)
-    [phi_n; 1]^T`` in closed form, features captured once per batch."""
+    [phi_n; 1]^T`` in closed form, features captured once per batch. ``last_layer_name``
+    (laplace-torch's) names the layer
+    (checked at the first fit to give the model's output); None finds it."""
+
+    def __init__(self, model, likelihood, last_layer_name=None, feature_reduction=None, **kwargs):
+        if feature_reduction is not None:
+            raise ValueError(
+                f"feature_reduction={feature_reduction!r} is not supported: fromp's last layer "
+                "takes features [N, D] (reduce a sequence dimension inside the model)"
+            )
+        kwargs.pop("subset_of_weights", None)
+        super().__init__(model, likelihood, subset_of_weights="last_layer", **kwargs)
+        self.last_layer_name = last_layer_name
+        if last_layer_name is not None:
+            layer = dict(model.named_modules()).get(last_layer_name)
+            if not isinstance(layer, nn.Linear):
+                raise ValueError(f"last_layer_name={last_layer_name!r} must name an nn.Linear "
+                                 f"of the model, got {type(layer).__name__}")  # fmt: skip
+            self._use_layer(last_layer_name, layer)
 
     def _prepare(self, x: Tensor) -> None:
         if self.layer is None:
             _, layer = last_layer_features(self.model, x)  # refuses a non-linear head
             self._use_layer(next(n for n, m in self.model.named_modules() if m is layer), layer)
+        elif not getattr(self, "_layer_checked", False):
+            with _Features(self.layer) as feats, torch.no_grad():
+                f = self.model(x)
+            out = self.layer(feats.phi) if feats.phi is not None else None
+            if out is None or out.shape != f.shape or not torch.allclose(out, f):
+                raise ValueError(f"last_layer_name={self.layer_name!r}: that layer's output is "
+                                 "not the model's output (a last-layer Laplace needs the "
+                                 "model to end in it)")  # fmt: skip
+            self._layer_checked = True
 
     def _prepare_names(self, names: list[str]) -> None:
         if self.layer is None:
@@ -534,16 +609,22 @@ class _LastLayer:
         return torch.cat([w.reshape(*v.shape[:-1], c, -1), b.unsqueeze(-1)], -1)
 
     def _lambda(self, f: Tensor) -> Tensor:
-        return self.likelihood.hessian(f)
+        return self._lik.hessian(f)
+
+    def _nn_samples(self, x, n_samples, generator, **model_kwargs):
+        """``[S, N, C]``: one forward pass for the features ``phi(x)``, then ``f_s = W_s
+        phi + b_s`` for each head draw ``theta_s`` (no full forward pass per draw)."""
+        if model_kwargs:
+            return super()._nn_samples(x, n_samples, generator, **model_kwargs)
+        _, phi = self._phi(x)
+        heads = self._from_flat(self.sample(n_samples, generator))  # [S, C, D']
+        return torch.einsum("nd,scd->snc", self._tilde(phi).to(heads), heads)
 
 
 class DiagLLLaplace(_LastLayer, _DiagMaths, BaseLaplace):
     """Last layer, diagonal: ``diag(G)[c, d] = sum_n Lambda_n[c, c] phi~_nd^2``."""
 
     structure = "diag"
-
-    def __init__(self, model, likelihood, **kwargs):
-        super().__init__(model, likelihood, subset_of_weights="last_layer", **kwargs)
 
     def _curvature(self, batches):
         h = 0.0
@@ -570,9 +651,6 @@ class FullLLLaplace(_LastLayer, _FullMaths, BaseLaplace):
     """Last layer, full: ``G = sum_n Lambda_n (x) phi~_n phi~_n^T`` ``[P, P]``."""
 
     structure = "full"
-
-    def __init__(self, model, likelihood, **kwargs):
-        super().__init__(model, likelihood, subset_of_weights="last_layer", **kwargs)
 
     def _curvature(self, batches):
         h = 0.0
@@ -614,9 +692,6 @@ class KronLLLaplace(_LastLayer, _KronMixin, BaseLaplace):
     phi_n^T`` for the weight, the exact ``B`` for the bias (as :mod:`fromp.kron`)."""
 
     structure = "kron"
-
-    def __init__(self, model, likelihood, **kwargs):
-        super().__init__(model, likelihood, subset_of_weights="last_layer", **kwargs)
 
     def _curvature(self, batches):
         a, b, n = 0.0, 0.0, 0

@@ -88,11 +88,12 @@ class SubnetLaplace(BaseLaplace):
     ``fromp.Laplace(model, likelihood, subset_of_weights="subnetwork", hessian_structure=
     "full" | "diag", subnetwork_indices=idx)``.
 
-    ``la.mean`` (also ``la.mean_subnet``) is ``w*[S]`` ``[S]``, and ``posterior_precision``,
-    ``posterior_covariance``, ``posterior_variance``, ``prior_mean`` are over the ``S``
-    entries; ``sample(n)`` returns full parameter vectors ``[n, P]`` (the subnetwork
-    drawn, the rest at ``w*``: laplace-torch's convention), ``la.full_mean`` is ``w*``
-    ``[P]``.
+    As in laplace-torch, ``la.mean`` is all the weights ``w*`` ``[P]`` (also
+    ``la.full_mean``), ``la.mean_subnet`` is ``w*[S]`` ``[S]``, ``la.n_params`` is ``P`` and
+    ``la.n_params_subnet`` is ``S``; ``posterior_precision``, ``posterior_covariance``,
+    ``posterior_variance``, ``prior_mean``, ``prior_precision_diag`` and the Jacobians of
+    ``la.backend.jacobians`` are over the ``S`` entries; ``sample(n)`` returns full
+    parameter vectors ``[n, P]`` (the subnetwork drawn, the rest at ``w*``).
     """
 
     def __init__(
@@ -137,7 +138,7 @@ class SubnetLaplace(BaseLaplace):
     def _set_mean(self) -> None:
         self.full_mean = parameters_to_vector(self.model.parameters()).detach().clone()
         idx = self.subnetwork_indices.to(self.full_mean.device)
-        self.mean = self.full_mean[idx].clone()
+        self._mu = self.full_mean[idx].clone()
         self.sizes = [len(pos) for _, _, pos in self._where]
 
     def _subset_size(self) -> int:
@@ -153,9 +154,53 @@ class SubnetLaplace(BaseLaplace):
         return self.num_params
 
     @property
+    def n_params(self) -> int:
+        """``P``: all the model's parameters (laplace-torch's)."""
+        return self.full_mean.numel()
+
+    @property
+    def mean(self) -> Tensor:
+        """``w*`` ``[P]``: all weights (laplace-torch's); the subnetwork's ``mean_subnet``."""
+        return self.full_mean
+
+    @mean.setter
+    def mean(self, value: Tensor) -> None:
+        value = value.to(self.full_mean)
+        if value.shape != self.full_mean.shape:
+            raise ValueError(f"mean must have shape [P]=[{self.n_params}], got "
+                             f"{tuple(value.shape)}")  # fmt: skip
+        self.full_mean = value.clone()
+        self._mu = self.full_mean[self.subnetwork_indices.to(value.device)].clone()
+
+    @property
     def mean_subnet(self) -> Tensor:
         """``w*[S]`` ``[S]`` (laplace-torch's name)."""
-        return self.mean
+        return self._mu
+
+    def assemble_full_samples(self, subnet_samples: Tensor) -> Tensor:
+        """Subnetwork draws ``[n, S]`` as full parameter vectors ``[n, P]`` (the other
+        weights at ``w*``)."""
+        full = self.full_mean.repeat(len(subnet_samples), 1)
+        full[:, self.subnetwork_indices.to(full.device)] = subnet_samples.to(full)
+        return full
+
+    def _subset_value(self, value: Tensor) -> Tensor:
+        """A full vector ``[..., P]`` reduced to the subnetwork's ``[..., S]``."""
+        if value.shape[-1] == self.n_params and self.n_params != self.num_params:
+            return value[..., self.subnetwork_indices.to(value.device)]
+        return value
+
+    def _jacobian_columns(self) -> Tensor:
+        """The subnetwork entries among the touched tensors' concatenated entries."""
+        offsets = torch.tensor([0, *self.sizes_touched]).cumsum(0)
+        cols = torch.empty(self.num_params, dtype=torch.long)
+        for t, (_, local, pos) in enumerate(self._where):
+            cols[pos] = offsets[t] + local
+        return cols
+
+    @property
+    def sizes_touched(self) -> list[int]:
+        return [p.numel() for _, p in self._named]
 
     def _delta_vector(self, d: Tensor) -> Tensor:
         if d.ndim == 0:
@@ -217,25 +262,22 @@ class SubnetLaplace(BaseLaplace):
     def _sqrt_ggn_rows(self, batches: list[tuple[Tensor, Tensor | None]]):
         for x, _ in batches:
             f, jac = self._jacobian(x)
-            yield torch.einsum("nck,ncs->nks", self.likelihood.sqrt_hessian(f), jac).flatten(0, 1)
+            yield torch.einsum("nck,ncs->nks", self._lik.sqrt_hessian(f), jac).flatten(0, 1)
 
     # ------------------------------------------------------------------ samples, predictive
     def sample(self, n_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
         """``[n_samples, P]`` full parameter vectors: ``w[S] ~ q``, the rest ``w*``."""
-        theta = super().sample(n_samples, generator)
-        full = self.full_mean.repeat(n_samples, 1)
-        full[:, self.subnetwork_indices.to(full.device)] = theta
-        return full
+        return self.assemble_full_samples(super().sample(n_samples, generator))
 
-    def _nn_samples(self, x: Tensor, n_samples: int, generator: torch.Generator | None) -> Tensor:
+    def _nn_samples(self, x, n_samples, generator, **model_kwargs):
         outs = []
-        with torch.no_grad():
+        with torch.set_grad_enabled(self.enable_backprop and torch.is_grad_enabled()):
             for w in self.sample(n_samples, generator):
                 params, k = {}, 0
                 for name, p in self._all_named:
                     params[name] = w[k : k + p.numel()].view_as(p).to(p.dtype)
                     k += p.numel()
-                outs.append(functional_call(self.model, params, (x,)))
+                outs.append(functional_call(self.model, params, (x,), model_kwargs))
         return torch.stack(outs)
 
     def _cov_times(self, jac: Tensor) -> Tensor:
@@ -262,8 +304,8 @@ class SubnetLaplace(BaseLaplace):
         if idx is None or not torch.equal(idx.cpu(), self.subnetwork_indices):
             raise ValueError("state has other subnetwork_indices than this Laplace")
         super().load_state_dict(state)
-        self.full_mean = self.full_mean.to(self.mean)
-        self.full_mean[self.subnetwork_indices.to(self.mean.device)] = self.mean
+        self.full_mean = self.full_mean.to(self._mu).clone()
+        self.full_mean[self.subnetwork_indices.to(self._mu.device)] = self._mu
 
 
 class FullSubnetLaplace(_FullMaths, SubnetLaplace):
