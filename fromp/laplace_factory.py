@@ -6,7 +6,7 @@ subset_of_weights, hessian_structure, **kwargs)``, one class per (subset, struct
   :class:`~fromp.laplace_structures.LaplaceFull`, ``"lowrank"``
   :class:`~fromp.laplace_lowrank.LowRankLaplace`;
 * ``"last_layer"``: ``"diag"`` / ``"kron"`` / ``"full"``: ``DiagLLLaplace``,
-  ``KronLLLaplace``, ``FullLLLaplace`` (:mod:`fromp.laplace_structures`);
+  ``KronLLLaplace``, ``FullLLLaplace`` (:mod:`fromp.laplace_lastlayer`);
 * ``"subnetwork"``: ``"diag"`` / ``"full"``: :class:`~fromp.laplace_subnet.DiagSubnetLaplace`,
   :class:`~fromp.laplace_subnet.FullSubnetLaplace`.
 """
@@ -18,16 +18,10 @@ from typing import Any
 from torch import nn
 
 from fromp.baselaplace import STRUCTURES, SUBSETS, BaseLaplace
+from fromp.laplace_lastlayer import DiagLLLaplace, FullLLLaplace, KronLLLaplace
 from fromp.laplace_lowrank import LowRankLaplace
 from fromp.laplace_options import option
-from fromp.laplace_structures import (
-    DiagLLLaplace,
-    FullLLLaplace,
-    KronLaplace,
-    KronLLLaplace,
-    LaplaceDiag,
-    LaplaceFull,
-)
+from fromp.laplace_structures import KronLaplace, LaplaceDiag, LaplaceFull
 from fromp.laplace_subnet import DiagSubnetLaplace, FullSubnetLaplace
 from fromp.likelihood import Likelihood
 

@@ -41,6 +41,7 @@ from torch.nn.utils import parameters_to_vector
 from fromp.baselaplace import BaseLaplace
 from fromp.laplace_structures import LaplaceDiag, LaplaceFull, _DiagMaths, _FullMaths
 from fromp.likelihood import Likelihood
+from fromp.subnet_masks import LargestMagnitudeSubnetMask, LargestVarianceDiagLaplaceSubnetMask
 
 __all__ = [
     "DiagSubnetLaplace",
@@ -340,71 +341,3 @@ class DiagSubnetLaplace(_DiagMaths, SubnetLaplace):
 
     def _cov_times(self, jac):
         return self.posterior_variance[:, None] * jac.flatten(0, 1).T
-
-
-# ------------------------------------------------------------------------------ subnet masks
-
-
-class _ScoreMask:
-    """laplace-torch's score-based subnetwork masks: the ``n_params_subnet`` entries of
-    ``parameters_to_vector(model.parameters())`` with the largest score, returned sorted
-    by :meth:`select` as a ``torch.long`` tensor (``subnetwork_indices``)."""
-
-    def __init__(self, model: nn.Module, n_params_subnet: int) -> None:
-        self.model = model
-        self.parameter_vector = parameters_to_vector(model.parameters()).detach()
-        n = self.parameter_vector.numel()
-        if isinstance(n_params_subnet, bool) or not isinstance(n_params_subnet, int):
-            raise TypeError(f"n_params_subnet must be an int, got {n_params_subnet!r}")
-        if not 1 <= n_params_subnet <= n:
-            raise ValueError(f"n_params_subnet must be in [1, P={n}], got {n_params_subnet}")
-        self.n_params_subnet = n_params_subnet
-        self._indices: Tensor | None = None
-
-    def compute_param_scores(self, train_loader: Any) -> Tensor:
-        raise NotImplementedError
-
-    def select(self, train_loader: Any = None) -> Tensor:
-        scores = self.compute_param_scores(train_loader)
-        top = torch.topk(scores, self.n_params_subnet).indices
-        self._indices = top.sort().values.cpu().long()
-        return self._indices
-
-    @property
-    def indices(self) -> Tensor:
-        if self._indices is None:
-            raise AttributeError("call select() first")
-        return self._indices
-
-
-class LargestMagnitudeSubnetMask(_ScoreMask):
-    """The subnetwork of the ``n_params_subnet`` weights of largest ``|w*|``."""
-
-    def compute_param_scores(self, train_loader: Any = None) -> Tensor:
-        return self.parameter_vector.abs()
-
-
-class LargestVarianceDiagLaplaceSubnetMask(_ScoreMask):
-    """The subnetwork of the ``n_params_subnet`` weights of largest marginal variance under
-    a diagonal all-weights Laplace (``diag_laplace_model``, e.g. ``fromp.Laplace(model,
-    lik, "all", "diag")``, fitted on ``train_loader`` by :meth:`select`; frozen parameters,
-    which that posterior does not cover, score ``-inf``)."""
-
-    def __init__(self, model: nn.Module, n_params_subnet: int, diag_laplace_model: Any) -> None:
-        super().__init__(model, n_params_subnet)
-        self.diag_laplace_model = diag_laplace_model
-
-    def compute_param_scores(self, train_loader: Any) -> Tensor:
-        if train_loader is None:
-            raise ValueError("select(train_loader) needs the training data for the variances")
-        la = self.diag_laplace_model
-        la.fit(train_loader)
-        var = la.posterior_variance
-        scores = torch.full_like(self.parameter_vector, -torch.inf)
-        mine = dict(zip(la.parameter_names, torch.split(var, la.sizes)))
-        k = 0
-        for name, p in self.model.named_parameters():
-            if name in mine:
-                scores[k : k + p.numel()] = mine[name].to(scores)
-            k += p.numel()
-        return scores
