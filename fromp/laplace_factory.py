@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from fromp.baselaplace import STRUCTURES, SUBSETS, BaseLaplace
+from fromp.laplace_functional import FunctionalLaplace
 from fromp.laplace_lastlayer import DiagLLLaplace, FullLLLaplace, KronLLLaplace
 from fromp.laplace_lowrank import LowRankLaplace
 from fromp.laplace_options import option
@@ -62,11 +63,10 @@ def Laplace(
     (``sigma_noise``, ``prior_precision``, ``prior_mean``, ``temperature``,
     ``chunk_size``, ...) and of the class chosen. laplace-torch's enums are accepted for
     every option; ``damping`` (Kronecker) only as False (fromp uses the exact eigenvalues of
-    the Kronecker sum); ``hessian_structure="gp"`` is :class:`fromp.gp.FunctionalLaplace`."""
+    the Kronecker sum); ``hessian_structure="gp"`` is
+    :class:`fromp.laplace_functional.FunctionalLaplace`."""
     subset_of_weights, hessian_structure = option(subset_of_weights), option(hessian_structure)
     if hessian_structure == "gp":
-        from fromp.laplace_functional import FunctionalLaplace
-
         if subset_of_weights != "all":
             raise ValueError("hessian_structure='gp' (FunctionalLaplace) needs "
                              "subset_of_weights='all'")  # fmt: skip
