@@ -26,6 +26,15 @@ from fromp.laplace import (
     optimize_prior_precision,
 )
 from fromp.laplace_factory import Laplace
+from fromp.laplace_functional import FunctionalLaplace
+from fromp.laplace_options import (
+    HessianStructure,
+    LinkApprox,
+    PredType,
+    PriorStructure,
+    SubsetOfWeights,
+    TuningMethod,
+)
 from fromp.likelihood import (
     BernoulliLikelihood,
     CategoricalLikelihood,
@@ -34,6 +43,7 @@ from fromp.likelihood import (
     get_likelihood,
 )
 from fromp.loo import LOOTracker, last_layer_loo
+from fromp.marglik_training import marglik_training
 from fromp.memorable import memorability_scores, select_memorable
 from fromp.methods import FROMPMethod
 from fromp.optim import IVON, OGN, VOGN
@@ -59,6 +69,14 @@ __all__ = [  # noqa: RUF022 (grouped by task, sorted within each group)
     "log_evidence_grid",
     "log_marginal_likelihood",
     "optimize_prior_precision",
+    "FunctionalLaplace",
+    "marglik_training",
+    "HessianStructure",
+    "LinkApprox",
+    "PredType",
+    "PriorStructure",
+    "SubsetOfWeights",
+    "TuningMethod",
     "DiagonalGaussian",
     "FullGaussian",
     "GaussianPosterior",

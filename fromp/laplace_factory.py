@@ -66,6 +66,10 @@ def Laplace(
     the Kronecker sum); ``hessian_structure="gp"`` is
     :class:`fromp.laplace_functional.FunctionalLaplace`."""
     subset_of_weights, hessian_structure = option(subset_of_weights), option(hessian_structure)
+    approx = option(kwargs.pop("functional_approximation", "sod"))
+    if approx != "sod":
+        raise ValueError(f"functional_approximation={approx!r} is not supported: fromp offers the "
+                         "subset-of-data GP ('sod', FunctionalLaplace)")  # fmt: skip
     if hessian_structure == "gp":
         if subset_of_weights != "all":
             raise ValueError("hessian_structure='gp' (FunctionalLaplace) needs "

@@ -61,6 +61,7 @@ class _LastLayer:
             self._use_layer(last_layer_name, layer)
 
     def _prepare(self, x: Tensor) -> None:
+        self.data = x  # laplace-torch's: an input that found the last layer
         if self.layer is None:
             _, layer = last_layer_features(self.model, x)  # refuses a non-linear head
             self._use_layer(next(n for n, m in self.model.named_modules() if m is layer), layer)
@@ -128,6 +129,11 @@ class _LastLayer:
 
     def _lambda(self, f: Tensor) -> Tensor:
         return self._lik.hessian(f)
+
+    def functional_variance_fast(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """laplace-torch's: ``(f(x) [N, C], diag J Sigma J^T [N, C])``."""
+        f, var = self._mean_and_variance(self._input(x))
+        return f, torch.diagonal(var, dim1=-2, dim2=-1)
 
     def _nn_samples(self, x, n_samples, generator, **model_kwargs):
         """``[S, N, C]``: one forward pass for the features ``phi(x)``, then ``f_s = W_s

@@ -238,6 +238,19 @@ class LowRankLaplace(BaseLaplace):
         r = z + ((z @ wq) * c) @ wq.T
         return r * d.rsqrt()
 
+    @property
+    def V(self) -> Tensor:
+        """laplace-torch's ``V = D^{-1} U`` ``[P, k]``."""
+        (u, _), d = self.posterior_precision
+        return u / d.reshape(-1, 1)
+
+    @property
+    def Kinv(self) -> Tensor:
+        """laplace-torch's ``(diag(1 / lam') + U^T V)^{-1}`` ``[k, k]`` (``lam' = lam / (s^2
+        T)``): ``Sigma = D^{-1} - V Kinv V^T`` (Woodbury)."""
+        (u, lam), _ = self.posterior_precision
+        return torch.linalg.inv(torch.diag(1 / lam) + u.T @ self.V)
+
     def _sigma_times(self, v: Tensor) -> Tensor:
         """``Sigma v`` for rows ``v`` ``[K, P]`` (Woodbury)."""
         d, w, chol = self._parts(self._delta, self._factor())

@@ -177,13 +177,13 @@ class LaplaceTorchAPI:
     @property
     def log_det_ratio(self) -> Tensor:
         """``log det(G / (s^2 T) + D) - log det D`` (in a form without cancellation; at
-        other values: :meth:`log_det_ratio_at`). Was a method before 0.9."""
+        other values: :meth:`log_det_ratio_at`). A method in fromp 0.3."""
         return self.log_det_ratio_at()
 
     @property
     def scatter(self) -> Tensor:
         """``(theta* - m0)^T D (theta* - m0)`` (at another ``delta``: :meth:`scatter_at`).
-        Was a method before 0.9."""
+        A method in fromp 0.3."""
         return self.scatter_at()
 
     @property
@@ -295,7 +295,7 @@ class LaplaceTorchAPI:
 
     def functional_variance(self, Js: Tensor) -> Tensor:
         """``J_n Sigma J_n^T`` ``[N, C, C]`` for Jacobians ``Js`` ``[N, C, P]``
-        (laplace-torch's meaning). Passing inputs ``x`` instead (fromp before 0.9) still
+        (laplace-torch's meaning). Passing inputs ``x`` instead (fromp 0.3) still
         works with a DeprecationWarning: use :meth:`functional_variance_at`."""
         looks_like_js = isinstance(Js, Tensor) and Js.ndim == 3 and Js.shape[-1] == self.num_params
         if not looks_like_js or (self.n_outputs and Js.shape[1] != self.n_outputs):
@@ -362,7 +362,7 @@ class LaplaceTorchAPI:
           regression ``(mean, variance [N, C])`` of the draws (laplace-torch's).
 
         ``fitting`` (laplace-torch's reward modelling) has no effect here. A string in the
-        third position is taken as ``link_approx`` (fromp's order before 0.9), with a
+        third position is taken as ``link_approx`` (fromp 0.3's order), with a
         DeprecationWarning."""
         if isinstance(joint, str):
             warnings.warn("la(x, pred_type, link_approx) positionally is deprecated: the third "

@@ -60,7 +60,7 @@ class PriorTuning:
         ``"diag"`` (one per parameter; not for ``"kron"``). ``pred_type``, ``link_approx``,
         ``n_samples``: the predictive of the grid search. ``verbose`` prints the result;
         ``progress_bar`` is accepted and shows nothing. A first positional ``"marglik"`` /
-        ``"gridsearch"`` is taken as ``method`` (fromp's order before 0.9).
+        ``"gridsearch"`` is taken as ``method`` (fromp 0.3's order).
         """
         pred_type, method = option(pred_type), option(method)
         prior_structure, link_approx = option(prior_structure), option(link_approx)
