@@ -331,8 +331,9 @@ class LaplaceTorchAPI:
                 f = self.model(x)
             k = self._kernel(x, x)
             n, c = f.shape
-            return f.flatten(), k.reshape(n * c, n * c)
-        return self._mean_and_variance(x)
+            return f.flatten(), k.reshape(n * c, n * c).detach()
+        mu, var = self._mean_and_variance(x)
+        return mu.detach(), var.detach()
 
     # ------------------------------------------------------------------ predictive
     def __call__(
