@@ -254,23 +254,40 @@ class FunctionalLaplace(LaplaceTorchAPI):
             return (yy - self._fm + shift).flatten()
         return shift.flatten()
 
-    def _evidence(self, delta: Tensor, sigma: Any) -> Tensor:
+    def _terms(self, delta: Tensor, sigma: Any) -> tuple[Tensor, Tensor, Tensor]:
+        """``(data term, scatter, log-determinant)`` of the evidence: classification
+        ``(log p(y_M | f), mu^T (K + eps I)^{-1} mu, log det(I + W K W))``; regression
+        ``(-(M C / 2) log 2 pi, mu^T A^{-1} mu, log det A)`` with ``A = K + sigma^2 T I``."""
         self._require_fit()
         s = self.n_subset / self.n_data / delta.reshape(())
         k = s * self._gram()
         eye = torch.eye(len(k), dtype=k.dtype, device=k.device)
         mu = self._mu_scatter()
         if self.regression:
-            sig = torch.as_tensor(self._sigma if sigma is None else sigma).to(k).reshape(())
-            a = k + sig**2 * self.temperature * eye
-            chol = torch.linalg.cholesky(a)
+            sig = torch.as_tensor(self._sigma if sigma is None else sigma, dtype=k.dtype)
+            sig = sig.to(k.device).reshape(())
+            chol = torch.linalg.cholesky(k + sig**2 * self.temperature * eye)
             z = torch.linalg.solve_triangular(chol, mu[:, None], upper=False)
-            logdet = 2 * torch.diagonal(chol).log().sum()
-            return -0.5 * ((z**2).sum() + logdet + len(mu) * math.log(2 * math.pi))
+            data = torch.tensor(-0.5 * len(mu) * math.log(2 * math.pi), dtype=k.dtype)
+            return data, (z**2).sum(), 2 * torch.diagonal(chol).log().sum()
         w = self._w(self._factor())
         chol = torch.linalg.cholesky(eye + w.T @ k @ w)
-        z = torch.linalg.solve(k + 1e-5 * eye, mu)
-        return -self.loss / self.temperature - 0.5 * (mu @ z + 2 * torch.diagonal(chol).log().sum())
+        scatter = mu @ torch.linalg.solve(k + 1e-5 * eye, mu)
+        return -self.loss / self.temperature, scatter, 2 * torch.diagonal(chol).log().sum()
+
+    def _evidence(self, delta: Tensor, sigma: Any) -> Tensor:
+        data, scatter, logdet = self._terms(delta, sigma)
+        return data - 0.5 * (scatter + logdet)
+
+    @property
+    def scatter(self) -> Tensor:
+        """The evidence's quadratic term (module docstring)."""
+        return self._terms(self._delta, None)[1]
+
+    @property
+    def log_det_ratio(self) -> Tensor:
+        """The evidence's log-determinant term (module docstring)."""
+        return self._terms(self._delta, None)[2]
 
     def log_marginal_likelihood(self, prior_precision: Any = None, sigma_noise: Any = None):
         """The GP evidence (module docstring), differentiable in both; values passed are
