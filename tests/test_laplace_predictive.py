@@ -367,3 +367,51 @@ def test_positional_and_deprecated_forms_still_work():
     torch.testing.assert_close(la(x, pred_type=PredType.GLM, link_approx=LinkApprox.PROBIT),
                                la(x))  # fmt: skip
     torch.testing.assert_close(la.predictive(x, "glm", "probit", 10), la(x))
+
+
+def test_many_outputs_diag_and_last_layer_many_classes():
+    """laplace-torch #281 (all-weights diagonal with many outputs) and #138 (last layer with
+    many classes): fromp's diagonal GGN comes from layer capture and the last-layer
+    predictive from the features, with no [N, C, P] Jacobian; both equal the dense float64
+    quantities with 300 outputs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 300)).double().eval()
+    x = torch.randn(4, 3, dtype=F64)
+    y = torch.randint(0, 300, (4,))
+    jac = dense_jacobian(model, x)
+    with torch.no_grad():
+        p = torch.softmax(model(x), -1)
+    lam = torch.diag_embed(p) - torch.einsum("nc,nd->ncd", p, p)
+    la = Laplace(model, "classification", "all", "diag").fit([(x, y)])
+    torch.testing.assert_close(la.H, torch.einsum("ncp,ncd,ndp->p", jac, lam, jac),
+                               rtol=1e-10, atol=1e-12)  # fmt: skip
+    for structure in ("diag", "kron"):
+        ll = Laplace(model, "classification", "last_layer", structure).fit([(x, y)])
+        cov = dense_cov(ll)
+        j = jac[..., -ll.n_params :]
+        torch.testing.assert_close(ll.functional_variance_at(x),
+                                   torch.einsum("ncp,pq,ndq->ncd", j, cov, j),
+                                   rtol=1e-8, atol=1e-12)  # fmt: skip
+        _, dvar = ll.functional_variance_fast(x)
+        torch.testing.assert_close(dvar, torch.einsum("ncp,pq,ncq->nc", j, cov, j),
+                                   rtol=1e-8, atol=1e-12)  # fmt: skip
+
+
+def test_temper_normaliser_switch_gives_laplace_torchs_evidence():
+    """Regression with T != 1: fromp tempers the whole Gaussian log-likelihood by default;
+    temper_normaliser=False tempers only the data fit (laplace-torch's)."""
+    x, y = data(regression=True)
+    model = mlp()
+    jac = dense_jacobian(model, x).flatten(0, 1)
+    sse, w, p = ((model(x) - y) ** 2).sum().detach(), flat(model), jac.shape[1]
+    t, s, d = 0.7, 0.5, 0.8
+    rest = 0.5 * (d * w @ w + torch.logdet(jac.T @ jac / (s**2 * t) + d * torch.eye(p, dtype=F64))
+                  - p * math.log(d))  # fmt: skip
+    norm = x.shape[0] * C * math.log(s * math.sqrt(2 * math.pi))
+    for temper, ll in (
+        (True, -(sse / (2 * s**2) + norm) / t),
+        (False, -sse / (2 * s**2 * t) - norm),
+    ):
+        la = Laplace(model, "regression", "all", "full", temperature=t, sigma_noise=s,
+                     prior_precision=d, temper_normaliser=temper).fit([(x, y)])  # fmt: skip
+        torch.testing.assert_close(la.log_marginal_likelihood(), ll - rest, rtol=1e-10, atol=1e-9)
