@@ -131,6 +131,12 @@ class LaplaceTorchAPI:
             return LikelihoodName.CLASSIFICATION
         return self._lik.name
 
+    @likelihood.setter
+    def likelihood(self, value: Any) -> None:
+        if option(value) != self.likelihood:
+            raise ValueError(f"likelihood is fixed at construction ({self.likelihood!r}); got "
+                             f"{value!r}: build a new Laplace")  # fmt: skip
+
     @property
     def likelihood_fn(self) -> Any:
         """The :class:`fromp.likelihood.Likelihood` object (unit noise for regression)."""

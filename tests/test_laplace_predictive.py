@@ -415,3 +415,40 @@ def test_temper_normaliser_switch_gives_laplace_torchs_evidence():
         la = Laplace(model, "regression", "all", "full", temperature=t, sigma_noise=s,
                      prior_precision=d, temper_normaliser=temper).fit([(x, y)])  # fmt: skip
         torch.testing.assert_close(la.log_marginal_likelihood(), ll - rest, rtol=1e-10, atol=1e-9)
+
+
+def test_likelihood_is_fixed_and_comparable_to_the_enum():
+    from fromp.utils import Likelihood
+
+    _, la = make("all", "diag")
+    assert la.likelihood == Likelihood.CLASSIFICATION == "classification"
+    la.likelihood = "classification"  # laplace-torch's load_state_dict sets it: same value
+    with pytest.raises(ValueError, match="fixed at construction"):
+        la.likelihood = "regression"
+    assert la.likelihood_fn.name == "categorical"
+
+
+def test_gridsearch_takes_laplace_torchs_loss_base_and_verbose(capsys):
+    """``loss(mean, var, y)`` for regression on a grid ``base^t``: the chosen delta
+    minimises that loss over the grid (evaluated here at each grid point independently)."""
+    model, la = make("all", "full", "regression")
+    x, y = data(regression=True)
+    la.fit([(x, y)])
+    xv, yv = data(n=8, seed=9, regression=True)
+
+    def loss(mean, var, target):
+        return ((mean - target) ** 2 / (torch.diagonal(var, 0, 1, 2) + 1.0)).sum()
+
+    out = la.optimize_prior_precision(method="gridsearch", val_loader=[(xv, yv)], loss=loss,
+                                      log_prior_prec_min=-3, log_prior_prec_max=3, grid_size=7,
+                                      log_prior_prec_base=2.0, verbose=True)  # fmt: skip
+    grid = 2.0 ** torch.linspace(-3, 3, 7, dtype=F64)
+    jac = dense_jacobian(model, xv)
+    jt = dense_jacobian(model, x).flatten(0, 1)
+    scores = []
+    for d in grid:
+        cov = torch.linalg.inv(jt.T @ jt + d * torch.eye(jt.shape[1], dtype=F64))
+        var = torch.einsum("ncp,pq,ndq->ncd", jac, cov, jac)
+        scores.append(float(loss(model(xv).detach(), var, yv)))
+    torch.testing.assert_close(out, grid[int(torch.tensor(scores).argmin())])
+    assert "Optimized prior precision" in capsys.readouterr().out
