@@ -27,14 +27,15 @@ from fromp.laplace import (
 )
 from fromp.laplace_factory import Laplace
 from fromp.laplace_functional import FunctionalLaplace
-from fromp.laplace_options import (
-    HessianStructure,
-    LinkApprox,
-    PredType,
-    PriorStructure,
-    SubsetOfWeights,
-    TuningMethod,
-)
+
+# laplace-torch's option enums, importable from the top as in laplace-torch (listed in
+# fromp.utils.__all__, not here: the top-level surface stays small)
+from fromp.laplace_options import HessianStructure as HessianStructure
+from fromp.laplace_options import LinkApprox as LinkApprox
+from fromp.laplace_options import PredType as PredType
+from fromp.laplace_options import PriorStructure as PriorStructure
+from fromp.laplace_options import SubsetOfWeights as SubsetOfWeights
+from fromp.laplace_options import TuningMethod as TuningMethod
 from fromp.likelihood import (
     BernoulliLikelihood,
     CategoricalLikelihood,
@@ -71,12 +72,6 @@ __all__ = [  # noqa: RUF022 (grouped by task, sorted within each group)
     "optimize_prior_precision",
     "FunctionalLaplace",
     "marglik_training",
-    "HessianStructure",
-    "LinkApprox",
-    "PredType",
-    "PriorStructure",
-    "SubsetOfWeights",
-    "TuningMethod",
     "DiagonalGaussian",
     "FullGaussian",
     "GaussianPosterior",
