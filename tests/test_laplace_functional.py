@@ -130,3 +130,14 @@ def test_prior_refusals_and_marglik():
     assert float(la.log_marginal_likelihood()) >= float(before)
     with pytest.raises(ValueError, match="pred_type='gp'"):
         la(x, pred_type="nn")
+
+
+def test_constructor_takes_laplace_torchs_arguments():
+    import inspect
+
+    lt_args = ["model", "likelihood", "n_subset", "sigma_noise", "prior_precision", "prior_mean",
+               "temperature", "enable_backprop", "dict_key_x", "dict_key_y", "backend",
+               "backend_kwargs", "independent_outputs", "seed"]  # fmt: skip
+    assert set(lt_args) <= set(inspect.signature(FunctionalLaplace).parameters)
+    with pytest.raises(ValueError, match="diag_ef"):
+        FunctionalLaplace(_mlp(), "classification", n_subset=3, backend="CurvlinopsEF")
