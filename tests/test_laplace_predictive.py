@@ -452,3 +452,20 @@ def test_gridsearch_takes_laplace_torchs_loss_base_and_verbose(capsys):
         scores.append(float(loss(model(xv).detach(), var, yv)))
     torch.testing.assert_close(out, grid[int(torch.tensor(scores).argmin())])
     assert "Optimized prior precision" in capsys.readouterr().out
+
+
+def test_nn_regression_returns_the_draws_mean_and_variance():
+    """laplace-torch's ``pred_type="nn"`` regression: ``(mean, var [N, C])`` of the outputs
+    at the weight draws (unbiased variance), the draws those of ``functional_samples``."""
+    model, la = make("all", "diag", "regression")
+    x, y = data(regression=True)
+    la.fit([(x, y)])
+    mu, var = la(x, pred_type="nn", link_approx="mc", n_samples=30,
+                 generator=torch.Generator().manual_seed(1))  # fmt: skip
+    draws = la.sample(30, generator=torch.Generator().manual_seed(1))
+    from _dense import forward_at
+
+    f = torch.stack([forward_at(model, w, x) for w in draws]).detach()
+    torch.testing.assert_close(mu, f.mean(0))
+    torch.testing.assert_close(var, f.var(0))
+    assert var.shape == (len(x), C)
