@@ -26,6 +26,16 @@ from fromp.laplace import (
     optimize_prior_precision,
 )
 from fromp.laplace_factory import Laplace
+from fromp.laplace_functional import FunctionalLaplace
+
+# laplace-torch's option enums, importable from the top as in laplace-torch (listed in
+# fromp.utils.__all__, not here: the top-level surface stays small)
+from fromp.laplace_options import HessianStructure as HessianStructure
+from fromp.laplace_options import LinkApprox as LinkApprox
+from fromp.laplace_options import PredType as PredType
+from fromp.laplace_options import PriorStructure as PriorStructure
+from fromp.laplace_options import SubsetOfWeights as SubsetOfWeights
+from fromp.laplace_options import TuningMethod as TuningMethod
 from fromp.likelihood import (
     BernoulliLikelihood,
     CategoricalLikelihood,
@@ -34,6 +44,7 @@ from fromp.likelihood import (
     get_likelihood,
 )
 from fromp.loo import LOOTracker, last_layer_loo
+from fromp.marglik_training import marglik_training
 from fromp.memorable import memorability_scores, select_memorable
 from fromp.methods import FROMPMethod
 from fromp.optim import IVON, OGN, VOGN
@@ -59,6 +70,8 @@ __all__ = [  # noqa: RUF022 (grouped by task, sorted within each group)
     "log_evidence_grid",
     "log_marginal_likelihood",
     "optimize_prior_precision",
+    "FunctionalLaplace",
+    "marglik_training",
     "DiagonalGaussian",
     "FullGaussian",
     "GaussianPosterior",

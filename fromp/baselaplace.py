@@ -38,22 +38,21 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
 
 import fromp.laplace_checks as checks
 from fromp._checks import require_eval
 from fromp.capture import DEFAULT_MEMORY_BUDGET
 from fromp.curvature import DataArg, iter_batches
 from fromp.gp import LaplaceGP
+from fromp.laplace_options import check_backend, option
+from fromp.laplace_predictive import LaplaceTorchAPI
+from fromp.laplace_tuning import PriorTuning
 from fromp.likelihood import (
-    BernoulliLikelihood,
-    CategoricalLikelihood,
     GaussianLikelihood,
     Likelihood,
     get_likelihood,
     randn_like_on,
 )
-from fromp.link import glm_draws, laplace_bridge, probit_scale, sample_cov
 
 __all__ = ["STRUCTURES", "SUBSETS", "BaseLaplace", "LaplaceGP"]
 
@@ -66,20 +65,25 @@ def _likelihood(
     likelihood: str | Likelihood, sigma_noise: float | None
 ) -> tuple[Likelihood, float]:
     """The likelihood with unit noise (the curvature is kept free of ``s``) and ``s``."""
+    likelihood = option(likelihood)
     if isinstance(likelihood, str):
         likelihood = _ALIASES.get(likelihood, likelihood)
     lik = get_likelihood(likelihood)
     if isinstance(lik, GaussianLikelihood):
         s = lik.sigma if sigma_noise is None else sigma_noise
+        if isinstance(s, Tensor) and s.numel() == 1:
+            s = float(s.detach())
         if not (isinstance(s, int | float) and s > 0 and math.isfinite(s)):
             raise ValueError(f"sigma_noise must be a positive finite number, got {s!r}")
         return GaussianLikelihood(1.0), float(s)
+    if isinstance(sigma_noise, Tensor) and sigma_noise.numel() == 1:
+        sigma_noise = float(sigma_noise.detach())
     if sigma_noise not in (None, 1, 1.0):
         raise ValueError(f"sigma_noise is for regression only, got {sigma_noise!r}")
     return lik, 1.0
 
 
-class BaseLaplace:
+class BaseLaplace(PriorTuning, LaplaceTorchAPI):
     """What every structure shares: the prior, the evidence and its optimisation, the
     predictive, sampling, the GP and the state. Build one with :func:`Laplace`.
 
@@ -94,6 +98,16 @@ class BaseLaplace:
         prior_mean: ``m0``: a float or ``[P]``.
         temperature: ``T``.
         chunk_size, memory_budget: working-memory controls of the curvature.
+        enable_backprop: make the ``"glm"`` predictive differentiable in ``x``.
+        dict_key_x, dict_key_y: the keys of the input and target in mapping batches
+            (Hugging Face style); fromp passes ``batch[dict_key_x]`` to the model.
+        backend, backend_kwargs, asdl_fisher_kwargs: laplace-torch's curvature backend:
+            ``None`` or a GGN backend (``CurvlinopsGGN``, ``AsdlGGN``, ``BackPackGGN``, as a
+            class or its name) is fromp's exact GGN; others are refused naming fromp's
+            equivalent (:func:`fromp.laplace_options.check_backend`).
+        temper_normaliser: regression with ``T != 1``: divide the Gaussian normaliser by
+            ``T`` as well (fromp's tempered likelihood ``p(y|f)^{1/T}``, default) or not
+            (False: laplace-torch's evidence).
     """
 
     structure = ""
@@ -112,8 +126,23 @@ class BaseLaplace:
         memory_budget: int = DEFAULT_MEMORY_BUDGET,
         method: str = "auto",
         max_params: int = 20_000,
+        enable_backprop: bool = False,
+        dict_key_x: str = "input_ids",
+        dict_key_y: str = "labels",
+        backend: Any = None,
+        backend_kwargs: dict[str, Any] | None = None,
+        asdl_fisher_kwargs: dict[str, Any] | None = None,
+        temper_normaliser: bool = True,
     ) -> None:
+        subset_of_weights = option(subset_of_weights)
         checks.at_init(self, model, subset_of_weights, temperature, prior_precision, prior_mean)
+        self.backend_name = check_backend(backend, backend_kwargs)
+        if asdl_fisher_kwargs:
+            raise ValueError("asdl_fisher_kwargs are not supported: fromp computes the exact GGN "
+                             "without ASDL (no Fisher sampling to configure)")  # fmt: skip
+        self.enable_backprop = bool(enable_backprop)
+        self.dict_key_x, self.dict_key_y = dict_key_x, dict_key_y
+        self.temper_normaliser = bool(temper_normaliser)
         if subset_of_weights not in SUBSETS:
             raise ValueError(
                 f"subset_of_weights must be one of {SUBSETS}, got {subset_of_weights!r}"
@@ -121,8 +150,8 @@ class BaseLaplace:
         if not (isinstance(temperature, int | float) and temperature > 0):
             raise ValueError(f"temperature must be a positive number, got {temperature!r}")
         self.model = model
-        self.likelihood, self._sigma = _likelihood(likelihood, sigma_noise)
-        self.regression = isinstance(self.likelihood, GaussianLikelihood)
+        self._lik, self._sigma = _likelihood(likelihood, sigma_noise)
+        self.regression = isinstance(self._lik, GaussianLikelihood)
         self.temperature = float(temperature)
         self.subset_of_weights = subset_of_weights
         self.chunk_size, self.memory_budget, self.method = chunk_size, memory_budget, method
@@ -134,14 +163,16 @@ class BaseLaplace:
             self._set_mean()
         else:
             self._named = []  # found on the first fit (needs an input) or by the subclass
-            self.mean = torch.zeros(0)
+            self._mu = torch.zeros(0)
+            self.sizes: list[int] = []
         self._prior_mean_arg = prior_mean
         self._prior_arg = prior_precision
         if self._named:
             self._init_prior()
         self.H: Any = None
         self.loss: Tensor | None = None  # classification: sum nll; regression: SSE
-        self.n_outputs = 0
+        self.n_outputs = 0  # C (laplace-torch's)
+        self._n_targets = 0  # sum over the fitted batches of N_b C: the Gaussian normaliser's
         self.n_data = 0
 
     # ------------------------------------------------------------------ parameters
@@ -149,7 +180,7 @@ class BaseLaplace:
         for name, p in self._named:  # a diverged network has no Laplace approximation
             if not bool(torch.isfinite(p.detach()).all()):
                 raise ValueError(f"model weights {name} are not finite (NaN or inf)")
-        self.mean = torch.cat([p.detach().reshape(-1) for _, p in self._named]).clone()
+        self._mu = torch.cat([p.detach().reshape(-1) for _, p in self._named]).clone()
         self.sizes = [p.numel() for _, p in self._named]
 
     def _subset_size(self) -> int:
@@ -165,10 +196,10 @@ class BaseLaplace:
     def _init_prior(self) -> None:
         m0 = self._prior_mean_arg
         m0 = 0.0 if m0 is None else m0
-        m0 = torch.as_tensor(m0, dtype=self.mean.dtype, device=self.mean.device)
+        m0 = torch.as_tensor(m0, dtype=self._mu.dtype, device=self._mu.device)
         if m0.ndim == 0:
             m0 = m0.expand(self.num_params)
-        if m0.shape != self.mean.shape or not bool(torch.isfinite(m0).all()):
+        if m0.shape != self._mu.shape or not bool(torch.isfinite(m0).all()):
             raise ValueError(
                 f"prior_mean must be a finite float or have shape [P]=[{self.num_params}], got "
                 f"{tuple(m0.shape)}"
@@ -179,7 +210,7 @@ class BaseLaplace:
     @property
     def num_params(self) -> int:
         """``P``: parameters of the subset."""
-        return self.mean.numel()
+        return self._mu.numel()
 
     @property
     def n_layers(self) -> int:
@@ -206,7 +237,7 @@ class BaseLaplace:
                 f"[n_layers]=[{self.n_layers}] or [P]=[{self.num_params}], got "
                 f"{type(value).__name__}"
             )
-        opts = {"dtype": self.mean.dtype, "device": self.mean.device}
+        opts = {"dtype": self._mu.dtype, "device": self._mu.device}
         d = value.to(**opts) if isinstance(value, Tensor) else torch.tensor(float(value), **opts)
         if d.shape == (1,) and self.n_layers != 1 and self.num_params != 1:
             d = d.reshape(())  # laplace-torch's scalar form
@@ -228,20 +259,26 @@ class BaseLaplace:
         return torch.repeat_interleave(d, torch.tensor(self.sizes, device=d.device))
 
     @property
-    def sigma_noise(self) -> float:
-        return self._sigma
+    def sigma_noise(self) -> Tensor:
+        """The regression noise ``s`` as a 0-dim tensor (laplace-torch's; 1 for
+        classification). Set it with a number or a tensor of one element."""
+        return torch.tensor(self._sigma, dtype=self._mu.dtype, device=self._mu.device)
 
     @sigma_noise.setter
-    def sigma_noise(self, value: float) -> None:
-        if not self.regression:
-            raise ValueError("sigma_noise is for regression only")
+    def sigma_noise(self, value: float | Tensor) -> None:
         self._likelihood_check_sigma(value)
-        self._sigma = float(value)
+        if not self.regression and float(value) != 1.0:
+            raise ValueError("sigma_noise is for regression only (1 for classification)")
+        self._sigma = float(value.detach() if isinstance(value, Tensor) else value)
 
     @staticmethod
     def _likelihood_check_sigma(value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int | float | Tensor):
             raise ValueError(f"sigma_noise must be a positive number, got {value!r}")
+        if isinstance(value, Tensor) and value.numel() != 1:
+            raise ValueError(f"sigma_noise must be a number or a one-element tensor, got shape "
+                             f"{tuple(value.shape)}")  # fmt: skip
+        value = value.detach() if isinstance(value, Tensor) else value
         if not float(value) > 0 or not math.isfinite(float(value)):
             raise ValueError(f"sigma_noise must be a positive finite number, got {value!r}")
 
@@ -251,13 +288,17 @@ class BaseLaplace:
         return 1.0 / (s**2 * self.temperature) if self.regression else 1.0 / self.temperature
 
     # ------------------------------------------------------------------ fit
-    def fit(self, train_loader: DataArg, *, override: bool = True) -> BaseLaplace:
+    def fit(
+        self, train_loader: DataArg, override: bool = True, progress_bar: bool = False
+    ) -> BaseLaplace:
         """Fit the curvature (and the data term of the evidence when targets are given) at
         the model's current weights. ``train_loader``: a DataLoader of ``(x, y)``, a list of
         batches, or one batch ``(x, y)`` / ``x``. ``override=False`` adds the new data to
         the curvature of earlier fits (more data, or the next task in continual learning);
-        the model's weights are then those of the last fit."""
-        train_loader = checks.at_fit(self, train_loader)
+        the model's weights are then those of the last fit. Mapping batches (Hugging Face
+        style) give ``(batch[dict_key_x], batch[dict_key_y])``. ``progress_bar`` is accepted
+        (laplace-torch's) and shows nothing."""
+        train_loader = checks.at_fit(self, self._undict(train_loader))
         require_eval(self.model)
         batches = [(x, y) for x, y in iter_batches(train_loader)]
         self._prepare(batches[0][0][:1].to(self._device()))
@@ -275,8 +316,8 @@ class BaseLaplace:
         outs, self._outputs = self._outputs, None
         if outs is None or len(outs) != len(batches):
             outs = [None] * len(batches)
-        loss = torch.zeros((), dtype=self.mean.dtype, device=device)
-        targets, n, n_out = True, 0, 0
+        loss = torch.zeros((), dtype=self._mu.dtype, device=device)
+        targets, n, n_out, width = True, 0, 0, 0
         with torch.no_grad():
             for (x, y), f in zip(batches, outs):
                 if y is None:
@@ -287,14 +328,19 @@ class BaseLaplace:
                 loss = loss + self._loss_sum(f, y)
                 n += len(x)
                 n_out += f.numel()
+                width = f.shape[-1]
         if override or self.H is None:
-            self.H, self.n_data, self.n_outputs = curv, 0, 0
+            self.H, self.n_data, self._n_targets = curv, 0, 0
             self.loss = loss if targets else None
         else:
             self.H = self._add(self.H, curv)
             self.loss = None if (self.loss is None or not targets) else self.loss + loss
         self.n_data += n
-        self.n_outputs += n_out
+        self._n_targets += n_out
+        if width == 0:  # no targets: the width from one forward pass
+            with torch.no_grad():
+                width = self.model(batches[0][0][:1]).shape[-1]
+        self.n_outputs = width
         self._fitted()
         return self
 
@@ -310,8 +356,8 @@ class BaseLaplace:
             raise ValueError("use_curvature needs subset_of_weights='all'")
         self._set_mean()
         if loss is not None:
-            loss = torch.as_tensor(loss, dtype=self.mean.dtype, device=self.mean.device)
-        self.H, self.loss, self.n_data, self.n_outputs = curvature, loss, int(n_data), 0
+            loss = torch.as_tensor(loss, dtype=self._mu.dtype, device=self._mu.device)
+        self.H, self.loss, self.n_data, self._n_targets = curvature, loss, int(n_data), 0
         self._fitted()
         return self
 
@@ -323,7 +369,7 @@ class BaseLaplace:
                 raise ValueError(f"targets must have the outputs' shape {tuple(f.shape)}, got "
                                  f"{tuple(y.shape)}")  # fmt: skip
             return ((f - yy) ** 2).sum()
-        return self.likelihood.nll(f, y).sum()
+        return self._lik.nll(f, y).sum()
 
     def _device(self) -> torch.device:
         return next(p for p in self.model.parameters()).device
@@ -346,12 +392,13 @@ class BaseLaplace:
     def _log_det_posterior(self, delta: Tensor, factor: Tensor | float) -> Tensor:
         raise NotImplementedError
 
-    def log_det_ratio(
+    def log_det_ratio_at(
         self,
         prior_precision: float | Tensor | None = None,
         sigma_noise: Tensor | float | None = None,
     ) -> Tensor:
-        """``log det(G / (s^2 T) + D) - log det D`` (differentiable)."""
+        """``log det(G / (s^2 T) + D) - log det D`` at ``delta = prior_precision`` and
+        ``s = sigma_noise`` (defaults: the current values; differentiable in both)."""
         self._require_fit()
         d = self._delta if prior_precision is None else self._check_delta(prior_precision)
         return self._log_det_ratio(d, self._factor(sigma_noise))
@@ -363,10 +410,10 @@ class BaseLaplace:
         difference of two sums of ~1e7 logarithms loses about three digits)."""
         return self._log_det_posterior(delta, factor) - self._delta_vector(delta).log().sum()
 
-    def scatter(self, prior_precision: float | Tensor | None = None) -> Tensor:
+    def scatter_at(self, prior_precision: float | Tensor | None = None) -> Tensor:
         """``(theta* - m0)^T D (theta* - m0)`` (differentiable in ``delta``)."""
         d = self._delta if prior_precision is None else self._check_delta(prior_precision)
-        return (self._delta_vector(d) * (self.mean - self.prior_mean) ** 2).sum()
+        return (self._delta_vector(d) * (self._mu - self.prior_mean) ** 2).sum()
 
     def _log_lik(self, sigma: Tensor | float | None = None) -> Tensor:
         self._require_fit()
@@ -375,8 +422,10 @@ class BaseLaplace:
         if not self.regression:
             return -self.loss / self.temperature
         s = self._sigma if sigma is None else sigma
-        s = torch.as_tensor(s, dtype=self.mean.dtype, device=self.mean.device)
-        norm = self.n_outputs * (torch.log(s) + 0.5 * math.log(2 * math.pi))
+        s = torch.as_tensor(s, dtype=self._mu.dtype, device=self._mu.device)
+        norm = self._n_targets * (torch.log(s) + 0.5 * math.log(2 * math.pi))
+        if not self.temper_normaliser:  # laplace-torch's: only the data fit is tempered
+            return -self.loss / (2 * s**2) / self.temperature - norm
         return -(self.loss / (2 * s**2) + norm) / self.temperature
 
     @property
@@ -390,134 +439,29 @@ class BaseLaplace:
         sigma_noise: float | Tensor | None = None,
     ) -> Tensor:
         """The Laplace evidence (module docstring), differentiable in ``prior_precision``
-        and ``sigma_noise`` (defaults: the current values)."""
+        and ``sigma_noise`` (defaults: the current values). As in laplace-torch, values
+        passed are *stored* (``la.prior_precision``, ``la.sigma_noise``, detached), so a loop
+        of hyperparameter steps leaves the Laplace at its last values; the evidence at
+        other values without storing them: :meth:`log_marginal_likelihood_at`."""
+        out = self.log_marginal_likelihood_at(prior_precision, sigma_noise)
+        if prior_precision is not None:
+            self.prior_precision = prior_precision
+        if sigma_noise is not None:
+            self.sigma_noise = sigma_noise
+        return out
+
+    def log_marginal_likelihood_at(
+        self,
+        prior_precision: float | Tensor | None = None,
+        sigma_noise: float | Tensor | None = None,
+    ) -> Tensor:
+        """The Laplace evidence at the given values, without storing them."""
         if sigma_noise is not None and not self.regression:
             raise ValueError("sigma_noise is for regression only")
         ll = self._log_lik(sigma_noise)
         return ll - 0.5 * (
-            self.scatter(prior_precision) + self.log_det_ratio(prior_precision, sigma_noise)
+            self.scatter_at(prior_precision) + self.log_det_ratio_at(prior_precision, sigma_noise)
         )
-
-    def optimize_prior_precision(
-        self,
-        method: str = "marglik",
-        *,
-        prior_structure: str = "scalar",
-        n_steps: int = 200,
-        init_prior_prec: float | Tensor | None = None,
-        val_loader: DataArg | None = None,
-        log_prior_prec_min: float = -4.0,
-        log_prior_prec_max: float = 4.0,
-        grid_size: int = 81,
-        pred_type: str = "glm",
-        link_approx: str = "probit",
-        n_samples: int = 100,
-    ) -> Tensor:
-        """Choose ``delta``; sets and returns it.
-
-        * ``method="marglik"``: maximise the evidence (L-BFGS with strong Wolfe line search
-          on ``log delta``, exact autograd gradients, at most ``n_steps`` iterations); the
-          result is kept only if its evidence is at least the starting one;
-        * ``method="gridsearch"``: ``grid_size`` scalars, log-spaced in
-          ``[10^log_prior_prec_min, 10^log_prior_prec_max]``, the one with the smallest
-          negative log predictive likelihood on ``val_loader`` (laplace-torch's "CV").
-
-        ``prior_structure``: ``"scalar"``, ``"layerwise"`` (one per parameter tensor) or
-        ``"diag"`` (one per parameter; not for ``"kron"``).
-        """
-        val_loader = checks.at_prior_search(
-            self, method, prior_structure, n_steps, grid_size, val_loader
-        )
-        if method == "gridsearch":
-            return self._gridsearch(
-                val_loader, log_prior_prec_min, log_prior_prec_max, grid_size,
-                pred_type, link_approx, n_samples,
-            )  # fmt: skip
-        if method != "marglik":
-            raise ValueError(f"method must be 'marglik' or 'gridsearch', got {method!r}")
-        shapes = {"scalar": (), "layerwise": (self.n_layers,), "diag": (self.num_params,)}
-        if prior_structure not in shapes:
-            raise ValueError(
-                f"prior_structure must be 'scalar', 'layerwise' or 'diag', got {prior_structure!r}"
-            )
-        self._check_prior_structure(prior_structure)
-        self.log_likelihood  # noqa: B018  (fails early without a fit or targets)
-        start = self._check_delta(self._delta if init_prior_prec is None else init_prior_prec)
-        start = start.detach()
-        if prior_structure == "diag":
-            start = self._delta_vector(start).clone()
-        elif prior_structure == "layerwise":
-            start = start.expand(self.n_layers).clone() if start.ndim == 0 else start
-            if len(start) != self.n_layers:  # a [P] start
-                raise ValueError("init_prior_prec of shape [P] needs prior_structure='diag'")
-        elif start.ndim != 0:
-            start = start.mean()
-        with torch.no_grad():
-            before = self.log_marginal_likelihood(start)
-        free = self._identifiable(start)
-        log_d = start.log().clone().requires_grad_(True)
-        opt = torch.optim.LBFGS(
-            [log_d], lr=1.0, max_iter=n_steps, line_search_fn="strong_wolfe",
-            tolerance_grad=1e-10, tolerance_change=1e-14,
-        )  # fmt: skip
-
-        def closure() -> Tensor:
-            opt.zero_grad()
-            loss = -self.log_marginal_likelihood(torch.where(free, log_d.exp(), start))
-            loss.backward()
-            return loss
-
-        opt.step(closure)
-        best = torch.where(free, log_d.detach().exp(), start)
-        with torch.no_grad():
-            after = self.log_marginal_likelihood(best)
-        self.prior_precision = best if bool(after >= before) else start
-        return self.prior_precision
-
-    def _identifiable(self, delta: Tensor) -> Tensor:
-        """Which entries of a layerwise / per-parameter ``delta`` the evidence determines
-        (bool, ``delta``'s shape). A tensor no fitted example reached (another task's head) has
-        no curvature: its part of the log-determinant ratio is zero, so the evidence,
-        ``-delta_l |theta_l - m0_l|^2 / 2``, grows without bound as ``delta_l -> 0``. Found as
-        a derivative of the ratio that is zero next to the prior's ``n_l / delta_l``."""
-        probe = delta.detach().clone().requires_grad_(True)
-        if delta.ndim == 0:
-            return torch.ones_like(probe, dtype=torch.bool)
-        with torch.enable_grad():
-            (g,) = torch.autograd.grad(self.log_det_ratio(probe), probe)
-            (n,) = torch.autograd.grad(self._delta_vector(probe).log().sum(), probe)
-        return g.abs() > 1e-6 * n.abs()
-
-    def _check_prior_structure(self, prior_structure: str) -> None:
-        """Hook: a structure may refuse a prior structure."""
-
-    def _gridsearch(self, val_loader, lo, hi, size, pred_type, link_approx, n_samples) -> Tensor:
-        if val_loader is None:
-            raise ValueError("method='gridsearch' needs val_loader (validation data (x, y))")
-        batches = list(iter_batches(val_loader, need_targets=True))
-        grid = torch.logspace(lo, hi, size, dtype=self.mean.dtype)
-        scores = []
-        for d in grid:
-            self.prior_precision = d
-            nll = 0.0
-            for x, y in batches:
-                out = self(x, pred_type=pred_type, link_approx=link_approx, n_samples=n_samples)
-                nll += float(self._predictive_nll(out, y.to(self._device())))
-            scores.append(nll)
-        self.prior_precision = grid[int(torch.tensor(scores).argmin())]
-        return self.prior_precision
-
-    def _predictive_nll(self, out: Any, y: Tensor) -> Tensor:
-        if self.regression:
-            mu, var = out
-            yy = y.to(mu.dtype).reshape(mu.shape)
-            v = torch.diagonal(var, dim1=-2, dim2=-1) + self._sigma**2
-            return (0.5 * ((yy - mu) ** 2 / v + v.log() + math.log(2 * math.pi))).sum()
-        probs = out.clamp_min(1e-12)
-        if isinstance(self.likelihood, BernoulliLikelihood):
-            yy = y.to(probs.dtype).reshape(probs.shape)
-            return -(yy * probs.log() + (1 - yy) * (1 - probs).clamp_min(1e-12).log()).sum()
-        return -probs.gather(1, y.long().reshape(-1, 1)).log().sum()
 
     # ------------------------------------------------------------------ posterior
     @property
@@ -540,105 +484,16 @@ class BaseLaplace:
         if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
             raise ValueError(f"n_samples must be a positive int, got {n_samples!r}")
         self._require_fit()
-        z = randn_like_on(
-            (n_samples, self.num_params), generator, self.mean.dtype, self.mean.device
-        )
-        return self.mean + self._sqrt_cov_times(z)
+        z = randn_like_on((n_samples, self.num_params), generator, self._mu.dtype, self._mu.device)
+        return self._mu + self._sqrt_cov_times(z)
 
     def _sqrt_cov_times(self, z: Tensor) -> Tensor:
         """``Sigma^{1/2} z`` row by row (any square root ``R`` with ``R R^T = Sigma``)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ predictive
-    def functional_variance(self, x: Tensor) -> Tensor:
-        """``J(x_n) Sigma J(x_n)^T`` ``[N, C, C]`` of the linearised network."""
-        checks.at_predict(self, x)
-        return self._mean_and_variance(x)[1]
-
     def _mean_and_variance(self, x: Tensor) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
-
-    def __call__(
-        self,
-        x: Tensor,
-        pred_type: str = "glm",
-        link_approx: str = "probit",
-        n_samples: int = 100,
-        generator: torch.Generator | None = None,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """The predictive at ``x``: class probabilities ``[N, C]`` (classification) or
-        ``(mean [N, C], functional variance [N, C, C])`` (regression: add
-        ``sigma_noise^2`` for the predictive of ``y``).
-
-        ``pred_type="glm"``: ``f ~ N(f_w*(x), J Sigma J^T)`` and ``link_approx`` ``"probit"``
-        (``softmax(m / sqrt(1 + pi/8 diag v))``), ``"bridge"`` (the Laplace bridge,
-        Hobbhahn et al. 2022, with laplace-torch's zero-mean correction) or ``"mc"``
-        (``n_samples`` draws of ``f``); ``pred_type="nn"``: ``n_samples`` weight draws
-        pushed through the network."""
-        checks.at_predict(self, x)
-        if pred_type not in ("glm", "nn"):
-            raise ValueError(f"pred_type must be 'glm' or 'nn', got {pred_type!r}")
-        if link_approx not in ("probit", "bridge", "mc"):
-            raise ValueError(f"link_approx must be 'probit', 'bridge' or 'mc', got {link_approx!r}")
-        self._require_fit()
-        x = x.to(self._device())
-        if pred_type == "nn":
-            f = self._nn_samples(x, n_samples, generator)  # [S, N, C]
-            if self.regression:
-                return f.mean(0), sample_cov(f)
-            return self.likelihood.inverse_link(f.flatten(0, 1)).reshape(f.shape).mean(0)
-        mu, var = self._mean_and_variance(x)
-        if self.regression:
-            return mu, var
-        if link_approx == "probit":
-            return self.likelihood.inverse_link(mu * probit_scale(var))
-        if link_approx == "mc":
-            f = glm_draws(mu, var, n_samples, generator)
-            return self.likelihood.inverse_link(f.flatten(0, 1)).reshape(f.shape).mean(0)
-        if not isinstance(self.likelihood, CategoricalLikelihood):
-            raise ValueError("link_approx='bridge' is for the categorical likelihood")
-        return laplace_bridge(mu, var)
-
-    def predictive_samples(
-        self,
-        x: Tensor,
-        pred_type: str = "glm",
-        n_samples: int = 100,
-        generator: torch.Generator | None = None,
-    ) -> Tensor:
-        """``[n_samples, N, C]`` draws of the predictive: probabilities (classification) or
-        outputs ``f`` (regression), from the linearised network (``"glm"``) or from weight
-        draws (``"nn"``)."""
-        checks.at_predict(self, x)
-        self._require_fit()
-        x = x.to(self._device())
-        if pred_type == "nn":
-            f = self._nn_samples(x, n_samples, generator)
-        elif pred_type == "glm":
-            f = glm_draws(*self._mean_and_variance(x), n_samples, generator)
-        else:
-            raise ValueError(f"pred_type must be 'glm' or 'nn', got {pred_type!r}")
-        if self.regression:
-            return f
-        return self.likelihood.inverse_link(f.flatten(0, 1)).reshape(f.shape)
-
-    def _nn_samples(self, x: Tensor, n_samples: int, generator: torch.Generator | None) -> Tensor:
-        draws = self.sample(n_samples, generator)
-        outs = []
-        with torch.no_grad():
-            for theta in draws:
-                params, k = {}, 0
-                for (name, p), size in zip(self._named, self.sizes):
-                    params[name] = theta[k : k + size].view_as(p).to(p.dtype)
-                    k += size
-                outs.append(functional_call(self.model, params, (x,)))
-        return torch.stack(outs)
-
-    def gp(self) -> LaplaceGP:
-        """The DNN2GP Gaussian process of the linearised network under this posterior:
-        mean ``f_w*(x)``, kernel ``J(x) Sigma J(x')^T`` (:class:`LaplaceGP`)."""
-        self._require_fit()
-        return LaplaceGP(self)
 
     def _kernel(self, x1: Tensor, x2: Tensor) -> Tensor:
         raise NotImplementedError
@@ -651,7 +506,7 @@ class BaseLaplace:
             "structure": self.structure,
             "subset_of_weights": self.subset_of_weights,
             "parameter_names": self.parameter_names,
-            "mean": self.mean,
+            "mean": self._mu,
             "prior_mean": self.prior_mean,
             "prior_precision": self._delta,
             "sigma_noise": self._sigma,
@@ -660,14 +515,15 @@ class BaseLaplace:
             "loss": self.loss,
             "n_data": self.n_data,
             "n_outputs": self.n_outputs,
-            "likelihood": repr(self.likelihood),
+            "n_targets": self._n_targets,
+            "likelihood": repr(self._lik),
         }
 
     def _h_state(self, h: Any) -> Any:
         return h
 
     def _h_load(self, state: Any) -> Any:
-        return state.to(self.mean)
+        return state.to(self._mu)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Inverse of :meth:`state_dict`; refuses a fit of another structure, subset,
@@ -675,7 +531,7 @@ class BaseLaplace:
         checks.at_load(self, state)
         for key, mine in (("structure", self.structure),
                           ("subset_of_weights", self.subset_of_weights),
-                          ("likelihood", repr(self.likelihood))):  # fmt: skip
+                          ("likelihood", repr(self._lik))):  # fmt: skip
             if state.get(key) != mine and key == "likelihood":
                 raise ValueError(f"state was fitted with {state.get(key)}, this is {mine}")
             if state.get(key) != mine:
@@ -686,12 +542,14 @@ class BaseLaplace:
                 f"state is over parameters {state['parameter_names'][:3]}..., this model's "
                 f"subset is {self.parameter_names[:3]}..."
             )
-        self.mean = state["mean"].to(self.mean)
-        self.prior_mean = state["prior_mean"].to(self.mean)
+        self._mu = state["mean"].to(self._mu)
+        self.prior_mean = state["prior_mean"].to(self._mu)
         self.prior_precision = state["prior_precision"]
         self._sigma = float(state["sigma_noise"])
         self.temperature = float(state["temperature"])
         self.H = self._h_load(state["H"])
-        self.loss = None if state["loss"] is None else state["loss"].to(self.mean)
+        self.loss = None if state["loss"] is None else state["loss"].to(self._mu)
         self.n_data, self.n_outputs = int(state["n_data"]), int(state["n_outputs"])
+        # fromp 0.3 states stored the number of targets N C as n_outputs
+        self._n_targets = int(state.get("n_targets", self.n_outputs))
         self._fitted()

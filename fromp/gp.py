@@ -483,7 +483,7 @@ class LaplaceGP:
             return self.la.model(x.to(self.la._device()))
 
     def variance(self, x: Tensor, *, chunk_size: int | None = None, method: str = "auto") -> Tensor:
-        return self.la.functional_variance(x.to(self.la._device()))
+        return self.la.functional_variance_at(x.to(self.la._device()))
 
     def kernel(self, x1: Tensor, x2: Tensor | None = None, **unused: Any) -> Tensor:
         checks.at_predict(self.la, x1)

@@ -200,7 +200,7 @@ def _check_targets_of(la: Any, batches: list[Any], argument: str) -> None:
             c = _n_outputs(la.model, x)
             if c is None:
                 return
-        la.likelihood.check_targets(y, c, f"{argument} targets y")
+        la.likelihood_fn.check_targets(y, c, f"{argument} targets y")
 
 
 def at_fit(la: Any, data: Any) -> Any:
@@ -359,5 +359,5 @@ def at_prior_search(
             raise TypeError(f"val_loader targets must be tensors, got {type(y).__name__}")
         c = _n_outputs(la.model, x) if c is None else c
         if c is not None:
-            la.likelihood.check_targets(y, c, "val_loader targets y")
+            la.likelihood_fn.check_targets(y, c, "val_loader targets y")
     return val_loader

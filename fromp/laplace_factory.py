@@ -6,7 +6,7 @@ subset_of_weights, hessian_structure, **kwargs)``, one class per (subset, struct
   :class:`~fromp.laplace_structures.LaplaceFull`, ``"lowrank"``
   :class:`~fromp.laplace_lowrank.LowRankLaplace`;
 * ``"last_layer"``: ``"diag"`` / ``"kron"`` / ``"full"``: ``DiagLLLaplace``,
-  ``KronLLLaplace``, ``FullLLLaplace`` (:mod:`fromp.laplace_structures`);
+  ``KronLLLaplace``, ``FullLLLaplace`` (:mod:`fromp.laplace_lastlayer`);
 * ``"subnetwork"``: ``"diag"`` / ``"full"``: :class:`~fromp.laplace_subnet.DiagSubnetLaplace`,
   :class:`~fromp.laplace_subnet.FullSubnetLaplace`.
 """
@@ -18,15 +18,11 @@ from typing import Any
 from torch import nn
 
 from fromp.baselaplace import STRUCTURES, SUBSETS, BaseLaplace
+from fromp.laplace_functional import FunctionalLaplace
+from fromp.laplace_lastlayer import DiagLLLaplace, FullLLLaplace, KronLLLaplace
 from fromp.laplace_lowrank import LowRankLaplace
-from fromp.laplace_structures import (
-    DiagLLLaplace,
-    FullLLLaplace,
-    KronLaplace,
-    KronLLLaplace,
-    LaplaceDiag,
-    LaplaceFull,
-)
+from fromp.laplace_options import option
+from fromp.laplace_structures import KronLaplace, LaplaceDiag, LaplaceFull
 from fromp.laplace_subnet import DiagSubnetLaplace, FullSubnetLaplace
 from fromp.likelihood import Likelihood
 
@@ -65,13 +61,40 @@ def Laplace(
     eigenpairs: :class:`fromp.laplace_lowrank.LowRankLaplace`); a subnetwork takes
     ``"full"`` or ``"diag"``. Keyword arguments: those of :class:`BaseLaplace`
     (``sigma_noise``, ``prior_precision``, ``prior_mean``, ``temperature``,
-    ``chunk_size``, ...) and of the class chosen."""
+    ``chunk_size``, ...) and of the class chosen. laplace-torch's enums are accepted for
+    every option; ``damping`` (Kronecker) only as False (fromp uses the exact eigenvalues of
+    the Kronecker sum); ``hessian_structure="gp"`` is
+    :class:`fromp.laplace_functional.FunctionalLaplace`."""
+    subset_of_weights, hessian_structure = option(subset_of_weights), option(hessian_structure)
+    approx = option(kwargs.pop("functional_approximation", "sod"))
+    if approx != "sod":
+        raise ValueError(f"functional_approximation={approx!r} is not supported: fromp offers the "
+                         "subset-of-data GP ('sod', FunctionalLaplace)")  # fmt: skip
+    if hessian_structure == "gp":
+        if subset_of_weights != "all":
+            raise ValueError("hessian_structure='gp' (FunctionalLaplace) needs "
+                             "subset_of_weights='all'")  # fmt: skip
+        return FunctionalLaplace(model, likelihood, **kwargs)
+    if "damping" in kwargs:
+        damping = kwargs.pop("damping")
+        if hessian_structure != "kron":
+            raise ValueError("damping is for hessian_structure='kron' (laplace-torch's)")
+        if damping:
+            raise ValueError(
+                "damping=True is not supported: fromp's Kronecker posterior uses the exact "
+                "eigenvalues of G / (s^2 T) + delta I (damping=False)"
+            )
     if subset_of_weights not in SUBSETS:
         raise ValueError(f"subset_of_weights must be one of {SUBSETS}, got {subset_of_weights!r}")
     if hessian_structure not in STRUCTURES:
         raise ValueError(
             f"hessian_structure must be one of {STRUCTURES}, got {hessian_structure!r}"
         )
+    if subset_of_weights != "last_layer":
+        for key in ("last_layer_name", "feature_reduction"):
+            if kwargs.get(key) is not None:
+                raise ValueError(f"{key} is for subset_of_weights='last_layer'")
+            kwargs.pop(key, None)
     if subset_of_weights != "subnetwork" and "subnetwork_indices" in kwargs:
         raise ValueError("subnetwork_indices is for subset_of_weights='subnetwork'")
     cls = _CLASSES.get((subset_of_weights, hessian_structure))

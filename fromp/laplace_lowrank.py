@@ -172,7 +172,7 @@ class LowRankLaplace(BaseLaplace):
     # ------------------------------------------------------------------ curvature
     def _curvature(self, batches):
         return top_eigenpairs(
-            self.model, [x for x, _ in batches], self.likelihood, self.low_rank,
+            self.model, [x for x, _ in batches], self._lik, self.low_rank,
             method=self.eig_method, chunk_size=self.chunk_size,
             memory_budget=self.memory_budget, **self._eig_kw,
         )  # fmt: skip
@@ -188,7 +188,7 @@ class LowRankLaplace(BaseLaplace):
         return {"U": h[0], "eigenvalues": h[1]}
 
     def _h_load(self, state):
-        return state["U"].to(self.mean), state["eigenvalues"].to(self.mean)
+        return state["U"].to(self._mu), state["eigenvalues"].to(self._mu)
 
     @property
     def rank(self) -> int:
@@ -237,6 +237,31 @@ class LowRankLaplace(BaseLaplace):
         wq = w @ q  # [P, k]
         r = z + ((z @ wq) * c) @ wq.T
         return r * d.rsqrt()
+
+    @property
+    def V(self) -> Tensor:
+        """laplace-torch's ``V = D^{-1} U`` ``[P, k]``."""
+        (u, _), d = self.posterior_precision
+        return u / d.reshape(-1, 1)
+
+    @property
+    def Kinv(self) -> Tensor:
+        """laplace-torch's ``(diag(1 / lam') + U^T V)^{-1}`` ``[k, k]`` (``lam' = lam / (s^2
+        T)``): ``Sigma = D^{-1} - V Kinv V^T`` (Woodbury)."""
+        (u, lam), _ = self.posterior_precision
+        return torch.linalg.inv(torch.diag(1 / lam) + u.T @ self.V)
+
+    def _sigma_times(self, v: Tensor) -> Tensor:
+        """``Sigma v`` for rows ``v`` ``[K, P]`` (Woodbury)."""
+        d, w, chol = self._parts(self._delta, self._factor())
+        a = v * d.rsqrt()
+        e = torch.cholesky_solve((a @ w).T, chol)  # (I + M)^{-1} W^T a^T  [k, K]
+        return (a - (w @ e).T) * d.rsqrt()
+
+    def _prec_times(self, v: Tensor) -> Tensor:
+        """``Prec v = U diag(lam / (s^2 T)) U^T v + d v`` for rows ``v`` ``[K, P]``."""
+        u, lam = self._require_fit()
+        return ((v @ u) * (lam * self._factor())) @ u.T + v * self._delta_vector(self._delta)
 
     # ------------------------------------------------------------------ predictive
     def _rows(self, jac: Tensor, d: Tensor, w: Tensor, chol: Tensor) -> tuple[Tensor, Tensor]:

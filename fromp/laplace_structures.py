@@ -10,8 +10,9 @@ subset \\ structure        ``"diag"``           ``"kron"``           ``"full"``
 ``"last_layer"``           :class:`DiagLLLaplace` :class:`KronLLLaplace` :class:`FullLLLaplace`
 =========================  ===================  ===================  ===================
 
-Subnetworks (``"diag"``, ``"full"``) are in :mod:`fromp.laplace_subnet`, the all-weights
-``"lowrank"`` structure in :mod:`fromp.laplace_lowrank`.
+The last-layer classes are in :mod:`fromp.laplace_lastlayer`, subnetworks (``"diag"``,
+``"full"``) in :mod:`fromp.laplace_subnet`, the all-weights ``"lowrank"`` structure in
+:mod:`fromp.laplace_lowrank`.
 
 All weights: the diagonal comes from layer capture (any module), the Kronecker factors from
 :mod:`fromp.kron` (``Linear`` / ``Conv2d``), the full GGN from :func:`fromp.ggn.ggn` (small
@@ -22,7 +23,6 @@ Kronecker) or ``O(N C^2 D^2)`` (full) and need no per-example Jacobian of the ne
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -32,47 +32,29 @@ from fromp.baselaplace import BaseLaplace
 from fromp.capture import LayerMap, capture_calls
 from fromp.curvature import diag_ggn
 from fromp.ggn import ggn
-from fromp.kron import KronBlock, KronCurvature, KronEigen, kron_curvature, unfold_input
+from fromp.kron import KronCurvature, KronEigen, kron_curvature, unfold_input
 from fromp.layer_rules import per_example_layer_grads
-from fromp.loo import last_layer_features
 from fromp.posterior import DiagonalGaussian, FullGaussian
 
 __all__ = [
-    "DiagLLLaplace",
-    "FullLLLaplace",
-    "KronLLLaplace",
     "KronLaplace",
     "LaplaceDiag",
     "LaplaceFull",
 ]
 
 
-class _Features:
-    """Records the input of a layer (the last-layer features ``phi``)."""
-
-    def __init__(self, layer: nn.Module) -> None:
-        self.layer, self.phi = layer, None
-
-    def __enter__(self) -> _Features:
-        self.handle = self.layer.register_forward_hook(self._hook)
-        return self
-
-    def _hook(self, m: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
-        self.phi = inputs[0].detach()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.handle.remove()
-
-
 class _AllWeightsGP:
     """All weights, diagonal or full ``Sigma``: the predictive and kernel of
-    :class:`fromp.gp.GP` (structured layer capture for the diagonal)."""
+    :class:`fromp.gp.GP` (structured layer capture for the diagonal), linearised at the
+    model's current weights (as every structure: :mod:`fromp.laplace_predictive`)."""
 
     def _gp(self) -> Any:
         from fromp.gp import GP
 
-        return GP(self.model, self.posterior, self.likelihood, chunk_size=self.chunk_size,
-                  memory_budget=self.memory_budget)  # fmt: skip
+        now = torch.cat([p.detach().reshape(-1) for _, p in self._named]).to(self._mu)
+        post = self.posterior
+        return GP(self.model, type(post)(now, post.precision), self._lik,
+                  chunk_size=self.chunk_size, memory_budget=self.memory_budget)  # fmt: skip
 
     def _mean_and_variance(self, x: Tensor) -> tuple[Tensor, Tensor]:
         gp = self._gp()
@@ -108,6 +90,14 @@ class _DiagMaths:
     def _sqrt_cov_times(self, z):
         return z * self.posterior_variance.sqrt()
 
+    def _sigma_times(self, v: Tensor) -> Tensor:
+        """``Sigma v`` for rows ``v`` ``[K, P]``."""
+        return v * self.posterior_variance
+
+    def _prec_times(self, v: Tensor) -> Tensor:
+        """``Prec v`` for rows ``v`` ``[K, P]``."""
+        return v * self.posterior_precision
+
 
 class LaplaceDiag(_AllWeightsGP, _DiagMaths, BaseLaplace):
     """``subset_of_weights="all"``, ``hessian_structure="diag"``: ``diag(G)`` ``[P]`` by
@@ -117,14 +107,14 @@ class LaplaceDiag(_AllWeightsGP, _DiagMaths, BaseLaplace):
     structure = "diag"
 
     def _curvature(self, batches):
-        return diag_ggn(self.model, [(x,) for x, _ in batches], self.likelihood,
+        return diag_ggn(self.model, [(x,) for x, _ in batches], self._lik,
                         chunk_size=self.chunk_size, memory_budget=self.memory_budget,
                         method=self.method)  # fmt: skip
 
     @property
     def posterior(self) -> DiagonalGaussian:
         """:class:`~fromp.posterior.DiagonalGaussian` ``N(theta*, diag(precision)^{-1})``."""
-        return DiagonalGaussian(self.mean.clone(), self.posterior_precision.detach().clone())
+        return DiagonalGaussian(self._mu.clone(), self.posterior_precision.detach().clone())
 
 
 class _FullMaths:
@@ -174,6 +164,12 @@ class _FullMaths:
     posterior_covariance = property(lambda self: self._covariance().clone())
     posterior_variance = property(lambda self: torch.diagonal(self._covariance()).clone())
 
+    def _sigma_times(self, v: Tensor) -> Tensor:
+        return v @ self._covariance()
+
+    def _prec_times(self, v: Tensor) -> Tensor:
+        return v @ self.posterior_precision
+
     def _sqrt_cov_times(self, z):
         # Sigma = (L L^T)^{-1} = L^{-T} L^{-1}: theta = L^{-T} z
         prec = self.posterior_precision
@@ -188,13 +184,13 @@ class LaplaceFull(_AllWeightsGP, _FullMaths, BaseLaplace):
     structure = "full"
 
     def _curvature(self, batches):
-        g = ggn(self.model, [(x,) for x, _ in batches], self.likelihood,
+        g = ggn(self.model, [(x,) for x, _ in batches], self._lik,
                 chunk_size=self.chunk_size or 32, max_params=self.max_params)  # fmt: skip
         return 0.5 * (g + g.T)
 
     @property
     def posterior(self) -> FullGaussian:
-        return FullGaussian(self.mean.clone(), self.posterior_precision.detach().clone())
+        return FullGaussian(self._mu.clone(), self.posterior_precision.detach().clone())
 
 
 class _KronMixin:
@@ -203,15 +199,46 @@ class _KronMixin:
     def _fitted(self):
         self._eig = KronEigen(self.H) if self.H is not None else None
 
+    damping = False  # laplace-torch's damped Kronecker sum is not offered (exact eigenvalues)
+
+    @property
+    def H_facs(self) -> Any:
+        """laplace-torch's name for the undecomposed Kronecker factors: the fitted
+        :class:`fromp.kron.KronCurvature` (``H``; its eigendecomposition is internal)."""
+        return self.H
+
+    def _power_times(self, v: Tensor, power: int) -> Tensor:
+        """``Prec^power v`` for rows ``v`` ``[K, P]`` (``power`` -1: ``Sigma v``), block by
+        block in the factors' eigenbases."""
+        self._require_fit()
+        eig, deltas, factor = self._eig, self._deltas(self._delta), self._factor()
+        parts = []
+        for j, (i, kind, m) in enumerate(self._block_views(v)):
+            if kind == "w":
+                e = eig.weight_eigs(i, factor, deltas[j]) ** power
+                parts.append(eig.unrotate_weight(i, eig.rotate_weight(i, m) * e).flatten(-2))
+            elif kind == "b":
+                e = eig.bias_eigs(i, factor, deltas[j]) ** power
+                parts.append(((m @ eig.qbb[i]) * e) @ eig.qbb[i].T)
+            else:
+                parts.append(m * self._diag_eigs(i, factor, deltas[j]).reshape(-1) ** power)
+        return torch.cat(parts, -1)
+
+    def _sigma_times(self, v: Tensor) -> Tensor:
+        return self._power_times(v, -1)
+
+    def _prec_times(self, v: Tensor) -> Tensor:
+        return self._power_times(v, 1)
+
     def _h_state(self, h):
         return h.state_dict()
 
     def _h_load(self, state):
         curv = KronCurvature.from_state_dict(state)
         for b in curv.blocks:
-            b.A, b.B = b.A.to(self.mean), b.B.to(self.mean)
-            b.B_bias = None if b.B_bias is None else b.B_bias.to(self.mean)
-        curv.diag = {k: v.to(self.mean) for k, v in curv.diag.items()}
+            b.A, b.B = b.A.to(self._mu), b.B.to(self._mu)
+            b.B_bias = None if b.B_bias is None else b.B_bias.to(self._mu)
+        curv.diag = {k: v.to(self._mu) for k, v in curv.diag.items()}
         return curv
 
     def _entries(self) -> list[tuple[str, Any]]:
@@ -341,7 +368,7 @@ class _KronMixin:
     def posterior_variance(self) -> Tensor:
         eig, deltas, factor = self._eig, self._deltas(self._delta), self._factor()
         parts = []
-        for j, (i, kind, _) in enumerate(self._block_views(self.mean)):
+        for j, (i, kind, _) in enumerate(self._block_views(self._mu)):
             if kind == "w":
                 inv = eig.weight_eigs(i, factor, deltas[j]).reciprocal()
                 parts.append((eig.qb[i] ** 2 @ inv @ (eig.qa[i] ** 2).T).flatten())
@@ -367,7 +394,7 @@ class KronLaplace(_KronMixin, BaseLaplace):
     def _curvature(self, batches):
         # the curvature pass's outputs serve the evidence's data term (no second forward pass)
         self._outputs = []
-        return kron_curvature(self.model, batches, self.likelihood, outputs=self._outputs)
+        return kron_curvature(self.model, batches, self._lik, outputs=self._outputs)
 
     def _rows(self, x: Tensor, factored: bool = False) -> tuple[Tensor, list[tuple[Any, str, Any]]]:
         """``f(x)`` and, per parameter tensor (subset order), the Jacobian rows ``[N, C,
@@ -436,7 +463,7 @@ class KronLaplace(_KronMixin, BaseLaplace):
     def _weights(self) -> list[Tensor]:
         eig, deltas, factor = self._eig, self._deltas(self._delta), self._factor()
         out = []
-        for j, (i, kind, _) in enumerate(self._block_views(self.mean)):
+        for j, (i, kind, _) in enumerate(self._block_views(self._mu)):
             if kind == "w":
                 e = eig.weight_eigs(i, factor, deltas[j])
             elif kind == "b":
@@ -466,187 +493,4 @@ class KronLaplace(_KronMixin, BaseLaplace):
             a = a.flatten(2)
             aw = a * w.flatten()
             k = k + torch.einsum("ncp,mdp->ncmd", aw, a if b is a else b.flatten(2))
-        return k
-
-
-# ------------------------------------------------------------------------------ last layer
-
-
-class _LastLayer:
-    """The last ``nn.Linear`` layer ``f = W phi + b`` as the subset: ``J_n = I_C (x)
-    [phi_n; 1]^T`` in closed form, features captured once per batch."""
-
-    def _prepare(self, x: Tensor) -> None:
-        if self.layer is None:
-            _, layer = last_layer_features(self.model, x)  # refuses a non-linear head
-            self._use_layer(next(n for n, m in self.model.named_modules() if m is layer), layer)
-
-    def _prepare_names(self, names: list[str]) -> None:
-        if self.layer is None:
-            name = names[0].rsplit(".", 1)[0] if "." in names[0] else ""
-            self._use_layer(name, self.model.get_submodule(name) if name else self.model)
-
-    def _use_layer(self, name: str, layer: nn.Module) -> None:
-        self.layer_name, self.layer = name, layer
-        prefix = f"{name}." if name else ""
-        self._named = [
-            (prefix + n, p) for n, p in layer.named_parameters(recurse=False) if p.requires_grad
-        ]
-        self._set_mean()
-        self._init_prior()
-
-    def _phi(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """``(f(x) [N, C], phi(x) [N, D])``: the outputs and the last layer's input."""
-        with _Features(self.layer) as feats, torch.no_grad():
-            f = self.model(x)
-        return f, feats.phi.reshape(len(x), -1)
-
-    def _feature_batches(self, batches) -> Iterable[tuple[Tensor, Tensor]]:
-        """``(f, phi)`` per batch; ``f`` is kept in ``_outputs`` for the fit's data term."""
-        self._outputs = []
-        for x, _ in batches:
-            f, phi = self._phi(x)
-            self._outputs.append(f)
-            yield f, phi
-
-    @property
-    def _bias(self) -> bool:
-        return len(self._named) == 2
-
-    def _tilde(self, phi: Tensor) -> Tensor:
-        """``[phi, 1]`` ``[N, D']`` (``D' = D + 1`` with a trainable bias)."""
-        if not self._bias:
-            return phi
-        return torch.cat([phi, torch.ones(len(phi), 1, dtype=phi.dtype, device=phi.device)], 1)
-
-    def _to_flat(self, m: Tensor) -> Tensor:
-        """``[..., C, D']`` (internal ``[W | b]``) to the flat parameter order
-        ``(W row-major, b)`` ``[..., P]``."""
-        if not self._bias:
-            return m.flatten(-2)
-        return torch.cat([m[..., :-1].flatten(-2), m[..., -1]], -1)
-
-    def _from_flat(self, v: Tensor) -> Tensor:
-        c = self.layer.out_features
-        if not self._bias:
-            return v.reshape(*v.shape[:-1], c, -1)
-        w, b = v[..., :-c], v[..., -c:]
-        return torch.cat([w.reshape(*v.shape[:-1], c, -1), b.unsqueeze(-1)], -1)
-
-    def _lambda(self, f: Tensor) -> Tensor:
-        return self.likelihood.hessian(f)
-
-
-class DiagLLLaplace(_LastLayer, _DiagMaths, BaseLaplace):
-    """Last layer, diagonal: ``diag(G)[c, d] = sum_n Lambda_n[c, c] phi~_nd^2``."""
-
-    structure = "diag"
-
-    def __init__(self, model, likelihood, **kwargs):
-        super().__init__(model, likelihood, subset_of_weights="last_layer", **kwargs)
-
-    def _curvature(self, batches):
-        h = 0.0
-        for f, phi in self._feature_batches(batches):
-            lam = torch.diagonal(self._lambda(f), dim1=-2, dim2=-1)  # [N, C]
-            h = h + lam.T @ self._tilde(phi) ** 2
-        return self._to_flat(h)
-
-    def _mean_and_variance(self, x):
-        f, phi = self._phi(x)
-        s = self._from_flat(self.posterior_variance)  # [C, D']
-        return f, torch.diag_embed(self._tilde(phi) ** 2 @ s.T)
-
-    def _kernel(self, x1, x2):
-        _, p1 = self._phi(x1)
-        p2 = p1 if x2 is x1 else self._phi(x2)[1]
-        s = self._from_flat(self.posterior_variance)  # [C, D']
-        k = torch.einsum("nd,cd,md->ncm", self._tilde(p1), s, self._tilde(p2))
-        eye = torch.eye(s.shape[0], dtype=s.dtype, device=s.device)
-        return torch.einsum("ncm,cd->ncmd", k, eye)
-
-
-class FullLLLaplace(_LastLayer, _FullMaths, BaseLaplace):
-    """Last layer, full: ``G = sum_n Lambda_n (x) phi~_n phi~_n^T`` ``[P, P]``."""
-
-    structure = "full"
-
-    def __init__(self, model, likelihood, **kwargs):
-        super().__init__(model, likelihood, subset_of_weights="last_layer", **kwargs)
-
-    def _curvature(self, batches):
-        h = 0.0
-        for f, phi in self._feature_batches(batches):
-            t = self._tilde(phi)
-            h = h + torch.einsum("nce,nd,nf->cdef", self._lambda(f), t, t)
-        c, d = h.shape[0], h.shape[1]
-        h = h.reshape(c * d, c * d)
-        perm = self._perm(c, d)
-        return h[perm][:, perm]
-
-    def _perm(self, c: int, d: int) -> Tensor:
-        """Flat index -> internal ``[W | b]`` row-major index."""
-        idx = torch.arange(c * d).reshape(c, d)
-        return self._to_flat(idx)
-
-    def _cov4(self) -> Tensor:
-        """``Sigma`` as ``[C, D', C, D']`` (internal order)."""
-        cov = self._covariance()
-        c = self.layer.out_features
-        d = self.num_params // c
-        inv = torch.empty_like(self._perm(c, d))
-        inv[self._perm(c, d)] = torch.arange(c * d)
-        return cov[inv][:, inv].reshape(c, d, c, d)
-
-    def _mean_and_variance(self, x):
-        f, phi = self._phi(x)
-        t = self._tilde(phi)
-        return f, torch.einsum("nd,cdke,ne->nck", t, self._cov4(), t)
-
-    def _kernel(self, x1, x2):
-        _, p1 = self._phi(x1)
-        p2 = p1 if x2 is x1 else self._phi(x2)[1]
-        return torch.einsum("nd,cdke,me->ncmk", self._tilde(p1), self._cov4(), self._tilde(p2))
-
-
-class KronLLLaplace(_LastLayer, _KronMixin, BaseLaplace):
-    """Last layer, Kronecker: ``B = sum_n Lambda_n`` ``[C, C]``, ``A = (1/N) sum_n phi_n
-    phi_n^T`` for the weight, the exact ``B`` for the bias (as :mod:`fromp.kron`)."""
-
-    structure = "kron"
-
-    def __init__(self, model, likelihood, **kwargs):
-        super().__init__(model, likelihood, subset_of_weights="last_layer", **kwargs)
-
-    def _curvature(self, batches):
-        a, b, n = 0.0, 0.0, 0
-        for f, phi in self._feature_batches(batches):
-            a = a + phi.T @ phi
-            b = b + self._lambda(f).sum(0)
-            n += len(phi)
-        return KronCurvature([KronBlock(a / n, b, b.clone() if self._bias else None)],
-                             [self.parameter_names], n)  # fmt: skip
-
-    def _mean_and_variance(self, x):
-        f, phi = self._phi(x)
-        eig, deltas, factor = self._eig, self._deltas(self._delta), self._factor()
-        pa = phi @ eig.qa[0]  # [N, D]
-        w = (pa**2) @ eig.weight_eigs(0, factor, deltas[0]).reciprocal().T  # [N, C(eig)]
-        var = torch.einsum("ci,ni,di->ncd", eig.qb[0], w, eig.qb[0])
-        if self._bias:
-            inv = eig.bias_eigs(0, factor, deltas[1]).reciprocal()
-            var = var + (eig.qbb[0] * inv) @ eig.qbb[0].T
-        return f, var
-
-    def _kernel(self, x1, x2):
-        _, p1 = self._phi(x1)
-        p2 = p1 if x2 is x1 else self._phi(x2)[1]
-        eig, deltas, factor = self._eig, self._deltas(self._delta), self._factor()
-        a1, a2 = p1 @ eig.qa[0], p2 @ eig.qa[0]
-        w = eig.weight_eigs(0, factor, deltas[0]).reciprocal()  # [C, D]
-        k = torch.einsum("nj,ij,mj,ci,di->ncmd", a1, w, a2, eig.qb[0], eig.qb[0])
-        if self._bias:
-            inv = eig.bias_eigs(0, factor, deltas[1]).reciprocal()
-            kb = (eig.qbb[0] * inv) @ eig.qbb[0].T
-            k = k + kb.reshape(1, *kb.shape[:1], 1, kb.shape[1]).expand_as(k)
         return k

@@ -41,6 +41,7 @@ from torch.nn.utils import parameters_to_vector
 from fromp.baselaplace import BaseLaplace
 from fromp.laplace_structures import LaplaceDiag, LaplaceFull, _DiagMaths, _FullMaths
 from fromp.likelihood import Likelihood
+from fromp.subnet_masks import LargestMagnitudeSubnetMask, LargestVarianceDiagLaplaceSubnetMask
 
 __all__ = [
     "DiagSubnetLaplace",
@@ -88,11 +89,12 @@ class SubnetLaplace(BaseLaplace):
     ``fromp.Laplace(model, likelihood, subset_of_weights="subnetwork", hessian_structure=
     "full" | "diag", subnetwork_indices=idx)``.
 
-    ``la.mean`` (also ``la.mean_subnet``) is ``w*[S]`` ``[S]``, and ``posterior_precision``,
-    ``posterior_covariance``, ``posterior_variance``, ``prior_mean`` are over the ``S``
-    entries; ``sample(n)`` returns full parameter vectors ``[n, P]`` (the subnetwork
-    drawn, the rest at ``w*``: laplace-torch's convention), ``la.full_mean`` is ``w*``
-    ``[P]``.
+    As in laplace-torch, ``la.mean`` is all the weights ``w*`` ``[P]`` (also
+    ``la.full_mean``), ``la.mean_subnet`` is ``w*[S]`` ``[S]``, ``la.n_params`` is ``P`` and
+    ``la.n_params_subnet`` is ``S``; ``posterior_precision``, ``posterior_covariance``,
+    ``posterior_variance``, ``prior_mean``, ``prior_precision_diag`` and the Jacobians of
+    ``la.backend.jacobians`` are over the ``S`` entries; ``sample(n)`` returns full
+    parameter vectors ``[n, P]`` (the subnetwork drawn, the rest at ``w*``).
     """
 
     def __init__(
@@ -137,7 +139,7 @@ class SubnetLaplace(BaseLaplace):
     def _set_mean(self) -> None:
         self.full_mean = parameters_to_vector(self.model.parameters()).detach().clone()
         idx = self.subnetwork_indices.to(self.full_mean.device)
-        self.mean = self.full_mean[idx].clone()
+        self._mu = self.full_mean[idx].clone()
         self.sizes = [len(pos) for _, _, pos in self._where]
 
     def _subset_size(self) -> int:
@@ -153,9 +155,53 @@ class SubnetLaplace(BaseLaplace):
         return self.num_params
 
     @property
+    def n_params(self) -> int:
+        """``P``: all the model's parameters (laplace-torch's)."""
+        return self.full_mean.numel()
+
+    @property
+    def mean(self) -> Tensor:
+        """``w*`` ``[P]``: all weights (laplace-torch's); the subnetwork's ``mean_subnet``."""
+        return self.full_mean
+
+    @mean.setter
+    def mean(self, value: Tensor) -> None:
+        value = value.to(self.full_mean)
+        if value.shape != self.full_mean.shape:
+            raise ValueError(f"mean must have shape [P]=[{self.n_params}], got "
+                             f"{tuple(value.shape)}")  # fmt: skip
+        self.full_mean = value.clone()
+        self._mu = self.full_mean[self.subnetwork_indices.to(value.device)].clone()
+
+    @property
     def mean_subnet(self) -> Tensor:
         """``w*[S]`` ``[S]`` (laplace-torch's name)."""
-        return self.mean
+        return self._mu
+
+    def assemble_full_samples(self, subnet_samples: Tensor) -> Tensor:
+        """Subnetwork draws ``[n, S]`` as full parameter vectors ``[n, P]`` (the other
+        weights at ``w*``)."""
+        full = self.full_mean.repeat(len(subnet_samples), 1)
+        full[:, self.subnetwork_indices.to(full.device)] = subnet_samples.to(full)
+        return full
+
+    def _subset_value(self, value: Tensor) -> Tensor:
+        """A full vector ``[..., P]`` reduced to the subnetwork's ``[..., S]``."""
+        if value.shape[-1] == self.n_params and self.n_params != self.num_params:
+            return value[..., self.subnetwork_indices.to(value.device)]
+        return value
+
+    def _jacobian_columns(self) -> Tensor:
+        """The subnetwork entries among the touched tensors' concatenated entries."""
+        offsets = torch.tensor([0, *self.sizes_touched]).cumsum(0)
+        cols = torch.empty(self.num_params, dtype=torch.long)
+        for t, (_, local, pos) in enumerate(self._where):
+            cols[pos] = offsets[t] + local
+        return cols
+
+    @property
+    def sizes_touched(self) -> list[int]:
+        return [p.numel() for _, p in self._named]
 
     def _delta_vector(self, d: Tensor) -> Tensor:
         if d.ndim == 0:
@@ -217,25 +263,22 @@ class SubnetLaplace(BaseLaplace):
     def _sqrt_ggn_rows(self, batches: list[tuple[Tensor, Tensor | None]]):
         for x, _ in batches:
             f, jac = self._jacobian(x)
-            yield torch.einsum("nck,ncs->nks", self.likelihood.sqrt_hessian(f), jac).flatten(0, 1)
+            yield torch.einsum("nck,ncs->nks", self._lik.sqrt_hessian(f), jac).flatten(0, 1)
 
     # ------------------------------------------------------------------ samples, predictive
     def sample(self, n_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
         """``[n_samples, P]`` full parameter vectors: ``w[S] ~ q``, the rest ``w*``."""
-        theta = super().sample(n_samples, generator)
-        full = self.full_mean.repeat(n_samples, 1)
-        full[:, self.subnetwork_indices.to(full.device)] = theta
-        return full
+        return self.assemble_full_samples(super().sample(n_samples, generator))
 
-    def _nn_samples(self, x: Tensor, n_samples: int, generator: torch.Generator | None) -> Tensor:
+    def _nn_samples(self, x, n_samples, generator, **model_kwargs):
         outs = []
-        with torch.no_grad():
+        with torch.set_grad_enabled(self.enable_backprop and torch.is_grad_enabled()):
             for w in self.sample(n_samples, generator):
                 params, k = {}, 0
                 for name, p in self._all_named:
                     params[name] = w[k : k + p.numel()].view_as(p).to(p.dtype)
                     k += p.numel()
-                outs.append(functional_call(self.model, params, (x,)))
+                outs.append(functional_call(self.model, params, (x,), model_kwargs))
         return torch.stack(outs)
 
     def _cov_times(self, jac: Tensor) -> Tensor:
@@ -262,8 +305,8 @@ class SubnetLaplace(BaseLaplace):
         if idx is None or not torch.equal(idx.cpu(), self.subnetwork_indices):
             raise ValueError("state has other subnetwork_indices than this Laplace")
         super().load_state_dict(state)
-        self.full_mean = self.full_mean.to(self.mean)
-        self.full_mean[self.subnetwork_indices.to(self.mean.device)] = self.mean
+        self.full_mean = self.full_mean.to(self._mu).clone()
+        self.full_mean[self.subnetwork_indices.to(self._mu.device)] = self._mu
 
 
 class FullSubnetLaplace(_FullMaths, SubnetLaplace):
@@ -298,71 +341,3 @@ class DiagSubnetLaplace(_DiagMaths, SubnetLaplace):
 
     def _cov_times(self, jac):
         return self.posterior_variance[:, None] * jac.flatten(0, 1).T
-
-
-# ------------------------------------------------------------------------------ subnet masks
-
-
-class _ScoreMask:
-    """laplace-torch's score-based subnetwork masks: the ``n_params_subnet`` entries of
-    ``parameters_to_vector(model.parameters())`` with the largest score, returned sorted
-    by :meth:`select` as a ``torch.long`` tensor (``subnetwork_indices``)."""
-
-    def __init__(self, model: nn.Module, n_params_subnet: int) -> None:
-        self.model = model
-        self.parameter_vector = parameters_to_vector(model.parameters()).detach()
-        n = self.parameter_vector.numel()
-        if isinstance(n_params_subnet, bool) or not isinstance(n_params_subnet, int):
-            raise TypeError(f"n_params_subnet must be an int, got {n_params_subnet!r}")
-        if not 1 <= n_params_subnet <= n:
-            raise ValueError(f"n_params_subnet must be in [1, P={n}], got {n_params_subnet}")
-        self.n_params_subnet = n_params_subnet
-        self._indices: Tensor | None = None
-
-    def compute_param_scores(self, train_loader: Any) -> Tensor:
-        raise NotImplementedError
-
-    def select(self, train_loader: Any = None) -> Tensor:
-        scores = self.compute_param_scores(train_loader)
-        top = torch.topk(scores, self.n_params_subnet).indices
-        self._indices = top.sort().values.cpu().long()
-        return self._indices
-
-    @property
-    def indices(self) -> Tensor:
-        if self._indices is None:
-            raise AttributeError("call select() first")
-        return self._indices
-
-
-class LargestMagnitudeSubnetMask(_ScoreMask):
-    """The subnetwork of the ``n_params_subnet`` weights of largest ``|w*|``."""
-
-    def compute_param_scores(self, train_loader: Any = None) -> Tensor:
-        return self.parameter_vector.abs()
-
-
-class LargestVarianceDiagLaplaceSubnetMask(_ScoreMask):
-    """The subnetwork of the ``n_params_subnet`` weights of largest marginal variance under
-    a diagonal all-weights Laplace (``diag_laplace_model``, e.g. ``fromp.Laplace(model,
-    lik, "all", "diag")``, fitted on ``train_loader`` by :meth:`select`; frozen parameters,
-    which that posterior does not cover, score ``-inf``)."""
-
-    def __init__(self, model: nn.Module, n_params_subnet: int, diag_laplace_model: Any) -> None:
-        super().__init__(model, n_params_subnet)
-        self.diag_laplace_model = diag_laplace_model
-
-    def compute_param_scores(self, train_loader: Any) -> Tensor:
-        if train_loader is None:
-            raise ValueError("select(train_loader) needs the training data for the variances")
-        la = self.diag_laplace_model
-        la.fit(train_loader)
-        var = la.posterior_variance
-        scores = torch.full_like(self.parameter_vector, -torch.inf)
-        mine = dict(zip(la.parameter_names, torch.split(var, la.sizes)))
-        k = 0
-        for name, p in self.model.named_parameters():
-            if name in mine:
-                scores[k : k + p.numel()] = mine[name].to(scores)
-            k += p.numel()
-        return scores

@@ -67,7 +67,7 @@ def test_one_example_kfac_and_norm_diagonal_against_dense():
     jac = dense_jacobian(net, xs)
     torch.testing.assert_close(la.gp().kernel(xs), torch.einsum("ncp,pq,mdq->ncmd", jac, cov, jac))
     torch.testing.assert_close(
-        la.functional_variance(xs), torch.einsum("ncp,pq,ndq->ncd", jac, cov, jac)
+        la.functional_variance_at(xs), torch.einsum("ncp,pq,ndq->ncd", jac, cov, jac)
     )
 
 

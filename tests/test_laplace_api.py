@@ -146,7 +146,7 @@ def test_every_pair_against_dense(model_name, subset, structure):
     torch.testing.assert_close(la.log_marginal_likelihood(), want, rtol=1e-10, atol=1e-9)
     # GLM predictive (laplace-torch's probit) and kernel
     fvar = torch.einsum("ncp,pq,ndq->ncd", jac, cov, jac)
-    torch.testing.assert_close(la.functional_variance(x), fvar, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(la.functional_variance_at(x), fvar, rtol=1e-8, atol=1e-10)
     probit = torch.softmax(
         f / torch.sqrt(1 + math.pi / 8 * torch.diagonal(fvar, dim1=1, dim2=2)), 1
     )

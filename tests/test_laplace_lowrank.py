@@ -54,7 +54,7 @@ def test_full_rank_equals_the_full_laplace(model_name, eig_method):
         assert_close(low.log_marginal_likelihood(d), full.log_marginal_likelihood(d), tol)
     assert_close(low.posterior_covariance, full.posterior_covariance, tol)
     assert_close(low.posterior_variance, full.posterior_variance, tol)
-    assert_close(low.functional_variance(x), full.functional_variance(x), tol)
+    assert_close(low.functional_variance_at(x), full.functional_variance_at(x), tol)
     assert_close(low(x), full(x), tol)
     assert_close(low.gp().kernel(x[:3], x[3:7]), full.gp().kernel(x[:3], x[3:7]), tol)
 
@@ -86,7 +86,7 @@ def test_truncated_against_dense_top_k(model_name, eig_method):
     want = -nll - 0.5 * 0.7 * (flat**2).sum() - 0.5 * (torch.logdet(prec) - p * math.log(0.7))
     assert_close(la.log_marginal_likelihood(), want, tol)
     fvar = torch.einsum("ncp,pq,ndq->ncd", jac, cov, jac)
-    assert_close(la.functional_variance(x), fvar, tol)
+    assert_close(la.functional_variance_at(x), fvar, tol)
     probit = torch.softmax(f / torch.sqrt(1 + math.pi / 8 * torch.diagonal(fvar, 0, 1, 2)), 1)
     assert_close(la(x, link_approx="probit"), probit, tol)
     assert_close(la.gp().kernel(x[:3], x[3:7]),

@@ -1,0 +1,48 @@
+"""What laplace-torch users import from ``laplace.utils``, under ``fromp.utils``: the
+subnetwork masks (:mod:`fromp.subnet_masks`), diagonal SWAG, and the option enums
+(:mod:`fromp.laplace_options`; ``Likelihood`` here is laplace-torch's enum of likelihood
+*names*, while ``fromp.Likelihood`` is fromp's likelihood class)."""
+
+from __future__ import annotations
+
+from fromp.laplace_options import (
+    HessianStructure,
+    Likelihood,
+    LinkApprox,
+    PredType,
+    PriorStructure,
+    SubsetOfWeights,
+    TuningMethod,
+)
+from fromp.subnet_masks import (
+    LargestMagnitudeSubnetMask,
+    LargestVarianceDiagLaplaceSubnetMask,
+    LargestVarianceSWAGSubnetMask,
+    LastLayerSubnetMask,
+    ModuleNameSubnetMask,
+    ParamNameSubnetMask,
+    RandomSubnetMask,
+    ScoreBasedSubnetMask,
+    SubnetMask,
+    fit_diagonal_swag_var,
+)
+
+__all__ = [
+    "HessianStructure",
+    "LargestMagnitudeSubnetMask",
+    "LargestVarianceDiagLaplaceSubnetMask",
+    "LargestVarianceSWAGSubnetMask",
+    "LastLayerSubnetMask",
+    "Likelihood",
+    "LinkApprox",
+    "ModuleNameSubnetMask",
+    "ParamNameSubnetMask",
+    "PredType",
+    "PriorStructure",
+    "RandomSubnetMask",
+    "ScoreBasedSubnetMask",
+    "SubnetMask",
+    "SubsetOfWeights",
+    "TuningMethod",
+    "fit_diagonal_swag_var",
+]
