@@ -471,7 +471,7 @@ class LaplaceGP:
 
     @property
     def likelihood(self) -> Likelihood:
-        return self.la.likelihood
+        return self.la.likelihood_fn
 
     @property
     def num_params(self) -> int:
@@ -509,6 +509,6 @@ class LaplaceGP:
         if method == "bridge":
             return self.la(x, link_approx="bridge")
         return _predictive(
-            self.la.likelihood, self.la.sigma_noise, self.mean, self.variance, x, method,
+            self.likelihood, self.la.sigma_noise, self.mean, self.variance, x, method,
             n_samples, generator, return_variance,
         )  # fmt: skip

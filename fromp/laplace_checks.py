@@ -242,12 +242,13 @@ def at_state_dict(la: Any) -> None:
         raise ValueError("call fit(train_loader) first")
 
 
-def at_predict(la: Any, x: Any) -> None:
+def at_predict(la: Any, x: Any, outputs: bool = True) -> None:
     """A prediction at ``x``: a fit, the model in eval mode (dropout on would make the
     predictive random), the model still of the fitted size, ``x`` a non-empty ``[N, ...]``
     tensor with finite entries whose squared norm is finite in its dtype (the functional
     variance ``J Sigma J^T`` carries the squares of the inputs: ``|x| ~ 1e30`` overflows
-    float32 to NaN), and finite outputs ``f(x)``."""
+    float32 to NaN), and finite outputs ``f(x)`` (``outputs=False``: the caller checks the
+    outputs it computes anyway with :func:`finite_outputs`, saving a forward pass)."""
     at_state_dict(la)
     model = la.model
     require_eval(model)
@@ -264,6 +265,10 @@ def at_predict(la: Any, x: Any) -> None:
                 f"{x.dtype} in the functional variance (keep |x| below {limit:.3g}, e.g. "
                 "normalise the inputs)"
             )
+    if not hasattr(la, "_subset_size"):  # a GP Laplace: no weight subset to compare
+        if outputs:
+            _outputs(la, x)
+        return
     n_fit = la.num_params
     try:
         n_now = la._subset_size()
@@ -274,14 +279,26 @@ def at_predict(la: Any, x: Any) -> None:
             f"the model has P={n_now} parameters in the subset, the posterior has {n_fit}: "
             "the model changed since the fit (fit again, or load the fitted model's weights)"
         )
-    device = next(p for p in model.parameters()).device
+    if outputs:
+        _outputs(la, x)
+
+
+def _outputs(la: Any, x: Tensor) -> None:
+    device = next(p for p in la.model.parameters()).device
     with torch.no_grad():
-        f = model(x.to(device))
-    if isinstance(f, Tensor) and not bool(torch.isfinite(f).all()):
+        f = la.model(x.to(device))
+    finite_outputs(f)
+
+
+def finite_outputs(f: Any) -> Any:
+    """``f`` (the model's outputs at the predict inputs, or draws of them), refused when not
+    finite: the predictive is undefined there."""
+    if isinstance(f, Tensor) and not bool(torch.isfinite(f.detach()).all()):
         raise ValueError(
             "the model's outputs at x are not finite (NaN or inf: overflow); the predictive "
             "is undefined there"
         )
+    return f
 
 
 def at_load(la: Any, state: Any) -> None:

@@ -242,7 +242,10 @@ class LaplaceTorchAPI:
             x = x[self.dict_key_x]
         if not isinstance(x, Tensor):
             raise ValueError(f"x must be a tensor or a mapping, got {type(x).__name__}")
-        checks.at_predict(self, x)  # a fit, eval mode, the fitted size, finite x and f(x)
+        # a fit, eval mode, the fitted size, finite x and outputs f(x); the last-layer
+        # structures check the outputs where their feature pass computes them
+        # (checks.finite_outputs), so that their predictive runs the network once
+        checks.at_predict(self, x, outputs=self.subset_of_weights != "last_layer")
         return x.to(self._device())
 
     def _undict(self, data: Any) -> Any:
@@ -323,12 +326,15 @@ class LaplaceTorchAPI:
     def functional_variance_at(self, x: Tensor) -> Tensor:
         """``J(x_n) Sigma J(x_n)^T`` ``[N, C, C]`` at inputs ``x`` (each structure's fast
         route, no ``[N, C, P]`` Jacobian where it has one)."""
-        return self._mean_and_variance(self._input(x))[1]
+        mu, var = self._mean_and_variance(self._input(x))
+        checks.finite_outputs(mu)
+        return var
 
     def _glm(self, x: Tensor, joint: bool = False) -> tuple[Tensor, Tensor]:
         """``(f [N, C], var [N, C, C])`` or, ``joint``, ``(f [N C], cov [N C, N C])``."""
         if self.enable_backprop:
             js, f = self._jacobians(x, enable_backprop=True)
+            checks.finite_outputs(f)
             if joint:
                 j = js.flatten(0, 1)
                 return f.flatten(), j @ self._sigma_times(j).T
@@ -336,11 +342,12 @@ class LaplaceTorchAPI:
             return f, torch.einsum("ncp,ndp->ncd", js, sj)
         if joint:
             with torch.no_grad():
-                f = self.model(x)
+                f = checks.finite_outputs(self.model(x))
             k = self._kernel(x, x)
             n, c = f.shape
             return f.flatten(), k.reshape(n * c, n * c).detach()
         mu, var = self._mean_and_variance(x)
+        checks.finite_outputs(mu)
         return mu.detach(), var.detach()
 
     # ------------------------------------------------------------------ predictive
@@ -391,7 +398,7 @@ class LaplaceTorchAPI:
         self._require_fit()
         x = self._input(x)
         if pred_type == "nn":
-            f = self._nn_samples(x, n_samples, generator, **model_kwargs)  # [S, N, C]
+            f = checks.finite_outputs(self._nn_samples(x, n_samples, generator, **model_kwargs))
             if self.regression:
                 return f.mean(0), f.var(0)
             return self._lik.inverse_link(f.flatten(0, 1)).reshape(f.shape).mean(0)
@@ -433,7 +440,7 @@ class LaplaceTorchAPI:
         self._require_fit()
         x = self._input(x)
         if pred_type == "nn":
-            return self._nn_samples(x, n_samples, generator)
+            return checks.finite_outputs(self._nn_samples(x, n_samples, generator))
         if pred_type != "glm":
             raise ValueError(f"pred_type must be 'glm' or 'nn', got {pred_type!r}")
         mu, var = self._glm(x)

@@ -70,7 +70,11 @@ class PriorTuning:
         if optimizer not in ("lbfgs", "adam"):
             raise ValueError(f"optimizer must be 'lbfgs' or 'adam', got {optimizer!r}")
         val_loader = checks.at_prior_search(
-            self, method, prior_structure, 100 if n_steps is None else n_steps, grid_size,
+            self,
+            method,
+            prior_structure,
+            100 if n_steps is None else n_steps,
+            grid_size,
             val_loader,
         )
         if method == "gridsearch":

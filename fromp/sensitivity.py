@@ -167,9 +167,9 @@ def _laplace_likelihood(posterior: BaseLaplace, likelihood: str | Likelihood | N
     """The likelihood of a fitted :func:`fromp.Laplace` with its noise ``sigma`` (the
     Laplace keeps a unit-noise likelihood and ``sigma_noise`` apart); an explicit
     ``likelihood`` must agree with it."""
-    own = posterior.likelihood
+    own = posterior.likelihood_fn
     if isinstance(own, GaussianLikelihood):
-        own = GaussianLikelihood(posterior.sigma_noise)
+        own = GaussianLikelihood(float(posterior.sigma_noise))
     if likelihood is None:
         return own
     lik = get_likelihood(likelihood)
