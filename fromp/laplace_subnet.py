@@ -39,6 +39,7 @@ from torch.func import functional_call, jacrev, jvp, vmap
 from torch.nn.utils import parameters_to_vector
 
 from fromp.baselaplace import BaseLaplace
+from fromp.jacobian import over_examples
 from fromp.laplace_structures import LaplaceDiag, LaplaceFull, _DiagMaths, _FullMaths
 from fromp.likelihood import Likelihood
 from fromp.subnet_masks import LargestMagnitudeSubnetMask, LargestVarianceDiagLaplaceSubnetMask
@@ -230,14 +231,14 @@ class SubnetLaplace(BaseLaplace):
             def one(params: dict[str, Tensor], xi: Tensor) -> Tensor:
                 return functional_call(model, ({**fixed, **params}, buffers), (xi[None],))[0]
 
-            jac_fn = vmap(jacrev(one), in_dims=(None, 0))
+            jac_fn = over_examples(jacrev(one), (None, 0))
             p_touched = sum(p.numel() for p in touched.values())
             per_example = 3 * n_out * p_touched * f.element_size()  # rows and their grads
             step = self.chunk_size or max(1, min(256, self.memory_budget // per_example))
             for s in range(0, len(x), step):
                 jac = jac_fn(touched, x[s : s + step])
                 for name, local, pos in self._where:
-                    j = jac[name].flatten(2)  # [n, C, numel]
+                    j = jac[name].reshape(*jac[name].shape[:2], -1)  # [n, C, numel]
                     out[s : s + step, :, pos.to(x.device)] = j[..., local.to(x.device)]
             return f, out
 

@@ -341,14 +341,7 @@ def test_zero_dim_parameter_unflatten():
     assert fromp.unflatten(model, torch.zeros(2, p))["t"].shape == (2,)
 
 
-_SUBNET_0DIM = pytest.mark.xfail(
-    strict=True, reason="laplace_subnet._jacobian flattens a 0-dim tensor's Jacobian: flatten(2)"
-)
-C1_CASES = [
-    pytest.param(s, h, id=f"{s}-{h}", marks=[_SUBNET_0DIM] if s == "subnetwork" else [])
-    for s, h in CASES
-    if (s, h) != ("all", "kron")
-]
+C1_CASES = [pytest.param(s, h, id=f"{s}-{h}") for s, h in CASES if (s, h) != ("all", "kron")]
 
 
 @pytest.mark.parametrize(("subset", "structure"), C1_CASES)

@@ -76,10 +76,6 @@ def test_dnn2gp_kernel_of_a_recurrent_model(cell):
     torch.testing.assert_close(gp.kernel(x[:3], x[5:]), want)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="laplace_subnet._jacobian batches examples with vmap itself (needs over_examples)",
-)
 @pytest.mark.parametrize("structure", ["diag", "full"])
 def test_subnetwork_of_a_recurrent_model(structure):
     model, x, y, _, _ = setup(nn.GRU)
