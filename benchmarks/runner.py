@@ -56,12 +56,14 @@ from benchmarks.plugins import (
     _RestoreOptimizer,
     _summarise,
     _timing_counts,
+    _unplain,
     _write_checkpoint,
     expected_calibration_error,
     method_plugins,
 )
 from benchmarks.registry import BenchmarkSpec, StrategySpec, get_benchmark, get_strategy
 from benchmarks.report import code_record, env_record
+from strategies.checkpoint import get_rng_state, set_rng_state
 from strategies.models import as_avalanche_model
 
 __all__ = [
@@ -377,17 +379,18 @@ def _seed_everything(seed: int) -> None:
 
 
 def _rng_state() -> dict[str, Any]:
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),  # noqa: NPY002
-        "torch": torch.get_rng_state(),
-    }
+    """Python, NumPy, torch CPU and (where CUDA is available) every CUDA generator's state, as
+    tensors and plain containers (:func:`strategies.checkpoint.get_rng_state`)."""
+    return get_rng_state()
 
 
 def _set_rng_state(state: Mapping[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])  # noqa: NPY002
-    torch.set_rng_state(state["torch"])
+    """Inverse of :func:`_rng_state`; a checkpoint without CUDA states (CPU, or version 3)
+    leaves the CUDA generators as they are."""
+    try:
+        set_rng_state(state)
+    except ValueError as err:
+        raise CheckpointError(str(err)) from err
 
 
 def _make_optimizer(
@@ -408,7 +411,9 @@ def _make_optimizer(
     raise ValueError(f"optimizer must be 'adam', 'sgd', 'vogn' or 'ivon', got {name!r}")
 
 
-def _load_plugin_states(strategy: Any, states: Mapping[str, Any], path: Path) -> None:
+def _load_plugin_states(
+    strategy: Any, states: Mapping[str, Any], path: Path, device: str | torch.device = "cpu"
+) -> None:
     plugins = method_plugins(strategy)
     if set(plugins) != set(states):
         raise CheckpointError(
@@ -420,7 +425,7 @@ def _load_plugin_states(strategy: Any, states: Mapping[str, Any], path: Path) ->
         if "state_dict" in state:
             plugin.load_state_dict(state["state_dict"])
         else:
-            vars(plugin).update(state["vars"])
+            vars(plugin).update(_unplain(state["vars"], device))
 
 
 def _validation_view(seq: TaskSequence) -> TaskSequence | None:
@@ -502,6 +507,10 @@ def run(
         **settings["kwargs"],
     )
     strategy._is_joint = strat.joint
+    if cfg.checkpoint:  # a plugin state a checkpoint could hold only as code: refused now
+        for p in method_plugins(strategy).values():
+            if not hasattr(p, "state_dict"):
+                _plugin_state(p)
 
     matrix: list[list[float | None]] = []
     valid_matrix: list[list[float | None]] = []
@@ -521,7 +530,7 @@ def run(
             state["config"]["code"] = key["code"]
         _check_key(ckpt, state, key)
         model.load_state_dict(state["model"])
-        _load_plugin_states(strategy, state["plugins"], ckpt)
+        _load_plugin_states(strategy, state["plugins"], ckpt, cfg.device)
         restore.pending = state["optimizer"]
         matrix, valid_matrix, metrics = state["matrix"], state["valid_matrix"], state["metrics"]
         timing, elapsed, done = state["timing"], state["elapsed"], state["done"]

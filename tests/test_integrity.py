@@ -242,7 +242,7 @@ def test_plugin_state_is_keyed_by_name_and_restored(tmp_path):
     part = RunConfig("split-digits", "fromp", checkpoint=str(tmp_path / "b.pt"), **kw)
     part.stop_after = 2
     run(part)
-    state = torch.load(tmp_path / "b.pt", weights_only=False)
+    state = torch.load(tmp_path / "b.pt", weights_only=True)
     assert "FROMPPlugin" in state["plugins"] and "Clock" in state["plugins"]
     assert state["plugins"]["FROMPPlugin"]["state_dict"]["tau"] == 3.0
     part.stop_after, part.resume = None, True
