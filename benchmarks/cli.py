@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from benchmarks.data import CorruptDataError, DataNotFoundError, TaskSequence
+from benchmarks.plugins import check_out
 from benchmarks.registry import STRATEGIES, UnknownNameError, get_benchmark
 from benchmarks.report import image_grid, log_norm, plot_kernel, to_image
 from fromp.models import with_task
@@ -415,6 +416,7 @@ def memorable_main(argv: list[str] | None = None) -> int:
     from fromp.memorable import memorability_scores, select_memorable
 
     try:
+        check_out(Path(args.out))  # before any work: a file, or under one, is refused
         net, seq, cfg = _load(args)
         task = _task(seq, args.task, cfg)
         model = with_task(net, task.task_id if seq.multi_head else None)
@@ -640,6 +642,7 @@ def gp_main(argv: list[str] | None = None) -> int:
     try:
         if args.n < 1 or args.n_fit < 1:
             raise ValueError(f"--n and --n-fit must be >= 1, got {args.n} and {args.n_fit}")
+        check_out(Path(args.out))  # before any work: a file, or under one, is refused
         net, seq, cfg = _load(args)
         task = _task(seq, args.task, cfg)
         model = with_task(net, task.task_id if seq.multi_head else None)

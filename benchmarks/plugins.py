@@ -1,17 +1,21 @@
 """The runner's machinery: its own Avalanche plugins and metrics (predictions collected for
 accuracy, NLL and ECE; a guard that stops a run whose loss or weights become non-finite;
 progress, bars on a terminal and one line per task in a log; the optimizer state restored on
-resume; the method plugins' phase timings) and its checkpoint files (written atomically
+resume; the method plugins' phase timings), its output directory (checked writable before
+any work, held by a lock file) and its checkpoint files (written atomically
 with a SHA-256 beside them, verified on reading, holding only tensors and plain containers
 and read with ``weights_only=True``: a checkpoint never runs code)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
+import os
 import sys
+import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +31,16 @@ from strategies.checkpoint import read_checked, write_checked
 
 __all__ = [
     "CHECKPOINT_VERSION",
+    "MIN_FREE_BYTES",
     "CheckpointError",
     "NonFiniteError",
+    "UsageError",
+    "check_out",
+    "check_report_files",
+    "check_writable_run_dirs",
     "expected_calibration_error",
     "method_plugins",
+    "out_lock",
 ]
 
 
@@ -418,3 +428,107 @@ def _short(value: Any) -> str:
         return f"data hash {value['hash']}"
     text = repr(value)
     return text if len(text) <= 120 else text[:117] + "..."
+
+
+# ----------------------------------------------------------------------- the output directory
+class UsageError(ValueError):
+    """A command-line value that cannot be used."""
+
+
+def check_out(out: Path) -> None:
+    """Refuse an output directory that is a file or cannot be written."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: is a file, expected a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
+            pass
+    except OSError as err:
+        raise UsageError(f"--out {out}: cannot write there ({err.strerror or err})") from err
+    if not os.access(out, os.W_OK):
+        raise UsageError(f"--out {out}: cannot write there (no write permission)")
+
+
+#: Free space below which a run is refused before training (checkpoints of the paper's
+#: networks are a few MB each; a full disk would lose the task being trained).
+MIN_FREE_BYTES = 200 * 2**20
+
+
+def check_writable_run_dirs(base: Path) -> None:
+    """Before any training: ``base/checkpoints`` and ``base/runs`` exist and can be written,
+    and the disk has at least :data:`MIN_FREE_BYTES` free (a one-line ``UsageError`` naming
+    the directory otherwise)."""
+    import shutil
+
+    for sub in ("checkpoints", "runs"):
+        d = base / sub
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=d, prefix=".write-test-"):
+                pass
+        except OSError as err:
+            raise UsageError(f"{d}: cannot write there ({err.strerror or err})") from err
+    check_report_files(base)
+    free = shutil.disk_usage(base).free
+    if free < MIN_FREE_BYTES:
+        raise UsageError(
+            f"{base}: only {free / 2**20:.0f} MB free on its disk, under the "
+            f"{MIN_FREE_BYTES / 2**20:.0f} MB a run needs for its checkpoints; free some space"
+        )
+
+
+REPORT_FILES = ("results.json", "report.md", "accuracy.png")
+
+
+def check_report_files(base: Path) -> None:
+    """Before any work: ``base`` can be written and none of :data:`REPORT_FILES` is a
+    directory or a file that cannot be written (one-line ``UsageError`` naming it)."""
+    if not os.access(base, os.W_OK):
+        raise UsageError(f"{base}: cannot write there (no write permission)")
+    for name in REPORT_FILES:
+        f = base / name
+        if f.is_dir():
+            raise UsageError(f"{f}: is a directory, expected the report file; move it")
+        if f.exists() and not os.access(f, os.W_OK):
+            raise UsageError(f"{f}: cannot be written (no write permission)")
+
+
+@contextlib.contextmanager
+def out_lock(base: Path) -> Iterator[None]:
+    """Hold ``base/.lock`` (the process id) while a job writes into ``base``: a second job
+    into the same directory is refused in one line; a lock left by a process that no longer
+    runs is taken over."""
+    base.mkdir(parents=True, exist_ok=True)
+    lock = base / ".lock"
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                pid = int(lock.read_text().strip() or 0)
+            except (OSError, ValueError):
+                pid = 0
+            if pid and pid != os.getpid() and _alive(pid):
+                raise UsageError(
+                    f"--out {base.parent}: another fromp-bench (pid {pid}) is writing to "
+                    f"{base}; wait for it or use another --out"
+                ) from None
+            lock.unlink(missing_ok=True)  # stale: its process is gone
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        break
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

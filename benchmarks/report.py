@@ -149,7 +149,7 @@ def _labels(groups: dict[str, list[dict[str, Any]]]) -> dict[str, str]:
 def aggregate(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Group complete runs by :func:`group_key` (runs with different settings or data are
     never averaged together); mean and std over seeds of every score. Failed and incomplete
-    runs are left out.
+    runs are left out; a seed given twice in a group counts once (the later run).
 
     Returns:
         ``{label: {"strategy", "settings", "seeds": [...], "mean_accuracy": {mean, std}, ...,
@@ -160,7 +160,11 @@ def aggregate(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in results:
         if r.get("complete") and not r.get("failed"):
-            groups.setdefault(group_key(r), []).append(r)
+            runs = groups.setdefault(group_key(r), [])
+            # the same (strategy, settings, seed) twice (e.g. --grid tau=10 and --set tau=10):
+            # one run, the later kept, never averaged with itself
+            runs[:] = [o for o in runs if o.get("seed") != r.get("seed")]
+            runs.append(r)
     labels = _labels(groups)
     out: dict[str, dict[str, Any]] = {}
     for key, runs in groups.items():

@@ -310,6 +310,7 @@ def validate_settings(
         if not isinstance(settings.get(key, {}), Mapping):
             raise SettingsError(f"{key} must be a mapping, got {settings.get(key)!r}")
     check_device(device)
+    _check_optimizer_kwargs(settings["optimizer"], settings.get("optimizer_kwargs") or {})
     cls = strat.load_class()
     _check_kwargs(cls, settings["kwargs"], strat)
     model = as_avalanche_model(bench.model(_Layout(bench)))  # type: ignore[arg-type]
@@ -338,6 +339,38 @@ def validate_settings(
             raise SettingsError(
                 f"strategy {strat.name!r} settings: {' '.join(str(err).split())}"
             ) from err
+
+
+def _optimizer_class(name: str) -> type:
+    if name in ("adam", "sgd"):
+        return torch.optim.Adam if name == "adam" else torch.optim.SGD
+    from fromp.optim import IVON, VOGN
+
+    return VOGN if name == "vogn" else IVON
+
+
+def _check_optimizer_kwargs(name: str, extra: Mapping[str, Any]) -> None:
+    """``--set opt.NAME=value``: a keyword argument of the optimizer, of the kind of its
+    default (a tuple default, e.g. Adam's ``betas``, needs a tuple of as many numbers)."""
+    params = inspect.signature(_optimizer_class(name).__init__).parameters
+    owned = {"self", "params", "params_or_model", "model", "lr", "ess", "train_set_size"}
+    var = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    for key, value in extra.items():
+        if key in owned or (key not in params and not open_ended):
+            known = sorted(k for k, p in params.items() if k not in owned and p.kind not in var)
+            raise SettingsError(f"--set opt.{key}: not a keyword argument of the {name} "
+                                f"optimizer (it accepts: {', '.join(known)})")  # fmt: skip
+        if key not in params:
+            continue
+        default = params[key].default
+        if isinstance(default, tuple):
+            ok = isinstance(value, tuple | list) and len(value) == len(default)
+            if not ok or not all(_is_number(v) for v in value):
+                raise SettingsError(f"--set opt.{key}={value!r}: expected a tuple of "
+                                    f"{len(default)} numbers like {default!r}")  # fmt: skip
+        elif _is_number(default) and not isinstance(default, bool) and not _is_number(value):
+            raise SettingsError(f"--set opt.{key}={value!r}: expected a number like {default!r}")
 
 
 def check_sequence(seq: TaskSequence, settings: Mapping[str, Any]) -> None:

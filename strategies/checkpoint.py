@@ -33,6 +33,7 @@ optimizer's state into the model's device, the method's into the model's device.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import os
@@ -380,13 +381,13 @@ def load_checkpoint(
         strategy.model.train(was_training)
         strategy.experience = None
     before = {k: v.detach().clone() for k, v in strategy.model.state_dict().items()}
+    opt_before = copy.deepcopy(strategy.optimizer.state_dict())
     strategy.model.load_state_dict(state["model"])
     # Avalanche's first make_optimizer maps names to parameters and clears the state: do it
     # now, so that the state loaded next survives the next experience's update
     strategy.optimized_param_id = None
     if hasattr(strategy, "make_optimizer"):
         strategy.make_optimizer(reset_optimizer_state=True)
-    opt_before = copy.deepcopy(strategy.optimizer.state_dict())
     device = next(strategy.model.parameters()).device
     try:
         strategy.optimizer.load_state_dict(state["optimizer"])
@@ -397,7 +398,8 @@ def load_checkpoint(
                 p.load_state_dict(d["state"])
     except (ValueError, KeyError, TypeError, RuntimeError) as err:
         strategy.model.load_state_dict(before)
-        strategy.optimizer.load_state_dict(opt_before)
+        with contextlib.suppress(ValueError, KeyError):  # groups of another size: left empty
+            strategy.optimizer.load_state_dict(opt_before)
         raise CheckpointError(
             f"checkpoint {path} cannot be restored into this strategy "
             f"({type(err).__name__}: {_first_line(err)})"
