@@ -327,13 +327,13 @@ def test_gzipped_garbage_is_named(tmp_path, capsys):
     assert str(gz) in err
 
 
-@pytest.mark.parametrize("benchmark", ["split-mnist", "permuted-mnist"])
-def test_labels_out_of_range_are_refused(benchmark, tmp_path, capsys):
+@pytest.mark.parametrize("bench_name", ["split-mnist", "permuted-mnist"])
+def test_labels_out_of_range_are_refused(bench_name, tmp_path, capsys):
     raw = write_mnist(tmp_path)
     labels = np.arange(400) % 10
     labels[7] = 17
     (raw / "train-labels-idx1-ubyte").write_bytes(_idx(labels))
-    argv = [benchmark, "--strategies", "naive", *QUICK, "--data-root", str(tmp_path)]
+    argv = [bench_name, "--strategies", "naive", *QUICK, "--data-root", str(tmp_path)]
     assert main([*argv, "--out", str(tmp_path / "out")]) == 2
     err = _one_line_error(capsys, "labels out of range (first: 17 at index 7; expected 0..9)")
     assert "train-labels-idx1-ubyte" in err
