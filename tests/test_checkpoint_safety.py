@@ -11,6 +11,7 @@ another method refused before the strategy's model or optimizer is changed."""
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 from pathlib import Path
@@ -307,8 +308,15 @@ def test_a_plugin_refusing_its_state_leaves_model_and_optimizer(saved):
     model adapted to the trained experiences, its weights and optimizer state restored)."""
     stream, paths = saved
     s = _strategy("ewc", fisher="empirical")
-    s.train(stream[0])  # some optimizer state and trained weights to keep
-    before, opt_before = _weights(s), s.optimizer.state_dict()
+    s.train(stream[0])  # some optimizer state and trained weights to keep,
+    with torch.no_grad():  # made unlike the checkpoint's
+        for p in s.model.parameters():
+            p.add_(0.25)
+            for v in s.optimizer.state[p].values():
+                if v.dim() > 0:
+                    v.mul_(3.0)
+    before = _weights(s)
+    opt_before = copy.deepcopy(s.optimizer.state_dict())
     with pytest.raises(StrategyCheckpointError, match="fisher"):
         load_checkpoint(s, paths["ewc"], stream)
     assert all(torch.equal(before[k], v) for k, v in _weights(s).items())

@@ -68,10 +68,18 @@ def test_sweep_validates_before_starting_ray(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.slow
-def test_resume_runs_only_the_added_trials_and_keeps_the_finished_ones(tmp_path):
+def test_resume_runs_only_the_added_trials_and_keeps_the_finished_ones(tmp_path, monkeypatch):
     """A sweep resumed with an added seed and an added strategy runs exactly those trials (in
     a further Tune experiment), keeps the finished trial's result, and reports all of them."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
     from benchmarks.sweep import sweep
+
+    # a temporary root of this test's own (pytest-xdist runs other sweeps beside it)
+    own_tmp = Path(tempfile.mkdtemp(prefix="fs-"))
+    monkeypatch.setattr(tempfile, "tempdir", str(own_tmp))
 
     kw = dict(n_train=40, n_test=20, overrides={"train_epochs": 1}, num_cpus=2)
     out = tmp_path / "out"
@@ -89,10 +97,9 @@ def test_resume_runs_only_the_added_trials_and_keeps_the_finished_ones(tmp_path)
     ran = {p.name: len(list(p.glob("*/progress.csv"))) for p in (base / "ray").iterdir()}
     assert ran == {"sweep": 1, "sweep-1": 3}, ran  # the finished trial was not run again
     # nothing left behind in the temporary directory
-    import tempfile
-    from pathlib import Path
-
-    assert not list(Path(tempfile.gettempdir()).glob("fromp-sweep-*"))
+    leftover = list(own_tmp.glob("fromp-sweep-*"))
+    shutil.rmtree(own_tmp, ignore_errors=True)
+    assert not leftover
 
 
 @pytest.mark.slow
