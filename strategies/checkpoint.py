@@ -346,12 +346,8 @@ def load_checkpoint(
     """
     del map_location  # always the CPU, then each tensor to its device
     path = Path(path)
-    state = read_checked(
-        path,
-        checksum=checksum,
-        unchecked="load_checkpoint(..., "
-        "checksum=False) reads a file saved before checksums; save it again",
-    )
+    todo = "load_checkpoint(..., checksum=False) reads a file saved before checksums"
+    state = read_checked(path, checksum=checksum, unchecked=f"{todo}; save it again")
     done = _check_state(state, path)
     plugins = _method_plugins(strategy)
     saved = state["plugins"]
