@@ -13,7 +13,7 @@ Examples::
 
 Exit status: 0 done; 2 a usage, data or checkpoint error (one line); 3 a run failed (a
 non-finite loss, weight or prediction; listed in the report, never in the table); 130
-interrupted (the message says how to resume).
+interrupted by Ctrl-C or SIGTERM (the message says how to resume; the lock is released).
 
 Writes ``<out>/<benchmark>/results.json`` (every run and the aggregate), ``report.md`` and
 ``accuracy.png``; checkpoints go to ``<out>/<benchmark>/checkpoints/``. The command line
@@ -23,17 +23,20 @@ dispatches, so that neither imports the other's entry point.
 
 from __future__ import annotations
 
+import argparse
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from benchmarks.command import (
-    DEMO_STRATEGIES,
     USER_ERRORS,
     _list,
     build_parser,
     check_args,
     demo,
+    parse_strategies,
     report_only,
     run_benchmark,
     run_options,
@@ -46,7 +49,7 @@ __all__ = ["main"]
 
 def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 done, 2 a usage, data or checkpoint error (one line on stderr), 3 a run
-    failed (non-finite loss, weights or predictions), 130 interrupted (Ctrl-C)."""
+    failed (non-finite loss, weights or predictions), 130 interrupted (Ctrl-C or SIGTERM)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["sweep"]:
         return sweep_main(argv[1:])
@@ -61,6 +64,31 @@ def main(argv: list[str] | None = None) -> int:
     if args.benchmark is None:
         parser.error("a benchmark name is required (or --list)")
     out = Path(args.out)
+    # SIGTERM (a job scheduler, kill) ends the job as Ctrl-C does (as the sweep's): the lock
+    # is released, the message says how to resume, the exit status is 130
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if on_main else None
+    try:
+        return _main(args, out)
+    finally:
+        if on_main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _interrupted(args: argparse.Namespace, out: Path) -> None:
+    where = out / (args.benchmark or "") / "checkpoints"
+    print(
+        f"\nfromp-bench: interrupted; finished tasks are checkpointed in {where}; run the "
+        "same command with --resume to continue",
+        file=sys.stderr,
+    )
+
+
+def _main(args: argparse.Namespace, out: Path) -> int:
     try:
         check_args(args)
         if args.benchmark == "demo":
@@ -70,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.report_only:
             report_only(args.benchmark, out, args.select_on)
             return 0
-        names = (args.strategies or ",".join(DEMO_STRATEGIES)).split(",")
+        names = parse_strategies(args.strategies)
         for n in names:
             get_strategy(n)
         payload = run_benchmark(
@@ -84,12 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fromp-bench: error: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        where = out / (args.benchmark or "") / "checkpoints"
-        print(
-            f"\nfromp-bench: interrupted; finished tasks are checkpointed in {where}; run the "
-            "same command with --resume to continue",
-            file=sys.stderr,
-        )
+        _interrupted(args, out)
         return 130
     if payload["failed"]:
         print(

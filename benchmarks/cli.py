@@ -38,15 +38,19 @@ import torch
 from torch import nn
 
 from benchmarks.data import CorruptDataError, DataNotFoundError, TaskSequence
+from benchmarks.plugins import check_out
 from benchmarks.registry import STRATEGIES, UnknownNameError, get_benchmark
+from benchmarks.report import image_grid, log_norm, plot_kernel, to_image
 from fromp.models import with_task
+from strategies.checkpoint import CheckpointError as _BaseCheckpointError
+from strategies.checkpoint import read_checked
 
 __all__ = ["gp_main", "load_trained", "load_user_model", "memorable_main", "write_memory_map"]
 
 warnings.filterwarnings("ignore", message="no QP solver found")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(_BaseCheckpointError):
     """A file that is not a usable ``fromp-bench`` checkpoint."""
 
 
@@ -59,6 +63,10 @@ def load_trained(
 ) -> tuple[nn.Module, TaskSequence, dict[str, Any]]:
     """The trained network of a ``fromp-bench`` checkpoint, its task sequence and run config.
 
+    The file is verified against its ``.sha256`` and read with ``weights_only=True``
+    (:func:`strategies.checkpoint.read_checked`): a missing or mismatched checksum, a file
+    that needs code to load, a directory or an empty file is refused naming the path.
+
     Returns:
         ``(net, seq, config)``: ``net`` is the :mod:`fromp` model in eval mode (Avalanche
         wrapper removed; for a mean-field Gaussian network, as trained by VCL, the
@@ -68,19 +76,15 @@ def load_trained(
     from benchmarks.runner import load_sequence
 
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist")
-    if path.stat().st_size == 0:
-        raise CheckpointError(f"checkpoint {path} is empty")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:  # pickle, zip and EOF errors come in many types
-        detail = " ".join(str(err).split())[:200]
-        raise CheckpointError(
-            f"checkpoint {path} cannot be read ({type(err).__name__}: {detail})"
-        ) from err
+    try:  # checksum verified, read with weights_only=True: a checkpoint never runs code
+        state = read_checked(path)
+    except _BaseCheckpointError as err:
+        raise CheckpointError(str(err)) from err
     if not isinstance(state, dict) or "model" not in state or "config" not in state:
         raise CheckpointError(f"{path} is not a fromp-bench checkpoint (no model/config)")
+    if not isinstance(state["config"], dict) or not isinstance(state["config"].get("benchmark"),
+                                                                str):  # fmt: skip
+        raise CheckpointError(f"{path} is not a fromp-bench checkpoint (no benchmark in config)")
     cfg = dict(state["config"])
     cfg["tasks_trained"] = int(state.get("done", 0))
     bench = get_benchmark(cfg["benchmark"])
@@ -119,7 +123,12 @@ def load_trained(
 
 
 def load_user_model(
-    spec: str, weights: str | Path | None, benchmark: str, data_root: str | None = None
+    spec: str,
+    weights: str | Path | None,
+    benchmark: str,
+    data_root: str | None = None,
+    *,
+    random_init: bool = False,
 ) -> tuple[nn.Module, TaskSequence, dict[str, Any]]:
     """A user's network and a benchmark's tasks, for ``--model package.module:factory
     --weights state_dict.pt --benchmark NAME``.
@@ -127,10 +136,16 @@ def load_user_model(
     ``factory()`` (no arguments) builds the module; ``weights`` is a file written by
     ``torch.save(model.state_dict(), path)`` (or a dict holding it under ``"state_dict"``
     or ``"model"``), loaded on the CPU with ``weights_only=True`` and strictly (every key
-    must match). The module maps the benchmark's inputs ``[N, *input_shape]`` to logits; on a
-    multi-head benchmark it takes the task as ``model(x, task=t)`` or ``model(x,
-    task_labels)`` (see :func:`fromp.models.with_task`). Returns ``(net, seq, config)`` as
-    :func:`load_trained`."""
+    must match); without ``weights`` the factory's initial weights are used only with
+    ``random_init=True`` (``--random-init``). The module maps the benchmark's inputs
+    ``[N, *input_shape]`` to logits ``[N, n_outputs]`` (checked on two of the first task's
+    inputs); on a multi-head benchmark it takes the task as ``model(x, task=t)`` or
+    ``model(x, task_labels)`` (see :func:`fromp.models.with_task`). Returns ``(net, seq,
+    config)`` as :func:`load_trained`.
+
+    Raises:
+        CheckpointError: one line naming ``--model`` or ``--weights`` and what was expected.
+    """
     import importlib
 
     from benchmarks.runner import load_sequence
@@ -142,19 +157,29 @@ def load_user_model(
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as err:
         raise CheckpointError(f"--model {spec}: {type(err).__name__}: {err}") from err
-    net = factory()
+    if not callable(factory):
+        raise CheckpointError(f"--model {spec}: {attr} is a {type(factory).__name__}, expected "
+                              "a factory callable with no arguments")  # fmt: skip
+    if weights is None and not random_init:
+        raise CheckpointError(f"--model {spec} without --weights would analyse the factory's "
+                              "random initial weights; pass --weights FILE (a state_dict), or "
+                              "--random-init if that is intended")  # fmt: skip
+    try:
+        net = factory()
+    except Exception as err:  # the user's code: any error, reported in one line
+        raise CheckpointError(
+            f"--model {spec}: calling {attr}() raised {type(err).__name__}: "
+            f"{_one_line(err)} (expected a factory taking no arguments)"
+        ) from err
     if not isinstance(net, nn.Module):
         raise CheckpointError(f"--model {spec}: the factory returned a {type(net).__name__}, "
                               "not a torch.nn.Module")  # fmt: skip
     if weights is not None:
         path = Path(weights)
-        if not path.is_file():
-            raise CheckpointError(f"--weights {path} does not exist")
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as err:  # pickle, zip and EOF errors come in many types
-            detail = " ".join(str(err).split())[:200]
-            raise CheckpointError(f"--weights {path} cannot be read ({detail})") from err
+            state = read_checked(path, checksum=False, what="--weights")
+        except _BaseCheckpointError as err:
+            raise CheckpointError(str(err)) from err
         if isinstance(state, dict) and isinstance(state.get("state_dict", state.get("model")),
                                                   dict):  # fmt: skip
             state = state.get("state_dict", state.get("model"))
@@ -164,7 +189,35 @@ def load_user_model(
             first = str(err).strip().splitlines()[0]
             raise CheckpointError(f"--weights {path} does not fit --model {spec}: {first}") from err
     seq = load_sequence(get_benchmark(benchmark), data_root, None, None, None, 0)
+    _check_fits(net.eval(), seq, spec, benchmark)
     return net.eval(), seq, {"benchmark": benchmark, "model": spec, "weights": str(weights)}
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())[:200]
+
+
+def _check_fits(net: nn.Module, seq: TaskSequence, spec: str, benchmark: str) -> None:
+    """``net`` maps two of the first task's inputs to ``[2, n_outputs]`` finite logits."""
+    task = seq[0]
+    x = task.train_x[:2]
+    shape = "x".join(str(d) for d in seq.input_shape)
+    try:
+        with torch.no_grad():
+            out = with_task(net, task.task_id if seq.multi_head else None)(x)
+    except Exception as err:  # the user's forward: any error, reported in one line
+        raise CheckpointError(
+            f"--model {spec} does not take {benchmark}'s inputs [N, {shape}] "
+            f"({type(err).__name__}: {_one_line(err)})"
+        ) from err
+    want = (len(x), seq.n_outputs)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
+        got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        what = "outputs per head" if seq.multi_head else "classes"
+        raise CheckpointError(
+            f"--model {spec} gives outputs {got} on {benchmark}'s inputs, expected "
+            f"[N, {seq.n_outputs}] (the benchmark's {what})"
+        )
 
 
 def _load(args: argparse.Namespace) -> tuple[nn.Module, TaskSequence, dict[str, Any]]:
@@ -174,7 +227,8 @@ def _load(args: argparse.Namespace) -> tuple[nn.Module, TaskSequence, dict[str, 
             raise CheckpointError("give a checkpoint or --model, not both")
         if args.benchmark is None:
             raise CheckpointError("--model needs --benchmark (whose tasks' data to use)")
-        return load_user_model(args.model, args.weights, args.benchmark, args.data_root)
+        return load_user_model(args.model, args.weights, args.benchmark, args.data_root,
+                               random_init=args.random_init)  # fmt: skip
     if args.checkpoint is None:
         raise CheckpointError("a checkpoint (.pt of fromp-bench) or --model is required")
     return load_trained(args.checkpoint, args.data_root)
@@ -187,6 +241,11 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--weights", default=None, help="with --model: a state_dict file (.pt)")
     p.add_argument("--benchmark", default=None, help="with --model: the benchmark's data to use")
+    p.add_argument(
+        "--random-init",
+        action="store_true",
+        help="with --model and no --weights: analyse the factory's initial (random) weights",
+    )
 
 
 def _bayesian_net_state(state: dict[str, Any]) -> dict[str, Any] | None:
@@ -214,40 +273,6 @@ def _task(seq: TaskSequence, task: int, cfg: dict[str, Any] | None = None):
             f"trained task {task} (choose --task in [0, {trained}))"
         )
     return seq[task]
-
-
-def _image_grid(images: np.ndarray, rows: list[str], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    n_rows, n_cols = images.shape[:2]
-    fig, axes = plt.subplots(
-        n_rows, n_cols, figsize=(0.9 * n_cols + 1, 0.95 * n_rows + 0.4), squeeze=False
-    )
-    for i in range(n_rows):
-        for j in range(n_cols):
-            ax = axes[i][j]
-            img = images[i, j]
-            ax.imshow(img, cmap=None if img.ndim == 3 else "gray")
-            ax.set_xticks([])
-            ax.set_yticks([])
-        axes[i][0].set_ylabel(rows[i], rotation=0, ha="right", va="center", fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def _to_image(x: torch.Tensor, shape: tuple[int, ...]) -> np.ndarray:
-    img = x.reshape(shape) if x.numel() == int(np.prod(shape)) else x
-    if img.ndim == 1:  # flattened MNIST
-        side = round(img.numel() ** 0.5)
-        img = img.reshape(side, side)
-    if img.ndim == 3:
-        img = img[0] if img.shape[0] == 1 else img.permute(1, 2, 0)
-    return img.numpy()
 
 
 def write_memory_map(
@@ -311,7 +336,7 @@ def write_memory_map(
     var = np.asarray(per["variance_sum"])
     sens = np.asarray(per["sensitivity"])
     fig, ax = plt.subplots(figsize=(5.2, 4.2))
-    sc = ax.scatter(err, var, c=sens, s=6, cmap="viridis", norm=_log_norm(sens))
+    sc = ax.scatter(err, var, c=sens, s=6, cmap="viridis", norm=log_norm(sens))
     fig.colorbar(sc, ax=ax, label="sensitivity Σ|e λ v|")
     flag = np.asarray(flags, dtype=bool)
     if flag.any():
@@ -328,15 +353,6 @@ def write_memory_map(
     fig.savefig(out / "memory_map.png", dpi=110)
     plt.close(fig)
     return payload
-
-
-def _log_norm(values: np.ndarray):
-    from matplotlib.colors import LogNorm
-
-    pos = values[values > 0]
-    if len(pos) == 0:
-        return None
-    return LogNorm(vmin=float(pos.min()), vmax=float(max(pos.max(), pos.min() * 1.0001)))
 
 
 def memorable_main(argv: list[str] | None = None) -> int:
@@ -400,6 +416,7 @@ def memorable_main(argv: list[str] | None = None) -> int:
     from fromp.memorable import memorability_scores, select_memorable
 
     try:
+        check_out(Path(args.out))  # before any work: a file, or under one, is refused
         net, seq, cfg = _load(args)
         task = _task(seq, args.task, cfg)
         model = with_task(net, task.task_id if seq.multi_head else None)
@@ -429,12 +446,12 @@ def memorable_main(argv: list[str] | None = None) -> int:
     classes = sorted(set(labels.tolist()))
     grid = np.stack(
         [
-            np.stack([_to_image(task.train_x[i], seq.input_shape) for i in idx[labels == c]])
+            np.stack([to_image(task.train_x[i], seq.input_shape) for i in idx[labels == c]])
             for c in classes
         ]
     )
     names = [f"class {task.classes[c] if task.classes else c}" for c in classes]
-    _image_grid(grid, names, out / "memorable.png", f"{args.order} tr Λ, task {args.task + 1}")
+    image_grid(grid, names, out / "memorable.png", f"{args.order} tr Λ, task {args.task + 1}")
     print(f"{len(idx)} memorable examples -> {out / 'memorable.json'}, {out / 'memorable.png'}")
     if map_args is not None:
         posterior, sub, delta, curv = map_args
@@ -625,6 +642,7 @@ def gp_main(argv: list[str] | None = None) -> int:
     try:
         if args.n < 1 or args.n_fit < 1:
             raise ValueError(f"--n and --n-fit must be >= 1, got {args.n} and {args.n_fit}")
+        check_out(Path(args.out))  # before any work: a file, or under one, is refused
         net, seq, cfg = _load(args)
         task = _task(seq, args.task, cfg)
         model = with_task(net, task.task_id if seq.multi_head else None)
@@ -660,22 +678,12 @@ def gp_main(argv: list[str] | None = None) -> int:
         probs=probs.numpy(),
         prior_precision=np.array(delta),
     )
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    k = torch.einsum("ncmc->nm", kernel).numpy()  # sum over outputs of the diagonal blocks
-    fig, ax = plt.subplots(figsize=(5, 4.4))
-    im = ax.imshow(k, cmap="viridis")
-    fig.colorbar(im, ax=ax)
-    ticks = [int(i) for i in np.flatnonzero(np.diff(y.numpy(), prepend=-1))]
-    ax.set_xticks(ticks)
-    ax.set_yticks(ticks)
-    ax.set_title(f"DNN2GP kernel Σ_c k_cc, task {args.task + 1} (δ={delta:.3g})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out / "kernel.png", dpi=120)
-    plt.close(fig)
+    plot_kernel(
+        torch.einsum("ncmc->nm", kernel).numpy(),
+        y.numpy(),
+        out / "kernel.png",
+        f"DNN2GP kernel Σ_c k_cc, task {args.task + 1} (δ={delta:.3g})",
+    )
     acc = (probs.argmax(1) == y).double().mean().item() * 100
     print(
         f"DNN2GP of {cfg['benchmark']} task {args.task + 1}: prior precision {delta:.3g}, "

@@ -8,18 +8,22 @@ from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import json
 import math
-import os
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from benchmarks.data import CorruptDataError, DataNotFoundError
+from benchmarks.plugins import MIN_FREE_BYTES as MIN_FREE_BYTES  # moved, kept here too
+from benchmarks.plugins import (
+    UsageError,
+    check_out,
+    check_report_files,
+    check_writable_run_dirs,
+    out_lock,
+)
 from benchmarks.registry import (
     BENCHMARKS,
     STRATEGIES,
@@ -42,10 +46,6 @@ from benchmarks.runner import (
 DEMO_STRATEGIES = ("fromp", "ewc", "vcl", "naive")
 # For each demo slot, the strategies to try in order (the first installed one runs).
 _DEMO_SLOTS = (("fromp",), ("ewc", "ewc-avalanche"), ("vcl",), ("naive",))
-
-
-class UsageError(ValueError):
-    """A command-line value that cannot be used."""
 
 
 _TRAINING_KEYS = ("lr", "train_epochs", "train_mb_size", "optimizer")
@@ -95,6 +95,9 @@ def parse_grid(items: list[str]) -> list[dict[str, Any]]:
             raise UsageError(f"--grid expects key=value1,value2,..., got {item!r}")
         if key in (k for k, _ in axes):
             raise UsageError(f"--grid {key} given twice")
+        if len({repr(v) for v in values}) < len(values):
+            raise UsageError(f"--grid {item}: a value is listed twice (one run would be "
+                             "counted as two seeds)")  # fmt: skip
         axes.append((key, values))
     points: list[dict[str, Any]] = [{}]
     for key, values in axes:
@@ -115,6 +118,49 @@ def grid_tag(point: dict[str, Any]) -> str:
     flat.update(point.get("kwargs", {}))
     text = ",".join(f"{k}={v}" for k, v in flat.items())
     return "".join(c if c.isalnum() or c in "=.,-_" else "_" for c in text)
+
+
+def parse_strategies(raw: str | None) -> list[str]:
+    """``--strategies a,b``: the names in order (None: the default four). An empty list, an
+    empty name or a name given twice is refused (a repeated strategy would be one run
+    reported as two seeds)."""
+    if raw is None:
+        return list(DEMO_STRATEGIES)
+    names = [n.strip() for n in raw.split(",")]
+    if not raw.strip() or "" in names:
+        raise UsageError(f"--strategies {raw!r}: expected comma-separated names from "
+                         f"{', '.join(STRATEGIES)}, with no empty name")  # fmt: skip
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise UsageError(f"--strategies {raw!r}: {', '.join(repeated)} listed twice (one run "
+                         "would be counted as two seeds)")  # fmt: skip
+    return names
+
+
+def settings_id(
+    benchmark: str,
+    strategy: str,
+    overrides: dict[str, Any],
+    protocol: dict[str, Any] | None = None,
+) -> str:
+    """``""`` for a strategy's default settings on the benchmark's full data; otherwise
+    ``"s"`` and 8 hex digits of a SHA-256 of the resolved settings and the protocol
+    (``n_train``, ``n_test``, ``valid_fraction``, ``valid_seed``). It is part of the run's
+    file names, so that runs of other settings never replace each other, while the same
+    (strategy, settings, seed) replaces itself."""
+    import hashlib
+
+    bench, spec = get_benchmark(benchmark), get_strategy(strategy)
+    defaults = {"n_train": None, "n_test": None, "valid_fraction": None, "valid_seed": 0}
+    proto = {**defaults, **(protocol or {})}
+
+    def ident(settings: dict[str, Any], proto: dict[str, Any]) -> str:
+        return json.dumps({"settings": settings, **proto}, sort_keys=True, default=repr)
+
+    mine = ident(resolve_settings(bench, spec, overrides), proto)
+    if mine == ident(resolve_settings(bench, spec, {}), defaults):
+        return ""
+    return "s" + hashlib.sha256(mine.encode()).hexdigest()[:8]
 
 
 def _merge(base: dict[str, Any], point: dict[str, Any]) -> dict[str, Any]:
@@ -247,45 +293,6 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def check_out(out: Path) -> None:
-    """Refuse an output directory that is a file or cannot be written."""
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out}: is a file, expected a directory")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
-            pass
-    except OSError as err:
-        raise UsageError(f"--out {out}: cannot write there ({err.strerror or err})") from err
-
-
-#: Free space below which a run is refused before training (checkpoints of the paper's
-#: networks are a few MB each; a full disk would lose the task being trained).
-MIN_FREE_BYTES = 200 * 2**20
-
-
-def check_writable_run_dirs(base: Path) -> None:
-    """Before any training: ``base/checkpoints`` and ``base/runs`` exist and can be written,
-    and the disk has at least :data:`MIN_FREE_BYTES` free (a one-line ``UsageError`` naming
-    the directory otherwise)."""
-    import shutil
-
-    for sub in ("checkpoints", "runs"):
-        d = base / sub
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=d, prefix=".write-test-"):
-                pass
-        except OSError as err:
-            raise UsageError(f"{d}: cannot write there ({err.strerror or err})") from err
-    free = shutil.disk_usage(base).free
-    if free < MIN_FREE_BYTES:
-        raise UsageError(
-            f"{base}: only {free / 2**20:.0f} MB free on its disk, under the "
-            f"{MIN_FREE_BYTES / 2**20:.0f} MB a run needs for its checkpoints; free some space"
-        )
-
-
 def check_args(args: argparse.Namespace) -> None:
     """Every command-line value that can be checked without data; one line per error."""
     for flag, value in (
@@ -318,10 +325,15 @@ def plan(
     overrides: dict[str, Any],
     grid: list[dict[str, Any]],
     device: str = "cpu",
+    protocol: dict[str, Any] | None = None,
 ) -> list[tuple[str, dict[str, Any], str]]:
     """Every (strategy, overrides, tag) to run, each validated (names, types, ranges, the
-    device) before any data is loaded."""
+    device) before any data is loaded. The tag is the grid point's and the settings id
+    (:func:`settings_id`, with ``protocol``: ``n_train``, ``n_test``, ``valid_fraction``,
+    ``valid_seed``), joined by ``-``; it names the run's files."""
     bench = get_benchmark(benchmark)
+    if len(set(strategies)) < len(strategies):
+        raise UsageError(f"strategies {strategies}: a strategy is listed twice")
     specs = [get_strategy(s) for s in strategies]
     missing = [s.name for s in specs if not s.available()]
     if missing:
@@ -331,7 +343,8 @@ def plan(
         for point in grid:
             merged = _merge(overrides, point)
             validate_settings(bench, spec, resolve_settings(bench, spec, merged), device)
-            jobs.append((spec.name, merged, grid_tag(point)))
+            sid = settings_id(benchmark, spec.name, merged, protocol)
+            jobs.append((spec.name, merged, "-".join(t for t in (grid_tag(point), sid) if t)))
     return jobs
 
 
@@ -388,14 +401,16 @@ def run_benchmark(
     non-finite value).
     """
     grid = grid or [{}]
-    jobs = plan(benchmark, strategies, dict(overrides or {}), grid, device)
-    check_data(benchmark, jobs, data_root, n_train, n_test, valid_fraction, valid_seed)
+    protocol = {"n_train": n_train, "n_test": n_test, "valid_fraction": valid_fraction,
+                "valid_seed": valid_seed}  # fmt: skip
+    jobs = plan(benchmark, strategies, dict(overrides or {}), grid, device, protocol)
     base = out / benchmark
     results = []
     labels = set()
     started = time.perf_counter()
-    with out_lock(base):
+    with out_lock(base):  # taken before the data checks: a second job is refused at once
         check_writable_run_dirs(base)
+        check_data(benchmark, jobs, data_root, n_train, n_test, valid_fraction, valid_seed)
         for name, merged, tag in jobs:
             for seed in seeds:
                 label = run_name(name, tag, seed)
@@ -425,9 +440,15 @@ def _run_one(benchmark: str, name: str, merged: dict[str, Any], seed: int, label
     from benchmarks.report import save_json
 
     data_root, device, n_train, n_test, resume, stop_after, progress, *rest = args
+    ckpt = base / "checkpoints" / f"{label}.pt"
+    if resume and not ckpt.exists():
+        others = sorted(f.name for f in ckpt.parent.glob(f"{name}-*seed{seed}.pt"))
+        if others:
+            print(f"fromp-bench: no checkpoint of these settings ({ckpt.name}); {name} seed "
+                  f"{seed} starts from the beginning (checkpoints of other settings, kept: "
+                  f"{', '.join(others[:3])})", file=sys.stderr, flush=True)  # fmt: skip
     cfg = RunConfig(benchmark, name, seed, data_root, device, merged, n_train, n_test,
-                    str(base / "checkpoints" / f"{label}.pt"), resume, stop_after, progress,
-                    *rest)  # fmt: skip
+                    str(ckpt), resume, stop_after, progress, *rest)  # fmt: skip
     res = run(cfg)
     save_json(base / "runs" / f"{label}.json", res)
     return res
@@ -436,56 +457,29 @@ def _run_one(benchmark: str, name: str, merged: dict[str, Any], seed: int, label
 def _earlier_runs(base: Path, exclude: set[str]) -> list[dict[str, Any]]:
     """The run results in ``base/runs`` other than ``exclude`` (labels); unreadable files
     are refused with their path."""
-    out = []
-    for f in sorted((base / "runs").glob("*.json")):
-        if f.stem in exclude:
-            continue
-        try:
-            out.append(json.loads(f.read_text()))
-        except (OSError, ValueError) as err:
-            raise UsageError(f"{f}: not a run result ({' '.join(str(err).split())})") from err
-    return out
+    return [_read_run(f) for f in sorted((base / "runs").glob("*.json")) if f.stem not in exclude]
 
 
-@contextlib.contextmanager
-def out_lock(base: Path) -> Iterator[None]:
-    """Hold ``base/.lock`` (the process id) while a job writes into ``base``: a second job
-    into the same directory is refused in one line; a lock left by a process that no longer
-    runs is taken over."""
-    base.mkdir(parents=True, exist_ok=True)
-    lock = base / ".lock"
-    for _ in range(2):
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            try:
-                pid = int(lock.read_text().strip() or 0)
-            except (OSError, ValueError):
-                pid = 0
-            if pid and pid != os.getpid() and _alive(pid):
-                raise UsageError(
-                    f"--out {base.parent}: another fromp-bench (pid {pid}) is writing to "
-                    f"{base}; wait for it or use another --out"
-                ) from None
-            lock.unlink(missing_ok=True)  # stale: its process is gone
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(str(os.getpid()))
-        break
+def _read_run(f: Path) -> dict[str, Any]:
+    """One ``runs/*.json``; refused in one line naming the file when it is unreadable, not
+    JSON, or JSON that is not a run result (a ``strategy`` name, an integer ``seed`` and
+    ``complete``)."""
     try:
-        yield
-    finally:
-        lock.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        run = json.loads(f.read_text())
+    except (OSError, ValueError) as err:
+        raise UsageError(f"{f}: not a run result ({' '.join(str(err).split())})") from err
+    ok = (
+        isinstance(run, dict)
+        and isinstance(run.get("strategy"), str)
+        and isinstance(run.get("seed"), int)
+        and not isinstance(run.get("seed"), bool)
+        and "complete" in run
+    )
+    if not ok:
+        got = sorted(run)[:6] if isinstance(run, dict) else type(run).__name__
+        raise UsageError(f"{f}: not a run result (expected a JSON object with strategy, seed "
+                         f"and complete; got {got}); move it out of runs/")  # fmt: skip
+    return run
 
 
 def describe(res: dict[str, Any], tag: str = "") -> str:
@@ -569,12 +563,8 @@ def report_only(benchmark: str, out: Path, select_on: str | None = None) -> dict
     files = sorted((base / "runs").glob("*.json"))
     if not files:
         raise UsageError(f"no run results in {base / 'runs'}")
-    results = []
-    for f in files:
-        try:
-            results.append(json.loads(f.read_text()))
-        except (OSError, ValueError) as err:
-            raise UsageError(f"{f}: not a run result ({' '.join(str(err).split())})") from err
+    results = [_read_run(f) for f in files]
+    check_report_files(base)
     return write_report(
         benchmark, base, results, command="report of " + str(base / "runs"), select_on=select_on
     )
@@ -590,8 +580,8 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
         first = str(err).split(". ")[0]
         print(f"demo: {first}; running the built-in Split-Digits benchmark instead.")
         benchmark = "split-digits"
-    if args.strategies:
-        names = args.strategies.split(",")
+    if args.strategies is not None:
+        names = parse_strategies(args.strategies)
     else:
         names = []
         for slot in _DEMO_SLOTS:

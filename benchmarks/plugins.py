@@ -1,17 +1,21 @@
 """The runner's machinery: its own Avalanche plugins and metrics (predictions collected for
 accuracy, NLL and ECE; a guard that stops a run whose loss or weights become non-finite;
 progress, bars on a terminal and one line per task in a log; the optimizer state restored on
-resume; the method plugins' phase timings) and its checkpoint files (written atomically
-with a SHA-256 beside them, verified on reading)."""
+resume; the method plugins' phase timings), its output directory (checked writable before
+any work, held by a lock file) and its checkpoint files (written atomically
+with a SHA-256 beside them, verified on reading, holding only tensors and plain containers
+and read with ``weights_only=True``: a checkpoint never runs code)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
 import sys
+import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,20 +26,33 @@ from avalanche.training.plugins import EvaluationPlugin
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from strategies.checkpoint import CheckpointError as _BaseCheckpointError
+from strategies.checkpoint import read_checked, write_checked
+
 __all__ = [
     "CHECKPOINT_VERSION",
+    "MIN_FREE_BYTES",
     "CheckpointError",
     "NonFiniteError",
+    "UsageError",
+    "check_out",
+    "check_report_files",
+    "check_writable_run_dirs",
     "expected_calibration_error",
     "method_plugins",
+    "out_lock",
 ]
 
 
-class CheckpointError(ValueError):
+class CheckpointError(_BaseCheckpointError):
     """A checkpoint that cannot be read or belongs to another run (one-line message)."""
 
 
-CHECKPOINT_VERSION = 3
+#: Version 4: the state is tensors and plain containers only (NumPy's RNG keys as a tensor,
+#: a plugin's attributes encoded by :func:`_plain`), with the CUDA generators' states.
+#: Version 3 files (NumPy RNG array, no CUDA states) are still read when they need no code.
+CHECKPOINT_VERSION = 4
+_READABLE_VERSIONS = (3, 4)
 
 
 class NonFiniteError(RuntimeError):
@@ -227,9 +244,88 @@ def method_plugins(strategy: Any) -> dict[str, Any]:
 
 
 def _plugin_state(plugin: Any) -> dict[str, Any]:
+    """A plugin's state as tensors and plain containers: its ``state_dict()``, or (a plugin
+    without one, e.g. Avalanche's EWC) its attributes encoded by :func:`_plain`."""
     if hasattr(plugin, "state_dict"):
         return {"state_dict": plugin.state_dict()}
-    return {"vars": dict(vars(plugin))}
+    return {"vars": {k: _plain(v, f"{type(plugin).__name__}.{k}") for k, v in vars(plugin).items()}}
+
+
+_PLAIN = (Tensor, str, int, float, bool, type(None))
+_FACTORIES = {"dict": dict, "list": list, "int": int, "float": float, "set": set}
+
+
+def _plain(value: Any, where: str) -> Any:
+    """``value`` as tensors and plain containers (readable with ``weights_only=True``):
+    ``defaultdict`` of a builtin factory, Avalanche's ``ParamData``, ``torch.Size`` and
+    ``torch.device`` are tagged dicts that :func:`_unplain` turns back.
+
+    Raises:
+        CheckpointError: a value of another type (named by ``where``), which a checkpoint
+            could only hold as code.
+    """
+    from collections import defaultdict
+
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, torch.Size):
+        return {"__plain__": "Size", "value": [int(d) for d in value]}
+    if isinstance(value, torch.device):
+        return {"__plain__": "device", "value": str(value)}
+    if isinstance(value, defaultdict):
+        name = getattr(value.default_factory, "__name__", None)
+        if _FACTORIES.get(name) is not value.default_factory:
+            raise CheckpointError(f"{where}: a defaultdict of {value.default_factory!r} cannot "
+                                  "be checkpointed (builtin factories only)")  # fmt: skip
+        items = [[_plain(k, where), _plain(v, where)] for k, v in value.items()]
+        return {"__plain__": "defaultdict", "factory": name, "items": items}
+    if isinstance(value, dict):
+        if all(isinstance(k, str | int) for k in value) and "__plain__" not in value:
+            return {k: _plain(v, f"{where}[{k!r}]") for k, v in value.items()}
+        return {"__plain__": "dict", "items": [[_plain(k, where), _plain(v, where)]
+                                               for k, v in value.items()]}  # fmt: skip
+    if isinstance(value, list):
+        return [_plain(v, where) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v, where) for v in value)
+    if isinstance(value, set | frozenset):
+        return {"__plain__": "set", "items": [_plain(v, where) for v in value]}
+    if type(value).__name__ == "ParamData" and isinstance(getattr(value, "data", None), Tensor):
+        return {"__plain__": "ParamData", "name": value.name, "data": value.data}
+    raise CheckpointError(f"{where}: a {type(value).__name__} cannot be checkpointed (tensors "
+                          "and plain containers only); give the plugin a state_dict()")  # fmt: skip
+
+
+def _unplain(value: Any, device: torch.device | str = "cpu") -> Any:
+    """Inverse of :func:`_plain` (``ParamData`` tensors moved to ``device``)."""
+    from collections import defaultdict
+
+    if isinstance(value, list):
+        return [_unplain(v, device) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_unplain(v, device) for v in value)
+    if not isinstance(value, dict):
+        return value
+    kind = value.get("__plain__")
+    if kind is None:
+        return {k: _unplain(v, device) for k, v in value.items()}
+    if kind == "Size":
+        return torch.Size(value["value"])
+    if kind == "device":
+        return torch.device(value["value"])
+    if kind == "set":
+        return {_unplain(v, device) for v in value["items"]}
+    pairs = [(_unplain(k, device), _unplain(v, device)) for k, v in value.get("items", [])]
+    if kind == "defaultdict":
+        return defaultdict(_FACTORIES[value["factory"]], pairs)
+    if kind == "dict":
+        return dict(pairs)
+    if kind == "ParamData":
+        from avalanche.training.utils import ParamData
+
+        data = value["data"].to(device)
+        return ParamData(value["name"], init_tensor=data, device=data.device)
+    raise CheckpointError(f"unknown plain-encoded kind {kind!r} in a checkpoint")
 
 
 def _phase_times(strategy: Any, before: dict[str, int]) -> dict[str, float]:
@@ -282,59 +378,33 @@ def _summarise(
 
 
 def _write_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    """Atomic and checked: the bytes go to a temporary file, are flushed to disk and then
-    renamed over ``path``; their SHA-256 goes to ``path.sha256`` (written the same way), which
-    :func:`_read_checkpoint` verifies. A crash leaves the previous checkpoint whole."""
-    import hashlib
-    import io
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    data = buf.getvalue()
-    for target, payload in ((path, data), (_sum_path(path), hashlib.sha256(data).hexdigest())):
-        tmp = target.with_name(target.name + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(payload if isinstance(payload, bytes) else payload.encode())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-
-
-def _sum_path(path: Path) -> Path:
-    return path.with_name(path.name + ".sha256")
+    """Atomic and checked (:func:`strategies.checkpoint.write_checked`): the bytes go to a
+    temporary file, are flushed to disk and then renamed over ``path``; their SHA-256 goes to
+    ``path.sha256`` (written the same way), which :func:`_read_checkpoint` verifies. A crash
+    leaves the previous checkpoint whole."""
+    try:
+        write_checked(path, state)
+    except _BaseCheckpointError as err:
+        raise CheckpointError(str(err)) from err
 
 
 def _read_checkpoint(path: Path, device: str = "cpu") -> dict[str, Any]:
-    """A checkpoint's content; :class:`CheckpointError` (one line, naming the file) when it is
-    empty, truncated, not a checkpoint or from another checkpoint version."""
-    import hashlib
-
-    if path.stat().st_size == 0:
-        raise CheckpointError(f"checkpoint {path} is empty; delete it or drop --resume")
-    sums = _sum_path(path)
-    if not sums.exists():
-        raise CheckpointError(f"checkpoint {path} has no checksum file {sums.name}; delete it "
-                              "or drop --resume")  # fmt: skip
-    if hashlib.sha256(path.read_bytes()).hexdigest() != sums.read_text().strip():
-        raise CheckpointError(f"checkpoint {path} does not match its checksum (a damaged or "
-                              "truncated file); delete it or drop --resume")  # fmt: skip
+    """A checkpoint's content, read on the CPU with ``weights_only=True`` whatever the run's
+    device (RNG states must stay CPU byte tensors; the caller moves what belongs on the
+    device); :class:`CheckpointError` (one line, naming the file) when it is a directory,
+    empty, has no or another checksum, needs code to load, is truncated, is not a checkpoint
+    or is of another checkpoint version."""
+    hint = "delete it or drop --resume"
     try:
-        # read on the CPU whatever the run's device (`cpu:0`, `cuda:1`, ...): RNG states
-        # must stay CPU byte tensors; the caller moves what belongs on the device
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:  # pickle, zip and EOF errors come in many types
-        detail = " ".join(str(err).split())[:200] or type(err).__name__
-        raise CheckpointError(
-            f"checkpoint {path} cannot be read ({type(err).__name__}: {detail}); "
-            "delete it or drop --resume"
-        ) from err
+        state = read_checked(path, hint=hint)
+    except _BaseCheckpointError as err:
+        raise CheckpointError(str(err)) from err
     if not isinstance(state, dict) or "config" not in state or "model" not in state:
         raise CheckpointError(f"{path} is not a fromp-bench checkpoint (no model/config)")
-    if state.get("version") != CHECKPOINT_VERSION:
+    if state.get("version") not in _READABLE_VERSIONS:
         raise CheckpointError(
             f"checkpoint {path} has format version {state.get('version')}, this fromp-bench "
-            f"writes version {CHECKPOINT_VERSION}; delete it or drop --resume"
+            f"writes version {CHECKPOINT_VERSION}; {hint}"
         )
     return state
 
@@ -358,3 +428,107 @@ def _short(value: Any) -> str:
         return f"data hash {value['hash']}"
     text = repr(value)
     return text if len(text) <= 120 else text[:117] + "..."
+
+
+# ----------------------------------------------------------------------- the output directory
+class UsageError(ValueError):
+    """A command-line value that cannot be used."""
+
+
+def check_out(out: Path) -> None:
+    """Refuse an output directory that is a file or cannot be written."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: is a file, expected a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
+            pass
+    except OSError as err:
+        raise UsageError(f"--out {out}: cannot write there ({err.strerror or err})") from err
+    if not os.access(out, os.W_OK):
+        raise UsageError(f"--out {out}: cannot write there (no write permission)")
+
+
+#: Free space below which a run is refused before training (checkpoints of the paper's
+#: networks are a few MB each; a full disk would lose the task being trained).
+MIN_FREE_BYTES = 200 * 2**20
+
+
+def check_writable_run_dirs(base: Path) -> None:
+    """Before any training: ``base/checkpoints`` and ``base/runs`` exist and can be written,
+    and the disk has at least :data:`MIN_FREE_BYTES` free (a one-line ``UsageError`` naming
+    the directory otherwise)."""
+    import shutil
+
+    for sub in ("checkpoints", "runs"):
+        d = base / sub
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=d, prefix=".write-test-"):
+                pass
+        except OSError as err:
+            raise UsageError(f"{d}: cannot write there ({err.strerror or err})") from err
+    check_report_files(base)
+    free = shutil.disk_usage(base).free
+    if free < MIN_FREE_BYTES:
+        raise UsageError(
+            f"{base}: only {free / 2**20:.0f} MB free on its disk, under the "
+            f"{MIN_FREE_BYTES / 2**20:.0f} MB a run needs for its checkpoints; free some space"
+        )
+
+
+REPORT_FILES = ("results.json", "report.md", "accuracy.png")
+
+
+def check_report_files(base: Path) -> None:
+    """Before any work: ``base`` can be written and none of :data:`REPORT_FILES` is a
+    directory or a file that cannot be written (one-line ``UsageError`` naming it)."""
+    if not os.access(base, os.W_OK):
+        raise UsageError(f"{base}: cannot write there (no write permission)")
+    for name in REPORT_FILES:
+        f = base / name
+        if f.is_dir():
+            raise UsageError(f"{f}: is a directory, expected the report file; move it")
+        if f.exists() and not os.access(f, os.W_OK):
+            raise UsageError(f"{f}: cannot be written (no write permission)")
+
+
+@contextlib.contextmanager
+def out_lock(base: Path) -> Iterator[None]:
+    """Hold ``base/.lock`` (the process id) while a job writes into ``base``: a second job
+    into the same directory is refused in one line; a lock left by a process that no longer
+    runs is taken over."""
+    base.mkdir(parents=True, exist_ok=True)
+    lock = base / ".lock"
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                pid = int(lock.read_text().strip() or 0)
+            except (OSError, ValueError):
+                pid = 0
+            if pid and pid != os.getpid() and _alive(pid):
+                raise UsageError(
+                    f"--out {base.parent}: another fromp-bench (pid {pid}) is writing to "
+                    f"{base}; wait for it or use another --out"
+                ) from None
+            lock.unlink(missing_ok=True)  # stale: its process is gone
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        break
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

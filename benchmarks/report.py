@@ -11,7 +11,18 @@ import numpy as np
 
 from benchmarks.registry import BenchmarkSpec
 
-__all__ = ["aggregate", "group_key", "markdown_report", "plot_accuracy", "save_json", "select"]
+__all__ = [
+    "aggregate",
+    "group_key",
+    "image_grid",
+    "log_norm",
+    "markdown_report",
+    "plot_accuracy",
+    "plot_kernel",
+    "save_json",
+    "select",
+    "to_image",
+]
 
 
 def _mean_std(values: Sequence[float | None]) -> tuple[float | None, float | None, int]:
@@ -138,7 +149,7 @@ def _labels(groups: dict[str, list[dict[str, Any]]]) -> dict[str, str]:
 def aggregate(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Group complete runs by :func:`group_key` (runs with different settings or data are
     never averaged together); mean and std over seeds of every score. Failed and incomplete
-    runs are left out.
+    runs are left out; a seed given twice in a group counts once (the later run).
 
     Returns:
         ``{label: {"strategy", "settings", "seeds": [...], "mean_accuracy": {mean, std}, ...,
@@ -149,7 +160,11 @@ def aggregate(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in results:
         if r.get("complete") and not r.get("failed"):
-            groups.setdefault(group_key(r), []).append(r)
+            runs = groups.setdefault(group_key(r), [])
+            # the same (strategy, settings, seed) twice (e.g. --grid tau=10 and --set tau=10):
+            # one run, the later kept, never averaged with itself
+            runs[:] = [o for o in runs if o.get("seed") != r.get("seed")]
+            runs.append(r)
     labels = _labels(groups)
     out: dict[str, dict[str, Any]] = {}
     for key, runs in groups.items():
@@ -408,3 +423,69 @@ def plot_accuracy(bench: BenchmarkSpec, agg: dict[str, dict[str, Any]], path: Pa
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def image_grid(images: np.ndarray, rows: list[str], path: Path, title: str) -> None:
+    """``images`` ``[rows, cols, H, W(, 3)]`` as a grid with a label per row, saved to
+    ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n_rows, n_cols = images.shape[:2]
+    fig, axes = plt.subplots(
+        n_rows, n_cols, figsize=(0.9 * n_cols + 1, 0.95 * n_rows + 0.4), squeeze=False
+    )
+    for i in range(n_rows):
+        for j in range(n_cols):
+            ax = axes[i][j]
+            img = images[i, j]
+            ax.imshow(img, cmap=None if img.ndim == 3 else "gray")
+            ax.set_xticks([])
+            ax.set_yticks([])
+        axes[i][0].set_ylabel(rows[i], rotation=0, ha="right", va="center", fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def to_image(x: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """A tensor input of a benchmark of ``input_shape`` ``shape`` as an image array."""
+    img = x.reshape(shape) if x.numel() == int(np.prod(shape)) else x
+    if img.ndim == 1:  # flattened MNIST
+        side = round(img.numel() ** 0.5)
+        img = img.reshape(side, side)
+    if img.ndim == 3:
+        img = img[0] if img.shape[0] == 1 else img.permute(1, 2, 0)
+    return img.numpy()
+
+
+def log_norm(values: np.ndarray) -> Any:
+    """A matplotlib LogNorm over the positive ``values`` (None when none is positive)."""
+    from matplotlib.colors import LogNorm
+
+    pos = values[values > 0]
+    if len(pos) == 0:
+        return None
+    return LogNorm(vmin=float(pos.min()), vmax=float(max(pos.max(), pos.min() * 1.0001)))
+
+
+def plot_kernel(k: np.ndarray, labels: np.ndarray, path: Path, title: str) -> None:
+    """A kernel matrix ``[N, N]`` as a heatmap, ticks where the (sorted) ``labels`` change."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 4.4))
+    im = ax.imshow(k, cmap="viridis")
+    fig.colorbar(im, ax=ax)
+    ticks = [int(i) for i in np.flatnonzero(np.diff(labels, prepend=-1))]
+    ax.set_xticks(ticks)
+    ax.set_yticks(ticks)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

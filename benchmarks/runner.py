@@ -56,12 +56,14 @@ from benchmarks.plugins import (
     _RestoreOptimizer,
     _summarise,
     _timing_counts,
+    _unplain,
     _write_checkpoint,
     expected_calibration_error,
     method_plugins,
 )
 from benchmarks.registry import BenchmarkSpec, StrategySpec, get_benchmark, get_strategy
 from benchmarks.report import code_record, env_record
+from strategies.checkpoint import get_rng_state, set_rng_state
 from strategies.models import as_avalanche_model
 
 __all__ = [
@@ -308,6 +310,7 @@ def validate_settings(
         if not isinstance(settings.get(key, {}), Mapping):
             raise SettingsError(f"{key} must be a mapping, got {settings.get(key)!r}")
     check_device(device)
+    _check_optimizer_kwargs(settings["optimizer"], settings.get("optimizer_kwargs") or {})
     cls = strat.load_class()
     _check_kwargs(cls, settings["kwargs"], strat)
     model = as_avalanche_model(bench.model(_Layout(bench)))  # type: ignore[arg-type]
@@ -336,6 +339,38 @@ def validate_settings(
             raise SettingsError(
                 f"strategy {strat.name!r} settings: {' '.join(str(err).split())}"
             ) from err
+
+
+def _optimizer_class(name: str) -> type:
+    if name in ("adam", "sgd"):
+        return torch.optim.Adam if name == "adam" else torch.optim.SGD
+    from fromp.optim import IVON, VOGN
+
+    return VOGN if name == "vogn" else IVON
+
+
+def _check_optimizer_kwargs(name: str, extra: Mapping[str, Any]) -> None:
+    """``--set opt.NAME=value``: a keyword argument of the optimizer, of the kind of its
+    default (a tuple default, e.g. Adam's ``betas``, needs a tuple of as many numbers)."""
+    params = inspect.signature(_optimizer_class(name).__init__).parameters
+    owned = {"self", "params", "params_or_model", "model", "lr", "ess", "train_set_size"}
+    var = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    for key, value in extra.items():
+        if key in owned or (key not in params and not open_ended):
+            known = sorted(k for k, p in params.items() if k not in owned and p.kind not in var)
+            raise SettingsError(f"--set opt.{key}: not a keyword argument of the {name} "
+                                f"optimizer (it accepts: {', '.join(known)})")  # fmt: skip
+        if key not in params:
+            continue
+        default = params[key].default
+        if isinstance(default, tuple):
+            ok = isinstance(value, tuple | list) and len(value) == len(default)
+            if not ok or not all(_is_number(v) for v in value):
+                raise SettingsError(f"--set opt.{key}={value!r}: expected a tuple of "
+                                    f"{len(default)} numbers like {default!r}")  # fmt: skip
+        elif _is_number(default) and not isinstance(default, bool) and not _is_number(value):
+            raise SettingsError(f"--set opt.{key}={value!r}: expected a number like {default!r}")
 
 
 def check_sequence(seq: TaskSequence, settings: Mapping[str, Any]) -> None:
@@ -377,17 +412,18 @@ def _seed_everything(seed: int) -> None:
 
 
 def _rng_state() -> dict[str, Any]:
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),  # noqa: NPY002
-        "torch": torch.get_rng_state(),
-    }
+    """Python, NumPy, torch CPU and (where CUDA is available) every CUDA generator's state, as
+    tensors and plain containers (:func:`strategies.checkpoint.get_rng_state`)."""
+    return get_rng_state()
 
 
 def _set_rng_state(state: Mapping[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])  # noqa: NPY002
-    torch.set_rng_state(state["torch"])
+    """Inverse of :func:`_rng_state`; a checkpoint without CUDA states (CPU, or version 3)
+    leaves the CUDA generators as they are."""
+    try:
+        set_rng_state(state)
+    except ValueError as err:
+        raise CheckpointError(str(err)) from err
 
 
 def _make_optimizer(
@@ -408,7 +444,9 @@ def _make_optimizer(
     raise ValueError(f"optimizer must be 'adam', 'sgd', 'vogn' or 'ivon', got {name!r}")
 
 
-def _load_plugin_states(strategy: Any, states: Mapping[str, Any], path: Path) -> None:
+def _load_plugin_states(
+    strategy: Any, states: Mapping[str, Any], path: Path, device: str | torch.device = "cpu"
+) -> None:
     plugins = method_plugins(strategy)
     if set(plugins) != set(states):
         raise CheckpointError(
@@ -420,7 +458,7 @@ def _load_plugin_states(strategy: Any, states: Mapping[str, Any], path: Path) ->
         if "state_dict" in state:
             plugin.load_state_dict(state["state_dict"])
         else:
-            vars(plugin).update(state["vars"])
+            vars(plugin).update(_unplain(state["vars"], device))
 
 
 def _validation_view(seq: TaskSequence) -> TaskSequence | None:
@@ -502,6 +540,10 @@ def run(
         **settings["kwargs"],
     )
     strategy._is_joint = strat.joint
+    if cfg.checkpoint:  # a plugin state a checkpoint could hold only as code: refused now
+        for p in method_plugins(strategy).values():
+            if not hasattr(p, "state_dict"):
+                _plugin_state(p)
 
     matrix: list[list[float | None]] = []
     valid_matrix: list[list[float | None]] = []
@@ -521,7 +563,7 @@ def run(
             state["config"]["code"] = key["code"]
         _check_key(ckpt, state, key)
         model.load_state_dict(state["model"])
-        _load_plugin_states(strategy, state["plugins"], ckpt)
+        _load_plugin_states(strategy, state["plugins"], ckpt, cfg.device)
         restore.pending = state["optimizer"]
         matrix, valid_matrix, metrics = state["matrix"], state["valid_matrix"], state["metrics"]
         timing, elapsed, done = state["timing"], state["elapsed"], state["done"]

@@ -36,13 +36,13 @@ from typing import Any
 import torch
 
 from benchmarks.command import (
-    DEMO_STRATEGIES,
     USER_ERRORS,
     UsageError,
     build_parser,
     check_args,
     check_data,
     describe,
+    parse_strategies,
     plan,
     run_name,
     run_options,
@@ -164,7 +164,10 @@ def sweep(
 
     grid = options.get("grid") or [{}]
     overrides = dict(options.get("overrides") or {})
-    jobs = plan(benchmark, strategies, overrides, grid, device if not address else "cpu")
+    protocol = {"n_train": n_train, "n_test": n_test, "valid_fraction": valid_fraction,
+                "valid_seed": valid_seed}  # fmt: skip
+    jobs = plan(benchmark, strategies, overrides, grid, device if not address else "cpu",
+                protocol)  # fmt: skip
     if address is None:
         check_data(benchmark, jobs, data_root, n_train, n_test, valid_fraction, valid_seed)
     bench = get_benchmark(benchmark)
@@ -300,17 +303,10 @@ def sweep_main(argv: list[str] | None = None) -> int:
             args.device = device
         else:
             check_args(args)
-        for flag, value in (
-            ("--cpus-per-trial", args.cpus_per_trial),
-            ("--gpus-per-trial", args.gpus_per_trial),
-        ):
-            if not value >= 0:
-                raise UsageError(f"{flag} must be >= 0, got {value}")
-        if args.max_failures < 0:
-            raise UsageError(f"--max-failures must be >= 0, got {args.max_failures}")
+        check_ray_args(args)
         if args.report_only:
             raise UsageError("--report-only: use 'fromp-bench <benchmark> --report-only'")
-        names = (args.strategies or ",".join(DEMO_STRATEGIES)).split(",")
+        names = parse_strategies(args.strategies)
         payload = _sweep_with_args(args, names)
     except USER_ERRORS as err:
         print(f"fromp-bench sweep: error: {' '.join(str(err).split())}", file=sys.stderr)
@@ -326,6 +322,55 @@ def sweep_main(argv: list[str] | None = None) -> int:
         print(f"fromp-bench sweep: {len(payload['failed'])} run(s) failed", file=sys.stderr)
         return 3
     return 0
+
+
+def check_ray_args(args: Any) -> None:
+    """The Ray arguments, before Ray starts (Ray itself hangs on some of them): a trial needs
+    more than 0 CPUs, a local instance at least one CPU (and at least one per trial), GPUs
+    per trial only where this machine has a GPU (on a local instance), and ``--address``
+    is ``auto``, ``local``, or ``ray://host:port`` / ``host:port`` where something listens
+    (a connection is tried, 10 s at most)."""
+    import math
+
+    cpus, gpus = args.cpus_per_trial, args.gpus_per_trial
+    if not (math.isfinite(cpus) and cpus > 0):
+        raise UsageError(f"--cpus-per-trial must be a number > 0, got {cpus}")
+    if not (math.isfinite(gpus) and gpus >= 0):
+        raise UsageError(f"--gpus-per-trial must be a number >= 0, got {gpus}")
+    if args.max_failures < 0:
+        raise UsageError(f"--max-failures must be >= 0, got {args.max_failures}")
+    if args.max_concurrent is not None and args.max_concurrent < 1:
+        raise UsageError(f"--max-concurrent must be >= 1, got {args.max_concurrent}")
+    if args.address is None:
+        if args.num_cpus is not None and args.num_cpus < 1:
+            raise UsageError(f"--num-cpus must be >= 1, got {args.num_cpus}")
+        if args.num_cpus is not None and cpus > args.num_cpus:
+            raise UsageError(f"--cpus-per-trial {cpus} is more than --num-cpus {args.num_cpus}: "
+                             "no trial could start")  # fmt: skip
+        if gpus > 0 and not torch.cuda.is_available():
+            raise UsageError(f"--gpus-per-trial {gpus}: this machine has no GPU "
+                             "(torch.cuda.is_available() is False); use 0")  # fmt: skip
+        return
+    if args.num_cpus is not None:
+        raise UsageError("--num-cpus sizes a local Ray instance; with --address the cluster "
+                         "has its own CPUs")  # fmt: skip
+    address = args.address
+    if address in ("auto", "local"):
+        return
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in host:
+        raise UsageError(f"--address {address!r}: expected auto, local, ray://host:port or "
+                         "host:port (a port number 1-65535)")  # fmt: skip
+    import socket
+
+    try:  # Ray waits for a cluster that is not there: look before it starts
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=10):
+            pass
+    except OSError as err:
+        raise UsageError(
+            f"--address {address}: no Ray cluster reachable there ({err.strerror or err}); "
+            "start one or check the address"
+        ) from err
 
 
 def _interrupt(signum: int, frame: Any) -> None:

@@ -204,7 +204,7 @@ def test_killed_process_resumes_to_the_same_table(tmp_path):
     while time.time() < deadline and proc.poll() is None:
         if ckpt.exists():
             try:
-                done = torch.load(ckpt, weights_only=False)["done"]
+                done = torch.load(ckpt, weights_only=True)["done"]
             except Exception:  # being written
                 done = 0
             if done >= 1:
@@ -214,7 +214,7 @@ def test_killed_process_resumes_to_the_same_table(tmp_path):
         pytest.skip("the run finished before it could be killed")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    done = torch.load(ckpt, weights_only=False)["done"]
+    done = torch.load(ckpt, weights_only=True)["done"]
     assert 1 <= done < 5
     assert main([*_cli_args(tmp_path / "killed"), "--resume"]) == 0
     assert main(_cli_args(tmp_path / "fresh")) == 0

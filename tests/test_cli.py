@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from benchmarks.cli import gp_main, load_trained, load_user_model, memorable_main
+from benchmarks.plugins import _write_checkpoint
 from benchmarks.runner import RunConfig, run
 from fromp.memorable import memorability_scores
 from fromp.models import with_task
@@ -96,7 +97,7 @@ def test_vcl_checkpoint_loads_posterior_means(tmp_path):
         progress=False,
     )
     run(cfg)
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = torch.load(path, map_location="cpu", weights_only=True)
     bayes = state["plugins"]["VCLPlugin"]["state_dict"]["net"]  # VCL's own Bayesian network
     net, _, _ = load_trained(path)
     mu = {k: v for k, v in bayes.items() if k.endswith("weight_mu")}
@@ -107,10 +108,10 @@ def test_vcl_checkpoint_loads_posterior_means(tmp_path):
 
 
 def test_mismatched_checkpoint_is_one_line(checkpoint, tmp_path, capsys):
-    state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
     state["model"] = {k: v for k, v in state["model"].items() if "heads" not in k}
     bad = tmp_path / "bad.pt"
-    torch.save(state, bad)
+    _write_checkpoint(bad, state)
     assert gp_main([str(bad)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("fromp-gp: error:") and "does not match" in err

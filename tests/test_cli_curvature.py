@@ -12,6 +12,7 @@ import torch
 from torch.func import functional_call, jacrev
 
 from benchmarks.cli import _auto_curvature, load_trained, memorable_main
+from benchmarks.plugins import _write_checkpoint
 from benchmarks.runner import RunConfig, run
 from fromp import Laplace
 from fromp.kron import kron_curvature, kron_curvature_tasks
@@ -114,9 +115,9 @@ def checkpoints(tmp_path_factory):
     cfg = RunConfig("split-digits", "naive", overrides={"train_epochs": 3}, n_train=150,
                     n_test=50, checkpoint=str(path), progress=False)  # fmt: skip
     run(cfg)
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = torch.load(path, map_location="cpu", weights_only=True)
     state["config"]["strategy"], state["done"] = "fromp", 3
-    torch.save(state, root / "fromp.pt")
+    _write_checkpoint(root / "fromp.pt", state)
     return path, root / "fromp.pt"
 
 

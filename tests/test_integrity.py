@@ -133,7 +133,13 @@ def test_nan_weights_after_a_task_fail_the_run_with_that_task(tmp_path, monkeypa
         (["--strategies", "naive", "--set", "optimizer='rmsprop'"], "optimizer must be one of"),
         (["--strategies", "naive", "--grid", "lr"], "--grid expects key=value1,value2"),
         (["--strategies", "ivon", "--set", "opt.beta2=1.5"], "beta2 must be a float in [0, 1)"),
-        (["--strategies", "naive", "--set", "opt.nope=1"], "optimizer settings:"),
+        (["--strategies", "naive", "--set", "opt.nope=1"], "--set opt.nope: not a keyword arg"),
+        (["--strategies", "naive", "--set", "opt.betas=0.5"], "--set opt.betas=0.5: expected a"),
+        (["--strategies", "naive", "--set", "opt.eps='x'"], "--set opt.eps='x': expected a num"),
+        (["--strategies", ""], "--strategies '': expected comma-separated names"),
+        (["--strategies", "naive,,ewc"], "with no empty name"),
+        (["--strategies", "naive,naive"], "naive listed twice"),
+        (["--strategies", "naive", "--grid", "lr=0.1,0.1"], "a value is listed twice"),
         (["--strategies", "naive", "--set", "opt.=1"], "expected opt.NAME"),
     ],
 )
@@ -152,7 +158,7 @@ def test_n_points_above_the_smallest_class_is_refused_before_training(tmp_path, 
     assert main(argv) == 2
     err = _one_line_error(capsys, "n_points=40 asks for 20 memorable examples per class")
     assert "lower n_points" in err
-    assert not (tmp_path / "split-digits" / "checkpoints").exists()  # nothing trained
+    assert not list(tmp_path.rglob("*.pt"))  # nothing trained
 
 
 def test_device_without_hardware_is_refused(tmp_path, capsys):
@@ -182,9 +188,8 @@ def test_resume_refuses_another_data_root(tmp_path, capsys):
     assert main([*argv, "--data-root", str(b), "--resume"]) == 2
     err = _one_line_error(capsys, "was written by a different run")
     assert "data_root" in err and "data hash" in err
-    payload = json.loads(
-        (tmp_path / "out" / "split-mnist" / "runs" / "naive-seed0.json").read_text()
-    )
+    (run_file,) = (tmp_path / "out" / "split-mnist" / "runs").glob("naive-*seed0.json")
+    payload = json.loads(run_file.read_text())
     assert payload["data"]["root"] == str(a.resolve())
     assert len(payload["data"]["fingerprint"]["tasks"]) == 5
 
@@ -202,8 +207,20 @@ def test_resume_refuses_changed_data_under_the_same_root(tmp_path, capsys):
     assert "data hash" in err and "data_root" not in err
 
 
-def test_resume_after_a_settings_change_is_one_line(tmp_path, capsys):
+def test_resume_after_a_settings_change_is_one_line(tmp_path, capsys, monkeypatch):
+    """Other settings are another run (other files): --resume says it starts it from the
+    beginning and keeps the earlier run's checkpoint; a checkpoint of the same label written
+    with other settings (here: planted) is refused naming the setting."""
     argv = ["split-digits", "--strategies", "naive", *QUICK, "--out", str(tmp_path)]
+    assert main([*argv, "--stop-after", "1"]) == 0
+    (first,) = (tmp_path / "split-digits" / "checkpoints").glob("naive*.pt")
+    before = first.read_bytes()
+    capsys.readouterr()
+    assert main([*argv, "--resume", "--lr", "0.5", "--stop-after", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "no checkpoint of these settings" in err and first.name in err
+    assert first.read_bytes() == before
+    monkeypatch.setattr(bench_main, "settings_id", lambda *a, **k: "same")
     assert main([*argv, "--stop-after", "1"]) == 0
     capsys.readouterr()
     assert main([*argv, "--resume", "--lr", "0.5"]) == 2
@@ -214,7 +231,7 @@ def test_resume_after_a_settings_change_is_one_line(tmp_path, capsys):
 def test_corrupt_checkpoint_is_one_line(content, tmp_path, capsys):
     argv = ["split-digits", "--strategies", "naive", *QUICK, "--out", str(tmp_path)]
     assert main([*argv, "--stop-after", "1"]) == 0
-    ckpt = tmp_path / "split-digits" / "checkpoints" / "naive-seed0.pt"
+    (ckpt,) = (tmp_path / "split-digits" / "checkpoints").glob("naive*.pt")
     data = ckpt.read_bytes()
     ckpt.write_bytes(data[: len(data) // 2] if content is None else content)
     capsys.readouterr()
@@ -242,7 +259,7 @@ def test_plugin_state_is_keyed_by_name_and_restored(tmp_path):
     part = RunConfig("split-digits", "fromp", checkpoint=str(tmp_path / "b.pt"), **kw)
     part.stop_after = 2
     run(part)
-    state = torch.load(tmp_path / "b.pt", weights_only=False)
+    state = torch.load(tmp_path / "b.pt", weights_only=True)
     assert "FROMPPlugin" in state["plugins"] and "Clock" in state["plugins"]
     assert state["plugins"]["FROMPPlugin"]["state_dict"]["tau"] == 3.0
     part.stop_after, part.resume = None, True
@@ -310,13 +327,13 @@ def test_gzipped_garbage_is_named(tmp_path, capsys):
     assert str(gz) in err
 
 
-@pytest.mark.parametrize("benchmark", ["split-mnist", "permuted-mnist"])
-def test_labels_out_of_range_are_refused(benchmark, tmp_path, capsys):
+@pytest.mark.parametrize("bench_name", ["split-mnist", "permuted-mnist"])
+def test_labels_out_of_range_are_refused(bench_name, tmp_path, capsys):
     raw = write_mnist(tmp_path)
     labels = np.arange(400) % 10
     labels[7] = 17
     (raw / "train-labels-idx1-ubyte").write_bytes(_idx(labels))
-    argv = [benchmark, "--strategies", "naive", *QUICK, "--data-root", str(tmp_path)]
+    argv = [bench_name, "--strategies", "naive", *QUICK, "--data-root", str(tmp_path)]
     assert main([*argv, "--out", str(tmp_path / "out")]) == 2
     err = _one_line_error(capsys, "labels out of range (first: 17 at index 7; expected 0..9)")
     assert "train-labels-idx1-ubyte" in err
@@ -337,7 +354,7 @@ def test_read_idx_roundtrip_and_trailing_bytes(tmp_path):
 def test_cli_refuses_a_task_the_checkpoint_never_trained(tool, tmp_path, capsys):
     argv = ["split-digits", "--strategies", "naive", *QUICK, "--out", str(tmp_path)]
     assert main([*argv, "--stop-after", "2"]) == 0
-    ckpt = tmp_path / "split-digits" / "checkpoints" / "naive-seed0.pt"
+    (ckpt,) = (tmp_path / "split-digits" / "checkpoints").glob("naive*.pt")
     capsys.readouterr()
     assert tool([str(ckpt), "--task", "3", "--out", str(tmp_path / "t")]) == 2
     _one_line_error(capsys, "never trained task 3")
