@@ -436,7 +436,7 @@ def _make_optimizer(
     if name == "vogn":
         from fromp.optim import VOGN
 
-        return VOGN(model, lr=lr, train_set_size=n_train, **extra)
+        return VOGN(model, lr=lr, ess=n_train, **extra)
     if name == "ivon":
         from fromp.optim import IVON
 

@@ -140,7 +140,7 @@ def test_chunk_size_rule_is_one_rule_everywhere(bad):
     with pytest.raises(ValueError, match="chunk_size must be a positive int"):
         jacobians(net, x, chunk_size=bad)
     with pytest.raises(ValueError, match="chunk_size must be a positive int"):
-        VOGN(net, train_set_size=4, chunk_size=bad)
+        VOGN(net, ess=4, chunk_size=bad)
 
 
 def test_chunk_size_accepts_ints_and_none():

@@ -166,7 +166,7 @@ def test_fromp_vogn_uses_vogn_posterior_and_checkpoints():
     seq = synthetic_split(n_tasks=2, input_shape=(1, 4, 4), n_train=32, n_test=16)
     net = MultiHeadMLP(16, (8,), n_heads=2, head_size=2)
     model = as_avalanche_model(net)
-    opt = VOGN(model, lr=1e-2, train_set_size=32, prior_precision=1e-2, mc_samples=1)
+    opt = VOGN(model, lr=1e-2, ess=32, prior_precision=1e-2, mc_samples=1)
     strategy = FROMP(
         model=model,
         optimizer=opt,

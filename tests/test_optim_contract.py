@@ -32,7 +32,7 @@ def _ivon(model: nn.Module, **kw):
 
 
 def _vogn(model: nn.Module, **kw):
-    return VOGN(model, **{"lr": 0.05, "train_set_size": 16, **kw})
+    return VOGN(model, **{"lr": 0.05, "ess": 16, **kw})
 
 
 OPTIMIZERS = {"ivon": _ivon, "vogn": _vogn}

@@ -83,7 +83,7 @@ def test_vogn_step_averages_several_posterior_samples():
     net = tiny_mlp()
     ref_net = copy.deepcopy(net)
     x, y = _data(8, seed=3)
-    kw = dict(lr=0.1, train_set_size=50, prior_precision=2.0, mc_samples=3)
+    kw = dict(lr=0.1, ess=50, prior_precision=2.0, mc_samples=3)
     opt, ref = VOGN(net, **kw), VOGN(ref_net, **kw)
     mu0 = ref.vogn_state["mu"].clone()
 

@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         net,
         lr=args.vogn_lr,
         betas=(args.beta1, args.beta2),
-        train_set_size=n,
+        ess=n,
         prior_precision=args.prior_precision,
         init_precision=args.init_precision,
         mc_samples=args.mc_train,

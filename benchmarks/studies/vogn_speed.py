@@ -86,7 +86,7 @@ def bench(
     vogn = VOGN(
         net_v,
         lr=1e-4,
-        train_set_size=10_000,
+        ess=10_000,
         init_precision=1e-3,
         chunk_size=chunk_size,
         method=method,
@@ -101,7 +101,7 @@ def bench(
     vogn2 = VOGN(
         net_2,
         lr=1e-4,
-        train_set_size=10_000,
+        ess=10_000,
         init_precision=1e-3,
         chunk_size=chunk_size,
         method=method,
