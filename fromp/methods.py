@@ -19,8 +19,10 @@ units) keeps its old entries in the leading slice and new entries start from the
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,7 +30,7 @@ from torch import Tensor, nn
 
 from fromp._checks import check_batch, check_vector, device_dtype
 from fromp.curvature import diag_ggn, diag_ggn_linear
-from fromp.jacobian import flat_params, num_params, unflatten
+from fromp.jacobian import flat_params, num_params
 from fromp.kron import KronBlock, KronCurvature, kron_curvature
 from fromp.laplace_structures import KronLaplace
 from fromp.likelihood import get_likelihood
@@ -46,6 +48,21 @@ _SELECT = ("descending", "ascending", "random", "sensitivity")
 _POSTERIORS = ("ggn", "kron", "vogn", "ivon")
 _OWN_CURVATURE = ("ggn", "kron")  # curvature computed by the method, not by an optimizer
 _IVON_PENALTY = ("mean", "sample")
+_BN_STATISTICS = ("stored", "live")
+#: the settings a state must have been saved with to be loaded (see load_state_dict)
+_SETTINGS = (
+    "n_points",
+    "select",
+    "prior_precision",
+    "posterior",
+    "ivon_penalty",
+    "curvature_examples",
+    "likelihood",
+    "kernel",
+    "jitter",
+    "replay",
+    "bn_statistics",
+)
 
 
 def by_name(net: nn.Module, value: Tensor | Named) -> Named:
@@ -53,7 +70,14 @@ def by_name(net: nn.Module, value: Tensor | Named) -> Named:
     ``[P]`` vector (trainable parameters in ``named_parameters()`` order) is split by
     parameter; a dict is copied as it is."""
     if isinstance(value, Tensor):
-        value = unflatten(net, value.detach())
+        named = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
+        sizes = [p.numel() for _, p in named]
+        if value.ndim != 1 or value.numel() != sum(sizes):
+            raise ValueError(
+                f"a flat state must be a [P]=[{sum(sizes)}] vector, got {tuple(value.shape)}"
+            )
+        # reshape(p.shape) (a torch.Size) also fits 0-dim parameters (a learnt temperature)
+        value = {n: v.reshape(p.shape) for (n, p), v in zip(named, value.detach().split(sizes))}
     return {n: v.detach().clone() for n, v in value.items()}
 
 
@@ -91,6 +115,59 @@ def to_flat(value: Tensor | Named, net: nn.Module | None, fill: float) -> Tensor
             if p.requires_grad
         ]
     )
+
+
+def _check_labels(head: nn.Module, x: Tensor, y: Tensor) -> None:
+    """Refuse (``ValueError`` naming ``y``) labels that are not ``[N]`` integers indexing
+    the head's output units; the head's width is read from a forward of two examples."""
+    if not isinstance(y, Tensor):
+        raise TypeError(f"y must be a tensor of labels, got {type(y).__name__}")
+    if y.shape != (len(x),) or y.is_floating_point() or y.dtype == torch.bool:
+        raise ValueError(
+            f"y must be [N]=[{len(x)}] integer class labels, got {tuple(y.shape)} {y.dtype}"
+        )
+    p = next(iter(head.parameters()), None)
+    with torch.no_grad():
+        width = head(x[:2].to(p.device if p is not None else x.device)).shape[-1]
+    lo, hi = int(y.min()), int(y.max())
+    if lo < 0 or hi >= width:
+        raise ValueError(
+            f"y must hold labels in [0, {width}) (the head's output units), got labels in "
+            f"[{lo}, {hi}]"
+        )
+
+
+def _norm_buffers(net: nn.Module) -> Named:
+    """Clones of the running statistics (``running_mean``, ``running_var``) of ``net``'s
+    normalisation layers (batch norm), by buffer name."""
+    out: Named = {}
+    for name, mod in net.named_modules():
+        if isinstance(mod, nn.modules.batchnorm._NormBase) and mod.track_running_stats:
+            for b in ("running_mean", "running_var"):
+                t = getattr(mod, b, None)
+                if isinstance(t, Tensor):
+                    out[f"{name}.{b}" if name else b] = t.detach().clone()
+    return out
+
+
+@contextlib.contextmanager
+def _swapped_buffers(net: nn.Module, buffers: Named) -> Iterator[None]:
+    """Within the block, ``net``'s buffers named in ``buffers`` are those tensors (swapped
+    as objects: the originals are never written, and autograd keeps the swapped-in ones)."""
+    saved = []
+    try:
+        for name, t in buffers.items():
+            path, _, attr = name.rpartition(".")
+            mod = net.get_submodule(path)
+            old = mod._buffers.get(attr)
+            if old is None or old.shape != t.shape:
+                continue
+            saved.append((mod, attr, old))
+            mod._buffers[attr] = t.to(old.device)
+        yield
+    finally:
+        for mod, attr, old in reversed(saved):
+            mod._buffers[attr] = old
 
 
 def _clock(device: torch.device) -> float:
@@ -186,7 +263,15 @@ class FROMPMethod:
         likelihood: str = "categorical",
         seed: int = 0,
         ivon_penalty: str = "mean",
+        replay: bool = False,
+        bn_statistics: str = "stored",
     ) -> None:
+        for name, v in (("tau", tau), ("prior_precision", prior_precision), ("jitter", jitter)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(
+                    f"{name} must be a number, got {type(v).__name__} (a strategy's criterion "
+                    "goes in criterion=)"
+                )
         if not (tau >= 0 and math.isfinite(tau)):
             raise ValueError(f"tau must be a finite number >= 0, got {tau!r}")
         if not (jitter >= 0 and math.isfinite(jitter)):
@@ -195,10 +280,22 @@ class FROMPMethod:
             raise ValueError(f"n_points must be a positive int, got {n_points!r}")
         if select not in _SELECT:
             raise ValueError(f"select must be one of {_SELECT}, got {select!r}")
-        if not prior_precision > 0:
-            raise ValueError(f"prior_precision must be > 0, got {prior_precision!r}")
-        if grad_clip_norm is not None and not grad_clip_norm > 0:
-            raise ValueError(f"grad_clip_norm must be > 0 or None, got {grad_clip_norm!r}")
+        if not (prior_precision > 0 and math.isfinite(prior_precision)):
+            raise ValueError(
+                f"prior_precision must be a finite number > 0, got {prior_precision!r}"
+            )
+        if grad_clip_norm is not None and not (
+            grad_clip_norm > 0 and math.isfinite(grad_clip_norm)
+        ):
+            raise ValueError(
+                f"grad_clip_norm must be a finite number > 0 or None, got {grad_clip_norm!r}"
+            )
+        if not isinstance(replay, bool):
+            raise TypeError(f"replay must be a bool, got {replay!r}")
+        if bn_statistics not in _BN_STATISTICS:
+            raise ValueError(
+                f"bn_statistics must be one of {_BN_STATISTICS}, got {bn_statistics!r}"
+            )
         if posterior not in _POSTERIORS:
             raise ValueError(f"posterior must be one of {_POSTERIORS}, got {posterior!r}")
         if ivon_penalty not in _IVON_PENALTY:
@@ -219,6 +316,11 @@ class FROMPMethod:
             kernel, likelihood, jitter=jitter, chunk_size=chunk_size
         )
         self.seed = int(seed)
+        self.replay = replay
+        self.bn_statistics = bn_statistics
+        # bn_statistics="stored": the normalisation layers' running statistics at the last
+        # learn_task (those the targets and kernels were computed with), by buffer name
+        self.bn_buffers: Named = {}
         self.generator = torch.Generator().manual_seed(seed)  # draws on the CPU (indices)
         # by parameter name: running sum of the tasks' diagonal GGNs (posterior="ggn"), or
         # the optimizer's posterior variance after the last task ("vogn", "ivon")
@@ -255,11 +357,28 @@ class FROMPMethod:
         return 1.0 / (to_flat(state, net, 0.0) + self.prior_precision)
 
     def penalty(self, net: nn.Module) -> Tensor:
-        """``R(w)`` on the memorable past (eval mode for the forward passes)."""
+        """``R(w)`` on the memorable past (see :meth:`terms`)."""
+        return self.terms(net)[0]
+
+    def terms(self, net: nn.Module) -> tuple[Tensor, Tensor | None]:
+        """``(R(w), replay loss)`` from one forward pass of the memorable points (one call
+        per head at most); the replay loss (mean negative log-likelihood of the memorable
+        points under their labels) is None unless ``replay=True``.
+
+        The forward runs in eval mode (no dropout) and, with ``bn_statistics="stored"``,
+        with the normalisation layers' running statistics of the last :meth:`learn_task`
+        (swapped in for the pass and swapped back, never written): the targets and kernels
+        were computed with those statistics, so ``R`` is a function of the weights alone,
+        0 at the weights of the last task, whatever training on the new task does to the
+        running statistics; the running buffers are neither read nor changed.
+        ``"live"``: the running statistics of the moment (which drift with the new task's
+        batches, so ``R`` is not 0 at the old weights)."""
         was_training = net.training
         net.eval()
         try:
-            return self.regularizer.penalty(net)
+            stored = self.bn_buffers if self.bn_statistics == "stored" else {}
+            with _swapped_buffers(net, stored):
+                return self.regularizer.terms(net, replay=self.replay)
         finally:
             net.train(was_training)
 
@@ -305,6 +424,7 @@ class FROMPMethod:
         head = with_task(net, task)
         times = {"select_s": 0.0, "curvature_s": 0.0, "kernel_s": 0.0}
         try:
+            _check_labels(head, x, y)  # before any state changes
             classes = sorted(int(c) for c in y.unique())
             per_class = self.n_points // len(classes)
             if per_class < 1:
@@ -342,8 +462,11 @@ class FROMPMethod:
                 i = self.experiences.index(experience)
                 del self.regularizer.memories[i]
                 del self.experiences[i]
-            self.regularizer.add_task(net, x[idx].to(device), task, variance)
+            self.regularizer.add_task(
+                net, x[idx].to(device), task, variance, labels=y[idx].to(device)
+            )
             self.experiences.append(experience)
+            self.bn_buffers = _norm_buffers(net)
             times["kernel_s"] = _clock(device) - t0
         finally:
             net.train(was_training)
@@ -484,6 +607,11 @@ class FROMPMethod:
             "curvature_examples": self.curvature_examples,
             "chunk_size": self.chunk_size,
             "likelihood": self.likelihood,
+            "kernel": self.kernel,
+            "jitter": self.regularizer.jitter,
+            "replay": self.replay,
+            "bn_statistics": self.bn_statistics,
+            "bn_buffers": dict(self.bn_buffers),
             "ggn_sum": self.ggn_sum,
             "optimizer_variance": self.optimizer_variance,
             "ggn_terms": {k: dict(v) for k, v in self.ggn_terms.items()},
@@ -500,7 +628,22 @@ class FROMPMethod:
     ) -> None:
         """Restore :meth:`state_dict` (e.g. in a fresh process after a checkpoint), tensors
         moved to ``device`` when given (load the checkpoint with ``map_location="cpu"``,
-        then pass the model's device)."""
+        then pass the model's device).
+
+        Refuses (``ValueError``, before anything is changed) a state saved with other
+        settings (``tau``, ``n_points``, ``kernel``, ``prior_precision``, ...; a key that an
+        older state lacks is not compared): resume with the settings of the run."""
+        mine = {"tau": self.tau, "grad_clip_norm": self.grad_clip_norm}
+        mine.update({k: getattr(self, k) for k in _SETTINGS if k not in ("kernel", "jitter")})
+        mine["kernel"], mine["jitter"] = self.kernel, self.regularizer.jitter
+        reg = state.get("regularizer", {})
+        for key, value in mine.items():
+            saved = state.get(key, reg.get(key, value) if key in ("kernel", "jitter") else value)
+            if saved != value:
+                raise ValueError(
+                    f"state was saved with {key}={saved!r}, method has {value!r}: resume "
+                    "with the settings of the run"
+                )
 
         def mv(d: Named | None) -> Named | None:
             if d is None or device is None or isinstance(d, Tensor):
@@ -549,3 +692,4 @@ class FROMPMethod:
         if "generator" in state:
             self.generator.set_state(state["generator"])
         self.timings = list(state.get("timings", []))
+        self.bn_buffers = dict(mv(state.get("bn_buffers", {})) or {})

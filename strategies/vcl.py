@@ -33,6 +33,7 @@ plugin and in the network, and is returned by :meth:`VCLPlugin.state_dict`.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -419,6 +420,7 @@ class VCL(MethodStrategy):
         *,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
+        criterion: nn.Module | Callable | None = None,
         train_samples: int = 10,
         test_samples: int = 100,
         ml_init_epochs: int | None = None,
@@ -495,6 +497,7 @@ class VCL(MethodStrategy):
             method_plugins=[plugin],
             model=model,
             optimizer=optimizer,
+            criterion=criterion,
             **template_kwargs,
         )
         self._mc_logits: Tensor | None = None
