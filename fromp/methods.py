@@ -48,7 +48,7 @@ _SELECT = ("descending", "ascending", "random", "sensitivity")
 _POSTERIORS = ("ggn", "kron", "vogn", "ivon")
 _OWN_CURVATURE = ("ggn", "kron")  # curvature computed by the method, not by an optimizer
 _IVON_PENALTY = ("mean", "sample")
-_BN_STATISTICS = ("stored", "live")
+_BN_STATISTICS = ("stored", "live", "batch")
 #: the settings a state must have been saved with to be loaded (see load_state_dict)
 _SETTINGS = (
     "n_points",
@@ -373,12 +373,31 @@ class FROMPMethod:
         running statistics; the running buffers are neither read nor changed.
         ``"live"``: the running statistics of the moment (which drift with the new task's
         batches, so ``R`` is not 0 at the old weights)."""
+        with self._memorable_mode(net):
+            return self.regularizer.terms(net, replay=self.replay)
+
+    @contextlib.contextmanager
+    def _memorable_mode(self, net: nn.Module) -> Iterator[None]:
+        """The mode the memorable points are evaluated in (see :meth:`terms`)."""
         was_training = net.training
         net.eval()
+        norms = [m for m in net.modules() if isinstance(m, nn.modules.batchnorm._NormBase)]
         try:
-            stored = self.bn_buffers if self.bn_statistics == "stored" else {}
-            with _swapped_buffers(net, stored):
-                return self.regularizer.terms(net, replay=self.replay)
+            if self.bn_statistics == "batch":
+                clones = {
+                    n: b.detach().clone()
+                    for n, b in net.named_buffers()
+                    if n.rsplit(".", 1)[-1]
+                    in ("running_mean", "running_var", "num_batches_tracked")
+                }
+                for m in norms:
+                    m.train()
+                with _swapped_buffers(net, clones):
+                    yield
+            else:
+                stored = self.bn_buffers if self.bn_statistics == "stored" else {}
+                with _swapped_buffers(net, stored):
+                    yield
         finally:
             net.train(was_training)
 
@@ -467,6 +486,11 @@ class FROMPMethod:
             )
             self.experiences.append(experience)
             self.bn_buffers = _norm_buffers(net)
+            if self.bn_statistics == "batch" and any(
+                isinstance(m, nn.modules.batchnorm._NormBase) for m in net.modules()
+            ):
+                with torch.no_grad(), self._memorable_mode(net):
+                    self.regularizer.retarget(net)
             times["kernel_s"] = _clock(device) - t0
         finally:
             net.train(was_training)

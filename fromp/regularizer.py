@@ -403,6 +403,15 @@ class FROMPRegularizer:
         self.memories = [self._build(model, m.inputs, m.task, var, m.labels) for m in self.memories]
         self._cache = {}
 
+    def retarget(self, model_fn: ModelFn | nn.Module) -> None:
+        """Set every stored set's targets to the model's present outputs through
+        :meth:`outputs` (the evaluation the penalty uses: e.g. batch-norm layers on the
+        statistics of the memorable batch), on the units each set is stored on."""
+        for f, m in zip(self.outputs(model_fn), self.memories):
+            p = self.likelihood.inverse_link(f).detach().double()
+            m.targets = p[:, m.units] if m.units is not None else p[:, : m.targets.shape[1]]
+        self._cache = {}
+
     def residuals(self, model_fn: ModelFn | nn.Module) -> list[Tensor]:
         """``r_s = p(X_s; w) - m_s`` for every stored task, each ``[M, C_s]`` float64.
 
