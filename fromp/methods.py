@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,13 +35,20 @@ from fromp.laplace_structures import KronLaplace
 from fromp.likelihood import get_likelihood
 from fromp.memorable import select_memorable
 from fromp.models import TaskView, is_multitask, with_task
+from fromp.named_state import (
+    Named,
+    _check_labels,
+    _clock,
+    _norm_buffers,
+    _swapped_buffers,
+    by_name,
+    fit_shape,
+    to_flat,
+)
 from fromp.posterior import DiagonalGaussian
 from fromp.regularizer import FROMPRegularizer, FunctionKernel
 
 __all__ = ["FROMPMethod", "Named", "by_name", "fit_shape", "to_flat"]
-
-#: Per-parameter state: ``{parameter name: tensor of the parameter's shape}``.
-Named = dict[str, Tensor]
 
 _SELECT = ("descending", "ascending", "random", "sensitivity")
 _POSTERIORS = ("ggn", "kron", "vogn", "ivon")
@@ -63,120 +69,6 @@ _SETTINGS = (
     "replay",
     "bn_statistics",
 )
-
-
-def by_name(net: nn.Module, value: Tensor | Named) -> Named:
-    """Per-parameter state of ``net`` as detached clones keyed by parameter name: a flat
-    ``[P]`` vector (trainable parameters in ``named_parameters()`` order) is split by
-    parameter; a dict is copied as it is."""
-    if isinstance(value, Tensor):
-        named = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
-        sizes = [p.numel() for _, p in named]
-        if value.ndim != 1 or value.numel() != sum(sizes):
-            raise ValueError(
-                f"a flat state must be a [P]=[{sum(sizes)}] vector, got {tuple(value.shape)}"
-            )
-        # reshape(p.shape) (a torch.Size) also fits 0-dim parameters (a learnt temperature)
-        value = {n: v.reshape(p.shape) for (n, p), v in zip(named, value.detach().split(sizes))}
-    return {n: v.detach().clone() for n, v in value.items()}
-
-
-def fit_shape(v: Tensor, shape: torch.Size | tuple[int, ...], fill: float) -> Tensor:
-    """``v`` in ``shape``: ``v`` itself when the shapes agree, else a tensor of ``fill``
-    with ``v`` in its leading slice (a parameter that grew, e.g. a classifier's weight
-    ``[C, D] -> [C', D]`` after new classes). Refuses a parameter that shrank."""
-    if v.shape == shape:
-        return v
-    if v.ndim != len(shape) or any(a > b for a, b in zip(v.shape, shape)):
-        raise ValueError(
-            f"stored state of shape {tuple(v.shape)} does not fit the parameter's shape "
-            f"{tuple(shape)}: parameters may only grow"
-        )
-    out = v.new_full(tuple(shape), fill)
-    out[tuple(slice(0, s) for s in v.shape)] = v
-    return out
-
-
-def to_flat(value: Tensor | Named, net: nn.Module | None, fill: float) -> Tensor:
-    """``value`` (a dict by parameter name; a flat vector is returned as it is) as one
-    ``[P]`` vector in ``net``'s parameter order, ``fill`` for parameters (or, for grown
-    parameters, entries) it lacks (``net=None``: the dict's order)."""
-    if isinstance(value, Tensor):
-        return value
-    if net is None:
-        return torch.cat([v.reshape(-1) for v in value.values()])
-    ref = next(iter(value.values()))
-    return torch.cat(
-        [
-            fit_shape(value[n], p.shape, fill).reshape(-1)
-            if n in value
-            else torch.full((p.numel(),), fill, dtype=ref.dtype, device=ref.device)
-            for n, p in net.named_parameters()
-            if p.requires_grad
-        ]
-    )
-
-
-def _check_labels(head: nn.Module, x: Tensor, y: Tensor) -> None:
-    """Refuse (``ValueError`` naming ``y``) labels that are not ``[N]`` integers indexing
-    the head's output units; the head's width is read from a forward of two examples."""
-    if not isinstance(y, Tensor):
-        raise TypeError(f"y must be a tensor of labels, got {type(y).__name__}")
-    if y.shape != (len(x),) or y.is_floating_point() or y.dtype == torch.bool:
-        raise ValueError(
-            f"y must be [N]=[{len(x)}] integer class labels, got {tuple(y.shape)} {y.dtype}"
-        )
-    p = next(iter(head.parameters()), None)
-    with torch.no_grad():
-        width = head(x[:2].to(p.device if p is not None else x.device)).shape[-1]
-    lo, hi = int(y.min()), int(y.max())
-    if lo < 0 or hi >= width:
-        raise ValueError(
-            f"y must hold labels in [0, {width}) (the head's output units), got labels in "
-            f"[{lo}, {hi}]"
-        )
-
-
-def _norm_buffers(net: nn.Module) -> Named:
-    """Clones of the running statistics (``running_mean``, ``running_var``) of ``net``'s
-    normalisation layers (batch norm), by buffer name."""
-    out: Named = {}
-    for name, mod in net.named_modules():
-        if isinstance(mod, nn.modules.batchnorm._NormBase) and mod.track_running_stats:
-            for b in ("running_mean", "running_var"):
-                t = getattr(mod, b, None)
-                if isinstance(t, Tensor):
-                    out[f"{name}.{b}" if name else b] = t.detach().clone()
-    return out
-
-
-@contextlib.contextmanager
-def _swapped_buffers(net: nn.Module, buffers: Named) -> Iterator[None]:
-    """Within the block, ``net``'s buffers named in ``buffers`` are those tensors (swapped
-    as objects: the originals are never written, and autograd keeps the swapped-in ones)."""
-    saved = []
-    try:
-        for name, t in buffers.items():
-            path, _, attr = name.rpartition(".")
-            mod = net.get_submodule(path)
-            old = mod._buffers.get(attr)
-            if old is None or old.shape != t.shape:
-                continue
-            saved.append((mod, attr, old))
-            mod._buffers[attr] = t.to(old.device)
-        yield
-    finally:
-        for mod, attr, old in reversed(saved):
-            mod._buffers[attr] = old
-
-
-def _clock(device: torch.device) -> float:
-    """``time.perf_counter()`` after the work queued on ``device`` has finished (CUDA runs
-    kernels asynchronously: without the synchronisation a phase's time would be the time to
-    queue it)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 class FROMPMethod:
@@ -232,7 +124,24 @@ class FROMPMethod:
             ``hessian_structure="kron"``). Models with other trainable parameters (batch
             norm) are refused; memorable points by ``"sensitivity"`` use its diagonal.
         curvature_examples: use at most this many (random) training examples of a task for
-            its GGN, rescaled to the task size (None: all, as in the paper).
+            its GGN, rescaled to the task size (default 1,000: the after-experience cost is
+            bounded whatever the experience's size, a few passes over 1,000 examples; None:
+            all, as in the paper and the runner's settings).
+        replay: also use the memorable set as a labelled coreset: :meth:`terms` returns the
+            mean negative log-likelihood of the memorable points of all earlier tasks under
+            their labels (through their heads), which the Avalanche plugin adds to the loss
+            (as S-FSVI and VCL use their coresets). Useful when one head sees classes one
+            experience at a time (class-incremental streams), where a penalty on the
+            function alone does not teach the head to tell old classes from new ones.
+        bn_statistics: the batch-norm statistics the memorable points are evaluated with
+            (targets, kernels and penalty): ``"stored"`` (default) those of the running
+            buffers at the last :meth:`learn_task` (what the network computed at test after
+            the task), swapped in for the penalty's forward, so that ``R`` is a function of
+            the weights alone, 0 at the old weights; ``"batch"``: the memorable batch's own
+            statistics (train-mode normalisation on the memorable points of all tasks in one
+            batch, running buffers untouched; targets taken the same way); ``"live"``: the
+            running statistics of the moment (they drift with the new task's batches). The
+            running buffers are never written by the penalty.
         chunk_size: examples per Jacobian chunk for the GGN and kernels.
         likelihood: the likelihood's name (``"categorical"``: softmax heads), for the
             memorability scores, the GGN and the kernels' ``p = inverse_link(f)``.
@@ -258,7 +167,7 @@ class FROMPMethod:
         jitter: float = 1e-6,
         grad_clip_norm: float | None = None,
         posterior: str = "ggn",
-        curvature_examples: int | None = None,
+        curvature_examples: int | None = 1000,
         chunk_size: int = 64,
         likelihood: str = "categorical",
         seed: int = 0,

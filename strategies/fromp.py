@@ -61,10 +61,9 @@ class FROMPPlugin(SupervisedPlugin):
     part of the data term). A warning (once) says when ``tau * R`` exceeds
     ``100 x`` the loss without it in the first steps of an experience.
 
-    Args: those of :class:`fromp.methods.FROMPMethod`; ``curvature_examples`` defaults to
-    1,000 (the GGN after each experience on a random subsample of that many examples,
-    rescaled: a bounded cost whatever the experience's size; None: all examples, as in the
-    paper).
+    Args: those of :class:`fromp.methods.FROMPMethod` (``curvature_examples`` defaults to
+    1,000: the GGN after each experience on a random subsample of that many examples,
+    rescaled; None: all examples, as in the paper).
     """
 
     #: ``tau * R`` above this multiple of the data loss gets a warning (once)
@@ -144,7 +143,7 @@ class FROMPPlugin(SupervisedPlugin):
         return 0.0 if self._last_penalty is None else self.tau * float(self._last_penalty)
 
     def before_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
-        self._checks_left = 5  # steps of this experience whose penalty is compared
+        self._checks_left = 20  # steps of this experience whose penalty is compared
         self._last_penalty = None
 
     def before_backward(self, strategy: Any, *args: Any, **kwargs: Any) -> None:

@@ -79,6 +79,12 @@ class MethodStrategy(SupervisedTemplate):
         super()._before_training_exp(**kwargs)
         check_labels_fit(self.model, self.experience, self.device)
 
+    def _adapt_model(self, model: nn.Module | None) -> nn.Module:
+        """The adaptation itself (Avalanche's); a strategy that adds parameters of its own
+        when the model grows (VCL's twin) extends this, so that the optimizer refresh in
+        :meth:`model_adaptation` sees them."""
+        return super().model_adaptation(model)
+
     def model_adaptation(self, model: nn.Module | None = None) -> nn.Module:
         """Avalanche's model adaptation (heads added or grown for the experience), with the
         optimizer following the model: before the first adaptation the optimizer's
@@ -93,7 +99,7 @@ class MethodStrategy(SupervisedTemplate):
         own = model is None or model is self.model
         if own and getattr(self, "optimized_param_id", True) is None:
             self.make_optimizer(reset_optimizer_state=True)
-        out = super().model_adaptation(model)
+        out = self._adapt_model(model)
         if own and getattr(self, "optimized_param_id", None) is not None:
             self.make_optimizer(reset_optimizer_state=False)
         return out

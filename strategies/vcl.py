@@ -507,10 +507,10 @@ class VCL(MethodStrategy):
         """The Bayesian network (a :class:`fromp.vcl.MeanFieldTwin` for other models)."""
         return self.plugin.net
 
-    def model_adaptation(self, model: nn.Module | None = None) -> nn.Module:
+    def _adapt_model(self, model: nn.Module | None) -> nn.Module:
         """Avalanche's adaptation (new heads or units), then the twin's log-variances and
-        priors for the new parameters (before Avalanche updates the optimizer)."""
-        model = super().model_adaptation(model)
+        priors for the new parameters (before the optimizer is refreshed)."""
+        model = super()._adapt_model(model)
         if self._twin is not None:
             self._twin.sync()
         return model
