@@ -137,6 +137,8 @@ def select_memorable(
     p0 = next(iter(model.parameters()), None)
     with torch.no_grad():  # the head's width, from two examples (a model may squeeze one)
         width = model(x[:2].to(p0.device if p0 is not None else x.device)).shape[-1]
+    if get_likelihood(likelihood).name == "bernoulli":
+        width = max(width, 2)  # one logit, labels 0 and 1
     if len(y) and int(y.max()) >= width:
         raise ValueError(
             f"y must hold labels in [0, {width}) (the model's output units), got a label "

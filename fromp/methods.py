@@ -352,7 +352,7 @@ class FROMPMethod:
         head = with_task(net, task)
         times = {"select_s": 0.0, "curvature_s": 0.0, "kernel_s": 0.0}
         try:
-            _check_labels(head, x, y)  # before any state changes
+            _check_labels(head, x, y, self.likelihood)  # before any state changes
             classes = sorted(int(c) for c in y.unique())
             per_class = self.n_points // len(classes)
             if per_class < 1:

@@ -69,9 +69,10 @@ def to_flat(value: Tensor | Named, net: nn.Module | None, fill: float) -> Tensor
     )
 
 
-def _check_labels(head: nn.Module, x: Tensor, y: Tensor) -> None:
+def _check_labels(head: nn.Module, x: Tensor, y: Tensor, likelihood: str = "categorical") -> None:
     """Refuse (``ValueError`` naming ``y``) labels that are not ``[N]`` integers indexing
-    the head's output units; the head's width is read from a forward of two examples."""
+    the head's output units (``"categorical"``; 0 or 1 for a one-output ``"bernoulli"``
+    head); the head's width is read from a forward of two examples."""
     if not isinstance(y, Tensor):
         raise TypeError(f"y must be a tensor of labels, got {type(y).__name__}")
     if y.shape != (len(x),) or y.is_floating_point() or y.dtype == torch.bool:
@@ -81,6 +82,8 @@ def _check_labels(head: nn.Module, x: Tensor, y: Tensor) -> None:
     p = next(iter(head.parameters()), None)
     with torch.no_grad():
         width = head(x[:2].to(p.device if p is not None else x.device)).shape[-1]
+    if likelihood == "bernoulli":
+        width = max(width, 2)
     lo, hi = int(y.min()), int(y.max())
     if lo < 0 or hi >= width:
         raise ValueError(
