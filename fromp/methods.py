@@ -390,6 +390,8 @@ class FROMPMethod:
                 i = self.experiences.index(experience)
                 del self.regularizer.memories[i]
                 del self.experiences[i]
+            seen = self.regularizer.classes_seen
+            seen[task] = sorted(set(seen.get(task, [])) | set(classes))
             self.regularizer.add_task(
                 net, x[idx].to(device), task, variance, labels=y[idx].to(device)
             )

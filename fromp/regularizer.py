@@ -161,12 +161,16 @@ class MemorableSet:
         chol: float64 lower Cholesky factors of ``K + jitter I``: ``[C, M, M]`` per class,
             ``[1, C M, C M]`` joint, None for the identity kernel.
         jitter: the jitter that was added to the kernel diagonal.
-        units: ``[C_s]`` long indices of the output units the set is regularised on (the
-            head's units whose probability is not exactly 0 on every memorable point:
-            units an incremental classifier masks, at ``-1000``, for classes not seen yet
-            are left out, as their kernel would be the jitter alone); ``targets`` and
-            ``chol`` cover these units only. None (states of older versions): the first
-            ``targets.shape[1]`` units.
+        units: ``[C_s]`` long indices of the output units the set is regularised on: the
+            head's units whose probability is not exactly 0 on every memorable point (units
+            an incremental classifier masks, at ``-1000``, for classes not seen yet are left
+            out, as their kernel would be the jitter alone) and, when the regulariser knows
+            the classes trained so far for the head (``classes_seen``, kept by
+            :class:`fromp.methods.FROMPMethod`), among those (a fixed 10-way head in a
+            class-incremental stream: the units of classes not trained yet have
+            probabilities near 0 and kernels near the jitter, and would stop the new classes
+            from being learnt); ``targets`` and ``chol`` cover these units only. None
+            (states of older versions): the first ``targets.shape[1]`` units.
         labels: ``[M]`` the memorable points' labels (indices of the head's units), kept
             for replay (:meth:`FROMPRegularizer.replay_loss`); None when not given.
     """
@@ -231,6 +235,9 @@ class FROMPRegularizer:
         self.max_tries = int(max_tries)
         self.chunk_size = int(chunk_size)
         self.memories: list[MemorableSet] = []
+        #: per head (task id), the classes (output units) trained so far; when a head has
+        #: an entry, its sets are regularised on those units only (see MemorableSet.units)
+        self.classes_seen: dict[int | None, list[int]] = {}
         self._cache: dict = {}
 
     def __len__(self) -> int:
@@ -342,7 +349,12 @@ class FROMPRegularizer:
             p = self.likelihood.inverse_link(module(x))
         # units whose probability is exactly 0 on every point (masked: logit -1000) have a
         # zero Jacobian, so a kernel of jitter alone: they are left out until they exist
-        units = torch.nonzero(p.amax(0) > 0).squeeze(1)
+        live = p.amax(0) > 0
+        if task in self.classes_seen:  # classes never trained on have no function to keep
+            seen = torch.zeros_like(live)
+            seen[[c for c in self.classes_seen[task] if c < len(seen)]] = True
+            live = live & seen
+        units = torch.nonzero(live).squeeze(1)
         if len(units) == 0:
             raise ValueError(f"the head of task {task} gives probability 0 to every output")
         targets = p.double()[:, units]
@@ -556,6 +568,7 @@ class FROMPRegularizer:
             "jitter": self.jitter,
             "max_tries": self.max_tries,
             "chunk_size": self.chunk_size,
+            "classes_seen": {k: list(v) for k, v in self.classes_seen.items()},
             "memories": [
                 {
                     "inputs": m.inputs,
@@ -583,6 +596,7 @@ class FROMPRegularizer:
         self.jitter = float(state.get("jitter", self.jitter))
         self.max_tries = int(state.get("max_tries", self.max_tries))
         self.chunk_size = int(state.get("chunk_size", self.chunk_size))
+        self.classes_seen = {k: list(v) for k, v in state.get("classes_seen", {}).items()}
 
         def mv(t: Tensor | None) -> Tensor | None:
             return t if t is None or device is None else t.to(device)

@@ -256,3 +256,25 @@ def test_replay_adds_the_memorable_points_loss_under_their_labels():
     replay = float(F.cross_entropy(step["net"](first.inputs), first.labels))
     pen = float(method.tau) * float(_dense_penalty(step["net"], snapshots[0], upto))
     assert step["loss"] == pytest.approx(step["ce"] + replay + pen, rel=1e-6)
+
+
+def test_fixed_head_regularised_on_the_classes_trained_so_far():
+    # a fixed 6-way head (no masking): the units of classes not trained yet have small but
+    # non-zero probabilities and kernels near the jitter; they are left out until trained
+    from fromp import FROMPMethod
+    from strategies.benchmarks import experience_tensors
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(D, 12), nn.Tanh(), nn.Linear(12, 2 * N_EXP)).double()
+    method = FROMPMethod(n_points=6)
+    trained: set[int] = set()
+    for e, exp in enumerate(_stream().train_stream):
+        x, y, _ = experience_tensors(exp.dataset)
+        method.learn_task(net, x, y, None)
+        trained |= set(ORDER[e])
+        for m in method.regularizer.memories:
+            assert m.units.tolist() == sorted(trained)
+            assert m.targets.shape[1] == len(trained)
+    fresh = FROMPMethod(n_points=6)
+    fresh.load_state_dict(method.state_dict())
+    assert fresh.regularizer.classes_seen == {None: list(range(2 * N_EXP))}
