@@ -44,6 +44,9 @@ _FROMP_SPLIT_MNIST: Settings = {
         "prior_precision": 1e-3,
         "jitter": 1e-6,
         "grad_clip_norm": 0.1,
+        # the GGN of every training example, as the official code (the strategies'
+        # default is a random subsample of 1,000)
+        "curvature_examples": None,
     },
 }
 
@@ -63,6 +66,7 @@ FROMP_REFERENCE: dict[str, Settings] = {
             "prior_precision": 1e-5,
             "jitter": 1e-5,
             "grad_clip_norm": 0.01,
+            "curvature_examples": None,
         },
     },
     "split-cifar": {
@@ -76,6 +80,7 @@ FROMP_REFERENCE: dict[str, Settings] = {
             "prior_precision": 1e-4,
             "jitter": 1e-5,
             "grad_clip_norm": 100.0,
+            "curvature_examples": None,
         },
     },
     "split-digits": _with(_FROMP_SPLIT_MNIST, lr=1e-3, train_epochs=20, train_mb_size=32),

@@ -116,8 +116,8 @@ def select_memorable(
 
     Raises:
         TypeError: ``x`` or ``y`` not a tensor.
-        ValueError: empty data, NaN/inf inputs, mismatched ``y``, unknown ``order``, or a class
-            with fewer than ``n_per_class`` examples.
+        ValueError: empty data, NaN/inf inputs, mismatched ``y``, labels outside the model's
+            outputs, unknown ``order``, or a class with fewer than ``n_per_class`` examples.
     """
     check_batch(x, "x")
     check_tensor(y, "y", f"[N]=[{len(x)}]")
@@ -134,6 +134,16 @@ def select_memorable(
         raise ValueError(f"n_per_class must be a positive int, got {n_per_class!r}")
     if order == "sensitivity" and posterior is None:
         raise ValueError("posterior is required for order='sensitivity'")
+    p0 = next(iter(model.parameters()), None)
+    with torch.no_grad():  # the head's width, from two examples (a model may squeeze one)
+        width = model(x[:2].to(p0.device if p0 is not None else x.device)).shape[-1]
+    if get_likelihood(likelihood).name == "bernoulli":
+        width = max(width, 2)  # one logit, labels 0 and 1
+    if len(y) and int(y.max()) >= width:
+        raise ValueError(
+            f"y must hold labels in [0, {width}) (the model's output units), got a label "
+            f"{int(y.max())}"
+        )
     y = y.long().cpu()
     cls = sorted(int(c) for c in y.unique()) if classes is None else [int(c) for c in classes]
     if len(cls) == 0:

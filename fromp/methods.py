@@ -19,8 +19,9 @@ units) keeps its old entries in the leading slice and new entries start from the
 
 from __future__ import annotations
 
+import contextlib
 import math
-import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,78 +29,46 @@ from torch import Tensor, nn
 
 from fromp._checks import check_batch, check_vector, device_dtype
 from fromp.curvature import diag_ggn, diag_ggn_linear
-from fromp.jacobian import flat_params, num_params, unflatten
+from fromp.jacobian import flat_params, num_params
 from fromp.kron import KronBlock, KronCurvature, kron_curvature
 from fromp.laplace_structures import KronLaplace
 from fromp.likelihood import get_likelihood
 from fromp.memorable import select_memorable
 from fromp.models import TaskView, is_multitask, with_task
+from fromp.named_state import (
+    Named,
+    _check_labels,
+    _clock,
+    _norm_buffers,
+    _swapped_buffers,
+    by_name,
+    fit_shape,
+    to_flat,
+)
 from fromp.posterior import DiagonalGaussian
 from fromp.regularizer import FROMPRegularizer, FunctionKernel
 
 __all__ = ["FROMPMethod", "Named", "by_name", "fit_shape", "to_flat"]
 
-#: Per-parameter state: ``{parameter name: tensor of the parameter's shape}``.
-Named = dict[str, Tensor]
-
 _SELECT = ("descending", "ascending", "random", "sensitivity")
 _POSTERIORS = ("ggn", "kron", "vogn", "ivon")
 _OWN_CURVATURE = ("ggn", "kron")  # curvature computed by the method, not by an optimizer
 _IVON_PENALTY = ("mean", "sample")
-
-
-def by_name(net: nn.Module, value: Tensor | Named) -> Named:
-    """Per-parameter state of ``net`` as detached clones keyed by parameter name: a flat
-    ``[P]`` vector (trainable parameters in ``named_parameters()`` order) is split by
-    parameter; a dict is copied as it is."""
-    if isinstance(value, Tensor):
-        value = unflatten(net, value.detach())
-    return {n: v.detach().clone() for n, v in value.items()}
-
-
-def fit_shape(v: Tensor, shape: torch.Size | tuple[int, ...], fill: float) -> Tensor:
-    """``v`` in ``shape``: ``v`` itself when the shapes agree, else a tensor of ``fill``
-    with ``v`` in its leading slice (a parameter that grew, e.g. a classifier's weight
-    ``[C, D] -> [C', D]`` after new classes). Refuses a parameter that shrank."""
-    if v.shape == shape:
-        return v
-    if v.ndim != len(shape) or any(a > b for a, b in zip(v.shape, shape)):
-        raise ValueError(
-            f"stored state of shape {tuple(v.shape)} does not fit the parameter's shape "
-            f"{tuple(shape)}: parameters may only grow"
-        )
-    out = v.new_full(tuple(shape), fill)
-    out[tuple(slice(0, s) for s in v.shape)] = v
-    return out
-
-
-def to_flat(value: Tensor | Named, net: nn.Module | None, fill: float) -> Tensor:
-    """``value`` (a dict by parameter name; a flat vector is returned as it is) as one
-    ``[P]`` vector in ``net``'s parameter order, ``fill`` for parameters (or, for grown
-    parameters, entries) it lacks (``net=None``: the dict's order)."""
-    if isinstance(value, Tensor):
-        return value
-    if net is None:
-        return torch.cat([v.reshape(-1) for v in value.values()])
-    ref = next(iter(value.values()))
-    return torch.cat(
-        [
-            fit_shape(value[n], p.shape, fill).reshape(-1)
-            if n in value
-            else torch.full((p.numel(),), fill, dtype=ref.dtype, device=ref.device)
-            for n, p in net.named_parameters()
-            if p.requires_grad
-        ]
-    )
-
-
-def _clock(device: torch.device) -> float:
-    """``time.perf_counter()`` after the work queued on ``device`` has finished (CUDA runs
-    kernels asynchronously: without the synchronisation a phase's time would be the time to
-    queue it)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
+_BN_STATISTICS = ("stored", "live", "batch")
+#: the settings a state must have been saved with to be loaded (see load_state_dict)
+_SETTINGS = (
+    "n_points",
+    "select",
+    "prior_precision",
+    "posterior",
+    "ivon_penalty",
+    "curvature_examples",
+    "likelihood",
+    "kernel",
+    "jitter",
+    "replay",
+    "bn_statistics",
+)
 
 
 class FROMPMethod:
@@ -155,7 +124,24 @@ class FROMPMethod:
             ``hessian_structure="kron"``). Models with other trainable parameters (batch
             norm) are refused; memorable points by ``"sensitivity"`` use its diagonal.
         curvature_examples: use at most this many (random) training examples of a task for
-            its GGN, rescaled to the task size (None: all, as in the paper).
+            its GGN, rescaled to the task size (default 1,000: the after-experience cost is
+            bounded whatever the experience's size, a few passes over 1,000 examples; None:
+            all, as in the paper and the runner's settings).
+        replay: also use the memorable set as a labelled coreset: :meth:`terms` returns the
+            mean negative log-likelihood of the memorable points of all earlier tasks under
+            their labels (through their heads), which the Avalanche plugin adds to the loss
+            (as S-FSVI and VCL use their coresets). Useful when one head sees classes one
+            experience at a time (class-incremental streams), where a penalty on the
+            function alone does not teach the head to tell old classes from new ones.
+        bn_statistics: the batch-norm statistics the memorable points are evaluated with
+            (targets, kernels and penalty): ``"stored"`` (default) those of the running
+            buffers at the last :meth:`learn_task` (what the network computed at test after
+            the task), swapped in for the penalty's forward, so that ``R`` is a function of
+            the weights alone, 0 at the old weights; ``"batch"``: the memorable batch's own
+            statistics (train-mode normalisation on the memorable points of all tasks in one
+            batch, running buffers untouched; targets taken the same way); ``"live"``: the
+            running statistics of the moment (they drift with the new task's batches). The
+            running buffers are never written by the penalty.
         chunk_size: examples per Jacobian chunk for the GGN and kernels.
         likelihood: the likelihood's name (``"categorical"``: softmax heads), for the
             memorability scores, the GGN and the kernels' ``p = inverse_link(f)``.
@@ -181,12 +167,20 @@ class FROMPMethod:
         jitter: float = 1e-6,
         grad_clip_norm: float | None = None,
         posterior: str = "ggn",
-        curvature_examples: int | None = None,
+        curvature_examples: int | None = 1000,
         chunk_size: int = 64,
         likelihood: str = "categorical",
         seed: int = 0,
         ivon_penalty: str = "mean",
+        replay: bool = False,
+        bn_statistics: str = "stored",
     ) -> None:
+        for name, v in (("tau", tau), ("prior_precision", prior_precision), ("jitter", jitter)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(
+                    f"{name} must be a number, got {type(v).__name__} (a strategy's criterion "
+                    "goes in criterion=)"
+                )
         if not (tau >= 0 and math.isfinite(tau)):
             raise ValueError(f"tau must be a finite number >= 0, got {tau!r}")
         if not (jitter >= 0 and math.isfinite(jitter)):
@@ -195,10 +189,22 @@ class FROMPMethod:
             raise ValueError(f"n_points must be a positive int, got {n_points!r}")
         if select not in _SELECT:
             raise ValueError(f"select must be one of {_SELECT}, got {select!r}")
-        if not prior_precision > 0:
-            raise ValueError(f"prior_precision must be > 0, got {prior_precision!r}")
-        if grad_clip_norm is not None and not grad_clip_norm > 0:
-            raise ValueError(f"grad_clip_norm must be > 0 or None, got {grad_clip_norm!r}")
+        if not (prior_precision > 0 and math.isfinite(prior_precision)):
+            raise ValueError(
+                f"prior_precision must be a finite number > 0, got {prior_precision!r}"
+            )
+        if grad_clip_norm is not None and not (
+            grad_clip_norm > 0 and math.isfinite(grad_clip_norm)
+        ):
+            raise ValueError(
+                f"grad_clip_norm must be a finite number > 0 or None, got {grad_clip_norm!r}"
+            )
+        if not isinstance(replay, bool):
+            raise TypeError(f"replay must be a bool, got {replay!r}")
+        if bn_statistics not in _BN_STATISTICS:
+            raise ValueError(
+                f"bn_statistics must be one of {_BN_STATISTICS}, got {bn_statistics!r}"
+            )
         if posterior not in _POSTERIORS:
             raise ValueError(f"posterior must be one of {_POSTERIORS}, got {posterior!r}")
         if ivon_penalty not in _IVON_PENALTY:
@@ -219,6 +225,11 @@ class FROMPMethod:
             kernel, likelihood, jitter=jitter, chunk_size=chunk_size
         )
         self.seed = int(seed)
+        self.replay = replay
+        self.bn_statistics = bn_statistics
+        # bn_statistics="stored": the normalisation layers' running statistics at the last
+        # learn_task (those the targets and kernels were computed with), by buffer name
+        self.bn_buffers: Named = {}
         self.generator = torch.Generator().manual_seed(seed)  # draws on the CPU (indices)
         # by parameter name: running sum of the tasks' diagonal GGNs (posterior="ggn"), or
         # the optimizer's posterior variance after the last task ("vogn", "ivon")
@@ -255,11 +266,47 @@ class FROMPMethod:
         return 1.0 / (to_flat(state, net, 0.0) + self.prior_precision)
 
     def penalty(self, net: nn.Module) -> Tensor:
-        """``R(w)`` on the memorable past (eval mode for the forward passes)."""
+        """``R(w)`` on the memorable past (see :meth:`terms`)."""
+        return self.terms(net)[0]
+
+    def terms(self, net: nn.Module) -> tuple[Tensor, Tensor | None]:
+        """``(R(w), replay loss)`` from one forward pass of the memorable points (one call
+        per head at most); the replay loss (mean negative log-likelihood of the memorable
+        points under their labels) is None unless ``replay=True``.
+
+        The forward runs in eval mode (no dropout) and, with ``bn_statistics="stored"``,
+        with the normalisation layers' running statistics of the last :meth:`learn_task`
+        (swapped in for the pass and swapped back, never written): the targets and kernels
+        were computed with those statistics, so ``R`` is a function of the weights alone,
+        0 at the weights of the last task, whatever training on the new task does to the
+        running statistics; the running buffers are neither read nor changed.
+        ``"live"``: the running statistics of the moment (which drift with the new task's
+        batches, so ``R`` is not 0 at the old weights)."""
+        with self._memorable_mode(net):
+            return self.regularizer.terms(net, replay=self.replay)
+
+    @contextlib.contextmanager
+    def _memorable_mode(self, net: nn.Module) -> Iterator[None]:
+        """The mode the memorable points are evaluated in (see :meth:`terms`)."""
         was_training = net.training
         net.eval()
+        norms = [m for m in net.modules() if isinstance(m, nn.modules.batchnorm._NormBase)]
         try:
-            return self.regularizer.penalty(net)
+            if self.bn_statistics == "batch":
+                clones = {
+                    n: b.detach().clone()
+                    for n, b in net.named_buffers()
+                    if n.rsplit(".", 1)[-1]
+                    in ("running_mean", "running_var", "num_batches_tracked")
+                }
+                for m in norms:
+                    m.train()
+                with _swapped_buffers(net, clones):
+                    yield
+            else:
+                stored = self.bn_buffers if self.bn_statistics == "stored" else {}
+                with _swapped_buffers(net, stored):
+                    yield
         finally:
             net.train(was_training)
 
@@ -305,6 +352,7 @@ class FROMPMethod:
         head = with_task(net, task)
         times = {"select_s": 0.0, "curvature_s": 0.0, "kernel_s": 0.0}
         try:
+            _check_labels(head, x, y, self.likelihood)  # before any state changes
             classes = sorted(int(c) for c in y.unique())
             per_class = self.n_points // len(classes)
             if per_class < 1:
@@ -342,8 +390,18 @@ class FROMPMethod:
                 i = self.experiences.index(experience)
                 del self.regularizer.memories[i]
                 del self.experiences[i]
-            self.regularizer.add_task(net, x[idx].to(device), task, variance)
+            seen = self.regularizer.classes_seen
+            seen[task] = sorted(set(seen.get(task, [])) | set(classes))
+            self.regularizer.add_task(
+                net, x[idx].to(device), task, variance, labels=y[idx].to(device)
+            )
             self.experiences.append(experience)
+            self.bn_buffers = _norm_buffers(net)
+            if self.bn_statistics == "batch" and any(
+                isinstance(m, nn.modules.batchnorm._NormBase) for m in net.modules()
+            ):
+                with torch.no_grad(), self._memorable_mode(net):
+                    self.regularizer.retarget(net)
             times["kernel_s"] = _clock(device) - t0
         finally:
             net.train(was_training)
@@ -484,6 +542,11 @@ class FROMPMethod:
             "curvature_examples": self.curvature_examples,
             "chunk_size": self.chunk_size,
             "likelihood": self.likelihood,
+            "kernel": self.kernel,
+            "jitter": self.regularizer.jitter,
+            "replay": self.replay,
+            "bn_statistics": self.bn_statistics,
+            "bn_buffers": dict(self.bn_buffers),
             "ggn_sum": self.ggn_sum,
             "optimizer_variance": self.optimizer_variance,
             "ggn_terms": {k: dict(v) for k, v in self.ggn_terms.items()},
@@ -500,7 +563,22 @@ class FROMPMethod:
     ) -> None:
         """Restore :meth:`state_dict` (e.g. in a fresh process after a checkpoint), tensors
         moved to ``device`` when given (load the checkpoint with ``map_location="cpu"``,
-        then pass the model's device)."""
+        then pass the model's device).
+
+        Refuses (``ValueError``, before anything is changed) a state saved with other
+        settings (``tau``, ``n_points``, ``kernel``, ``prior_precision``, ...; a key that an
+        older state lacks is not compared): resume with the settings of the run."""
+        mine = {"tau": self.tau, "grad_clip_norm": self.grad_clip_norm}
+        mine.update({k: getattr(self, k) for k in _SETTINGS if k not in ("kernel", "jitter")})
+        mine["kernel"], mine["jitter"] = self.kernel, self.regularizer.jitter
+        reg = state.get("regularizer", {})
+        for key, value in mine.items():
+            saved = state.get(key, reg.get(key, value) if key in ("kernel", "jitter") else value)
+            if saved != value:
+                raise ValueError(
+                    f"state was saved with {key}={saved!r}, method has {value!r}: resume "
+                    "with the settings of the run"
+                )
 
         def mv(d: Named | None) -> Named | None:
             if d is None or device is None or isinstance(d, Tensor):
@@ -549,3 +627,4 @@ class FROMPMethod:
         if "generator" in state:
             self.generator.set_state(state["generator"])
         self.timings = list(state.get("timings", []))
+        self.bn_buffers = dict(mv(state.get("bn_buffers", {})) or {})

@@ -177,7 +177,9 @@ def is_multitask(model: nn.Module) -> bool:
 
 class TaskView(nn.Module):
     """``x -> model(x, task)``: a module with a fixed head sharing ``model``'s parameters
-    (in the same order), for tools that call ``module(x)``.
+    (in the same order), for tools that call ``module(x)``. Its output is always
+    ``[N, C]``: a model that squeezes the batch dimension of a single example (Avalanche's
+    ``MTSimpleCNN``) gets it back.
 
     ``model(x, task=task)`` for :mod:`fromp` models, ``model(x, task)`` (an ``int`` task
     label, Avalanche's single-task path) for modules whose ``forward`` takes
@@ -191,8 +193,14 @@ class TaskView(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self._positional:
-            return self.model(x, self.task)
-        return self.model(x, task=self.task)
+            out = self.model(x, self.task)
+        else:
+            out = self.model(x, task=self.task)
+        if out.ndim == 1 and x.ndim > 1 and x.shape[0] == 1:
+            # a model that squeezes its features (Avalanche's MTSimpleCNN: x.squeeze())
+            # drops the batch dimension of a batch of one: [C] -> [1, C]
+            out = out.unsqueeze(0)
+        return out
 
 
 def with_task(model: nn.Module, task: int | None) -> nn.Module:

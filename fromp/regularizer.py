@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from fromp._checks import check_batch, check_vector, device_dtype
+from fromp._checks import check_batch, check_tensor, check_vector, device_dtype
 from fromp.gp import GP
 from fromp.jacobian import flat_params, num_params
 from fromp.likelihood import Likelihood, get_likelihood
@@ -100,6 +100,33 @@ def _prob_gp(
     return GP(_InverseLink(module, likelihood), posterior, likelihood, chunk_size=chunk_size)
 
 
+def _gp_kernel(gp: GP, x: Tensor, diagonal_outputs: bool) -> Tensor:
+    """``gp.kernel(x)``; the per-example Jacobian way when the structured evaluator's
+    one-example layer capture fails on the model (a model that squeezes the batch
+    dimension of a single example, Avalanche's ``MTSimpleCNN``, feeds its last layer a
+    ``[D]`` input instead of ``[1, D]``)."""
+    try:
+        return gp.kernel(x, diagonal_outputs=diagonal_outputs)
+    except RuntimeError as err:
+        if isinstance(err, torch.OutOfMemoryError):
+            raise
+        return gp.kernel(x, diagonal_outputs=diagonal_outputs, method="jacobian")
+
+
+def _select_units(k: Tensor, units: Tensor, kernel: str, m: int) -> Tensor:
+    """The kernel ``k`` of :meth:`FROMPRegularizer.kernel_matrix` on ``m`` points restricted
+    to the output units ``units``: ``[C, M, M] -> [C_s, M, M]`` (per class),
+    ``[1, C M, C M] -> [1, C_s M, C_s M]`` (joint, class-major)."""
+    units = units.to(k.device)
+    if kernel == "per_class":
+        return k if len(units) == k.shape[0] else k[units]
+    c = k.shape[-1] // m
+    if len(units) == c:
+        return k
+    k4 = k.reshape(c, m, c, m)[units][:, :, units]
+    return k4.reshape(1, len(units) * m, len(units) * m)
+
+
 def prob_jacobian(
     module: nn.Module,
     x: Tensor,
@@ -134,6 +161,18 @@ class MemorableSet:
         chol: float64 lower Cholesky factors of ``K + jitter I``: ``[C, M, M]`` per class,
             ``[1, C M, C M]`` joint, None for the identity kernel.
         jitter: the jitter that was added to the kernel diagonal.
+        units: ``[C_s]`` long indices of the output units the set is regularised on: the
+            head's units whose probability is not exactly 0 on every memorable point (units
+            an incremental classifier masks, at ``-1000``, for classes not seen yet are left
+            out, as their kernel would be the jitter alone) and, when the regulariser knows
+            the classes trained so far for the head (``classes_seen``, kept by
+            :class:`fromp.methods.FROMPMethod`), among those (a fixed 10-way head in a
+            class-incremental stream: the units of classes not trained yet have
+            probabilities near 0 and kernels near the jitter, and would stop the new classes
+            from being learnt); ``targets`` and ``chol`` cover these units only. None
+            (states of older versions): the first ``targets.shape[1]`` units.
+        labels: ``[M]`` the memorable points' labels (indices of the head's units), kept
+            for replay (:meth:`FROMPRegularizer.replay_loss`); None when not given.
     """
 
     inputs: Tensor
@@ -141,6 +180,8 @@ class MemorableSet:
     targets: Tensor
     chol: Tensor | None
     jitter: float = 0.0
+    units: Tensor | None = None
+    labels: Tensor | None = None
 
 
 class FROMPRegularizer:
@@ -194,6 +235,9 @@ class FROMPRegularizer:
         self.max_tries = int(max_tries)
         self.chunk_size = int(chunk_size)
         self.memories: list[MemorableSet] = []
+        #: per head (task id), the classes (output units) trained so far; when a head has
+        #: an entry, its sets are regularised on those units only (see MemorableSet.units)
+        self.classes_seen: dict[int | None, list[int]] = {}
         self._cache: dict = {}
 
     def __len__(self) -> int:
@@ -237,7 +281,7 @@ class FROMPRegularizer:
         else:
             var = self._check_variance(model, posterior_variance)
             gp = _prob_gp(module, self.likelihood, var, self.chunk_size)
-            k = gp.kernel(x, diagonal_outputs=self.kernel == "per_class").double()
+            k = _gp_kernel(gp, x, self.kernel == "per_class").double()
             if not bool((var > 0).any()):  # Sigma = 0: K = 0
                 k = torch.zeros_like(k)
             if self.kernel == "per_class":
@@ -293,16 +337,33 @@ class FROMPRegularizer:
         )
 
     def _build(
-        self, model: nn.Module, x: Tensor, task: int | None, variance: Tensor | FunctionKernel
+        self,
+        model: nn.Module,
+        x: Tensor,
+        task: int | None,
+        variance: Tensor | FunctionKernel,
+        labels: Tensor | None = None,
     ) -> MemorableSet:
         module = with_task(model, task)
         with torch.no_grad():
-            targets = self.likelihood.inverse_link(module(x)).double()
+            p = self.likelihood.inverse_link(module(x))
+        # units whose probability is exactly 0 on every point (masked: logit -1000) have a
+        # zero Jacobian, so a kernel of jitter alone: they are left out until they exist
+        live = p.amax(0) > 0
+        if task in self.classes_seen:  # classes never trained on have no function to keep
+            seen = torch.zeros_like(live)
+            seen[[c for c in self.classes_seen[task] if c < len(seen)]] = True
+            live = live & seen
+        units = torch.nonzero(live).squeeze(1)
+        if len(units) == 0:
+            raise ValueError(f"the head of task {task} gives probability 0 to every output")
+        targets = p.double()[:, units]
         if self.kernel == "identity":
-            return MemorableSet(x, task, targets, None, 0.0)
+            return MemorableSet(x, task, targets, None, 0.0, units, labels)
         k = self.kernel_matrix(model, x, task, variance)
+        k = _select_units(k, units, self.kernel, len(x))
         chol, jitter = self._cholesky(k, f"task {task}")
-        return MemorableSet(x, task, targets, chol, jitter)
+        return MemorableSet(x, task, targets, chol, jitter, units, labels)
 
     # ------------------------------------------------------------------------------ API
     def add_task(
@@ -313,6 +374,7 @@ class FROMPRegularizer:
         posterior_variance: Tensor | FunctionKernel,
         *,
         update_previous: bool = True,
+        labels: Tensor | None = None,
     ) -> None:
         """Store task ``task``'s memorable set ``x_mem [M, ...]`` with targets and kernel
         at the current parameters of ``model``.
@@ -327,40 +389,63 @@ class FROMPRegularizer:
             update_previous: also recompute targets and kernels of the tasks stored before
                 at the current parameters and ``Sigma`` (what FROMP does at the start of
                 every task: it regularises towards the latest solution ``w_t``).
+            labels: ``[M]`` the points' labels (head units), kept for
+                :meth:`replay_loss`.
         """
         check_batch(x_mem, "x_mem")
         device, _ = device_dtype(model)
+        if labels is not None:
+            labels = check_tensor(labels, "labels", f"[M]=[{len(x_mem)}]")
+            if labels.shape != (len(x_mem),) or labels.is_floating_point():
+                raise ValueError(
+                    f"labels must be [M]=[{len(x_mem)}] integer labels, got "
+                    f"{tuple(labels.shape)} {labels.dtype}"
+                )
+            labels = labels.detach().long().to(device)
         var = self._check_variance(model, posterior_variance)
         if update_previous:
             self.update(model, var)
-        self.memories.append(self._build(model, x_mem.detach().to(device), task, var))
+        self.memories.append(self._build(model, x_mem.detach().to(device), task, var, labels))
         self._cache = {}
 
     def update(self, model: nn.Module, posterior_variance: Tensor | FunctionKernel) -> None:
         """Recompute every stored task's targets and kernel at the current parameters and
         ``posterior_variance`` (inputs and heads are kept)."""
         var = self._check_variance(model, posterior_variance)
-        self.memories = [self._build(model, m.inputs, m.task, var) for m in self.memories]
+        self.memories = [self._build(model, m.inputs, m.task, var, m.labels) for m in self.memories]
         self._cache = {}
 
-    def residuals(self, model_fn: ModelFn) -> list[Tensor]:
+    def retarget(self, model_fn: ModelFn | nn.Module) -> None:
+        """Set every stored set's targets to the model's present outputs through
+        :meth:`outputs` (the evaluation the penalty uses: e.g. batch-norm layers on the
+        statistics of the memorable batch), on the units each set is stored on."""
+        for f, m in zip(self.outputs(model_fn), self.memories):
+            p = self.likelihood.inverse_link(f).detach().double()
+            m.targets = p[:, m.units] if m.units is not None else p[:, : m.targets.shape[1]]
+        self._cache = {}
+
+    def residuals(self, model_fn: ModelFn | nn.Module) -> list[Tensor]:
         """``r_s = p(X_s; w) - m_s`` for every stored task, each ``[M, C_s]`` float64.
 
-        A head that has grown since task ``s`` was stored (an incremental classifier adds
-        output units for new classes: ``p`` is ``[M, C']`` with ``C' > C_s``) is compared on
-        its first ``C_s`` units, the softmax taken over all ``C'`` units: keeping the old
-        classes' probabilities keeps the new units' mass near zero on the memorable past."""
-        return [self._residual(model_fn(m.inputs, m.task), m) for m in self.memories]
+        ``C_s`` are the units the set was stored on (:attr:`MemorableSet.units`: the units
+        not masked at the time). A head that has grown since (an incremental classifier
+        adds or unmasks output units for new classes: ``p`` is ``[M, C']``) is compared on
+        those units, the softmax taken over all ``C'`` units (masked units, at ``-1000``,
+        have probability 0): keeping the old classes' probabilities keeps the new units'
+        mass near zero on the memorable past."""
+        return [self._residual(f, m) for f, m in zip(self.outputs(model_fn), self.memories)]
 
     def _residual(self, f: Tensor, m: MemorableSet) -> Tensor:
         p = self.likelihood.inverse_link(f).double()
-        c = m.targets.shape[1]
-        if p.shape[1] < c:
+        need = m.targets.shape[1] if m.units is None else int(m.units.max()) + 1
+        if p.shape[1] < need:
             raise ValueError(
                 f"the head of task {m.task} has {p.shape[1]} outputs, fewer than the "
-                f"{c} it had when its memorable set was stored"
+                f"{need} it had when its memorable set was stored"
             )
-        return p[:, :c] - m.targets
+        if m.units is None:
+            return p[:, :need] - m.targets
+        return p[:, m.units] - m.targets
 
     def penalty(self, model_fn: ModelFn | nn.Module) -> Tensor:
         """``R(w) = 1/2 sum_s r_s^T K_s^{-1} r_s``, a differentiable scalar.
@@ -373,14 +458,66 @@ class FROMPRegularizer:
         model gets a ``[N]`` tensor of heads) and the solves of equal-sized kernels are
         batched. Returns 0 when no task is stored.
         """
+        return self.terms(model_fn)[0]
+
+    def terms(
+        self, model_fn: ModelFn | nn.Module, *, replay: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """``(R(w), replay loss or None)`` from one evaluation of the memorable points:
+        :meth:`penalty`, and with ``replay`` the mean negative log-likelihood of the
+        memorable points under their stored labels (:meth:`replay_loss`)."""
         if not self.memories:
-            return torch.zeros(())
+            return torch.zeros(()), (torch.zeros(()) if replay else None)
+        outputs = self.outputs(model_fn)
+        residuals = [self._residual(f, m) for f, m in zip(outputs, self.memories)]
+        return self._penalty(residuals), (self._replay(outputs) if replay else None)
+
+    def replay_loss(self, model_fn: ModelFn | nn.Module) -> Tensor:
+        """The memorable set as a labelled coreset: ``-(1 / sum_s M_s) sum_s sum_m log
+        p(y_m | f(x_m; w))`` over the stored points of every task, through their heads
+        (softmax cross-entropy for ``"categorical"``). Needs the labels
+        (``add_task(..., labels=)``)."""
+        return self.terms(model_fn, replay=True)[1]
+
+    def _replay(self, outputs: list[Tensor]) -> Tensor:
+        total, count = None, 0
+        for f, m in zip(outputs, self.memories):
+            if m.labels is None:
+                raise ValueError(
+                    f"the memorable set of task {m.task} has no labels: replay needs "
+                    "add_task(..., labels=)"
+                )
+            nll = self.likelihood.nll(f, m.labels.to(f.device)).sum()
+            total = nll if total is None else total + nll
+            count += len(m.labels)
+        assert total is not None
+        return total / count
+
+    def outputs(self, model_fn: ModelFn | nn.Module) -> list[Tensor]:
+        """The model's outputs ``[M_s, C]`` on every stored memorable set, through its head.
+
+        A plain module or a :mod:`fromp` model: all memorable inputs in one forward pass
+        (a multi-head model gets a ``[N]`` tensor of heads). A module taking
+        ``task_labels`` (Avalanche's ``MultiTaskModule``, heads of different widths): one
+        call per distinct head, with all that head's points. A function
+        ``(x, task) -> logits``: one call per set."""
         if isinstance(model_fn, nn.Module) and takes_task_labels(model_fn):
-            residuals = self.residuals(task_fn(model_fn))  # heads may differ in width
-        elif isinstance(model_fn, nn.Module):
-            residuals = self._residuals_batched(model_fn)
-        else:
-            residuals = self.residuals(model_fn)
+            fn = task_fn(model_fn)
+            by_task: dict[int | None, list[int]] = {}
+            for i, m in enumerate(self.memories):
+                by_task.setdefault(m.task, []).append(i)
+            out: list[Tensor | None] = [None] * len(self.memories)
+            for t, idx in by_task.items():
+                x = torch.cat([self.memories[i].inputs for i in idx])
+                f = fn(x, t)
+                for i, fi in zip(idx, f.split([len(self.memories[i].inputs) for i in idx])):
+                    out[i] = fi
+            return out  # type: ignore[return-value]
+        if isinstance(model_fn, nn.Module):
+            return self._outputs_batched(model_fn)
+        return [model_fn(m.inputs, m.task) for m in self.memories]
+
+    def _penalty(self, residuals: list[Tensor]) -> Tensor:
         if self.kernel == "identity":
             return 0.5 * sum((r * r).sum() for r in residuals)
         # group the right-hand sides by kernel size: one batched solve per group
@@ -404,7 +541,7 @@ class FROMPRegularizer:
             self._cache[key] = torch.cat([self.memories[i].chol for i in idx])
         return self._cache[key]
 
-    def _residuals_batched(self, model: nn.Module) -> list[Tensor]:
+    def _outputs_batched(self, model: nn.Module) -> list[Tensor]:
         if "x" not in self._cache:
             self._cache["x"] = torch.cat([m.inputs for m in self.memories])
             tasks = [0 if m.task is None else int(m.task) for m in self.memories]
@@ -420,9 +557,7 @@ class FROMPRegularizer:
             f = model(x, task=task)
         else:
             f = model(x)
-        return [
-            self._residual(fi, m) for fi, m in zip(f.split(self._cache["sizes"]), self.memories)
-        ]
+        return list(f.split(self._cache["sizes"]))
 
     # ------------------------------------------------------------------------- state
     def state_dict(self) -> dict:
@@ -433,6 +568,7 @@ class FROMPRegularizer:
             "jitter": self.jitter,
             "max_tries": self.max_tries,
             "chunk_size": self.chunk_size,
+            "classes_seen": {k: list(v) for k, v in self.classes_seen.items()},
             "memories": [
                 {
                     "inputs": m.inputs,
@@ -440,6 +576,8 @@ class FROMPRegularizer:
                     "targets": m.targets,
                     "chol": m.chol,
                     "jitter": m.jitter,
+                    "units": m.units,
+                    "labels": m.labels,
                 }
                 for m in self.memories
             ],
@@ -458,13 +596,20 @@ class FROMPRegularizer:
         self.jitter = float(state.get("jitter", self.jitter))
         self.max_tries = int(state.get("max_tries", self.max_tries))
         self.chunk_size = int(state.get("chunk_size", self.chunk_size))
+        self.classes_seen = {k: list(v) for k, v in state.get("classes_seen", {}).items()}
 
         def mv(t: Tensor | None) -> Tensor | None:
             return t if t is None or device is None else t.to(device)
 
         self.memories = [
             MemorableSet(
-                mv(d["inputs"]), d["task"], mv(d["targets"]), mv(d["chol"]), d.get("jitter", 0.0)
+                mv(d["inputs"]),
+                d["task"],
+                mv(d["targets"]),
+                mv(d["chol"]),
+                d.get("jitter", 0.0),
+                mv(d.get("units")),
+                mv(d.get("labels")),
             )
             for d in state["memories"]
         ]

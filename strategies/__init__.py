@@ -7,7 +7,7 @@ loggers.
 
 from strategies.benchmarks import experience_tensors
 from strategies.ewc import EWC, EWCPlugin
-from strategies.fromp import FROMP, FROMPPlugin
+from strategies.fromp import FROMP, FROMPPenaltyMetric, FROMPPlugin
 from strategies.ivon import IVONPlugin, IVONStrategy
 from strategies.vcl import VCL, VCLPlugin
 from strategies.vogn import VOGNPlugin, VOGNStrategy
@@ -17,6 +17,7 @@ __all__ = [
     "FROMP",
     "VCL",
     "EWCPlugin",
+    "FROMPPenaltyMetric",
     "FROMPPlugin",
     "IVONPlugin",
     "IVONStrategy",

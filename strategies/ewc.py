@@ -27,6 +27,7 @@ when ``lambda = 2 * lambda_av / B``, e.g. Avalanche's ``lambda_av = 1e4`` with b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -112,6 +113,7 @@ class EWC(MethodStrategy):
         *,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
+        criterion: nn.Module | Callable | None = None,
         ewc_lambda: float = 100.0,
         mode: str = "separate",
         decay_factor: float = 1.0,
@@ -135,5 +137,6 @@ class EWC(MethodStrategy):
             method_plugins=[plugin],
             model=model,
             optimizer=optimizer,
+            criterion=criterion,
             **template_kwargs,
         )

@@ -25,10 +25,13 @@ head.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from avalanche.core import SupervisedPlugin
+from avalanche.evaluation import GenericPluginMetric
+from avalanche.evaluation.metrics import Mean
 from torch import Tensor, nn
 
 from fromp.methods import FROMPMethod, to_flat
@@ -36,7 +39,7 @@ from strategies.benchmarks import experience_tensors
 from strategies.models import unwrap
 from strategies.template import MethodStrategy
 
-__all__ = ["FROMP", "FROMPPlugin", "experience_tensors"]
+__all__ = ["FROMP", "FROMPPenaltyMetric", "FROMPPlugin", "experience_tensors"]
 
 
 class FROMPPlugin(SupervisedPlugin):
@@ -49,18 +52,47 @@ class FROMPPlugin(SupervisedPlugin):
     Avalanche ``MultiTaskModule``s (``forward(x, task_labels)``). The method's attributes
     (``regularizer``, ``ggn_sum``, ``tasks_done``, ...) are readable on the plugin.
 
-    Args: those of :class:`fromp.methods.FROMPMethod`.
+    What the loggers see: ``tau * R`` is added to ``strategy.loss`` for the backward pass
+    and taken out of it again (as a constant) after it, so Avalanche's loss metrics (and the
+    ``training_loss`` column of its ``CSVLogger``) record the loss without the penalty, as
+    for any other strategy; :class:`FROMPPenaltyMetric` records ``tau * R`` (the
+    :class:`FROMP` strategy adds it to its evaluator). With ``replay=True`` the memorable
+    points' loss under their labels is added as well and stays in the logged loss (it is
+    part of the data term). A warning (once) says when ``tau * R`` exceeds
+    ``100 x`` the loss without it in the first steps of an experience.
+
+    Args: those of :class:`fromp.methods.FROMPMethod` (``curvature_examples`` defaults to
+    1,000: the GGN after each experience on a random subsample of that many examples,
+    rescaled; None: all examples, as in the paper).
     """
 
-    def __init__(self, tau: float = 10.0, n_points: int = 40, **kwargs: Any) -> None:
+    #: ``tau * R`` above this multiple of the data loss gets a warning (once)
+    dominance_ratio: float = 100.0
+
+    def __init__(
+        self,
+        tau: float = 10.0,
+        n_points: int = 40,
+        *,
+        curvature_examples: int | None = 1000,
+        **kwargs: Any,
+    ) -> None:
         super().__init__()
-        self.method = FROMPMethod(tau, n_points, **kwargs)
+        self.method = FROMPMethod(tau, n_points, curvature_examples=curvature_examples, **kwargs)
         self._last_penalty: Tensor | None = None
+        self._weighted: Tensor | None = None
+        self._warned = False
+        self._checks_left = 0
 
     def __setattr__(self, name: str, value: Any) -> None:
         # settings and state live on the method: plugin.x = v sets method.x
         method = self.__dict__.get("method")
-        if method is not None and name not in ("method", "_last_penalty") and hasattr(method, name):
+        if (
+            method is not None
+            and not name.startswith("_")
+            and name != "method"
+            and hasattr(method, name)
+        ):
             setattr(method, name, value)
         else:
             super().__setattr__(name, value)
@@ -105,12 +137,55 @@ class FROMPPlugin(SupervisedPlugin):
     def _penalty_at_mean(self) -> bool:
         return self.posterior == "ivon" and self.ivon_penalty == "mean"
 
+    @property
+    def last_weighted_penalty(self) -> float:
+        """``tau * R(w)`` of the last training step (0 before the first memorable set)."""
+        return 0.0 if self._last_penalty is None else self.tau * float(self._last_penalty)
+
+    def before_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        self._checks_left = 20  # steps of this experience whose penalty is compared
+        self._last_penalty = None
+
     def before_backward(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
-        if len(self.regularizer) == 0 or self.tau == 0 or self._penalty_at_mean:
+        self._weighted = None
+        if len(self.regularizer) == 0:
             return
-        pen = self.penalty(unwrap(strategy.model))
+        replay = self.method.replay
+        if (self.tau == 0 or self._penalty_at_mean) and not replay:
+            return
+        pen, rep = self.method.terms(unwrap(strategy.model))
+        if rep is not None:  # the coreset's loss is part of the data term
+            strategy.loss = strategy.loss + rep.to(strategy.loss.dtype)
+        if self.tau == 0 or self._penalty_at_mean:
+            return
         self._last_penalty = pen.detach()
-        strategy.loss = strategy.loss + self.tau * pen.to(strategy.loss.dtype)
+        weighted = self.tau * pen.to(strategy.loss.dtype)
+        self._check_dominance(weighted, strategy.loss)
+        strategy.loss = strategy.loss + weighted
+        self._weighted = weighted.detach()
+
+    def after_backward(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        # the loggers' loss: without the penalty (a constant taken out after the backward)
+        if self._weighted is not None:
+            strategy.loss = strategy.loss - self._weighted
+            self._weighted = None
+
+    def _check_dominance(self, weighted: Tensor, loss: Tensor) -> None:
+        """Warn (once) when ``tau * R`` exceeds ``dominance_ratio`` times the loss without
+        it; compared in the first steps of each experience only (a host sync each)."""
+        if self._warned or self._checks_left <= 0:
+            return
+        self._checks_left -= 1
+        w, data = float(weighted.detach()), float(loss.detach())
+        if w > self.dominance_ratio * max(abs(data), 1e-8):
+            self._warned = True
+            warnings.warn(
+                f"FROMP: tau * R = {w:.3g} is {w / max(abs(data), 1e-8):.0f}x the loss "
+                f"without it ({data:.3g}); the penalty dominates training: lower tau "
+                f"(now {self.tau:g}) or raise prior_precision / jitter",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def before_update(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
         if self.grad_clip_norm is not None:
@@ -177,6 +252,39 @@ class FROMPPlugin(SupervisedPlugin):
         self.method.load_state_dict(state, device=device)
 
 
+class FROMPPenaltyMetric(GenericPluginMetric[float, Mean]):
+    """Avalanche metric: the mean of ``tau * R(w)`` over an epoch's training steps
+    (weighted by mini-batch size), emitted as ``FROMP_Penalty_Epoch`` after each training
+    epoch, so every logger that records metrics (text, interactive, TensorBoard, W&B)
+    shows it beside ``Loss_Epoch`` (the loss without the penalty, see
+    :class:`FROMPPlugin`). Avalanche's ``CSVLogger`` writes fixed columns only: its
+    ``training_loss`` is then the loss without the penalty.
+
+    The :class:`FROMP` strategy adds it to an ``EvaluationPlugin`` that lacks it; with a
+    :class:`FROMPPlugin` in another strategy pass it to the ``EvaluationPlugin``::
+
+        EvaluationPlugin(loss_metrics(epoch=True), FROMPPenaltyMetric(), loggers=[...])
+    """
+
+    def __init__(self) -> None:
+        super().__init__(Mean(), reset_at="epoch", emit_at="epoch", mode="train")
+
+    def update(self, strategy: Any) -> None:
+        plugin = next((p for p in strategy.plugins if isinstance(p, FROMPPlugin)), None)
+        if plugin is not None:
+            self._metric.update(plugin.last_weighted_penalty, len(strategy.mb_y))
+
+    def __str__(self) -> str:
+        return "FROMP_Penalty_Epoch"
+
+
+def _add_penalty_metric(evaluator: Any) -> None:
+    """Add a :class:`FROMPPenaltyMetric` to an ``EvaluationPlugin`` that has none."""
+    metrics = getattr(evaluator, "metrics", None)
+    if isinstance(metrics, list) and not any(isinstance(m, FROMPPenaltyMetric) for m in metrics):
+        metrics.append(FROMPPenaltyMetric())
+
+
 class FROMP(MethodStrategy):
     """FROMP strategy: Avalanche's supervised template with a :class:`FROMPPlugin`.
 
@@ -201,6 +309,7 @@ class FROMP(MethodStrategy):
         *,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
+        criterion: nn.Module | Callable | None = None,
         tau: float = 10.0,
         n_points: int = 40,
         kernel: str = "per_class",
@@ -209,13 +318,15 @@ class FROMP(MethodStrategy):
         jitter: float = 1e-6,
         grad_clip_norm: float | None = None,
         posterior: str = "ggn",
-        curvature_examples: int | None = None,
+        curvature_examples: int | None = 1000,
         chunk_size: int = 64,
         likelihood: str = "categorical",
         seed: int = 0,
         vogn_continual: bool = True,
         ivon_continual: bool = False,
         ivon_penalty: str = "mean",
+        replay: bool = False,
+        bn_statistics: str = "stored",
         **template_kwargs: Any,
     ) -> None:
         extra: list[Any] = []
@@ -256,10 +367,14 @@ class FROMP(MethodStrategy):
             likelihood=likelihood,
             seed=seed,
             ivon_penalty=ivon_penalty,
+            replay=replay,
+            bn_statistics=bn_statistics,
         )
         super().__init__(
             method_plugins=[plugin, *extra],
             model=model,
             optimizer=optimizer,
+            criterion=criterion,
             **template_kwargs,
         )
+        _add_penalty_metric(self.evaluator)

@@ -37,7 +37,8 @@ class MethodStrategy(SupervisedTemplate):
         optimizer: its optimizer.
         criterion: the training loss (default ``nn.CrossEntropyLoss()``).
         train_mb_size, train_epochs, eval_mb_size, device, plugins, evaluator, eval_every:
-            as in Avalanche.
+            as in Avalanche, with its defaults (mini-batches of 1 for training and
+            evaluation: pass e.g. ``train_mb_size=128``).
         **base_kwargs: further ``SupervisedTemplate`` arguments.
     """
 
@@ -48,9 +49,9 @@ class MethodStrategy(SupervisedTemplate):
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         criterion: nn.Module | Callable | None = None,
-        train_mb_size: int = 128,
+        train_mb_size: int = 1,
         train_epochs: int = 1,
-        eval_mb_size: int | None = 1000,
+        eval_mb_size: int | None = 1,
         device: str | torch.device = "cpu",
         plugins: list[Any] | None = None,
         evaluator: Any = default_evaluator,
@@ -78,6 +79,31 @@ class MethodStrategy(SupervisedTemplate):
         super()._before_training_exp(**kwargs)
         check_labels_fit(self.model, self.experience, self.device)
 
+    def _adapt_model(self, model: nn.Module | None) -> nn.Module:
+        """The adaptation itself (Avalanche's); a strategy that adds parameters of its own
+        when the model grows (VCL's twin) extends this, so that the optimizer refresh in
+        :meth:`model_adaptation` sees them."""
+        return super().model_adaptation(model)
+
+    def model_adaptation(self, model: nn.Module | None = None) -> nn.Module:
+        """Avalanche's model adaptation (heads added or grown for the experience), with the
+        optimizer following the model: before the first adaptation the optimizer's
+        parameters are mapped to their names (Avalanche's first ``make_optimizer``), and
+        after every adaptation a parameter that grew (``IncrementalClassifier``) replaces
+        its old tensor in the optimizer and a new one (a new head) is added to it.
+
+        Avalanche itself refreshes the optimizer only before training an experience; a
+        model adapted outside it (a checkpoint restored after heads grew, evaluation on a
+        stream with new tasks) would otherwise train with an optimizer that holds the old
+        head's tensors."""
+        own = model is None or model is self.model
+        if own and getattr(self, "optimized_param_id", True) is None:
+            self.make_optimizer(reset_optimizer_state=True)
+        out = self._adapt_model(model)
+        if own and getattr(self, "optimized_param_id", None) is not None:
+            self.make_optimizer(reset_optimizer_state=False)
+        return out
+
 
 def check_labels_fit(model: nn.Module, experience: Any, device: Any = "cpu") -> None:
     """Refuse (``ValueError``, before any training) an experience whose class labels do not
@@ -90,9 +116,11 @@ def check_labels_fit(model: nn.Module, experience: Any, device: Any = "cpu") -> 
     dataset = experience.dataset
     if len(dataset) == 0:
         return
-    item = dataset[0]
-    x = item[0].unsqueeze(0).to(device)
-    task = int(item[2]) if len(item) > 2 else 0
+    # at least two examples: a model that squeezes its features (x.squeeze(), e.g.
+    # Avalanche's MTSimpleCNN) drops the batch dimension of a batch of one
+    items = [dataset[i] for i in range(min(2, len(dataset)))]
+    x = torch.stack([it[0] for it in items]).to(device)
+    task = int(items[0][2]) if len(items[0]) > 2 else 0
     was_training = model.training
     model.eval()
     dev = torch.device(device)

@@ -33,6 +33,7 @@ plugin and in the network, and is returned by :meth:`VCLPlugin.state_dict`.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -419,6 +420,7 @@ class VCL(MethodStrategy):
         *,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
+        criterion: nn.Module | Callable | None = None,
         train_samples: int = 10,
         test_samples: int = 100,
         ml_init_epochs: int | None = None,
@@ -495,6 +497,7 @@ class VCL(MethodStrategy):
             method_plugins=[plugin],
             model=model,
             optimizer=optimizer,
+            criterion=criterion,
             **template_kwargs,
         )
         self._mc_logits: Tensor | None = None
@@ -504,10 +507,10 @@ class VCL(MethodStrategy):
         """The Bayesian network (a :class:`fromp.vcl.MeanFieldTwin` for other models)."""
         return self.plugin.net
 
-    def model_adaptation(self, model: nn.Module | None = None) -> nn.Module:
+    def _adapt_model(self, model: nn.Module | None) -> nn.Module:
         """Avalanche's adaptation (new heads or units), then the twin's log-variances and
-        priors for the new parameters (before Avalanche updates the optimizer)."""
-        model = super().model_adaptation(model)
+        priors for the new parameters (before the optimizer is refreshed)."""
+        model = super()._adapt_model(model)
         if self._twin is not None:
             self._twin.sync()
         return model

@@ -21,7 +21,10 @@ def _load():
     return module
 
 
-def _benchmark(n_exp: int = 3):
+def _benchmark(n_exp: int = 3, order: list[int] | None = None):
+    """Avalanche's default labels (global, not counted from zero per task), in a shuffled
+    class order as SplitMNIST's: each MTSimpleMLP head grows after it is created."""
+
     def ds(n: int, seed: int):
         g = torch.Generator().manual_seed(seed)
         y = torch.arange(n) % (2 * n_exp)
@@ -30,7 +33,12 @@ def _benchmark(n_exp: int = 3):
         return _make_taskaware_tensor_classification_dataset(x, y, targets=y.tolist())
 
     return nc_benchmark(
-        ds(120, 0), ds(60, 1), n_exp, True, shuffle=False, fixed_class_order=list(range(2 * n_exp))
+        ds(120, 0),
+        ds(60, 1),
+        n_exp,
+        True,
+        shuffle=False,
+        fixed_class_order=order or list(range(2 * n_exp)),
     )
 
 
@@ -41,11 +49,12 @@ def test_example_is_short():
 @pytest.mark.parametrize("method", ["fromp", "ewc", "vcl"])
 def test_example_trains_and_resumes(method, tmp_path):
     ex = _load()
-    bm = _benchmark()
+    bm = _benchmark(order=[5, 2, 0, 4, 3, 1])
     full = ex.run(method, bm, tmp_path / "full", lr=1e-2)
     assert len(full) == 3 and all(0.0 <= v <= 1.0 for v in full.values())
-    # interrupted after two experiences, then restarted
-    part = tmp_path / "part"
-    ex.run(method, bm, part, lr=1e-2, stop_after=2)
-    resumed = ex.run(method, bm, part, lr=1e-2)
-    assert resumed == full
+    # interrupted after one and after two experiences (heads grown since), then restarted
+    for stop in (1, 2):
+        part = tmp_path / f"part{stop}"
+        ex.run(method, bm, part, lr=1e-2, stop_after=stop)
+        resumed = ex.run(method, bm, part, lr=1e-2)
+        assert resumed == full

@@ -55,7 +55,9 @@ def test_single_example_kfac_kernel_equals_dense_block_diagonal_ggn():
     method.learn_task(net, x, y, None)
     g = dense_ggn(net, x, CategoricalLikelihood())
     cov = torch.linalg.inv(g * _block_mask(net) + delta * torch.eye(len(g), dtype=F64))
-    want = _prob_kernel_per_class(net, x, cov)
+    # on the one class trained (label 2): the units of classes not trained are left out
+    want = _prob_kernel_per_class(net, x, cov)[[2]]
+    assert method.regularizer.memories[0].units.tolist() == [2]
     torch.testing.assert_close(_kernel_of(method, 0), want, rtol=1e-8, atol=1e-12)
     # the joint kernel from the same posterior: class-major [1, C M, C M]
     joint = FROMPMethod(tau=1.0, n_points=1, posterior="kron", prior_precision=delta,

@@ -66,7 +66,12 @@ def test_runs_and_checkpoint_restores_identical_penalty(multi_head):
     with torch.no_grad():
         for p in net.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    fresh = FROMPPlugin(tau=123.0, n_points=2)
+    # a state saved with other settings is refused, the method left as it was
+    other = FROMPPlugin(tau=123.0, n_points=8, grad_clip_norm=1.0)
+    with pytest.raises(ValueError, match=r"tau=1\.0"):
+        other.load_state_dict(state)
+    assert other.tau == 123.0 and other.tasks_done == 0 and len(other.regularizer) == 0
+    fresh = FROMPPlugin(tau=1.0, n_points=8, grad_clip_norm=1.0)
     fresh.load_state_dict(state)
     assert fresh.tau == 1.0 and fresh.n_points == 8 and fresh.tasks_done == 2
     assert fresh.penalty(net).item() == plugin.penalty(net).item() > 0
@@ -185,7 +190,7 @@ def test_fromp_vogn_uses_vogn_posterior_and_checkpoints():
     torch.testing.assert_close(q_var, 1 / opt.prior().precision)
     strategy.train(scenario.train_stream[1])
     assert len(plugin.regularizer) == 2 and plugin.last_penalty > 0
-    fresh = FROMPPlugin(posterior="vogn")
+    fresh = FROMPPlugin(tau=1.0, n_points=4, posterior="vogn")
     fresh.load_state_dict(plugin.state_dict())
     assert fresh.penalty(net).item() == plugin.penalty(net).item()
     with pytest.raises(TypeError, match="VOGN"):

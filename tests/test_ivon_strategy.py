@@ -163,7 +163,7 @@ def test_fromp_ivon_kernel_uses_ivon_posterior_over_three_tasks():
         assert len(plugin.regularizer) == t + 1 and plugin.last_penalty > 0
         torch.testing.assert_close(plugin.posterior_variance(), opt.posterior(net).variance)
     assert not opt.sampled
-    fresh = FROMPPlugin(posterior="ivon")
+    fresh = FROMPPlugin(tau=1.0, n_points=4, grad_clip_norm=1.0, posterior="ivon")
     fresh.load_state_dict(plugin.state_dict())
     assert fresh.penalty(net).item() == plugin.penalty(net).item()
     with pytest.raises(TypeError, match="IVON"):

@@ -130,7 +130,7 @@ def test_ewc_three_tasks_fisher_through_each_head_and_online_decay(mode):
 
 
 def test_fromp_nondefault_settings_survive_a_checkpoint():
-    """A plugin restored from ``state_dict`` into one built with the defaults continues
+    """A plugin restored from ``state_dict`` into one built with the same settings continues
     exactly like the original on task 3 (random selection, curvature subsample, joint kernel,
     prior precision and jitter all non-default)."""
     stream, net = _stream(), _net(head_size=1)  # one logit per task: Bernoulli
@@ -150,7 +150,9 @@ def test_fromp_nondefault_settings_survive_a_checkpoint():
         _move(net, seed=400 + t)
         plugin.learn_task(net, x, y, t)
     state = copy.deepcopy(plugin.state_dict())
-    fresh = FROMPPlugin()
+    with pytest.raises(ValueError, match="settings of the run"):
+        FROMPPlugin().load_state_dict(state)  # built with the defaults: refused
+    fresh = FROMPPlugin(tau=2.5, n_points=6, **kw)
     fresh.load_state_dict(state)
     keys = ("tau", "n_points", "kernel", "select", "prior_precision", "grad_clip_norm")
     for key in (*keys, "likelihood", "chunk_size"):
