@@ -92,7 +92,9 @@ class EWCPlugin(SupervisedPlugin):
         tasks = t.unique()
         if len(tasks) != 1:
             raise ValueError(f"an experience must hold one task label, got {tasks.tolist()}")
-        self.method.learn_task(self.net, x, y, int(tasks[0]))
+        # keyed by the experience: training it again replaces its anchor and Fisher
+        experience = int(strategy.experience.current_experience)
+        self.method.learn_task(self.net, x, y, int(tasks[0]), experience=experience)
 
     def state_dict(self) -> dict:
         """The method's state (:meth:`fromp.ewc.EWCMethod.state_dict`)."""

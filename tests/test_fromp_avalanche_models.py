@@ -109,12 +109,6 @@ def test_zero_dim_parameter_state_by_name():
 
 
 def test_zero_dim_parameter_strategies_after_experience_0():
-    from fromp.jacobian import unflatten
-
-    try:
-        unflatten(_Temperature(), torch.zeros(6 * 784 + 6 + 1))
-    except TypeError:
-        pytest.skip("fromp.jacobian.unflatten does not take 0-dim parameters yet")
     bm = _bench(task_labels=False)
     for cls, kw in ((FROMP, {"n_points": 4}), (EWC, {})):
         torch.manual_seed(0)
@@ -300,3 +294,23 @@ def test_batched_penalty_equals_the_per_task_loop_after_tasks_1_2_3():
         net.train()
         torch.testing.assert_close(batched, loop, rtol=1e-12, atol=1e-14)
         assert float(batched) > 0
+
+
+def test_ewc_strategy_trained_twice_on_an_experience_keeps_one_anchor():
+    """Audit S22: the EWC strategy's ``train(exp)`` on the same experience twice keeps one
+    anchor for it (the second replaces the first), as FROMP does; two experiences, two."""
+    from avalanche.models import SimpleMLP
+
+    bm = _bench(task_labels=False)
+    exps = list(bm.train_stream)
+    torch.manual_seed(0)
+    net = SimpleMLP(num_classes=6, input_size=784, hidden_size=16)
+    s = EWC(model=net, optimizer=torch.optim.SGD(net.parameters(), 0.0), evaluator=None,
+            train_mb_size=16)  # fmt: skip
+    s.train(exps[0])
+    once = float(s.plugins[0].method.penalty(net))
+    s.train(exps[0])  # lr 0: the same weights, the same Fisher
+    assert len(s.plugins[0].method.anchors) == 1
+    assert float(s.plugins[0].method.penalty(net)) == pytest.approx(once, abs=1e-12)
+    s.train(exps[1])
+    assert len(s.plugins[0].method.anchors) == 2
