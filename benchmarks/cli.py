@@ -16,7 +16,7 @@ strategy whose objective keeps its earlier tasks, of the evaluated task alone ot
 (:func:`_auto_curvature`), the prior precision by the evidence), memorable points marked, and
 ``memory_map.json`` with the per-example numbers, the estimated leave-one-out NLL and
 accuracy (memory perturbation with the example's own curvature removed,
-:mod:`fromp.sensitivity`) and the task's test NLL and accuracy beside them.
+:mod:`fromp.memory.sensitivity`) and the task's test NLL and accuracy beside them.
 ``fromp-gp`` fits a diagonal Laplace-GGN posterior on the task's training data (the prior
 precision chosen by the Laplace evidence unless given), converts the network into its DNN2GP
 Gaussian process and writes ``gp.npz`` (GP mean, kernel ``[N, C, N, C]``, marginal variances and
@@ -293,7 +293,7 @@ def write_memory_map(
     """The memory map of ``(x, y)``: ``memory_map.png`` (prediction error ``|e_i|_1``
     against prediction variance ``sum_k v_ik``, colour: sensitivity, memorable points
     circled) and ``memory_map.json`` (per-example numbers of
-    :meth:`fromp.sensitivity.MemoryPerturbation.to_dict`, ``index`` into the data set,
+    :meth:`fromp.memory.sensitivity.MemoryPerturbation.to_dict`, ``index`` into the data set,
     ``memorable`` flags, the leave-one-out summary and ``meta``) in the directory ``out``.
 
     Args:
@@ -303,12 +303,12 @@ def write_memory_map(
         indices: ``[N]`` indices of the examples in their data set (default ``arange``).
         memorable: indices (same numbering as ``indices``) of the memorable examples.
         covariance, correction: the leave-one-out form
-            (:func:`fromp.sensitivity.memory_perturbation`).
+            (:func:`fromp.memory.sensitivity.memory_perturbation`).
 
     Returns:
         The JSON payload.
     """
-    from fromp.sensitivity import memory_perturbation
+    from fromp.memory.sensitivity import memory_perturbation
 
     idx = torch.arange(len(x)) if indices is None else indices.cpu()
     mp = memory_perturbation(
@@ -413,7 +413,7 @@ def memorable_main(argv: list[str] | None = None) -> int:
         "each maximising the evidence",
     )
     args = p.parse_args(argv)
-    from fromp.memorable import memorability_scores, select_memorable
+    from fromp.continual.memorable import memorability_scores, select_memorable
 
     try:
         check_out(Path(args.out))  # before any work: a file, or under one, is refused
@@ -555,11 +555,11 @@ def _map_inputs(
     leave-one-out estimate removes it from; for ``--posterior kron`` with the curvature
     ``trained-tasks`` (``--curvature``, :func:`_auto_curvature`) the KFAC GGN is summed over
     every task the checkpoint trained, each through its own head
-    (:func:`fromp.kron.kron_curvature_tasks`; the other tasks' first ``--n-fit`` examples),
-    with the evidence's data term their summed NLL. The prior precision by the Laplace
+    (:func:`fromp.curvature.kron.kron_curvature_tasks`; the other tasks' first ``--n-fit``
+    examples), with the evidence's data term their summed NLL. The prior precision by the Laplace
     evidence unless given. ``curvature``: ``{"option", "used", "tasks", "reason"}``."""
     from fromp import Laplace
-    from fromp.kron import kron_curvature_tasks
+    from fromp.curvature.kron import kron_curvature_tasks
     from fromp.likelihood import get_likelihood
 
     net, seq, cfg = loaded
@@ -636,8 +636,8 @@ def gp_main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-root", default=None, help="data root (default: $FROMP_DATA, ./data)")
     p.add_argument("--out", default="gp", help="output directory")
     args = p.parse_args(argv)
-    from fromp.gp import dnn2gp
-    from fromp.laplace import laplace, optimize_prior_precision
+    from fromp.gp.process import dnn2gp
+    from fromp.laplace.one_call import laplace, optimize_prior_precision
 
     try:
         if args.n < 1 or args.n_fit < 1:

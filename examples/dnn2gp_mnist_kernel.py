@@ -35,7 +35,7 @@ from torch import Tensor
 
 from benchmarks.data import DataNotFoundError, load_fashion_mnist, load_mnist
 from fromp import dnn2gp, laplace
-from fromp.laplace import optimize_prior_precision
+from fromp.laplace.one_call import optimize_prior_precision
 from fromp.models import MultiHeadMLP
 
 

@@ -32,7 +32,11 @@ import torch
 from torch import Tensor, nn
 
 from fromp import dnn2gp, laplace, laplace_full
-from fromp.laplace import log_evidence_grid, log_marginal_likelihood, optimize_prior_precision
+from fromp.laplace.one_call import (
+    log_evidence_grid,
+    log_marginal_likelihood,
+    optimize_prior_precision,
+)
 from fromp.likelihood import GaussianLikelihood
 
 SIGMA = 0.25

@@ -27,9 +27,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from fromp.curvature import diag_ggn_linear
-from fromp.memorable import select_memorable
-from fromp.regularizer import FROMPRegularizer
+from fromp.continual.memorable import select_memorable
+from fromp.continual.regularizer import FROMPRegularizer
+from fromp.curvature.diagonal import diag_ggn_linear
 
 # Blob centres and standard deviations of the reference toy data: task t has class 0 at
 # CENTRES[t] and class 1 at CENTRES[t + 5].

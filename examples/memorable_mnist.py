@@ -1,8 +1,8 @@
 """The most and least memorable MNIST training images of each class (FROMP's Fig. 2 idea).
 
 A small MLP is trained briefly on (a subset of) MNIST; every training image is scored by
-``tr Lambda(x) = sum_k p_k (1 - p_k)`` (:func:`fromp.memorable.memorability_scores`) and, per
-class, the ``k`` highest-scoring images (hard, near the decision boundary: what FROMP keeps)
+``tr Lambda(x) = sum_k p_k (1 - p_k)`` (:func:`fromp.continual.memorable.memorability_scores`) and,
+per class, the ``k`` highest-scoring images (hard, near the decision boundary: what FROMP keeps)
 and the ``k`` lowest-scoring ones (prototypical, confidently classified) are drawn in a grid.
 
     FROMP_DATA=/path/to/data python examples/memorable_mnist.py --out memorable_mnist.png
@@ -24,7 +24,7 @@ import matplotlib.pyplot as plt
 import torch
 from torch import Tensor, nn
 
-from fromp.memorable import memorability_scores, select_memorable
+from fromp.continual.memorable import memorability_scores, select_memorable
 
 
 def load(dataset: str, data_root: str | None, n_train: int, seed: int) -> tuple[Tensor, Tensor]:

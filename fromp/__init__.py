@@ -6,17 +6,29 @@ memory-perturbation equation. The package is plain PyTorch (it never imports Ava
 the Avalanche strategies are in ``strategies``, the benchmark runner in ``benchmarks``.
 
 The public surface below is grouped by task; everything else lives in its module
-(``fromp.bayesian`` for VCL's mean-field layers, ``fromp.coreset``, ``fromp.kron`` for
-Kronecker factors, ``fromp.capture`` for layer capture, ...). See ``docs/glossary.md`` for
-the names and ``CHANGELOG.md`` for what moved.
+(``fromp.continual.bayesian`` for VCL's mean-field layers, ``fromp.continual.coreset``,
+``fromp.curvature.kron`` for Kronecker factors, ``fromp.curvature.capture`` for layer capture, ...).
+See ``docs/glossary.md`` for the names and ``CHANGELOG.md`` for what moved.
 """
 
-from fromp.curvature import diag_ef, diag_fisher, diag_ggn
-from fromp.ewc import EWCMethod
-from fromp.ggn import ggn, ggn_vp
-from fromp.gp import GP, dnn2gp
-from fromp.jacobian import flat_params, jacobians, num_params, per_example_grads, unflatten
-from fromp.laplace import (
+from fromp import _compat
+from fromp.continual.ewc import EWCMethod
+from fromp.continual.memorable import memorability_scores, select_memorable
+from fromp.continual.methods import FROMPMethod
+from fromp.continual.regularizer import FROMPRegularizer
+from fromp.curvature.diagonal import diag_ef, diag_fisher, diag_ggn
+from fromp.curvature.ggn import ggn, ggn_vp
+from fromp.curvature.jacobian import (
+    flat_params,
+    jacobians,
+    num_params,
+    per_example_grads,
+    unflatten,
+)
+from fromp.gp.process import GP, dnn2gp
+from fromp.laplace.factory import Laplace
+from fromp.laplace.functional import FunctionalLaplace
+from fromp.laplace.one_call import (
     DiagLaplace,
     FullLaplace,
     laplace,
@@ -25,17 +37,15 @@ from fromp.laplace import (
     log_marginal_likelihood,
     optimize_prior_precision,
 )
-from fromp.laplace_factory import Laplace
-from fromp.laplace_functional import FunctionalLaplace
 
 # laplace-torch's option enums, importable from the top as in laplace-torch (listed in
 # fromp.utils.__all__, not here: the top-level surface stays small)
-from fromp.laplace_options import HessianStructure as HessianStructure
-from fromp.laplace_options import LinkApprox as LinkApprox
-from fromp.laplace_options import PredType as PredType
-from fromp.laplace_options import PriorStructure as PriorStructure
-from fromp.laplace_options import SubsetOfWeights as SubsetOfWeights
-from fromp.laplace_options import TuningMethod as TuningMethod
+from fromp.laplace.options import HessianStructure as HessianStructure
+from fromp.laplace.options import LinkApprox as LinkApprox
+from fromp.laplace.options import PredType as PredType
+from fromp.laplace.options import PriorStructure as PriorStructure
+from fromp.laplace.options import SubsetOfWeights as SubsetOfWeights
+from fromp.laplace.options import TuningMethod as TuningMethod
 from fromp.likelihood import (
     BernoulliLikelihood,
     CategoricalLikelihood,
@@ -43,21 +53,20 @@ from fromp.likelihood import (
     Likelihood,
     get_likelihood,
 )
-from fromp.loo import LOOTracker, last_layer_loo
 from fromp.marglik_training import marglik_training
-from fromp.memorable import memorability_scores, select_memorable
-from fromp.methods import FROMPMethod
-from fromp.optim import IVON, OGN, VOGN
-from fromp.posterior import DiagonalGaussian, FullGaussian, GaussianPosterior
-from fromp.regularizer import FROMPRegularizer
-from fromp.sensitivity import (
+from fromp.memory.loo import LOOTracker, last_layer_loo
+from fromp.memory.sensitivity import (
     MemoryPerturbation,
     memory_perturbation,
     newton_step_loo,
     prediction_variance,
 )
+from fromp.optim import IVON, OGN, VOGN
+from fromp.posterior import DiagonalGaussian, FullGaussian, GaussianPosterior
 
 __version__ = "0.3.0"
+
+_compat.install()
 
 __all__ = [  # noqa: RUF022 (grouped by task, sorted within each group)
     "__version__",
@@ -118,23 +127,23 @@ __all__ = [  # noqa: RUF022 (grouped by task, sorted within each group)
 _MOVED = {
     "accumulate_ggn": "fromp.laplace",
     "prior_precision_vector": "fromp.laplace",
-    "prob_jacobian": "fromp.regularizer",
-    "task_fn": "fromp.regularizer",
-    "MemorableSet": "fromp.regularizer",
-    "BayesCifarCNN": "fromp.bayesian",
-    "BayesConv2d": "fromp.bayesian",
-    "BayesLayer": "fromp.bayesian",
-    "BayesLinear": "fromp.bayesian",
-    "BayesMultiHeadMLP": "fromp.bayesian",
-    "BayesMultiHeadModel": "fromp.bayesian",
-    "gaussian_kl": "fromp.bayesian",
-    "to_bayesian": "fromp.bayesian",
-    "kcenter_coreset": "fromp.coreset",
-    "random_coreset": "fromp.coreset",
-    "select_coreset": "fromp.coreset",
-    "trainable_params": "fromp.jacobian",
-    "jvp": "fromp.jacobian",
-    "vjp_sum": "fromp.jacobian",
+    "prob_jacobian": "fromp.continual.regularizer",
+    "task_fn": "fromp.continual.regularizer",
+    "MemorableSet": "fromp.continual.regularizer",
+    "BayesCifarCNN": "fromp.continual.bayesian",
+    "BayesConv2d": "fromp.continual.bayesian",
+    "BayesLayer": "fromp.continual.bayesian",
+    "BayesLinear": "fromp.continual.bayesian",
+    "BayesMultiHeadMLP": "fromp.continual.bayesian",
+    "BayesMultiHeadModel": "fromp.continual.bayesian",
+    "gaussian_kl": "fromp.continual.bayesian",
+    "to_bayesian": "fromp.continual.bayesian",
+    "kcenter_coreset": "fromp.continual.coreset",
+    "random_coreset": "fromp.continual.coreset",
+    "select_coreset": "fromp.continual.coreset",
+    "trainable_params": "fromp.curvature.jacobian",
+    "jvp": "fromp.curvature.jacobian",
+    "vjp_sum": "fromp.curvature.jacobian",
     "diag_ggn_linear": "fromp.curvature",
 }
 
@@ -145,9 +154,12 @@ def __getattr__(name: str) -> object:
     import warnings
 
     if name == "FunctionalRegularizer":  # the former name of FROMPRegularizer
-        from fromp.regularizer import _former_name
+        from fromp.continual.regularizer import _former_name
 
         return _former_name(stacklevel=2)
+    module = _compat.moved_module(name)  # `from fromp import kron`: a module that moved
+    if module is not None:
+        return module
     if name in _MOVED:
         warnings.warn(
             f"fromp.{name} moved to {_MOVED[name]}.{name}", DeprecationWarning, stacklevel=2

@@ -266,3 +266,14 @@ def check_class_targets(y: Tensor, n_outputs: int, likelihood: Any, name: str = 
         what = "{0, 1}" if kind == "bernoulli" else f"0..{top} (the model has {n_outputs} outputs)"
         bad = lo if lo < 0 else hi
         raise ValueError(f"{name} holds label {bad}, outside {what}")
+
+
+def not_on_meta(model: nn.Module) -> None:
+    """``ValueError`` naming the first parameter or buffer of ``model`` on the ``meta`` device
+    (a model built without its weights' values)."""
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.device.type == "meta":
+            raise ValueError(
+                f"model tensor {name} is on the meta device (no values): load the weights "
+                "first (model.to_empty(device=...) then load_state_dict)"
+            )

@@ -26,9 +26,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parameters_to_vector
 
-from fromp.baselaplace import BaseLaplace
-from fromp.laplace_factory import Laplace
-from fromp.laplace_options import check_backend, option
+from fromp.laplace.base import BaseLaplace
+from fromp.laplace.factory import Laplace
+from fromp.laplace.options import check_backend, option
 
 __all__ = ["marglik_training"]
 

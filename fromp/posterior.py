@@ -205,7 +205,7 @@ class DiagonalGaussian(_Gaussian):
         """``N(m, precision^{-1} I)`` with ``m`` the model's current parameters (or a given
         ``[P]`` mean); ``precision`` a positive scalar or a ``[P]`` tensor."""
         if isinstance(model_or_mean, nn.Module):
-            from fromp.jacobian import flat_params
+            from fromp.curvature.jacobian import flat_params
 
             mean = flat_params(model_or_mean)
         else:

@@ -1,11 +1,11 @@
 """What laplace-torch users import from ``laplace.utils``, under ``fromp.utils``: the
-subnetwork masks (:mod:`fromp.subnet_masks`), diagonal SWAG, and the option enums
-(:mod:`fromp.laplace_options`; ``Likelihood`` here is laplace-torch's enum of likelihood
+subnetwork masks (:mod:`fromp.laplace.subnet_masks`), diagonal SWAG, and the option enums
+(:mod:`fromp.laplace.options`; ``Likelihood`` here is laplace-torch's enum of likelihood
 *names*, while ``fromp.Likelihood`` is fromp's likelihood class)."""
 
 from __future__ import annotations
 
-from fromp.laplace_options import (
+from fromp.laplace.options import (
     HessianStructure,
     Likelihood,
     LinkApprox,
@@ -14,7 +14,7 @@ from fromp.laplace_options import (
     SubsetOfWeights,
     TuningMethod,
 )
-from fromp.subnet_masks import (
+from fromp.laplace.subnet_masks import (
     LargestMagnitudeSubnetMask,
     LargestVarianceDiagLaplaceSubnetMask,
     LargestVarianceSWAGSubnetMask,

@@ -34,7 +34,7 @@ import torch
 from avalanche.training.plugins import SupervisedPlugin
 from torch import Tensor, nn
 
-from fromp.ewc import EWCMethod, ewc_penalty
+from fromp.continual.ewc import EWCMethod, ewc_penalty
 from fromp.likelihood import Likelihood
 from strategies.benchmarks import experience_tensors
 from strategies.models import unwrap
@@ -44,17 +44,17 @@ __all__ = ["EWC", "EWCPlugin", "ewc_penalty"]
 
 
 class EWCPlugin(SupervisedPlugin):
-    """EWC as an Avalanche plugin: a thin driver of a :class:`fromp.ewc.EWCMethod`
+    """EWC as an Avalanche plugin: a thin driver of a :class:`fromp.continual.ewc.EWCMethod`
     (see the module docstring for the maths).
 
     ``before_backward`` adds the penalty; ``after_training_exp`` calls
-    :meth:`~fromp.ewc.EWCMethod.learn_task` with the experience's data and task label
+    :meth:`~fromp.continual.ewc.EWCMethod.learn_task` with the experience's data and task label
     (the head of a multi-task model). The method's attributes (``anchors``,
     ``importances``, ``task_count``, ...) are readable on the plugin.
 
     Args:
         net: the network inside the strategy's model (its parameters are the model's).
-        ewc_lambda, **kwargs: those of :class:`fromp.ewc.EWCMethod`.
+        ewc_lambda, **kwargs: those of :class:`fromp.continual.ewc.EWCMethod`.
     """
 
     def __init__(self, net: nn.Module, ewc_lambda: float, **kwargs: Any) -> None:
@@ -93,11 +93,12 @@ class EWCPlugin(SupervisedPlugin):
         if len(tasks) != 1:
             raise ValueError(f"an experience must hold one task label, got {tasks.tolist()}")
         # keyed by the experience: training it again replaces its anchor and Fisher
-        experience = int(strategy.experience.current_experience)
-        self.method.learn_task(self.net, x, y, int(tasks[0]), experience=experience)
+        experience = getattr(strategy.experience, "current_experience", None)
+        key = None if experience is None else int(experience)
+        self.method.learn_task(self.net, x, y, int(tasks[0]), experience=key)
 
     def state_dict(self) -> dict:
-        """The method's state (:meth:`fromp.ewc.EWCMethod.state_dict`)."""
+        """The method's state (:meth:`fromp.continual.ewc.EWCMethod.state_dict`)."""
         return self.method.state_dict()
 
     def load_state_dict(self, state: dict) -> None:

@@ -2,7 +2,7 @@
 
 Training on task ``t`` minimises ``CE(current mini-batch) + tau * R(w)`` where
 ``R(w) = 1/2 sum_{s<t} r_s^T K_s^{-1} r_s`` is the functional regulariser of
-:class:`fromp.regularizer.FROMPRegularizer` on the memorable past of the earlier tasks.
+:class:`fromp.continual.regularizer.FROMPRegularizer` on the memorable past of the earlier tasks.
 This is the update of the reference code up to a factor ``tau`` (it uses
 ``grad CE / tau + grad R``; Adam is invariant to the factor, and gradient clipping is
 applied at ``tau * grad_clip_norm`` so that it matches too).
@@ -34,7 +34,7 @@ from avalanche.evaluation import GenericPluginMetric
 from avalanche.evaluation.metrics import Mean
 from torch import Tensor, nn
 
-from fromp.methods import FROMPMethod, to_flat
+from fromp.continual.methods import FROMPMethod, to_flat
 from strategies.benchmarks import experience_tensors
 from strategies.models import unwrap
 from strategies.template import MethodStrategy
@@ -43,10 +43,11 @@ __all__ = ["FROMP", "FROMPPenaltyMetric", "FROMPPlugin", "experience_tensors"]
 
 
 class FROMPPlugin(SupervisedPlugin):
-    """FROMP as an Avalanche plugin: a thin driver of a :class:`fromp.methods.FROMPMethod`.
+    """FROMP as an Avalanche plugin: a thin driver of a
+    :class:`fromp.continual.methods.FROMPMethod`.
 
     ``before_backward`` adds ``tau * R(w)`` to the loss; ``after_training_exp`` calls
-    :meth:`~fromp.methods.FROMPMethod.learn_task` with the experience's data, task label
+    :meth:`~fromp.continual.methods.FROMPMethod.learn_task` with the experience's data, task label
     and ``current_experience`` key (training the same experience again replaces its
     memorable set and GGN term). Works with plain modules, :mod:`fromp` models and
     Avalanche ``MultiTaskModule``s (``forward(x, task_labels)``). The method's attributes
@@ -61,7 +62,7 @@ class FROMPPlugin(SupervisedPlugin):
     part of the data term). A warning (once) says when ``tau * R`` exceeds
     ``100 x`` the loss without it in the first steps of an experience.
 
-    Args: those of :class:`fromp.methods.FROMPMethod` (``curvature_examples`` defaults to
+    Args: those of :class:`fromp.continual.methods.FROMPMethod` (``curvature_examples`` defaults to
     1,000: the GGN after each experience on a random subsample of that many examples,
     rescaled; None: all examples, as in the paper).
     """
@@ -242,7 +243,7 @@ class FROMPPlugin(SupervisedPlugin):
 
     # ------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The method's state (:meth:`fromp.methods.FROMPMethod.state_dict`)."""
+        """The method's state (:meth:`fromp.continual.methods.FROMPMethod.state_dict`)."""
         return self.method.state_dict()
 
     def load_state_dict(

@@ -1,5 +1,5 @@
 """An Avalanche plugin recording the leave-one-out estimate of the current experience's
-training set after every training epoch (:class:`fromp.loo.LOOTracker`)."""
+training set after every training epoch (:class:`fromp.memory.loo.LOOTracker`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 from avalanche.core import SupervisedPlugin
 from torch import Tensor
 
-from fromp.loo import LOOTracker
+from fromp.memory.loo import LOOTracker
 from fromp.models import is_multitask, with_task
 from strategies.benchmarks import experience_tensors
 
@@ -17,7 +17,7 @@ from strategies.benchmarks import experience_tensors
 class LOOPlugin(SupervisedPlugin):
     """After each training epoch, estimate the leave-one-out NLL and accuracy of the
     experience's training examples and append ``{"experience", **record}`` to
-    :attr:`history` (``record`` as :meth:`fromp.loo.LOOTracker.__call__`).
+    :attr:`history` (``record`` as :meth:`fromp.memory.loo.LOOTracker.__call__`).
 
     The posterior is the optimizer's own when it has one (IVON, VOGN; list this plugin after
     their plugins so that the mean is back in the model), else a last-layer Laplace with
@@ -25,9 +25,9 @@ class LOOPlugin(SupervisedPlugin):
 
     Args:
         recorded: estimate from the output layer's inputs recorded during the epoch's own
-            forward passes (:meth:`fromp.loo.LOOTracker.recording`): no extra pass over the
+            forward passes (:meth:`fromp.memory.loo.LOOTracker.recording`): no extra pass over the
             data; with ``structure="kron"`` the whole estimate costs a few matrix products.
-        tracker_kwargs: keyword arguments of :class:`~fromp.loo.LOOTracker`
+        tracker_kwargs: keyword arguments of :class:`~fromp.memory.loo.LOOTracker`
             (``prior_precision``, ``scope``, ``structure``, ``max_examples``, ``likelihood``).
     """
 

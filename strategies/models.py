@@ -5,7 +5,7 @@ from __future__ import annotations
 from avalanche.models import MultiTaskModule
 from torch import Tensor, nn
 
-from fromp.methods import Named, by_name
+from fromp.continual.methods import Named, by_name
 from fromp.models import MultiHeadModel
 
 __all__ = ["AvalancheMultiHead", "Named", "as_avalanche_model", "by_name", "unwrap"]

@@ -1,11 +1,11 @@
 """Variational continual learning (VCL; Nguyen, Li, Bui & Turner, ICLR 2018) for Avalanche.
 
 Any model: a fromp ``MultiHeadModel`` is converted to a mean-field Gaussian
-:class:`fromp.bayesian.BayesMultiHeadModel` (:func:`fromp.bayesian.to_bayesian`, local
-reparameterisation, as in the reference code); every other module (a plain ``nn.Module``, an
+:class:`fromp.continual.bayesian.BayesMultiHeadModel` (:func:`fromp.continual.bayesian.to_bayesian`,
+local reparameterisation, as in the reference code); every other module (a plain ``nn.Module``, an
 Avalanche ``MultiTaskModule``, a torchvision network) gets a mean-field Gaussian twin of its
 ``Linear``/``Conv2d`` parameters through ``torch.func.functional_call``
-(:class:`fromp.vcl.MeanFieldTwin`), other parameters staying deterministic.
+(:class:`fromp.continual.vcl.MeanFieldTwin`), other parameters staying deterministic.
 For task ``t`` with training set ``D_t`` (``N_t`` examples, coreset points removed) VCL
 maximises the per-example ELBO, i.e. minimises
 
@@ -41,10 +41,10 @@ import torch.nn.functional as F
 from avalanche.training.plugins import SupervisedPlugin
 from torch import Tensor, nn
 
-from fromp.bayesian import BayesLayer, BayesMultiHeadModel, to_bayesian
-from fromp.coreset import select_coreset
+from fromp.continual.bayesian import BayesLayer, BayesMultiHeadModel, to_bayesian
+from fromp.continual.coreset import select_coreset
+from fromp.continual.vcl import MeanFieldTwin
 from fromp.models import MultiHeadModel, is_multitask, with_task
-from fromp.vcl import MeanFieldTwin
 from strategies.benchmarks import experience_tensors
 from strategies.models import as_avalanche_model, unwrap
 from strategies.template import MethodStrategy
@@ -303,7 +303,7 @@ class VCLPlugin(SupervisedPlugin):
 
 
 class VCLTwinPlugin(SupervisedPlugin):
-    """VCL on any model through a :class:`fromp.vcl.MeanFieldTwin` (see that module).
+    """VCL on any model through a :class:`fromp.continual.vcl.MeanFieldTwin` (see that module).
 
     ``before_training_exp``: on the first task, a maximum-likelihood fit of the means
     (``ml_init_epochs`` epochs of Adam); ``before_backward``: adds ``KL(q || q_{t-1}) / N_t``;
@@ -400,8 +400,8 @@ class VCL(MethodStrategy):
 
     ``model`` is any classifier. A fromp ``MultiHeadModel`` (wrapped or not) is converted to
     mean-field Gaussian layers, keeping its weights as means; a ``BayesMultiHeadModel`` is
-    used as it is; any other module gets a :class:`fromp.vcl.MeanFieldTwin` (new heads start
-    from the prior).
+    used as it is; any other module gets a :class:`fromp.continual.vcl.MeanFieldTwin` (new heads
+    start from the prior).
     After a conversion the optimizer (one parameter group) is re-pointed at the Bayesian
     parameters (means and log-variances), with its hyper-parameters kept and state cleared.
     ``criterion`` must be a cross-entropy on logits: it is applied to each Monte Carlo
@@ -504,7 +504,7 @@ class VCL(MethodStrategy):
 
     @property
     def net(self) -> BayesMultiHeadModel | MeanFieldTwin:
-        """The Bayesian network (a :class:`fromp.vcl.MeanFieldTwin` for other models)."""
+        """The Bayesian network (a :class:`fromp.continual.vcl.MeanFieldTwin` for other models)."""
         return self.plugin.net
 
     def _adapt_model(self, model: nn.Module | None) -> nn.Module:

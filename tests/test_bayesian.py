@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.distributions import Normal, kl_divergence
 
-from fromp.bayesian import (
+from fromp.continual.bayesian import (
     BayesCifarCNN,
     BayesConv2d,
     BayesLinear,

@@ -1,5 +1,5 @@
-"""Layer capture (fromp.capture): GGN / empirical Fisher / sampled Fisher diagonals from layer
-inputs and output gradients, against dense float64 brute force and the per-example Jacobian
+"""Layer capture (fromp.curvature.capture): GGN / empirical Fisher / sampled Fisher diagonals from
+layer inputs and output gradients, against dense float64 brute force and the per-example Jacobian
 route, for every supported layer type, the fallback routing and chunk boundaries."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import torch
 from _dense import ConvZoo, Scale, conv_zoo, dense_ggn, dense_jacobian, flat, tiny_cnn, tiny_mlp
 from torch import nn
 
-from fromp.capture import CapturePlan, capture_calls
-from fromp.curvature import diag_ef, diag_fisher, diag_ggn
-from fromp.layer_rules import (
+from fromp.curvature.capture import CapturePlan, capture_calls
+from fromp.curvature.diagonal import diag_ef, diag_fisher, diag_ggn
+from fromp.curvature.layer_rules import (
     _conv_gram,
     _conv_grouped_squares,
     _conv_unfold_squares,
@@ -185,7 +185,7 @@ def test_bad_arguments_raise_clear_errors():
 def test_laplace_on_the_fromp_mlp_takes_the_capture_route(monkeypatch):
     """fromp.laplace on FROMP's multi-head MLP (a task view: the other heads are never
     called) must not touch the per-example Jacobian fallback."""
-    import fromp.capture as capture
+    import fromp.curvature.capture as capture
     from fromp import laplace
     from fromp.models import MultiHeadMLP, with_task
 
@@ -220,7 +220,7 @@ def test_layer_map_reads_owners_shared_parameters_and_refreshes_on_freeze():
     """One reading of the layer structure for every capture user: shared parameters are
     flagged (not silently given to one layer), the exclusive layers exclude a layer holding
     a shared parameter, and freezing a parameter gives a new map rather than a stale one."""
-    from fromp.capture import LayerMap, supported_layer
+    from fromp.curvature.capture import LayerMap, supported_layer
 
     net = _Tied()
     lm = LayerMap.of(net)
@@ -239,7 +239,7 @@ def test_layer_map_reads_owners_shared_parameters_and_refreshes_on_freeze():
 def test_every_capture_user_routes_a_shared_weight_away_from_capture():
     """The curvature plan sends the shared weight to the Jacobian fallback, VOGN's hook route
     declines, and KFAC refuses it by name (summing both layers' factors would be wrong)."""
-    from fromp.kron import kron_layers
+    from fromp.curvature.kron import kron_layers
     from fromp.optim._stats import _layout
 
     net = _Tied()

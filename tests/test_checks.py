@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from fromp._checks import check_batch, check_finite, check_vector, device_dtype
-from fromp.memorable import select_memorable
-from fromp.regularizer import FROMPRegularizer
+from fromp.continual.memorable import select_memorable
+from fromp.continual.regularizer import FROMPRegularizer
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
@@ -68,9 +68,9 @@ def test_every_module_applies_the_one_rule():
     """curvature, ggn, gp, laplace, jacobian, sensitivity and the optimisers: a non-tensor is
     a TypeError naming the argument, NaN and inf are both refused before any work."""
     from fromp import GP, DiagonalGaussian, diag_ggn, ggn_vp, jacobians, laplace
+    from fromp.memory.sensitivity import memory_perturbation
     from fromp.optim import predict_mc
     from fromp.optim.vogn import per_example_grad_stats
-    from fromp.sensitivity import memory_perturbation
 
     net = torch.nn.Sequential(torch.nn.Linear(2, 3)).double()
     x, y = torch.randn(4, 2, dtype=torch.float64), torch.arange(4) % 3
@@ -130,7 +130,7 @@ def test_chunk_size_rule_is_one_rule_everywhere(bad):
     """Every chunk_size argument goes through check_chunk_size: the same refusal, naming the
     argument, from the GP, the Jacobian, and VOGN."""
     from fromp._checks import check_chunk_size
-    from fromp.jacobian import jacobians
+    from fromp.curvature.jacobian import jacobians
     from fromp.optim import VOGN
 
     with pytest.raises(ValueError, match="chunk_size must be a positive int or None"):

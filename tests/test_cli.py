@@ -11,7 +11,7 @@ import torch
 from benchmarks.cli import gp_main, load_trained, load_user_model, memorable_main
 from benchmarks.plugins import _write_checkpoint
 from benchmarks.runner import RunConfig, run
-from fromp.memorable import memorability_scores
+from fromp.continual.memorable import memorability_scores
 from fromp.models import with_task
 
 
@@ -124,8 +124,8 @@ def test_memorable_cli_memory_map(checkpoint, tmp_path):
     that posterior (``--posterior diag``: under the all-weights diagonal one), the test-set
     NLL and accuracy are reported beside the leave-one-out estimate."""
     from fromp import Laplace
-    from fromp.laplace import laplace
-    from fromp.sensitivity import memory_perturbation
+    from fromp.laplace.one_call import laplace
+    from fromp.memory.sensitivity import memory_perturbation
 
     net, seq, _ = load_trained(checkpoint)
     model = with_task(net, 1)

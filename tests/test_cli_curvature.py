@@ -15,10 +15,10 @@ from benchmarks.cli import _auto_curvature, load_trained, memorable_main
 from benchmarks.plugins import _write_checkpoint
 from benchmarks.runner import RunConfig, run
 from fromp import Laplace
-from fromp.kron import kron_curvature, kron_curvature_tasks
+from fromp.curvature.kron import kron_curvature, kron_curvature_tasks
 from fromp.likelihood import get_likelihood
+from fromp.memory.sensitivity import memory_perturbation
 from fromp.models import MultiHeadMLP, TaskView, with_task
-from fromp.sensitivity import memory_perturbation
 
 
 def _dense_factors(net, x, task):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fromp.coreset import kcenter_coreset, random_coreset, select_coreset
+from fromp.continual.coreset import kcenter_coreset, random_coreset, select_coreset
 
 
 def _kcenter_brute_force(x: np.ndarray, size: int) -> list[int]:

@@ -8,7 +8,7 @@ import torch
 from _dense import dense_ggn, dense_jacobian, tiny_cnn, tiny_mlp
 
 from fromp import ggn, ggn_vp
-from fromp.curvature import diag_ef, diag_fisher, diag_ggn
+from fromp.curvature.diagonal import diag_ef, diag_fisher, diag_ggn
 from fromp.likelihood import (
     BernoulliLikelihood,
     CategoricalLikelihood,

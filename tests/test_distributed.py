@@ -95,3 +95,65 @@ def test_fold_combines_in_rank_order_on_every_rank():
     for out in res:
         assert out["seq"] == [0, 1]
         assert out["t"].tolist() == [1.0]  # 0 * 10 + 1
+
+
+# ----------------------------------------------------------------------- Laplace.fit
+def _laplace_data() -> tuple:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(24, 4, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (24,), generator=g)
+    return x, y
+
+
+def _laplace_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)
+    ).double()
+    return net.eval()
+
+
+def _laplace_fit(rank: int | None, structure: str) -> dict:
+    """A Laplace fit on the rank's shard (a DistributedSampler's split), or on all the data
+    in one process when ``rank`` is None."""
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from fromp import Laplace
+
+    x, y = _laplace_data()
+    data = TensorDataset(x, y)
+    if rank is None:
+        loader = DataLoader(data, batch_size=5)
+    else:
+        sampler = DistributedSampler(data, num_replicas=WORLD, rank=rank, shuffle=False)
+        loader = DataLoader(data, batch_size=5, sampler=sampler)
+    la = Laplace(_laplace_model(), "classification", "all", structure, prior_precision=0.7)
+    la.fit(loader)
+    return {
+        "evidence": la.log_marginal_likelihood().detach(),
+        "n_data": la.n_data,
+        "variance": la.functional_variance_at(x[:6]).detach(),
+    }
+
+
+def _laplace_diag(rank: int) -> dict:
+    return _laplace_fit(rank, "diag")
+
+
+def _laplace_kron(rank: int) -> dict:
+    return _laplace_fit(rank, "kron")
+
+
+def _laplace_full(rank: int) -> dict:
+    return _laplace_fit(rank, "full")
+
+
+@pytest.mark.parametrize("structure", ["diag", "kron", "full"])
+def test_laplace_fit_over_a_distributed_sampler_equals_one_process(structure):
+    """Two ranks, each fitting its half of the data through a DistributedSampler: the
+    evidence, the data count and the GLM variance equal one process fitting all the data."""
+    want = _laplace_fit(None, structure)
+    for out in run_ranks(f"_laplace_{structure}"):
+        assert out["n_data"] == want["n_data"] == 24
+        torch.testing.assert_close(out["evidence"], want["evidence"], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(out["variance"], want["variance"], rtol=1e-10, atol=1e-12)

@@ -10,7 +10,7 @@ from avalanche.training.plugins import EvaluationPlugin
 
 from benchmarks.data import synthetic_split, to_avalanche
 from benchmarks.settings import SETTINGS
-from fromp.jacobian import flat_params
+from fromp.curvature.jacobian import flat_params
 from fromp.models import MultiHeadMLP
 from strategies.ewc import EWC, EWCPlugin, ewc_penalty
 from strategies.models import as_avalanche_model

@@ -20,7 +20,7 @@ from avalanche.training.plugins import EvaluationPlugin
 from torch import nn
 
 from fromp import FROMPMethod, select_memorable
-from fromp.methods import by_name
+from fromp.continual.methods import by_name
 from strategies.ewc import EWC
 from strategies.fromp import FROMP, FROMPPenaltyMetric
 
@@ -273,8 +273,8 @@ def test_one_call_per_head_for_modules_taking_task_labels():
 
 
 def test_batched_penalty_equals_the_per_task_loop_after_tasks_1_2_3():
+    from fromp.continual.regularizer import task_fn
     from fromp.models import MultiHeadMLP
-    from fromp.regularizer import task_fn
 
     torch.manual_seed(0)
     net = MultiHeadMLP(6, (8,), n_heads=3, head_size=3).double()

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from benchmarks.data import synthetic_split
-from fromp.jacobian import flat_params, num_params, unflatten
+from fromp.continual.regularizer import FROMPRegularizer
+from fromp.curvature.jacobian import flat_params, num_params, unflatten
 from fromp.models import MultiHeadMLP
-from fromp.regularizer import FROMPRegularizer
 from strategies.fromp import FROMPPlugin
 
 D = torch.float64

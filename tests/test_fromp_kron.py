@@ -10,8 +10,8 @@ from _dense import dense_ggn, dense_jacobian
 from torch import nn
 
 from fromp import FROMPMethod, Laplace
-from fromp.jacobian import flat_params
-from fromp.kron import kron_curvature
+from fromp.curvature.jacobian import flat_params
+from fromp.curvature.kron import kron_curvature
 from fromp.likelihood import CategoricalLikelihood
 from fromp.models import MultiHeadMLP, TaskView, with_task
 

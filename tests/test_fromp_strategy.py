@@ -83,7 +83,7 @@ def test_runs_and_checkpoint_restores_identical_penalty(multi_head):
 
 
 def test_curvature_is_sum_of_task_ggns_and_identity_kernel():
-    from fromp.curvature import diag_ggn
+    from fromp.curvature.diagonal import diag_ggn
     from fromp.models import with_task
 
     seq = synthetic_split(n_tasks=2, input_shape=(1, 4, 4), n_train=20, n_test=8)
@@ -202,11 +202,11 @@ def test_fromp_vogn_uses_vogn_posterior_and_checkpoints():
 
 
 def test_sensitivity_selection_uses_the_task_posterior_after_tasks_1_to_3():
-    from fromp.curvature import diag_ggn
-    from fromp.jacobian import flat_params
+    from fromp.curvature.diagonal import diag_ggn
+    from fromp.curvature.jacobian import flat_params
+    from fromp.memory.sensitivity import memory_perturbation
     from fromp.models import with_task
     from fromp.posterior import DiagonalGaussian
-    from fromp.sensitivity import memory_perturbation
 
     seq = synthetic_split(n_tasks=3, input_shape=(1, 4, 4), n_train=30, n_test=8)
     torch.manual_seed(0)

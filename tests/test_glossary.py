@@ -18,9 +18,9 @@ GLOSSARY = Path(__file__).resolve().parents[1] / "docs" / "glossary.md"
 MODULES = (
     "fromp",
     "fromp.optim",
-    "fromp.methods",
-    "fromp.ewc",
-    "fromp.baselaplace",
+    "fromp.continual.methods",
+    "fromp.continual.ewc",
+    "fromp.laplace.base",
     "strategies.vcl",
 )
 

@@ -11,8 +11,12 @@ from _dense import conv_zoo, dense_jacobian, dense_kernel, flat, forward_at, tin
 from torch import nn
 
 from fromp import DiagonalGaussian, FullGaussian, dnn2gp, laplace, laplace_full
-from fromp.gp import GP
-from fromp.laplace import log_evidence_grid, log_marginal_likelihood, optimize_prior_precision
+from fromp.gp.process import GP
+from fromp.laplace.one_call import (
+    log_evidence_grid,
+    log_marginal_likelihood,
+    optimize_prior_precision,
+)
 from fromp.likelihood import BernoulliLikelihood, CategoricalLikelihood, GaussianLikelihood
 from fromp.models import MultiHeadMLP, with_task
 
@@ -405,7 +409,7 @@ def test_structured_kernel_range_pairs_and_chunks_match_dense(
     """Symmetric blocks split into example ranges (upper range pairs computed, the rest
     mirrored), example chunks and output-channel / row chunks from a tiny memory budget, and
     dropped zero columns: the structured kernel still equals the dense float64 kernel."""
-    import fromp.kernel as gp_mod
+    import fromp.gp.kernel as gp_mod
 
     monkeypatch.setattr(gp_mod, "_GRAM_MIN_ROWS", 2)  # 7 examples: 3 ranges (4 for C rows)
     model = make().double().eval()
@@ -423,7 +427,7 @@ def test_structured_kernel_range_pairs_and_chunks_match_dense(
 def test_gram_ranges_cover_the_block_once():
     """The upper range pairs of a symmetric block plus their mirrors cover every entry
     exactly once (no range dropped or counted twice at the chunk edges)."""
-    from fromp.kernel import _Gram
+    from fromp.gp.kernel import _Gram
 
     for n, c, diag in ((1000, 1, True), (300, 3, False), (7, 10, True), (129, 1, True)):
         acc = _Gram(c, n, n, diag, True, F64, "cpu")
@@ -468,7 +472,7 @@ def test_structured_kernel_sparse_row_steps_match_dense(monkeypatch, diagonal_ou
     keeping only the columns nonzero in one of its rows and one row of ``x2`` (never, by
     default, or whenever any column is zero). Selecting the columns of the wrong rows, or
     dropping a column nonzero on one side only, changes the kernel."""
-    import fromp.kernel as gp_mod
+    import fromp.gp.kernel as gp_mod
 
     monkeypatch.setattr(gp_mod, "_OUTER_ROWS", rows)
     monkeypatch.setattr(gp_mod, "_SPARSE_KEEP", keep)
@@ -496,7 +500,7 @@ def test_structured_kernel_grouped_one_position_conv_matches_dense(
     """A grouped convolution with one output position (an outer-product layer with ``G =
     2`` groups) on inputs with zeros, row steps of one row: kernel and variance equal the
     dense float64 ones (a group mixed up with another changes them)."""
-    import fromp.kernel as gp_mod
+    import fromp.gp.kernel as gp_mod
 
     monkeypatch.setattr(gp_mod, "_OUTER_ROWS", 1)
     monkeypatch.setattr(gp_mod, "_SPARSE_KEEP", keep)
@@ -513,7 +517,7 @@ def test_structured_kernel_grouped_one_position_conv_matches_dense(
 def test_structured_chunks_follow_the_memory_budget(monkeypatch):
     """Without a chunk size the structured kernel and variance take feature chunks of at most
     what the budget allows (``example_chunk``), as few as possible; a given chunk size wins."""
-    from fromp.kernel import _CaptureStructure
+    from fromp.gp.kernel import _CaptureStructure
 
     model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double().eval()
     post = _random_posterior(sum(q.numel() for q in model.parameters()), full=False)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from benchmarks.studies import gpu_check
-from fromp import methods
+from fromp.continual import methods
 
 
 def test_refuses_a_cpu_device_without_smoke(capsys):

@@ -12,7 +12,7 @@ from avalanche.evaluation.metrics import accuracy_metrics
 from avalanche.training.plugins import EvaluationPlugin, SupervisedPlugin
 
 from benchmarks.data import synthetic_split, to_avalanche
-from fromp.jacobian import flat_params
+from fromp.curvature.jacobian import flat_params
 from fromp.models import MultiHeadMLP
 from fromp.optim import IVON
 from strategies.fromp import FROMP, FROMPPlugin

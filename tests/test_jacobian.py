@@ -1,4 +1,4 @@
-"""Jacobians and their products (fromp.jacobian) against dense float64 autograd."""
+"""Jacobians and their products (fromp.curvature.jacobian) against dense float64 autograd."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from _dense import dense_jacobian, flat, tiny_cnn, tiny_mlp
 
 from fromp import jacobians, per_example_grads
-from fromp.jacobian import iter_jacobians, jvp, unflatten, vjp_sum
+from fromp.curvature.jacobian import iter_jacobians, jvp, unflatten, vjp_sum
 from fromp.likelihood import CategoricalLikelihood
 from fromp.models import MultiHeadMLP, with_task
 

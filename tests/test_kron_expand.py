@@ -10,7 +10,7 @@ from _dense import dense_ggn
 from torch import nn
 
 from fromp import Laplace
-from fromp.kron import kron_curvature
+from fromp.curvature.kron import kron_curvature
 from fromp.likelihood import CategoricalLikelihood
 
 F64 = torch.float64

@@ -13,7 +13,7 @@ from _dense import dense_ggn, dense_jacobian
 from torch import nn
 
 from fromp import FROMPMethod, Laplace
-from fromp.kron import kron_curvature
+from fromp.curvature.kron import kron_curvature
 from fromp.likelihood import CategoricalLikelihood
 
 F64 = torch.float64
@@ -122,7 +122,7 @@ def test_a_factor_the_solver_cannot_decompose_is_retried_in_float64(monkeypatch)
     """LAPACK's eigh can fail on a large factor with many equal eigenvalues (a ResNet layer
     fitted on few inputs); the retry in float64 with a tiny diagonal ramp gives the same
     decomposition up to 1e-10 relative."""
-    from fromp import kron
+    from fromp.curvature import kron
 
     monkeypatch.setattr(kron, "_eigh_mrrr", lambda sym: None)  # (its own test: fast paths)
     u = torch.randn(50, 3, dtype=torch.float32)

@@ -12,7 +12,7 @@ from _dense import dense_nll_hessians
 from torch import nn
 
 from fromp import Laplace
-from fromp.kron import kron_curvature
+from fromp.curvature.kron import kron_curvature
 from fromp.likelihood import CategoricalLikelihood
 
 F64 = torch.float64

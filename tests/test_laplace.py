@@ -9,8 +9,8 @@ from _dense import dense_ggn, flat, tiny_cnn, tiny_mlp
 from torch import nn
 
 from fromp import DiagonalGaussian, FullGaussian, laplace, laplace_full
-from fromp.jacobian import unflatten
-from fromp.laplace import accumulate_ggn
+from fromp.curvature.jacobian import unflatten
+from fromp.laplace.one_call import accumulate_ggn
 from fromp.likelihood import BernoulliLikelihood, CategoricalLikelihood
 from fromp.models import MultiHeadMLP, with_task
 

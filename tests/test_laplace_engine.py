@@ -17,8 +17,8 @@ from torch import nn
 
 import fromp
 from fromp import DiagLaplace, FullLaplace, Laplace
-from fromp.gp import LaplaceGP
-from fromp.laplace_structures import LaplaceDiag, LaplaceFull
+from fromp.laplace.laplace_gp import LaplaceGP
+from fromp.laplace.structures import LaplaceDiag, LaplaceFull
 from fromp.likelihood import CategoricalLikelihood, GaussianLikelihood
 
 F64 = torch.float64

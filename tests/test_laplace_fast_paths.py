@@ -12,7 +12,7 @@ from torch import nn
 from torch.func import functional_call, jacrev
 
 from fromp import Laplace
-from fromp.kron import kron_curvature
+from fromp.curvature.kron import kron_curvature
 from fromp.likelihood import CategoricalLikelihood
 
 F64 = torch.float64
@@ -113,7 +113,7 @@ def test_float32_evidence_has_no_cancellation():
     """``log det(G + D) - log det D`` over millions of parameters in float32: as a sum of
     ``log1p(lambda / delta)`` it keeps float32 accuracy (as two sums of ``P`` logarithms it
     lost about three digits: ~6e-4 relative on ResNet-18)."""
-    from fromp.kron import KronBlock, KronCurvature
+    from fromp.curvature.kron import KronBlock, KronCurvature
 
     torch.manual_seed(0)
     net = nn.Linear(2048, 1024).eval()  # 2.1M parameters
@@ -140,7 +140,7 @@ def test_a_factor_torch_cannot_decompose_goes_to_the_mrrr_solver(monkeypatch):
     dtype gives the decomposition, without the float64 retry."""
     import pytest
 
-    from fromp import kron
+    from fromp.curvature import kron
 
     pytest.importorskip("scipy")
     u = torch.randn(60, 4, dtype=torch.float32)

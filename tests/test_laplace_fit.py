@@ -10,7 +10,7 @@ from _dense import dense_ggn, flat, tiny_cnn, tiny_mlp
 from torch import nn
 
 from fromp import DiagLaplace, FullLaplace, laplace, laplace_full
-from fromp.laplace import log_marginal_likelihood
+from fromp.laplace.one_call import log_marginal_likelihood
 from fromp.likelihood import CategoricalLikelihood, GaussianLikelihood
 
 F64 = torch.float64

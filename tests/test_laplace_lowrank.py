@@ -16,7 +16,7 @@ import torch
 from test_laplace_api import cnn, data, dense_ggn_blocks, mlp
 
 from fromp import Laplace
-from fromp.ggn import ggn_matmat
+from fromp.curvature.ggn import ggn_matmat
 from fromp.likelihood import CategoricalLikelihood
 
 F64 = torch.float64

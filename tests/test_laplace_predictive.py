@@ -362,7 +362,7 @@ def test_positional_and_deprecated_forms_still_work():
     with pytest.warns(DeprecationWarning, match="functional_variance_at"):
         v = la.functional_variance(x)
     torch.testing.assert_close(v, la.functional_variance_at(x))
-    from fromp.laplace_options import LinkApprox, PredType
+    from fromp.laplace.options import LinkApprox, PredType
 
     torch.testing.assert_close(la(x, pred_type=PredType.GLM, link_approx=LinkApprox.PROBIT),
                                la(x))  # fmt: skip

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 
 from fromp import Laplace
-from fromp.laplace_subnet import (
+from fromp.laplace.subnet import (
     LargestMagnitudeSubnetMask,
     LargestVarianceDiagLaplaceSubnetMask,
 )

@@ -1,10 +1,15 @@
-"""The package's shape: no import circle between the project's modules (imports inside
-functions included), ``fromp`` never imports Avalanche or the other packages, no module
-over 700 lines, at most 10 modules at the top of ``benchmarks/``."""
+"""The package's shape: no import circle between the project's modules of any kind (imports
+inside functions and type-only imports included); ``fromp`` never imports Avalanche or the
+other packages; ``fromp``'s subpackages depend on each other in one direction (a declared
+order of layers), no private name crosses a subpackage, at most 12 modules at the top of
+``fromp`` and 10 at the top of ``benchmarks/``; the module paths and names that moved still
+resolve, with a DeprecationWarning, to the same objects."""
 
 from __future__ import annotations
 
 import ast
+import importlib
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,15 +30,7 @@ def imports(name: str, path: Path, known: set[str]) -> set[str]:
     """Project modules imported anywhere in the file (module level or inside functions)."""
     found = set()
     tree = ast.parse(path.read_text())
-    typing_only = {  # `if TYPE_CHECKING:` imports are for annotations, never run
-        id(n)
-        for block in ast.walk(tree)
-        if isinstance(block, ast.If) and getattr(block.test, "id", None) == "TYPE_CHECKING"
-        for n in ast.walk(block)
-    }
-    for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
+    for node in ast.walk(tree):  # `if TYPE_CHECKING:` imports count: a circle of types too
         targets = []
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
@@ -87,9 +84,68 @@ def test_fromp_imports_no_avalanche_and_no_upper_layer():
                 assert not any(m.split(".")[0] == bad for m in mods), f"{name} imports {bad}"
 
 
-def test_module_sizes_and_benchmarks_top_level():
-    long = {n: len(p.read_text().splitlines()) for n, p in modules().items()}
-    assert not {n: k for n, k in long.items() if k > 700}
+#: fromp's units (a subpackage, or a module at the top) from the bottom layer up: a unit may
+#: import only from its own layer or a lower one. The layers: shared checks and data types;
+#: curvature (Jacobians, capture, GGN, Kronecker factors); the optimizers and the GP; the
+#: Laplace posteriors; the memory-perturbation and leave-one-out estimates; the continual
+#: methods; the package's front page.
+LAYERS = [
+    {"fromp._checks", "fromp._compat", "fromp.distributed", "fromp.likelihood", "fromp.link"},
+    {"fromp.models"},
+    {"fromp.posterior", "fromp.curvature"},
+    {"fromp.gp", "fromp.optim"},
+    {"fromp.laplace"},
+    {"fromp.utils", "fromp.marglik_training"},
+    {"fromp.memory"},
+    {"fromp.continual"},
+    {"fromp"},
+]
+
+
+def unit(module: str) -> str:
+    """A module's unit: ``fromp.laplace.base`` -> ``fromp.laplace``; a top module is its own."""
+    parts = module.split(".")
+    if len(parts) >= 2 and (ROOT / "fromp" / parts[1]).is_dir():
+        return ".".join(parts[:2])
+    return module
+
+
+def test_fromp_units_depend_in_one_direction():
+    mods = {m: p for m, p in modules().items() if m.startswith("fromp")}
+    level = {u: i for i, layer in enumerate(LAYERS) for u in layer}
+    units = {unit(m) for m in mods}
+    assert units == set(level), f"every unit has a layer: {sorted(units ^ set(level))}"
+    upward = []
+    for m, p in mods.items():
+        for t in imports(m, p, set(mods)):
+            if t.startswith("fromp") and level[unit(t)] > level[unit(m)]:
+                upward.append(f"{m} -> {t}")
+    assert not upward, "imports against the layers:\n" + "\n".join(sorted(upward))
+
+
+def test_no_private_name_crosses_a_unit():
+    """A name with a leading underscore is used only inside its unit (``_checks`` and the
+    front page excepted): what another subpackage needs is public."""
+    crossing = []
+    for m, p in modules().items():
+        if not m.startswith("fromp.") or m == "fromp":
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                src = node.module
+                if not src.startswith("fromp.") or src == "fromp._checks":
+                    continue
+                if unit(src) == unit(m):
+                    continue
+                crossing += [f"{m}: {src}.{a.name}" for a in node.names if a.name[0] == "_"]
+    assert not crossing, "\n".join(crossing)
+
+
+def test_top_levels():
+    top = [p.stem for p in (ROOT / "fromp").glob("*.py") if p.name != "__init__.py"]
+    assert len(top) <= 12, sorted(top)
+    subpackages = [p.name for p in (ROOT / "fromp").iterdir() if (p / "__init__.py").exists()]
+    assert {"laplace", "curvature", "continual", "memory", "optim", "gp"} <= set(subpackages)
     top = [p for p in (ROOT / "benchmarks").glob("*.py") if p.name != "__init__.py"]
     assert len(top) <= 10, sorted(p.name for p in top)
 
@@ -97,11 +153,9 @@ def test_module_sizes_and_benchmarks_top_level():
 def test_public_surface_and_moved_names():
     """About 40 names at the top of ``fromp``; the names that moved in 0.3.0 still resolve,
     with a DeprecationWarning naming their module, to the same objects."""
-    import warnings
-
     import fromp
-    from fromp.bayesian import to_bayesian
-    from fromp.jacobian import vjp_sum
+    from fromp.continual.bayesian import to_bayesian
+    from fromp.curvature.jacobian import vjp_sum
 
     assert 35 <= len(fromp.__all__) <= 45
     assert all(hasattr(fromp, n) for n in fromp.__all__)
@@ -109,8 +163,8 @@ def test_public_surface_and_moved_names():
         warnings.simplefilter("always")
         assert fromp.to_bayesian is to_bayesian and fromp.vjp_sum is vjp_sum
     assert [str(w.message) for w in caught] == [
-        "fromp.to_bayesian moved to fromp.bayesian.to_bayesian",
-        "fromp.vjp_sum moved to fromp.jacobian.vjp_sum",
+        "fromp.to_bayesian moved to fromp.continual.bayesian.to_bayesian",
+        "fromp.vjp_sum moved to fromp.curvature.jacobian.vjp_sum",
     ]
     try:
         fromp.no_such_name
@@ -118,3 +172,38 @@ def test_public_surface_and_moved_names():
         assert "no_such_name" in str(err)
     else:
         raise AssertionError("an unknown name must raise AttributeError")
+
+
+def test_moved_module_paths_resolve_with_a_warning():
+    """Every 0.3 module path imports, warns once with its new path, and is the module at the
+    new path (so a monkeypatch through either name patches the same object)."""
+    import sys
+
+    from fromp._compat import MOVED_MODULES
+
+    for old, new in MOVED_MODULES.items():
+        sys.modules.pop(old, None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mod = importlib.import_module(old)
+        assert mod is importlib.import_module(new), old
+        assert [str(w.message) for w in caught if w.category is DeprecationWarning] == [
+            f"{old} moved to {new}; the old path goes in fromp 0.5"
+        ], old
+        assert not (ROOT / (old.replace(".", "/") + ".py")).exists(), f"{old} left behind"
+    import fromp
+
+    sys.modules.pop("fromp.kron", None)
+    vars(fromp).pop("kron", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from fromp import kron  # a module imported as a name of the package
+    assert kron is importlib.import_module("fromp.curvature.kron")
+    assert any("fromp.kron moved to fromp.curvature.kron" in str(w.message) for w in caught)
+    # the packages that kept a module's name still have its public names
+    from fromp.curvature import diag_ggn
+    from fromp.gp import GP
+    from fromp.laplace import laplace, log_marginal_likelihood
+
+    assert diag_ggn.__module__ == "fromp.curvature.diagonal" and GP.__name__ == "GP"
+    assert callable(laplace) and callable(log_marginal_likelihood)

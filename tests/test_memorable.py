@@ -7,7 +7,7 @@ import torch
 from _dense import dense_jacobian
 from torch import nn
 
-from fromp.memorable import memorability_scores, select_memorable
+from fromp.continual.memorable import memorability_scores, select_memorable
 
 
 def _setup(n: int = 60, c: int = 3):
@@ -87,8 +87,8 @@ def test_selection_errors():
 
 
 def test_sensitivity_order_keeps_largest_memory_perturbation_sensitivity_per_class():
+    from fromp.memory.sensitivity import memory_perturbation
     from fromp.posterior import DiagonalGaussian
-    from fromp.sensitivity import memory_perturbation
 
     net, x, y = _setup()
     net.eval()

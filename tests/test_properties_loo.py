@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fromp.likelihood import GaussianLikelihood
+from fromp.memory.sensitivity import memory_perturbation
 from fromp.posterior import FullGaussian
-from fromp.sensitivity import memory_perturbation
 
 D = torch.float64
 SETTINGS = settings(max_examples=25, deadline=None)

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -110,6 +110,8 @@ def test_ivon_hyperparameters_never_nan_and_refusals_change_nothing(
     kl_weight=st.one_of(ANY, st.floats(1e-3, 10.0)),
 )
 def test_vogn_hyperparameters_never_nan_and_refusals_change_nothing(lr, beta1, beta2, kl_weight):
+    # a kl_weight so small that N / kl_weight overflows float32 has its own test below
+    assume(not (0 < kl_weight < 1e-30))
     model = _mlp()
     opt = VOGN(model, lr=0.05, ess=12, init_precision=1e-2)
     opt.step(X, Y)
@@ -139,3 +141,22 @@ def test_loading_a_state_with_any_hyperparameters_is_all_or_nothing(beta2, lr):
         with pytest.raises(ValueError):
             opt.load_state_dict(state)
         assert _same(opt.state_dict(), before)
+
+
+def test_vogn_kl_weight_that_overflows_the_precision_is_refused():
+    """``N / kl_weight`` beyond float32 (kl_weight 1e-58, found by the property test above):
+    refused naming kl_weight, the weights and the state unchanged."""
+    model = _mlp()
+    opt = VOGN(model, lr=0.05, ess=12, init_precision=1e-2)
+    opt.step(X, Y)
+    before = [p.detach().clone() for p in model.parameters()]
+    state = copy.deepcopy(opt.state_dict())
+    opt.param_groups[0].update(kl_weight=1.3e-58)
+    with pytest.raises(ValueError, match=r"kl_weight=1\.3e-58 makes the posterior precision"):
+        opt.step(X, Y)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    after = opt.state_dict()
+    assert all(
+        torch.equal(after["state"][k], v) if isinstance(v, torch.Tensor) else True
+        for k, v in state["state"].items()
+    )

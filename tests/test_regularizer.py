@@ -9,9 +9,9 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from fromp.jacobian import flat_params, num_params, unflatten
+from fromp.continual.regularizer import FROMPRegularizer, task_fn
+from fromp.curvature.jacobian import flat_params, num_params, unflatten
 from fromp.models import MultiHeadMLP
-from fromp.regularizer import FROMPRegularizer, task_fn
 
 
 def _net(n_heads: int = 2, head_size: int = 3) -> nn.Module:
@@ -244,7 +244,7 @@ def test_state_dict_roundtrip_gives_identical_penalty():
 
 
 def test_diag_ggn_linear_matches_per_example_jacobians():
-    from fromp.curvature import diag_ggn, diag_ggn_linear
+    from fromp.curvature.diagonal import diag_ggn, diag_ggn_linear
     from fromp.models import LeNet5, with_task
 
     net = _net(n_heads=3, head_size=3)
@@ -286,7 +286,7 @@ def test_batched_penalty_equals_per_task_loop(kernel):
 
 def test_prob_jacobian_and_conv_kernel_match_dense():
     """The generic vmap path (used for non-MLP networks) against dense autograd."""
-    from fromp.regularizer import prob_jacobian
+    from fromp.continual.regularizer import prob_jacobian
 
     net = _net(n_heads=2, head_size=3)
     x = torch.randn(5, 4, dtype=torch.float64)
@@ -310,7 +310,7 @@ def test_prob_jacobian_and_conv_kernel_match_dense():
 
 def test_former_name_is_deprecated():
     import fromp
-    import fromp.regularizer as module
+    import fromp.continual.regularizer as module
 
     for where in (fromp, module):
         with pytest.warns(DeprecationWarning, match="FROMPRegularizer"):

@@ -75,7 +75,7 @@ def test_kernel_profile_refuses_no_inputs(capsys):
 
 
 def test_kernel_vs_revision_runs_and_compares(tmp_path):
-    """The regression benchmark loads ``fromp/gp.py`` of a git revision beside the current
+    """The regression benchmark loads the GP module of a git revision beside the current
     one (here a fresh repository: the current file, then a commit that doubles the kernel):
     the first agrees with the current kernels, the second differs by a half, so the old
     revision really is what is timed; an unknown revision is one clear line."""
@@ -85,19 +85,20 @@ def test_kernel_vs_revision_runs_and_compares(tmp_path):
     from benchmarks.studies import kernel_vs_revision as kvr
 
     repo = tmp_path / "repo"
-    (repo / "fromp").mkdir(parents=True)
-    shutil.copy(kvr.ROOT / "fromp" / "gp.py", repo / "fromp" / "gp.py")
+    (repo / "fromp" / "gp").mkdir(parents=True)
+    gp_file = repo / "fromp" / "gp" / "process.py"
+    shutil.copy(kvr.ROOT / "fromp" / "gp" / "process.py", gp_file)
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
 
     def run_git(*cmd: str) -> None:
         subprocess.run([*git, *cmd], cwd=repo, check=True, capture_output=True)
 
     run_git("init", "-q")
-    run_git("add", "fromp/gp.py")
+    run_git("add", "fromp/gp/process.py")
     run_git("commit", "-q", "-m", "gp")
     out = tmp_path / "k.json"
     args = ["--repo", str(repo), "--n", "4", "--out", str(out)]
-    with open(repo / "fromp" / "gp.py", "a") as fh:
+    with open(gp_file, "a") as fh:
         fh.write("\n_k = GP.kernel\nGP.kernel = lambda self, *a, **k: 2 * _k(self, *a, **k)\n")
     run_git("commit", "-q", "-am", "doubled")
     rep = kvr.main(["--rev", "HEAD~1", "--repeats", "1", *args])

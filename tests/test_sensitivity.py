@@ -19,8 +19,8 @@ from torch import nn
 
 import fromp
 from fromp.likelihood import get_likelihood
+from fromp.memory.sensitivity import memory_perturbation, newton_step_loo, prediction_variance
 from fromp.optim import IVON
-from fromp.sensitivity import memory_perturbation, newton_step_loo, prediction_variance
 
 D = torch.float64
 
@@ -298,7 +298,7 @@ def test_newton_step_loo_default_tolerance_is_reached_in_float32(monkeypatch):
     """In float32 the default tolerance follows the dtype: GMRES stops after at most
     ``C + 1`` steps per example (the rank of the GGN term plus one), as in float64, instead
     of running to ``max_iter``; the result agrees with float64."""
-    import fromp.sensitivity as sens
+    import fromp.memory.sensitivity as sens
 
     net, x, y, _, _ = _trained_tiny_mlp(1.0)
     q64 = fromp.laplace_full(net, x, "categorical", prior_precision=1.0)

@@ -16,9 +16,9 @@ from torch import nn
 import fromp
 from fromp import Laplace
 from fromp.likelihood import GaussianLikelihood
-from fromp.loo import LOOTracker, last_layer_loo
+from fromp.memory.loo import LOOTracker, last_layer_loo
+from fromp.memory.sensitivity import memory_perturbation, newton_step_loo
 from fromp.posterior import FullGaussian
-from fromp.sensitivity import memory_perturbation, newton_step_loo
 
 D = torch.float64
 

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 import fromp
-from fromp.jacobian import flat_params
+from fromp.curvature.jacobian import flat_params
 from fromp.likelihood import get_likelihood
-from fromp.loo import last_layer_features, last_layer_ggn, last_layer_loo
-from fromp.sensitivity import memory_perturbation, newton_step_loo
+from fromp.memory.loo import last_layer_features, last_layer_ggn, last_layer_loo
+from fromp.memory.sensitivity import memory_perturbation, newton_step_loo
 
 D = torch.float64
 
@@ -203,7 +203,7 @@ def _mlp():
 
 
 def test_loo_tracker_adam_uses_last_layer_laplace_with_weight_decay_times_n():
-    from fromp.loo import LOOTracker
+    from fromp.memory.loo import LOOTracker
 
     torch.manual_seed(7)
     x, y = _blobs()
@@ -239,7 +239,7 @@ def test_loo_tracker_adam_uses_last_layer_laplace_with_weight_decay_times_n():
 
 
 def test_loo_tracker_ivon_last_layer_against_dense():
-    from fromp.loo import LOOTracker
+    from fromp.memory.loo import LOOTracker
     from fromp.optim import IVON
 
     torch.manual_seed(8)
@@ -259,7 +259,9 @@ def test_loo_tracker_ivon_last_layer_against_dense():
     mask[-(6 * 3 + 3) :] = 1  # the head is the last Linear: its weight and bias come last
     w = q.mean
     jac = torch.func.jacrev(
-        lambda w: torch.func.functional_call(net.eval(), fromp.jacobian.unflatten(net, w), (x,))
+        lambda w: torch.func.functional_call(
+            net.eval(), fromp.curvature.jacobian.unflatten(net, w), (x,)
+        )
     )(w)  # [N, C, P]
     cov = torch.einsum("ncp,p,nkp->nck", jac, q.variance * mask, jac)
     f = net(x).detach()
@@ -284,7 +286,7 @@ def test_loo_plugin_records_each_epoch_on_the_current_experience():
     from avalanche.training.supervised import Naive
 
     from benchmarks.data import split_digits, to_avalanche
-    from fromp.loo import LOOTracker
+    from fromp.memory.loo import LOOTracker
     from strategies.loo import LOOPlugin
 
     torch.manual_seed(9)
@@ -312,7 +314,7 @@ def test_loo_plugin_records_each_epoch_on_the_current_experience():
 
 
 def test_last_layer_remove_a_class_against_ridge_and_retraining():
-    from fromp.loo import last_layer_remove
+    from fromp.memory.loo import last_layer_remove
 
     torch.manual_seed(10)
     # Gaussian likelihood: removing a set is exact (ridge refitted without it)
@@ -353,7 +355,7 @@ def test_last_layer_remove_a_class_against_ridge_and_retraining():
 def test_kron_last_layer_loo_against_dense_kfac_posterior():
     """``structure="kron"``: ``V_n = J_n (B (x) A + delta I)^{-1} J_n^T`` with ``B = sum
     Lambda_n``, ``A = mean phi~ phi~^T`` formed densely, then the corrected LOO outputs."""
-    from fromp.loo import LOOTracker
+    from fromp.memory.loo import LOOTracker
 
     torch.manual_seed(3)
     x, y = _blobs()
@@ -385,7 +387,7 @@ def test_recorded_training_passes_give_the_evaluation_pass_estimate(structure):
     same estimate as a separate evaluation pass when the weights did not move; after a
     real epoch of training they differ only through the features' staleness; the record
     is cleared after each estimate, so epoch 2 does not count epoch 1's passes."""
-    from fromp.loo import LOOTracker
+    from fromp.memory.loo import LOOTracker
 
     torch.manual_seed(4)
     x, y = _blobs()
@@ -410,7 +412,7 @@ def test_recorded_training_passes_give_the_evaluation_pass_estimate(structure):
             tracker.observe(y[i : i + 20])
     part = tracker(net, x[:20], y[:20], opt)
     assert part["curvature_examples"] == 60 and part["n"] == 20
-    from fromp.loo import _full_loo, _kron_loo
+    from fromp.memory.loo import _full_loo, _kron_loo
 
     phi, head = last_layer_features(net, x)
     lik = get_likelihood("categorical")
@@ -442,7 +444,7 @@ def test_loo_plugin_recorded_uses_the_epochs_own_passes_of_the_current_experienc
     from avalanche.training.supervised import Naive
 
     from benchmarks.data import split_digits, to_avalanche
-    from fromp.loo import LOOTracker
+    from fromp.memory.loo import LOOTracker
     from strategies.loo import LOOPlugin
 
     torch.manual_seed(10)
@@ -471,7 +473,7 @@ def test_last_layer_remove_iterated_newton_matches_refitted_softmax_regression()
     reach the head refitted without the class (dense float64, to ~1e-6); one step is the
     memory-perturbation step ``(H_K + delta I)^{-1} g_S`` formed densely; from a head that
     is not at the optimum the move is that of the residual-corrected objective."""
-    from fromp.loo import last_layer_remove
+    from fromp.memory.loo import last_layer_remove
 
     x, y = _blobs(120, seed=12)
     x = x.double()
@@ -526,7 +528,7 @@ def test_kron_factor_shortcuts_against_dense_sums():
     """The Kronecker factors without ``[N, C, C]`` Hessians or an augmented copy: ``sum_n
     Lambda_n`` (softmax closed form, other likelihoods summed), ``mean phi~ phi~^T`` with the
     bias column assembled, and the curvature of a separate fit set equal to the set itself."""
-    from fromp.loo import _hessian_sum, _kron_loo, _second_moment
+    from fromp.memory.loo import _hessian_sum, _kron_loo, _second_moment
 
     torch.manual_seed(13)
     f = 3 * torch.randn(50, 4)

@@ -13,9 +13,9 @@ import torch
 from torch.utils.data import TensorDataset
 
 from benchmarks.data import synthetic_split
-from fromp.curvature import diag_ggn
-from fromp.jacobian import flat_params
-from fromp.memorable import select_memorable
+from fromp.continual.memorable import select_memorable
+from fromp.curvature.diagonal import diag_ggn
+from fromp.curvature.jacobian import flat_params
 from fromp.models import MultiHeadMLP, with_task
 from strategies.ewc import EWCPlugin
 from strategies.fromp import FROMPPlugin
@@ -46,7 +46,7 @@ def _kernel(net, x, task, var):
     w0 = flat_params(net)
     from torch.func import functional_call
 
-    from fromp.jacobian import unflatten
+    from fromp.curvature.jacobian import unflatten
 
     def probs(w):
         return torch.softmax(functional_call(net, unflatten(net, w), (x,), {"task": task}), -1)
@@ -226,7 +226,7 @@ def test_fromp_and_ewc_state_survive_a_new_head():
     fromp.learn_task(net, x, y, t)
     ewc.after_training_exp(_fake_strategy(net, x, y, t))
     new = diag_ggn(with_task(net, 2), x, "categorical")
-    from fromp.jacobian import unflatten
+    from fromp.curvature.jacobian import unflatten
 
     new = unflatten(net, new)
     for n, v in fromp.ggn_sum.items():

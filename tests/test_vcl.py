@@ -9,7 +9,7 @@ from avalanche.training.plugins import EvaluationPlugin
 
 from benchmarks.data import synthetic_split, to_avalanche
 from benchmarks.settings import SETTINGS
-from fromp.bayesian import BayesMultiHeadModel
+from fromp.continual.bayesian import BayesMultiHeadModel
 from fromp.models import MultiHeadMLP
 from strategies.models import as_avalanche_model
 from strategies.vcl import VCL, VCLPlugin

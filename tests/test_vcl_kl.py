@@ -10,11 +10,11 @@ import torch
 from torch import nn
 from torch.distributions import Normal, kl_divergence
 
-import fromp.bayesian as bayesian
-import fromp.vcl as vcl
-from fromp.bayesian import to_bayesian
+import fromp.continual.bayesian as bayesian
+import fromp.continual.vcl as vcl
+from fromp.continual.bayesian import to_bayesian
+from fromp.continual.vcl import MeanFieldTwin
 from fromp.models import MultiHeadMLP
-from fromp.vcl import MeanFieldTwin
 
 D = torch.float64
 

@@ -27,9 +27,9 @@ import torch.nn.functional as F
 import fromp
 from benchmarks.data import load_mnist
 from benchmarks.studies import harness
-from fromp.curvature import diag_ggn_linear
-from fromp.jacobian import flat_params
-from fromp.memorable import select_memorable
+from fromp.continual.memorable import select_memorable
+from fromp.curvature.diagonal import diag_ggn_linear
+from fromp.curvature.jacobian import flat_params
 from fromp.models import MultiHeadMLP, with_task
 from fromp.optim import IVON
 from fromp.posterior import DiagonalGaussian

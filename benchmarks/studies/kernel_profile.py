@@ -31,8 +31,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--n must be >= 1, got {args.n}")
     import torchvision
 
-    from fromp.gp import GP
-    from fromp.jacobian import flat_params
+    from fromp.curvature.jacobian import flat_params
+    from fromp.gp.process import GP
     from fromp.posterior import DiagonalGaussian
 
     torch.set_num_threads(1)

@@ -63,7 +63,7 @@ def make_model(name: str) -> tuple[nn.Module, nn.Module]:
 
 
 def _posterior(view: nn.Module):
-    from fromp.jacobian import flat_params
+    from fromp.curvature.jacobian import flat_params
     from fromp.posterior import DiagonalGaussian
 
     mean = flat_params(view)
@@ -131,7 +131,7 @@ def reference_jacobians(view: nn.Module, x: Tensor) -> Tensor:
 def measure(task: dict[str, Any]) -> dict[str, Any]:
     """One measurement (run in a subprocess): ``task["what"]`` is ``"fromp_jacobian"``,
     ``"fromp_diag"``, ``"fromp_full"`` or ``"reference"``."""
-    from fromp.gp import dnn2gp
+    from fromp.gp.process import dnn2gp
 
     torch.set_num_threads(task["threads"])
     device = torch.device(task["device"])

@@ -12,7 +12,7 @@ first ``--n`` MNIST test images (uniform noise of MNIST's shape when MNIST is no
 output says so), per-class blocks ``[C, N, N]`` and the full ``[N, C, N, C]`` kernel, each
 with its own default chunking. The two run alternately ``--repeats`` times after a warm-up,
 on one thread; times are process CPU seconds. The default revision is the last one before
-the kernel was rebuilt on :mod:`fromp.capture`. Results (with the command, the maximum
+the kernel was rebuilt on :mod:`fromp.curvature.capture`. Results (with the command, the maximum
 relative difference of the kernels, and the time ratios) go to ``--out``
 (``benchmarks/results/kernel_vs_revision.json``).
 """
@@ -39,17 +39,25 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 
 
+#: where the GP's module lives: ``fromp/gp/process.py`` since 0.4, ``fromp/gp.py`` before
+GP_PATHS = ("fromp/gp/process.py", "fromp/gp.py")
+
+
 def load_revision(rev: str, repo: Path = ROOT) -> Any:
-    """``fromp/gp.py`` at git revision ``rev`` of the repository ``repo`` as a module
-    (``fromp._gp_at_rev``)."""
-    try:
-        src = subprocess.run(
-            ["git", "show", f"{rev}:fromp/gp.py"], cwd=repo, check=True,
-            capture_output=True, text=True,
-        ).stdout  # fmt: skip
-    except (OSError, subprocess.CalledProcessError) as err:
-        msg = getattr(err, "stderr", "") or str(err)
-        raise SystemExit(f"--rev {rev!r}: cannot read fromp/gp.py there ({msg.strip()})") from None
+    """The GP's module (:data:`GP_PATHS`) at git revision ``rev`` of the repository ``repo``
+    as a module (``fromp._gp_at_rev``)."""
+    msg = ""
+    for where in GP_PATHS:
+        try:
+            src = subprocess.run(
+                ["git", "show", f"{rev}:{where}"], cwd=repo, check=True,
+                capture_output=True, text=True,
+            ).stdout  # fmt: skip
+            break
+        except (OSError, subprocess.CalledProcessError) as err:
+            msg = (getattr(err, "stderr", "") or str(err)).strip()
+    else:
+        raise SystemExit(f"--rev {rev!r}: cannot read {' or '.join(GP_PATHS)} there ({msg})")
     path = Path(tempfile.mkdtemp()) / "gp_at_rev.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location("fromp._gp_at_rev", path)
@@ -75,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.n < 2 or args.repeats < 1:
         parser.error("need --n >= 2 and --repeats >= 1")
     torch.set_num_threads(1)
-    from fromp.gp import GP
+    from fromp.gp.process import GP
 
     old_mod = load_revision(args.rev, args.repo)
     x, source = load_images(args.n, args.data_root)

@@ -33,7 +33,7 @@ Three parts (``--parts``):
   (diagonal, dense, or per Kronecker block ``B (x) A`` compared through Frobenius inner products
   ``<B1 (x) A1, B2 (x) A2> = <B1, B2> <A1, A2>``, nothing ``P x P`` formed), the evidence and the
   GLM probit predictive, with their relative differences (:func:`rel_diff`).
-* ``curvlinops``: ``fromp.kron.kron_curvature`` against curvlinops' ``KFACLinearOperator``
+* ``curvlinops``: ``fromp.curvature.kron.kron_curvature`` against curvlinops' ``KFACLinearOperator``
   (``fisher_type="type-2"``, i.e. exact GGN columns, ``kfac_approx="expand"``) on the same
   batches, one thread: times, their ratio, and the factors' agreement.
 
@@ -428,13 +428,13 @@ def equality(state: str | None, data_root: str | None, models: list[str]) -> lis
 
 # ------------------------------------------------------------------------------ curvlinops KFAC
 def curvlinops_case(model: str, n: int, batch: int) -> dict[str, Any]:
-    """``fromp.kron.kron_curvature`` against ``KFACLinearOperator`` on the same batches
+    """``fromp.curvature.kron.kron_curvature`` against ``KFACLinearOperator`` on the same batches
     (one thread): times, their ratio and the factors' relative differences. ResNet-18's
     batch-norm parameters are frozen for both (and curvlinops' behaviour with them trainable
     is recorded)."""
     from curvlinops import KFACLinearOperator
 
-    from fromp.kron import kron_curvature
+    from fromp.curvature.kron import kron_curvature
     from fromp.likelihood import CategoricalLikelihood
 
     torch.set_num_threads(1)
@@ -467,7 +467,7 @@ def curvlinops_case(model: str, n: int, batch: int) -> dict[str, Any]:
     out["curvlinops_s"] = time.process_time() - t0
     out["ratio_fromp_over_curvlinops"] = out["fromp_s"] / out["curvlinops_s"]
     names = {id(m): name for name, m in net.named_modules()}
-    from fromp.kron import kron_layers
+    from fromp.curvature.kron import kron_layers
 
     ws, bs = [], []
     for blk, m in zip(ours.blocks, kron_layers(net)):

@@ -1,5 +1,5 @@
 """Leave a class out: predict how every test example's predicted probabilities change when all
-training examples of one class are removed (:func:`fromp.loo.last_layer_remove`: Newton's
+training examples of one class are removed (:func:`fromp.memory.loo.last_layer_remove`: Newton's
 method on the output layer, and its first step alone), and compare with retraining without
 that class.
 
@@ -24,7 +24,7 @@ from torch import nn
 
 from benchmarks.studies import harness
 from benchmarks.studies.loo_tracking import _load, _model
-from fromp.loo import last_layer_features, last_layer_remove
+from fromp.memory.loo import last_layer_features, last_layer_remove
 
 
 def _train(model, x, y, wd, epochs, seed):

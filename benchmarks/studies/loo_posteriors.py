@@ -9,7 +9,7 @@ one scalar ``delta`` chosen by the Laplace evidence on a log grid, block-diagona
 layers, so the functional covariances add: ``V_n = sum_l V_n^(l)``):
 
 * ``kron``: KFAC ``B (x) A`` (``A = (1/N) sum u u^T``, ``B = sum G^T Lambda G``), the bias
-  its own exact block ``B`` (fromp's :mod:`fromp.kron` convention);
+  its own exact block ``B`` (fromp's :mod:`fromp.curvature.kron` convention);
 * ``ekfac``: KFAC's eigenbases ``Q_B, Q_A`` with the exact GGN diagonal in that basis,
   ``s_ij = sum_n (sum_cd gt_nci Lambda_ncd gt_ndi) ut_nj^2`` (``gt = G Q_B``, ``ut = Q_A^T u``;
   George et al. 2018), the bias as in ``kron``;
@@ -41,9 +41,9 @@ from torch import Tensor, nn
 
 from benchmarks.cli import _load, _task
 from benchmarks.studies import harness
-from fromp.capture import capture_calls
+from fromp.curvature.capture import capture_calls
 from fromp.likelihood import get_likelihood
-from fromp.loo import _corrected_loo
+from fromp.memory.loo import _corrected_loo
 from fromp.models import with_task
 
 VARIANTS = ("last", "kron", "ekfac", "mixed", "mixed-ekfac")

@@ -1,5 +1,5 @@
 """Does the leave-one-out estimate track the test loss during training? MNIST, an MLP and a
-small CNN, trained by Adam and by IVON; after each epoch :class:`fromp.loo.LOOTracker`
+small CNN, trained by Adam and by IVON; after each epoch :class:`fromp.memory.loo.LOOTracker`
 estimates the leave-one-out NLL of the training set (Adam: a last-layer full Laplace-GGN with
 delta = weight decay x N, refitted each epoch; IVON: its own posterior, over the output layer
 and, on a fixed subset of the examples, over all weights) and the test NLL is measured.
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from benchmarks.studies import harness
-from fromp.loo import LOOTracker
+from fromp.memory.loo import LOOTracker
 from fromp.optim import IVON
 
 

@@ -4,7 +4,7 @@ Laplace evidence or by a validation split, and compare the test NLL each choice 
 MNIST MLP (784-100-100-10), Adam, a training subset; for each weight decay of the grid the
 network is trained on the training examples minus a held-out validation split, then
 
-* LOO: the last-layer leave-one-out NLL (:func:`fromp.loo.last_layer_loo`, delta =
+* LOO: the last-layer leave-one-out NLL (:func:`fromp.memory.loo.last_layer_loo`, delta =
   weight decay x N) of the training examples;
 * evidence: the diagonal Laplace-GGN log evidence at that delta
   (:func:`fromp.laplace.log_marginal_likelihood`);
@@ -26,8 +26,8 @@ from torch import nn
 
 from benchmarks.studies import harness
 from benchmarks.studies.loo_tracking import _load, _model, _test
-from fromp.laplace import log_marginal_likelihood
-from fromp.loo import last_layer_loo
+from fromp.laplace.one_call import log_marginal_likelihood
+from fromp.memory.loo import last_layer_loo
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -144,8 +144,8 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
         h = _laplace_torch_fit(net, x, y, spec["lt_batch"])
         out["precision_sum"] = float(h.sum()) + h.numel()
     elif spec["case"] in ("kernel", "kernel_full", "predictive"):
-        from fromp.gp import GP
-        from fromp.jacobian import flat_params
+        from fromp.curvature.jacobian import flat_params
+        from fromp.gp.process import GP
         from fromp.posterior import DiagonalGaussian
 
         mean = flat_params(net)
@@ -161,7 +161,7 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
             out["shape"] = list(k.shape)
             out["method"] = "structured" if gp._structured else "jacobian"
     elif spec["case"] == "check":
-        from fromp.curvature import diag_ggn
+        from fromp.curvature.diagonal import diag_ggn
 
         ours = diag_ggn(net, x, "categorical")
         theirs = _laplace_torch_fit(net, x, y, spec["lt_batch"]).to(ours)

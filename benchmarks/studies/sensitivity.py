@@ -3,7 +3,7 @@
 An MLP (784-8-10, tanh, float64, 6,370 parameters) is trained to convergence on 1,000 real
 MNIST images (objective ``sum_i nll_i + delta/2 |w|^2``, ``delta = 10``, full-batch L-BFGS),
 a full-covariance Laplace-GGN posterior is fitted at the optimum (``--posterior diag``: the
-diagonal one), and :func:`fromp.sensitivity.memory_perturbation`
+diagonal one), and :func:`fromp.memory.sensitivity.memory_perturbation`
 estimates every example's leave-one-out logits ``f_i + e_i * v_i`` (and ``f_i + V_i e_i``).
 Then the network is retrained without each of the ``--n-each`` most and least sensitive
 examples, warm-started from the trained weights (as Nickl et al., 2023, do), and the true
@@ -16,7 +16,7 @@ changes of the removed example's logits are compared with the estimates:
   within 10 %);
 * the test NLL change: true (retrained) against the first-order estimate
   ``J_test Sigma J_i^T e_i``;
-* :func:`fromp.sensitivity.newton_step_loo`: one Newton step on the leave-one-out objective
+* :func:`fromp.memory.sensitivity.newton_step_loo`: one Newton step on the leave-one-out objective
   from the trained weights, ``w* + (H - H_i)^{-1} g_i``, with ``H`` the exact Hessian of the
   training objective (dense, ``P x P``) and ``H_i`` the example's exact Hessian, the network
   evaluated at the stepped weights (and, for comparison, linearised; and with the GGN
@@ -46,11 +46,11 @@ from torch.func import functional_call, jvp
 
 from benchmarks.data import load_mnist
 from benchmarks.studies import harness
-from fromp.jacobian import flat_params, unflatten
-from fromp.laplace import laplace, laplace_full
+from fromp.curvature.jacobian import flat_params, unflatten
+from fromp.laplace.one_call import laplace, laplace_full
 from fromp.likelihood import get_likelihood
+from fromp.memory.sensitivity import memory_perturbation, newton_step_loo
 from fromp.posterior import FullGaussian
-from fromp.sensitivity import memory_perturbation, newton_step_loo
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 

@@ -7,7 +7,7 @@ all ``[P]`` in ``named_parameters()`` order (trainable only).
 
 Per-example quantities are exact for any architecture (convolutions with weight sharing
 included). By default (``method="auto"``) squared gradients of models made of the layers
-that :mod:`fromp.capture` handles (``Linear``, ``Conv1d/2d``, batch norm, ``LayerNorm``,
+that :mod:`fromp.curvature.capture` handles (``Linear``, ``Conv1d/2d``, batch norm, ``LayerNorm``,
 ``GroupNorm``) come from one forward and one backward pass with layer capture
 (``sum_i g_i^2 = (d^2)^T (a^2)`` for a linear layer; for a convolution the per-example
 weight gradients of that layer alone, from its unfolded input); anything else uses
@@ -32,7 +32,13 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, jacrev, vmap
 
 from fromp._checks import check_batch, check_chunk_size, check_tensor
-from fromp.capture import LayerCall, LayerMap, capture_calls, squared_grad_sums, supported_layer
+from fromp.curvature.capture import (
+    LayerCall,
+    LayerMap,
+    capture_calls,
+    squared_grad_sums,
+    supported_layer,
+)
 from fromp.likelihood import Likelihood, get_likelihood
 
 __all__ = ["GradStats", "LayerCapture", "LossFn", "per_example_grad_stats"]
@@ -81,10 +87,10 @@ def _loss_fn(loss: Likelihood | LossFn | str) -> LossFn:
 
 
 def _hook_supported(layer_map: LayerMap) -> bool:
-    """Whether every trainable parameter sits in exactly one layer that :mod:`fromp.capture`
-    handles (``Linear``, ``Conv1d/2d``, batch norm with running statistics, ``LayerNorm``,
-    ``GroupNorm``); batch norm in training mode counts, since the per-example pass runs it
-    in eval mode."""
+    """Whether every trainable parameter sits in exactly one layer that
+    :mod:`fromp.curvature.capture` handles (``Linear``, ``Conv1d/2d``, batch norm with running
+    statistics, ``LayerNorm``, ``GroupNorm``); batch norm in training mode counts, since the
+    per-example pass runs it in eval mode."""
     if any(layer_map.shared(n) for n in layer_map.named):
         return False
     for m in layer_map.layers():
@@ -122,7 +128,7 @@ def _ef_stats_hooks(
     model: nn.Module, x: Tensor, y: Tensor, nll: LossFn, step: int, need_grad: bool = True
 ) -> GradStats | None:
     """Squared per-example gradients from layer inputs and output gradients
-    (:mod:`fromp.capture`; one forward and one backward per chunk, the mean gradient from
+    (:mod:`fromp.curvature.capture`; one forward and one backward per chunk, the mean gradient from
     the same backward). Returns None when a layer is called more than once."""
     layer_map = LayerMap.of(model)
     named, name_of, layers = layer_map.named, layer_map.name_of(), list(layer_map.layers())
@@ -159,12 +165,12 @@ def _ef_stats_hooks(
 
 class LayerCapture:
     """Records the inputs and outputs of the parametrised layers of ``model`` during the
-    forward passes inside the ``with`` block (:func:`fromp.capture.capture_calls`), so that
-    the squared per-example gradients of a loss of those outputs can be computed afterwards
+    forward passes inside the ``with`` block (:func:`fromp.curvature.capture.capture_calls`), so
+    that the squared per-example gradients of a loss of those outputs can be computed afterwards
     from the output gradients (:meth:`squared_grads`) without another forward pass.
 
-    Usable when ``supported``: all parameters in layers :mod:`fromp.capture` handles and no
-    batch-norm layer in training mode (batch statistics couple the examples).
+    Usable when ``supported``: all parameters in layers :mod:`fromp.curvature.capture` handles and
+    no batch-norm layer in training mode (batch statistics couple the examples).
     """
 
     def __init__(self, model: nn.Module, *, retain_grad: bool = False) -> None:
@@ -268,7 +274,7 @@ def per_example_grad_stats(
       ``sum_i g_i^2 = (d^2)^T (a^2)`` without forming per-example gradients, for a
       convolution (weight sharing) the per-example gradients are formed for that layer only
       (one grouped weight-gradient convolution, batch as groups), batch norm (eval mode)
-      uses ``xhat_i`` (:mod:`fromp.capture`). Supports models whose parameters all live in
+      uses ``xhat_i`` (:mod:`fromp.curvature.capture`). Supports models whose parameters all live in
       ``Linear``, ``Conv1d/2d``, batch-norm, ``LayerNorm`` and ``GroupNorm`` layers, each
       called once per forward pass.
     * ``"auto"``: ``"hooks"`` when supported, else ``"vmap"``.

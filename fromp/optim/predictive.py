@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from fromp.jacobian import trainable_params, unflatten
+from fromp.curvature.jacobian import trainable_params, unflatten
 from fromp.likelihood import Likelihood, get_likelihood
 from fromp.posterior import GaussianPosterior
 

@@ -30,7 +30,7 @@ initial value of ``s`` (so ``q`` starts with precision ``N s_0 / kl_weight + del
 ``kl_weight`` scales both the prior term and the sampling variance.
 
 Everything is kept as flat ``[P]`` vectors, parameters in ``named_parameters()`` order
-(trainable only), the order of :func:`fromp.jacobian.flat_params`.
+(trainable only), the order of :func:`fromp.curvature.jacobian.flat_params`.
 
 Per-example statistics (``g``, ``h``; exact for any architecture) come from
 :mod:`fromp.optim._stats`, predictives from :mod:`fromp.optim.predictive` (re-exported).
@@ -51,6 +51,7 @@ pass of the mini-batch at the first sampled weights to update the running statis
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -312,6 +313,22 @@ class VOGN(torch.optim.Optimizer):
         return n
 
     # ---------------------------------------------------------------- posterior
+    def _check_precision_scale(self, where: str) -> None:
+        """``N c / kl_weight`` (the factor of ``s`` in the posterior precision) must be a
+        number of the state's dtype: a tiny ``kl_weight`` overflows it (refused before any
+        change)."""
+        st = self.vogn_state
+        if st["train_set_size"] is None:
+            return
+        alpha = self._n() * self._s_scale() / self.kl_weight
+        limit = torch.finfo(st["s"].dtype).max
+        if not math.isfinite(alpha) or alpha > limit:
+            raise ValueError(
+                f"{where}: kl_weight={self.kl_weight:g} makes the posterior precision's factor "
+                f"N / kl_weight = {alpha:.3g} overflow {st['s'].dtype} (N={self._n():g}); use a "
+                "larger kl_weight"
+            )
+
     def _s_scale(self) -> float:
         """``c`` with ``s^ = c s`` (bias correction of ``s`` when it starts at zero)."""
         st = self.vogn_state
@@ -415,6 +432,7 @@ class VOGN(torch.optim.Optimizer):
         ``mc_samples == 0``) that the next draw overwrites: no ``[P]`` allocation per step,
         what the training loops use."""
         check_groups(self.param_groups, "VOGN.sample_params()")
+        self._check_precision_scale("VOGN.sample_params()")
         self._sync_device()
         mu = self.vogn_state["mu"]
         if self.mc_samples == 0:
@@ -460,6 +478,7 @@ class VOGN(torch.optim.Optimizer):
         prior term) and ``h`` ``[P]`` (mean per-example curvature); writes ``mu`` into the
         parameters."""
         check_groups(self.param_groups, "VOGN.update()")
+        self._check_precision_scale("VOGN.update()")
         self._sync_device()
         st = self.vogn_state
         mu = st["mu"]
@@ -533,12 +552,14 @@ class VOGN(torch.optim.Optimizer):
           (:meth:`sampled_params`), ``closure()`` zeroes the gradients, computes the mean
           loss, calls ``backward()`` and returns the loss; ``g`` is read from ``.grad``, ``h``
           from the closure's own passes (``VOGN(model)``, ``curvature="ef"``, layers of
-          :mod:`fromp.capture`) or from :meth:`set_curvature` ``(h)`` called by the closure.
+          :mod:`fromp.curvature.capture`) or from :meth:`set_curvature` ``(h)`` called by the
+          closure.
         * ``step()``: two-phase step (``g`` from ``.grad``, ``h`` from :meth:`set_curvature`).
 
         The parameters hold ``mu`` afterwards, also when a draw raises.
         """
         check_groups(self.param_groups, "VOGN.step()")
+        self._check_precision_scale("VOGN.step()")
         if isinstance(closure, Tensor):
             return self._step_batch(closure, y, regularizer=regularizer, model=model)
         if y is not None or regularizer is not None or model is not None:

@@ -1,0 +1,460 @@
+"""EWC (Kirkpatrick et al., 2017) as a plain object for any PyTorch training loop: a
+per-example Fisher diagonal per task, keyed by parameter name, and the quadratic penalty
+(models and heads as in :mod:`fromp.continual.methods`).
+
+The per-task penalties are consolidated into one quadratic (issue: per-step cost that grows
+with the tasks learnt). With ``S = sum_t F_t`` and the Fisher-weighted mean anchor
+``a~ = sum_t F_t w*_t / S`` (0 where ``S = 0``), for every parameter entry
+
+    ``sum_t F_t (w - w*_t)^2 = S (w - a~)^2 + sum_t F_t (w*_t - a~)^2``,
+
+the last term a constant. :class:`EWCMethod` keeps the per-task terms (to replace a task
+learnt again exactly, and for checkpoints) and the consolidated ``S``, ``a~`` and constant,
+rebuilt once per learnt task in float64, so that a training step costs one pass over the
+parameters whatever the number of tasks (the form ``S w^2 - 2 w sum_t F_t w*_t + c`` would
+lose the penalty to cancellation in float32 when ``w`` is near the anchors)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+from torch import Tensor, nn
+
+from fromp._checks import check_batch, check_chunk_size, check_class_targets, device_dtype
+from fromp.continual.methods import Named, by_name, fit_shape
+from fromp.curvature.diagonal import diag_ef, diag_fisher, diag_ggn
+from fromp.curvature.jacobian import unflatten
+from fromp.likelihood import Likelihood, get_likelihood
+from fromp.models import is_multitask, with_task
+
+__all__ = ["EWCMethod", "ewc_penalty"]
+
+_FISHERS = ("sampled", "empirical", "exact")
+
+#: Prefixes that wrappers put before a model's parameter names: ``nn.DataParallel`` and
+#: ``DistributedDataParallel`` (``module.``), ``torch.compile`` (``_orig_mod.``).
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def ewc_penalty(
+    w: Tensor | Named,
+    anchors: list[Tensor] | list[Named],
+    importances: list[Tensor] | list[Named],
+    ewc_lambda: float,
+) -> Tensor:
+    """``(lambda / 2) sum_t sum_p F_{t,p} (w_p - w*_{t,p})^2`` (a scalar).
+
+    ``w``, each anchor ``w*_t`` and each importance ``F_t`` are either flat ``[P]`` vectors
+    or dicts ``{parameter name: tensor}``; with dicts, a parameter that a task's importance
+    does not name (e.g. a head added after that task) gets no penalty from that task, and
+    a parameter that grew since (new output units) is penalised on its old entries only."""
+    if len(anchors) != len(importances):
+        raise ValueError(
+            f"anchors and importances must have equal lengths, got {len(anchors)} "
+            f"and {len(importances)}"
+        )
+    terms = []
+    for a, f in zip(anchors, importances):
+        if isinstance(w, dict):
+            for n, p in w.items():
+                if n not in f:
+                    continue
+                old = tuple(slice(0, k) for k in f[n].shape)
+                pn = p if p.shape == f[n].shape else p[old]
+                terms.append((f[n] * (pn - a[n]) ** 2).reshape(-1))
+        else:
+            terms.append(f * (w - a) ** 2)
+    total = (next(iter(w.values())) if isinstance(w, dict) else w).new_zeros(())
+    for t in terms:
+        total = total + t.sum()
+    return 0.5 * ewc_lambda * total
+
+
+def strip_wrappers(name: str) -> str:
+    """``name`` without the leading wrapper prefixes (:data:`WRAPPER_PREFIXES`)."""
+    while name.startswith(WRAPPER_PREFIXES):
+        name = name.split(".", 1)[1]
+    return name
+
+
+def _unwrapped_names(names: list[str]) -> dict[str, str]:
+    """``{name: name without wrapper prefixes}``, or the names as they are when stripping
+    would merge two of them (a model whose own submodule is called ``module``)."""
+    out = {n: strip_wrappers(n) for n in names}
+    return out if len(set(out.values())) == len(out) else {n: n for n in names}
+
+
+def _live(model: nn.Module) -> Named:
+    """The trainable parameters by name without wrapper prefixes (differentiable): the
+    anchors of a model trained plain apply to it wrapped by ``DataParallel`` or
+    ``torch.compile``, and back."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    key = _unwrapped_names([n for n, _ in named])
+    return {key[n]: p for n, p in named}
+
+
+def _named(net: nn.Module, value: Tensor | Named) -> Named:
+    """Detached per-parameter state keyed like :func:`_live` (a flat ``[P]`` vector split
+    in ``net``'s parameter order; a dict's names stripped of wrapper prefixes)."""
+    value = by_name(net, value)
+    key = _unwrapped_names(list(value))
+    return {key[n]: v for n, v in value.items()}
+
+
+class _Consolidated:
+    """``S = sum_t F_t``, ``a~ = sum_t F_t w*_t / S`` by parameter name and the constant
+    ``c = sum_t sum_p F_t (w*_t - a~)^2`` (float64 sums, ``S`` and ``a~`` stored in the
+    anchors' dtype): ``sum_t F_t (w - w*_t)^2 = S (w - a~)^2 + c`` entry by entry. A
+    parameter that grew between tasks is summed in its largest shape, the entries a task
+    did not have getting ``F_t = 0`` from it."""
+
+    def __init__(self, anchors: list[Named], importances: list[Named]) -> None:
+        shapes: dict[str, tuple[int, ...]] = {}
+        for f in importances:
+            for n, v in f.items():
+                old = shapes.get(n)
+                if old is not None and len(old) != v.ndim:
+                    raise ValueError(f"EWC importances of {n!r} change rank between tasks")
+                shapes[n] = tuple(v.shape) if old is None else tuple(map(max, old, v.shape))
+        self.curvature: Named = {}
+        self.center: Named = {}
+        const = 0.0
+        for n, shape in shapes.items():
+            s_f = s_fa = None
+            parts = []
+            for a, f in zip(anchors, importances):
+                if n not in f:
+                    continue
+                fd, ad = f[n].double(), a[n].double()
+                parts.append((fd, ad))
+                ff, fa = fit_shape(fd, shape, 0.0), fit_shape(fd * ad, shape, 0.0)
+                s_f = ff if s_f is None else s_f + ff
+                s_fa = fa if s_fa is None else s_fa + fa
+            assert s_f is not None and s_fa is not None
+            center = torch.where(s_f > 0, s_fa / torch.where(s_f > 0, s_f, 1.0), 0.0)
+            for fd, ad in parts:
+                old = tuple(slice(0, k) for k in fd.shape)
+                const += float((fd * (ad - center[old]) ** 2).sum())
+            dtype = next(a[n].dtype for a, f in zip(anchors, importances) if n in f)
+            self.curvature[n] = s_f.to(dtype)
+            self.center[n] = center.to(dtype)
+        self.const = const
+
+    def value(self, w: Named) -> Tensor:
+        """``sum_p S_p (w_p - a~_p)^2 + c`` (a scalar, differentiable in ``w``): one pass
+        over the parameters."""
+        ref = next(iter(w.values()))
+        total = ref.new_tensor(self.const)
+        for n, s_f in self.curvature.items():
+            p = w.get(n)
+            if p is None:
+                continue
+            if p.shape != s_f.shape:
+                if p.ndim != s_f.ndim or any(a < b for a, b in zip(p.shape, s_f.shape)):
+                    raise ValueError(
+                        f"parameter {n!r} has shape {tuple(p.shape)}, the EWC anchors "
+                        f"{tuple(s_f.shape)}: parameters may only grow"
+                    )
+                p = p[tuple(slice(0, k) for k in s_f.shape)]
+            total = total + (s_f * (p - self.center[n]) ** 2).sum()
+        return total
+
+
+class EWCMethod:
+    """EWC with a per-example Fisher diagonal, for any training loop (no Avalanche needed).
+
+    The importance of task ``t`` is ``F_t = (1 / N_t) sum_n diag(g_n g_n^T)`` ``[P]``,
+    ``g_n = grad_w -log p(y_n | f_w(x_n))`` through head ``t``, with ``y_n`` sampled from
+    the model (``fisher="sampled"``), the observed labels (``"empirical"``) or its exact
+    expectation (``"exact"``: the GGN diagonal). The penalty is
+
+        ``(lambda / 2) sum_{t < T} sum_p F_{t,p} (w_p - w*_{t,p})^2``          (separate)
+        ``(lambda / 2) sum_p F~_p (w_p - w*_{T-1,p})^2``, ``F~ <- gamma F~ + F_t``  (online)
+
+    with ``w*_t`` the weights after task ``t``. Anchors and importances are dicts keyed by
+    parameter name (without the ``module.`` / ``_orig_mod.`` prefixes of ``DataParallel``
+    and ``torch.compile``), so a head added later is not penalised by earlier tasks and never
+    shifts their entries. The separate mode's sum is consolidated into one quadratic (module
+    docstring): a step costs one pass over the parameters whatever the number of tasks.
+
+    Learning the same experience again (same ``experience`` key in :meth:`learn_task`)
+    *replaces* its anchor and Fisher instead of adding a second one, as
+    :class:`fromp.continual.methods.FROMPMethod` does (online mode: exactly when it is the last
+    experience learnt; an earlier one, whose decayed contribution cannot be taken out of the
+    running sum, is added again with a warning).
+
+    Args:
+        ewc_lambda: ``lambda``.
+        mode: ``"separate"`` or ``"online"``.
+        decay_factor: ``gamma`` of the online mode, applied once per learnt task after the
+            first.
+        fisher: ``"sampled"`` (default) | ``"empirical"`` | ``"exact"``.
+        fisher_samples: labels drawn per example for ``"sampled"``.
+        max_examples: use at most this many (random) examples for the Fisher (None: all).
+        chunk_size: examples per vectorised per-example-gradient call.
+        likelihood: a :class:`fromp.likelihood.Likelihood` or its name.
+
+    Example (a plain PyTorch loop)::
+
+        method = EWCMethod(ewc_lambda=100.0)
+        for task, (x, y) in enumerate(tasks):
+            for xb, yb in batches(x, y):
+                loss = F.cross_entropy(with_task(net, task)(xb), yb) + method.penalty(net)
+                ...
+            method.learn_task(net, x, y, task)
+    """
+
+    def __init__(
+        self,
+        ewc_lambda: float,
+        *,
+        mode: str = "separate",
+        decay_factor: float = 1.0,
+        fisher: str = "sampled",
+        fisher_samples: int = 1,
+        max_examples: int | None = None,
+        chunk_size: int = 128,
+        likelihood: str | Likelihood = "categorical",
+    ) -> None:
+        if (
+            isinstance(ewc_lambda, bool)
+            or not isinstance(ewc_lambda, int | float)
+            or not ewc_lambda >= 0
+            or not math.isfinite(ewc_lambda)
+        ):
+            raise ValueError(f"ewc_lambda must be a finite float >= 0, got {ewc_lambda!r}")
+        if mode not in ("separate", "online"):
+            raise ValueError(f"mode must be 'separate' or 'online', got {mode!r}")
+        if not 0.0 <= decay_factor <= 1.0:
+            raise ValueError(f"decay_factor must be in [0, 1], got {decay_factor}")
+        if fisher not in _FISHERS:
+            raise ValueError(f"fisher must be one of {_FISHERS}, got {fisher!r}")
+        if (
+            isinstance(fisher_samples, bool)
+            or not isinstance(fisher_samples, int)
+            or (fisher_samples < 1)
+        ):
+            raise ValueError(f"fisher_samples must be an int >= 1, got {fisher_samples!r}")
+        if max_examples is not None and (
+            isinstance(max_examples, bool) or not isinstance(max_examples, int) or max_examples < 1
+        ):
+            raise ValueError(f"max_examples must be an int >= 1 or None, got {max_examples!r}")
+        chunk_size = check_chunk_size(chunk_size, allow_none=False)
+        self.ewc_lambda, self.mode, self.decay_factor = float(ewc_lambda), mode, decay_factor
+        self.fisher, self.fisher_samples = fisher, int(fisher_samples)
+        self.max_examples, self.chunk_size = max_examples, int(chunk_size)
+        self.likelihood = get_likelihood(likelihood)
+        self.anchors: list[Named] = []  # w*_t by parameter name
+        self.importances: list[Named] = []  # F_t by name (online: a single decayed sum)
+        self.experiences: list[int] = []  # the key of each learnt experience, in order
+        self.task_count = 0
+        # online mode: the running Fisher before the last experience was added (to replace
+        # that experience exactly when it is learnt again)
+        self._online_base: Named | None = None
+        self._consolidated: tuple[tuple, _Consolidated] | None = None
+
+    def _terms(self, net: nn.Module) -> _Consolidated:
+        """The consolidated penalty of the stored terms, rebuilt when they change (a learnt
+        task, a loaded state, anchors assigned by hand)."""
+        key = tuple((id(a), id(f)) for a, f in zip(self.anchors, self.importances))
+        key = (len(self.anchors), len(self.importances), *key)
+        if self._consolidated is not None and self._consolidated[0] == key:
+            return self._consolidated[1]
+        if len(self.anchors) != len(self.importances):
+            raise ValueError(
+                f"anchors and importances must have equal lengths, got {len(self.anchors)} "
+                f"and {len(self.importances)}"
+            )
+        anchors = [_named(net, a) for a in self.anchors]
+        importances = [_named(net, f) for f in self.importances]
+        terms = _Consolidated(anchors, importances)
+        self._consolidated = (key, terms)
+        return terms
+
+    def penalty(self, net: nn.Module) -> Tensor:
+        """The current penalty (scalar, differentiable in ``net``'s parameters):
+        ``(lambda / 2) (sum_p S_p (w_p - a~_p)^2 + c)`` (module docstring), one pass over
+        the parameters. Refuses a ``net`` that has none of the parameter names the anchors
+        hold (a renamed model: the penalty would silently be 0)."""
+        w = _live(net)
+        if not self.anchors:
+            return next(iter(w.values())).new_zeros(())
+        terms = self._terms(net)
+        if terms.curvature and not any(n in w for n in terms.curvature):
+            names = sorted(terms.curvature)
+            raise ValueError(
+                f"EWC penalty: none of the {len(names)} parameter names of the anchors (e.g. "
+                f"{names[0]!r}) is a trainable parameter of the net (e.g. {next(iter(w))!r}): "
+                "pass the network the method learnt (wrappers' 'module.' and '_orig_mod.' "
+                "prefixes are handled)"
+            )
+        return 0.5 * self.ewc_lambda * terms.value(w)
+
+    @torch.no_grad()
+    def fisher_diagonal(self, net: nn.Module, x: Tensor, y: Tensor, task: int | None) -> Tensor:
+        """Per-example-averaged Fisher diagonal ``[P]`` of ``(x, y)`` through head ``task``
+        (eval mode)."""
+        model = with_task(net, task)
+        lik = self.likelihood
+        was_training = net.training
+        net.eval()
+        try:
+            with torch.enable_grad():
+                if self.fisher == "sampled":
+                    f = diag_fisher(
+                        model,
+                        (x, y),
+                        lik,
+                        n_samples=self.fisher_samples,
+                        chunk_size=self.chunk_size,
+                    )
+                elif self.fisher == "empirical":
+                    f = diag_ef(model, (x, y), lik, chunk_size=self.chunk_size)
+                else:
+                    f = diag_ggn(model, x, lik, chunk_size=self.chunk_size)
+        finally:
+            net.train(was_training)
+        return f / len(x)
+
+    def learn_task(
+        self,
+        net: nn.Module,
+        x: Tensor,
+        y: Tensor,
+        task: int | None,
+        *,
+        experience: int | None = None,
+    ) -> None:
+        """After training on task ``task`` with data ``x [N, ...]``, ``y [N]``: store the
+        anchor ``w*`` and the Fisher (separate), or decay the running Fisher once and add
+        the new one (online).
+
+        Args:
+            experience: a key for the experience (default: a new key per call). Learning a
+                key again replaces its anchor and Fisher instead of adding a second one.
+        """
+        check_batch(x, "x")
+        if not isinstance(y, Tensor) or len(y) != len(x):
+            got = tuple(y.shape) if isinstance(y, Tensor) else type(y).__name__
+            raise ValueError(f"y must be a tensor of N={len(x)} targets, got {got}")
+        if experience is None:
+            experience = max(self.experiences, default=-1) + 1
+        elif isinstance(experience, bool) or not isinstance(experience, int):
+            raise ValueError(f"experience must be an int key or None, got {experience!r}")
+        if self.max_examples is not None and len(x) > self.max_examples:
+            idx = torch.randperm(len(x))[: self.max_examples]
+            x, y = x[idx], y[idx]
+        device, _ = device_dtype(net)
+        task = task if is_multitask(net) else None
+        if self.fisher == "empirical" and self.likelihood.name != "gaussian":
+            with torch.no_grad():
+                was_training = net.training
+                net.eval()
+                try:
+                    n_out = with_task(net, task)(x[:1].to(device)).shape[-1]
+                finally:
+                    net.train(was_training)
+            check_class_targets(y, n_out, self.likelihood, "y")
+        f = _named(net, self.fisher_diagonal(net, x.to(device), y.to(device), task))
+        w = _named(net, _live(net))
+        self._sync_experiences()
+        if self.mode == "separate":
+            if experience in self.experiences:  # learnt again: replace its term
+                i = self.experiences.index(experience)
+                del self.experiences[i], self.anchors[i], self.importances[i]
+            self.anchors.append(w)
+            self.importances.append(f)
+        else:
+            if self.experiences and experience == self.experiences[-1]:
+                base = self._online_base or {}  # the sum before the last experience
+                del self.experiences[-1]
+            else:
+                if experience in self.experiences:
+                    warnings.warn(
+                        f"EWC online mode: experience {experience} learnt again after "
+                        "others; its decayed Fisher cannot be taken out of the running sum, "
+                        "so it is added again",
+                        stacklevel=2,
+                    )
+                    self.experiences.remove(experience)
+                base = self.importances[0] if self.importances else {}
+            decayed = {n: v * self.decay_factor for n, v in base.items()}
+            summed = {}
+            for n, v in f.items():
+                if n in decayed:
+                    summed[n] = fit_shape(decayed[n], v.shape, 0.0) + v
+                else:
+                    summed[n] = v
+            self._online_base = base
+            self.anchors = [w]
+            self.importances = [{**decayed, **summed}]
+        self.experiences.append(experience)
+        self.task_count = len(self.experiences)
+
+    def _sync_experiences(self) -> None:
+        """Experience keys for terms assigned by hand or loaded from older states."""
+        n = len(self.anchors) if self.mode == "separate" else self.task_count
+        if len(self.experiences) != n:
+            self.experiences = list(range(n))
+
+    def _settings(self) -> dict:
+        return {
+            "mode": self.mode,
+            "decay_factor": self.decay_factor,
+            "fisher": self.fisher,
+            "fisher_samples": self.fisher_samples,
+            "likelihood": self.likelihood.name,
+        }
+
+    def state_dict(self) -> dict:
+        """Anchors and importances (``{name: tensor}`` per task, on the CPU), the task
+        counter and the settings."""
+        self._sync_experiences()
+        base = self._online_base
+        return {
+            "anchors": [{n: v.cpu().clone() for n, v in a.items()} for a in self.anchors],
+            "importances": [{n: v.cpu().clone() for n, v in f.items()} for f in self.importances],
+            "task_count": self.task_count,
+            "experiences": list(self.experiences),
+            "online_base": None if base is None else {n: v.cpu().clone() for n, v in base.items()},
+            **self._settings(),
+        }
+
+    def load_state_dict(self, state: dict, net: nn.Module | None = None) -> None:
+        """Restore what :meth:`state_dict` returned, on ``net``'s device (flat ``[P]``
+        anchors and importances of older checkpoints are read in ``net``'s parameter
+        order). Refuses a state saved with other settings."""
+        missing = {"anchors", "importances", "task_count"} - set(state)
+        if missing:
+            raise ValueError(f"state is missing keys {sorted(missing)}")
+        for key, value in self._settings().items():  # keys absent in older checkpoints
+            if state.get(key, value) != value:
+                raise ValueError(
+                    f"state was saved with {key}={state[key]!r}, method has {value!r}: "
+                    "resume with the settings of the run"
+                )
+
+        def load(items: list) -> list[Named]:
+            out = []
+            for d in items:
+                if isinstance(d, Tensor):
+                    if net is None:
+                        raise ValueError("net is required to read flat [P] anchors")
+                    d = unflatten(net, d)
+                dev = None if net is None else device_dtype(net)[0]
+                out.append({n: v.detach().clone().to(dev or v.device) for n, v in d.items()})
+            return out
+
+        anchors = load(state["anchors"])
+        importances = load(state["importances"])
+        if len(anchors) != len(importances):
+            raise ValueError(f"state has {len(anchors)} anchors and {len(importances)} importances")
+        base = state.get("online_base")
+        self.anchors, self.importances = anchors, importances
+        self.task_count = int(state["task_count"])
+        self.experiences = [int(k) for k in state.get("experiences", [])]
+        self._online_base = None if base is None else load([base])[0]
+        self._consolidated = None
+        self._sync_experiences()

@@ -1,0 +1,179 @@
+"""Memorable past: the training examples that FROMP keeps to regularise later tasks.
+
+FROMP (Pan et al., 2020) scores an example ``x`` by the trace of the output Hessian of the
+loss at the trained network, ``tr Lambda(f(x))``; for a softmax likelihood this is
+``sum_k p_k(x) (1 - p_k(x))``, large near the decision boundary. The examples with the
+largest scores are the ones whose function values are most informative about the
+boundary, so they are kept ("lambda descend"); ``"ascending"`` and ``"random"`` are the
+paper's ablations. ``"sensitivity"`` ranks by the memory-perturbation sensitivity
+``s_n = sum_k |e_nk lambda_nk v_nk|`` instead (Nickl et al., 2023; :mod:`fromp.memory.sensitivity`):
+``tr Lambda`` weighted by how wrong the prediction is and how uncertain under a posterior.
+Selection is balanced: the same number of examples per class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from fromp._checks import check_batch, check_tensor
+from fromp.likelihood import Likelihood, get_likelihood
+from fromp.posterior import DiagonalGaussian
+
+__all__ = ["memorability_scores", "select_memorable"]
+
+_ORDERS = ("descending", "ascending", "random", "sensitivity")
+
+
+@torch.no_grad()
+def memorability_scores(
+    model: nn.Module,
+    x: Tensor,
+    likelihood: str | Likelihood = "categorical",
+    *,
+    batch_size: int = 1024,
+) -> Tensor:
+    """Memorability ``s_n = tr Lambda(f(x_n))`` of each example, shape ``[N]``.
+
+    For ``"categorical"`` ``s_n = sum_k p_k (1 - p_k)`` with ``p = softmax(f(x_n))``; for
+    ``"bernoulli"`` ``s_n = p (1 - p)``.
+
+    Args:
+        model: a module ``[B, ...] -> [B, C]`` (fix a multi-head model's head with
+            :func:`fromp.models.with_task`). Its train/eval mode is left as it is.
+        x: inputs ``[N, ...]`` (moved to the model's device batch by batch).
+        likelihood: a :class:`~fromp.likelihood.Likelihood` or its name.
+        batch_size: examples per forward pass.
+
+    Returns:
+        ``[N]`` scores on ``x``'s device, in the model's dtype.
+    """
+    check_batch(x, "x")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size}")
+    lik = get_likelihood(likelihood)
+    p = next(iter(model.parameters()), None)
+    device = p.device if p is not None else x.device  # a model without parameters: x's
+    out = []
+    for s in range(0, len(x), batch_size):
+        f = model(x[s : s + batch_size].to(device))
+        out.append(lik.hessian_trace(f).to(x.device))
+    return torch.cat(out)
+
+
+def select_memorable(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    likelihood: str | Likelihood = "categorical",
+    n_per_class: int = 20,
+    *,
+    order: str = "descending",
+    classes: Sequence[int] | None = None,
+    generator: torch.Generator | None = None,
+    batch_size: int = 1024,
+    posterior: DiagonalGaussian | None = None,
+    chunk_size: int = 64,
+) -> Tensor:
+    """Indices of a class-balanced memorable set: ``n_per_class`` examples of each class.
+
+    Within each class ``c`` (examples with ``y == c``) the examples are ranked by
+    :func:`memorability_scores` (``tr Lambda``): ``"descending"`` keeps the largest
+    scores (FROMP's default), ``"ascending"`` the smallest, ``"random"`` a uniform draw
+    without replacement (scores are not computed); ``"sensitivity"`` keeps the largest
+    memory-perturbation sensitivities under ``posterior``
+    (:func:`fromp.memory.sensitivity.memory_perturbation`; a Jacobian per example, chunks of
+    ``chunk_size``: memory ``chunk_size * C * P``). Ties keep the data order.
+
+    Args:
+        model: ``[B, ...] -> [B, C]`` (see :func:`memorability_scores`).
+        x: inputs ``[N, ...]``.
+        y: class labels ``[N]``.
+        likelihood: likelihood or its name, for the score.
+        n_per_class: examples kept per class.
+        order: ``"descending"``, ``"ascending"``, ``"random"`` or ``"sensitivity"``.
+        classes: the classes to draw from, in output order (default: the sorted unique
+            values of ``y``).
+        generator: RNG for ``order="random"``.
+        batch_size: examples per forward pass.
+        posterior: the weight posterior (mean: the model's weights), needed by
+            ``order="sensitivity"`` only; the model must then be in eval mode.
+        chunk_size: examples per Jacobian chunk for ``order="sensitivity"``.
+
+    Returns:
+        ``LongTensor [len(classes) * n_per_class]`` of indices into ``x``, grouped by class
+        in the order of ``classes``, each group in rank order.
+
+    Example:
+        >>> import torch
+        >>> net = torch.nn.Linear(2, 3)
+        >>> x, y = torch.randn(30, 2), torch.arange(30) % 3
+        >>> idx = select_memorable(net, x, y, n_per_class=4)
+        >>> idx.shape, bool((y[idx] == torch.arange(3).repeat_interleave(4)).all())
+        (torch.Size([12]), True)
+
+    Raises:
+        TypeError: ``x`` or ``y`` not a tensor.
+        ValueError: empty data, NaN/inf inputs, mismatched ``y``, labels outside the model's
+            outputs, unknown ``order``, or a class with fewer than ``n_per_class`` examples.
+    """
+    check_batch(x, "x")
+    check_tensor(y, "y", f"[N]=[{len(x)}]")
+    if y.ndim != 1 or len(y) != len(x):
+        raise ValueError(f"y must be a [N] tensor with N={len(x)} labels, got {tuple(y.shape)}")
+    if y.is_floating_point() or (len(y) and int(y.min()) < 0):
+        raise ValueError("y must hold non-negative integer class labels")
+    for name, p in model.named_parameters():
+        if not bool(torch.isfinite(p).all()):
+            raise ValueError(f"model weights {name} are not finite (NaN or inf)")
+    if order not in _ORDERS:
+        raise ValueError(f"order must be one of {_ORDERS}, got {order!r}")
+    if not isinstance(n_per_class, int) or n_per_class < 1:
+        raise ValueError(f"n_per_class must be a positive int, got {n_per_class!r}")
+    if order == "sensitivity" and posterior is None:
+        raise ValueError("posterior is required for order='sensitivity'")
+    p0 = next(iter(model.parameters()), None)
+    with torch.no_grad():  # the head's width, from two examples (a model may squeeze one)
+        width = model(x[:2].to(p0.device if p0 is not None else x.device)).shape[-1]
+    if get_likelihood(likelihood).name == "bernoulli":
+        width = max(width, 2)  # one logit, labels 0 and 1
+    if len(y) and int(y.max()) >= width:
+        raise ValueError(
+            f"y must hold labels in [0, {width}) (the model's output units), got a label "
+            f"{int(y.max())}"
+        )
+    y = y.long().cpu()
+    cls = sorted(int(c) for c in y.unique()) if classes is None else [int(c) for c in classes]
+    if len(cls) == 0:
+        raise ValueError("classes is empty: expected at least one class")
+    members = {c: torch.nonzero(y == c).squeeze(1) for c in cls}
+    for c, idx in members.items():
+        if len(idx) < n_per_class:
+            raise ValueError(
+                f"class {c} has {len(idx)} examples, fewer than n_per_class={n_per_class}"
+            )
+    if order == "random":
+        picks = [
+            idx[torch.randperm(len(idx), generator=generator)[:n_per_class]]
+            for idx in members.values()
+        ]
+        return torch.cat(picks)
+    if order == "sensitivity":
+        from fromp.memory.sensitivity import memory_perturbation
+
+        assert posterior is not None
+        dev = next(model.parameters()).device
+        mp = memory_perturbation(
+            model, posterior, x.to(dev), y.to(dev), likelihood, chunk_size=chunk_size
+        )
+        scores = mp.sensitivity.cpu()
+    else:
+        scores = memorability_scores(model, x, likelihood, batch_size=batch_size).cpu()
+    picks = []
+    for idx in members.values():
+        s = scores[idx]
+        rank = torch.sort(s, descending=order != "ascending", stable=True).indices
+        picks.append(idx[rank[:n_per_class]])
+    return torch.cat(picks)

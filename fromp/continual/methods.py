@@ -1,0 +1,630 @@
+"""Continual-learning methods as plain objects for any PyTorch training loop.
+
+Each object holds one method's state and maths and knows nothing of Avalanche (the
+Avalanche plugins of :mod:`strategies` only call it from their hooks):
+
+* :class:`FROMPMethod` (here): FROMP (Pan et al., NeurIPS 2020), per-experience memorable
+  sets, kernels and the running GGN sum; :meth:`FROMPMethod.penalty` is the loss term.
+* :class:`fromp.continual.ewc.EWCMethod`: EWC (Kirkpatrick et al., 2017) with a per-example Fisher
+  diagonal keyed by parameter name.
+
+Models: a plain ``x -> logits`` module (one head), a :mod:`fromp` multi-head model
+(``model(x, task=t)``), or a module whose ``forward(x, task_labels)`` takes the task label
+(Avalanche's ``MultiTaskModule`` convention, e.g. ``MTSimpleMLP`` with a
+``MultiHeadClassifier``); see :func:`fromp.models.with_task`. Everything computed for task
+``t`` (memorable points, targets, kernels, GGN, Fisher) goes through head ``t``. State is
+keyed by parameter name; a parameter that grows (an incremental classifier adding output
+units) keeps its old entries in the leading slice and new entries start from the prior.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from fromp._checks import check_batch, check_vector, device_dtype
+from fromp.continual.memorable import select_memorable
+from fromp.continual.named_state import (
+    Named,
+    _check_labels,
+    _clock,
+    _norm_buffers,
+    _swapped_buffers,
+    by_name,
+    fit_shape,
+    to_flat,
+)
+from fromp.continual.regularizer import FROMPRegularizer, FunctionKernel
+from fromp.curvature.diagonal import diag_ggn, diag_ggn_linear
+from fromp.curvature.jacobian import flat_params, num_params
+from fromp.curvature.kron import KronBlock, KronCurvature, kron_curvature
+from fromp.laplace.structures import KronLaplace
+from fromp.likelihood import get_likelihood
+from fromp.models import TaskView, is_multitask, with_task
+from fromp.posterior import DiagonalGaussian
+
+__all__ = ["FROMPMethod", "Named", "by_name", "fit_shape", "to_flat"]
+
+_SELECT = ("descending", "ascending", "random", "sensitivity")
+_POSTERIORS = ("ggn", "kron", "vogn", "ivon")
+_OWN_CURVATURE = ("ggn", "kron")  # curvature computed by the method, not by an optimizer
+_IVON_PENALTY = ("mean", "sample")
+_BN_STATISTICS = ("stored", "live", "batch")
+#: the settings a state must have been saved with to be loaded (see load_state_dict)
+_SETTINGS = (
+    "n_points",
+    "select",
+    "prior_precision",
+    "posterior",
+    "ivon_penalty",
+    "curvature_examples",
+    "likelihood",
+    "kernel",
+    "jitter",
+    "replay",
+    "bn_statistics",
+)
+
+
+class FROMPMethod:
+    """FROMP's state and maths for any training loop (no Avalanche needed).
+
+    After each experience ``e`` (task label ``t``) :meth:`learn_task` selects ``n_points``
+    memorable inputs (class-balanced, largest ``tr Lambda``), adds the experience's
+    diagonal GGN ``G_e`` ``[P]`` (through head ``t``) to ``G = sum_e G_e``, and rebuilds the
+    kernels ``K_s = (dp/dw) Sigma (dp/dw)^T`` ``[C, M, M]`` with
+    ``Sigma = 1 / (G + prior_precision)``; :meth:`penalty` is
+    ``R(w) = 1/2 sum_s r_s^T K_s^{-1} r_s``, ``r_s = p(X_s; w) - m_s``, to be added to the
+    loss as ``tau * R``. State is kept by parameter name, so a head added later (a new
+    task) starts from the prior and never shifts the others.
+
+    Learning the same experience again (same ``experience`` key) *replaces* its GGN term
+    and its memorable set: :meth:`learn_task` is idempotent per experience.
+
+    Example (a plain PyTorch loop)::
+
+        method = FROMPMethod(tau=10.0, n_points=40)
+        for task, (x, y) in enumerate(tasks):
+            for xb, yb in batches(x, y):
+                loss = F.cross_entropy(with_task(net, task)(xb), yb)
+                loss = loss + method.tau * method.penalty(net)
+                ...
+            method.learn_task(net, x, y, task)
+
+    Args:
+        tau: weight of the functional regulariser in the loss.
+        n_points: memorable points per task (the paper's setting: 40 on split MNIST, 200 on
+            permuted MNIST and split CIFAR), split evenly over the task's classes.
+        kernel: ``"per_class"`` (FROMP), ``"joint"`` or ``"identity"`` (FROMP-L2).
+        select: ``"descending"`` (largest ``tr Lambda``, FROMP), ``"ascending"``,
+            ``"random"`` or ``"sensitivity"`` (largest memory-perturbation sensitivity
+            ``sum_k |e_k lambda_k v_k|`` under the task's posterior ``N(w, Sigma)``, see
+            :mod:`fromp.memory.sensitivity`; ``Sigma`` is computed first, then the points).
+        prior_precision: ``delta`` in ``Sigma = 1 / (G + delta)``.
+        jitter: added to the kernels' diagonals before the Cholesky factorisation.
+        grad_clip_norm: clip the total gradient norm at ``tau * grad_clip_norm`` (None: no
+            clipping; ``grad_clip_norm`` when ``tau = 0``).
+        posterior: ``"ggn"``: ``Sigma = 1 / (G + prior_precision)`` with ``G`` the running
+            sum of the exact diagonal GGN over tasks; ``"vogn"``: the optimizer is a
+            :class:`fromp.optim.VOGN` driven by :class:`strategies.vogn.VOGNPlugin` and
+            ``Sigma`` is the variance of its posterior at the end of the task (no GGN pass;
+            the regulariser's gradient enters VOGN's mean gradient only, its curvature
+            uses the data loss only); ``"ivon"``: the same with a
+            :class:`fromp.optim.IVON` driven by :class:`strategies.ivon.IVONPlugin`
+            (``Sigma = 1 / (N (h + delta))``; see ``ivon_penalty``); ``"kron"``: ``Sigma =
+            (G_kfac + prior_precision)^{-1}`` with ``G_kfac`` the running sum of the tasks'
+            Kronecker-factored GGNs (KFAC of every ``Linear`` / ``Conv2d`` layer, through
+            the task's head; :mod:`fromp.curvature.kron`), so the kernels keep the correlations
+            within each layer (``K = A J Sigma J^T A^T``, ``A = dp/df``; :func:`fromp.Laplace` with
+            ``hessian_structure="kron"``). Models with other trainable parameters (batch
+            norm) are refused; memorable points by ``"sensitivity"`` use its diagonal.
+        curvature_examples: use at most this many (random) training examples of a task for
+            its GGN, rescaled to the task size (default 1,000: the after-experience cost is
+            bounded whatever the experience's size, a few passes over 1,000 examples; None:
+            all, as in the paper and the runner's settings).
+        replay: also use the memorable set as a labelled coreset: :meth:`terms` returns the
+            mean negative log-likelihood of the memorable points of all earlier tasks under
+            their labels (through their heads), which the Avalanche plugin adds to the loss
+            (as S-FSVI and VCL use their coresets). Useful when one head sees classes one
+            experience at a time (class-incremental streams), where a penalty on the
+            function alone does not teach the head to tell old classes from new ones.
+        bn_statistics: the batch-norm statistics the memorable points are evaluated with
+            (targets, kernels and penalty): ``"stored"`` (default) those of the running
+            buffers at the last :meth:`learn_task` (what the network computed at test after
+            the task), swapped in for the penalty's forward, so that ``R`` is a function of
+            the weights alone, 0 at the old weights; ``"batch"``: the memorable batch's own
+            statistics (train-mode normalisation on the memorable points of all tasks in one
+            batch, running buffers untouched; targets taken the same way); ``"live"``: the
+            running statistics of the moment (they drift with the new task's batches). The
+            running buffers are never written by the penalty.
+        chunk_size: examples per Jacobian chunk for the GGN and kernels.
+        likelihood: the likelihood's name (``"categorical"``: softmax heads), for the
+            memorability scores, the GGN and the kernels' ``p = inverse_link(f)``.
+        seed: seeds the generator for ``select="random"`` and ``curvature_examples``.
+        ivon_penalty: where IVON evaluates the regulariser (``posterior="ivon"``):
+            ``"mean"`` (default): at the mean ``m`` of IVON's posterior, as FROMP defines it
+            (a penalty on the mean function ``f(x; m)``), its gradient added to IVON's
+            gradient estimate only (:meth:`fromp.optim.IVON.add_gradient`); the data loss
+            alone is evaluated at the sampled weights and feeds IVON's Hessian estimate.
+            ``"sample"``: in the loss at IVON's sampled weights, so that it enters both
+            IVON's gradient and its Hessian estimate (and its value carries the sampling
+            noise of the functions on the memorable points, about ``M C / 2``).
+    """
+
+    def __init__(
+        self,
+        tau: float = 10.0,
+        n_points: int = 40,
+        *,
+        kernel: str = "per_class",
+        select: str = "descending",
+        prior_precision: float = 1e-3,
+        jitter: float = 1e-6,
+        grad_clip_norm: float | None = None,
+        posterior: str = "ggn",
+        curvature_examples: int | None = 1000,
+        chunk_size: int = 64,
+        likelihood: str = "categorical",
+        seed: int = 0,
+        ivon_penalty: str = "mean",
+        replay: bool = False,
+        bn_statistics: str = "stored",
+    ) -> None:
+        for name, v in (("tau", tau), ("prior_precision", prior_precision), ("jitter", jitter)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(
+                    f"{name} must be a number, got {type(v).__name__} (a strategy's criterion "
+                    "goes in criterion=)"
+                )
+        if not (tau >= 0 and math.isfinite(tau)):
+            raise ValueError(f"tau must be a finite number >= 0, got {tau!r}")
+        if not (jitter >= 0 and math.isfinite(jitter)):
+            raise ValueError(f"jitter must be a finite number >= 0, got {jitter!r}")
+        if not isinstance(n_points, int) or n_points < 1:
+            raise ValueError(f"n_points must be a positive int, got {n_points!r}")
+        if select not in _SELECT:
+            raise ValueError(f"select must be one of {_SELECT}, got {select!r}")
+        if not (prior_precision > 0 and math.isfinite(prior_precision)):
+            raise ValueError(
+                f"prior_precision must be a finite number > 0, got {prior_precision!r}"
+            )
+        if grad_clip_norm is not None and not (
+            grad_clip_norm > 0 and math.isfinite(grad_clip_norm)
+        ):
+            raise ValueError(
+                f"grad_clip_norm must be a finite number > 0 or None, got {grad_clip_norm!r}"
+            )
+        if not isinstance(replay, bool):
+            raise TypeError(f"replay must be a bool, got {replay!r}")
+        if bn_statistics not in _BN_STATISTICS:
+            raise ValueError(
+                f"bn_statistics must be one of {_BN_STATISTICS}, got {bn_statistics!r}"
+            )
+        if posterior not in _POSTERIORS:
+            raise ValueError(f"posterior must be one of {_POSTERIORS}, got {posterior!r}")
+        if ivon_penalty not in _IVON_PENALTY:
+            raise ValueError(f"ivon_penalty must be one of {_IVON_PENALTY}, got {ivon_penalty!r}")
+        if curvature_examples is not None and curvature_examples < 1:
+            raise ValueError(f"curvature_examples must be >= 1 or None, got {curvature_examples}")
+        self.tau = float(tau)
+        self.n_points = n_points
+        self.select = select
+        self.prior_precision = float(prior_precision)
+        self.grad_clip_norm = grad_clip_norm
+        self.posterior = posterior
+        self.ivon_penalty = ivon_penalty
+        self.curvature_examples = curvature_examples
+        self.chunk_size = chunk_size
+        self.likelihood = likelihood
+        self.regularizer = FROMPRegularizer(
+            kernel, likelihood, jitter=jitter, chunk_size=chunk_size
+        )
+        self.seed = int(seed)
+        self.replay = replay
+        self.bn_statistics = bn_statistics
+        # bn_statistics="stored": the normalisation layers' running statistics at the last
+        # learn_task (those the targets and kernels were computed with), by buffer name
+        self.bn_buffers: Named = {}
+        self.generator = torch.Generator().manual_seed(seed)  # draws on the CPU (indices)
+        # by parameter name: running sum of the tasks' diagonal GGNs (posterior="ggn"), or
+        # the optimizer's posterior variance after the last task ("vogn", "ivon")
+        self.ggn_sum: Named | None = None
+        self.optimizer_variance: Named | None = None
+        self.tasks_done = 0
+        self.timings: list[dict[str, float]] = []
+        # per experience key: its GGN (by name) and its place in the regulariser's list
+        self.ggn_terms: dict[int, Named] = {}
+        self.experiences: list[int] = []
+        # posterior="kron": per experience key, its KFAC GGN (through its head)
+        self.kron_terms: dict[int, KronCurvature] = {}
+
+    # ---------------------------------------------------------------------- helpers
+    @property
+    def kernel(self) -> str:
+        return self.regularizer.kernel
+
+    def posterior_variance(self, net: nn.Module | None = None) -> Tensor:
+        """``Sigma`` ``[P]``: ``1 / (G + prior_precision)`` for ``posterior="ggn"`` (``G``
+        the running GGN sum); for ``"vogn"`` / ``"ivon"`` the variance of the optimizer's
+        posterior stored after the last task. In ``net``'s parameter order when given (a
+        parameter added since, e.g. a new head, gets the prior variance
+        ``1 / prior_precision``), else in the order the state was stored."""
+        if self.posterior == "kron":
+            if net is None:
+                raise ValueError("posterior='kron': posterior_variance needs the network")
+            return self._kron_laplace(net)[0].posterior_variance.detach()
+        state = self.ggn_sum if self.posterior == "ggn" else self.optimizer_variance
+        if state is None:
+            raise RuntimeError("no task has been learnt yet")
+        if self.posterior != "ggn":
+            return to_flat(state, net, 1.0 / self.prior_precision)
+        return 1.0 / (to_flat(state, net, 0.0) + self.prior_precision)
+
+    def penalty(self, net: nn.Module) -> Tensor:
+        """``R(w)`` on the memorable past (see :meth:`terms`)."""
+        return self.terms(net)[0]
+
+    def terms(self, net: nn.Module) -> tuple[Tensor, Tensor | None]:
+        """``(R(w), replay loss)`` from one forward pass of the memorable points (one call
+        per head at most); the replay loss (mean negative log-likelihood of the memorable
+        points under their labels) is None unless ``replay=True``.
+
+        The forward runs in eval mode (no dropout) and, with ``bn_statistics="stored"``,
+        with the normalisation layers' running statistics of the last :meth:`learn_task`
+        (swapped in for the pass and swapped back, never written): the targets and kernels
+        were computed with those statistics, so ``R`` is a function of the weights alone,
+        0 at the weights of the last task, whatever training on the new task does to the
+        running statistics; the running buffers are neither read nor changed.
+        ``"live"``: the running statistics of the moment (which drift with the new task's
+        batches, so ``R`` is not 0 at the old weights)."""
+        with self._memorable_mode(net):
+            return self.regularizer.terms(net, replay=self.replay)
+
+    @contextlib.contextmanager
+    def _memorable_mode(self, net: nn.Module) -> Iterator[None]:
+        """The mode the memorable points are evaluated in (see :meth:`terms`)."""
+        was_training = net.training
+        net.eval()
+        norms = [m for m in net.modules() if isinstance(m, nn.modules.batchnorm._NormBase)]
+        try:
+            if self.bn_statistics == "batch":
+                clones = {
+                    n: b.detach().clone()
+                    for n, b in net.named_buffers()
+                    if n.rsplit(".", 1)[-1]
+                    in ("running_mean", "running_var", "num_batches_tracked")
+                }
+                for m in norms:
+                    m.train()
+                with _swapped_buffers(net, clones):
+                    yield
+            else:
+                stored = self.bn_buffers if self.bn_statistics == "stored" else {}
+                with _swapped_buffers(net, stored):
+                    yield
+        finally:
+            net.train(was_training)
+
+    def learn_task(
+        self,
+        net: nn.Module,
+        x: Tensor,
+        y: Tensor,
+        task: int | None,
+        posterior_variance: Tensor | None = None,
+        *,
+        experience: int | None = None,
+    ) -> dict[str, float]:
+        """Everything done after an experience: select its memorable points, add its GGN
+        (or, for ``posterior="vogn"`` or ``"ivon"``, store ``posterior_variance``), rebuild
+        the kernels.
+
+        Args:
+            net: the model (see the module docstring), in the state reached on the task.
+            x: the experience's training inputs ``[N, ...]``.
+            y: their labels ``[N]``, indices of the head's output units.
+            task: the task label (head) of the experience; None for single-head models.
+            posterior_variance: ``[P]``, required iff ``posterior`` is ``"vogn"`` or
+                ``"ivon"``.
+            experience: a key for the experience (default: a new key per call). Learning
+                a key again replaces its GGN term and its memorable set instead of adding
+                them twice.
+
+        Returns the wall times of the three steps (seconds)."""
+        if experience is None:
+            experience = max(self.experiences, default=-1) + 1
+        if (posterior_variance is None) != (self.posterior in _OWN_CURVATURE):
+            raise ValueError(
+                "posterior_variance must be given iff posterior is 'vogn' or 'ivon' (the "
+                f"optimizer's), got posterior={self.posterior!r}"
+            )
+        check_batch(x, "x")
+        if posterior_variance is not None:
+            check_vector(posterior_variance, num_params(net), "posterior_variance", positive=True)
+        was_training = net.training
+        net.eval()
+        device, _ = device_dtype(net)
+        head = with_task(net, task)
+        times = {"select_s": 0.0, "curvature_s": 0.0, "kernel_s": 0.0}
+        try:
+            _check_labels(head, x, y, self.likelihood)  # before any state changes
+            classes = sorted(int(c) for c in y.unique())
+            per_class = self.n_points // len(classes)
+            if per_class < 1:
+                raise ValueError(
+                    f"n_points={self.n_points} is fewer than the task's {len(classes)} classes"
+                )
+            sensitivity = self.select == "sensitivity"
+            q = None
+            if sensitivity:  # the points need this task's posterior: curvature first
+                t0 = _clock(device)
+                self._add_curvature(net, head, x, device, posterior_variance, experience)
+                times["curvature_s"] = _clock(device) - t0
+                q = DiagonalGaussian(flat_params(net), self.posterior_variance(net).reciprocal())
+            t0 = _clock(device)
+            idx = select_memorable(
+                head,
+                x.to(device) if sensitivity else x,
+                y,
+                self.likelihood,
+                per_class,
+                order=self.select,
+                classes=classes,
+                generator=self.generator,
+                posterior=q,
+                chunk_size=self.chunk_size,
+            )
+            times["select_s"] = _clock(device) - t0
+            if not sensitivity:
+                t0 = _clock(device)
+                self._add_curvature(net, head, x, device, posterior_variance, experience)
+                times["curvature_s"] = _clock(device) - t0
+            t0 = _clock(device)
+            variance = self._kernel_source(net)
+            if experience in self.experiences:  # learnt again: drop its old memorable set
+                i = self.experiences.index(experience)
+                del self.regularizer.memories[i]
+                del self.experiences[i]
+            seen = self.regularizer.classes_seen
+            seen[task] = sorted(set(seen.get(task, [])) | set(classes))
+            self.regularizer.add_task(
+                net, x[idx].to(device), task, variance, labels=y[idx].to(device)
+            )
+            self.experiences.append(experience)
+            self.bn_buffers = _norm_buffers(net)
+            if self.bn_statistics == "batch" and any(
+                isinstance(m, nn.modules.batchnorm._NormBase) for m in net.modules()
+            ):
+                with torch.no_grad(), self._memorable_mode(net):
+                    self.regularizer.retarget(net)
+            times["kernel_s"] = _clock(device) - t0
+        finally:
+            net.train(was_training)
+        self.tasks_done = len(self.experiences)
+        self.timings.append(times)
+        return times
+
+    def _add_curvature(
+        self,
+        net: nn.Module,
+        head: nn.Module,
+        x: Tensor,
+        device: torch.device,
+        posterior_variance: Tensor | None,
+        experience: int,
+    ) -> None:
+        """Store ``posterior_variance`` (optimizer posteriors) or set the experience's
+        diagonal GGN (on at most ``curvature_examples`` examples, rescaled) and recompute the
+        sum over experiences, both by parameter name (a parameter new since the last task
+        starts from zero; a grown one from zero in its new entries)."""
+        if posterior_variance is not None:
+            self.optimizer_variance = by_name(net, posterior_variance.to(device))
+            return
+        xc, scale = x, 1.0
+        if self.curvature_examples is not None and self.curvature_examples < len(x):
+            sub = torch.randperm(len(x), generator=self.generator)
+            xc, scale = x[sub[: self.curvature_examples]], len(x) / self.curvature_examples
+        if self.posterior == "kron":
+            self._add_kron(net, head, xc, device, scale, experience)
+            return
+        self.ggn_terms[experience] = by_name(net, scale * self._diag_ggn(head, xc, device))
+        total: Named = {}
+        for term in self.ggn_terms.values():
+            for n, g in by_name(net, term).items():
+                g = g.to(device)
+                if n in total:
+                    shape = torch.Size(max(a, b) for a, b in zip(total[n].shape, g.shape))
+                    total[n] = fit_shape(total[n], shape, 0.0) + fit_shape(g, shape, 0.0)
+                else:
+                    total[n] = g.clone()
+        self.ggn_sum = total
+
+    @staticmethod
+    def _view(net: nn.Module, head: nn.Module) -> nn.Module:
+        """The module the KFAC terms are taken through: one :class:`TaskView` type for every
+        task of a multi-head model (the parameter names agree across tasks), else ``net``."""
+        return TaskView(net, head.task) if isinstance(head, TaskView) else net
+
+    def _add_kron(
+        self,
+        net: nn.Module,
+        head: nn.Module,
+        x: Tensor,
+        device: torch.device,
+        scale: float,
+        experience: int,
+    ) -> None:
+        """Set the experience's KFAC GGN term (``scale`` for a subsample: the ``B`` sums and
+        the example counts are scaled to the task's size)."""
+        view = self._view(net, head)
+        batches = [(x[s : s + 1024].to(device), None) for s in range(0, len(x), 1024)]
+        term = kron_curvature(view, batches, get_likelihood(self.likelihood))
+        if scale != 1.0:
+            term = KronCurvature(
+                [
+                    KronBlock(
+                        b.A,
+                        b.B * scale,
+                        None if b.B_bias is None else b.B_bias * scale,
+                        None if b.n is None else round(b.n * scale),
+                    )
+                    for b in term.blocks
+                ],
+                term.names,
+                round(term.n * scale),
+            )
+        for key, old in self.kron_terms.items():
+            if key == experience:
+                continue
+            shapes = [(b.A.shape, b.B.shape) for b in old.blocks]
+            if old.names != term.names or shapes != [(b.A.shape, b.B.shape) for b in term.blocks]:
+                raise ValueError(
+                    "posterior='kron' needs the same Linear/Conv2d layers in every experience; "
+                    f"the layers changed since experience {key} (a grown head?): use "
+                    "posterior='ggn'"
+                )
+        self.kron_terms[experience] = term
+
+    def _kron_laplace(self, net: nn.Module) -> tuple[KronLaplace, nn.Module]:
+        """The Kronecker Laplace of the summed KFAC terms at ``net``'s current weights and
+        the module it is taken through."""
+        if not self.kron_terms:
+            raise RuntimeError("no task has been learnt yet")
+        view = TaskView(net, 0) if is_multitask(net) else net
+        total = None
+        for key in sorted(self.kron_terms):
+            term = self.kron_terms[key]
+            total = term if total is None else total + term
+        assert total is not None
+        la = KronLaplace(view, self.likelihood, prior_precision=self.prior_precision)
+        return la.use_curvature(total, total.n), view
+
+    def _kernel_source(self, net: nn.Module) -> Tensor | FunctionKernel:
+        """What the regulariser builds its kernels from: ``Sigma``'s diagonal ``[P]``, or
+        for ``posterior="kron"`` the outputs' kernel under the Kronecker posterior."""
+        if self.posterior != "kron":
+            return self.posterior_variance(net)
+        la, view = self._kron_laplace(net)
+
+        def kernel(model: nn.Module, x: Tensor, task: int | None) -> Tensor:
+            if isinstance(view, TaskView):
+                view.task = int(task)  # type: ignore[arg-type]
+            return la.gp().kernel(x).detach()
+
+        return kernel
+
+    def _diag_ggn(self, head: nn.Module, x: Tensor, device: torch.device) -> Tensor:
+        """Exact diagonal GGN of ``x``: the batched linear-layer formula for MLPs, per-example
+        Jacobians (:func:`fromp.curvature.diag_ggn`) otherwise."""
+        batches = ((x[s : s + 1024].to(device),) for s in range(0, len(x), 1024))
+        try:
+            return diag_ggn_linear(head, batches, self.likelihood)
+        except ValueError:
+            return diag_ggn(head, x.to(device), self.likelihood, chunk_size=self.chunk_size)
+
+    # ------------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """All method state: settings, curvature sum, memorable sets with targets and
+        Cholesky factors, task counter, RNG state, timings."""
+        return {
+            "tau": self.tau,
+            "n_points": self.n_points,
+            "select": self.select,
+            "prior_precision": self.prior_precision,
+            "grad_clip_norm": self.grad_clip_norm,
+            "posterior": self.posterior,
+            "ivon_penalty": self.ivon_penalty,
+            "curvature_examples": self.curvature_examples,
+            "chunk_size": self.chunk_size,
+            "likelihood": self.likelihood,
+            "kernel": self.kernel,
+            "jitter": self.regularizer.jitter,
+            "replay": self.replay,
+            "bn_statistics": self.bn_statistics,
+            "bn_buffers": dict(self.bn_buffers),
+            "ggn_sum": self.ggn_sum,
+            "optimizer_variance": self.optimizer_variance,
+            "ggn_terms": {k: dict(v) for k, v in self.ggn_terms.items()},
+            "kron_terms": {k: v.state_dict() for k, v in self.kron_terms.items()},
+            "experiences": list(self.experiences),
+            "regularizer": self.regularizer.state_dict(),
+            "tasks_done": self.tasks_done,
+            "generator": self.generator.get_state(),
+            "timings": list(self.timings),
+        }
+
+    def load_state_dict(
+        self, state: dict[str, Any], *, device: torch.device | str | None = None
+    ) -> None:
+        """Restore :meth:`state_dict` (e.g. in a fresh process after a checkpoint), tensors
+        moved to ``device`` when given (load the checkpoint with ``map_location="cpu"``,
+        then pass the model's device).
+
+        Refuses (``ValueError``, before anything is changed) a state saved with other
+        settings (``tau``, ``n_points``, ``kernel``, ``prior_precision``, ...; a key that an
+        older state lacks is not compared): resume with the settings of the run."""
+        mine = {"tau": self.tau, "grad_clip_norm": self.grad_clip_norm}
+        mine.update({k: getattr(self, k) for k in _SETTINGS if k not in ("kernel", "jitter")})
+        mine["kernel"], mine["jitter"] = self.kernel, self.regularizer.jitter
+        reg = state.get("regularizer", {})
+        for key, value in mine.items():
+            saved = state.get(key, reg.get(key, value) if key in ("kernel", "jitter") else value)
+            if saved != value:
+                raise ValueError(
+                    f"state was saved with {key}={saved!r}, method has {value!r}: resume "
+                    "with the settings of the run"
+                )
+
+        def mv(d: Named | None) -> Named | None:
+            if d is None or device is None or isinstance(d, Tensor):
+                return d if not isinstance(d, Tensor) or device is None else d.to(device)
+            return {n: v.to(device) for n, v in d.items()}
+
+        for key in (
+            "tau",
+            "n_points",
+            "select",
+            "prior_precision",
+            "grad_clip_norm",
+            "posterior",
+            "ivon_penalty",
+            "curvature_examples",
+            "chunk_size",
+            "likelihood",
+            "tasks_done",
+        ):
+            if key in state:
+                setattr(self, key, state[key])
+        self.ggn_sum, self.optimizer_variance = (
+            mv(state.get("ggn_sum")),
+            mv(state.get("optimizer_variance")),
+        )
+        if "curvature" in state:  # flat [P] state of older checkpoints
+            if self.posterior != "ggn":
+                self.optimizer_variance = mv(state["curvature"])
+            else:
+                self.ggn_sum = mv(state["curvature"])
+        self.regularizer.load_state_dict(state["regularizer"], device=device)
+        n_mem = len(self.regularizer)
+        self.experiences = list(state.get("experiences", range(n_mem)))
+        if "ggn_terms" in state:
+            self.ggn_terms = {int(k): mv(v) for k, v in state["ggn_terms"].items()}
+        else:  # older checkpoints: the sum as one term under a key no experience has
+            self.ggn_terms = {} if self.ggn_sum is None else {-1: self.ggn_sum}
+        self.kron_terms = {}
+        for k, v in state.get("kron_terms", {}).items():
+            curv = KronCurvature.from_state_dict(v)
+            if device is not None:
+                for b in curv.blocks:
+                    b.A, b.B = b.A.to(device), b.B.to(device)
+                    b.B_bias = None if b.B_bias is None else b.B_bias.to(device)
+            self.kron_terms[int(k)] = curv
+        if "generator" in state:
+            self.generator.set_state(state["generator"])
+        self.timings = list(state.get("timings", []))
+        self.bn_buffers = dict(mv(state.get("bn_buffers", {})) or {})

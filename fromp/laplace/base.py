@@ -1,0 +1,568 @@
+r"""Fitted Laplace posteriors in laplace-torch's words: :func:`Laplace` and one class per
+(subset of weights, Hessian structure).
+
+Around the trained weights ``w*`` (the MAP of ``sum_n nll_n / T - log N(w | m0, D^{-1})``),
+for the chosen parameters ``theta`` (all weights, the last ``nn.Linear`` layer, or a
+subnetwork of chosen entries, the others fixed at ``w*``: :mod:`fromp.laplace.subnet`),
+
+    ``q(theta) = N(theta*, (G / (s^2 T) + D)^{-1})``,  ``G = sum_n J_n^T Lambda_n J_n``,
+
+with ``J_n = d f(x_n) / d theta`` ``[C, P]``, ``Lambda_n`` the Hessian of the loss in the
+outputs (softmax: ``diag(p) - p p^T``; regression: ``I``, the noise ``s = sigma_noise``
+entering as ``1 / s^2``; classification has ``s = 1``), ``T`` the temperature and
+``D = diag(delta)`` the prior precision (a scalar, one per parameter tensor, or one per
+parameter). ``G`` is kept in one of four structures:
+
+* ``"diag"``: ``diag(G)`` ``[P]`` (layer capture, :func:`fromp.curvature.diag_ggn`);
+* ``"kron"``: KFAC blocks ``B (x) A`` per ``Linear`` / ``Conv2d`` weight and exact ``[out,
+  out]`` bias blocks (:mod:`fromp.curvature.kron`), eigendecomposed;
+* ``"full"``: ``G`` ``[P, P]`` (small ``P`` only);
+* ``"lowrank"``: the top ``k`` eigenpairs ``U diag(lam) U^T`` (all weights,
+  :mod:`fromp.laplace.lowrank`).
+
+The Laplace evidence (log marginal likelihood), differentiable in ``delta`` and ``s``, is
+
+    ``log p(D) ~= log p(D | w*) - 1/2 (theta* - m0)^T D (theta* - m0)
+    - 1/2 [log det(G / (s^2 T) + D) - log det D]``,
+
+with ``log p(D | w*) = -(1/T) sum_n nll_n`` (regression:
+``-(1/T) [SSE / (2 s^2) + N C log(s sqrt(2 pi))]``). Predictions (``la(x)``) use the
+linearised network (``pred_type="glm"``: ``f ~ N(f_w*(x), J Sigma J^T)``, then the probit,
+Laplace-bridge or Monte-Carlo link approximation) or weight samples (``"nn"``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+import fromp.laplace.checks as checks
+from fromp import distributed
+from fromp._checks import require_eval
+from fromp.curvature.capture import DEFAULT_MEMORY_BUDGET
+from fromp.curvature.diagonal import DataArg, iter_batches
+from fromp.laplace.laplace_gp import LaplaceGP
+from fromp.laplace.options import check_backend, option
+from fromp.laplace.predictive import LaplaceTorchAPI
+from fromp.laplace.tuning import PriorTuning
+from fromp.likelihood import (
+    GaussianLikelihood,
+    Likelihood,
+    get_likelihood,
+    randn_like_on,
+)
+
+__all__ = ["STRUCTURES", "SUBSETS", "BaseLaplace", "LaplaceGP"]
+
+_ALIASES = {"classification": "categorical", "regression": "gaussian"}
+SUBSETS = ("all", "last_layer", "subnetwork")
+STRUCTURES = ("diag", "kron", "full", "lowrank")
+
+
+def _likelihood(
+    likelihood: str | Likelihood, sigma_noise: float | None
+) -> tuple[Likelihood, float]:
+    """The likelihood with unit noise (the curvature is kept free of ``s``) and ``s``."""
+    likelihood = option(likelihood)
+    if isinstance(likelihood, str):
+        likelihood = _ALIASES.get(likelihood, likelihood)
+    lik = get_likelihood(likelihood)
+    if isinstance(lik, GaussianLikelihood):
+        s = lik.sigma if sigma_noise is None else sigma_noise
+        if isinstance(s, Tensor) and s.numel() == 1:
+            s = float(s.detach())
+        if not (isinstance(s, int | float) and s > 0 and math.isfinite(s)):
+            raise ValueError(f"sigma_noise must be a positive finite number, got {s!r}")
+        return GaussianLikelihood(1.0), float(s)
+    if isinstance(sigma_noise, Tensor) and sigma_noise.numel() == 1:
+        sigma_noise = float(sigma_noise.detach())
+    if sigma_noise not in (None, 1, 1.0):
+        raise ValueError(f"sigma_noise is for regression only, got {sigma_noise!r}")
+    return lik, 1.0
+
+
+class BaseLaplace(PriorTuning, LaplaceTorchAPI):
+    """What every structure shares: the prior, the evidence and its optimisation, the
+    predictive, sampling, the GP and the state. Build one with :func:`Laplace`.
+
+    Args:
+        model: the trained network at ``w*``, ``[N, ...] -> [N, C]``, in eval mode.
+        likelihood: ``"classification"`` / ``"regression"`` (laplace-torch's names) or a
+            fromp likelihood (``"categorical"``, ``"bernoulli"``, ``"gaussian"``, an object).
+        sigma_noise: the regression noise ``s`` (default 1, or the ``sigma`` of a
+            :class:`~fromp.likelihood.GaussianLikelihood` given as ``likelihood``).
+        prior_precision: ``delta``: a float or a tensor ``[]``, ``[n_layers]`` (one per
+            parameter tensor of the subset) or ``[P]``.
+        prior_mean: ``m0``: a float or ``[P]``.
+        temperature: ``T``.
+        chunk_size, memory_budget: working-memory controls of the curvature.
+        enable_backprop: make the ``"glm"`` predictive differentiable in ``x``.
+        dict_key_x, dict_key_y: the keys of the input and target in mapping batches
+            (Hugging Face style); fromp passes ``batch[dict_key_x]`` to the model.
+        backend, backend_kwargs, asdl_fisher_kwargs: laplace-torch's curvature backend:
+            ``None`` or a GGN backend (``CurvlinopsGGN``, ``AsdlGGN``, ``BackPackGGN``, as a
+            class or its name) is fromp's exact GGN; others are refused naming fromp's
+            equivalent (:func:`fromp.laplace.options.check_backend`).
+        temper_normaliser: regression with ``T != 1``: divide the Gaussian normaliser by
+            ``T`` as well (fromp's tempered likelihood ``p(y|f)^{1/T}``, default) or not
+            (False: laplace-torch's evidence).
+    """
+
+    structure = ""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        likelihood: str | Likelihood,
+        *,
+        sigma_noise: float | None = None,
+        prior_precision: float | Tensor = 1.0,
+        prior_mean: float | Tensor | None = 0.0,
+        temperature: float = 1.0,
+        subset_of_weights: str = "all",
+        chunk_size: int | None = None,
+        memory_budget: int = DEFAULT_MEMORY_BUDGET,
+        method: str = "auto",
+        max_params: int = 20_000,
+        enable_backprop: bool = False,
+        dict_key_x: str = "input_ids",
+        dict_key_y: str = "labels",
+        backend: Any = None,
+        backend_kwargs: dict[str, Any] | None = None,
+        asdl_fisher_kwargs: dict[str, Any] | None = None,
+        temper_normaliser: bool = True,
+    ) -> None:
+        subset_of_weights = option(subset_of_weights)
+        checks.at_init(self, model, subset_of_weights, temperature, prior_precision, prior_mean)
+        self.backend_name = check_backend(backend, backend_kwargs)
+        if asdl_fisher_kwargs:
+            raise ValueError("asdl_fisher_kwargs are not supported: fromp computes the exact GGN "
+                             "without ASDL (no Fisher sampling to configure)")  # fmt: skip
+        self.enable_backprop = bool(enable_backprop)
+        self.dict_key_x, self.dict_key_y = dict_key_x, dict_key_y
+        self.temper_normaliser = bool(temper_normaliser)
+        if subset_of_weights not in SUBSETS:
+            raise ValueError(
+                f"subset_of_weights must be one of {SUBSETS}, got {subset_of_weights!r}"
+            )
+        if not (isinstance(temperature, int | float) and temperature > 0):
+            raise ValueError(f"temperature must be a positive number, got {temperature!r}")
+        self.model = model
+        self._lik, self._sigma = _likelihood(likelihood, sigma_noise)
+        self.regression = isinstance(self._lik, GaussianLikelihood)
+        self.temperature = float(temperature)
+        self.subset_of_weights = subset_of_weights
+        self.chunk_size, self.memory_budget, self.method = chunk_size, memory_budget, method
+        self.max_params = max_params
+        self.layer_name: str | None = None
+        self.layer: nn.Linear | None = None
+        if subset_of_weights == "all":
+            self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            self._set_mean()
+        else:
+            self._named = []  # found on the first fit (needs an input) or by the subclass
+            self._mu = torch.zeros(0)
+            self.sizes: list[int] = []
+        self._prior_mean_arg = prior_mean
+        self._prior_arg = prior_precision
+        if self._named:
+            self._init_prior()
+        self.H: Any = None
+        self.loss: Tensor | None = None  # classification: sum nll; regression: SSE
+        self.n_outputs = 0  # C (laplace-torch's)
+        self._n_targets = 0  # sum over the fitted batches of N_b C: the Gaussian normaliser's
+        self.n_data = 0
+
+    # ------------------------------------------------------------------ parameters
+    def _set_mean(self) -> None:
+        for name, p in self._named:  # a diverged network has no Laplace approximation
+            if not bool(torch.isfinite(p.detach()).all()):
+                raise ValueError(f"model weights {name} are not finite (NaN or inf)")
+        self._mu = torch.cat([p.detach().reshape(-1) for _, p in self._named]).clone()
+        self.sizes = [p.numel() for _, p in self._named]
+
+    def _subset_size(self) -> int:
+        """The model's current number of parameters in the subset (checked at each fit)."""
+        return sum(p.numel() for _, p in self._named)
+
+    def _prepare(self, x: Tensor) -> None:
+        """Hook: find the subset's parameters from an input (the last layer)."""
+
+    def _prepare_names(self, names: list[str]) -> None:
+        """Hook: find the subset's parameters from their names (loading a state)."""
+
+    def _init_prior(self) -> None:
+        m0 = self._prior_mean_arg
+        m0 = 0.0 if m0 is None else m0
+        m0 = torch.as_tensor(m0, dtype=self._mu.dtype, device=self._mu.device)
+        if m0.ndim == 0:
+            m0 = m0.expand(self.num_params)
+        if m0.shape != self._mu.shape or not bool(torch.isfinite(m0).all()):
+            raise ValueError(
+                f"prior_mean must be a finite float or have shape [P]=[{self.num_params}], got "
+                f"{tuple(m0.shape)}"
+            )
+        self.prior_mean = m0.detach().clone()
+        self.prior_precision = self._prior_arg
+
+    @property
+    def num_params(self) -> int:
+        """``P``: parameters of the subset."""
+        return self._mu.numel()
+
+    @property
+    def n_layers(self) -> int:
+        """Parameter tensors of the subset: the length of a per-layer ``delta``."""
+        return len(self._named)
+
+    @property
+    def parameter_names(self) -> list[str]:
+        return [n for n, _ in self._named]
+
+    @property
+    def prior_precision(self) -> Tensor:
+        """``delta``: ``[]``, ``[n_layers]`` or ``[P]``."""
+        return self._delta
+
+    @prior_precision.setter
+    def prior_precision(self, value: float | Tensor) -> None:
+        self._delta = self._check_delta(value).detach().clone()
+
+    def _check_delta(self, value: float | Tensor) -> Tensor:
+        if isinstance(value, bool) or not isinstance(value, int | float | Tensor):
+            raise ValueError(
+                "prior_precision must be a positive number or a tensor of shape [], "
+                f"[n_layers]=[{self.n_layers}] or [P]=[{self.num_params}], got "
+                f"{type(value).__name__}"
+            )
+        opts = {"dtype": self._mu.dtype, "device": self._mu.device}
+        d = value.to(**opts) if isinstance(value, Tensor) else torch.tensor(float(value), **opts)
+        if d.shape == (1,) and self.n_layers != 1 and self.num_params != 1:
+            d = d.reshape(())  # laplace-torch's scalar form
+        if d.ndim > 1 or (d.ndim == 1 and len(d) not in (self.n_layers, self.num_params)):
+            raise ValueError(
+                f"prior_precision must have shape [], [n_layers]=[{self.n_layers}] or "
+                f"[P]=[{self.num_params}], got {tuple(d.shape)}"
+            )
+        if not (torch.isfinite(d.detach()).all() and (d.detach() > 0).all()):
+            raise ValueError("prior_precision must be finite and strictly positive")
+        return d
+
+    def _delta_vector(self, d: Tensor) -> Tensor:
+        """``delta`` as ``[P]`` (differentiable)."""
+        if d.ndim == 0:
+            return d.expand(self.num_params)
+        if len(d) == self.num_params:
+            return d
+        return torch.repeat_interleave(d, torch.tensor(self.sizes, device=d.device))
+
+    @property
+    def sigma_noise(self) -> Tensor:
+        """The regression noise ``s`` as a 0-dim tensor (laplace-torch's; 1 for
+        classification). Set it with a number or a tensor of one element."""
+        return torch.tensor(self._sigma, dtype=self._mu.dtype, device=self._mu.device)
+
+    @sigma_noise.setter
+    def sigma_noise(self, value: float | Tensor) -> None:
+        self._likelihood_check_sigma(value)
+        if not self.regression and float(value) != 1.0:
+            raise ValueError("sigma_noise is for regression only (1 for classification)")
+        self._sigma = float(value.detach() if isinstance(value, Tensor) else value)
+
+    @staticmethod
+    def _likelihood_check_sigma(value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int | float | Tensor):
+            raise ValueError(f"sigma_noise must be a positive number, got {value!r}")
+        if isinstance(value, Tensor) and value.numel() != 1:
+            raise ValueError(f"sigma_noise must be a number or a one-element tensor, got shape "
+                             f"{tuple(value.shape)}")  # fmt: skip
+        value = value.detach() if isinstance(value, Tensor) else value
+        if not float(value) > 0 or not math.isfinite(float(value)):
+            raise ValueError(f"sigma_noise must be a positive finite number, got {value!r}")
+
+    def _factor(self, sigma: Tensor | float | None = None) -> Tensor | float:
+        """``1 / (s^2 T)``: the curvature's weight in the posterior precision."""
+        s = self._sigma if sigma is None else sigma
+        return 1.0 / (s**2 * self.temperature) if self.regression else 1.0 / self.temperature
+
+    # ------------------------------------------------------------------ fit
+    def fit(
+        self, train_loader: DataArg, override: bool = True, progress_bar: bool = False
+    ) -> BaseLaplace:
+        """Fit the curvature (and the data term of the evidence when targets are given) at
+        the model's current weights. ``train_loader``: a DataLoader of ``(x, y)``, a list of
+        batches, or one batch ``(x, y)`` / ``x``. ``override=False`` adds the new data to
+        the curvature of earlier fits (more data, or the next task in continual learning);
+        the model's weights are then those of the last fit. Mapping batches (Hugging Face
+        style) give ``(batch[dict_key_x], batch[dict_key_y])``. ``progress_bar`` is accepted
+        (laplace-torch's) and shows nothing."""
+        train_loader = checks.at_fit(self, self._undict(train_loader))
+        require_eval(self.model)
+        batches = [(x, y) for x, y in iter_batches(train_loader)]
+        self._prepare(batches[0][0][:1].to(self._device()))
+        p_now = self._subset_size()
+        if p_now != self.num_params:
+            raise ValueError(f"model has P={p_now} parameters in the subset, the fit had "
+                             f"{self.num_params}")  # fmt: skip
+        self._set_mean()
+        device = self._device()
+        batches = [(x.to(device), None if y is None else y.to(device)) for x, y in batches]
+        self._outputs = None
+        curv = self._curvature(batches)
+        # a structure whose curvature pass has the outputs f(x) (the last layer's) leaves them
+        # in self._outputs: the data term then needs no second forward pass
+        outs, self._outputs = self._outputs, None
+        if outs is None or len(outs) != len(batches):
+            outs = [None] * len(batches)
+        loss = torch.zeros((), dtype=self._mu.dtype, device=device)
+        targets, n, n_out, width = True, 0, 0, 0
+        with torch.no_grad():
+            for (x, y), f in zip(batches, outs):
+                if y is None:
+                    targets = False
+                    n += len(x)
+                    continue
+                f = self.model(x) if f is None else f
+                loss = loss + self._loss_sum(f, y)
+                n += len(x)
+                n_out += f.numel()
+                width = f.shape[-1]
+        if distributed.is_distributed():
+            # each process fitted its shard (a DistributedSampler): combine the shards in rank
+            # order as a sequential fit(..., override=False) would, so that every rank holds
+            # the posterior of one process on all the data
+            curv, loss, n, n_out, targets, width = distributed.fold(
+                (curv, loss, n, n_out, targets, width), self._combine_shards
+            )
+        if override or self.H is None:
+            self.H, self.n_data, self._n_targets = curv, 0, 0
+            self.loss = loss if targets else None
+        else:
+            self.H = self._add(self.H, curv)
+            self.loss = None if (self.loss is None or not targets) else self.loss + loss
+        self.n_data += n
+        self._n_targets += n_out
+        if width == 0:  # no targets: the width from one forward pass
+            with torch.no_grad():
+                width = self.model(batches[0][0][:1]).shape[-1]
+        self.n_outputs = width
+        self._fitted()
+        return self
+
+    def _combine_shards(self, a: tuple, b: tuple) -> tuple:
+        """Two processes' ``(curvature, loss, n, n_outputs, targets, width)`` as one."""
+        return (self._add(a[0], b[0]), a[1] + b[1], a[2] + b[2], a[3] + b[3], a[4] and b[4],
+                a[5] or b[5])  # fmt: skip
+
+    def use_curvature(
+        self, curvature: Any, n_data: int, loss: Tensor | float | None = None
+    ) -> BaseLaplace:
+        """Take a curvature computed elsewhere (this structure's type, e.g. the sum of a
+        continual method's per-task KFAC terms) at the model's current weights, in place of
+        :meth:`fit`. ``loss``: the evidence's data term for that curvature's data (the
+        summed NLL at these weights; classification), when known; None leaves the evidence
+        (and ``optimize_prior_precision``) unavailable."""
+        if self.subset_of_weights != "all":
+            raise ValueError("use_curvature needs subset_of_weights='all'")
+        self._set_mean()
+        if loss is not None:
+            loss = torch.as_tensor(loss, dtype=self._mu.dtype, device=self._mu.device)
+        self.H, self.loss, self.n_data, self._n_targets = curvature, loss, int(n_data), 0
+        self._fitted()
+        return self
+
+    def _loss_sum(self, f: Tensor, y: Tensor) -> Tensor:
+        if self.regression:
+            yy = y.to(f.dtype)
+            yy = yy.unsqueeze(-1) if yy.ndim == 1 else yy
+            if yy.shape != f.shape:
+                raise ValueError(f"targets must have the outputs' shape {tuple(f.shape)}, got "
+                                 f"{tuple(y.shape)}")  # fmt: skip
+            return ((f - yy) ** 2).sum()
+        return self._lik.nll(f, y).sum()
+
+    def _device(self) -> torch.device:
+        return next(p for p in self.model.parameters()).device
+
+    def _fitted(self) -> None:
+        """Hook: refresh cached factorisations after a fit."""
+
+    def _require_fit(self) -> Any:
+        if self.H is None:
+            raise ValueError("call fit(train_loader) first")
+        return self.H
+
+    def _add(self, old: Any, new: Any) -> Any:
+        return old + new
+
+    def _curvature(self, batches: list[tuple[Tensor, Tensor | None]]) -> Any:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ evidence
+    def _log_det_posterior(self, delta: Tensor, factor: Tensor | float) -> Tensor:
+        raise NotImplementedError
+
+    def log_det_ratio_at(
+        self,
+        prior_precision: float | Tensor | None = None,
+        sigma_noise: Tensor | float | None = None,
+    ) -> Tensor:
+        """``log det(G / (s^2 T) + D) - log det D`` at ``delta = prior_precision`` and
+        ``s = sigma_noise`` (defaults: the current values; differentiable in both)."""
+        self._require_fit()
+        d = self._delta if prior_precision is None else self._check_delta(prior_precision)
+        return self._log_det_ratio(d, self._factor(sigma_noise))
+
+    def _log_det_ratio(self, delta: Tensor, factor: Tensor | float) -> Tensor:
+        """``log det(G factor + D) - log det D``; structures with eigenvalues ``lambda_i`` of
+        ``G`` in ``D``'s basis override it with ``sum_i log1p(lambda_i factor / delta_i)``,
+        which has no cancellation between two sums of ``P`` terms (in float32 the
+        difference of two sums of ~1e7 logarithms loses about three digits)."""
+        return self._log_det_posterior(delta, factor) - self._delta_vector(delta).log().sum()
+
+    def scatter_at(self, prior_precision: float | Tensor | None = None) -> Tensor:
+        """``(theta* - m0)^T D (theta* - m0)`` (differentiable in ``delta``)."""
+        d = self._delta if prior_precision is None else self._check_delta(prior_precision)
+        return (self._delta_vector(d) * (self._mu - self.prior_mean) ** 2).sum()
+
+    def _log_lik(self, sigma: Tensor | float | None = None) -> Tensor:
+        self._require_fit()
+        if self.loss is None:
+            raise ValueError("the evidence needs targets: fit with (x, y) batches")
+        if not self.regression:
+            return -self.loss / self.temperature
+        s = self._sigma if sigma is None else sigma
+        s = torch.as_tensor(s, dtype=self._mu.dtype, device=self._mu.device)
+        norm = self._n_targets * (torch.log(s) + 0.5 * math.log(2 * math.pi))
+        if not self.temper_normaliser:  # laplace-torch's: only the data fit is tempered
+            return -self.loss / (2 * s**2) / self.temperature - norm
+        return -(self.loss / (2 * s**2) + norm) / self.temperature
+
+    @property
+    def log_likelihood(self) -> Tensor:
+        """``log p(D | w*)`` of the fitted data (with the temperature)."""
+        return self._log_lik()
+
+    def log_marginal_likelihood(
+        self,
+        prior_precision: float | Tensor | None = None,
+        sigma_noise: float | Tensor | None = None,
+    ) -> Tensor:
+        """The Laplace evidence (module docstring), differentiable in ``prior_precision``
+        and ``sigma_noise`` (defaults: the current values). As in laplace-torch, values
+        passed are *stored* (``la.prior_precision``, ``la.sigma_noise``, detached), so a loop
+        of hyperparameter steps leaves the Laplace at its last values; the evidence at
+        other values without storing them: :meth:`log_marginal_likelihood_at`."""
+        out = self.log_marginal_likelihood_at(prior_precision, sigma_noise)
+        if prior_precision is not None:
+            self.prior_precision = prior_precision
+        if sigma_noise is not None:
+            self.sigma_noise = sigma_noise
+        return out
+
+    def log_marginal_likelihood_at(
+        self,
+        prior_precision: float | Tensor | None = None,
+        sigma_noise: float | Tensor | None = None,
+    ) -> Tensor:
+        """The Laplace evidence at the given values, without storing them."""
+        if sigma_noise is not None and not self.regression:
+            raise ValueError("sigma_noise is for regression only")
+        ll = self._log_lik(sigma_noise)
+        return ll - 0.5 * (
+            self.scatter_at(prior_precision) + self.log_det_ratio_at(prior_precision, sigma_noise)
+        )
+
+    # ------------------------------------------------------------------ posterior
+    @property
+    def posterior_precision(self) -> Any:
+        """``G / (s^2 T) + D`` in the structure's form."""
+        raise NotImplementedError
+
+    @property
+    def posterior_variance(self) -> Tensor:
+        """The marginal variances ``diag(Sigma)`` ``[P]``."""
+        raise NotImplementedError
+
+    @property
+    def posterior_covariance(self) -> Tensor:
+        """``Sigma`` ``[P, P]`` (dense: small subsets only)."""
+        raise NotImplementedError
+
+    def sample(self, n_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
+        """``[n_samples, P]`` draws of ``theta ~ q`` (parameter order of the subset)."""
+        if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
+            raise ValueError(f"n_samples must be a positive int, got {n_samples!r}")
+        self._require_fit()
+        z = randn_like_on((n_samples, self.num_params), generator, self._mu.dtype, self._mu.device)
+        return self._mu + self._sqrt_cov_times(z)
+
+    def _sqrt_cov_times(self, z: Tensor) -> Tensor:
+        """``Sigma^{1/2} z`` row by row (any square root ``R`` with ``R R^T = Sigma``)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ predictive
+    def _mean_and_variance(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    def _kernel(self, x1: Tensor, x2: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to rebuild the fit without the data (``torch.save``-able)."""
+        checks.at_state_dict(self)
+        return {
+            "structure": self.structure,
+            "subset_of_weights": self.subset_of_weights,
+            "parameter_names": self.parameter_names,
+            "mean": self._mu,
+            "prior_mean": self.prior_mean,
+            "prior_precision": self._delta,
+            "sigma_noise": self._sigma,
+            "temperature": self.temperature,
+            "H": self._h_state(self._require_fit()),
+            "loss": self.loss,
+            "n_data": self.n_data,
+            "n_outputs": self.n_outputs,
+            "n_targets": self._n_targets,
+            "likelihood": repr(self._lik),
+        }
+
+    def _h_state(self, h: Any) -> Any:
+        return h
+
+    def _h_load(self, state: Any) -> Any:
+        return state.to(self._mu)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Inverse of :meth:`state_dict`; refuses a fit of another structure, subset,
+        likelihood or parameter set."""
+        checks.at_load(self, state)
+        for key, mine in (("structure", self.structure),
+                          ("subset_of_weights", self.subset_of_weights),
+                          ("likelihood", repr(self._lik))):  # fmt: skip
+            if state.get(key) != mine and key == "likelihood":
+                raise ValueError(f"state was fitted with {state.get(key)}, this is {mine}")
+            if state.get(key) != mine:
+                raise ValueError(f"state has {key}={state.get(key)!r}, this is {mine!r}")
+        self._prepare_names(list(state["parameter_names"]))
+        if list(state["parameter_names"]) != self.parameter_names:
+            raise ValueError(
+                f"state is over parameters {state['parameter_names'][:3]}..., this model's "
+                f"subset is {self.parameter_names[:3]}..."
+            )
+        self._mu = state["mean"].to(self._mu)
+        self.prior_mean = state["prior_mean"].to(self._mu)
+        self.prior_precision = state["prior_precision"]
+        self._sigma = float(state["sigma_noise"])
+        self.temperature = float(state["temperature"])
+        self.H = self._h_load(state["H"])
+        self.loss = None if state["loss"] is None else state["loss"].to(self._mu)
+        self.n_data, self.n_outputs = int(state["n_data"]), int(state["n_outputs"])
+        # fromp 0.3 states stored the number of targets N C as n_outputs
+        self._n_targets = int(state.get("n_targets", self.n_outputs))
+        self._fitted()

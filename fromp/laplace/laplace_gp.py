@@ -1,0 +1,71 @@
+"""The GP of a fitted Laplace: :class:`LaplaceGP` (``la.gp()`` for every structure), with
+:class:`fromp.gp.GP`'s methods and predictive on the Laplace's own fast routes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import fromp.laplace.checks as checks
+from fromp.gp.process import predictive_from
+from fromp.likelihood import Likelihood
+
+__all__ = ["LaplaceGP"]
+
+
+class LaplaceGP:
+    """The GP of a fitted :class:`fromp.Laplace` (``la.gp()``, every structure; the one type
+    ``gp()`` returns): :meth:`mean` ``f_w*(x)`` ``[N, C]``, :meth:`kernel` ``J(x1) Sigma
+    J(x2)^T`` ``[N, C, M, C]``, :meth:`variance` ``[N, C, C]`` and :meth:`predictive`, with
+    :class:`GP`'s signatures (the chunking arguments are the Laplace's own and are ignored
+    here). Every call runs the Laplace's predict checks
+    (:func:`fromp.laplace.checks.at_predict`)."""
+
+    def __init__(self, la: Any) -> None:
+        self.la = la
+
+    @property
+    def likelihood(self) -> Likelihood:
+        return self.la.likelihood_fn
+
+    @property
+    def num_params(self) -> int:
+        return self.la.num_params
+
+    def mean(self, x: Tensor) -> Tensor:
+        checks.at_predict(self.la, x)
+        with torch.no_grad():
+            return self.la.model(x.to(self.la._device()))
+
+    def variance(self, x: Tensor, *, chunk_size: int | None = None, method: str = "auto") -> Tensor:
+        return self.la.functional_variance_at(x.to(self.la._device()))
+
+    def kernel(self, x1: Tensor, x2: Tensor | None = None, **unused: Any) -> Tensor:
+        checks.at_predict(self.la, x1)
+        if x2 is not None:
+            checks.at_predict(self.la, x2)
+        dev = self.la._device()
+        x1 = x1.to(dev)
+        return self.la._kernel(x1, x1 if x2 is None else x2.to(dev))
+
+    def predictive(
+        self,
+        x: Tensor,
+        method: str = "probit",
+        n_samples: int = 100,
+        *,
+        generator: torch.Generator | None = None,
+        chunk_size: int | None = None,
+        return_variance: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """:meth:`GP.predictive` of the Laplace's GP (regression: ``(m, v + sigma_noise^2
+        I)``, the predictive of ``y``); ``method="bridge"``: the Laplace bridge
+        (``la(x, link_approx="bridge")``)."""
+        if method == "bridge":
+            return self.la(x, link_approx="bridge")
+        return predictive_from(
+            self.likelihood, self.la.sigma_noise, self.mean, self.variance, x, method,
+            n_samples, generator, return_variance,
+        )  # fmt: skip

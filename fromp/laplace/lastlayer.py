@@ -1,0 +1,251 @@
+r"""Last-layer Laplace (laplace-torch's ``subset_of_weights="last_layer"``): the last
+``nn.Linear`` layer ``f = W phi + b`` as the subset, ``J_n = I_C (x) [phi_n; 1]^T`` in closed
+form, the features ``phi`` captured once per batch, so the structures cost ``O(N C D)``
+(diagonal, Kronecker) or ``O(N C^2 D^2)`` (full) and need no per-example Jacobian of the
+network. The posterior maths is that of :mod:`fromp.laplace.structures`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from fromp.curvature.kron import KronBlock, KronCurvature
+from fromp.curvature.last_layer import last_layer_features
+from fromp.laplace.base import BaseLaplace
+from fromp.laplace.structures import _DiagMaths, _FullMaths, _KronMixin
+
+__all__ = ["DiagLLLaplace", "FullLLLaplace", "KronLLLaplace"]
+
+
+class _Features:
+    """Records the input of a layer (the last-layer features ``phi``)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer, self.phi = layer, None
+
+    def __enter__(self) -> _Features:
+        self.handle = self.layer.register_forward_hook(self._hook)
+        return self
+
+    def _hook(self, m: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+        self.phi = inputs[0].detach()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.handle.remove()
+
+
+class _LastLayer:
+    """The last ``nn.Linear`` layer ``f = W phi + b`` as the subset: ``J_n = I_C (x)
+    [phi_n; 1]^T`` in closed form, features captured once per batch. ``last_layer_name``
+    (laplace-torch's) names the layer
+    (checked at the first fit to give the model's output); None finds it."""
+
+    def __init__(self, model, likelihood, last_layer_name=None, feature_reduction=None, **kwargs):
+        if feature_reduction is not None:
+            raise ValueError(
+                f"feature_reduction={feature_reduction!r} is not supported: fromp's last layer "
+                "takes features [N, D] (reduce a sequence dimension inside the model)"
+            )
+        kwargs.pop("subset_of_weights", None)
+        super().__init__(model, likelihood, subset_of_weights="last_layer", **kwargs)
+        self.last_layer_name = last_layer_name
+        if last_layer_name is not None:
+            layer = dict(model.named_modules()).get(last_layer_name)
+            if not isinstance(layer, nn.Linear):
+                raise ValueError(f"last_layer_name={last_layer_name!r} must name an nn.Linear "
+                                 f"of the model, got {type(layer).__name__}")  # fmt: skip
+            self._use_layer(last_layer_name, layer)
+
+    def _prepare(self, x: Tensor) -> None:
+        self.data = x  # laplace-torch's: an input that found the last layer
+        if self.layer is None:
+            _, layer = last_layer_features(self.model, x)  # refuses a non-linear head
+            self._use_layer(next(n for n, m in self.model.named_modules() if m is layer), layer)
+        elif not getattr(self, "_layer_checked", False):
+            with _Features(self.layer) as feats, torch.no_grad():
+                f = self.model(x)
+            out = self.layer(feats.phi) if feats.phi is not None else None
+            if out is None or out.shape != f.shape or not torch.allclose(out, f):
+                raise ValueError(f"last_layer_name={self.layer_name!r}: that layer's output is "
+                                 "not the model's output (a last-layer Laplace needs the "
+                                 "model to end in it)")  # fmt: skip
+            self._layer_checked = True
+
+    def _prepare_names(self, names: list[str]) -> None:
+        if self.layer is None:
+            name = names[0].rsplit(".", 1)[0] if "." in names[0] else ""
+            self._use_layer(name, self.model.get_submodule(name) if name else self.model)
+
+    def _use_layer(self, name: str, layer: nn.Module) -> None:
+        self.layer_name, self.layer = name, layer
+        prefix = f"{name}." if name else ""
+        self._named = [
+            (prefix + n, p) for n, p in layer.named_parameters(recurse=False) if p.requires_grad
+        ]
+        self._set_mean()
+        self._init_prior()
+
+    def _phi(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``(f(x) [N, C], phi(x) [N, D])``: the outputs and the last layer's input."""
+        with _Features(self.layer) as feats, torch.no_grad():
+            f = self.model(x)
+        return f, feats.phi.reshape(len(x), -1)
+
+    def _feature_batches(self, batches) -> Iterable[tuple[Tensor, Tensor]]:
+        """``(f, phi)`` per batch; ``f`` is kept in ``_outputs`` for the fit's data term."""
+        self._outputs = []
+        for x, _ in batches:
+            f, phi = self._phi(x)
+            self._outputs.append(f)
+            yield f, phi
+
+    @property
+    def _bias(self) -> bool:
+        return len(self._named) == 2
+
+    def _tilde(self, phi: Tensor) -> Tensor:
+        """``[phi, 1]`` ``[N, D']`` (``D' = D + 1`` with a trainable bias)."""
+        if not self._bias:
+            return phi
+        return torch.cat([phi, torch.ones(len(phi), 1, dtype=phi.dtype, device=phi.device)], 1)
+
+    def _to_flat(self, m: Tensor) -> Tensor:
+        """``[..., C, D']`` (internal ``[W | b]``) to the flat parameter order
+        ``(W row-major, b)`` ``[..., P]``."""
+        if not self._bias:
+            return m.flatten(-2)
+        return torch.cat([m[..., :-1].flatten(-2), m[..., -1]], -1)
+
+    def _from_flat(self, v: Tensor) -> Tensor:
+        c = self.layer.out_features
+        if not self._bias:
+            return v.reshape(*v.shape[:-1], c, -1)
+        w, b = v[..., :-c], v[..., -c:]
+        return torch.cat([w.reshape(*v.shape[:-1], c, -1), b.unsqueeze(-1)], -1)
+
+    def _lambda(self, f: Tensor) -> Tensor:
+        return self._lik.hessian(f)
+
+    def functional_variance_fast(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """laplace-torch's: ``(f(x) [N, C], diag J Sigma J^T [N, C])``."""
+        f, var = self._mean_and_variance(self._input(x))
+        return f, torch.diagonal(var, dim1=-2, dim2=-1)
+
+    def _nn_samples(self, x, n_samples, generator, **model_kwargs):
+        """``[S, N, C]``: one forward pass for the features ``phi(x)``, then ``f_s = W_s
+        phi + b_s`` for each head draw ``theta_s`` (no full forward pass per draw)."""
+        if model_kwargs:
+            return super()._nn_samples(x, n_samples, generator, **model_kwargs)
+        _, phi = self._phi(x)
+        heads = self._from_flat(self.sample(n_samples, generator))  # [S, C, D']
+        return torch.einsum("nd,scd->snc", self._tilde(phi).to(heads), heads)
+
+
+class DiagLLLaplace(_LastLayer, _DiagMaths, BaseLaplace):
+    """Last layer, diagonal: ``diag(G)[c, d] = sum_n Lambda_n[c, c] phi~_nd^2``."""
+
+    structure = "diag"
+
+    def _curvature(self, batches):
+        h = 0.0
+        for f, phi in self._feature_batches(batches):
+            lam = torch.diagonal(self._lambda(f), dim1=-2, dim2=-1)  # [N, C]
+            h = h + lam.T @ self._tilde(phi) ** 2
+        return self._to_flat(h)
+
+    def _mean_and_variance(self, x):
+        f, phi = self._phi(x)
+        s = self._from_flat(self.posterior_variance)  # [C, D']
+        return f, torch.diag_embed(self._tilde(phi) ** 2 @ s.T)
+
+    def _kernel(self, x1, x2):
+        _, p1 = self._phi(x1)
+        p2 = p1 if x2 is x1 else self._phi(x2)[1]
+        s = self._from_flat(self.posterior_variance)  # [C, D']
+        k = torch.einsum("nd,cd,md->ncm", self._tilde(p1), s, self._tilde(p2))
+        eye = torch.eye(s.shape[0], dtype=s.dtype, device=s.device)
+        return torch.einsum("ncm,cd->ncmd", k, eye)
+
+
+class FullLLLaplace(_LastLayer, _FullMaths, BaseLaplace):
+    """Last layer, full: ``G = sum_n Lambda_n (x) phi~_n phi~_n^T`` ``[P, P]``."""
+
+    structure = "full"
+
+    def _curvature(self, batches):
+        h = 0.0
+        for f, phi in self._feature_batches(batches):
+            t = self._tilde(phi)
+            h = h + torch.einsum("nce,nd,nf->cdef", self._lambda(f), t, t)
+        c, d = h.shape[0], h.shape[1]
+        h = h.reshape(c * d, c * d)
+        perm = self._perm(c, d)
+        return h[perm][:, perm]
+
+    def _perm(self, c: int, d: int) -> Tensor:
+        """Flat index -> internal ``[W | b]`` row-major index."""
+        idx = torch.arange(c * d).reshape(c, d)
+        return self._to_flat(idx)
+
+    def _cov4(self) -> Tensor:
+        """``Sigma`` as ``[C, D', C, D']`` (internal order)."""
+        cov = self._covariance()
+        c = self.layer.out_features
+        d = self.num_params // c
+        inv = torch.empty_like(self._perm(c, d))
+        inv[self._perm(c, d)] = torch.arange(c * d)
+        return cov[inv][:, inv].reshape(c, d, c, d)
+
+    def _mean_and_variance(self, x):
+        f, phi = self._phi(x)
+        t = self._tilde(phi)
+        return f, torch.einsum("nd,cdke,ne->nck", t, self._cov4(), t)
+
+    def _kernel(self, x1, x2):
+        _, p1 = self._phi(x1)
+        p2 = p1 if x2 is x1 else self._phi(x2)[1]
+        return torch.einsum("nd,cdke,me->ncmk", self._tilde(p1), self._cov4(), self._tilde(p2))
+
+
+class KronLLLaplace(_LastLayer, _KronMixin, BaseLaplace):
+    """Last layer, Kronecker: ``B = sum_n Lambda_n`` ``[C, C]``, ``A = (1/N) sum_n phi_n
+    phi_n^T`` for the weight, the exact ``B`` for the bias (as :mod:`fromp.curvature.kron`)."""
+
+    structure = "kron"
+
+    def _curvature(self, batches):
+        a, b, n = 0.0, 0.0, 0
+        for f, phi in self._feature_batches(batches):
+            a = a + phi.T @ phi
+            b = b + self._lambda(f).sum(0)
+            n += len(phi)
+        return KronCurvature([KronBlock(a / n, b, b.clone() if self._bias else None)],
+                             [self.parameter_names], n)  # fmt: skip
+
+    def _mean_and_variance(self, x):
+        f, phi = self._phi(x)
+        eig, deltas, factor = self._eig, self._deltas(self._delta), self._factor()
+        pa = phi @ eig.qa[0]  # [N, D]
+        w = (pa**2) @ eig.weight_eigs(0, factor, deltas[0]).reciprocal().T  # [N, C(eig)]
+        var = torch.einsum("ci,ni,di->ncd", eig.qb[0], w, eig.qb[0])
+        if self._bias:
+            inv = eig.bias_eigs(0, factor, deltas[1]).reciprocal()
+            var = var + (eig.qbb[0] * inv) @ eig.qbb[0].T
+        return f, var
+
+    def _kernel(self, x1, x2):
+        _, p1 = self._phi(x1)
+        p2 = p1 if x2 is x1 else self._phi(x2)[1]
+        eig, deltas, factor = self._eig, self._deltas(self._delta), self._factor()
+        a1, a2 = p1 @ eig.qa[0], p2 @ eig.qa[0]
+        w = eig.weight_eigs(0, factor, deltas[0]).reciprocal()  # [C, D]
+        k = torch.einsum("nj,ij,mj,ci,di->ncmd", a1, w, a2, eig.qb[0], eig.qb[0])
+        if self._bias:
+            inv = eig.bias_eigs(0, factor, deltas[1]).reciprocal()
+            kb = (eig.qbb[0] * inv) @ eig.qbb[0].T
+            k = k + kb.reshape(1, *kb.shape[:1], 1, kb.shape[1]).expand_as(k)
+        return k

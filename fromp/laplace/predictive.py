@@ -1,0 +1,489 @@
+r"""laplace-torch 0.3's instance API on fromp's Laplace classes: the predictive
+(``la(x, ...)``, :meth:`~LaplaceTorchAPI.predictive`, samples), the posterior's density
+(``log_prob``, ``square_norm``), its named quantities as properties (``scatter``,
+``log_det_ratio``, ``posterior_scale``, ...) and the ``backend`` object with laplace-torch's
+``jacobians`` / ``gradients``. :class:`fromp.laplace.base.BaseLaplace` inherits it.
+
+The weights a prediction uses (one rule for every subset and structure, laplace-torch's):
+the linearised (``"glm"``) predictive is taken at the model's *current* weights ``w``,
+``f ~ N(f_w(x), J_w(x) Sigma J_w(x)^T)``; weight samples (``"nn"``, :meth:`sample`)
+perturb the fitted mean ``la.mean``. After the weights move, ``la(x)`` follows the model.
+
+With ``enable_backprop=True`` the ``"glm"`` predictive is differentiable in ``x`` (its
+Jacobians ``J(x)`` by ``torch.func``, with autograd through ``x``): the gradient of the
+predictive mean and variance, e.g. for Bayesian optimisation.
+
+Last-layer posteriors draw ``"nn"`` samples from the features ``phi(x)`` of one forward pass
+(only the head is resampled), not one full forward pass per draw.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, jacrev, vmap
+
+import fromp.laplace.checks as checks
+from fromp.laplace.laplace_gp import LaplaceGP
+from fromp.laplace.options import Likelihood as LikelihoodName
+from fromp.laplace.options import option
+from fromp.likelihood import CategoricalLikelihood, GaussianLikelihood
+from fromp.link import glm_draws, probit_scale
+
+__all__ = ["LaplaceBackend", "LaplaceTorchAPI", "bridge"]
+
+_PRED = ("glm", "nn")
+_LINKS = ("probit", "bridge", "bridge_norm", "mc")
+
+
+def bridge(mu: Tensor, var: Tensor, normalized: bool = False) -> Tensor:
+    r"""The Laplace bridge (Hobbhahn, Kristiadi & Hennig 2022) as laplace-torch computes it:
+    the zero-mean correction ``mu <- mu - s (1^T mu) / (1^T V 1)``, ``V <- V - s s^T / (1^T V
+    1)`` (``s = V 1``), then ``alpha_k = (1 - 2/C + e^{mu_k} sum_l e^{-mu_l} / C^2) / V_kk``,
+    returning ``alpha / sum alpha`` ``[N, C]``. ``normalized`` (laplace-torch's
+    ``"bridge_norm"``): first ``mu <- mu / sqrt(m)``, ``V_kk <- V_kk / m`` with ``m =
+    mean_k(V_kk) / sqrt(C / 2)``."""
+    s = var.sum(-1)
+    tot = var.sum(dim=(1, 2)).reshape(-1, 1)
+    mu = mu - s * mu.sum(-1, keepdim=True) / tot
+    var = var - torch.einsum("ni,nj->nij", s, var.sum(-2)) / tot.unsqueeze(-1)
+    c = mu.shape[-1]
+    v = torch.diagonal(var, dim1=1, dim2=2)
+    if normalized:
+        m = v.mean(1) / math.sqrt(c / 2)
+        mu = mu / m.sqrt().unsqueeze(-1)
+        v = v / m.unsqueeze(-1)
+    alpha = (1 - 2 / c + mu.exp() / c**2 * torch.exp(-mu).sum(1, keepdim=True)) / v
+    return torch.nan_to_num(alpha / alpha.sum(1, keepdim=True), nan=1.0)
+
+
+class LaplaceBackend:
+    """``la.backend``: laplace-torch's curvature-backend calls that users make directly,
+    evaluated at the model's current weights over the Laplace's subset of weights."""
+
+    def __init__(self, la: LaplaceTorchAPI) -> None:
+        self.la = la
+
+    @property
+    def model(self) -> nn.Module:
+        return self.la.model
+
+    def jacobians(self, x: Any, enable_backprop: bool = False) -> tuple[Tensor, Tensor]:
+        """``(Js [N, C, P], f [N, C])``: the Jacobians of the outputs in the subset's
+        parameters (``P``: the subset, ``S`` for a subnetwork), and the outputs."""
+        return self.la._jacobians(self.la._input(x), enable_backprop)
+
+    def last_layer_jacobians(self, x: Any, enable_backprop: bool = False) -> tuple[Tensor, Tensor]:
+        """laplace-torch's name for a last-layer Laplace's :meth:`jacobians`."""
+        if self.la.subset_of_weights != "last_layer":
+            raise ValueError("last_layer_jacobians is for subset_of_weights='last_layer'; "
+                             "use jacobians")  # fmt: skip
+        return self.jacobians(x, enable_backprop)
+
+    def gradients(self, x: Any, y: Tensor) -> tuple[Tensor, Tensor]:
+        """``(Gs [N, P], loss)``: per-example gradients of the loss (cross-entropy summed;
+        regression ``1/2 (f - y)^2`` summed over outputs, laplace-torch's ``MSELoss`` with
+        its factor 1/2) in the subset's parameters, and the summed loss."""
+        la = self.la
+        x = la._input(x)
+        js, f = la._jacobians(x)
+        with torch.enable_grad():
+            fr = f.detach().requires_grad_(True)
+            if la.regression:
+                yy = y.to(f).reshape(f.shape)
+                per = 0.5 * ((fr - yy) ** 2).sum(-1)
+            else:
+                per = la._lik.nll(fr, y.to(f.device))
+            (g,) = torch.autograd.grad(per.sum(), fr)
+        return torch.einsum("nc,ncp->np", g, js), per.detach().sum()
+
+
+class LaplaceTorchAPI:
+    """laplace-torch 0.3's public instance names (module docstring). Needs from the class:
+    ``_mu``, ``_named``, ``_delta``, ``_lik``, ``regression``, ``_mean_and_variance``,
+    ``_kernel``, ``_sigma_times``, ``_prec_times``, ``_log_det_posterior``, ``_factor``,
+    ``sample``."""
+
+    # ------------------------------------------------------------------ names
+    @property
+    def mean(self) -> Tensor:
+        """The fitted mean ``theta*`` of the subset ``[P]`` (a subnetwork: all ``P``
+        weights, laplace-torch's convention; its ``S`` entries are ``mean_subnet``)."""
+        return self._mu
+
+    @mean.setter
+    def mean(self, value: Tensor) -> None:
+        self._mu = value
+
+    @property
+    def likelihood(self) -> Any:
+        """laplace-torch's likelihood name: ``"classification"`` (categorical) or
+        ``"regression"`` (Gaussian), as a :class:`fromp.laplace.options.Likelihood` (a
+        ``str``: equal to the string); ``"bernoulli"`` for fromp's Bernoulli likelihood. The
+        likelihood object is :attr:`likelihood_fn`."""
+        if isinstance(self._lik, GaussianLikelihood):
+            return LikelihoodName.REGRESSION
+        if isinstance(self._lik, CategoricalLikelihood):
+            return LikelihoodName.CLASSIFICATION
+        return self._lik.name
+
+    @likelihood.setter
+    def likelihood(self, value: Any) -> None:
+        if option(value) != self.likelihood:
+            raise ValueError(f"likelihood is fixed at construction ({self.likelihood!r}); got "
+                             f"{value!r}: build a new Laplace")  # fmt: skip
+
+    @property
+    def likelihood_fn(self) -> Any:
+        """The :class:`fromp.likelihood.Likelihood` object (unit noise for regression)."""
+        return self._lik
+
+    @property
+    def n_params(self) -> int:
+        """laplace-torch's ``n_params``: parameters of the subset (a subnetwork: all
+        trainable weights ``P``; its ``S`` are ``n_params_subnet``)."""
+        return self.num_params
+
+    @property
+    def params(self) -> list[Tensor]:
+        """The parameter tensors the posterior is over (laplace-torch: the trainable ones;
+        last layer: that layer's)."""
+        return [p for _, p in self._named]
+
+    @property
+    def is_subset_params(self) -> bool:
+        """Whether some of the model's parameters are frozen (``requires_grad=False``)."""
+        return any(not p.requires_grad for p in self.model.parameters())
+
+    @property
+    def backend(self) -> LaplaceBackend:
+        """laplace-torch's backend calls (:class:`LaplaceBackend`)."""
+        return LaplaceBackend(self)
+
+    @property
+    def prior_precision_diag(self) -> Tensor:
+        """``delta`` as ``[P]`` (``[S]`` for a subnetwork)."""
+        return self._delta_vector(self._delta)
+
+    @property
+    def log_det_prior_precision(self) -> Tensor:
+        """``log det D``."""
+        return self.prior_precision_diag.log().sum()
+
+    @property
+    def log_det_posterior_precision(self) -> Tensor:
+        """``log det(G / (s^2 T) + D)``."""
+        self._require_fit()
+        return self._log_det_posterior(self._delta, self._factor())
+
+    @property
+    def log_det_ratio(self) -> Tensor:
+        """``log det(G / (s^2 T) + D) - log det D`` (in a form without cancellation; at
+        other values: :meth:`log_det_ratio_at`). A method in fromp 0.3."""
+        return self.log_det_ratio_at()
+
+    @property
+    def scatter(self) -> Tensor:
+        """``(theta* - m0)^T D (theta* - m0)`` (at another ``delta``: :meth:`scatter_at`).
+        A method in fromp 0.3."""
+        return self.scatter_at()
+
+    @property
+    def posterior_scale(self) -> Tensor:
+        """A square root ``L`` of ``Sigma = L L^T``: ``1 / sqrt(precision)`` ``[P]``
+        (diagonal structures) or the lower Cholesky factor of ``Sigma`` ``[P, P]`` (full),
+        as laplace-torch's; the Kronecker and low-rank structures have none (laplace-torch
+        neither): draw with :meth:`sample`."""
+        if self.structure == "diag":
+            return self.posterior_variance.sqrt()
+        if self.structure == "full":
+            return torch.linalg.cholesky(self.posterior_covariance.double()).to(self._mu.dtype)
+        raise AttributeError(f"posterior_scale is for the diag and full structures (laplace-torch "
+                             f"has none for {self.structure!r}); use sample()")  # fmt: skip
+
+    # ------------------------------------------------------------------ density
+    def _subset_value(self, value: Tensor) -> Tensor:
+        """``value`` ``[..., P]`` over the subset (hook: a subnetwork takes ``[..., S]``)."""
+        return value
+
+    def square_norm(self, value: Tensor) -> Tensor:
+        """``(value - theta*)^T Prec (value - theta*)`` for ``value`` ``[P]`` or ``[B,
+        P]`` (returns ``[]`` / ``[B]``)."""
+        self._require_fit()
+        v = self._subset_value(torch.as_tensor(value).to(self._mu))
+        if v.shape[-1] != self.num_params or v.ndim not in (1, 2):
+            raise ValueError(f"value must have shape [P] or [B, P] with P={self.num_params}, got "
+                             f"{tuple(v.shape)}")  # fmt: skip
+        d = (v - self._mu).reshape(-1, self.num_params)
+        out = (d * self._prec_times(d)).sum(-1)
+        return out[0] if v.ndim == 1 else out
+
+    def log_prob(self, value: Tensor, normalized: bool = True) -> Tensor:
+        """``log N(value | theta*, Prec^{-1})`` (``normalized=False``: only
+        ``-square_norm / 2``)."""
+        if not normalized:
+            return -self.square_norm(value) / 2
+        norm = -self.num_params / 2 * math.log(2 * math.pi) + self.log_det_posterior_precision / 2
+        return norm - self.square_norm(value) / 2
+
+    # ------------------------------------------------------------------ Jacobians
+    def _input(self, x: Any) -> Tensor:
+        """``x``, or ``x[dict_key_x]`` of a mapping (a Hugging Face-style batch), on the
+        model's device."""
+        if isinstance(x, Mapping):
+            if self.dict_key_x not in x:
+                raise ValueError(f"x is a mapping without the key dict_key_x="
+                                 f"{self.dict_key_x!r} (keys: {list(x)})")  # fmt: skip
+            x = x[self.dict_key_x]
+        if not isinstance(x, Tensor):
+            raise ValueError(f"x must be a tensor or a mapping, got {type(x).__name__}")
+        # a fit, eval mode, the fitted size, finite x and outputs f(x); the last-layer
+        # structures check the outputs where their feature pass computes them
+        # (checks.finite_outputs), so that their predictive runs the network once
+        checks.at_predict(self, x, outputs=self.subset_of_weights != "last_layer")
+        return x.to(self._device())
+
+    def _undict(self, data: Any) -> Any:
+        """Training data with mapping batches turned into ``(x, y)`` tuples
+        (``dict_key_x`` / ``dict_key_y``)."""
+        kx, ky = self.dict_key_x, self.dict_key_y
+
+        def one(b: Any) -> Any:
+            if not isinstance(b, Mapping):
+                return b
+            if kx not in b:
+                raise ValueError(f"a mapping batch lacks dict_key_x={kx!r} (keys: {list(b)})")
+            return (b[kx], b[ky]) if ky in b else (b[kx],)
+
+        if isinstance(data, Mapping):
+            return one(data)
+        if isinstance(data, Tensor | tuple):
+            return data
+        return [one(b) for b in data]
+
+    def _jacobian_columns(self) -> Tensor | None:
+        """Hook: the columns of the subset's concatenated parameter tensors that are the
+        posterior's (a subnetwork's entries); None: all."""
+        return None
+
+    def _jacobians(self, x: Tensor, enable_backprop: bool = False) -> tuple[Tensor, Tensor]:
+        """``(J [N, C, P], f [N, C])`` at the model's current weights, in the subset's
+        parameter order, by ``vmap(jacrev)`` per example; with ``enable_backprop`` both are
+        differentiable in ``x``."""
+        self._require_fit()
+        model, names = self.model, [n for n, _ in self._named]
+        params = {n: p.detach() for n, p in self._named}
+
+        def one(ps: dict[str, Tensor], xi: Tensor) -> tuple[Tensor, Tensor]:
+            out = functional_call(model, ps, (xi.unsqueeze(0),))[0]
+            return out, out
+
+        jac_fn = vmap(jacrev(one, has_aux=True), in_dims=(None, 0))
+        step = self.chunk_size or 32
+        js, fs = [], []
+        with torch.set_grad_enabled(enable_backprop or torch.is_grad_enabled()):
+            for s in range(0, len(x), step):
+                jac, f = jac_fn(params, x[s : s + step])
+                js.append(torch.cat([jac[n].flatten(2) for n in names], -1))
+                fs.append(f)
+        j, f = torch.cat(js), torch.cat(fs)
+        cols = self._jacobian_columns()
+        if cols is not None:
+            j = j[..., cols.to(j.device)]
+        return (j, f) if enable_backprop else (j.detach(), f.detach())
+
+    # ------------------------------------------------------------------ functional
+    def _check_js(self, js: Tensor) -> Tensor:
+        if not isinstance(js, Tensor) or js.ndim != 3 or js.shape[-1] != self.num_params:
+            raise ValueError(f"Js must be Jacobians [N, C, P] with P={self.num_params}, got "
+                             f"{getattr(js, 'shape', type(js).__name__)}")  # fmt: skip
+        return js.to(self._mu.dtype)
+
+    def functional_variance(self, Js: Tensor) -> Tensor:
+        """``J_n Sigma J_n^T`` ``[N, C, C]`` for Jacobians ``Js`` ``[N, C, P]``
+        (laplace-torch's meaning). Passing inputs ``x`` instead (fromp 0.3) still
+        works with a DeprecationWarning: use :meth:`functional_variance_at`."""
+        looks_like_js = isinstance(Js, Tensor) and Js.ndim == 3 and Js.shape[-1] == self.num_params
+        if not looks_like_js or (self.n_outputs and Js.shape[1] != self.n_outputs):
+            warnings.warn("functional_variance(x) with inputs is deprecated: it takes Jacobians "
+                          "[N, C, P] (laplace-torch's meaning); use functional_variance_at(x)",
+                          DeprecationWarning, stacklevel=2)  # fmt: skip
+            return self.functional_variance_at(Js)
+        js = self._check_js(Js)
+        sj = self._sigma_times(js.flatten(0, 1)).reshape(js.shape)
+        return torch.einsum("ncp,ndp->ncd", js, sj)
+
+    def functional_covariance(self, Js: Tensor) -> Tensor:
+        """``J Sigma J^T`` ``[N C, N C]`` for ``Js`` ``[N, C, P]`` (rows example-major)."""
+        j = self._check_js(Js).flatten(0, 1)
+        return j @ self._sigma_times(j).T
+
+    def functional_variance_at(self, x: Tensor) -> Tensor:
+        """``J(x_n) Sigma J(x_n)^T`` ``[N, C, C]`` at inputs ``x`` (each structure's fast
+        route, no ``[N, C, P]`` Jacobian where it has one)."""
+        mu, var = self._mean_and_variance(self._input(x))
+        checks.finite_outputs(mu)
+        return var
+
+    def _glm(self, x: Tensor, joint: bool = False) -> tuple[Tensor, Tensor]:
+        """``(f [N, C], var [N, C, C])`` or, ``joint``, ``(f [N C], cov [N C, N C])``."""
+        if self.enable_backprop:
+            js, f = self._jacobians(x, enable_backprop=True)
+            checks.finite_outputs(f)
+            if joint:
+                j = js.flatten(0, 1)
+                return f.flatten(), j @ self._sigma_times(j).T
+            sj = self._sigma_times(js.flatten(0, 1)).reshape(js.shape)
+            return f, torch.einsum("ncp,ndp->ncd", js, sj)
+        if joint:
+            with torch.no_grad():
+                f = checks.finite_outputs(self.model(x))
+            k = self._kernel(x, x)
+            n, c = f.shape
+            return f.flatten(), k.reshape(n * c, n * c).detach()
+        mu, var = self._mean_and_variance(x)
+        checks.finite_outputs(mu)
+        return mu.detach(), var.detach()
+
+    # ------------------------------------------------------------------ predictive
+    def __call__(
+        self,
+        x: Any,
+        pred_type: str = "glm",
+        joint: bool = False,
+        link_approx: str = "probit",
+        n_samples: int = 100,
+        diagonal_output: bool = False,
+        generator: torch.Generator | None = None,
+        fitting: bool = False,
+        **model_kwargs: Any,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """The predictive at ``x`` (a tensor, or a mapping holding it at ``dict_key_x``):
+        class probabilities ``[N, C]`` (classification) or ``(mean [N, C], functional
+        variance [N, C, C])`` (regression: add ``sigma_noise^2`` for ``y``).
+
+        * ``pred_type="glm"``: ``f ~ N(f_w(x), J Sigma J^T)`` at the model's current
+          weights ``w``; ``link_approx`` ``"probit"`` (``softmax(m / sqrt(1 + pi/8 diag
+          v))``), ``"bridge"`` / ``"bridge_norm"`` (:func:`bridge`) or ``"mc"``
+          (``n_samples`` draws of ``f``); regression with ``joint=True``: ``(f [N C], cov
+          [N C, N C])``; ``diagonal_output``: regression variances ``[N, C]``, and ``"mc"``
+          draws from the diagonal;
+        * ``pred_type="nn"``: ``n_samples`` weight draws around ``la.mean`` pushed through
+          the network (``model_kwargs`` passed to its forward): probabilities averaged, or
+          regression ``(mean, variance [N, C])`` of the draws (laplace-torch's).
+
+        ``fitting`` (laplace-torch's reward modelling) has no effect here. A string in the
+        third position is taken as ``link_approx`` (fromp 0.3's order), with a
+        DeprecationWarning."""
+        if isinstance(joint, str):
+            warnings.warn("la(x, pred_type, link_approx) positionally is deprecated: the third "
+                          "argument is joint (laplace-torch's order); pass link_approx=...",
+                          DeprecationWarning, stacklevel=2)  # fmt: skip
+            joint, link_approx = False, joint
+        pred_type, link_approx = option(pred_type), option(link_approx)
+        if pred_type not in _PRED:
+            raise ValueError(f"pred_type must be 'glm' or 'nn', got {pred_type!r}")
+        if link_approx not in _LINKS:
+            raise ValueError(f"link_approx must be one of {_LINKS}, got {link_approx!r}")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        if model_kwargs and pred_type != "nn":
+            raise ValueError(f"model keyword arguments {sorted(model_kwargs)} are used by "
+                             "pred_type='nn' only (the glm predictive calls model(x))")  # fmt: skip
+        self._require_fit()
+        x = self._input(x)
+        if pred_type == "nn":
+            f = checks.finite_outputs(self._nn_samples(x, n_samples, generator, **model_kwargs))
+            if self.regression:
+                return f.mean(0), f.var(0)
+            return self._lik.inverse_link(f.flatten(0, 1)).reshape(f.shape).mean(0)
+        mu, var = self._glm(x, joint=joint and self.regression)
+        if self.regression:
+            if diagonal_output and not joint:
+                var = torch.diagonal(var, dim1=-2, dim2=-1)
+            return mu, var
+        if link_approx == "probit":
+            return self._lik.inverse_link(mu * probit_scale(var))
+        if link_approx == "mc":
+            if diagonal_output:
+                var = torch.diag_embed(torch.diagonal(var, dim1=-2, dim2=-1))
+            f = glm_draws(mu, var, n_samples, generator)
+            return self._lik.inverse_link(f.flatten(0, 1)).reshape(f.shape).mean(0)
+        if not isinstance(self._lik, CategoricalLikelihood):
+            raise ValueError(f"link_approx={link_approx!r} is for the categorical likelihood")
+        return bridge(mu, var, normalized=link_approx == "bridge_norm")
+
+    def predictive(
+        self, x: Any, pred_type: str = "glm", link_approx: str = "probit", n_samples: int = 100
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """laplace-torch's ``predictive``: ``la(x, pred_type=..., link_approx=...,
+        n_samples=...)``."""
+        return self(x, pred_type=pred_type, link_approx=link_approx, n_samples=n_samples)
+
+    def functional_samples(
+        self,
+        x: Any,
+        pred_type: str = "glm",
+        n_samples: int = 100,
+        diagonal_output: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """``[n_samples, N, C]`` draws of the outputs ``f(x)``: of the linearised network's
+        Gaussian (``"glm"``; ``diagonal_output``: its diagonal) or through weight draws
+        (``"nn"``)."""
+        pred_type = option(pred_type)
+        self._require_fit()
+        x = self._input(x)
+        if pred_type == "nn":
+            return checks.finite_outputs(self._nn_samples(x, n_samples, generator))
+        if pred_type != "glm":
+            raise ValueError(f"pred_type must be 'glm' or 'nn', got {pred_type!r}")
+        mu, var = self._glm(x)
+        if diagonal_output:
+            var = torch.diag_embed(torch.diagonal(var, dim1=-2, dim2=-1))
+        return glm_draws(mu, var, n_samples, generator)
+
+    def predictive_samples(
+        self,
+        x: Any,
+        pred_type: str = "glm",
+        n_samples: int = 100,
+        diagonal_output: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """``[n_samples, N, C]`` draws of the predictive: :meth:`functional_samples` with
+        the inverse link applied (probabilities; regression: the outputs)."""
+        f = self.functional_samples(x, pred_type, n_samples, diagonal_output, generator)
+        if self.regression:
+            return f
+        return self._lik.inverse_link(f.flatten(0, 1)).reshape(f.shape)
+
+    def _full_vector(self, theta: Tensor) -> list[tuple[str, Tensor]]:
+        """A subset draw ``[P]`` as ``(name, tensor)`` pairs for ``functional_call``."""
+        out, k = [], 0
+        for (name, p), size in zip(self._named, self.sizes):
+            out.append((name, theta[k : k + size].view_as(p).to(p.dtype)))
+            k += size
+        return out
+
+    def _nn_samples(
+        self, x: Tensor, n_samples: int, generator: torch.Generator | None, **model_kwargs: Any
+    ) -> Tensor:
+        """``[S, N, C]``: the network at ``S`` weight draws around ``la.mean``."""
+        outs = []
+        with torch.set_grad_enabled(self.enable_backprop and torch.is_grad_enabled()):
+            for theta in self.sample(n_samples, generator):
+                params = dict(self._full_vector(theta))
+                outs.append(functional_call(self.model, params, (x,), model_kwargs))
+        return torch.stack(outs)
+
+    def gp(self) -> Any:
+        """The DNN2GP Gaussian process of the linearised network under this posterior:
+        mean ``f_w(x)``, kernel ``J(x) Sigma J(x')^T`` (:class:`fromp.gp.LaplaceGP`)."""
+        self._require_fit()
+        return LaplaceGP(self)
