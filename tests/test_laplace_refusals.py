@@ -384,3 +384,24 @@ def test_zero_dim_parameter_diag_ggn_and_dnn2gp():
     gp = fromp.dnn2gp(model, q, "categorical")
     expected = torch.einsum("ncp,p,mdp->ncmd", jac[:3], prec.reciprocal(), jac[:3])
     torch.testing.assert_close(gp.kernel(x[:3]), expected)
+
+
+@PAIRS
+def test_loading_a_state_fitted_at_other_weights_warns(subset, structure):
+    """Audit S6: the predictive linearises at the model's current weights, so a state fitted
+    at other weights (another initialisation of the same architecture) is loaded with a
+    warning naming the difference; the fitted model itself loads silently."""
+    import warnings
+
+    la = fitted(subset, structure)
+    state = la.state_dict()
+    same = make(la.model, "classification", subset, structure)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same.load_state_dict(state)  # the weights it was fitted at: no warning
+    other = mlp()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.25)
+    with pytest.warns(UserWarning, match="fitted at weights that differ from the model's"):
+        make(other, "classification", subset, structure).load_state_dict(state)

@@ -34,6 +34,7 @@ Laplace-bridge or Monte-Carlo link approximation) or weight samples (``"nn"``).
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -183,6 +184,29 @@ class BaseLaplace(PriorTuning, LaplaceTorchAPI):
                 raise ValueError(f"model weights {name} are not finite (NaN or inf)")
         self._mu = torch.cat([p.detach().reshape(-1) for _, p in self._named]).clone()
         self.sizes = [p.numel() for _, p in self._named]
+
+    def _weights_now(self) -> Tensor:
+        """The model's current weights in ``la.mean``'s coordinates ``[P]``."""
+        return torch.cat([p.detach().reshape(-1) for _, p in self._named])
+
+    def _warn_if_weights_differ(self) -> None:
+        """A loaded posterior's mean ``la.mean`` against the model's weights: the GLM
+        predictive linearises at the model's current weights, so a state fitted at other
+        weights (another model's, or before more training) is used at weights it was not
+        fitted at; warned once, with the largest difference."""
+        now = self._weights_now().to(self._mu)
+        if now.shape != self._mu.shape:
+            return  # another size: refused by the caller's checks
+        gap = float((now - self._mu).abs().max()) if now.numel() else 0.0
+        scale = max(1.0, float(self._mu.abs().max())) if now.numel() else 1.0
+        if gap > 1e-6 * scale:
+            warnings.warn(
+                f"load_state_dict: the state was fitted at weights that differ from the "
+                f"model's (max |difference| {gap:.3g}); the predictive linearises at the "
+                "model's current weights: load the fitted weights into the model too",
+                UserWarning,
+                stacklevel=3,
+            )
 
     def _subset_size(self) -> int:
         """The model's current number of parameters in the subset (checked at each fit)."""
@@ -556,6 +580,7 @@ class BaseLaplace(PriorTuning, LaplaceTorchAPI):
                 f"subset is {self.parameter_names[:3]}..."
             )
         self._mu = state["mean"].to(self._mu)
+        self._warn_if_weights_differ()
         self.prior_mean = state["prior_mean"].to(self._mu)
         self.prior_precision = state["prior_precision"]
         self._sigma = float(state["sigma_noise"])

@@ -304,6 +304,11 @@ class SubnetLaplace(BaseLaplace):
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "subnetwork_indices": self.subnetwork_indices}
 
+    def _weights_now(self) -> Tensor:
+        """The subnetwork's current weights ``[S]`` (the model's at ``subnetwork_indices``)."""
+        full = parameters_to_vector([p.detach() for p in self.model.parameters()])
+        return full[self.subnetwork_indices.to(full.device)]
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         idx = state.get("subnetwork_indices")
         if idx is None or not torch.equal(idx.cpu(), self.subnetwork_indices):
