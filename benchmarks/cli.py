@@ -287,7 +287,7 @@ def write_memory_map(
     title: str = "memory map",
     meta: dict[str, Any] | None = None,
     chunk_size: int = 64,
-    covariance: str = "diagonal",
+    covariance: str = "diag",
     correction: bool = False,
 ) -> dict[str, Any]:
     """The memory map of ``(x, y)``: ``memory_map.png`` (prediction error ``|e_i|_1``
@@ -511,7 +511,7 @@ _POSTERIORS = {
     "last-layer-full": ("last_layer", "full", "full", True),
     "last-layer-kron": ("last_layer", "kron", "full", False),
     "kron": ("all", "kron", "full", False),
-    "diag": ("all", "diag", "diagonal", False),
+    "diag": ("all", "diag", "diag", False),
 }
 
 

@@ -149,7 +149,7 @@ def test_memorable_cli_memory_map(checkpoint, tmp_path):
             q.fit((x, y))
         full = posterior != "diag"  # the exact last-layer GGN allows the corrected form
         mp = memory_perturbation(
-            model, q, x, y, covariance="full" if full else "diagonal", correction=full
+            model, q, x, y, covariance="full" if full else "diag", correction=full
         )
         np.testing.assert_allclose(payload["sensitivity"], mp.sensitivity.tolist(), rtol=1e-4)
         np.testing.assert_allclose(payload["variance_sum"], mp.variance.sum(-1).tolist(), rtol=1e-4)

@@ -51,7 +51,7 @@ def test_regression_laplace_loo_uses_its_sigma_and_equals_exact_ridge_refits():
             for i in range(len(x))
         ]
     )  # fmt: skip
-    for cov in ("diagonal", "full"):
+    for cov in ("diag", "full"):
         mp = memory_perturbation(model, la, x, y, covariance=cov, correction=True)
         torch.testing.assert_close(mp.loo_logits[:, 0], want, rtol=1e-10, atol=1e-12)
         # the NLL of the Laplace's noise, not sigma = 1
@@ -116,10 +116,26 @@ def test_corrected_diagonal_form_refused_where_one_minus_lambda_v_is_not_positiv
     bad = int(((1 - plain.lam * plain.variance) <= 0).any(-1).sum())
     assert bad > 0
     with pytest.raises(ValueError, match=f"for {bad} of 12 examples"):
-        memory_perturbation(m, la, x, y, covariance="diagonal", correction=True)
+        memory_perturbation(m, la, x, y, covariance="diag", correction=True)
     full = memory_perturbation(m, la, x, y, covariance="full", correction=True).loo_summary()
     assert math.isfinite(full["loo_nll"]) and full["loo_nll"] < 100
 
+
+def test_diagonal_spelling_of_covariance_warns_and_equals_diag():
+    """``covariance="diagonal"`` (0.3) is ``"diag"`` with a DeprecationWarning, the same numbers;
+    an unknown form is refused naming the argument."""
+    torch.manual_seed(0)
+    x, y = torch.randn(10, 3), torch.randint(0, 3, (10,))
+    m = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3)).eval()
+    la = Laplace(m, "classification", "all", "diag", prior_precision=1.0).fit([(x, y)])
+    new = memory_perturbation(m, la, x, y, covariance="diag")
+    with pytest.warns(DeprecationWarning, match='covariance="diag"'):
+        old = memory_perturbation(m, la, x, y, covariance="diagonal")
+    assert torch.equal(old.loo_logits, new.loo_logits)
+    full = memory_perturbation(m, la, x, y, covariance="full")
+    assert not torch.allclose(full.loo_logits, new.loo_logits)  # the two forms differ: the name matters
+    with pytest.raises(ValueError, match="covariance must be one of"):
+        memory_perturbation(m, la, x, y, covariance="kron")
 
 def _clf(c=3):
     torch.manual_seed(0)

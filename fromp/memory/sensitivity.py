@@ -15,7 +15,7 @@ model's sensitivity to data", NeurIPS 2023) show that, for a Gaussian posterior
 
 From these, without retraining:
 
-* leave-one-out outputs ``f_i^{\i} ~= f_i + e_i * v_i`` (``covariance="diagonal"``, the
+* leave-one-out outputs ``f_i^{\i} ~= f_i + e_i * v_i`` (``covariance="diag"``, the
   form of the paper's per-output estimate) or ``f_i + V_i e_i`` (``covariance="full"``; exact
   to first order for any ``C``). With ``correction=True`` the example's own curvature is
   first taken out of the posterior (one Newton step from the posterior without it, exact for
@@ -49,6 +49,7 @@ Example::
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,7 +70,7 @@ from fromp.posterior import FullGaussian
 
 __all__ = ["MemoryPerturbation", "memory_perturbation", "newton_step_loo", "prediction_variance"]
 
-_COVARIANCES = ("diagonal", "full")
+_COVARIANCES = ("diag", "full")
 
 
 def prediction_variance(
@@ -204,7 +205,7 @@ def memory_perturbation(
     y: Tensor,
     likelihood: str | Likelihood | None = None,
     *,
-    covariance: str = "diagonal",
+    covariance: str = "diag",
     correction: bool = False,
     chunk_size: int = 64,
 ) -> MemoryPerturbation:
@@ -223,8 +224,9 @@ def memory_perturbation(
             a fitted :func:`fromp.Laplace`'s own likelihood and ``sigma_noise``, else
             ``"categorical"``. With a Laplace, an explicit likelihood that disagrees with
             its own (another kind, another noise) is refused.
-        covariance: ``"diagonal"`` (``f + e * v``) or ``"full"`` (``f + V e``) for the
-            leave-one-out outputs.
+        covariance: ``"diag"`` (``f + e * v``) or ``"full"`` (``f + V e``) for the
+            leave-one-out outputs (``"diagonal"``, the 0.3 spelling, is accepted with a
+            ``DeprecationWarning`` until 0.5).
         correction: remove the example's own curvature first (module docstring):
             ``f + e v / (1 - lambda v)`` or ``f + V (I - Lambda V)^{-1} e``. The diagonal
             form is refused when ``1 - lambda_ik v_ik <= 0`` for some example (an approximate
@@ -232,6 +234,14 @@ def memory_perturbation(
             meaning there), naming how many.
         chunk_size: examples per Jacobian chunk.
     """
+    if covariance == "diagonal":
+        warnings.warn(
+            'memory_perturbation(covariance="diagonal") is now covariance="diag"; the old '
+            "spelling goes in fromp 0.5",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        covariance = "diag"
     if covariance not in _COVARIANCES:
         raise ValueError(f"covariance must be one of {_COVARIANCES}, got {covariance!r}")
     _check_examples(x, y)
@@ -258,14 +268,14 @@ def memory_perturbation(
     lam = torch.diagonal(lik.hessian(f), dim1=-2, dim2=-1)
     cov = variance(x)
     var = torch.diagonal(cov, dim1=-2, dim2=-1)
-    if covariance == "diagonal":
+    if covariance == "diag":
         shift = error * var
         if correction:
             denom = 1 - lam * var
             bad = (denom <= 0).any(-1)
             if bool(bad.any()):
                 raise ValueError(
-                    f"covariance='diagonal', correction=True: 1 - lambda v <= 0 for "
+                    f"covariance='diag', correction=True: 1 - lambda v <= 0 for "
                     f"{int(bad.sum())} of {len(bad)} examples (the posterior variance exceeds "
                     "what the example's own curvature allows, so the corrected diagonal form "
                     "has no meaning there): use covariance='full' or correction=False"
