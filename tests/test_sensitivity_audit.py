@@ -133,9 +133,10 @@ def test_diagonal_spelling_of_covariance_warns_and_equals_diag():
         old = memory_perturbation(m, la, x, y, covariance="diagonal")
     assert torch.equal(old.loo_logits, new.loo_logits)
     full = memory_perturbation(m, la, x, y, covariance="full")
-    assert not torch.allclose(full.loo_logits, new.loo_logits)  # the two forms differ: the name matters
+    assert not torch.allclose(full.loo_logits, new.loo_logits)  # the forms differ
     with pytest.raises(ValueError, match="covariance must be one of"):
         memory_perturbation(m, la, x, y, covariance="kron")
+
 
 def _clf(c=3):
     torch.manual_seed(0)
