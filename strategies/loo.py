@@ -26,9 +26,11 @@ class LOOPlugin(SupervisedPlugin):
     Args:
         recorded: estimate from the output layer's inputs recorded during the epoch's own
             forward passes (:meth:`fromp.memory.loo.LOOTracker.recording`): no extra pass over the
-            data; with ``structure="kron"`` the whole estimate costs a few matrix products.
+            data; with ``hessian_structure="kron"`` the whole estimate costs a few matrix
+            products.
         tracker_kwargs: keyword arguments of :class:`~fromp.memory.loo.LOOTracker`
-            (``prior_precision``, ``scope``, ``structure``, ``max_examples``, ``likelihood``).
+            (``prior_precision``, ``subset_of_weights``, ``hessian_structure``,
+            ``max_examples``, ``likelihood``).
     """
 
     def __init__(self, *, recorded: bool = False, **tracker_kwargs: Any) -> None:

@@ -273,13 +273,21 @@ def test_loo_tracker_ivon_last_layer_against_dense():
     )
     assert rec["loo_nll"] == pytest.approx(lik.nll(loo, y).mean().item(), rel=1e-8)
     assert rec["posterior"].startswith("IVON posterior")
-    # scope="all": the full memory-perturbation equation over every weight
-    rec_all = LOOTracker(scope="all")(net, x, y, opt)
+    # subset_of_weights="all": the full memory-perturbation equation over every weight
+    rec_all = LOOTracker(subset_of_weights="all")(net, x, y, opt)
     full = memory_perturbation(net, q, x, y, covariance="full", correction=True)
     assert rec_all["loo_nll"] == pytest.approx(full.loo_nll().mean().item(), rel=1e-8)
     assert rec_all["loo_nll"] > rec["loo_nll"]  # all weights vary: larger leave-one-out moves
-    with pytest.raises(ValueError, match="scope must be"):
-        LOOTracker(scope="head")
+    with pytest.raises(ValueError, match="subset_of_weights must be"):
+        LOOTracker(subset_of_weights="head")
+    # 0.3's names: the same record, with a DeprecationWarning naming the new one
+    with pytest.warns(DeprecationWarning, match="subset_of_weights="):
+        old = LOOTracker(scope="all")
+    assert old.subset_of_weights == "all"
+    with pytest.warns(DeprecationWarning, match="subset_of_weights="):
+        assert LOOTracker(scope="last-layer").subset_of_weights == "last_layer"
+    with pytest.warns(DeprecationWarning, match="hessian_structure="):
+        assert LOOTracker(structure="kron").hessian_structure == "kron"
 
 
 def test_loo_plugin_records_each_epoch_on_the_current_experience():
@@ -353,7 +361,7 @@ def test_last_layer_remove_a_class_against_ridge_and_retraining():
 
 
 def test_kron_last_layer_loo_against_dense_kfac_posterior():
-    """``structure="kron"``: ``V_n = J_n (B (x) A + delta I)^{-1} J_n^T`` with ``B = sum
+    """``hessian_structure="kron"``: ``V_n = J_n (B (x) A + delta I)^{-1} J_n^T`` with ``B = sum
     Lambda_n``, ``A = mean phi~ phi~^T`` formed densely, then the corrected LOO outputs."""
     from fromp.memory.loo import LOOTracker
 
@@ -362,7 +370,7 @@ def test_kron_last_layer_loo_against_dense_kfac_posterior():
     x = x.double()
     net = _mlp().double().eval()
     delta = 0.8
-    rec = LOOTracker(prior_precision=delta, structure="kron")(net, x, y)
+    rec = LOOTracker(prior_precision=delta, hessian_structure="kron")(net, x, y)
     phi, head = last_layer_features(net, x)
     phi1 = torch.cat([phi, torch.ones(len(phi), 1, dtype=D)], 1)
     f = head(phi).detach()
@@ -452,7 +460,7 @@ def test_loo_plugin_recorded_uses_the_epochs_own_passes_of_the_current_experienc
     bench = to_avalanche(seq)
     net = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 2))
     opt = torch.optim.SGD(net.parameters(), lr=0.05, weight_decay=1e-3)
-    plugin = LOOPlugin(recorded=True, structure="kron")
+    plugin = LOOPlugin(recorded=True, hessian_structure="kron")
     strategy = Naive(
         model=net, optimizer=opt, criterion=nn.CrossEntropyLoss(), train_mb_size=32,
         train_epochs=2, plugins=[plugin], evaluator=None,
@@ -462,7 +470,7 @@ def test_loo_plugin_recorded_uses_the_epochs_own_passes_of_the_current_experienc
         last = plugin.history[-1]
         assert last["n"] == len(seq[k].train_y) and last["experience"] == k
         assert last["features"] == "recorded training passes"
-        ref = LOOTracker(structure="kron")(net, seq[k].train_x, seq[k].train_y, opt)
+        ref = LOOTracker(hessian_structure="kron")(net, seq[k].train_x, seq[k].train_y, opt)
         assert abs(last["loo_nll"] - ref["loo_nll"]) < 0.5 * ref["loo_nll"] + 0.02
     assert len(plugin.history) == 4
     assert all(not m._forward_hooks for m in net.modules())

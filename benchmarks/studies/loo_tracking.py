@@ -70,13 +70,13 @@ def run_one(kind: str, optim: str, data, args) -> dict:
         )  # fmt: skip
     trackers = {"loo": LOOTracker()}
     if optim == "ivon":
-        trackers["loo_all"] = LOOTracker(scope="all", max_examples=args.n_all)
+        trackers["loo_all"] = LOOTracker(subset_of_weights="all", max_examples=args.n_all)
     # "free": the output layer's inputs recorded during the epoch's own training passes, a
     # Kronecker last-layer Laplace for Adam (IVON: its own posterior), no extra pass;
     # "sub": the curvature from the recorded passes, the estimate on a fresh pass over a
     # fixed subset of --n-sub examples
-    free = LOOTracker(structure="kron")
-    part = LOOTracker(structure="kron")
+    free = LOOTracker(hessian_structure="kron")
+    part = LOOTracker(hessian_structure="kron")
     sub = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed))[: args.n_sub]
     epochs = []
     for epoch in range(args.epochs):

@@ -25,7 +25,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fromp._checks import check_batch, check_chunk_size, check_positive, check_tensor
+from fromp._checks import (
+    check_batch,
+    check_chunk_size,
+    check_positive,
+    check_tensor,
+    warn_renamed,
+)
 from fromp.curvature.last_layer import augment_features, last_layer_features, last_layer_ggn
 from fromp.likelihood import CategoricalLikelihood, Likelihood, get_likelihood
 from fromp.memory.sensitivity import (
@@ -300,8 +306,9 @@ class LOOTracker:
 
     * an optimizer with its own posterior (:class:`fromp.optim.IVON`,
       :class:`fromp.optim.VOGN`): its diagonal Gaussian, restricted to the output layer
-      (``scope="last-layer"``, cost one forward pass) or over all weights
-      (``scope="all"``, :func:`memory_perturbation`, ``C`` backward passes per example);
+      (``subset_of_weights="last_layer"``, cost one forward pass) or over all weights
+      (``subset_of_weights="all"``, :func:`memory_perturbation`, ``C`` backward passes per
+      example);
     * any other (Adam, SGD) or none: a full-covariance last-layer Laplace-GGN refitted at each
       call (:func:`last_layer_loo`) with ``prior_precision``, by default the optimizer's
       ``weight_decay`` times ``N`` (the prior precision of the summed objective that a
@@ -309,7 +316,7 @@ class LOOTracker:
 
     Leave-one-out outputs ``f + V (I - Lambda V)^{-1} e``. Cost: one forward pass over ``x``
     plus ``O(N C^2 D1^2 + (C D1)^3)`` for the full last-layer Laplace, ``O(N D1^2 + N C^2)``
-    for ``structure="kron"``;
+    for ``hessian_structure="kron"``;
     ``max_examples`` caps ``N`` by a fixed random subset (the posterior is then fitted on the
     subset, which makes it wider: the estimate is pessimistic).
 
@@ -323,7 +330,7 @@ class LOOTracker:
     curvature over all recorded passes and estimates on a fresh pass over a subset
     (``max_examples``), which keeps the posterior of all ``N`` examples::
 
-        tracker = LOOTracker(structure="kron")
+        tracker = LOOTracker(hessian_structure="kron")
         for epoch in range(epochs):
             with tracker.recording(model):
                 for xb, yb in loader:
@@ -336,8 +343,10 @@ class LOOTracker:
         likelihood: its name or a :class:`~fromp.likelihood.Likelihood`.
         prior_precision: ``delta`` of the last-layer Laplace (None: the optimizer's weight
             decay times ``N``; an error if there is none).
-        scope: ``"last-layer"`` or ``"all"``, for an optimizer's own posterior.
-        structure: the last-layer Laplace for Adam/SGD: ``"full"`` (exact GGN) or
+        subset_of_weights: ``"last_layer"`` or ``"all"``, for an optimizer's own posterior
+            (the names of :func:`fromp.Laplace`; 0.3's ``scope="last-layer"`` is accepted with
+            a ``DeprecationWarning`` until 0.5).
+        hessian_structure: the last-layer Laplace for Adam/SGD: ``"full"`` (exact GGN) or
             ``"kron"`` (KFAC, ``B (x) A``: cheap for wide features and many classes).
         max_examples: use at most this many training examples (None: all).
         seed: of the subset.
@@ -348,15 +357,27 @@ class LOOTracker:
         likelihood: str | Likelihood = "categorical",
         *,
         prior_precision: float | None = None,
-        scope: str = "last-layer",
-        structure: str = "full",
+        subset_of_weights: str = "last_layer",
+        hessian_structure: str = "full",
         max_examples: int | None = None,
         seed: int = 0,
+        scope: str | None = None,
+        structure: str | None = None,
     ) -> None:
-        if scope not in ("last-layer", "all"):
-            raise ValueError(f"scope must be 'last-layer' or 'all', got {scope!r}")
-        if structure not in ("full", "kron"):
-            raise ValueError(f"structure must be 'full' or 'kron', got {structure!r}")
+        if scope is not None:  # 0.3's names
+            warn_renamed("LOOTracker(scope=...)", "subset_of_weights=")
+            subset_of_weights = {"last-layer": "last_layer"}.get(scope, scope)
+        if structure is not None:
+            warn_renamed("LOOTracker(structure=...)", "hessian_structure=")
+            hessian_structure = structure
+        if subset_of_weights not in ("last_layer", "all"):
+            raise ValueError(
+                f"subset_of_weights must be 'last_layer' or 'all', got {subset_of_weights!r}"
+            )
+        if hessian_structure not in ("full", "kron"):
+            raise ValueError(
+                f"hessian_structure must be 'full' or 'kron', got {hessian_structure!r}"
+            )
         if prior_precision is not None:
             check_positive(prior_precision, "prior_precision")
         if max_examples is not None and (
@@ -365,8 +386,8 @@ class LOOTracker:
             raise ValueError(f"max_examples must be an int >= 1 or None, got {max_examples!r}")
         self.likelihood = get_likelihood(likelihood)
         self.prior_precision = prior_precision
-        self.scope = scope
-        self.structure = structure
+        self.subset_of_weights = subset_of_weights
+        self.hessian_structure = hessian_structure
         self.max_examples = max_examples
         self.seed = seed
         self.history: list[dict[str, Any]] = []
@@ -484,18 +505,22 @@ class LOOTracker:
         model.eval()
         try:
             own = getattr(optimizer, "posterior", None)
-            if not (callable(own) and self.scope == "all"):  # else memory_perturbation's
+            if not (
+                callable(own) and self.subset_of_weights == "all"
+            ):  # else memory_perturbation's
                 if not recorded:
                     phi, head = last_layer_features(model, x)
                 check_loo_targets(y, head.out_features, self.likelihood)
             if callable(own):
                 q = own(model) if "model" in inspect.signature(own).parameters else own()
-                name = f"{type(optimizer).__name__} posterior ({self.scope})"
+                name = f"{type(optimizer).__name__} posterior ({self.subset_of_weights})"
                 delta: float | None = None
-                if self.scope == "all":
+                if self.subset_of_weights == "all":
                     if recorded:
-                        raise ValueError("scope='all' needs x and y (recorded passes hold the "
-                                         "output layer's inputs only)")  # fmt: skip
+                        raise ValueError(
+                            "subset_of_weights='all' needs x and y (recorded passes hold the "
+                            "output layer's inputs only)"
+                        )
                     mp = memory_perturbation(
                         model, q, x, y, self.likelihood, covariance="full", correction=True
                     )
@@ -504,8 +529,8 @@ class LOOTracker:
             else:
                 n_fit = len(y) if fit_phi is None else len(fit_phi)
                 delta, how = self._delta(optimizer, n_fit)
-                name = f"last-layer {self.structure} Laplace-GGN (delta: {how})"
-                if self.structure == "kron":
+                name = f"last-layer {self.hessian_structure} Laplace-GGN (delta: {how})"
+                if self.hessian_structure == "kron":
                     mp = _kron_loo(phi, head, y, delta, self.likelihood, fit_phi)
                 else:
                     mp = _full_loo(phi, head, y, delta, self.likelihood, fit_phi=fit_phi)
