@@ -105,17 +105,8 @@ LAPLACE_PAIRS = [
     ("all", "gp"),
     ("all", "full"),
 ]
-# structures whose posterior samples are cheap (no P x P factorisation of all weights)
-MC_CHEAP = {
-    ("all", "kron"),
-    ("all", "diag"),
-    ("all", "lowrank"),
-    ("last_layer", "diag"),
-    ("last_layer", "kron"),
-    ("last_layer", "full"),
-    ("subnetwork", "diag"),
-    ("subnetwork", "full"),
-}
+# drawing weights is cheap except from a P x P precision (all weights, full) or a GP
+MC_CHEAP = set(LAPLACE_PAIRS) - {("all", "full"), ("all", "gp")}
 SPLIT_STRATEGIES = ("naive", "fromp", "ewc")
 
 
@@ -152,34 +143,14 @@ class Sizes:
 
 
 FULL = Sizes()
-QUICK = replace(
-    FULL,
-    n_fit=500,
-    n_pred=500,
-    pilot=50,
-    subnet=200,
-    gp_subset=50,
-    dist_n=200,
-    ivon_steps=5,
-    bench_args=("--epochs", "1", "--n-train", "2000", "--n-test", "500"),
-)
-QUICK_CPU = replace(
-    QUICK,
-    model="small-cnn",
-    n_fit=64,
-    n_pred=32,
-    pilot=8,
-    fit_batch=32,
-    mc_samples=2,
-    subnet=50,
-    low_rank=2,
-    gp_subset=8,
-    bench="split-digits",
-    bench_args=("--epochs", "1", "--n-train", "64", "--n-test", "32"),
-    ivon_batch=8,
-    ivon_steps=2,
-    dist_n=32,
-)
+# fmt: off
+QUICK = replace(FULL, n_fit=500, n_pred=500, pilot=50, subnet=200, gp_subset=50, dist_n=200,
+                ivon_steps=5, bench_args=("--epochs", "1", "--n-train", "2000", "--n-test", "500"))
+QUICK_CPU = replace(QUICK, model="small-cnn", n_fit=64, n_pred=32, pilot=8, fit_batch=32,
+                    mc_samples=2, subnet=50, low_rank=2, gp_subset=8, bench="split-digits",
+                    bench_args=("--epochs", "1", "--n-train", "64", "--n-test", "32"),
+                    ivon_batch=8, ivon_steps=2, dist_n=32)
+# fmt: on
 
 
 # ----------------------------------------------------------------------------- guards
