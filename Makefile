@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 # is editable). constraints.txt pins the versions tested; pyproject.toml states ranges.
 STAMP := $(VENV)/.installed-$(shell (cat pyproject.toml constraints.txt; pwd) | sha256sum | cut -c1-16)
 
-.PHONY: demo test lint format venv clean gpu-check
+.PHONY: demo test lint format venv clean gpu-check gpu-bundle
 
 venv: $(STAMP)
 
@@ -23,9 +23,15 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-# On a machine with a CUDA GPU: the CUDA tests and GPU timings -> benchmarks/results/gpu/.
+# On a machine with a CUDA GPU: the CUDA tests and GPU measurements (about 9 minutes on an
+# H100; --budget bounds it) -> benchmarks/results/gpu/<date>-<device>.json and .md.
 gpu-check: $(STAMP)
 	$(BIN)/python -m benchmarks.studies.gpu_check --out benchmarks/results/gpu
+
+# For a GPU machine without a package index: wheels, MNIST and a wandb stand-in into
+# .gpu-bundle/ (ignored by git), and the one command to run there (docs/gpu.md).
+gpu-bundle: $(STAMP)
+	$(BIN)/python -m benchmarks.studies.gpu_bundle
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
