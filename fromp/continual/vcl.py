@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fromp._checks import check_batch, check_positive, device_dtype
+from fromp._checks import check_batch, check_positive, check_saved_settings, device_dtype
 from fromp.continual.bayesian import (
     BayesLayer,
     MeanFieldNet,
@@ -68,6 +68,8 @@ from fromp.models import MultiHeadModel
 __all__ = ["VCLMethod"]
 
 _CORESET_METHODS = ("random", "kcenter")
+#: The settings saved with the state and compared on load.
+_STATE_SETTINGS = ("prior_precision", "init_logvar", "coreset_size", "coreset_method")
 
 #: Names that moved to :mod:`fromp.continual.bayesian` (the one mean-field implementation).
 _MOVED = ("MeanFieldTwin", "gaussian_names")
@@ -486,12 +488,8 @@ class VCLMethod:
 
     # -- state ------------------------------------------------------------------------
     def _settings(self) -> dict:
-        return {
-            "prior_precision": self.prior_precision,
-            "init_logvar": self.init_logvar,
-            "coreset_size": self.coreset_size,
-            "coreset_method": self.coreset_method,
-        }
+        """The settings a state must have been saved with to be loaded."""
+        return {k: getattr(self, k) for k in _STATE_SETTINGS}
 
     def state_dict(self) -> dict:
         """All VCL state (on the CPU): the network (posterior, and prior where it is a
@@ -519,12 +517,7 @@ class VCLMethod:
         missing = required - set(state)
         if missing:
             raise ValueError(f"state is missing keys {sorted(missing)}")
-        for key, value in self._settings().items():  # absent in older checkpoints
-            if state.get(key, value) != value:
-                raise ValueError(
-                    f"state was saved with {key}={state[key]!r}, method has {value!r}: "
-                    "resume with the settings of the run"
-                )
+        check_saved_settings(state, self._settings())
         self._snapshot, self._tuned_key = None, None
         self.net.load_state_dict(state["net"])
         if "prior_mean" in state:
