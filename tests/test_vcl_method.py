@@ -388,3 +388,34 @@ def test_the_strategy_gives_the_plain_loops_numbers():
         assert h == h2 and torch.equal(cx, cx2) and torch.equal(cy, cy2)
     for k, v in method.net.state_dict().items():
         assert torch.equal(v, strat.net.state_dict()[k]), k
+
+
+def test_the_plain_loop_of_the_avalanche_guide_runs():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "avalanche.md").read_text()
+    start = text.index("VCL in a plain loop")
+    block = re.search(r"```python\n(.*?)```", text[start:], re.S).group(1)
+    g = torch.Generator().manual_seed(0)
+    tasks = []
+    for _ in range(3):
+        x = torch.rand(96, 784, generator=g)
+        tasks.append((x, (x[:, 0] > 0.5).long()))
+    env = {"tasks": tasks}
+    torch.manual_seed(0)
+    exec(block, env)
+    method = env["method"]
+    assert method.task_count == 3 and method.seen_heads == {0, 1, 2}
+    assert [h for h, _, _ in method.coresets] == [0, 1, 2] and len(method.coresets[0][1]) == 40
+    probs = env["probs"]
+    assert probs.shape == (96, 2)
+    torch.testing.assert_close(probs.sum(1), torch.ones(96))
+    fresh = VCLMethod(
+        env["MultiHeadMLP"](784, (256, 256), n_heads=5, head_size=2),
+        prior_precision=1.0,
+        coreset_size=40,
+        coreset_method="kcenter",
+    )
+    fresh.load_state_dict(env["state"])
+    torch.testing.assert_close(fresh.net.kl(), method.net.kl())
