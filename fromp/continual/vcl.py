@@ -56,12 +56,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fromp._checks import check_batch, check_positive, check_saved_settings, device_dtype
-from fromp.continual.bayesian import (
-    BayesLayer,
-    MeanFieldNet,
-    MeanFieldTwin,
-    to_bayesian,
-)
+from fromp.continual.bayesian import BayesLayer, MeanFieldNet, to_bayesian
+from fromp.continual.bayesian import MeanFieldTwin as _MeanFieldTwin
 from fromp.continual.coreset import select_coreset
 from fromp.models import MultiHeadModel
 
@@ -222,7 +218,7 @@ class VCLMethod:
         if isinstance(net, MeanFieldNet):
             return net
         if not isinstance(net, MultiHeadModel):
-            return MeanFieldTwin(net, prior_var=self.prior_var, init_logvar=self.init_logvar)
+            return _MeanFieldTwin(net, prior_var=self.prior_var, init_logvar=self.init_logvar)
         bnet = to_bayesian(net, prior_var=self.prior_var, init_logvar=self.init_logvar)
         if mean_init_std is not None:
             for layer in bnet.modules():
