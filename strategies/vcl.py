@@ -88,6 +88,17 @@ class VCLPlugin(SupervisedPlugin):
             raise AttributeError(name)
         return getattr(self.method, name)
 
+    def mc_nll(self, x: Tensor, y: Tensor, task: Any) -> tuple[Tensor, Tensor]:
+        """The former name of :meth:`fromp.continual.vcl.VCLMethod.nll` (deprecated)."""
+        import warnings
+
+        warnings.warn(
+            "VCLPlugin.mc_nll is deprecated: use plugin.method.nll",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.method.nll(x, y, task)
+
     def _task(self, strategy: Any) -> int:
         return int(strategy.experience.task_label) if self.method.multi_head else 0
 

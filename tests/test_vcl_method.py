@@ -202,10 +202,12 @@ def test_coreset_training_uses_the_task_head_and_restore_gives_the_propagated_po
     assert not m.prepare_eval(2, epochs=3, lr=0.05, batch_size=2)  # no coreset: propagated
     assert all(torch.equal(v, propagated[k]) for k, v in m.net.state_dict().items())
     m.prepare_eval(0, epochs=3, lr=0.05, batch_size=2)
+    tuned = {k: v.clone() for k, v in m.net.state_dict().items()}
+    with pytest.raises(ValueError, match="epochs"):
+        m.prepare_eval(1)  # neither the call nor the method says how long: refused ...
+    assert all(torch.equal(v, tuned[k]) for k, v in m.net.state_dict().items())  # ... first
     m.restore()
     assert all(torch.equal(v, propagated[k]) for k, v in m.net.state_dict().items())
-    with pytest.raises(ValueError, match="epochs"):
-        m.prepare_eval(0)  # neither the call nor the method says how long
 
 
 def _trained(kind: str, tasks: int, **kw):

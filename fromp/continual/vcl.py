@@ -342,11 +342,15 @@ class VCLMethod:
                     value.backward()
                     opt.step()
 
-    def _fit_args(self, x: Tensor, y: Tensor, epochs: Any, lr: Any, batch_size: Any) -> None:
+    @staticmethod
+    def _check_data(x: Tensor, y: Tensor) -> None:
         check_batch(x, "x")
         if not isinstance(y, Tensor) or y.shape != (len(x),):
             got = tuple(y.shape) if isinstance(y, Tensor) else type(y).__name__
             raise ValueError(f"y must be a tensor of N={len(x)} labels, got {got}")
+
+    @staticmethod
+    def _check_fit(epochs: Any, lr: Any, batch_size: Any) -> None:
         _count(epochs, "epochs", 0)
         check_positive(lr, "lr")
         _count(batch_size, "batch_size", 1)
@@ -366,7 +370,8 @@ class VCLMethod:
         ``epochs`` (default ``ml_init_epochs``) of Adam at ``lr`` (default ``ml_lr``)."""
         epochs = self.ml_init_epochs if epochs is None else epochs
         lr = self.ml_lr if lr is None else lr
-        self._fit_args(x, y, epochs, lr, batch_size)
+        self._check_data(x, y)
+        self._check_fit(epochs, lr, batch_size)
         if self.task_count > 0 or epochs == 0:
             return
         task = self.current_head if self.multi_head else None
@@ -408,17 +413,13 @@ class VCLMethod:
 
     def add_coreset(self, task: int | None, x: Tensor, y: Tensor) -> None:
         """Keep ``(x, y)`` as the coreset of ``task`` (stored on the CPU)."""
-        check_batch(x, "x")
-        if not isinstance(y, Tensor) or len(y) != len(x):
-            raise ValueError(f"y must be a tensor of N={len(x)} labels")
+        self._check_data(x, y)
         self.coresets.append((self.head_of(task), x.cpu(), y.cpu()))
 
     def split_coreset(self, x: Tensor, y: Tensor, task: int | None) -> tuple[Tensor, Tensor]:
         """Select and keep the coreset of ``task`` from ``(x [N, ...], y [N])``; returns the
         rest, the data to train on (everything when ``coreset_size`` is 0)."""
-        check_batch(x, "x")
-        if not isinstance(y, Tensor) or len(y) != len(x):
-            raise ValueError(f"y must be a tensor of N={len(x)} labels")
+        self._check_data(x, y)
         if self.coreset_size == 0:
             return x, y
         idx = self.coreset_indices(len(x), x)
@@ -452,13 +453,13 @@ class VCLMethod:
         epochs = self.coreset_epochs if epochs is None else epochs
         lr = self.coreset_lr if lr is None else lr
         batch_size = self.coreset_mb_size if batch_size is None else batch_size
+        self._check_fit(epochs, lr, batch_size)
         self.restore()
         parts = [(x, y) for h, x, y in self.coresets if h == head]
         if not parts:
             return False  # a task not trained yet: the propagated posterior
         x = torch.cat([p[0] for p in parts])
         y = torch.cat([p[1] for p in parts])
-        self._fit_args(x, y, epochs, lr, batch_size)
         self._snapshot = {k: v.detach().clone() for k, v in self.net.state_dict().items()}
         self._tuned_key = key
         routed = head if self.multi_head else None
