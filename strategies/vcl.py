@@ -15,6 +15,7 @@ Avalanche's accuracy and cross-entropy work.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +25,7 @@ from avalanche.training.plugins import SupervisedPlugin
 from torch import Tensor, nn
 
 from fromp.continual.bayesian import BayesMultiHeadModel, MeanFieldNet, MeanFieldTwin
-from fromp.continual.vcl import VCLMethod
+from fromp.continual.vcl import VCLMethod, prior_variance
 from strategies.benchmarks import experience_tensors
 from strategies.models import as_avalanche_model, unwrap
 from strategies.template import MethodStrategy
@@ -34,8 +35,6 @@ __all__ = ["VCL", "VCLPlugin", "VCLTwinPlugin"]
 
 def __getattr__(name: str) -> object:
     if name == "dataset_tensors":  # the former name of strategies.benchmarks.experience_tensors
-        import warnings
-
         warnings.warn(
             "strategies.vcl.dataset_tensors is deprecated: use "
             "strategies.benchmarks.experience_tensors",
@@ -90,8 +89,6 @@ class VCLPlugin(SupervisedPlugin):
 
     def mc_nll(self, x: Tensor, y: Tensor, task: Any) -> tuple[Tensor, Tensor]:
         """The former name of :meth:`fromp.continual.vcl.VCLMethod.nll` (deprecated)."""
-        import warnings
-
         warnings.warn(
             "VCLPlugin.mc_nll is deprecated: use plugin.method.nll",
             DeprecationWarning,
@@ -217,7 +214,13 @@ class VCL(MethodStrategy):
                 "optimizer must have a single parameter group (it is re-pointed at the "
                 f"Bayesian parameters), got {len(optimizer.param_groups)}"
             )
-        method = VCLMethod(net, **settings)
+        if prior_var is not None:  # deprecated: the warning names the strategy
+            prior_variance(prior_precision, prior_var, "VCL")
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "VCLMethod.prior_var", DeprecationWarning)
+                method = VCLMethod(net, **settings)
+        else:
+            method = VCLMethod(net, **settings)
         if method.net is not net:  # converted: the strategy trains the Bayesian network
             model = method.net
             if isinstance(method.net, BayesMultiHeadModel):

@@ -215,8 +215,10 @@ def test_the_strategy_takes_every_setting_of_the_method_and_prior_var_is_depreca
     assert set(METHOD_SETTINGS) == set(inspect.signature(VCLMethod).parameters) - {"net"}
     assert set(METHOD_SETTINGS) <= set(params)
     net = MultiHeadMLP(4, (3,), n_heads=2, head_size=2)
-    with pytest.warns(DeprecationWarning, match="prior_precision=1/prior_var"):
+    with pytest.warns(DeprecationWarning, match="prior_precision=1/prior_var") as rec:
         strat = _strategy(net, prior_var=0.5)
+    ours = [w for w in rec if "prior_var" in str(w.message)]
+    assert len(ours) == 1 and str(ours[0].message).startswith("VCL(prior_var=...)")
     assert strat.method.prior_precision == 2.0
     assert torch.all(strat.net.heads[1].weight_prior_var == 0.5)
     strat = _strategy(MultiHeadMLP(4, (3,), n_heads=2, head_size=2), prior_precision=4.0)
