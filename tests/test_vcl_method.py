@@ -308,6 +308,9 @@ def test_refusals_in_the_loop():
         m.begin_task(0, 0)
     with pytest.raises(ValueError, match="task must be an int"):
         m.begin_task(None, 5)
+    with pytest.raises(ValueError, match="task must be an int"):
+        m.begin_task(torch.tensor([0, 1]), 5)
+    assert m.n_train is None  # nothing set by the refused calls
     with pytest.raises(ValueError, match="y must be"):
         m.ml_init(
             torch.randn(4, 3), torch.zeros(3, dtype=torch.long), epochs=1, lr=0.1, batch_size=2

@@ -240,7 +240,11 @@ class VCLMethod:
         """The head of ``task``: the task label with task heads, 0 with one head."""
         if not self.multi_head:
             return 0
-        if isinstance(task, bool) or not isinstance(task, int | Tensor):
+        if (
+            isinstance(task, bool)
+            or not isinstance(task, int | Tensor)
+            or (isinstance(task, Tensor) and task.numel() != 1)
+        ):
             raise ValueError(f"task must be an int label for a multi-head network, got {task!r}")
         return int(task)
 
