@@ -21,7 +21,7 @@ Both are a :class:`MeanFieldNet`: ``sample_logits(x, task, n_samples) -> [S, N, 
 ``kl(heads)``, ``set_prior_from_posterior(heads)``, ``mean_mode()`` (the network at its
 means), ``mean_parameters()``, ``sync()`` (after a module grew), ``prior_state()``.
 
-Forward passes use the local reparameterisation trick (Kingma et al., 2015): for a linear
+The Bayesian layers use the local reparameterisation trick (Kingma et al., 2015): for a linear
 map ``a = x W^T + b`` with independent Gaussian weights the pre-activations are Gaussian,
 ``a ~ N(x mu_W^T + mu_b, x^2 exp(logvar_W)^T + exp(logvar_b))``, so ``a`` is sampled
 directly (one independent weight draw per example) instead of sampling ``W``. The same
