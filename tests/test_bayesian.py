@@ -239,3 +239,59 @@ def test_reset_mean_is_truncated_normal():
     assert abs(float(w.std()) - 0.088) < 0.005
     with pytest.raises(ValueError, match="std"):
         layer.reset_mean(0.0)
+
+
+def test_twin_and_bayesian_layers_are_one_mean_field_implementation():
+    """A fromp network converted to Bayesian layers and a MeanFieldTwin of the same network,
+    given equal means, log-variances and priors: equal sites, equal KL (against the closed
+    form written out here), the same prior recursion, and at a vanishing variance both
+    sample the mean network."""
+    from fromp.continual.bayesian import MeanFieldTwin
+
+    torch.manual_seed(0)
+    net = MultiHeadMLP(5, (4,), n_heads=1, head_size=3).double()
+    bnet = to_bayesian(net, prior_var=0.5, init_logvar=-2.0)
+    twin = MeanFieldTwin(net, prior_var=0.5, init_logvar=-2.0)
+    with torch.no_grad():
+        for (m, lv, _, _), (tm, tlv, _, _) in zip(bnet.gaussian_sites(), twin.gaussian_sites()):
+            lv.uniform_(-3, -1)
+            tlv.copy_(lv)
+            torch.testing.assert_close(m, tm, rtol=0, atol=0)  # the same means, same order
+    want = 0.0
+    for m, lv, m0, v0 in bnet.gaussian_sites():
+        v = lv.exp()
+        want = want + 0.5 * (torch.log(v0 / v) + (v + (m - m0) ** 2) / v0 - 1).sum()
+    torch.testing.assert_close(bnet.kl(), want)
+    torch.testing.assert_close(twin.kl(), want)
+    bnet.set_prior_from_posterior()
+    twin.set_prior_from_posterior()
+    for a, b in zip(bnet.gaussian_sites(), twin.gaussian_sites()):
+        torch.testing.assert_close(a[2], b[2], rtol=0, atol=0)
+        torch.testing.assert_close(a[3], b[3], rtol=0, atol=0)
+        torch.testing.assert_close(a[3], a[1].exp(), rtol=0, atol=0)
+    assert float(bnet.kl().detach()) == 0.0 and float(twin.kl().detach()) == 0.0
+    with torch.no_grad():
+        for site in (*bnet.gaussian_sites(), *twin.gaussian_sites()):
+            site[1].fill_(-80.0)
+    x = torch.rand(6, 5, dtype=torch.float64)
+    for model in (bnet, twin):
+        out = model.sample_logits(x, None, 2)
+        assert out.shape == (2, 6, 3)
+        torch.testing.assert_close(out[1], net(x))
+    bnet.reset_prior(0.0, 2.0)
+    assert all(torch.all(s[3] == 2.0) and torch.all(s[2] == 0) for s in bnet.gaussian_sites())
+
+
+def test_bayesian_networks_take_their_deterministic_arguments():
+    net = BayesMultiHeadMLP(12, (8,), n_heads=3, head_size=2, prior_var=0.5, init_logvar=-3.0)
+    assert net.n_heads == 3 and net.body[1].in_features == 12 and net.head_size == 2
+    assert torch.all(net.heads[2].weight_prior_var == 0.5)
+    assert torch.all(net.body[1].weight_logvar == -3.0)
+    assert BayesMultiHeadMLP().heads[0].in_features == 256  # MultiHeadMLP's defaults
+    cnn = BayesCifarCNN(1, n_heads=2, head_size=3, prior_mean=0.1)
+    assert cnn.n_heads == 2 and torch.all(cnn.body[0].weight_prior_mu == 0.1)
+    assert all(m.p == 0.0 for m in cnn.modules() if isinstance(m, nn.Dropout))
+    with pytest.raises(ValueError, match="prior_var"):
+        BayesMultiHeadMLP(4, (3,), prior_var=-1.0)
+    with pytest.raises(ValueError, match="heads must be None"):
+        BayesLinear(3, 2).kl([0])

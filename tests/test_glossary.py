@@ -69,7 +69,7 @@ def test_every_call_in_the_glossary_names_real_parameters(span, callee, keys):
         ("ess", ("IVON", "VOGN")),
         ("kl_weight", ("VOGN",)),
         ("hess_init", ("IVON",)),
-        ("prior_precision", ("BaseLaplace", "VOGN", "FROMPMethod")),
+        ("prior_precision", ("BaseLaplace", "VOGN", "FROMPMethod", "VCLMethod", "VCL")),
         ("prior_mean", ("VOGN",)),
         ("sigma_noise", ("BaseLaplace",)),
         ("temperature", ("BaseLaplace",)),

@@ -203,3 +203,60 @@ def test_runner_resume_matches_uninterrupted_run(tmp_path):
     resumed = run(RunConfig("split-digits", "vcl-coreset", checkpoint=ck, resume=True, **kw))
     assert resumed["accuracy_matrix"] == full["accuracy_matrix"]
     assert len(full["accuracy_matrix"]) == 5
+
+
+def test_the_strategy_takes_every_setting_of_the_method_and_prior_var_is_deprecated():
+    import inspect
+
+    from fromp.continual.vcl import VCLMethod
+    from strategies.vcl import METHOD_SETTINGS
+
+    params = inspect.signature(VCL).parameters
+    assert set(METHOD_SETTINGS) == set(inspect.signature(VCLMethod).parameters) - {"net"}
+    assert set(METHOD_SETTINGS) <= set(params)
+    net = MultiHeadMLP(4, (3,), n_heads=2, head_size=2)
+    with pytest.warns(DeprecationWarning, match="prior_precision=1/prior_var") as rec:
+        strat = _strategy(net, prior_var=0.5)
+    ours = [w for w in rec if "prior_var" in str(w.message)]
+    assert len(ours) == 1 and str(ours[0].message).startswith("VCL(prior_var=...)")
+    assert strat.method.prior_precision == 2.0
+    assert torch.all(strat.net.heads[1].weight_prior_var == 0.5)
+    strat = _strategy(MultiHeadMLP(4, (3,), n_heads=2, head_size=2), prior_precision=4.0)
+    assert torch.all(strat.net.heads[1].weight_prior_var == 0.25)
+    with pytest.raises(ValueError, match="not both"):
+        _strategy(MultiHeadMLP(4, (3,), n_heads=2, head_size=2), prior_precision=4.0, prior_var=1.0)
+    model = MultiHeadMLP(4, (3,), n_heads=2, head_size=2)
+    opt = torch.optim.SGD([{"params": [p]} for p in model.parameters()], lr=0.1)
+    with pytest.raises(ValueError, match="single parameter group"):
+        VCL(model=as_avalanche_model(model), optimizer=opt)
+
+
+def test_vcl_coreset_on_any_module_through_the_twin():
+    """Coresets on a plain module (a MeanFieldTwin): kept out of training, trained on before
+    evaluation, and the propagated posterior restored afterwards."""
+    from torch import nn
+
+    from fromp.continual.bayesian import MeanFieldTwin
+
+    seq = synthetic_split(n_tasks=2, input_shape=(8,), n_train=60, n_test=20, multi_head=False)
+    scenario = to_avalanche(seq)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 10), nn.ReLU(), nn.Linear(10, 2))
+    strat = _strategy(net, coreset_size=4, coreset_method="random", coreset_epochs=2, seed=0)
+    assert isinstance(strat.net, MeanFieldTwin) and type(strat.plugin).__name__ == "VCLTwinPlugin"
+    for exp in scenario.train_stream:
+        strat.train(exp)
+    assert [h for h, _, _ in strat.plugin.coresets] == [0, 0]
+    assert strat.plugin.n_train == 56
+    before = {k: v.clone() for k, v in strat.net.state_dict().items()}
+    tuned = {}
+
+    class Peek(VCLPlugin.__mro__[1]):
+        def before_eval_iteration(self, strategy, **kwargs):
+            tuned.setdefault("w", strategy.net.state_dict()["model.2.weight"].clone())
+
+    strat.plugins.append(Peek())
+    accs = _accs(strat.eval(scenario.test_stream))
+    assert len(accs) == 2 and min(accs) > 0.6
+    assert not torch.equal(tuned["w"], before["model.2.weight"])  # trained on the coreset
+    assert _state_equal(strat.net.state_dict(), before)  # ... and restored

@@ -11,9 +11,7 @@ from torch import nn
 from torch.distributions import Normal, kl_divergence
 
 import fromp.continual.bayesian as bayesian
-import fromp.continual.vcl as vcl
-from fromp.continual.bayesian import to_bayesian
-from fromp.continual.vcl import MeanFieldTwin
+from fromp.continual.bayesian import MeanFieldTwin, to_bayesian
 from fromp.models import MultiHeadMLP
 
 D = torch.float64
@@ -71,7 +69,7 @@ def test_mean_field_twin_kl_equals_per_parameter_sum_after_tasks_1_2_3():
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
     twin = MeanFieldTwin(model, prior_var=0.7).double()
     calls = {"n": 0}
-    flat = vcl.gaussian_kl_flat
+    flat = bayesian.gaussian_kl_flat
 
     def counted(quads):
         calls["n"] += 1
@@ -81,14 +79,23 @@ def test_mean_field_twin_kl_equals_per_parameter_sum_after_tasks_1_2_3():
         _perturb(list(model.parameters()) + list(twin.logvars.parameters()))
         params = dict(model.named_parameters())
         quads = [
-            (params[n], twin.logvars[vcl._key(n)], twin.prior_mean[n], twin.prior_variance[n])
+            (params[n], twin.logvars[bayesian._key(n)], twin.prior_mean[n], twin.prior_variance[n])
             for n in twin.names
         ]
-        vcl.gaussian_kl_flat = counted
+        bayesian.gaussian_kl_flat = counted
         try:
             got = twin.kl()
         finally:
-            vcl.gaussian_kl_flat = flat
+            bayesian.gaussian_kl_flat = flat
         assert calls["n"] == task + 1
         torch.testing.assert_close(got, _reference(quads), rtol=1e-12, atol=1e-12)
         twin.set_prior_from_posterior()
+
+
+def test_the_twin_moved_to_bayesian_with_a_warning():
+    import fromp.continual.vcl as vcl
+
+    with pytest.warns(DeprecationWarning, match="fromp.continual.bayesian.MeanFieldTwin"):
+        assert vcl.MeanFieldTwin is MeanFieldTwin
+    with pytest.warns(DeprecationWarning, match="gaussian_names"):
+        assert vcl.gaussian_names is bayesian.gaussian_names

@@ -1,11 +1,27 @@
-"""Mean-field Gaussian (Bayesian) layers and networks for variational continual learning.
+"""Mean-field Gaussian posteriors over a network's weights: the one implementation that
+variational continual learning (:class:`fromp.continual.vcl.VCLMethod`) trains.
 
-Every weight ``w`` has a factorised Gaussian posterior ``q(w) = N(mu, exp(logvar))`` and a
-Gaussian prior ``p(w) = N(mu_0, v_0)`` stored as buffers (so it travels with
-``state_dict``). VCL (Nguyen et al., 2018) sets the prior of task ``t`` to the posterior of
-task ``t - 1`` (:meth:`BayesLayer.set_prior_from_posterior`).
+Every Gaussian weight ``w`` has a factorised posterior ``q(w) = N(mu, exp(logvar))`` and a
+Gaussian prior ``p(w) = N(mu_0, v_0)``. Whatever holds them, a network exposes them as
+*sites* ``(mu, logvar, mu_0, v_0)`` (:meth:`GaussianWeights.gaussian_sites`), and one code
+path gives the KL, ``KL(q || p)`` in closed form over all sites at once
+(:func:`gaussian_kl_flat`), and VCL's recursion, the posterior of task ``t - 1`` becoming
+the prior of task ``t`` (:meth:`GaussianWeights.set_prior_from_posterior`). Two holders:
 
-Forward passes use the local reparameterisation trick (Kingma et al., 2015): for a linear
+* :class:`BayesLayer` (:class:`BayesLinear`, :class:`BayesConv2d`) in a
+  :class:`BayesMultiHeadModel` (:func:`to_bayesian` of a :mod:`fromp.models` network): the
+  priors are buffers (they travel with ``state_dict``) and forward passes use local
+  reparameterisation (below);
+* :class:`MeanFieldTwin` of any other module (a plain ``nn.Module``, an Avalanche
+  ``MultiTaskModule``): the module's own ``Linear``/``Conv2d`` parameters are the means, the
+  twin keeps a log-variance and a prior per parameter and samples whole weight draws through
+  :func:`torch.func.functional_call`.
+
+Both are a :class:`MeanFieldNet`: ``sample_logits(x, task, n_samples) -> [S, N, K]``,
+``kl(heads)``, ``set_prior_from_posterior(heads)``, ``mean_mode()`` (the network at its
+means), ``mean_parameters()``, ``sync()`` (after a module grew), ``prior_state()``.
+
+The Bayesian layers use the local reparameterisation trick (Kingma et al., 2015): for a linear
 map ``a = x W^T + b`` with independent Gaussian weights the pre-activations are Gaussian,
 ``a ~ N(x mu_W^T + mu_b, x^2 exp(logvar_W)^T + exp(logvar_b))``, so ``a`` is sampled
 directly (one independent weight draw per example) instead of sampling ``W``. The same
@@ -21,14 +37,17 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.func import functional_call
 
-from fromp.models import CifarCNN, MultiHeadMLP, MultiHeadModel
+from fromp.continual.named_state import fit_shape
+from fromp.models import CifarCNN, MultiHeadMLP, MultiHeadModel, is_multitask, with_task
 
 __all__ = [
     "BayesCifarCNN",
@@ -37,10 +56,17 @@ __all__ = [
     "BayesLinear",
     "BayesMultiHeadMLP",
     "BayesMultiHeadModel",
+    "GaussianWeights",
+    "MeanFieldNet",
+    "MeanFieldTwin",
     "gaussian_kl",
     "gaussian_kl_flat",
+    "gaussian_names",
     "to_bayesian",
 ]
+
+#: ``(mu, logvar, prior_mu, prior_var)`` of one Gaussian weight tensor (all of one shape).
+Site = tuple[Tensor, Tensor, Tensor, Tensor]
 
 
 def gaussian_kl(mu: Tensor, var: Tensor, mu0: Tensor, var0: Tensor) -> Tensor:
@@ -69,7 +95,70 @@ def gaussian_kl_flat(
     return 0.5 * (torch.log(v0) - lv + (lv.exp() + (mu - mu0) ** 2) / v0 - 1.0).sum()
 
 
-class BayesLayer(nn.Module):
+class GaussianWeights(nn.Module):
+    """Weights with a mean-field Gaussian posterior and prior, seen as sites.
+
+    Subclasses implement :meth:`gaussian_sites`; the KL and VCL's prior recursion are
+    written once, here, over the sites.
+    """
+
+    def gaussian_sites(self, heads: Iterable[int] | None = None) -> list[Site]:
+        """``(mu, logvar, prior_mu, prior_var)`` of every Gaussian weight tensor (of the
+        body and the given heads for a network with task heads; all when None)."""
+        raise NotImplementedError
+
+    def kl(self, heads: Iterable[int] | None = None) -> Tensor:
+        """``KL(q || prior)`` over :meth:`gaussian_sites` (a scalar, differentiable in the
+        means and log-variances), in one pass (:func:`gaussian_kl_flat`)."""
+        return gaussian_kl_flat(self.gaussian_sites(heads))
+
+    @torch.no_grad()
+    def set_prior_from_posterior(self, heads: Iterable[int] | None = None) -> None:
+        """VCL's recursion: the posterior becomes the prior, ``mu_0 <- mu``,
+        ``v_0 <- exp(logvar)`` (for the body and the given heads; all when None)."""
+        for m, lv, m0, v0 in self.gaussian_sites(heads):
+            m0.copy_(m)
+            v0.copy_(lv.exp())
+
+    @torch.no_grad()
+    def reset_prior(self, prior_mean: float = 0.0, prior_var: float = 1.0) -> None:
+        """Set the prior of every site back to ``N(prior_mean, prior_var)``."""
+        for _, _, m0, v0 in self.gaussian_sites():
+            m0.fill_(prior_mean)
+            v0.fill_(prior_var)
+
+
+class MeanFieldNet(GaussianWeights):
+    """A network with a mean-field Gaussian posterior: what :class:`fromp.continual.vcl.
+    VCLMethod` trains (:class:`BayesMultiHeadModel`, :class:`MeanFieldTwin`)."""
+
+    def sample_logits(self, x: Tensor, task: int | Tensor | None, n_samples: int) -> Tensor:
+        """Logits ``[S, N, K]`` of ``S = n_samples`` weight samples through head ``task``."""
+        raise NotImplementedError
+
+    @contextmanager
+    def mean_mode(self) -> Iterator[MeanFieldNet]:
+        """Within the context ``self(x, task)`` is the network at the posterior means."""
+        yield self
+
+    def mean_parameters(self) -> list[nn.Parameter]:
+        """The parameters a maximum-likelihood fit of the means trains."""
+        raise NotImplementedError
+
+    def sync(self) -> bool:
+        """Give parameters that appeared or grew (a new head) a posterior and a prior;
+        returns whether anything changed."""
+        return False
+
+    def prior_state(self) -> dict:
+        """The priors that ``state_dict()`` does not hold (none when they are buffers)."""
+        return {}
+
+    def load_prior_state(self, state: dict) -> None:
+        """Restore :meth:`prior_state`."""
+
+
+class BayesLayer(GaussianWeights):
     """Common machinery of mean-field Gaussian layers.
 
     Parameters ``weight_mu``, ``weight_logvar`` (and ``bias_mu``, ``bias_logvar``);
@@ -77,6 +166,12 @@ class BayesLayer(nn.Module):
     implement :meth:`_op`, the layer's linear map ``(x, W, b) -> x * W + b``; the Gaussian of
     the pre-activations, ``N(op(x, mu_W, mu_b), op(x^2, var_W, var_b))`` (:meth:`_mean_var`),
     and the map at the means (:meth:`_deterministic`) follow from it.
+
+    Args:
+        weight_shape: shape of the weight (``[out, ...]``; the bias is ``[out]``).
+        bias: whether the layer has a bias.
+        prior_mean, prior_var: the prior ``N(prior_mean, prior_var)`` of every weight.
+        init_logvar: initial posterior ``log sigma^2`` (VCL: -6).
     """
 
     weight_mu: nn.Parameter
@@ -84,14 +179,16 @@ class BayesLayer(nn.Module):
     bias_mu: nn.Parameter | None
     bias_logvar: nn.Parameter | None
 
-    def _init_bayes(
+    def __init__(
         self,
         weight_shape: tuple[int, ...],
-        bias: bool,
-        prior_mean: float,
-        prior_var: float,
-        init_logvar: float,
+        bias: bool = True,
+        *,
+        prior_mean: float = 0.0,
+        prior_var: float = 1.0,
+        init_logvar: float = -6.0,
     ) -> None:
+        super().__init__()
         if prior_var <= 0:
             raise ValueError(f"prior_var must be > 0, got {prior_var}")
         self.init_logvar = float(init_logvar)
@@ -135,29 +232,17 @@ class BayesLayer(nn.Module):
         if self.bias_mu is not None:
             nn.init.trunc_normal_(self.bias_mu, 0.0, std, -2 * std, 2 * std)
 
-    def _pairs(self) -> Iterator[tuple[Tensor, Tensor, Tensor, Tensor]]:
+    def _pairs(self) -> Iterator[Site]:
         """``(mu, logvar, prior_mu, prior_var)`` for the weight and the bias."""
         yield self.weight_mu, self.weight_logvar, self.weight_prior_mu, self.weight_prior_var
         if self.bias_mu is not None:
             yield self.bias_mu, self.bias_logvar, self.bias_prior_mu, self.bias_prior_var
 
-    def kl(self) -> Tensor:
-        """``KL(q || prior)`` of this layer's weights and bias (scalar, differentiable)."""
-        return gaussian_kl_flat(self._pairs())
-
-    @torch.no_grad()
-    def set_prior_from_posterior(self) -> None:
-        """Make the current posterior ``q`` the prior (VCL's recursion)."""
-        for m, lv, m0, v0 in self._pairs():
-            m0.copy_(m)
-            v0.copy_(lv.exp())
-
-    @torch.no_grad()
-    def reset_prior(self, prior_mean: float = 0.0, prior_var: float = 1.0) -> None:
-        """Set the prior back to ``N(prior_mean, prior_var)``."""
-        for _, _, m0, v0 in self._pairs():
-            m0.fill_(prior_mean)
-            v0.fill_(prior_var)
+    def gaussian_sites(self, heads: Iterable[int] | None = None) -> list[Site]:
+        """The weight's and the bias's sites (``heads``: a layer has none, must be None)."""
+        if heads is not None:
+            raise ValueError(f"heads must be None for a single layer, got {heads!r}")
+        return list(self._pairs())
 
     @torch.no_grad()
     def load_mean_from(self, layer: nn.Module) -> None:
@@ -200,27 +285,18 @@ class BayesLinear(BayesLayer):
     """Mean-field Gaussian ``nn.Linear``: ``[N, in] -> [N, out]``.
 
     Pre-activations ``a ~ N(x mu_W^T + mu_b, x^2 var_W^T + var_b)`` (local
-    reparameterisation). Prior ``N(prior_mean, prior_var)`` on every weight, posterior
-    log-variances initialised to ``init_logvar`` (VCL: -6).
+    reparameterisation). ``kw``: ``prior_mean``, ``prior_var`` (the prior
+    ``N(prior_mean, prior_var)`` on every weight), ``init_logvar`` (VCL: -6), as
+    :class:`BayesLayer`.
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool = True,
-        *,
-        prior_mean: float = 0.0,
-        prior_var: float = 1.0,
-        init_logvar: float = -6.0,
-    ) -> None:
-        super().__init__()
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, **kw: Any):
         if in_features < 1 or out_features < 1:
             raise ValueError(
                 f"in_features and out_features must be >= 1, got {in_features}, {out_features}"
             )
+        super().__init__((out_features, in_features), bias, **kw)
         self.in_features, self.out_features = in_features, out_features
-        self._init_bayes((out_features, in_features), bias, prior_mean, prior_var, init_logvar)
 
     def _op(self, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
         return F.linear(x, w, b)
@@ -234,6 +310,7 @@ class BayesConv2d(BayesLayer):
 
     Pre-activations ``a ~ N(conv(x, mu_W) + mu_b, conv(x^2, var_W) + var_b)`` (local
     reparameterisation: independent across examples, output positions and channels).
+    ``kw``: ``prior_mean``, ``prior_var``, ``init_logvar`` as :class:`BayesLayer`.
     """
 
     def __init__(
@@ -244,17 +321,12 @@ class BayesConv2d(BayesLayer):
         stride: int | tuple[int, int] = 1,
         padding: int | tuple[int, int] = 0,
         bias: bool = True,
-        *,
-        prior_mean: float = 0.0,
-        prior_var: float = 1.0,
-        init_logvar: float = -6.0,
+        **kw: Any,
     ) -> None:
-        super().__init__()
         k = (kernel_size, kernel_size) if isinstance(kernel_size, int) else tuple(kernel_size)
+        super().__init__((out_channels, in_channels, *k), bias, **kw)
         self.in_channels, self.out_channels, self.kernel_size = in_channels, out_channels, k
         self.stride, self.padding = stride, padding
-        shape = (out_channels, in_channels, *k)
-        self._init_bayes(shape, bias, prior_mean, prior_var, init_logvar)
 
     def _op(self, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
         return F.conv2d(x, w, b, stride=self.stride, padding=self.padding)
@@ -308,7 +380,7 @@ def _convert(module: nn.Module, **kw) -> nn.Module:
     return module
 
 
-class BayesMultiHeadModel(MultiHeadModel):
+class BayesMultiHeadModel(MultiHeadModel, MeanFieldNet):
     """A :class:`~fromp.models.MultiHeadModel` whose Linear/Conv2d layers are mean-field
     Gaussian (built with :func:`to_bayesian`).
 
@@ -328,6 +400,11 @@ class BayesMultiHeadModel(MultiHeadModel):
         self.head_size = heads[0].out_features
 
     # -- weight-space helpers -------------------------------------------------------
+    @property
+    def multi_head(self) -> bool:
+        """Whether a task label picks one of several heads."""
+        return self.n_heads > 1
+
     def body_layers(self) -> list[BayesLayer]:
         """The Bayesian layers of the shared body."""
         return _bayes_layers(self.body)
@@ -339,15 +416,9 @@ class BayesMultiHeadModel(MultiHeadModel):
                 raise ValueError(f"heads must be in [0, {self.n_heads}), got {h}")
         return self.body_layers() + [layer for h in idx for layer in _bayes_layers(self.heads[h])]
 
-    def kl(self, heads: Iterable[int] | None = None) -> Tensor:
-        """``KL(q || prior)`` of the body plus the given heads (all heads when None), in one
-        pass over their parameters (:func:`gaussian_kl_flat`)."""
-        return gaussian_kl_flat(q for layer in self._selected(heads) for q in layer._pairs())
-
-    def set_prior_from_posterior(self, heads: Iterable[int] | None = None) -> None:
-        """Posterior becomes prior for the body and the given heads (all when None)."""
-        for layer in self._selected(heads):
-            layer.set_prior_from_posterior()
+    def gaussian_sites(self, heads: Iterable[int] | None = None) -> list[Site]:
+        """The sites of the body and of the given heads (all heads when None)."""
+        return [q for layer in self._selected(heads) for q in layer._pairs()]
 
     @contextmanager
     def mean_mode(self) -> Iterator[BayesMultiHeadModel]:
@@ -366,6 +437,10 @@ class BayesMultiHeadModel(MultiHeadModel):
     def mean_parameters(self) -> list[nn.Parameter]:
         """The posterior means (``*_mu`` parameters)."""
         return [p for n, p in self.named_parameters() if n.endswith("_mu")]
+
+    def sample_logits(self, x: Tensor, task: int | Tensor | None, n_samples: int) -> Tensor:
+        """``self(x, task, n_samples=n_samples)``: ``[S, N, K]``."""
+        return self(x, task, n_samples=n_samples)
 
     # -- forward --------------------------------------------------------------------
     def _run(self, module: nn.Module, x: Tensor, n_samples: int | None) -> tuple[Tensor, bool]:
@@ -423,6 +498,9 @@ class BayesMultiHeadModel(MultiHeadModel):
         return self(x, task, n_samples=n_samples).softmax(-1).mean(0)
 
 
+_LAYER_KW = ("prior_mean", "prior_var", "init_logvar")
+
+
 def to_bayesian(
     net: MultiHeadModel,
     *,
@@ -443,26 +521,223 @@ def to_bayesian(
     return BayesMultiHeadModel(body, _convert(net.heads, **kw))
 
 
+def _layer_kw(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Take the Bayesian layers' keywords (:data:`_LAYER_KW`) out of ``kwargs``."""
+    return {k: kwargs.pop(k) for k in _LAYER_KW if k in kwargs}
+
+
 class BayesMultiHeadMLP(BayesMultiHeadModel):
-    """Bayesian :class:`~fromp.models.MultiHeadMLP` (same architecture and parameter
-    order; ``kw``: ``prior_mean``, ``prior_var``, ``init_logvar`` as :func:`to_bayesian`).
+    """Bayesian :class:`~fromp.models.MultiHeadMLP`: the same arguments (``in_features=784,
+    hidden=(256, 256), n_heads=5, head_size=2``), architecture and parameter order, and the
+    keywords ``prior_mean``, ``prior_var``, ``init_logvar`` of :func:`to_bayesian`.
     Split MNIST (VCL): ``BayesMultiHeadMLP(784, (256, 256), n_heads=5, head_size=2)``."""
 
-    def __init__(
-        self,
-        in_features: int = 784,
-        hidden: Sequence[int] = (256, 256),
-        n_heads: int = 5,
-        head_size: int = 2,
-        **kw,
-    ) -> None:
-        net = MultiHeadMLP(in_features, hidden, n_heads, head_size)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kw = _layer_kw(kwargs)
+        net = MultiHeadMLP(*args, **kwargs)
         super().__init__(_convert(net.body, **kw), _convert(net.heads, **kw))
 
 
 class BayesCifarCNN(BayesMultiHeadModel):
-    """Bayesian :class:`~fromp.models.CifarCNN` (no dropout: weight noise replaces it)."""
+    """Bayesian :class:`~fromp.models.CifarCNN` (``in_channels=3, n_heads=6,
+    head_size=10``, and :func:`to_bayesian`'s keywords; no dropout: weight noise replaces
+    it)."""
 
-    def __init__(self, in_channels: int = 3, n_heads: int = 6, head_size: int = 10, **kw) -> None:
-        net = CifarCNN(in_channels, n_heads, head_size, dropout=False)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kw = _layer_kw(kwargs)
+        net = CifarCNN(*args, **kwargs, dropout=False)
         super().__init__(_convert(net.body, **kw), _convert(net.heads, **kw))
+
+
+# ----------------------------------------------------------------------- any module
+_GAUSSIAN = (nn.Linear, nn.Conv2d)
+
+
+def gaussian_names(model: nn.Module) -> list[str]:
+    """Names (as in ``model.named_parameters()``) of the trainable weights and biases of its
+    ``nn.Linear`` and ``nn.Conv2d`` layers: the parameters a :class:`MeanFieldTwin` makes
+    Gaussian."""
+    out = []
+    for prefix, module in model.named_modules():
+        if isinstance(module, _GAUSSIAN):
+            for n, p in module.named_parameters(recurse=False):
+                if p.requires_grad:
+                    out.append(f"{prefix}.{n}" if prefix else n)
+    return out
+
+
+def _key(name: str) -> str:
+    return name.replace(".", "__")
+
+
+class MeanFieldTwin(MeanFieldNet):
+    """A mean-field Gaussian posterior over a module's ``Linear``/``Conv2d`` parameters.
+
+    The module's own parameters are the means ``mu``, a log-variance ``log sigma^2`` of the
+    same shape is kept per parameter, and a sampled network ``w = mu + sigma * eps`` is
+    evaluated with :func:`torch.func.functional_call`; the module keeps its class (an
+    Avalanche dynamic module still grows). All other parameters (batch-norm affine,
+    embeddings, ...) stay deterministic: they are trained by the data term and enter no KL.
+
+    ``twin.parameters()`` are the module's parameters (the means) followed by the
+    log-variances: give them to the optimizer. Call :meth:`sync` after the module gained or
+    grew parameters (an Avalanche dynamic module adapting to a new experience) and before
+    building the optimizer: a parameter first seen (a new head) starts from the prior
+    ``N(0, prior_var)`` as its prior, its log-variance at ``init_logvar`` and its mean as the
+    module initialised it; a parameter that grew (new output units) keeps its old prior and
+    variance in its leading slice.
+
+    Args:
+        model: the user's module: ``x -> logits``, a :mod:`fromp` multi-head model, or
+            ``forward(x, task_labels)`` (Avalanche ``MultiTaskModule``).
+        prior_var: variance of the initial prior ``N(0, prior_var)``.
+        init_logvar: initial ``log sigma^2`` of every Gaussian parameter.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        >>> twin = MeanFieldTwin(net)
+        >>> twin.sample_logits(torch.randn(5, 4), None, 2).shape
+        torch.Size([2, 5, 3])
+    """
+
+    def __init__(self, model: nn.Module, *, prior_var: float = 1.0, init_logvar: float = -6.0):
+        super().__init__()
+        if not prior_var > 0:
+            raise ValueError(f"prior_var must be > 0, got {prior_var!r}")
+        self.model = model
+        self.prior_var = float(prior_var)
+        self.init_logvar = float(init_logvar)
+        self.logvars = nn.ParameterDict()
+        self.prior_mean: dict[str, Tensor] = {}
+        self.prior_variance: dict[str, Tensor] = {}
+        self.sync()
+
+    @property
+    def names(self) -> list[str]:
+        """The Gaussian parameters' names in the model."""
+        return gaussian_names(self.model)
+
+    @property
+    def multi_head(self) -> bool:
+        """Whether the model takes a task label (:func:`fromp.models.is_multitask`)."""
+        return is_multitask(self.model)
+
+    def sync(self) -> bool:
+        """Give every Gaussian parameter a log-variance and a prior of its shape (new ones:
+        ``init_logvar`` and ``N(0, prior_var)``; grown ones: padded). Returns whether
+        anything changed."""
+        changed = False
+        params = dict(self.model.named_parameters())
+        for n in self.names:
+            p, k = params[n], _key(n)
+            if k not in self.logvars or self.logvars[k].shape != p.shape:
+                old = self.logvars[k].detach() if k in self.logvars else None
+                lv = torch.full_like(p, self.init_logvar, requires_grad=False)
+                if old is not None:
+                    lv = fit_shape(old.to(p.device), p.shape, self.init_logvar)
+                self.logvars[k] = nn.Parameter(lv.detach().clone())
+                changed = True
+            if n not in self.prior_mean:
+                self.prior_mean[n] = torch.zeros_like(p).detach()
+                self.prior_variance[n] = torch.full_like(p, self.prior_var).detach()
+                changed = True
+            elif self.prior_mean[n].shape != p.shape:
+                self.prior_mean[n] = fit_shape(self.prior_mean[n], p.shape, 0.0)
+                self.prior_variance[n] = fit_shape(self.prior_variance[n], p.shape, self.prior_var)
+                changed = True
+        return changed
+
+    def forward(self, x: Tensor, task_labels: int | Tensor | None = None) -> Tensor:
+        """The mean network's logits ``[N, K]`` (head ``task_labels`` for multi-task models;
+        ignored otherwise)."""
+        if not self.multi_head:
+            return self.model(x)
+        return with_task(self.model, self._one_task(task_labels))(x)
+
+    @staticmethod
+    def _one_task(task: int | Tensor | None) -> int | None:
+        """``task`` as one int label (a tensor must hold one label)."""
+        if isinstance(task, Tensor) and task.ndim > 0:
+            if task.numel() and not bool((task == task[0]).all()):
+                raise ValueError(
+                    "task_labels must hold one task for a MeanFieldTwin (a mini-batch of one "
+                    f"task), got labels {task.unique().tolist()}"
+                )
+            task = task[0]
+        return None if task is None else int(task)
+
+    def variance(self, name: str) -> Tensor:
+        """``sigma^2`` of parameter ``name``."""
+        return self.logvars[_key(name)].exp()
+
+    def gaussian_sites(self, heads: Iterable[int] | None = None) -> list[Site]:
+        """The sites of every Gaussian parameter the model has (``heads`` is not used: the
+        model's heads are those created so far, all of them trained or being trained)."""
+        params = dict(self.model.named_parameters())
+        names = self.names
+        if not names:
+            raise ValueError("the model has no Linear or Conv2d parameters to make Gaussian")
+        return [
+            (params[n], self.logvars[_key(n)], self.prior_mean[n], self.prior_variance[n])
+            for n in names
+        ]
+
+    def sample_params(self) -> dict[str, Tensor]:
+        """One draw ``w = mu + sigma * eps`` of the Gaussian parameters (differentiable in
+        ``mu`` and ``log sigma^2``), drawn on the parameters' device."""
+        params = dict(self.model.named_parameters())
+        out = {}
+        for n in self.names:
+            mu, lv = params[n], self.logvars[_key(n)]
+            out[n] = mu + (0.5 * lv).exp() * torch.randn_like(mu)
+        return out
+
+    def sample_logits(self, x: Tensor, task: int | Tensor | None, n_samples: int) -> Tensor:
+        """Logits ``[S, N, K]`` of ``S = n_samples`` weight draws through head ``task``."""
+        if n_samples < 1:
+            raise ValueError(f"n_samples must be >= 1, got {n_samples}")
+        head = with_task(self.model, self._one_task(task) if self.multi_head else None)
+        prefix = "model." if head is not self.model else ""
+        outs = []
+        for _ in range(n_samples):
+            w = {prefix + n: v for n, v in self.sample_params().items()}
+            outs.append(functional_call(head, w, (x,), strict=False))
+        return torch.stack(outs)
+
+    @contextmanager
+    def mean_mode(self) -> Iterator[MeanFieldTwin]:
+        """The model itself (its parameters are the means), in training mode."""
+        was_training = self.model.training
+        self.model.train()
+        try:
+            yield self
+        finally:
+            self.model.train(was_training)
+
+    def mean_parameters(self) -> list[nn.Parameter]:
+        """All the model's parameters (the means and the deterministic ones)."""
+        return list(self.model.parameters())
+
+    def prior_state(self) -> dict:
+        """The priors by parameter name (the log-variances and means are in
+        ``state_dict()``), on the CPU."""
+        return {
+            "prior_mean": {n: v.detach().cpu().clone() for n, v in self.prior_mean.items()},
+            "prior_variance": {n: v.detach().cpu().clone() for n, v in self.prior_variance.items()},
+        }
+
+    def load_prior_state(self, state: dict) -> None:
+        """Restore :meth:`prior_state` on the model's device."""
+        device = next(self.model.parameters()).device
+        self.prior_mean = {n: v.detach().to(device).clone() for n, v in state["prior_mean"].items()}
+        self.prior_variance = {
+            n: v.detach().to(device).clone() for n, v in state["prior_variance"].items()
+        }
+
+    def method_state(self) -> dict:
+        """The former name of :meth:`prior_state`."""
+        return self.prior_state()
+
+    def load_method_state(self, state: dict) -> None:
+        """The former name of :meth:`load_prior_state`."""
+        self.load_prior_state(state)

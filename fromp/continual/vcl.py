@@ -1,191 +1,529 @@
-"""VCL for any model: a mean-field Gaussian twin of a user's module.
+"""Variational continual learning (VCL; Nguyen, Li, Bui & Turner, ICLR 2018) as a plain
+object for any PyTorch training loop: :class:`VCLMethod`.
 
-Variational continual learning (Nguyen, Li, Bui & Turner, ICLR 2018) keeps a mean-field
-Gaussian posterior ``q_t(w) = prod_p N(w_p; mu_p, sigma_p^2)`` over the weights and, on
-task ``t`` with ``N_t`` examples, minimises the per-example negative ELBO
+VCL keeps a mean-field Gaussian posterior ``q_t(w) = prod_p N(w_p; mu_p, sigma_p^2)`` over
+the weights (:mod:`fromp.continual.bayesian`) and, on task ``t`` with training set ``D_t``
+(``N_t`` examples, the task's coreset removed), minimises the per-example negative ELBO
 
     ``L(q) = (1/S) sum_s mean_n CE(f_{w_s}(x_n), y_n) + KL(q || q_{t-1}) / N_t``,
-    ``w_s = mu + sigma * eps_s``, ``eps_s ~ N(0, I)``,
 
-with ``q_0 = N(0, prior_var)``. :class:`MeanFieldTwin` adds this posterior to an existing
-module without changing its class: the module's own parameters are the means ``mu``, a
-log-variance ``log sigma^2`` of the same shape is kept per parameter, and a sampled network
-is evaluated with :func:`torch.func.functional_call`.
+``w_s ~ q`` (local reparameterisation for :mod:`fromp.models` networks, whole weight draws
+for any other module), ``S = train_samples``, and the prior ``q_{t-1}`` the previous task's
+posterior, ``q_0 = N(0, 1 / prior_precision)``. The KL is the closed form, evaluated in one
+pass over all Gaussian parameters (:func:`fromp.continual.bayesian.gaussian_kl_flat`). As in
+the reference code:
 
-Which parameters are Gaussian: the weights and biases of every ``nn.Linear`` and
-``nn.Conv2d`` (at any depth, including the heads of Avalanche's ``MultiHeadClassifier`` /
-``IncrementalClassifier``). All other parameters (batch-norm affine, embeddings, ...) stay
-deterministic: they are trained by the data term and enter no KL.
+* task 1 starts from a maximum-likelihood fit of the means (:meth:`VCLMethod.ml_init`, Adam),
+  posterior log-variances start at ``init_logvar = -6``, and a converted network's means are
+  re-drawn from ``N(0, mean_init_std^2)`` truncated at two standard deviations;
+* the KL covers the shared body and the heads trained so far (multi-head); a head never
+  trained keeps the prior ``N(0, 1 / prior_precision)``;
+* predictions average the softmax over ``test_samples`` weight samples
+  (:meth:`VCLMethod.predict_log_proba`: ``log mean_s softmax(f_s)``);
+* VCL + coreset: ``coreset_size`` points per task (``"random"`` or ``"kcenter"``,
+  :mod:`fromp.continual.coreset`) are kept out of the training data. Before predicting a
+  task, a copy of the propagated posterior is trained on the coreset (the task's own coreset
+  through its head with task heads, the union of all coresets with one head) with the
+  propagated posterior as prior, used, and then discarded (:meth:`VCLMethod.prepare_eval`,
+  :meth:`VCLMethod.restore`).
 
-A parameter first seen after a task (a new head) starts from the prior ``N(0, prior_var)``
-as its prior, its log-variance at ``init_logvar`` and its mean as the module initialised
-it; a parameter that grew (new output units) keeps its old prior and variance in its
-leading slice. Nothing here depends on Avalanche.
+A plain loop (no Avalanche)::
+
+    method = VCLMethod(net, prior_precision=1.0, coreset_size=40, coreset_method="kcenter")
+    opt = torch.optim.Adam(method.parameters(), lr=1e-3)
+    for task, (x, y) in enumerate(tasks):
+        x, y = method.split_coreset(x, y, task)      # the coreset is kept out
+        method.begin_task(task, len(x))              # N_t and the head of the task
+        method.ml_init(x, y, epochs=5, lr=1e-3, batch_size=256)   # task 1 only
+        for xb, yb in batches(x, y):
+            loss = method.loss(xb, yb, task)         # the negative ELBO per example
+            opt.zero_grad(); loss.backward(); opt.step()
+        method.learn_task()                          # the posterior becomes the prior
+    method.prepare_eval(0, epochs=5, lr=1e-3, batch_size=256)  # coreset fine-tuning
+    log_p = method.predict_log_proba(x_test, 0)
+    method.restore()
 """
 
 from __future__ import annotations
 
+import math
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.func import functional_call
 
-from fromp.continual.bayesian import gaussian_kl_flat
-from fromp.continual.methods import fit_shape
-from fromp.models import is_multitask, with_task
+from fromp._checks import check_batch, check_positive, check_saved_settings, device_dtype
+from fromp.continual.bayesian import BayesLayer, MeanFieldNet, to_bayesian
+from fromp.continual.bayesian import MeanFieldTwin as _MeanFieldTwin
+from fromp.continual.coreset import select_coreset
+from fromp.models import MultiHeadModel
 
-__all__ = ["MeanFieldTwin", "gaussian_names"]
+__all__ = ["VCLMethod"]
 
-_GAUSSIAN = (nn.Linear, nn.Conv2d)
+_CORESET_METHODS = ("random", "kcenter")
+#: The settings saved with the state and compared on load.
+_STATE_SETTINGS = ("prior_precision", "init_logvar", "coreset_size", "coreset_method")
 
-
-def gaussian_names(model: nn.Module) -> list[str]:
-    """Names (as in ``model.named_parameters()``) of the trainable weights and biases of its
-    ``nn.Linear`` and ``nn.Conv2d`` layers: the parameters a :class:`MeanFieldTwin` makes
-    Gaussian."""
-    out = []
-    for prefix, module in model.named_modules():
-        if isinstance(module, _GAUSSIAN):
-            for n, p in module.named_parameters(recurse=False):
-                if p.requires_grad:
-                    out.append(f"{prefix}.{n}" if prefix else n)
-    return out
+#: Names that moved to :mod:`fromp.continual.bayesian` (the one mean-field implementation).
+_MOVED = ("MeanFieldTwin", "gaussian_names")
 
 
-def _key(name: str) -> str:
-    return name.replace(".", "__")
+def __getattr__(name: str) -> object:
+    if name in _MOVED:
+        from fromp.continual import bayesian
+
+        warnings.warn(
+            f"fromp.continual.vcl.{name} moved to fromp.continual.bayesian.{name}",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(bayesian, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-class MeanFieldTwin(nn.Module):
-    """A mean-field Gaussian posterior over a module's ``Linear``/``Conv2d`` parameters.
+def prior_variance(prior_precision: float, prior_var: float | None, where: str) -> float:
+    """The initial prior's variance from ``prior_precision`` (``1 / prior_precision``) or
+    the deprecated ``prior_var`` (used as given, with a ``DeprecationWarning``); refuses a
+    non-positive value and both names at once."""
+    if prior_var is None:
+        return 1.0 / check_positive(prior_precision, "prior_precision")
+    if prior_precision != 1.0:
+        raise ValueError(
+            f"{where}: pass prior_precision or the deprecated prior_var, not both "
+            f"(got prior_precision={prior_precision!r}, prior_var={prior_var!r})"
+        )
+    warnings.warn(
+        f"{where}(prior_var=...) is deprecated: pass prior_precision=1/prior_var",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return check_positive(prior_var, "prior_var")
 
-    ``twin.parameters()`` are the module's parameters (the means) followed by the
-    log-variances: give them to the optimizer. :meth:`sample_logits` draws ``S`` weight
-    samples ``[S, N, K]``; :meth:`kl` is ``KL(q || prior)``; :meth:`set_prior_from_posterior`
-    ends a task. Call :meth:`sync` after the module gained or grew parameters (an Avalanche
-    dynamic module adapting to a new experience) and before building the optimizer.
+
+def _count(value: object, name: str, low: int, optional: bool = False) -> int | None:
+    """``value`` as an int ``>= low`` (None allowed when ``optional``)."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        none = " or None" if optional else ""
+        raise ValueError(f"{name} must be an int >= {low}{none}, got {value!r}")
+    return int(value)
+
+
+def _rate(value: object, name: str) -> float | None:
+    return None if value is None else check_positive(value, name)
+
+
+class VCLMethod:
+    """VCL and VCL + coreset for any training loop (see the module docstring for the maths).
+
+    ``net`` is converted once, at construction: a :class:`fromp.models.MultiHeadModel`
+    becomes a :class:`fromp.continual.bayesian.BayesMultiHeadModel` (a new module: its weights
+    as means, re-drawn when ``mean_init_std`` is set); a
+    :class:`fromp.continual.bayesian.MeanFieldNet` is used as it is; any other module gets a
+    :class:`fromp.continual.bayesian.MeanFieldTwin` (its own parameters are the means). The
+    Bayesian network is :attr:`net`; train :meth:`parameters` with any optimizer.
 
     Args:
-        model: the user's module: ``x -> logits``, a :mod:`fromp` multi-head model, or
-            ``forward(x, task_labels)`` (Avalanche ``MultiTaskModule``).
-        prior_var: variance of the initial prior ``N(0, prior_var)``.
-        init_logvar: initial ``log sigma^2`` of every Gaussian parameter.
+        net: the network (see above).
+        prior_precision: ``delta``, the initial prior ``N(0, 1 / delta)`` on every Gaussian
+            weight.
+        prior_var: deprecated, ``1 / prior_precision`` (a ``DeprecationWarning``).
+        init_logvar: initial posterior ``log sigma^2``.
+        mean_init_std: std of the truncated normal the means of a converted
+            ``MultiHeadModel`` are re-drawn from (None keeps its weights).
+        train_samples: Monte Carlo samples ``S`` of the expected log-likelihood.
+        test_samples: Monte Carlo samples of the predictive.
+        ml_init_epochs, ml_lr: epochs and Adam learning rate of the maximum-likelihood fit of
+            the means before task 1 (:meth:`ml_init`; None: given by the caller, e.g. the
+            strategy's ``train_epochs`` and its optimizer's ``lr``; 0 epochs: none).
+        coreset_size: points per task kept aside (0: plain VCL).
+        coreset_method: ``"random"`` | ``"kcenter"`` (required when ``coreset_size > 0``).
+        coreset_epochs, coreset_mb_size, coreset_lr: epochs, mini-batch size and Adam learning
+            rate of the coreset training before prediction (None: given by the caller).
+        seed: seeds random coreset selection and the batches of the ML and coreset fits
+            (None: drawn from torch's global generator, so a seeded run is reproducible).
 
-    Example:
-        >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
-        >>> twin = MeanFieldTwin(net)
-        >>> twin.sample_logits(torch.randn(5, 4), None, 2).shape
-        torch.Size([2, 5, 3])
+    Attributes:
+        task_count: tasks learnt. seen_heads: heads trained so far. coresets: ``(head, x,
+        y)`` per task (on the CPU). n_train, current_head: ``N_t`` and the head of the task
+        being learnt (:meth:`begin_task`).
     """
 
-    def __init__(self, model: nn.Module, *, prior_var: float = 1.0, init_logvar: float = -6.0):
-        super().__init__()
-        if not prior_var > 0:
-            raise ValueError(f"prior_var must be > 0, got {prior_var!r}")
-        self.model = model
-        self.prior_var = float(prior_var)
+    def __init__(
+        self,
+        net: nn.Module,
+        *,
+        prior_precision: float = 1.0,
+        prior_var: float | None = None,
+        init_logvar: float = -6.0,
+        mean_init_std: float | None = 0.1,
+        train_samples: int = 10,
+        test_samples: int = 100,
+        ml_init_epochs: int | None = None,
+        ml_lr: float | None = None,
+        coreset_size: int = 0,
+        coreset_method: str | None = None,
+        coreset_epochs: int | None = None,
+        coreset_mb_size: int | None = None,
+        coreset_lr: float | None = None,
+        seed: int | None = None,
+    ) -> None:
+        if not isinstance(net, nn.Module):
+            raise ValueError(f"net must be an nn.Module, got {type(net).__name__}")
+        variance = prior_variance(prior_precision, prior_var, "VCLMethod")
+        if isinstance(init_logvar, bool) or not isinstance(init_logvar, int | float):
+            raise ValueError(f"init_logvar must be a finite float, got {init_logvar!r}")
+        if not math.isfinite(init_logvar):
+            raise ValueError(f"init_logvar must be a finite float, got {init_logvar!r}")
+        if mean_init_std is not None:
+            check_positive(mean_init_std, "mean_init_std")
+        self.train_samples = _count(train_samples, "train_samples", 1)
+        self.test_samples = _count(test_samples, "test_samples", 1)
+        self.ml_init_epochs = _count(ml_init_epochs, "ml_init_epochs", 0, optional=True)
+        self.ml_lr = _rate(ml_lr, "ml_lr")
+        self.coreset_size = _count(coreset_size, "coreset_size", 0)
+        if self.coreset_size > 0 and coreset_method not in _CORESET_METHODS:
+            raise ValueError(
+                f"coreset_method must be 'random' or 'kcenter' when coreset_size > 0, "
+                f"got {coreset_method!r}"
+            )
+        self.coreset_method = coreset_method
+        self.coreset_epochs = _count(coreset_epochs, "coreset_epochs", 0, optional=True)
+        self.coreset_mb_size = _count(coreset_mb_size, "coreset_mb_size", 1, optional=True)
+        self.coreset_lr = _rate(coreset_lr, "coreset_lr")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an int or None, got {seed!r}")
+        self.prior_var = variance
+        self.prior_precision = 1.0 / variance if prior_var is not None else float(prior_precision)
         self.init_logvar = float(init_logvar)
-        self.logvars = nn.ParameterDict()
-        self.prior_mean: dict[str, Tensor] = {}
-        self.prior_variance: dict[str, Tensor] = {}
-        self.sync()
+        self.net: MeanFieldNet = self._bayesian(net, mean_init_std)
+        # drawn after the conversion (which initialises layers from the global generator)
+        self.seed = int(torch.randint(0, 2**31 - 1, ()).item()) if seed is None else int(seed)
+        # method state
+        self.task_count = 0
+        self.seen_heads: set[int] = set()
+        self.coresets: list[tuple[int, Tensor, Tensor]] = []  # (head, x, y)
+        # the task being learnt
+        self.n_train: int | None = None
+        self.current_head = 0
+        # the posterior before coreset training (restored by restore())
+        self._snapshot: dict[str, Tensor] | None = None
+        self._tuned_key: object = None
+
+    def _bayesian(self, net: nn.Module, mean_init_std: float | None) -> MeanFieldNet:
+        if isinstance(net, MeanFieldNet):
+            return net
+        if not isinstance(net, MultiHeadModel):
+            return _MeanFieldTwin(net, prior_var=self.prior_var, init_logvar=self.init_logvar)
+        bnet = to_bayesian(net, prior_var=self.prior_var, init_logvar=self.init_logvar)
+        if mean_init_std is not None:
+            for layer in bnet.modules():
+                if isinstance(layer, BayesLayer):
+                    layer.reset_mean(mean_init_std)
+        return bnet
+
+    # -- the network ------------------------------------------------------------------
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The Bayesian network's parameters (means and log-variances): the optimizer's."""
+        return self.net.parameters()
 
     @property
-    def names(self) -> list[str]:
-        """The Gaussian parameters' names in the model."""
-        return gaussian_names(self.model)
+    def multi_head(self) -> bool:
+        """Whether a task label picks the head."""
+        return self.net.multi_head
 
-    def sync(self) -> bool:
-        """Give every Gaussian parameter a log-variance and a prior of its shape (new ones:
-        ``init_logvar`` and ``N(0, prior_var)``; grown ones: padded). Returns whether
-        anything changed."""
-        changed = False
-        params = dict(self.model.named_parameters())
-        for n in self.names:
-            p, k = params[n], _key(n)
-            if k not in self.logvars or self.logvars[k].shape != p.shape:
-                old = self.logvars[k].detach() if k in self.logvars else None
-                lv = torch.full_like(p, self.init_logvar, requires_grad=False)
-                if old is not None:
-                    lv = fit_shape(old.to(p.device), p.shape, self.init_logvar)
-                self.logvars[k] = nn.Parameter(lv.detach().clone())
-                changed = True
-            if n not in self.prior_mean:
-                self.prior_mean[n] = torch.zeros_like(p).detach()
-                self.prior_variance[n] = torch.full_like(p, self.prior_var).detach()
-                changed = True
-            elif self.prior_mean[n].shape != p.shape:
-                self.prior_mean[n] = fit_shape(self.prior_mean[n], p.shape, 0.0)
-                self.prior_variance[n] = fit_shape(self.prior_variance[n], p.shape, self.prior_var)
-                changed = True
-        return changed
+    def head_of(self, task: int | None) -> int:
+        """The head of ``task``: the task label with task heads, 0 with one head."""
+        if not self.multi_head:
+            return 0
+        if (
+            isinstance(task, bool)
+            or not isinstance(task, int | Tensor)
+            or (isinstance(task, Tensor) and task.numel() != 1)
+        ):
+            raise ValueError(f"task must be an int label for a multi-head network, got {task!r}")
+        return int(task)
 
-    def forward(self, x: Tensor, task_labels: int | Tensor | None = None) -> Tensor:
-        """The mean network's logits ``[N, K]`` (head ``task_labels`` for multi-task models;
-        ignored otherwise)."""
-        if not is_multitask(self.model):
-            return self.model(x)
-        if isinstance(task_labels, Tensor) and task_labels.ndim > 0:
-            if not bool((task_labels == task_labels[0]).all()):
-                raise ValueError("task_labels must hold one task for a MeanFieldTwin forward")
-            task_labels = task_labels[0]
-        task = None if task_labels is None else int(task_labels)
-        return with_task(self.model, task)(x)
+    def kl_heads(self, head: int | None = None) -> list[int] | None:
+        """Heads whose KL enters the objective: those trained so far plus ``head`` (None:
+        one head, the whole network)."""
+        if not self.multi_head:
+            return None
+        return sorted(self.seen_heads | ({head} if head is not None else set()))
 
-    def variance(self, name: str) -> Tensor:
-        """``sigma^2`` of parameter ``name``."""
-        return self.logvars[_key(name)].exp()
+    def _task(self, task: int | Tensor | None) -> int | Tensor | None:
+        """``task`` as the network takes it: None with one head, an int when a ``[N]``
+        tensor holds one label (else the tensor: one head per example)."""
+        if not self.multi_head:
+            return None
+        if isinstance(task, Tensor) and task.ndim > 0 and task.numel() > 0:
+            if bool((task == task[0]).all()):
+                return int(task[0])
+        return task
 
-    def sample_params(self) -> dict[str, Tensor]:
-        """One draw ``w = mu + sigma * eps`` of the Gaussian parameters (differentiable in
-        ``mu`` and ``log sigma^2``), drawn on the parameters' device."""
-        params = dict(self.model.named_parameters())
-        out = {}
-        for n in self.names:
-            mu, lv = params[n], self.logvars[_key(n)]
-            out[n] = mu + (0.5 * lv).exp() * torch.randn_like(mu)
-        return out
+    def sample_logits(
+        self, x: Tensor, task: int | Tensor | None, n_samples: int | None = None
+    ) -> Tensor:
+        """Logits ``[S, N, K]`` of ``S`` weight samples (``train_samples`` when None)
+        through head ``task`` (an int, a ``[N]`` tensor of labels, None with one head)."""
+        s = self.train_samples if n_samples is None else n_samples
+        return self.net.sample_logits(x, self._task(task), s)
 
-    def sample_logits(self, x: Tensor, task: int | None, n_samples: int) -> Tensor:
-        """Logits ``[S, N, K]`` of ``S = n_samples`` weight draws through head ``task``."""
-        if n_samples < 1:
-            raise ValueError(f"n_samples must be >= 1, got {n_samples}")
-        head = with_task(self.model, task)
-        prefix = "model." if head is not self.model else ""
-        outs = []
-        for _ in range(n_samples):
-            w = {prefix + n: v for n, v in self.sample_params().items()}
-            outs.append(functional_call(head, w, (x,), strict=False))
-        return torch.stack(outs)
-
-    def kl(self) -> Tensor:
-        """``KL(q || prior)`` summed over the Gaussian parameters (a scalar), in one pass
-        over all of them (:func:`fromp.continual.bayesian.gaussian_kl_flat`)."""
-        params = dict(self.model.named_parameters())
-        names = self.names
-        if not names:
-            raise ValueError("the model has no Linear or Conv2d parameters to make Gaussian")
-        return gaussian_kl_flat(
-            (params[n], self.logvars[_key(n)], self.prior_mean[n], self.prior_variance[n])
-            for n in names
+    @staticmethod
+    def log_mean_softmax(logits: Tensor) -> Tensor:
+        """``log mean_s softmax(f_s)`` ``[N, K]`` of logits ``[S, N, K]``: the log of the
+        Monte Carlo predictive."""
+        s = logits.shape[0]
+        return torch.logsumexp(logits.log_softmax(-1), dim=0) - torch.log(
+            torch.tensor(float(s), dtype=logits.dtype, device=logits.device)
         )
 
     @torch.no_grad()
-    def set_prior_from_posterior(self) -> None:
-        """End of a task: the posterior becomes the next task's prior."""
-        params = dict(self.model.named_parameters())
-        for n in self.names:
-            self.prior_mean[n] = params[n].detach().clone()
-            self.prior_variance[n] = self.variance(n).detach().clone()
+    def predict_log_proba(self, x: Tensor, task: int | Tensor | None) -> Tensor:
+        """The predictive's log-probabilities ``[N, K]`` over ``test_samples`` samples."""
+        return self.log_mean_softmax(self.sample_logits(x, task, self.test_samples))
 
-    def method_state(self) -> dict:
-        """Priors (the log-variances and means are in ``state_dict()``)."""
+    # -- the ELBO ---------------------------------------------------------------------
+    def nll(self, x: Tensor, y: Tensor, task: int | Tensor | None) -> tuple[Tensor, Tensor]:
+        """``(mean_s mean_n CE(f_{w_s}(x_n), y_n), logits [S, N, K])`` over
+        ``train_samples`` samples."""
+        logits = self.sample_logits(x, task)
+        s, n, k = logits.shape
+        return F.cross_entropy(logits.reshape(s * n, k), y.repeat(s)), logits
+
+    def begin_task(self, task: int | None, n_train: int) -> None:
+        """Start learning ``task`` (its head) from ``n_train`` examples (``N_t``, the
+        coreset removed): the scale of the KL in :meth:`penalty`."""
+        n_train = _count(n_train, "n_train", 1)
+        self.current_head = self.head_of(task)
+        self.n_train = n_train
+
+    def penalty(self) -> Tensor:
+        """``KL(q || q_{t-1}) / N_t`` over the body and the heads trained so far plus the
+        current one (a scalar, differentiable in the means and log-variances)."""
+        if self.n_train is None:
+            raise ValueError("call begin_task(task, n_train) before penalty() or loss()")
+        return self.net.kl(self.kl_heads(self.current_head)) / self.n_train
+
+    def loss(self, x: Tensor, y: Tensor, task: int | Tensor | None) -> Tensor:
+        """The negative ELBO per example on a mini-batch: :meth:`nll` + :meth:`penalty`."""
+        return self.nll(x, y, task)[0] + self.penalty()
+
+    def learn_task(self) -> None:
+        """End of the task: its posterior becomes the prior (body and the heads trained so
+        far), its head counts as trained, the task counter moves on."""
+        self.net.set_prior_from_posterior(self.kl_heads(self.current_head))
+        self.seen_heads.add(self.current_head)
+        self.task_count += 1
+
+    # -- the fits that own their optimizer -----------------------------------------------
+    def _fit(
+        self,
+        params: list[nn.Parameter],
+        x: Tensor,
+        y: Tensor,
+        loss: Callable[[Tensor, Tensor], Tensor],
+        *,
+        epochs: int,
+        lr: float,
+        batch_size: int,
+        generator: torch.Generator,
+        device: Any,
+    ) -> None:
+        """``epochs`` passes of Adam over shuffled mini-batches of ``(x, y)``."""
+        opt = torch.optim.Adam(params, lr=lr)
+        with torch.enable_grad():
+            for _ in range(epochs):
+                perm = torch.randperm(len(x), generator=generator)
+                for s in range(0, len(x), batch_size):
+                    i = perm[s : s + batch_size]
+                    value = loss(x[i].to(device), y[i].to(device))
+                    opt.zero_grad(set_to_none=True)
+                    value.backward()
+                    opt.step()
+
+    @staticmethod
+    def _check_data(x: Tensor, y: Tensor) -> None:
+        check_batch(x, "x")
+        if not isinstance(y, Tensor) or y.shape != (len(x),):
+            got = tuple(y.shape) if isinstance(y, Tensor) else type(y).__name__
+            raise ValueError(f"y must be a tensor of N={len(x)} labels, got {got}")
+
+    @staticmethod
+    def _check_fit(epochs: Any, lr: Any, batch_size: Any) -> None:
+        _count(epochs, "epochs", 0)
+        check_positive(lr, "lr")
+        _count(batch_size, "batch_size", 1)
+
+    def ml_init(
+        self,
+        x: Tensor,
+        y: Tensor,
+        *,
+        epochs: int | None = None,
+        lr: float | None = None,
+        batch_size: int,
+        device: Any = None,
+    ) -> None:
+        """Before task 1 (nothing afterwards): a maximum-likelihood fit of the posterior
+        means on ``(x [N, ...], y [N])`` through the current head (:meth:`begin_task`),
+        ``epochs`` (default ``ml_init_epochs``) of Adam at ``lr`` (default ``ml_lr``)."""
+        epochs = self.ml_init_epochs if epochs is None else epochs
+        lr = self.ml_lr if lr is None else lr
+        self._check_data(x, y)
+        self._check_fit(epochs, lr, batch_size)
+        if self.task_count > 0 or epochs == 0:
+            return
+        task = self.current_head if self.multi_head else None
+        device = device_dtype(self.net)[0] if device is None else device
+        g = torch.Generator().manual_seed(self.seed)
+        with self.net.mean_mode():
+            self._fit(
+                self.net.mean_parameters(),
+                x,
+                y,
+                lambda xb, yb: F.cross_entropy(self.net(xb, task), yb),
+                epochs=epochs,
+                lr=lr,
+                batch_size=batch_size,
+                generator=g,
+                device=device,
+            )
+
+    # -- coresets ---------------------------------------------------------------------
+    def check_coreset_size(self, n: int) -> None:
+        """Refuse a task of ``n`` examples that the coreset would take whole."""
+        if self.coreset_size >= n:
+            raise ValueError(
+                f"coreset_size={self.coreset_size} must be smaller than the task's {n} "
+                "training examples"
+            )
+
+    def coreset_indices(self, n: int, x: Tensor | None = None) -> Tensor:
+        """Indices ``[coreset_size]`` of the current task's coreset among its ``n`` examples
+        (``"kcenter"`` needs the inputs ``x [n, ...]``; ``"random"`` draws from a generator
+        seeded by ``seed`` and the task counter)."""
+        self.check_coreset_size(n)
+        if self.coreset_method == "kcenter":
+            if x is None or len(x) != n:
+                raise ValueError("x must hold the task's n inputs for kcenter coresets")
+            return select_coreset(x, self.coreset_size, "kcenter")
+        g = torch.Generator().manual_seed(self.seed * 1000 + self.task_count)
+        return select_coreset(torch.empty(n, 0), self.coreset_size, "random", g)
+
+    def add_coreset(self, task: int | None, x: Tensor, y: Tensor) -> None:
+        """Keep ``(x, y)`` as the coreset of ``task`` (stored on the CPU)."""
+        self._check_data(x, y)
+        self.coresets.append((self.head_of(task), x.cpu(), y.cpu()))
+
+    def split_coreset(self, x: Tensor, y: Tensor, task: int | None) -> tuple[Tensor, Tensor]:
+        """Select and keep the coreset of ``task`` from ``(x [N, ...], y [N])``; returns the
+        rest, the data to train on (everything when ``coreset_size`` is 0)."""
+        self._check_data(x, y)
+        if self.coreset_size == 0:
+            return x, y
+        idx = self.coreset_indices(len(x), x)
+        self.add_coreset(task, x[idx], y[idx])
+        keep = torch.ones(len(x), dtype=torch.bool, device=x.device)
+        keep[idx] = False
+        return x[keep], y[keep]
+
+    def prepare_eval(
+        self,
+        task: int | None,
+        *,
+        epochs: int | None = None,
+        lr: float | None = None,
+        batch_size: int | None = None,
+        device: Any = None,
+    ) -> bool:
+        """Before predicting ``task``: train the posterior on the coreset (the task's with
+        task heads, all of them with one head), the propagated posterior as prior, for
+        ``epochs`` (default ``coreset_epochs``) of Adam at ``lr`` (default ``coreset_lr``) in
+        mini-batches of ``batch_size`` (default ``coreset_mb_size``). The propagated
+        posterior is kept and comes back with :meth:`restore`. Nothing to do without
+        coresets, for a task without one, or when the posterior is already tuned for it.
+        Returns whether the posterior is tuned."""
+        if not self.coresets:
+            return False
+        head = self.head_of(task)
+        key = head if self.multi_head else "all"
+        if key == self._tuned_key:
+            return True
+        epochs = self.coreset_epochs if epochs is None else epochs
+        lr = self.coreset_lr if lr is None else lr
+        batch_size = self.coreset_mb_size if batch_size is None else batch_size
+        self._check_fit(epochs, lr, batch_size)
+        self.restore()
+        parts = [(x, y) for h, x, y in self.coresets if h == head]
+        if not parts:
+            return False  # a task not trained yet: the propagated posterior
+        x = torch.cat([p[0] for p in parts])
+        y = torch.cat([p[1] for p in parts])
+        self._snapshot = {k: v.detach().clone() for k, v in self.net.state_dict().items()}
+        self._tuned_key = key
+        routed = head if self.multi_head else None
+        heads = self.kl_heads()
+        self._fit(
+            list(self.net.parameters()),
+            x,
+            y,
+            lambda xb, yb: self.nll(xb, yb, routed)[0] + self.net.kl(heads) / len(x),
+            epochs=epochs,
+            lr=lr,
+            batch_size=batch_size,
+            generator=torch.Generator().manual_seed(self.seed + 7919 * self.task_count + head),
+            device=device_dtype(self.net)[0] if device is None else device,
+        )
+        return True
+
+    def restore(self) -> None:
+        """The propagated posterior back after :meth:`prepare_eval`."""
+        if self._snapshot is not None:
+            self.net.load_state_dict(self._snapshot)
+        self._snapshot, self._tuned_key = None, None
+
+    # -- state ------------------------------------------------------------------------
+    def _settings(self) -> dict:
+        """The settings a state must have been saved with to be loaded."""
+        return {k: getattr(self, k) for k in _STATE_SETTINGS}
+
+    def state_dict(self) -> dict:
+        """All VCL state (on the CPU): the network (posterior, and prior where it is a
+        buffer), the priors a :class:`~fromp.continual.bayesian.MeanFieldTwin` keeps, the
+        coresets, the trained heads, the task counter, the seed and the settings. The
+        propagated posterior is restored first."""
+        self.restore()
         return {
-            "prior_mean": {n: v.detach().cpu().clone() for n, v in self.prior_mean.items()},
-            "prior_variance": {n: v.detach().cpu().clone() for n, v in self.prior_variance.items()},
+            "net": {k: v.detach().cpu().clone() for k, v in self.net.state_dict().items()},
+            **self.net.prior_state(),
+            "task_count": self.task_count,
+            "seen_heads": sorted(self.seen_heads),
+            "coresets": [(h, x.clone(), y.clone()) for h, x, y in self.coresets],
+            "seed": self.seed,
+            **self._settings(),
         }
 
-    def load_method_state(self, state: dict) -> None:
-        """Restore :meth:`method_state` on the model's device."""
-        device = next(self.model.parameters()).device
-        self.prior_mean = {n: v.to(device) for n, v in state["prior_mean"].items()}
-        self.prior_variance = {n: v.to(device) for n, v in state["prior_variance"].items()}
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned (into :attr:`net`, in place). Refuses a
+        state with missing keys or saved with other settings, before changing anything."""
+        if not isinstance(state, dict):
+            raise ValueError(f"state must be a dict, got {type(state).__name__}")
+        required = {"net", "task_count"}
+        required |= set(self.net.prior_state()) or {"seen_heads", "coresets"}
+        missing = required - set(state)
+        if missing:
+            raise ValueError(f"state is missing keys {sorted(missing)}")
+        check_saved_settings(state, self._settings())
+        self._snapshot, self._tuned_key = None, None
+        self.net.load_state_dict(state["net"])
+        if "prior_mean" in state:
+            self.net.load_prior_state(state)
+        self.task_count = int(state["task_count"])
+        self.seen_heads = set(int(h) for h in state.get("seen_heads", []))
+        self.coresets = [(int(h), x.clone(), y.clone()) for h, x, y in state.get("coresets", [])]
+        self.seed = int(state.get("seed", self.seed))
