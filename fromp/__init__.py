@@ -19,7 +19,7 @@ from fromp.continual.regularizer import FROMPRegularizer
 
 # VCL's method object beside FROMPMethod and EWCMethod, importable from the top (not in
 # __all__, which tests/test_layout.py holds to at most 45 names)
-from fromp.continual.vcl import VCLMethod as VCLMethod
+from fromp.continual.vcl import VCLMethod
 from fromp.curvature.diagonal import diag_ef, diag_fisher, diag_ggn
 from fromp.curvature.ggn import ggn, ggn_vp
 from fromp.curvature.jacobian import (
@@ -94,6 +94,7 @@ __all__ = [  # noqa: RUF022 (grouped by task, sorted within each group)
     # continual-learning methods as plain objects for any training loop
     "FROMPMethod",
     "EWCMethod",
+    "VCLMethod",
     "FROMPRegularizer",
     "memorability_scores",
     "select_memorable",

@@ -208,7 +208,7 @@ def test_vcl_twin_kl_sampling_and_prior_after_tasks_2_and_3():
         evaluator=None,
         train_samples=2,
         test_samples=3,
-        prior_var=0.5,
+        prior_precision=2.0,  # prior variance 0.5
         seed=0,
     )
     twin = strategy.net
