@@ -100,18 +100,24 @@ def _closure(model, optim, x, y):
     return closure
 
 
-def _groups(net, spec):
+def _groups(net, spec, ess=None):
+    """Parameter groups of ``spec`` (written, like the reference, with the weight decay
+    ``delta / N``), in IVON's vocabulary: ``prior_precision = weight_decay * ess``."""
     out = []
     for name, mod in net.named_children():
         params = list(mod.parameters())
         if params:
-            out.append({"params": params, **spec.get(name, {})})
+            g = dict(spec.get(name, {}))
+            if "weight_decay" in g:
+                g["prior_precision"] = g.pop("weight_decay") * ess
+            out.append({"params": params, **g})
     return out
 
 
 CASES = {
     "one-sample": dict(mc=1, spec={}),
     "three-samples": dict(mc=3, spec={}),
+    # the group's prior precision delta = 0.05 x ess: the reference's weight decay 0.05
     "groups": dict(mc=2, spec={"2": {"lr": 0.02, "weight_decay": 0.05, "hess_init": 0.7}}),
     "prior-and-clip": dict(mc=1, spec={}, prior=True, clip=0.05),
     # mirrored pairs across consecutive steps, within a step, and straddling steps
@@ -143,13 +149,12 @@ def test_update_matches_formulas_by_hand(case):
         clip=cfg.get("clip"), antithetic=cfg.get("antithetic", False), **hyper,
     )  # fmt: skip
     opt = IVON(
-        _groups(net, cfg["spec"]),
+        _groups(net, cfg["spec"], hyper["ess"]),
         lr=hyper["lr"],
         ess=hyper["ess"],
         hess_init=hyper["h0"],
-        beta1=hyper["b1"],
-        beta2=hyper["b2"],
-        weight_decay=hyper["wd"],
+        betas=(hyper["b1"], hyper["b2"]),
+        prior_precision=hyper["wd"] * hyper["ess"],
         mc_samples=cfg["mc"],
         clip_radius=cfg.get("clip"),
         antithetic=cfg.get("antithetic", False),
@@ -195,7 +200,7 @@ def test_add_gradient_at_the_mean_enters_the_momentum_not_the_hessian(mc):
     )
     opt = IVON(
         _groups(net, {}), lr=hyper["lr"], ess=hyper["ess"], hess_init=hyper["h0"],
-        beta1=hyper["b1"], beta2=hyper["b2"], weight_decay=hyper["wd"],
+        betas=(hyper["b1"], hyper["b2"]), prior_precision=hyper["wd"] * hyper["ess"],
     )  # fmt: skip
     torch.manual_seed(3)
     for _ in range(4):
@@ -259,7 +264,7 @@ def test_sampled_params_loop_equals_closure_and_h_estimate_is_unbiased_on_a_quad
     # l(w) = 1/2 sum_j a_j w_j^2 (stated tolerance: 4 standard errors over 4000 draws).
     w = torch.zeros(5, dtype=D, requires_grad=True)
     a = torch.tensor([0.5, 1.0, 2.0, 3.0, 4.0], dtype=D)
-    quad = IVON([w], lr=1e-9, ess=10.0, hess_init=1.0, beta1=0.0, beta2=0.0, weight_decay=0)
+    quad = IVON([w], lr=1e-9, ess=10.0, hess_init=1.0, betas=(0.0, 0.0), prior_precision=0)
     torch.manual_seed(0)
     draws = []
     for _ in range(4000):
@@ -313,7 +318,7 @@ def test_posterior_is_the_dnn2gp_kernel_against_dense(make):
     x = torch.randn(10, 4, dtype=D) if make is tiny_mlp else torch.randn(10, 1, 6, 6, dtype=D)
     y = torch.randint(0, 3, (10,))
     # groups in reverse order: posterior(net) must still follow named_parameters()
-    opt = IVON(list(net.parameters())[::-1], lr=0.05, ess=25.0, hess_init=0.2, beta2=0.9)
+    opt = IVON(list(net.parameters())[::-1], lr=0.05, ess=25.0, hess_init=0.2, betas=(0.9, 0.9))
 
     def closure():
         opt.zero_grad()
@@ -345,7 +350,7 @@ def test_continual_prior_and_reset():
     torch.manual_seed(0)
     net = tiny_mlp()
     x, y = _data()
-    opt = IVON(net.parameters(), lr=0.05, ess=50.0, hess_init=0.2, weight_decay=0.01)
+    opt = IVON(net.parameters(), lr=0.05, ess=50.0, hess_init=0.2, prior_precision=0.5)
     p0 = opt.prior()
     torch.testing.assert_close(p0.precision, torch.full_like(p0.precision, 0.5))
     assert p0.mean.abs().max() == 0
@@ -468,9 +473,11 @@ def test_float32_and_dtype_preserved():
         ({"ess": 0}, "ess"),
         ({"ess": float("inf")}, "ess"),
         ({"hess_init": 0.0}, "hess_init"),
-        ({"beta1": 1.0}, "beta1"),
-        ({"beta2": -0.1}, "beta2"),
-        ({"weight_decay": -1e-3}, "weight_decay"),
+        ({"betas": (1.0, 0.9)}, "betas"),
+        ({"betas": (0.9, -0.1)}, "betas"),
+        ({"betas": (0.9,)}, "betas"),
+        ({"prior_precision": -1e-3}, "prior_precision"),
+        ({"prior_precision": float("nan")}, "prior_precision"),
         ({"mc_samples": 0}, "mc_samples"),
         ({"mc_samples": 1.5}, "mc_samples"),
         ({"clip_radius": 0.0}, "clip_radius"),

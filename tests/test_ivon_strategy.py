@@ -62,7 +62,7 @@ def _setup(seed: int = 0, n_tasks: int = 3):
     seq = synthetic_split(n_tasks=n_tasks, input_shape=(1, 4, 4), n_train=48, n_test=24)
     net = MultiHeadMLP(16, (16,), n_heads=n_tasks, head_size=2)
     model = as_avalanche_model(net)
-    opt = IVON(model.parameters(), lr=0.5, ess=1.0, hess_init=0.5, beta2=0.99)
+    opt = IVON(model.parameters(), lr=0.5, ess=1.0, hess_init=0.5, betas=(0.9, 0.99))
     probe = _Probe()
     strat = IVONStrategy(
         model=model,
@@ -123,7 +123,7 @@ def test_non_continual_keeps_weight_decay_prior_and_type_checks():
     seq = synthetic_split(n_tasks=2, input_shape=(1, 4, 4), n_train=32, n_test=8)
     net = MultiHeadMLP(16, (8,), n_heads=2, head_size=2)
     model = as_avalanche_model(net)
-    opt = IVON(model.parameters(), lr=0.1, ess=1.0, weight_decay=1e-3)
+    opt = IVON(model.parameters(), lr=0.1, ess=1.0, prior_precision=1e-3)
     strat = IVONStrategy(
         model=model, optimizer=opt, train_mb_size=16, evaluator=None, continual=False
     )
@@ -143,7 +143,7 @@ def _fromp_ivon(ess: float, **kwargs):
     torch.manual_seed(0)
     net = MultiHeadMLP(16, (8,), n_heads=3, head_size=2)
     model = as_avalanche_model(net)
-    opt = IVON(model.parameters(), lr=0.1, ess=ess, hess_init=0.5, beta2=0.99)
+    opt = IVON(model.parameters(), lr=0.1, ess=ess, hess_init=0.5, betas=(0.9, 0.99))
     strategy = FROMP(
         model=model, optimizer=opt, train_mb_size=16, train_epochs=2, evaluator=_evaluator(),
         n_points=4, posterior="ivon", **kwargs,
@@ -211,7 +211,7 @@ class _GradientProbe(SupervisedPlugin):
 
     def after_update(self, strategy, **kwargs):
         opt, row = strategy.optimizer, self.rows[-1]
-        b1 = opt.param_groups[0]["beta1"]
+        b1 = opt.param_groups[0]["betas"][0]
         row["g_hat"] = [
             (st["momentum"] - b1 * old) / (1 - b1)
             for st, old in zip(opt.ivon_state["params"], row["mom"])
@@ -299,7 +299,7 @@ def test_tempered_prior_scales_each_posterior_after_tasks_1_and_2():
     seq = synthetic_split(n_tasks=3, input_shape=(1, 4, 4), n_train=48, n_test=24)
     net = MultiHeadMLP(16, (16,), n_heads=3, head_size=2)
     model = as_avalanche_model(net)
-    opt = IVON(model.parameters(), lr=0.5, ess=1.0, hess_init=0.5, beta2=0.99)
+    opt = IVON(model.parameters(), lr=0.5, ess=1.0, hess_init=0.5, betas=(0.9, 0.99))
     probe = _Probe()
     strat = IVONStrategy(model=model, optimizer=opt, train_mb_size=16, train_epochs=4,
                          prior_scale=0.25, plugins=[probe], evaluator=None)  # fmt: skip

@@ -143,14 +143,14 @@ def test_lr_zero_from_a_scheduler_is_a_step_that_does_not_move_the_mean(make):
 @pytest.mark.parametrize(
     ("key", "value"),
     [
-        ("beta2", 1.5),
-        ("beta1", -0.1),
-        ("beta2", float("nan")),
+        ("betas", (0.9, 1.5)),
+        ("betas", (-0.1, 0.9)),
+        ("betas", (0.9, float("nan"))),
         ("ess", 0),
         ("ess", float("inf")),
-        ("weight_decay", float("nan")),
-        ("weight_decay", float("inf")),
-        ("weight_decay", -1.0),
+        ("prior_precision", float("nan")),
+        ("prior_precision", float("inf")),
+        ("prior_precision", -1.0),
         ("hess_init", 0.0),
         ("mc_samples", 0),
     ],
@@ -199,7 +199,7 @@ def test_vogn_bad_group_hyperparameters_refused_naming_them(key, value):
 
 @pytest.mark.parametrize(
     ("key", "value", "name"),
-    [("beta2", 1.5, "ivon"), ("lr", float("nan"), "ivon"), ("betas", (0.9, 1.5), "vogn"),
+    [("betas", (0.9, 1.5), "ivon"), ("lr", float("nan"), "ivon"), ("betas", (0.9, 1.5), "vogn"),
      ("lr", -1.0, "vogn")],
 )  # fmt: skip
 def test_load_state_dict_with_bad_hyperparameters_refused_before_any_change(key, value, name):
@@ -318,11 +318,11 @@ def test_ivon_closure_returning_none_refused_clearly():
     _assert_unchanged(opt, model, snap)
 
 
-def test_ivon_weight_decay_nan_blames_weight_decay_not_the_loss():
+def test_ivon_prior_precision_nan_blames_prior_precision_not_the_loss():
     model = _mlp()
     opt = _ivon(model)
-    opt.param_groups[0]["weight_decay"] = float("nan")
-    with pytest.raises(ValueError, match="weight_decay") as err:
+    opt.param_groups[0]["prior_precision"] = float("nan")
+    with pytest.raises(ValueError, match="prior_precision") as err:
         _step(opt, model)
     assert "loss" not in str(err.value)
 

@@ -15,23 +15,76 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fromp._checks import check_class_targets, check_ivon_hyper, check_vogn_hyper
+from fromp._checks import check_class_targets, check_positive, check_vogn_hyper
 from fromp.likelihood import Likelihood, get_likelihood
 
 __all__ = [
+    "check_betas",
     "check_closure_result",
     "check_ess",
     "check_groups",
+    "check_ivon_hyper",
     "check_ivon_state",
     "check_targets",
     "check_vogn_state",
     "deprecated_alias",
+    "renamed_kwarg",
     "ess_alias",
 ]
 
 #: Hyperparameters that act on the whole posterior: equal in every group.
 _SHARED = {"IVON": ("mc_samples", "antithetic"),
            "VOGN": ("betas", "mc_samples", "kl_weight", "bias_correction")}  # fmt: skip
+
+
+def _finite(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+
+
+def check_betas(betas: object, where: str = "") -> tuple[float, float]:
+    """``betas`` two finite floats in ``[0, 1)`` (the decays of the momentum and of the
+    curvature estimate, VOGN's and IVON's), as a tuple of floats."""
+    if (
+        not isinstance(betas, tuple | list)
+        or len(betas) != 2
+        or not all(_finite(b) and 0.0 <= b < 1.0 for b in betas)
+    ):
+        raise ValueError(f"{where}betas must be two floats in [0, 1), got {betas!r}")
+    return (float(betas[0]), float(betas[1]))
+
+
+def check_ivon_hyper(group: dict[str, Any], where: str = "") -> None:
+    """The hyperparameters of an IVON parameter group, at construction, at every step and in
+    a loaded state (a scheduler or an edit of ``param_groups`` may have changed them):
+    ``lr`` finite and ``>= 0`` (``> 0`` at construction, checked there), ``ess`` and
+    ``hess_init`` finite and positive, ``betas`` two floats in ``[0, 1)``,
+    ``prior_precision`` finite and ``>= 0``, ``clip_radius`` None or positive,
+    ``mc_samples`` an int ``>= 1``, ``antithetic`` and ``rescale_lr`` bools. ``where``
+    prefixes the message (e.g. ``"IVON.step(): param_groups[1]: "``)."""
+    keys = {"lr", "ess", "hess_init", "betas", "prior_precision", "clip_radius"}
+    missing = (keys | {"mc_samples", "antithetic", "rescale_lr"}) - set(group)
+    if missing:
+        raise ValueError(f"{where}IVON parameter group is missing {sorted(missing)}")
+    lr = group["lr"]
+    if not _finite(lr) or not lr >= 0:
+        raise ValueError(f"{where}lr must be a finite float >= 0, got {lr!r}")
+    try:
+        check_positive(group["ess"], "ess")
+        check_positive(group["hess_init"], "hess_init")
+        if group["clip_radius"] is not None:
+            check_positive(group["clip_radius"], "clip_radius")
+    except ValueError as err:
+        raise ValueError(f"{where}{err}") from None
+    check_betas(group["betas"], where)
+    d = group["prior_precision"]
+    if not _finite(d) or not d >= 0:
+        raise ValueError(f"{where}prior_precision must be a finite float >= 0, got {d!r}")
+    mc = group["mc_samples"]
+    if isinstance(mc, bool) or not isinstance(mc, int) or mc < 1:
+        raise ValueError(f"{where}mc_samples must be an int >= 1, got {mc!r}")
+    for name in ("antithetic", "rescale_lr"):
+        if not isinstance(group[name], bool):
+            raise ValueError(f"{where}{name} must be a bool, got {group[name]!r}")
 
 
 def _as_tuple(value: Any) -> tuple[Any, ...]:
@@ -181,3 +234,20 @@ def deprecated_alias(old: str, new: str, who: str) -> property:
         setattr(self, new, value)
 
     return property(get, put, doc=f"Deprecated synonym of :attr:`{new}`.")
+
+
+def renamed_kwarg(
+    new: Any, old: Any, old_name: str, new_name: str, who: str, how: str = "", stacklevel: int = 3
+) -> Any:
+    """The value of a constructor argument renamed from ``old_name`` to ``new_name``: ``new``,
+    or the deprecated ``old`` (not None: a ``DeprecationWarning`` naming the new argument,
+    ``how`` says how to convert, e.g. ``"prior_precision = weight_decay * ess"``); both
+    given is a ``ValueError``. Call it with the old value already converted."""
+    if old is None:
+        return new
+    hint = f" ({how})" if how else ""
+    warnings.warn(f"{who}({old_name}=...) is deprecated: use {who}({new_name}=...){hint}",
+                  DeprecationWarning, stacklevel=stacklevel)  # fmt: skip
+    if new is not None:
+        raise ValueError(f"{who}: pass {new_name} or the deprecated {old_name}, not both")
+    return old

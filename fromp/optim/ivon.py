@@ -2,7 +2,8 @@ r"""Improved Variational Online Newton (IVON, Shen et al., ICML 2024).
 
 IVON fits a mean-field Gaussian ``q(theta) = N(m, diag(sigma^2))`` to the posterior of a
 network trained on ``N`` examples (the *effective sample size* ``ess``) with a prior
-``N(0, 1 / (N delta))`` (``delta`` the weight decay), at nearly the cost of Adam: the
+``N(0, 1 / delta)`` (``delta`` the ``prior_precision``; the paper's weight decay is
+``delta / N``, written ``d`` below), at nearly the cost of Adam: the
 curvature comes from the gradient at a sampled weight alone (a reparameterisation-trick
 Hessian estimate), not from per-example gradients. Every step, for each of ``mc_samples``
 draws ``theta = m + eps``, ``eps ~ N(0, sigma^2)``,
@@ -12,26 +13,26 @@ draws ``theta = m + eps``, ``eps ~ N(0, sigma^2)``,
 (``l`` the mean mini-batch loss; both averaged over the draws), then, per coordinate,
 
     ``g  <- beta1 g + (1 - beta1) g^``
-    ``h  <- beta2 h + (1 - beta2) h^ + (1 - beta2)^2 (h - h^)^2 / (2 (h + delta))``
+    ``h  <- beta2 h + (1 - beta2) h^ + (1 - beta2)^2 (h - h^)^2 / (2 (h + d))``
     ``gb  = g / (1 - beta1^t)``
-    ``m  <- m - alpha (gb + delta m) / (h + delta)``
-    ``sigma^2 = 1 / (N (h + delta))``
+    ``m  <- m - alpha (gb + d m) / (h + d)``
+    ``sigma^2 = 1 / (N (h + d))``,   ``d = delta / N``
 
 The third term of the ``h`` update (a Riemannian-gradient correction) keeps ``h + delta``
 positive whatever the sign of ``h^``. With ``rescale_lr`` (the default) the step size is
-``alpha = lr * (h0 + delta)`` so that ``lr`` has the scale of an SGD learning rate at
+``alpha = lr * (h0 + d)`` so that ``lr`` has the scale of an SGD learning rate at
 initialisation (``h = h0``); ``clip_radius`` clips each coordinate of the preconditioned
-step ``(gb + delta m) / (h + delta)`` to ``[-clip_radius, clip_radius]``.
+step ``(gb + d m) / (h + d)`` to ``[-clip_radius, clip_radius]``.
 
-The posterior is ``q = N(m, diag(1 / (N (h + delta))))``: :meth:`IVON.posterior` returns
+The posterior is ``q = N(m, diag(1 / (N h + delta)))``: :meth:`IVON.posterior` returns
 it as a :class:`~fromp.posterior.DiagonalGaussian`, so that ``fromp.dnn2gp(model,
 opt.posterior(model), ...)`` is the DNN2GP Gaussian process at any IVON iterate.
 
 Continual IVON: :meth:`IVON.set_prior` replaces the weight-decay prior by a diagonal
 Gaussian ``N(m0, diag(1 / p0))`` (e.g. the previous task's posterior). The objective
 ``sum_i l_i + 1/2 (theta - m0)^T diag(p0) (theta - m0)``, divided by ``N``, gives the
-update above with ``delta = p0 / N`` (a ``[P]`` vector) and ``delta m`` replaced by
-``delta (m - m0)``; the posterior precision is ``N h + p0``.
+update above with ``d = p0 / N`` (a ``[P]`` vector) and ``d m`` replaced by
+``d (m - m0)``; the posterior precision is ``N h + p0``.
 
 Typical use::
 
@@ -70,6 +71,8 @@ References:
 
 from __future__ import annotations
 
+import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -77,16 +80,67 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fromp._checks import check_ivon_group, check_positive
+from fromp._checks import check_positive
 from fromp.optim._contract import (
+    check_betas,
     check_closure_result,
+    check_ess,
     check_groups,
+    check_ivon_hyper,
     check_ivon_state,
     ess_alias,
+    renamed_kwarg,
 )
 from fromp.optim.ivon_posterior import IVONPosterior
 
-__all__ = ["IVON"]
+__all__ = ["DEFAULT_WEIGHT_DECAY", "IVON"]
+
+#: ``prior_precision / ess`` when no prior precision is given (the IVON paper's default
+#: weight decay): ``prior_precision = 1e-4 * ess``.
+DEFAULT_WEIGHT_DECAY = 1e-4
+_WD_HOW = "prior_precision = weight_decay * ess"
+
+
+def _old_weight_decay(weight_decay: object, ess: float) -> float:
+    """The deprecated ``weight_decay`` (``delta / N``) as ``prior_precision = weight_decay *
+    ess`` (checked first, so that the message names the argument the user wrote)."""
+    if isinstance(weight_decay, bool) or not isinstance(weight_decay, int | float):
+        raise ValueError(f"weight_decay must be a float >= 0, got {weight_decay!r}")
+    if not (weight_decay >= 0 and math.isfinite(weight_decay)):
+        raise ValueError(f"weight_decay must be a finite float >= 0, got {weight_decay!r}")
+    return float(weight_decay) * ess
+
+
+def _betas(
+    betas: tuple[float, float] | None, beta1: float | None, beta2: float | None
+) -> tuple[float, float]:
+    """``betas``, or the deprecated ``beta1=`` / ``beta2=`` (each defaulting to the paper's
+    ``0.9`` / ``0.99999``)."""
+    old = None
+    if beta1 is not None or beta2 is not None:
+        old = (0.9 if beta1 is None else beta1, 0.99999 if beta2 is None else beta2)
+    how = "betas = (beta1, beta2)"
+    betas = renamed_kwarg(betas, old, "beta1/beta2", "betas", "IVON", how, stacklevel=4)
+    return check_betas((0.9, 0.99999) if betas is None else betas)
+
+
+def _old_group(group: dict[str, Any], ess: float) -> dict[str, Any]:
+    """A parameter group with the 0.4 keys (``weight_decay``, ``beta1``, ``beta2``) in the new
+    ones, with a ``DeprecationWarning``; ``weight_decay`` times the group's ``ess`` (the
+    constructor's when the group has none)."""
+    if not {"weight_decay", "beta1", "beta2"} & set(group):
+        return group
+    warnings.warn("IVON parameter groups take 'prior_precision' (= weight_decay * ess) and "
+                  "'betas' (= (beta1, beta2)); 'weight_decay', 'beta1' and 'beta2' are "
+                  "deprecated", DeprecationWarning, stacklevel=4)  # fmt: skip
+    group = dict(group)
+    if "weight_decay" in group:
+        n = check_ess(group.get("ess", ess))
+        group["prior_precision"] = _old_weight_decay(group.pop("weight_decay"), n)
+    if "beta1" in group or "beta2" in group:
+        b1, b2 = group.pop("beta1", 0.9), group.pop("beta2", 0.99999)
+        group["betas"] = check_betas((b1, b2))
+    return group
 
 
 class IVON(IVONPosterior, torch.optim.Optimizer):
@@ -96,16 +150,22 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
         params: an iterable of tensors or of parameter-group dicts (each group may override
             every hyperparameter below except ``mc_samples`` and ``antithetic``, which are
             global).
-        lr: learning rate (scaled by ``hess_init + weight_decay`` when ``rescale_lr``).
+        lr: learning rate (scaled by ``hess_init + prior_precision / ess`` when
+            ``rescale_lr``).
         ess: effective sample size ``N`` (usually the training-set size; VOGN's name too);
-            sets the posterior scale ``sigma^2 = 1 / (N (h + delta))``.
+            sets the posterior scale ``sigma^2 = 1 / (N h + delta)``.
             ``train_set_size=`` is its deprecated synonym.
-        hess_init: initial Hessian estimate ``h0 > 0``.
-        beta1: momentum decay of the gradient.
-        beta2: decay of the Hessian estimate.
-        weight_decay: ``delta >= 0``, the prior precision divided by ``N`` (the IVON paper's
-            parameterisation: VOGN's ``prior_precision`` is ``N delta``; ``h + delta`` must
-            stay positive: with ``delta = 0``, ``h0 > 0`` keeps it so).
+        prior_precision: ``delta >= 0``, the whole precision of the prior ``N(0, 1 /
+            delta)`` on the weights (VOGN's name and meaning); the update uses ``delta / N``
+            (the IVON paper's weight decay). None: ``1e-4 * ess`` (the paper's default weight
+            decay 1e-4). ``h + delta / N`` must stay positive: with ``delta = 0``,
+            ``hess_init > 0`` keeps it so. ``weight_decay=`` (``delta / N``) is deprecated:
+            ``prior_precision = weight_decay * ess`` (converted with the ``ess`` given here).
+        hess_init: initial Hessian estimate ``h0 > 0`` (VOGN's name for its initial
+            curvature too).
+        betas: ``(beta1, beta2)``, the decays of the momentum of the gradient and of the
+            Hessian estimate (default ``(0.9, 0.99999)``; torch's and VOGN's form, which LR
+            schedulers that cycle the momentum edit). ``beta1=`` / ``beta2=`` are deprecated.
         mc_samples: draws per step when stepping with a closure (``>= 1``).
         antithetic: draw in mirrored pairs: every second draw is ``-z`` of the draw before
             it (within a step when ``mc_samples`` is even, else across consecutive steps),
@@ -115,7 +175,7 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
             z^2 + g(m) z / sigma`` for independent draws), and half of the draws need no
             random numbers (on a CPU the normal fill is most of IVON's cost over Adam).
         clip_radius: clip each coordinate of the preconditioned step (None: no clipping).
-        rescale_lr: ``alpha = lr * (hess_init + weight_decay)``.
+        rescale_lr: ``alpha = lr * (hess_init + prior_precision / ess)``.
 
     Memory: the state (``g``, ``h``) and eight work buffers, flat, ``10 P`` numbers for ``P``
     parameters (``13 P`` after :meth:`set_prior`), against Adam's ``2 P``: for a torchvision
@@ -134,37 +194,49 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
         lr: float,
         ess: float | None = None,
         *,
+        prior_precision: float | None = None,
         hess_init: float = 1.0,
-        beta1: float = 0.9,
-        beta2: float = 0.99999,
-        weight_decay: float = 1e-4,
+        betas: tuple[float, float] | None = None,
         mc_samples: int = 1,
         clip_radius: float | None = None,
         rescale_lr: bool = True,
         antithetic: bool = False,
+        weight_decay: float | None = None,
+        beta1: float | None = None,
+        beta2: float | None = None,
         train_set_size: float | None = None,
     ) -> None:
         ess = ess_alias(ess, train_set_size, "IVON")
         if ess is None:
             raise ValueError("ess is required: IVON(params, lr, ess=N), N the training-set size")
+        ess = check_ess(ess)
         if isinstance(params, nn.Module):
             raise ValueError("params must be an iterable of tensors (model.parameters())")
+        if weight_decay is not None:
+            weight_decay = _old_weight_decay(weight_decay, ess)
+        prior_precision = renamed_kwarg(prior_precision, weight_decay, "weight_decay",
+                                        "prior_precision", "IVON", _WD_HOW)  # fmt: skip
+        if prior_precision is None:
+            prior_precision = DEFAULT_WEIGHT_DECAY * ess
+        betas = _betas(betas, beta1, beta2)
         defaults = dict(
             lr=lr,
             ess=ess,
+            prior_precision=prior_precision,
             hess_init=hess_init,
-            beta1=beta1,
-            beta2=beta2,
-            weight_decay=weight_decay,
+            betas=betas,
             mc_samples=mc_samples,
             clip_radius=clip_radius,
             rescale_lr=bool(rescale_lr),
             antithetic=antithetic,
         )
-        check_ivon_group(defaults)
+        check_positive(lr, "lr")
+        check_ivon_hyper(defaults)
+        params = [_old_group(g, ess) if isinstance(g, dict) else g for g in params]
         super().__init__(params, defaults)
         for group in self.param_groups:
-            check_ivon_group(group)
+            check_positive(group["lr"], "lr")
+            check_ivon_hyper(group)
             for name in ("mc_samples", "antithetic"):
                 if group[name] != defaults[name]:
                     raise ValueError(f"{name} is global: do not set it per parameter group")
@@ -253,7 +325,7 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
         """``delta``: ``p0 / N`` after :meth:`set_prior`, else the weight decay."""
         if "prior_precision" in st:
             return st["prior_precision"] / group["ess"]
-        return float(group["weight_decay"])
+        return float(group["prior_precision"]) / float(group["ess"])
 
     # ------------------------------------------------------------------ work buffers
     _BUFFERS = ("mom", "hess", "den", "rsd", "z", "mean", "ga", "ha", "buf", "gx")
@@ -323,7 +395,7 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
 
     def _den_key(self, group: dict[str, Any]) -> tuple[Any, ...]:
         """What ``den`` depends on besides ``h``: it is recomputed when this changes."""
-        return (group["ess"], group["weight_decay"], self._version, self.ivon_state["step"])
+        return (group["ess"], group["prior_precision"], self._version, self.ivon_state["step"])
 
     @staticmethod
     def _set_den(work: dict[str, Any], group: dict[str, Any], prior: bool) -> None:
@@ -332,7 +404,7 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
             torch.div(work["p0"], group["ess"], out=work["dvec"])
             torch.add(work["hess"], work["dvec"], out=work["den"])
         else:
-            torch.add(work["hess"], group["weight_decay"], out=work["den"])
+            torch.add(work["hess"], group["prior_precision"] / group["ess"], out=work["den"])
         torch.rsqrt(work["den"], out=work["rsd"])
 
     def _group_work(self) -> list[tuple[dict[str, Any], dict[str, Any], bool]]:
@@ -553,7 +625,8 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
             self._link_state()
         for group, w, prior in self._group_work():
             params = group["params"]
-            b1, b2 = group["beta1"], group["beta2"]
+            b1, b2 = group["betas"]
+            wd = group["prior_precision"] / group["ess"]  # delta / N
             bc1 = 1 - b1**t
             ga, ha, buf, hess, mom = w["ga"], w["ha"], w["buf"], w["hess"], w["mom"]
             den, rsd, c = w["den"], w["rsd"], w["c"]
@@ -582,15 +655,13 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
                 torch._foreach_copy_(w["ga_v"], params)
                 ga.sub_(w["m0"]).mul_(w["dvec"])
                 buf.addcdiv_(ga, den, value=bc1)
-            elif group["weight_decay"]:
-                torch._foreach_addcdiv_(
-                    w["buf_v"], params, w["den_v"], value=group["weight_decay"] * bc1
-                )
+            elif wd:
+                torch._foreach_addcdiv_(w["buf_v"], params, w["den_v"], value=wd * bc1)
             if group["clip_radius"] is not None:
                 buf.clamp_(-group["clip_radius"] * bc1, group["clip_radius"] * bc1)
             alpha = group["lr"]
             if group["rescale_lr"]:
-                alpha = alpha * (group["hess_init"] + group["weight_decay"])
+                alpha = alpha * (group["hess_init"] + wd)
             torch._foreach_add_(params, w["buf_v"], alpha=-alpha / bc1)
             w["den_key"] = self._den_key(group)
 
