@@ -28,8 +28,8 @@ __all__ = [
     "check_targets",
     "check_vogn_state",
     "deprecated_alias",
-    "renamed_kwarg",
     "ess_alias",
+    "renamed_kwarg",
 ]
 
 #: Hyperparameters that act on the whole posterior: equal in every group.

@@ -81,6 +81,7 @@ import torch
 from torch import Tensor, nn
 
 from fromp._checks import check_positive
+from fromp.distributed import is_distributed, mean_over_ranks
 from fromp.optim._contract import (
     check_betas,
     check_closure_result,
@@ -562,13 +563,27 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ update
     @torch.no_grad()
-    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:  # type: ignore[override]
+    def step(  # type: ignore[override]
+        self, closure: Callable[[], Tensor] | None = None, *, batch_size: int | None = None
+    ) -> Tensor | None:
         """One IVON update.
 
-        With ``closure`` (zeroes the gradients, computes the loss, calls ``backward()``):
-        ``mc_samples`` draws, each evaluated inside :meth:`sampled_params`; returns the
-        mean loss. Without: averages the draws accumulated since the last step (at least
-        one :meth:`sampled_params` block with ``train=True``)."""
+        With ``closure`` (zeroes the gradients, computes the mean loss, calls
+        ``backward()``, returns the loss: the protocol VOGN shares): ``mc_samples`` draws,
+        each evaluated inside :meth:`sampled_params`; returns the mean loss. Without:
+        averages the draws accumulated since the last step (at least one
+        :meth:`sampled_params` block with ``train=True``).
+
+        Several processes (``torch.distributed`` initialised, more than one rank): the
+        averaged ``g^``, ``h^`` (and :meth:`add_gradient`'s term) of this rank, means over
+        its ``batch_size`` examples, become the means over all ranks' examples,
+        ``sum_r M_r g^_r / sum_r M_r`` (:func:`fromp.distributed.mean_over_ranks`;
+        ``batch_size=None`` weighs the ranks equally, right when they have equal batches),
+        before the update, so every rank makes the same update. Each rank's ``h^`` comes
+        from its own draw: seed each rank differently (``torch.manual_seed(seed +
+        fromp.distributed.rank())``, as in IVON's multi-GPU runs) and the ``h^`` of the
+        ranks average like ``world_size`` Monte Carlo samples; with one seed on every rank
+        the draws are equal and the step is exactly one process's on the global batch."""
         check_groups(self.param_groups, "IVON.step()")
         loss = None
         if closure is not None:
@@ -595,6 +610,12 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
                 "backward() inside `with opt.sampled_params(train=True):`, or pass a closure"
             )
         work = self._group_work()
+        if is_distributed():
+            bufs = []
+            for _, w, _ in work:
+                self._fold_pending(w)  # h^ of this rank's draw, before the average
+                bufs += [w["ga"], w["ha"]] + ([w["gx"]] if w["has_gx"] else [])
+            mean_over_ranks(bufs, 1.0 if batch_size is None else batch_size)
         finite = torch.stack([torch.isfinite(w["ga"]).all() for _, w, _ in work]).all()
         if not bool(finite):  # one host sync per step; refuse before any state changes
             self._discard()
