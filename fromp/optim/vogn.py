@@ -619,7 +619,7 @@ class VOGN(torch.optim.Optimizer):
                 "closure that computes the mean loss of model(x), any extra term inside "
                 "`with opt.extra_term():`, calls backward() and returns the loss",
                 DeprecationWarning,
-                stacklevel=2,
+                stacklevel=3,  # past torch's step wrapper
             )
             return self._step_batch(closure, y, regularizer=regularizer, model=model)
         if y is not None or regularizer is not None or model is not None:
