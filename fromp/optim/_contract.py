@@ -25,6 +25,7 @@ __all__ = [
     "check_groups",
     "check_ivon_hyper",
     "check_ivon_state",
+    "check_param_state",
     "check_targets",
     "check_vogn_state",
     "deprecated_alias",
@@ -251,3 +252,33 @@ def renamed_kwarg(
     if new is not None:
         raise ValueError(f"{who}: pass {new_name} or the deprecated {old_name}, not both")
     return old
+
+
+def check_param_state(
+    state: Any, params: Sequence[Tensor], required: Sequence[str], who: str
+) -> None:
+    """torch's per-index optimizer state (``state_dict()["state"]``) that fits ``params``:
+    indices of parameters, each a dict with the ``required`` tensors, every tensor of the
+    parameter's shape (``"step"`` a number) and finite. ``ValueError`` naming the entry,
+    before anything is loaded."""
+    if not isinstance(state, dict):
+        raise ValueError(f"{who} state must be a dict of parameter index -> dict")
+    for i, st in state.items():
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(params):
+            raise ValueError(f"{who} state has index {i!r}, the optimizer has {len(params)} "
+                             "parameters")  # fmt: skip
+        if not isinstance(st, dict):
+            raise ValueError(f"{who} state[{i}] must be a dict")
+        missing = [k for k in required if k not in st]
+        if missing:
+            raise ValueError(f"{who} state[{i}] is missing {missing}")
+        for k, v in st.items():
+            if k == "step":
+                if not _finite(float(v)) or float(v) < 0:
+                    raise ValueError(f"{who} state[{i}]['step'] must be a count >= 0, got {v!r}")
+                continue
+            if not isinstance(v, Tensor) or v.shape != params[i].shape:
+                raise ValueError(f"{who} state[{i}][{k!r}] must be a tensor of shape "
+                                 f"{tuple(params[i].shape)}")  # fmt: skip
+            if not bool(torch.isfinite(v).all()):
+                raise ValueError(f"{who} state[{i}][{k!r}] has non-finite entries (NaN or inf)")

@@ -71,6 +71,7 @@ References:
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -89,6 +90,7 @@ from fromp.optim._contract import (
     check_groups,
     check_ivon_hyper,
     check_ivon_state,
+    check_param_state,
     ess_alias,
     renamed_kwarg,
 )
@@ -250,26 +252,30 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
                     "params of one group must share dtype and device, got "
                     f"{sorted(map(str, kinds))}"
                 )
-        self.ivon_state: dict[str, Any] = {
-            "step": 0,
-            "params": [self._fresh(p, g) for g, p in self._pairs()],
-        }
         self._work_cache: dict[int, dict[str, Any]] = {}
         self._version = 0  # bumped when the prior or the loaded state changes
         self._drawn = False  # the parameters hold theta, the mean is in the work buffers
         self._n_acc = 0  # draws accumulated for the next step
         # antithetic: the z of the last fresh draw, per group, while its mirror is unused
         self._mirror: list[Tensor] | None = None
-        self._link_state()
+        self._states()  # self.state[p] for every parameter, as torch's optimizers keep it
 
     # ------------------------------------------------------------------ bookkeeping
-    def _link_state(self) -> None:
-        """torch's per-parameter state: ``self.state[p]`` is ``p``'s dict of
-        :attr:`ivon_state` (the same object, so it always shows the live tensors). Relinked
-        at every step when missing: Avalanche's optimizer resets replace ``self.state``,
-        while :attr:`ivon_state`, the posterior, survives them."""
-        for p, st in zip(self.params, self.ivon_state["params"]):
-            self.state[p] = st
+    @property
+    def ivon_state(self) -> dict[str, Any]:
+        """Deprecated: ``{"step": t, "params": [self.state[p] for p in params]}``, a view of
+        :attr:`state` (the per-parameter state is torch's ``self.state[p]``)."""
+        warnings.warn(
+            "IVON.ivon_state is deprecated: the state is torch's, IVON.state[p] ('step', "
+            "'momentum', 'hess', ...)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return {"step": self._step_count(), "params": self._states()}
+
+    def _step_count(self) -> int:
+        """``t``, the steps since the start (or the last :meth:`set_prior` with a reset)."""
+        return max((int(st.get("step", 0)) for st in self.state.values()), default=0)
 
     def _pairs(self) -> Iterator[tuple[dict[str, Any], Tensor]]:
         for group in self.param_groups:
@@ -307,18 +313,30 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
         for group in self.param_groups:
             group["ess"] = value
 
-    def _states(self) -> list[dict[str, Tensor]]:
-        states = self.ivon_state["params"]
-        n = sum(1 for _ in self._pairs())
-        if len(states) != n:
-            raise RuntimeError(
-                f"IVON holds state for {len(states)} parameters but its groups hold {n}: "
-                "parameters were added or removed after construction"
-            )
-        for (_, p), st in zip(self._pairs(), states):
-            if st["hess"].device != p.device or st["hess"].dtype != p.dtype:
+    def _states(self) -> list[dict[str, Any]]:
+        """``self.state[p]`` of every parameter in group order, created where missing (a
+        parameter added after construction, e.g. a new head, or a state reset):
+        ``momentum`` 0, ``hess`` ``hess_init``, the current step count and, in a group
+        whose parameters have a prior from :meth:`set_prior`, the group's prior ``N(0, 1 /
+        delta)``. Tensors follow the parameter's device and dtype."""
+        t = None
+        states = []
+        for group, p in self._pairs():
+            st = self.state[p]
+            if "hess" not in st:
+                t = self._step_count() if t is None else t
+                st.update(self._fresh(p, group), step=t)
+                others = [self.state[q] for q in group["params"] if q is not p]
+                if any("prior_precision" in o for o in others):
+                    st["prior_mean"] = torch.zeros_like(p).detach()
+                    st["prior_precision"] = torch.full_like(p, group["prior_precision"]).detach()
+                self._version += 1
+            elif st["hess"].device != p.device or st["hess"].dtype != p.dtype:
                 for k, v in st.items():
-                    st[k] = v.to(device=p.device, dtype=p.dtype)
+                    if isinstance(v, Tensor):
+                        st[k] = v.to(device=p.device, dtype=p.dtype)
+                self._version += 1
+            states.append(st)
         return states
 
     @staticmethod
@@ -336,15 +354,16 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
         steps (fresh temporaries cost page faults on every step on a CPU), so that every
         operation of a step is one pass over a flat vector:
 
-        - ``mom`` / ``hess``: the state ``g`` and ``h``; the tensors of :attr:`ivon_state`
-          are views of them (re-bound here after a load, a device move or a new prior);
+        - ``mom`` / ``hess``: flat copies of the state ``g`` and ``h`` of ``self.state``
+          (copied in after a load, a device move, a new prior or a new parameter; written
+          back after every update);
         - ``den = h + delta`` and ``rsd = den^{-1/2}`` of the current ``h`` (``sigma =
           rsd / sqrt(N)``), kept from the last update;
         - ``z`` (the standard-normal draw), ``mean`` (``m`` while the parameters hold
           ``theta``), ``ga`` / ``ha`` (sums of ``g^`` and ``h^`` over the draws), ``gx``
           (the gradient of :meth:`add_gradient`), ``buf`` (scratch);
-        - after :meth:`set_prior`: ``m0`` and ``p0`` (views bound to the state) and ``dvec
-          = p0 / N``.
+        - after :meth:`set_prior`: ``m0`` and ``p0`` (copies of the state) and ``dvec =
+          p0 / N``.
 
         Memory: ``10 P`` numbers (``13 P`` with a prior)."""
         params = group["params"]
@@ -356,14 +375,22 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
             for name in self._BUFFERS:
                 self._flat(work, name, params)
             self._work_cache[gi] = work
-        self._bind(work, params, states, "mom", "momentum")
-        self._bind(work, params, states, "hess", "hess")
-        if "prior_precision" in states[0]:
-            if "m0" not in work:
-                for name in ("m0", "p0", "dvec"):
-                    self._flat(work, name, params)
-            self._bind(work, params, states, "m0", "prior_mean")
-            self._bind(work, params, states, "p0", "prior_precision")
+        prior = "prior_precision" in states[0]
+        src = (
+            self._version,
+            prior,
+            [id(v) for st in states for v in st.values() if isinstance(v, Tensor)],
+        )
+        if work.get("src") != src:  # the state was replaced or edited: copy it in
+            torch._foreach_copy_(work["mom_v"], [st["momentum"] for st in states])
+            torch._foreach_copy_(work["hess_v"], [st["hess"] for st in states])
+            if prior:
+                if "m0" not in work:
+                    for name in ("m0", "p0", "dvec"):
+                        self._flat(work, name, params)
+                torch._foreach_copy_(work["m0_v"], [st["prior_mean"] for st in states])
+                torch._foreach_copy_(work["p0_v"], [st["prior_precision"] for st in states])
+            work["src"], work["den_key"] = src, None
         return work
 
     @staticmethod
@@ -377,26 +404,9 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
         work[name] = flat
         work[name + "_v"] = views
 
-    @staticmethod
-    def _bind(
-        work: dict[str, Any],
-        params: list[Tensor],
-        states: list[dict[str, Tensor]],
-        name: str,
-        key: str,
-    ) -> None:
-        """Make ``states[j][key]`` a view of the flat buffer ``work[name]`` (copying its
-        values in) where it is not one already."""
-        views = work[name + "_v"]
-        for st, v in zip(states, views):
-            if st[key] is not v:
-                v.copy_(st[key])
-                st[key] = v
-                work["den_key"] = None
-
     def _den_key(self, group: dict[str, Any]) -> tuple[Any, ...]:
         """What ``den`` depends on besides ``h``: it is recomputed when this changes."""
-        return (group["ess"], group["prior_precision"], self._version, self.ivon_state["step"])
+        return (group["ess"], group["prior_precision"], self._version, self._step_count())
 
     @staticmethod
     def _set_den(work: dict[str, Any], group: dict[str, Any], prior: bool) -> None:
@@ -407,6 +417,13 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
         else:
             torch.add(work["hess"], group["prior_precision"] / group["ess"], out=work["den"])
         torch.rsqrt(work["den"], out=work["rsd"])
+
+    def _group_states(self) -> list[list[dict[str, Any]]]:
+        states, out, i = self._states(), [], 0
+        for group in self.param_groups:
+            out.append(states[i : i + len(group["params"])])
+            i += len(group["params"])
+        return out
 
     def _group_work(self) -> list[tuple[dict[str, Any], dict[str, Any], bool]]:
         states = self._states()
@@ -640,11 +657,11 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
         ``h^ = g^ z / sigma`` formed here) and ``rsd`` of the draws (old ``h``); leaves
         ``den`` and ``rsd`` of the new ``h`` for the next draw. 13 passes over ``[P]``
         (12 without ``clip_radius``), fewer than half of them divisions or square roots."""
-        self.ivon_state["step"] += 1
-        t = self.ivon_state["step"]
-        if self.params[0] not in self.state:  # self.state was reset (Avalanche)
-            self._link_state()
-        for group, w, prior in self._group_work():
+        work = self._group_work()
+        t = self._step_count() + 1
+        for st in self._states():
+            st["step"] = t
+        for (group, w, prior), sts in zip(work, self._group_states()):
             params = group["params"]
             b1, b2 = group["betas"]
             wd = group["prior_precision"] / group["ess"]  # delta / N
@@ -684,55 +701,87 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
             if group["rescale_lr"]:
                 alpha = alpha * (group["hess_init"] + wd)
             torch._foreach_add_(params, w["buf_v"], alpha=-alpha / bc1)
+            torch._foreach_copy_([st["momentum"] for st in sts], w["mom_v"])  # into self.state
+            torch._foreach_copy_([st["hess"] for st in sts], w["hess_v"])
             w["den_key"] = self._den_key(group)
 
     # ------------------------------------------------------------------ (de)serialisation
     def state_dict(self) -> dict[str, Any]:
-        """torch's optimizer state (the hyperparameters) plus ``"ivon"``: step count and
-        per-parameter state (tensors cloned)."""
+        """torch's optimizer state dict: ``"state"`` (per parameter index: ``"step"``,
+        ``"momentum"``, ``"hess"`` and, after :meth:`set_prior`, ``"prior_mean"`` and
+        ``"prior_precision"``; with ``antithetic``, ``"mirror"``, the draw the next one
+        mirrors) and ``"param_groups"``. The tensors are the live ones, as torch's (copy
+        them to keep them)."""
         if self._drawn:
             raise RuntimeError("IVON.state_dict(): the parameters hold a draw; restore() first")
+        self._states()
         out = super().state_dict()
-        out["state"] = {}  # self.state is a view of ivon_state, saved once under "ivon"
-        out["ivon"] = self._ivon_copy()
+        out["state"] = {i: dict(st) for i, st in out["state"].items()}
+        if self._mirror is not None:  # antithetic: the next draw mirrors this z
+            views = [v for g in self._mirror for v in self._split(g)]
+            for i, v in enumerate(views):
+                out["state"][i]["mirror"] = v.clone()
         return out
 
-    def _ivon_copy(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "step": self.ivon_state["step"],
-            "params": [{k: v.clone() for k, v in st.items()} for st in self._states()],
-        }
-        if self._mirror is not None:  # antithetic: the next draw mirrors this z
-            out["mirror"] = [z.clone() for z in self._mirror]
-        return out
+    def _split(self, flat: Tensor) -> list[Tensor]:
+        """A flat group vector as per-parameter views (the group is found by its size)."""
+        for group in self.param_groups:
+            if sum(p.numel() for p in group["params"]) == flat.numel():
+                views, i = [], 0
+                for p in group["params"]:
+                    views.append(flat[i : i + p.numel()].view_as(p))
+                    i += p.numel()
+                return views
+        raise ValueError("a mirror draw that fits no parameter group")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Inverse of :meth:`state_dict` (the parameters themselves, i.e. the mean, are the
-        model's: load them with the model)."""
+        """Inverse of :meth:`state_dict`, refused before any change when it does not fit
+        (the parameters themselves, i.e. the mean, are the model's: load them with the
+        model). A state dict of fromp 0.4 (``"ivon"`` beside an empty ``"state"``) loads
+        too."""
         state_dict = dict(state_dict)
-        ivon = state_dict.pop("ivon", None)
-        if ivon is None:
-            raise ValueError("state_dict has no 'ivon' entry: it was not saved by IVON")
+        old = state_dict.pop("ivon", None)
+        if old is not None:
+            check_ivon_state(old, self.params, self.param_groups)
+            state_dict["state"] = self._from_old(old)
         # refuse before anything is replaced: torch's load overwrites the groups
         check_groups(state_dict.get("param_groups", []), "IVON.load_state_dict")
-        check_ivon_state(ivon, self.params, self.param_groups)
+        check_param_state(state_dict.get("state", {}), self.params, ("momentum", "hess"), "IVON")
         super().load_state_dict(state_dict)
-        self.load_ivon_state(ivon)
-
-    def load_ivon_state(self, ivon: dict[str, Any]) -> None:
-        """Load ``state_dict()["ivon"]`` alone."""
-        check_ivon_state(ivon, self.params, self.param_groups)
-        params = self.params
-        loaded = []
-        for p, st in zip(params, ivon["params"]):
-            loaded.append({k: v.detach().to(p).clone() for k, v in st.items()})
-        self.ivon_state = {"step": int(ivon["step"]), "params": loaded}
-        self._link_state()
-        mirror = ivon.get("mirror")
-        if mirror is not None:
-            mirror = [
-                z.detach().to(g["params"][0]).clone() for z, g in zip(mirror, self.param_groups)
-            ]
-        self._mirror = mirror
+        mirror = []
+        for p in self.params:  # own copies: torch's load may share the caller's tensors
+            st = self.state[p]
+            for k, v in list(st.items()):
+                if isinstance(v, Tensor):
+                    st[k] = v.detach().to(p).clone()
+            if "mirror" in st:
+                mirror.append(st.pop("mirror"))
+        self._mirror = None
+        if mirror:
+            self._mirror, i = [], 0
+            for group in self.param_groups:
+                k = len(group["params"])
+                self._mirror.append(torch.cat([z.reshape(-1) for z in mirror[i : i + k]]))
+                i += k
         self._n_acc = 0
         self._version += 1
+
+    def _from_old(self, ivon: dict[str, Any]) -> dict[int, dict[str, Any]]:
+        """The 0.4 ``"ivon"`` entry (``{"step", "params": [...], "mirror"}``) as torch's
+        per-index state."""
+        state = {i: {**st, "step": int(ivon["step"])} for i, st in enumerate(ivon["params"])}
+        if ivon.get("mirror") is not None:
+            views = [v for z in ivon["mirror"] for v in self._split(z)]
+            for i, v in enumerate(views):
+                state[i]["mirror"] = v
+        return state
+
+    def load_ivon_state(self, ivon: dict[str, Any]) -> None:
+        """Load the posterior state alone: torch's ``state_dict()["state"]`` or the 0.4
+        ``state_dict()["ivon"]`` (the hyperparameters are left as they are)."""
+        groups = copy.deepcopy([{k: v for k, v in g.items() if k != "params"}
+                                for g in super().state_dict()["param_groups"]])  # fmt: skip
+        if "params" in ivon and "step" in ivon:
+            self.load_state_dict({"ivon": ivon, "state": {}, "param_groups": groups})
+        else:
+            self.load_state_dict({"state": ivon, "param_groups": groups})

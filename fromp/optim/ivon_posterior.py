@@ -108,6 +108,7 @@ class IVONPosterior:
                 st["momentum"].zero_()
                 st["hess"].fill_(group["hess_init"])
         if reset:
-            self.ivon_state["step"] = 0
+            for st in states:
+                st["step"] = 0
         self._version += 1
         return self.prior(model)
