@@ -62,10 +62,14 @@ class GradStats:
         self.loss, self.grad, self.curv, self.n = loss, grad, curv, n
 
 
+_DROPOUT = (nn.modules.dropout._DropoutNd,)
+
+
 @contextmanager
-def _bn_eval(model: nn.Module) -> Iterator[None]:
-    """Temporarily put the batch-norm layers of ``model`` in eval mode."""
-    changed = [m for m in model.modules() if isinstance(m, _BN) and m.training]
+def _bn_eval(model: nn.Module, kinds: tuple[type, ...] = _BN) -> Iterator[None]:
+    """Temporarily put the batch-norm layers (or the layers of ``kinds``) of ``model`` in
+    eval mode."""
+    changed = [m for m in model.modules() if isinstance(m, kinds) and m.training]
     for m in changed:
         m.eval()
     try:
@@ -423,8 +427,9 @@ class OutputCapture:
     ``J_i = d f_i / d w`` ``[C, P]`` comes from ``jacrev`` of one example, batched over the
     examples with ``vmap`` (one call per example where ``vmap`` cannot batch the module, e.g.
     a multi-task module that splits its batch by task label). Arguments whose first
-    dimension is ``B`` are split by example, the others shared. Batch-norm layers run in
-    eval mode for this pass (batch statistics couple the examples). Memory: ``chunk * C *
+    dimension is ``B`` are split by example, the others shared. Batch-norm and dropout
+    layers run in eval mode for this pass (batch statistics couple the examples; a dropout
+    mask of the recorded pass cannot be replayed). Memory: ``chunk * C *
     P`` numbers per chunk of examples. The order of ``[P]`` is ``named_parameters()``'s
     (trainable only)."""
 
@@ -460,27 +465,44 @@ class OutputCapture:
         return sum(len(f) for _, _, f in self.calls if f.grad is not None)
 
     def curvature(
-        self, likelihood: Likelihood | str | None, curvature: str, chunk_size: int | None
+        self,
+        likelihood: Likelihood | str | None,
+        curvature: str,
+        chunk_size: int | None,
+        output_grads: list[Tensor] | None = None,
     ) -> Tensor | None:
         """``h = (1/M) sum_i h_i`` ``[P]`` (see the class docstring); None when no recorded
-        output was reached by the backward pass. ``curvature="ggn"`` needs ``likelihood``."""
-        calls = [(a, k, f) for a, k, f in self.calls if f.grad is not None]
+        output was reached by the backward pass. ``curvature="ggn"`` needs ``likelihood``.
+
+        ``output_grads``: the per-example output gradients ``r_i = d l_i / d f_i`` of the
+        first ``len(output_grads)`` recorded calls, given (e.g. of the data loss alone,
+        when the backward pass also carried other terms); the others are not used."""
+        if output_grads is not None:
+            calls = [(a, k, r) for (a, k, _), r in zip(self.calls, output_grads)]
+            m = sum(len(r) for r in output_grads)
+            grads = [r.detach() for r in output_grads]
+        else:
+            calls = [(a, k, f) for a, k, f in self.calls if f.grad is not None]
+            m = self.n_examples
+            grads = [f.grad.detach() * m for _, _, f in calls]
         if not calls:
             return None
-        m = self.n_examples
+        fs = [f for _, _, f in self.calls][: len(calls)] if output_grads is not None else None
         lik = None if likelihood is None else get_likelihood(likelihood)
         if curvature == "ggn" and lik is None:
             raise ValueError("curvature='ggn' needs a Likelihood (or its name) as the loss")
         params = {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
         buffers = dict(self.model.named_buffers())
         h = {n: torch.zeros_like(p) for n, p in params.items()}
-        with _bn_eval(self.model):
-            for args, kwargs, f in calls:
+        with _bn_eval(self.model, _BN + _DROPOUT):
+            for j, (args, kwargs, f) in enumerate(calls):
+                if fs is not None:
+                    f = fs[j]
                 b = len(f)
                 leaves = [*args, *kwargs.values()]
                 batched = [isinstance(t, Tensor) and t.ndim > 0 and len(t) == b for t in leaves]
                 if curvature == "ef":
-                    vec = (f.grad.detach() * m).unsqueeze(-1)  # [B, C, 1]: r_i
+                    vec = grads[j].unsqueeze(-1)  # [B, C, 1]: r_i
                 else:
                     assert lik is not None
                     vec = lik.sqrt_hessian(f.detach())  # [B, C, K]: L_i

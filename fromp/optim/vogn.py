@@ -92,6 +92,7 @@ __all__ = [
     "VOGN",
     "GradStats",
     "LayerCapture",
+    "OutputCapture",
     "per_example_grad_stats",
     "predict_mc",
     "predict_mean",
@@ -301,6 +302,12 @@ class VOGN(torch.optim.Optimizer):
         self._dt_cache: tuple[tuple, Tensor] | None = None
         self._lr_cache: tuple[tuple, Tensor] | None = None
         self._work: dict[str, Tensor] = {}  # [P] work buffers (see _buffer)
+        self._layout = [(id(p), p.numel()) for p in self.params]
+        # what a parameter added later starts with (a float given to the constructor)
+        self._s0_scalar = float(hess_init) if isinstance(hess_init, int | float) else 0.0
+        self._delta_scalar = (
+            float(prior_precision) if isinstance(prior_precision, int | float) else 1.0
+        )
         self._link_state()
 
     def _link_state(self) -> None:
@@ -391,6 +398,7 @@ class VOGN(torch.optim.Optimizer):
 
     def posterior(self) -> DiagonalGaussian:
         """``q = N(mu, diag(1 / (N s^ / kl_weight + delta)))`` (copies of the state)."""
+        self._follow_params()
         return DiagonalGaussian(self.vogn_state["mu"].clone(), self.posterior_precision().clone())
 
     def prior(self) -> DiagonalGaussian:
@@ -423,8 +431,53 @@ class VOGN(torch.optim.Optimizer):
         return self.prior()
 
     # ---------------------------------------------------------------- parameters
+    def _follow_params(self) -> None:
+        """Follow the parameter groups when parameters were added or replaced after
+        construction (Avalanche adds a new head's parameters, or replaces a grown one): the
+        state of the parameters kept is kept; a new one starts with its current values as
+        the mean, no momentum, ``s`` at ``hess_init`` (0 when it was None or a vector),
+        the prior ``N(0, 1 / delta)`` with its group's ``prior_precision`` (1.0 when the
+        constructor got a vector)."""
+        layout = [(id(p), p.numel()) for p in self.params]
+        if layout == self._layout:
+            return
+        st, old, i = self.vogn_state, {}, 0
+        for key, k in self._layout:
+            old[key] = (i, k)
+            i += k
+        keys = [k for k, v in st.items() if isinstance(v, Tensor)]
+        parts: dict[str, list[Tensor]] = {k: [] for k in keys}
+        for group in self.param_groups:
+            for p in group["params"]:
+                where = old.get(id(p))
+                if where is not None and where[1] == p.numel():
+                    for k in keys:
+                        parts[k].append(st[k][where[0] : where[0] + where[1]])
+                    continue
+                fresh = {
+                    "mu": p.detach().reshape(-1).to(st["mu"]),
+                    "s": st["mu"].new_full((p.numel(),), self._s0_scalar),
+                    "m": st["mu"].new_zeros(p.numel()),
+                    "prior_mean": st["mu"].new_zeros(p.numel()),
+                    "prior_precision": st["mu"].new_full(
+                        (p.numel(),), group["prior_precision"] or self._delta_scalar
+                    ),
+                    "init_s": st["mu"].new_full((p.numel(),), self._s0_scalar),
+                }
+                for k in keys:
+                    parts[k].append(fresh[k])
+        for k in keys:
+            st[k] = torch.cat(parts[k]).clone()
+        self._layout = layout
+        self._version += 1
+        self._work = {}
+        self._lr_cache = None
+        self._link_state()
+
     def _sync_device(self) -> None:
-        """Follow the parameters when the model was moved after construction."""
+        """Follow the parameters when the model was moved after construction, or
+        parameters were added (:meth:`_follow_params`)."""
+        self._follow_params()
         p0 = self.params[0]
         st = self.vogn_state
         if st["mu"].device != p0.device or st["mu"].dtype != p0.dtype:
