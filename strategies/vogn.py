@@ -170,7 +170,7 @@ class VOGNPlugin(PosteriorOptimizerPlugin):
         outputs, self._outputs = self._outputs, None
         if h is not None:
             self.n_reused += 1
-        elif outputs is not None and outputs.calls:
+        elif outputs is not None and any(c[2] is strategy.mb_output for c in outputs.calls):
             h = self._recorded_curvature(outputs, strategy, opt)
         else:
             h = minibatch_curvature(
@@ -184,6 +184,9 @@ class VOGNPlugin(PosteriorOptimizerPlugin):
         forward call (whatever else was back-propagated): per-example output gradients of
         that loss, per-example Jacobians of the same call (its task labels, heads and
         padding), :class:`fromp.optim._stats.OutputCapture`."""
+        # Avalanche's call: the one whose output is strategy.mb_output (another plugin may
+        # have called the model inside the window, e.g. on memorable points)
+        outputs.calls = [c for c in outputs.calls if c[2] is strategy.mb_output][:1]
         f = outputs.calls[0][2].detach().requires_grad_(True)
         with torch.enable_grad():
             losses = opt.loss_fn(f, strategy.mb_y)
