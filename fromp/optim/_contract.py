@@ -19,6 +19,7 @@ from fromp._checks import check_class_targets, check_positive, check_vogn_hyper
 from fromp.likelihood import Likelihood, get_likelihood
 
 __all__ = [
+    "GroupHyperparameters",
     "check_betas",
     "check_closure_result",
     "check_ess",
@@ -282,3 +283,20 @@ def check_param_state(
                                  f"{tuple(params[i].shape)}")  # fmt: skip
             if not bool(torch.isfinite(v).all()):
                 raise ValueError(f"{who} state[{i}][{k!r}] has non-finite entries (NaN or inf)")
+
+
+class GroupHyperparameters:
+    """What :class:`~fromp.optim.IVON` and :class:`~fromp.optim.VOGN` read from their
+    ``param_groups`` alike: the parameters in group order and the global ``mc_samples``."""
+
+    param_groups: list[dict[str, Any]]
+
+    @property
+    def params(self) -> list[Tensor]:
+        """All parameters, group by group (the order of every flat vector)."""
+        return [p for group in self.param_groups for p in group["params"]]
+
+    @property
+    def mc_samples(self) -> int:
+        """Weight draws per ``step(closure)`` (one for all groups)."""
+        return int(self.param_groups[0]["mc_samples"])

@@ -84,6 +84,7 @@ from torch import Tensor, nn
 from fromp._checks import check_positive
 from fromp.distributed import is_distributed, mean_over_ranks
 from fromp.optim._contract import (
+    GroupHyperparameters,
     check_betas,
     check_closure_result,
     check_ess,
@@ -146,7 +147,7 @@ def _old_group(group: dict[str, Any], ess: float) -> dict[str, Any]:
     return group
 
 
-class IVON(IVONPosterior, torch.optim.Optimizer):
+class IVON(IVONPosterior, GroupHyperparameters, torch.optim.Optimizer):
     r"""Improved Variational Online Newton; see the module docstring for the update.
 
     Args:
@@ -288,15 +289,6 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
             "momentum": torch.zeros_like(p, memory_format=torch.preserve_format).detach(),
             "hess": torch.full_like(p, group["hess_init"]).detach(),
         }
-
-    @property
-    def params(self) -> list[Tensor]:
-        """The parameters in parameter-group order (the order of the flat vectors)."""
-        return [p for _, p in self._pairs()]
-
-    @property
-    def mc_samples(self) -> int:
-        return int(self.param_groups[0]["mc_samples"])
 
     @property
     def antithetic(self) -> bool:

@@ -64,6 +64,7 @@ from fromp._checks import check_chunk_size, check_positive, check_vogn_groups
 from fromp.distributed import is_distributed, mean_over_ranks
 from fromp.likelihood import Likelihood
 from fromp.optim._contract import (
+    GroupHyperparameters,
     _as_vector,
     check_betas,
     check_closure_result,
@@ -108,7 +109,7 @@ _VIEWS = (
 )
 
 
-class VOGN(torch.optim.Optimizer):
+class VOGN(GroupHyperparameters, torch.optim.Optimizer):
     r"""Variational Online Gauss-Newton with a diagonal Gaussian posterior.
 
     See the module docstring for the update. The optimiser keeps its own flat state
@@ -325,15 +326,6 @@ class VOGN(torch.optim.Optimizer):
             i += k
 
     # ---------------------------------------------------------------- hyper-parameters
-    @property
-    def params(self) -> list[Tensor]:
-        """All parameters, group by group: the order of the flat ``[P]`` state."""
-        return [p for group in self.param_groups for p in group["params"]]
-
-    @property
-    def mc_samples(self) -> int:
-        return int(self.param_groups[0]["mc_samples"])
-
     @property
     def kl_weight(self) -> float:
         return float(self.param_groups[0]["kl_weight"])
