@@ -148,6 +148,7 @@ def test_lr_zero_from_a_scheduler_is_a_step_that_does_not_move_the_mean(make):
         ("betas", (0.9, float("nan"))),
         ("ess", 0),
         ("ess", float("inf")),
+        ("ess", 1e-100),  # the posterior scale 1 / sqrt(ess) overflows float32
         ("prior_precision", float("nan")),
         ("prior_precision", float("inf")),
         ("prior_precision", -1.0),

@@ -55,6 +55,9 @@ def check_betas(betas: object, where: str = "") -> tuple[float, float]:
     return (float(betas[0]), float(betas[1]))
 
 
+_SCALE_MAX = float(torch.finfo(torch.float32).max)
+
+
 def check_ivon_hyper(group: dict[str, Any], where: str = "") -> None:
     """The hyperparameters of an IVON parameter group, at construction, at every step and in
     a loaded state (a scheduler or an edit of ``param_groups`` may have changed them):
@@ -77,6 +80,9 @@ def check_ivon_hyper(group: dict[str, Any], where: str = "") -> None:
             check_positive(group["clip_radius"], "clip_radius")
     except ValueError as err:
         raise ValueError(f"{where}{err}") from None
+    if float(group["ess"]) ** -0.5 > _SCALE_MAX:
+        raise ValueError(f"{where}ess={group['ess']!r} is too small: the posterior's scale "
+                         "1 / sqrt(ess) overflows float32")  # fmt: skip
     check_betas(group["betas"], where)
     d = group["prior_precision"]
     if not _finite(d) or not d >= 0:
