@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-__all__ = ["all_reduce_sum", "fold", "is_distributed", "rank", "world_size"]
+__all__ = ["all_reduce_sum", "fold", "is_distributed", "mean_over_ranks", "rank", "world_size"]
 
 T = TypeVar("T")
 
@@ -115,3 +115,19 @@ def _first_device(obj: Any) -> torch.device | None:
         if d is not None:
             return d
     return None
+
+
+def mean_over_ranks(tensors: Sequence[Tensor], n: float | Tensor = 1.0) -> None:
+    """Replace each tensor, a mean over this rank's ``n`` examples, in place by the mean over
+    the examples of all ranks: ``t <- sum_r n_r t_r / sum_r n_r``, so that ranks with
+    different batch sizes weigh by their examples (with equal ``n`` on every rank, the plain
+    mean over ranks). The tensors and the counts travel in one collective per dtype and
+    device; the division stays on the device (no host sync). A no-op in a single process."""
+    if not is_distributed() or not tensors:
+        return
+    total = torch.as_tensor(n, dtype=tensors[0].dtype, device=tensors[0].device).reshape(1).clone()
+    for t in tensors:
+        t.mul_(total.to(t))
+    all_reduce_sum([*tensors, total])
+    for t in tensors:
+        t.div_(total.to(t))

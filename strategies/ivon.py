@@ -18,10 +18,11 @@ One posterior sample per iteration (``mc_samples`` of the optimizer is not used 
 left in the parameters by an exception inside an iteration is discarded (the mean restored)
 at the next iteration, epoch or experience boundary.
 
-The IVON state (momentum, Hessian estimate, step count, prior) lives in the optimizer's
-``ivon_state``, not in ``optimizer.state``, so Avalanche's optimizer resets keep it; the
-plugin's ``state_dict`` holds it too, with the per-experience posteriors, so that a run can be
-resumed in a fresh process.
+The IVON state (momentum, Hessian estimate, step count, prior) is torch's
+``optimizer.state``; parameters that Avalanche adds (a new head of a ``MultiHeadClassifier``)
+get theirs at their first step. The plugin's ``state_dict`` holds the optimizer's state dict
+with the per-experience posteriors, so that a run can be resumed in a fresh process (loaded
+again after Avalanche's first reset of ``optimizer.state``).
 
 Continual IVON (:class:`IVONStrategy`): after each experience the posterior ``N(m, 1/(N (h +
 delta)))`` becomes the prior of the next one (:meth:`IVON.set_prior`), the momentum, ``h``
@@ -30,6 +31,7 @@ and the step count restart, the mean is kept and ``N`` becomes the size of the n
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -37,6 +39,7 @@ from torch import nn
 
 from fromp._checks import check_positive
 from fromp.optim.ivon import IVON
+from fromp.posterior import DiagonalGaussian
 from strategies.models import unwrap
 from strategies.template import MethodStrategy, PosteriorOptimizerPlugin, require_optimizer_on
 
@@ -73,6 +76,43 @@ class IVONPlugin(PosteriorOptimizerPlugin):
         self.prior_scale = check_positive(prior_scale, "prior_scale")
         super().__init__(optimizer, continual=continual)
         self.set_ess = bool(set_ess)
+        self._resume: dict[str, Any] | None = None  # a loaded state, applied again
+
+    # -------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state dict (torch's: the per-parameter IVON state and the
+        hyperparameters) under ``"ivon"``, the per-experience posteriors and the task
+        counter (tensors cloned)."""
+        if self.optimizer is None:
+            raise ValueError("IVONPlugin has no optimizer yet: pass optimizer= or train first")
+        return {
+            "ivon": copy.deepcopy(self.optimizer.state_dict()),
+            "posteriors": [q.state_dict() for q in self.posteriors],
+            "task_count": self.task_count,
+            "continual": self.continual,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Inverse of :meth:`state_dict` (also a 0.4 checkpoint, whose ``"ivon"`` is IVON's
+        old ``{"step", "params"}``). The optimizer state is loaded now and again at the
+        start of the next experience: Avalanche resets ``optimizer.state`` the first time
+        a strategy trains, after this load."""
+        if self.optimizer is None:
+            raise ValueError("IVONPlugin has no optimizer: construct it with optimizer=")
+        self._resume = state["ivon"]
+        self._load_optimizer_state()
+        self.posteriors = [DiagonalGaussian.from_state_dict(d) for d in state["posteriors"]]
+        self.task_count = int(state["task_count"])
+        self.continual = bool(state.get("continual", self.continual))
+
+    def _load_optimizer_state(self) -> None:
+        saved = self._resume
+        if saved is None or self.optimizer is None:
+            return
+        if "param_groups" in saved:  # torch's state dict
+            self.optimizer.load_state_dict(copy.deepcopy(saved))
+        else:
+            self.optimizer.load_ivon_state(saved)
 
     def _discard_draw(self, strategy: Any) -> None:
         opt = self._opt(strategy)
@@ -82,6 +122,9 @@ class IVONPlugin(PosteriorOptimizerPlugin):
     # -------------------------------------------------------------- hooks
     def before_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
         opt = self._opt(strategy)
+        if self._resume is not None:  # after Avalanche's first reset of optimizer.state
+            self._load_optimizer_state()
+            self._resume = None
         if self.set_ess:
             opt.ess = len(strategy.experience.dataset)
 
@@ -111,10 +154,6 @@ class IVONPlugin(PosteriorOptimizerPlugin):
         q = opt.posterior(net)
         prior = q if self.prior_scale == 1.0 else q.with_precision(q.precision * self.prior_scale)
         self._end_experience(q, lambda: opt.set_prior(prior, model=net, reset=True))
-
-    # -------------------------------------------------------------- checkpoints
-    # state_dict / load_state_dict: PosteriorOptimizerPlugin's ("ivon": the optimizer's IVON
-    # state; the mean is the model's: load the model too).
 
 
 class IVONStrategy(MethodStrategy):

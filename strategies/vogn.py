@@ -47,7 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from fromp.models import is_multitask, with_task
-from fromp.optim.vogn import VOGN, LayerCapture, per_example_grad_stats
+from fromp.optim.vogn import VOGN, LayerCapture, OutputCapture, per_example_grad_stats
 from strategies.models import unwrap
 from strategies.template import MethodStrategy, PosteriorOptimizerPlugin, require_optimizer_on
 
@@ -121,6 +121,7 @@ class VOGNPlugin(PosteriorOptimizerPlugin):
         super().__init__(optimizer, continual=continual)
         self.reuse_forward = bool(reuse_forward)
         self._capture: LayerCapture | None = None
+        self._outputs: OutputCapture | None = None
         self._curv: Tensor | None = None
         self.n_reused = 0  # mini-batches whose curvature came from the training forward
 
@@ -145,12 +146,16 @@ class VOGNPlugin(PosteriorOptimizerPlugin):
             opt.ess = n
         opt.sample_params(copy=False)
         self._curv = None
+        # the model's own call (Avalanche's model(x, task_labels): its heads, its padding)
+        self._outputs = OutputCapture(strategy.model).__enter__()
         if self.reuse_forward and opt.curvature == "ef":
             capture = LayerCapture(strategy.model)
             if capture.supported:
                 self._capture = capture.__enter__()
 
     def after_forward(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        if self._outputs is not None:
+            self._outputs.__exit__()
         capture, self._capture = self._capture, None
         if capture is None:
             return
@@ -162,13 +167,34 @@ class VOGNPlugin(PosteriorOptimizerPlugin):
     def after_backward(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
         opt = self._opt(strategy)
         h, self._curv = self._curv, None
+        outputs, self._outputs = self._outputs, None
         if h is not None:
             self.n_reused += 1
+        elif outputs is not None and any(c[2] is strategy.mb_output for c in outputs.calls):
+            h = self._recorded_curvature(outputs, strategy, opt)
         else:
             h = minibatch_curvature(
                 strategy.model, strategy.mb_x, strategy.mb_y, strategy.mb_task_id, opt
             )
-        opt.set_curvature(h)
+        opt.set_curvature(h, len(strategy.mb_y))
+
+    @staticmethod
+    def _recorded_curvature(outputs: OutputCapture, strategy: Any, opt: VOGN) -> Tensor:
+        """``h`` of the data loss ``loss_fn(f, y)`` at the output ``f`` of Avalanche's own
+        forward call (whatever else was back-propagated): per-example output gradients of
+        that loss, per-example Jacobians of the same call (its task labels, heads and
+        padding), :class:`fromp.optim._stats.OutputCapture`."""
+        # Avalanche's call: the one whose output is strategy.mb_output (another plugin may
+        # have called the model inside the window, e.g. on memorable points)
+        outputs.calls = [c for c in outputs.calls if c[2] is strategy.mb_output][:1]
+        f = outputs.calls[0][2].detach().requires_grad_(True)
+        with torch.enable_grad():
+            losses = opt.loss_fn(f, strategy.mb_y)
+            (r,) = torch.autograd.grad(losses.sum(), f)
+        lik = opt.likelihood if opt.curvature == "ggn" else None
+        named = outputs.curvature(lik, opt.curvature, opt.chunk_size, output_grads=[r])  # at w
+        assert named is not None
+        return opt._named_to_flat(named) if opt.model is not None else named
 
     def after_training_epoch(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
         self._opt(strategy).load_mean()

@@ -100,18 +100,24 @@ def _closure(model, optim, x, y):
     return closure
 
 
-def _groups(net, spec):
+def _groups(net, spec, ess=None):
+    """Parameter groups of ``spec`` (written, like the reference, with the weight decay
+    ``delta / N``), in IVON's vocabulary: ``prior_precision = weight_decay * ess``."""
     out = []
     for name, mod in net.named_children():
         params = list(mod.parameters())
         if params:
-            out.append({"params": params, **spec.get(name, {})})
+            g = dict(spec.get(name, {}))
+            if "weight_decay" in g:
+                g["prior_precision"] = g.pop("weight_decay") * ess
+            out.append({"params": params, **g})
     return out
 
 
 CASES = {
     "one-sample": dict(mc=1, spec={}),
     "three-samples": dict(mc=3, spec={}),
+    # the group's prior precision delta = 0.05 x ess: the reference's weight decay 0.05
     "groups": dict(mc=2, spec={"2": {"lr": 0.02, "weight_decay": 0.05, "hess_init": 0.7}}),
     "prior-and-clip": dict(mc=1, spec={}, prior=True, clip=0.05),
     # mirrored pairs across consecutive steps, within a step, and straddling steps
@@ -143,13 +149,12 @@ def test_update_matches_formulas_by_hand(case):
         clip=cfg.get("clip"), antithetic=cfg.get("antithetic", False), **hyper,
     )  # fmt: skip
     opt = IVON(
-        _groups(net, cfg["spec"]),
+        _groups(net, cfg["spec"], hyper["ess"]),
         lr=hyper["lr"],
         ess=hyper["ess"],
         hess_init=hyper["h0"],
-        beta1=hyper["b1"],
-        beta2=hyper["b2"],
-        weight_decay=hyper["wd"],
+        betas=(hyper["b1"], hyper["b2"]),
+        prior_precision=hyper["wd"] * hyper["ess"],
         mc_samples=cfg["mc"],
         clip_radius=cfg.get("clip"),
         antithetic=cfg.get("antithetic", False),
@@ -167,14 +172,14 @@ def test_update_matches_formulas_by_hand(case):
     for _ in range(4):
         opt.step(closure)
     torch.testing.assert_close(flat(net), want_m, rtol=1e-10, atol=1e-12)
-    hess = torch.cat([st["hess"].reshape(-1) for st in opt.ivon_state["params"]])
-    mom = torch.cat([st["momentum"].reshape(-1) for st in opt.ivon_state["params"]])
+    hess = torch.cat([st["hess"].reshape(-1) for st in [opt.state[p] for p in opt.params]])
+    mom = torch.cat([st["momentum"].reshape(-1) for st in [opt.state[p] for p in opt.params]])
     torch.testing.assert_close(hess, want_h, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(mom, want_g, rtol=1e-10, atol=1e-12)
     q = opt.posterior(net)
     torch.testing.assert_close(q.mean, want_m, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(q.variance, want_var, rtol=1e-10, atol=1e-12)
-    assert opt.ivon_state["step"] == 4
+    assert opt.state[opt.params[0]]["step"] == 4
 
 
 @pytest.mark.parametrize("mc", [1, 3])
@@ -195,7 +200,7 @@ def test_add_gradient_at_the_mean_enters_the_momentum_not_the_hessian(mc):
     )
     opt = IVON(
         _groups(net, {}), lr=hyper["lr"], ess=hyper["ess"], hess_init=hyper["h0"],
-        beta1=hyper["b1"], beta2=hyper["b2"], weight_decay=hyper["wd"],
+        betas=(hyper["b1"], hyper["b2"]), prior_precision=hyper["wd"] * hyper["ess"],
     )  # fmt: skip
     torch.manual_seed(3)
     for _ in range(4):
@@ -209,8 +214,8 @@ def test_add_gradient_at_the_mean_enters_the_momentum_not_the_hessian(mc):
         opt.add_gradient()
         opt.step()
     torch.testing.assert_close(flat(net), want_m, rtol=1e-10, atol=1e-12)
-    hess = torch.cat([st["hess"].reshape(-1) for st in opt.ivon_state["params"]])
-    mom = torch.cat([st["momentum"].reshape(-1) for st in opt.ivon_state["params"]])
+    hess = torch.cat([st["hess"].reshape(-1) for st in [opt.state[p] for p in opt.params]])
+    mom = torch.cat([st["momentum"].reshape(-1) for st in [opt.state[p] for p in opt.params]])
     torch.testing.assert_close(hess, want_h, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(mom, want_g, rtol=1e-10, atol=1e-12)
     with pytest.raises(RuntimeError, match="no draw accumulated"):
@@ -259,7 +264,7 @@ def test_sampled_params_loop_equals_closure_and_h_estimate_is_unbiased_on_a_quad
     # l(w) = 1/2 sum_j a_j w_j^2 (stated tolerance: 4 standard errors over 4000 draws).
     w = torch.zeros(5, dtype=D, requires_grad=True)
     a = torch.tensor([0.5, 1.0, 2.0, 3.0, 4.0], dtype=D)
-    quad = IVON([w], lr=1e-9, ess=10.0, hess_init=1.0, beta1=0.0, beta2=0.0, weight_decay=0)
+    quad = IVON([w], lr=1e-9, ess=10.0, hess_init=1.0, betas=(0.0, 0.0), prior_precision=0)
     torch.manual_seed(0)
     draws = []
     for _ in range(4000):
@@ -313,7 +318,7 @@ def test_posterior_is_the_dnn2gp_kernel_against_dense(make):
     x = torch.randn(10, 4, dtype=D) if make is tiny_mlp else torch.randn(10, 1, 6, 6, dtype=D)
     y = torch.randint(0, 3, (10,))
     # groups in reverse order: posterior(net) must still follow named_parameters()
-    opt = IVON(list(net.parameters())[::-1], lr=0.05, ess=25.0, hess_init=0.2, beta2=0.9)
+    opt = IVON(list(net.parameters())[::-1], lr=0.05, ess=25.0, hess_init=0.2, betas=(0.9, 0.9))
 
     def closure():
         opt.zero_grad()
@@ -336,7 +341,7 @@ def test_posterior_is_the_dnn2gp_kernel_against_dense(make):
     want_var = torch.einsum("ncp,p,ndp->ncd", jac, q.variance, jac)
     torch.testing.assert_close(gp.variance(xt), want_var, rtol=1e-9, atol=1e-12)
     # precision = N (h + delta)
-    hess = {id(p): st["hess"] for p, st in zip(opt.params, opt.ivon_state["params"])}
+    hess = {id(p): st["hess"] for p, st in zip(opt.params, [opt.state[p] for p in opt.params])}
     prec = torch.cat([(25.0 * (hess[id(p)] + 1e-4)).reshape(-1) for p in net.parameters()])
     torch.testing.assert_close(q.precision, prec)
 
@@ -345,7 +350,7 @@ def test_continual_prior_and_reset():
     torch.manual_seed(0)
     net = tiny_mlp()
     x, y = _data()
-    opt = IVON(net.parameters(), lr=0.05, ess=50.0, hess_init=0.2, weight_decay=0.01)
+    opt = IVON(net.parameters(), lr=0.05, ess=50.0, hess_init=0.2, prior_precision=0.5)
     p0 = opt.prior()
     torch.testing.assert_close(p0.precision, torch.full_like(p0.precision, 0.5))
     assert p0.mean.abs().max() == 0
@@ -358,7 +363,7 @@ def test_continual_prior_and_reset():
     new_prior = opt.set_prior()
     torch.testing.assert_close(new_prior.mean, q.mean, rtol=0, atol=0)
     torch.testing.assert_close(new_prior.precision, q.precision, rtol=0, atol=0)
-    assert opt.ivon_state["step"] == 0
+    assert opt.state[opt.params[0]]["step"] == 0
     # h restarts at h0: the new posterior precision is N h0 + p0
     opt.ess = 80.0
     torch.testing.assert_close(opt.posterior().precision, 80.0 * 0.2 + q.precision)
@@ -366,23 +371,23 @@ def test_continual_prior_and_reset():
         opt.set_prior(DiagonalGaussian(torch.zeros(3, dtype=D), torch.ones(3, dtype=D)))
 
 
-def test_state_survives_avalanche_reset_and_round_trips():
+def test_state_is_torchs_a_reset_restarts_it_and_the_round_trip_is_exact():
+    """The state is torch's ``self.state[p]`` (no other copy): ``state_dict()`` has it per
+    parameter index; a reset of ``self.state`` (Avalanche's ``reset_state=True``) restarts
+    it (step 0, ``h = hess_init``, no momentum), as for any torch optimizer; a state dict
+    loaded into a fresh optimizer continues bit for bit; one without ``momentum`` is
+    refused before any change."""
     torch.manual_seed(0)
     net = tiny_cnn()
     x, y = torch.randn(8, 1, 6, 6, dtype=D), torch.randint(0, 3, (8,))
     opt = IVON(net.parameters(), lr=0.05, ess=30.0, hess_init=0.3, mc_samples=2)
-
     for _ in range(3):
         opt.step(_closure(net, opt, x, y))
-    before = opt.state_dict()["ivon"]
-    update_optimizer(opt, dict(net.named_parameters()), None, reset_state=True)
-    assert isinstance(opt.state, defaultdict)
-    after = opt.state_dict()["ivon"]
-    assert after["step"] == before["step"] == 3
-    for a, b in zip(before["params"], after["params"]):
-        for k in a:
-            assert torch.equal(a[k], b[k])
-    saved = opt.state_dict()
+    saved = copy.deepcopy(opt.state_dict())
+    assert set(saved["state"]) == set(range(len(opt.params)))
+    assert all(st["step"] == 3 and "hess" in st for st in saved["state"].values())
+    for i, p in enumerate(opt.params):
+        assert torch.equal(saved["state"][i]["hess"], opt.state[p]["hess"])
 
     net2 = tiny_cnn()
     net2.load_state_dict(net.state_dict())
@@ -395,8 +400,19 @@ def test_state_survives_avalanche_reset_and_round_trips():
     opt2.step(_closure(net2, opt2, x, y))
     torch.testing.assert_close(flat(net), flat(net2), rtol=0, atol=0)
     torch.testing.assert_close(opt.posterior().precision, opt2.posterior().precision)
-    with pytest.raises(ValueError, match="ivon"):
-        opt2.load_state_dict({k: v for k, v in saved.items() if k != "ivon"})
+    bad = copy.deepcopy(saved)
+    del bad["state"][0]["momentum"]
+    before = copy.deepcopy(opt2.state_dict())
+    with pytest.raises(ValueError, match="momentum"):
+        opt2.load_state_dict(bad)
+    assert all(torch.equal(before["state"][0][k], opt2.state[opt2.params[0]][k])
+               for k in ("hess", "momentum"))  # fmt: skip
+
+    update_optimizer(opt, dict(net.named_parameters()), None, reset_state=True)
+    assert isinstance(opt.state, defaultdict)
+    q = opt.posterior()
+    torch.testing.assert_close(q.precision, torch.full_like(q.precision, 30.0 * (0.3 + 1e-4)))
+    assert all(opt.state[p]["step"] == 0 for p in opt.params)
 
 
 def test_antithetic_pair_cancels_the_odd_terms_and_resumes_mid_pair():
@@ -433,7 +449,7 @@ def test_antithetic_pair_cancels_the_odd_terms_and_resumes_mid_pair():
     for _ in range(3):
         opt.step(_closure(net, opt, x, y))
     saved = opt.state_dict()
-    assert "mirror" in saved["ivon"]
+    assert "mirror" in saved["state"][0]
     net2 = tiny_mlp()
     net2.load_state_dict(net.state_dict())
     opt2 = IVON(net2.parameters(), lr=0.1, ess=20.0)
@@ -445,7 +461,7 @@ def test_antithetic_pair_cancels_the_odd_terms_and_resumes_mid_pair():
         torch.manual_seed(seed)
         opt2.step(_closure(net2, opt2, x, y))
         torch.testing.assert_close(flat(net), flat(net2), rtol=0, atol=0)
-        assert ("mirror" in opt2.state_dict()["ivon"]) == pending
+        assert ("mirror" in opt2.state_dict()["state"][0]) == pending
 
 
 def test_float32_and_dtype_preserved():
@@ -456,7 +472,7 @@ def test_float32_and_dtype_preserved():
         opt.zero_grad()
         torch.nn.functional.cross_entropy(net(x), y).backward()
     opt.step()
-    assert all(st["hess"].dtype == torch.float32 for st in opt.ivon_state["params"])
+    assert all(st["hess"].dtype == torch.float32 for st in [opt.state[p] for p in opt.params])
     assert opt.posterior().precision.dtype == torch.float32
 
 
@@ -468,9 +484,11 @@ def test_float32_and_dtype_preserved():
         ({"ess": 0}, "ess"),
         ({"ess": float("inf")}, "ess"),
         ({"hess_init": 0.0}, "hess_init"),
-        ({"beta1": 1.0}, "beta1"),
-        ({"beta2": -0.1}, "beta2"),
-        ({"weight_decay": -1e-3}, "weight_decay"),
+        ({"betas": (1.0, 0.9)}, "betas"),
+        ({"betas": (0.9, -0.1)}, "betas"),
+        ({"betas": (0.9,)}, "betas"),
+        ({"prior_precision": -1e-3}, "prior_precision"),
+        ({"prior_precision": float("nan")}, "prior_precision"),
         ({"mc_samples": 0}, "mc_samples"),
         ({"mc_samples": 1.5}, "mc_samples"),
         ({"clip_radius": 0.0}, "clip_radius"),
@@ -528,9 +546,9 @@ def test_a_non_finite_loss_is_refused_and_changes_nothing():
     for p, b in zip(model.parameters(), before):
         assert torch.equal(p, b)
     after = opt.state_dict()
-    assert after["ivon"]["step"] == state["ivon"]["step"]
-    for k in ("hess", "momentum"):
-        for s0, s1 in zip(state["ivon"]["params"], after["ivon"]["params"]):
-            assert torch.equal(s0[k], s1[k]), k
+    for i, s0 in state["state"].items():
+        assert after["state"][i]["step"] == s0["step"]
+        for k in ("hess", "momentum"):
+            assert torch.equal(s0[k], after["state"][i][k]), k
     good()  # the next step works
     assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -44,7 +44,7 @@ class _Probe(SupervisedPlugin):
                 {
                     "prior": opt.prior(strategy.model),
                     "mean": flat_params(strategy.model).clone(),
-                    "step": opt.ivon_state["step"],
+                    "step": opt.state[opt.params[0]]["step"],
                     "state": dict(opt.state),
                     "ess": opt.ess,
                 }
@@ -62,7 +62,7 @@ def _setup(seed: int = 0, n_tasks: int = 3):
     seq = synthetic_split(n_tasks=n_tasks, input_shape=(1, 4, 4), n_train=48, n_test=24)
     net = MultiHeadMLP(16, (16,), n_heads=n_tasks, head_size=2)
     model = as_avalanche_model(net)
-    opt = IVON(model.parameters(), lr=0.5, ess=1.0, hess_init=0.5, beta2=0.99)
+    opt = IVON(model.parameters(), lr=0.5, ess=1.0, hess_init=0.5, betas=(0.9, 0.99))
     probe = _Probe()
     strat = IVONStrategy(
         model=model,
@@ -91,11 +91,10 @@ def test_continual_ivon_three_tasks_posterior_becomes_prior_and_resumes():
 
     torch.manual_seed(11)
     strat.train(scenario.train_stream[1])
-    start2 = probe.seen[1]  # Avalanche reset optimizer.state; the IVON state was intact
+    start2 = probe.seen[1]  # the prior of task 2 is the posterior of task 1, step restarted
     assert start2["step"] == 0
-    # the replaced optimizer.state was relinked to the surviving per-parameter state
     p0 = opt.params[0]
-    assert opt.state[p0] is opt.ivon_state["params"][0] and "prior_precision" in opt.state[p0]
+    assert "prior_precision" in opt.state[p0]
     torch.testing.assert_close(start2["prior"].precision, q1.precision, rtol=0, atol=0)
     torch.testing.assert_close(start2["mean"], q1.mean, rtol=0, atol=0)
     q2 = strat.plugin.posteriors[1]
@@ -123,12 +122,12 @@ def test_non_continual_keeps_weight_decay_prior_and_type_checks():
     seq = synthetic_split(n_tasks=2, input_shape=(1, 4, 4), n_train=32, n_test=8)
     net = MultiHeadMLP(16, (8,), n_heads=2, head_size=2)
     model = as_avalanche_model(net)
-    opt = IVON(model.parameters(), lr=0.1, ess=1.0, weight_decay=1e-3)
+    opt = IVON(model.parameters(), lr=0.1, ess=1.0, prior_precision=1e-3)
     strat = IVONStrategy(
         model=model, optimizer=opt, train_mb_size=16, evaluator=None, continual=False
     )
     strat.train(to_avalanche(seq).train_stream[0])
-    assert opt.prior().mean.abs().max() == 0 and opt.ivon_state["step"] == 2
+    assert opt.prior().mean.abs().max() == 0 and opt.state[opt.params[0]]["step"] == 2
     with pytest.raises(TypeError, match="IVON"):
         IVONStrategy(model=net, optimizer=torch.optim.Adam(net.parameters()))
     with pytest.raises(ValueError, match="exactly"):
@@ -143,7 +142,7 @@ def _fromp_ivon(ess: float, **kwargs):
     torch.manual_seed(0)
     net = MultiHeadMLP(16, (8,), n_heads=3, head_size=2)
     model = as_avalanche_model(net)
-    opt = IVON(model.parameters(), lr=0.1, ess=ess, hess_init=0.5, beta2=0.99)
+    opt = IVON(model.parameters(), lr=0.1, ess=ess, hess_init=0.5, betas=(0.9, 0.99))
     strategy = FROMP(
         model=model, optimizer=opt, train_mb_size=16, train_epochs=2, evaluator=_evaluator(),
         n_points=4, posterior="ivon", **kwargs,
@@ -189,7 +188,8 @@ class _GradientProbe(SupervisedPlugin):
     def before_training_iteration(self, strategy, **kwargs):
         opt = strategy.optimizer
         row = {"task": strategy.clock.train_exp_counter, "pen": None}
-        row["mom"] = [st["momentum"].clone() for st in opt.ivon_state["params"]]
+        # the state of a parameter is created at its first step (torch's convention)
+        row["mom"] = [opt.state[p].get("momentum", torch.zeros_like(p)).clone() for p in opt.params]
         if len(self.plugin.regularizer):
             with torch.enable_grad():
                 pen = self.plugin.tau * self.plugin.penalty(strategy.model.net)
@@ -211,10 +211,10 @@ class _GradientProbe(SupervisedPlugin):
 
     def after_update(self, strategy, **kwargs):
         opt, row = strategy.optimizer, self.rows[-1]
-        b1 = opt.param_groups[0]["beta1"]
+        b1 = opt.param_groups[0]["betas"][0]
         row["g_hat"] = [
             (st["momentum"] - b1 * old) / (1 - b1)
-            for st, old in zip(opt.ivon_state["params"], row["mom"])
+            for st, old in zip([opt.state[p] for p in opt.params], row["mom"])
         ]
 
 
@@ -299,7 +299,7 @@ def test_tempered_prior_scales_each_posterior_after_tasks_1_and_2():
     seq = synthetic_split(n_tasks=3, input_shape=(1, 4, 4), n_train=48, n_test=24)
     net = MultiHeadMLP(16, (16,), n_heads=3, head_size=2)
     model = as_avalanche_model(net)
-    opt = IVON(model.parameters(), lr=0.5, ess=1.0, hess_init=0.5, beta2=0.99)
+    opt = IVON(model.parameters(), lr=0.5, ess=1.0, hess_init=0.5, betas=(0.9, 0.99))
     probe = _Probe()
     strat = IVONStrategy(model=model, optimizer=opt, train_mb_size=16, train_epochs=4,
                          prior_scale=0.25, plugins=[probe], evaluator=None)  # fmt: skip

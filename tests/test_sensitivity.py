@@ -30,7 +30,7 @@ def _posterior(kind: str, net: nn.Module, x: torch.Tensor, y: torch.Tensor):
         return fromp.laplace(net, x, "categorical", prior_precision=0.5)
     if kind == "laplace-full":
         return fromp.laplace_full(net, x, "categorical", prior_precision=0.5)
-    opt = IVON(net.parameters(), lr=0.05, ess=len(x), hess_init=0.3, beta2=0.9)
+    opt = IVON(net.parameters(), lr=0.05, ess=len(x), hess_init=0.3, betas=(0.9, 0.9))
     for _ in range(3):
         with opt.sampled_params():
             opt.zero_grad()

@@ -4,6 +4,7 @@ brute-force loops, the update rule, checkpoints and the Avalanche integration.""
 from __future__ import annotations
 
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from avalanche.training.plugins import SupervisedPlugin
 from torch import nn
 
 from benchmarks.data import synthetic_split, to_avalanche
-from fromp import OGN, VOGN
+from fromp import IVON, OGN, VOGN
 from fromp.likelihood import CategoricalLikelihood, GaussianLikelihood
 from fromp.models import MultiHeadMLP, with_task
 from fromp.optim.vogn import LayerCapture, per_example_grad_stats, predict_mc, predict_mean
@@ -316,7 +317,7 @@ def test_state_survives_avalanche_reset_and_round_trips():
     x, y = torch.rand(16, 1, 8, 8, dtype=D), torch.randint(0, 4, (16,))
     torch.manual_seed(3)
     net = _TinyCNN().to(D)
-    opt = VOGN(net, lr=0.01, ess=100, init_precision=1e-3, prior_precision=0.1)
+    opt = VOGN(net, lr=0.01, ess=100, hess_init=1e-3, prior_precision=0.1)
     for _ in range(3):
         opt.step(x, y)
     before = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.vogn_state.items()}
@@ -346,7 +347,7 @@ def test_batchnorm_cnn_trains_and_updates_running_stats():
     torch.manual_seed(0)
     net = _TinyCNN(bn=True, dropout=True)
     x, y = torch.rand(32, 1, 8, 8), torch.randint(0, 4, (32,))
-    opt = VOGN(net, lr=1e-2, ess=3200, init_precision=1e-2)
+    opt = VOGN(net, lr=1e-2, ess=3200, hess_init=1e-2)
     bn = net.net[1]
     mean0 = bn.running_mean.clone()
 
@@ -433,7 +434,7 @@ def _avalanche_setup(seed: int = 0):
     seq = synthetic_split(n_tasks=2, input_shape=(1, 6, 6), n_train=100, n_test=10)
     net = MultiHeadMLP(36, (16,), n_heads=2, head_size=2)
     model = as_avalanche_model(net)
-    opt = VOGN(model, lr=2e-2, ess=1, init_precision=0.1, kl_weight=0.1)
+    opt = VOGN(model, lr=2e-2, ess=1, hess_init=0.1, kl_weight=0.1)
     probe = _Probe()
     strat = VOGNStrategy(
         model=model,
@@ -523,7 +524,7 @@ def test_plugin_curvature_from_training_forward_is_exact(reuse_forward):
     seq = synthetic_split(n_tasks=2, input_shape=(1, 6, 6), n_train=40, n_test=10)
     net = MultiHeadMLP(36, (8,), n_heads=2, head_size=2)
     model = as_avalanche_model(net)
-    opt = VOGN(model, lr=1e-2, init_precision=0.1, kl_weight=0.1)
+    opt = VOGN(model, lr=1e-2, hess_init=0.1, kl_weight=0.1)
     check = _CurvatureCheck()
     strat = VOGNStrategy(
         model=model,
@@ -543,7 +544,7 @@ def test_step_that_raises_restores_the_mean_weights():
     """A regulariser that fails after sampling must not leave a sample in the model."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
-    opt = VOGN(net, lr=0.1, ess=10, prior_precision=1.0, init_precision=1.0)
+    opt = VOGN(net, lr=0.1, ess=10, prior_precision=1.0, hess_init=1.0)
     x, y = torch.randn(5, 3, dtype=D), torch.randint(0, 2, (5,))
     opt.step(x, y)
     mu = opt.posterior().mean
@@ -567,7 +568,7 @@ def test_closure_step_matches_batch_step_and_restores_the_mean():
     def make():
         torch.manual_seed(3)
         net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
-        opt = VOGN(net, lr=0.1, ess=20, prior_precision=1.0, init_precision=0.5)
+        opt = VOGN(net, lr=0.1, ess=20, prior_precision=1.0, hess_init=0.5)
         opt.param_groups[0]["mc_samples"] = 2
         return net, opt
 
@@ -602,7 +603,7 @@ def test_closure_step_matches_batch_step_and_restores_the_mean():
     # a closure without set_curvature: VOGN(model) finds h by itself (checked against
     # step(x, y) in test_optim_contract.py); over bare parameters it cannot
     bare = VOGN(list(net_b.parameters()), lr=0.1, ess=20)
-    with pytest.raises(ValueError, match=r"closure must call set_curvature"):
+    with pytest.raises(ValueError, match=r"VOGN\(param_groups, model=model\)"):
         bare.step(no_curvature)
     got = torch.cat([p.detach().reshape(-1) for p in net_b.parameters()])
     torch.testing.assert_close(got, mu, rtol=0, atol=0)
@@ -768,3 +769,72 @@ def test_minibatch_curvature_routes_an_avalanche_multitask_module_by_task_label(
         want += stats.curv * int(rows.sum())
     assert want[-10:].abs().sum() > 0 and want[-20:-10].abs().sum() > 0  # both heads
     torch.testing.assert_close(got, want / 8)
+
+
+class _CurvatureProbe(SupervisedPlugin):
+    """After the VOGN plugin handed over ``h`` (before the update, the parameters still
+    hold the draw ``w``): the squared per-example gradients of the loss Avalanche trains,
+    ``cross_entropy(model(x_i, t_i), y_i)`` (its padded multi-task output), by a loop over
+    examples at ``w``, beside the ``h`` handed over."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def before_update(self, strategy, **kwargs):
+        opt, model = strategy.optimizer, strategy.model
+        x, y, tl = strategy.mb_x, strategy.mb_y, strategy.mb_task_id
+        if strategy.clock.train_exp_counter == 0:  # tasks 2 and 3 only
+            return
+        rows = []
+        for i in range(len(x)):
+            out = model(x[i : i + 1], tl[i : i + 1])
+            loss = torch.nn.functional.cross_entropy(out, y[i : i + 1])
+            grads = torch.autograd.grad(loss, opt.params, allow_unused=True)
+            rows.append(torch.cat([
+                (torch.zeros_like(p) if g is None else g).reshape(-1)
+                for g, p in zip(grads, opt.params)
+            ]))  # fmt: skip
+        self.pairs.append((opt._pending_curv.clone(), torch.stack(rows).pow(2).mean(0)))
+
+
+def test_vogn_and_ivon_train_avalanche_multitask_mlp_over_three_experiences():
+    """Avalanche's ``MTSimpleMLP`` (a ``MultiTaskModule`` whose ``MultiHeadClassifier``
+    adds a head per new task label, after the optimizers were built): VOGN and IVON follow
+    the parameters added and replaced. In tasks 2 and 3, the curvature the VOGN plugin
+    hands over for every mini-batch (from the layer capture or from the recorded call)
+    equals the squared per-example gradients of the loss Avalanche trains,
+    ``cross_entropy(model(x_i, t_i), y_i)`` with its output padded to all classes seen, by
+    a loop over examples (the heads of other tasks get none; a head fixed by
+    ``with_task`` gives the unpadded output, another loss); every posterior covers all the
+    parameters the model has then."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_avalanche_models import _benchmark, _model
+
+    from strategies.ivon import IVONStrategy
+
+    for name, reuse in (("vogn", False), ("vogn", True), ("ivon", None)):
+        bm = _benchmark(True)
+        model = _model("mt")
+        model.features[2].p = 0.0  # no dropout: one function for both routes
+        probe = _CurvatureProbe()
+        if name == "vogn":
+            opt = VOGN(model, lr=0.05, ess=20)
+            strat = VOGNStrategy(
+                model=model, optimizer=opt, train_mb_size=10, evaluator=None,
+                reuse_forward=reuse, plugins=[probe],
+            )  # fmt: skip
+        else:
+            opt = IVON(model.parameters(), lr=0.05, ess=20)
+            strat = IVONStrategy(model=model, optimizer=opt, train_mb_size=10, evaluator=None)
+        for exp in bm.train_stream:
+            strat.train(exp)
+            n_params = sum(p.numel() for p in model.parameters())
+            q = strat.plugin.posteriors[-1]
+            assert q.num_params == n_params and bool(torch.isfinite(q.precision).all())
+        if name == "vogn":
+            assert probe.pairs, "no mini-batch was checked"
+            for h, want in probe.pairs:
+                torch.testing.assert_close(h, want, rtol=1e-4, atol=1e-10)

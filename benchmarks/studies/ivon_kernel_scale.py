@@ -81,11 +81,12 @@ def main(argv: list[str] | None = None) -> None:
     with torch.no_grad():
         acc = (net(x).argmax(1) == y).float().mean().item()
     q = opt.posterior(net)
-    h = torch.cat([st["hess"].reshape(-1) for st in opt.ivon_state["params"]])
+    h = torch.cat([st["hess"].reshape(-1) for st in [opt.state[p] for p in opt.params]])
     g = diag_ggn_linear(net, [(x,)], "categorical")
     laplace = DiagonalGaussian(flat_params(net), g + 1e-3)
+    steps = opt.state[opt.params[0]]["step"]
     print(
-        f"{vars(args)}: {opt.ivon_state['step']} steps, {time.perf_counter() - t0:.0f} s, "
+        f"{vars(args)}: {steps} steps, {time.perf_counter() - t0:.0f} s, "
         f"training accuracy {100 * acc:.2f} %"
     )
     print(f"h, quantiles 5/50/95 %: {_quantiles(h)};  G/N: {_quantiles(g / n)}")

@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         betas=(args.beta1, args.beta2),
         ess=n,
         prior_precision=args.prior_precision,
-        init_precision=args.init_precision,
+        hess_init=args.init_precision,
         mc_samples=args.mc_train,
         kl_weight=args.kl_weight,
     )

@@ -87,7 +87,7 @@ def bench(
         net_v,
         lr=1e-4,
         ess=10_000,
-        init_precision=1e-3,
+        hess_init=1e-3,
         chunk_size=chunk_size,
         method=method,
     )
@@ -102,7 +102,7 @@ def bench(
         net_2,
         lr=1e-4,
         ess=10_000,
-        init_precision=1e-3,
+        hess_init=1e-3,
         chunk_size=chunk_size,
         method=method,
     )

@@ -15,23 +15,84 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fromp._checks import check_class_targets, check_ivon_hyper, check_vogn_hyper
+from fromp._checks import check_class_targets, check_positive, check_vogn_hyper
 from fromp.likelihood import Likelihood, get_likelihood
 
 __all__ = [
+    "GroupHyperparameters",
+    "check_betas",
     "check_closure_result",
     "check_ess",
     "check_groups",
+    "check_ivon_hyper",
     "check_ivon_state",
+    "check_param_state",
     "check_targets",
     "check_vogn_state",
     "deprecated_alias",
     "ess_alias",
+    "renamed_kwarg",
 ]
 
 #: Hyperparameters that act on the whole posterior: equal in every group.
 _SHARED = {"IVON": ("mc_samples", "antithetic"),
            "VOGN": ("betas", "mc_samples", "kl_weight", "bias_correction")}  # fmt: skip
+
+
+def _finite(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+
+
+def check_betas(betas: object, where: str = "") -> tuple[float, float]:
+    """``betas`` two finite floats in ``[0, 1)`` (the decays of the momentum and of the
+    curvature estimate, VOGN's and IVON's), as a tuple of floats."""
+    if (
+        not isinstance(betas, tuple | list)
+        or len(betas) != 2
+        or not all(_finite(b) and 0.0 <= b < 1.0 for b in betas)
+    ):
+        raise ValueError(f"{where}betas must be two floats in [0, 1), got {betas!r}")
+    return (float(betas[0]), float(betas[1]))
+
+
+_SCALE_MAX = float(torch.finfo(torch.float32).max)
+
+
+def check_ivon_hyper(group: dict[str, Any], where: str = "") -> None:
+    """The hyperparameters of an IVON parameter group, at construction, at every step and in
+    a loaded state (a scheduler or an edit of ``param_groups`` may have changed them):
+    ``lr`` finite and ``>= 0`` (``> 0`` at construction, checked there), ``ess`` and
+    ``hess_init`` finite and positive, ``betas`` two floats in ``[0, 1)``,
+    ``prior_precision`` finite and ``>= 0``, ``clip_radius`` None or positive,
+    ``mc_samples`` an int ``>= 1``, ``antithetic`` and ``rescale_lr`` bools. ``where``
+    prefixes the message (e.g. ``"IVON.step(): param_groups[1]: "``)."""
+    keys = {"lr", "ess", "hess_init", "betas", "prior_precision", "clip_radius"}
+    missing = (keys | {"mc_samples", "antithetic", "rescale_lr"}) - set(group)
+    if missing:
+        raise ValueError(f"{where}IVON parameter group is missing {sorted(missing)}")
+    lr = group["lr"]
+    if not _finite(lr) or not lr >= 0:
+        raise ValueError(f"{where}lr must be a finite float >= 0, got {lr!r}")
+    try:
+        check_positive(group["ess"], "ess")
+        check_positive(group["hess_init"], "hess_init")
+        if group["clip_radius"] is not None:
+            check_positive(group["clip_radius"], "clip_radius")
+    except ValueError as err:
+        raise ValueError(f"{where}{err}") from None
+    if float(group["ess"]) ** -0.5 > _SCALE_MAX:
+        raise ValueError(f"{where}ess={group['ess']!r} is too small: the posterior's scale "
+                         "1 / sqrt(ess) overflows float32")  # fmt: skip
+    check_betas(group["betas"], where)
+    d = group["prior_precision"]
+    if not _finite(d) or not d >= 0:
+        raise ValueError(f"{where}prior_precision must be a finite float >= 0, got {d!r}")
+    mc = group["mc_samples"]
+    if isinstance(mc, bool) or not isinstance(mc, int) or mc < 1:
+        raise ValueError(f"{where}mc_samples must be an int >= 1, got {mc!r}")
+    for name in ("antithetic", "rescale_lr"):
+        if not isinstance(group[name], bool):
+            raise ValueError(f"{where}{name} must be a bool, got {group[name]!r}")
 
 
 def _as_tuple(value: Any) -> tuple[Any, ...]:
@@ -181,3 +242,67 @@ def deprecated_alias(old: str, new: str, who: str) -> property:
         setattr(self, new, value)
 
     return property(get, put, doc=f"Deprecated synonym of :attr:`{new}`.")
+
+
+def renamed_kwarg(
+    new: Any, old: Any, old_name: str, new_name: str, who: str, how: str = "", stacklevel: int = 3
+) -> Any:
+    """The value of a constructor argument renamed from ``old_name`` to ``new_name``: ``new``,
+    or the deprecated ``old`` (not None: a ``DeprecationWarning`` naming the new argument,
+    ``how`` says how to convert, e.g. ``"prior_precision = weight_decay * ess"``); both
+    given is a ``ValueError``. Call it with the old value already converted."""
+    if old is None:
+        return new
+    hint = f" ({how})" if how else ""
+    warnings.warn(f"{who}({old_name}=...) is deprecated: use {who}({new_name}=...){hint}",
+                  DeprecationWarning, stacklevel=stacklevel)  # fmt: skip
+    if new is not None:
+        raise ValueError(f"{who}: pass {new_name} or the deprecated {old_name}, not both")
+    return old
+
+
+def check_param_state(
+    state: Any, params: Sequence[Tensor], required: Sequence[str], who: str
+) -> None:
+    """torch's per-index optimizer state (``state_dict()["state"]``) that fits ``params``:
+    indices of parameters, each a dict with the ``required`` tensors, every tensor of the
+    parameter's shape (``"step"`` a number) and finite. ``ValueError`` naming the entry,
+    before anything is loaded."""
+    if not isinstance(state, dict):
+        raise ValueError(f"{who} state must be a dict of parameter index -> dict")
+    for i, st in state.items():
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(params):
+            raise ValueError(f"{who} state has index {i!r}, the optimizer has {len(params)} "
+                             "parameters")  # fmt: skip
+        if not isinstance(st, dict):
+            raise ValueError(f"{who} state[{i}] must be a dict")
+        missing = [k for k in required if k not in st]
+        if missing:
+            raise ValueError(f"{who} state[{i}] is missing {missing}")
+        for k, v in st.items():
+            if k == "step":
+                if not _finite(float(v)) or float(v) < 0:
+                    raise ValueError(f"{who} state[{i}]['step'] must be a count >= 0, got {v!r}")
+                continue
+            if not isinstance(v, Tensor) or v.shape != params[i].shape:
+                raise ValueError(f"{who} state[{i}][{k!r}] must be a tensor of shape "
+                                 f"{tuple(params[i].shape)}")  # fmt: skip
+            if not bool(torch.isfinite(v).all()):
+                raise ValueError(f"{who} state[{i}][{k!r}] has non-finite entries (NaN or inf)")
+
+
+class GroupHyperparameters:
+    """What :class:`~fromp.optim.IVON` and :class:`~fromp.optim.VOGN` read from their
+    ``param_groups`` alike: the parameters in group order and the global ``mc_samples``."""
+
+    param_groups: list[dict[str, Any]]
+
+    @property
+    def params(self) -> list[Tensor]:
+        """All parameters, group by group (the order of every flat vector)."""
+        return [p for group in self.param_groups for p in group["params"]]
+
+    @property
+    def mc_samples(self) -> int:
+        """Weight draws per ``step(closure)`` (one for all groups)."""
+        return int(self.param_groups[0]["mc_samples"])

@@ -39,9 +39,10 @@ from fromp.curvature.capture import (
     squared_grad_sums,
     supported_layer,
 )
+from fromp.curvature.jacobian import over_examples
 from fromp.likelihood import Likelihood, get_likelihood
 
-__all__ = ["GradStats", "LayerCapture", "LossFn", "per_example_grad_stats"]
+__all__ = ["GradStats", "LayerCapture", "LossFn", "OutputCapture", "per_example_grad_stats"]
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 _BN = (nn.modules.batchnorm._BatchNorm,)
@@ -61,10 +62,14 @@ class GradStats:
         self.loss, self.grad, self.curv, self.n = loss, grad, curv, n
 
 
+_DROPOUT = (nn.modules.dropout._DropoutNd,)
+
+
 @contextmanager
-def _bn_eval(model: nn.Module) -> Iterator[None]:
-    """Temporarily put the batch-norm layers of ``model`` in eval mode."""
-    changed = [m for m in model.modules() if isinstance(m, _BN) and m.training]
+def _bn_eval(model: nn.Module, kinds: tuple[type, ...] = _BN) -> Iterator[None]:
+    """Temporarily put the batch-norm layers (or the layers of ``kinds``) of ``model`` in
+    eval mode."""
+    changed = [m for m in model.modules() if isinstance(m, kinds) and m.training]
     for m in changed:
         m.eval()
     try:
@@ -381,3 +386,132 @@ def per_example_grad_stats(
     grad = torch.cat([t.reshape(-1) for t in g_sum.values()]) / m
     curv = torch.cat([t.reshape(-1) for t in h_sum.values()]) / m
     return GradStats(loss_sum / m, grad if need_grad else None, curv, m)
+
+
+def _squared_projection(
+    model: nn.Module, buffers: dict[str, Tensor], n_args: int, names: list[str], batched: list
+) -> Callable[..., dict[str, Tensor]]:
+    """``(params, v [C, K], *leaves of one example) -> {name: sum_k (J^T v_k)^2}`` for the
+    model called as ``model(*leaves[:n_args], **dict(zip(names, leaves[n_args:])))``
+    (the ``batched`` leaves given without their example dimension)."""
+
+    def one(p: dict[str, Tensor], v: Tensor, *xs: Any) -> dict[str, Tensor]:
+        xs = tuple(x.unsqueeze(0) if bt else x for x, bt in zip(xs, batched))
+
+        def fi(q: dict[str, Tensor]) -> Tensor:
+            kw = dict(zip(names, xs[n_args:]))
+            return functional_call(model, (q, buffers), xs[:n_args], kw)[0]
+
+        jac = jacrev(fi)(p)  # name -> [C, *shape]
+        return {n: torch.tensordot(v.T, j, dims=1).pow(2).sum(0) for n, j in jac.items()}
+
+    return one
+
+
+class OutputCapture:
+    r"""Records every call of ``model`` (the module a closure calls) inside the ``with``
+    block: its arguments and its output ``f [B, C]``, whose gradient is kept. After the
+    closure's ``backward()`` of a **mean** loss over the ``M`` rows of all recorded calls,
+    ``l = (1/M) sum_i l_i(f_i)``, the row ``i`` of ``f.grad`` is ``(d l_i / d f_i) / M``,
+    so the per-example output gradient ``r_i = M f_i.grad`` is known without the targets,
+    and :meth:`curvature` gives the per-example curvature ``h = (1/M) sum_i h_i`` ``[P]``:
+
+    * ``"ef"``: ``h_i = (J_i^T r_i)^2``, the squared per-example gradient;
+    * ``"ggn"``: ``h_i = sum_k (J_i^T L_{i,k})^2 = diag(J_i^T Lambda_i J_i)``, with
+      ``Lambda_i = L_i L_i^T`` the likelihood's output Hessian at ``f_i`` (the loss must be
+      that likelihood's negative log-likelihood).
+
+    Calls made while ``paused()`` is true (a term of the objective that is not the data's,
+    :meth:`fromp.optim.VOGN.extra_term`) are not recorded.
+
+    ``J_i = d f_i / d w`` ``[C, P]`` comes from ``jacrev`` of one example, batched over the
+    examples with ``vmap`` (one call per example where ``vmap`` cannot batch the module, e.g.
+    a multi-task module that splits its batch by task label). Arguments whose first
+    dimension is ``B`` are split by example, the others shared. Batch-norm and dropout
+    layers run in eval mode for this pass (batch statistics couple the examples; a dropout
+    mask of the recorded pass cannot be replayed). Memory: ``chunk * C *
+    P`` numbers per chunk of examples. The order of ``[P]`` is ``named_parameters()``'s
+    (trainable only)."""
+
+    def __init__(self, model: nn.Module, paused: Callable[[], bool] | None = None) -> None:
+        self.model = model
+        self.paused = paused
+        self.calls: list[tuple[tuple[Any, ...], dict[str, Any], Tensor]] = []
+        self.skipped = 0  # calls made while paused (not examples)
+        self._handle: Any = None
+
+    def __enter__(self) -> OutputCapture:
+        self.calls, self.skipped = [], 0
+
+        def keep(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+            if self.paused is not None and self.paused():
+                self.skipped += 1
+                return
+            if isinstance(out, Tensor) and out.requires_grad and out.ndim == 2:
+                out.retain_grad()
+                self.calls.append((args, kwargs, out))
+
+        self._handle = self.model.register_forward_hook(keep, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    @property
+    def n_examples(self) -> int:
+        """``M``: the rows of the recorded calls that the loss reached."""
+        return sum(len(f) for _, _, f in self.calls if f.grad is not None)
+
+    def curvature(
+        self,
+        likelihood: Likelihood | str | None,
+        curvature: str,
+        chunk_size: int | None,
+        output_grads: list[Tensor] | None = None,
+    ) -> Tensor | None:
+        """``h = (1/M) sum_i h_i`` ``[P]`` (see the class docstring); None when no recorded
+        output was reached by the backward pass. ``curvature="ggn"`` needs ``likelihood``.
+
+        ``output_grads``: the per-example output gradients ``r_i = d l_i / d f_i`` of the
+        first ``len(output_grads)`` recorded calls, given (e.g. of the data loss alone,
+        when the backward pass also carried other terms); the others are not used."""
+        if output_grads is not None:
+            calls = [(a, k, r) for (a, k, _), r in zip(self.calls, output_grads)]
+            m = sum(len(r) for r in output_grads)
+            grads = [r.detach() for r in output_grads]
+        else:
+            calls = [(a, k, f) for a, k, f in self.calls if f.grad is not None]
+            m = self.n_examples
+            grads = [f.grad.detach() * m for _, _, f in calls]
+        if not calls:
+            return None
+        fs = [f for _, _, f in self.calls][: len(calls)] if output_grads is not None else None
+        lik = None if likelihood is None else get_likelihood(likelihood)
+        if curvature == "ggn" and lik is None:
+            raise ValueError("curvature='ggn' needs a Likelihood (or its name) as the loss")
+        params = {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
+        buffers = dict(self.model.named_buffers())
+        h = {n: torch.zeros_like(p) for n, p in params.items()}
+        with _bn_eval(self.model, _BN + _DROPOUT):
+            for j, (args, kwargs, f) in enumerate(calls):
+                if fs is not None:
+                    f = fs[j]
+                b = len(f)
+                leaves = [*args, *kwargs.values()]
+                batched = [isinstance(t, Tensor) and t.ndim > 0 and len(t) == b for t in leaves]
+                if curvature == "ef":
+                    vec = grads[j].unsqueeze(-1)  # [B, C, 1]: r_i
+                else:
+                    assert lik is not None
+                    vec = lik.sqrt_hessian(f.detach())  # [B, C, K]: L_i
+                one = _squared_projection(self.model, buffers, len(args), list(kwargs), batched)
+                fn = over_examples(one, (None, 0, *[0 if bt else None for bt in batched]))
+                step = b if chunk_size is None else chunk_size
+                for s in range(0, b, step):
+                    xs = [t[s : s + step] if bt else t for t, bt in zip(leaves, batched)]
+                    out = fn(params, vec[s : s + step], *xs)
+                    for n in h:
+                        h[n] += out[n].sum(0)
+        return torch.cat([t.reshape(-1) for t in h.values()]).div_(m)

@@ -2,7 +2,8 @@ r"""Improved Variational Online Newton (IVON, Shen et al., ICML 2024).
 
 IVON fits a mean-field Gaussian ``q(theta) = N(m, diag(sigma^2))`` to the posterior of a
 network trained on ``N`` examples (the *effective sample size* ``ess``) with a prior
-``N(0, 1 / (N delta))`` (``delta`` the weight decay), at nearly the cost of Adam: the
+``N(0, 1 / delta)`` (``delta`` the ``prior_precision``; the paper's weight decay is
+``delta / N``, written ``d`` below), at nearly the cost of Adam: the
 curvature comes from the gradient at a sampled weight alone (a reparameterisation-trick
 Hessian estimate), not from per-example gradients. Every step, for each of ``mc_samples``
 draws ``theta = m + eps``, ``eps ~ N(0, sigma^2)``,
@@ -12,26 +13,26 @@ draws ``theta = m + eps``, ``eps ~ N(0, sigma^2)``,
 (``l`` the mean mini-batch loss; both averaged over the draws), then, per coordinate,
 
     ``g  <- beta1 g + (1 - beta1) g^``
-    ``h  <- beta2 h + (1 - beta2) h^ + (1 - beta2)^2 (h - h^)^2 / (2 (h + delta))``
+    ``h  <- beta2 h + (1 - beta2) h^ + (1 - beta2)^2 (h - h^)^2 / (2 (h + d))``
     ``gb  = g / (1 - beta1^t)``
-    ``m  <- m - alpha (gb + delta m) / (h + delta)``
-    ``sigma^2 = 1 / (N (h + delta))``
+    ``m  <- m - alpha (gb + d m) / (h + d)``
+    ``sigma^2 = 1 / (N (h + d))``,   ``d = delta / N``
 
 The third term of the ``h`` update (a Riemannian-gradient correction) keeps ``h + delta``
 positive whatever the sign of ``h^``. With ``rescale_lr`` (the default) the step size is
-``alpha = lr * (h0 + delta)`` so that ``lr`` has the scale of an SGD learning rate at
+``alpha = lr * (h0 + d)`` so that ``lr`` has the scale of an SGD learning rate at
 initialisation (``h = h0``); ``clip_radius`` clips each coordinate of the preconditioned
-step ``(gb + delta m) / (h + delta)`` to ``[-clip_radius, clip_radius]``.
+step ``(gb + d m) / (h + d)`` to ``[-clip_radius, clip_radius]``.
 
-The posterior is ``q = N(m, diag(1 / (N (h + delta))))``: :meth:`IVON.posterior` returns
+The posterior is ``q = N(m, diag(1 / (N h + delta)))``: :meth:`IVON.posterior` returns
 it as a :class:`~fromp.posterior.DiagonalGaussian`, so that ``fromp.dnn2gp(model,
 opt.posterior(model), ...)`` is the DNN2GP Gaussian process at any IVON iterate.
 
 Continual IVON: :meth:`IVON.set_prior` replaces the weight-decay prior by a diagonal
 Gaussian ``N(m0, diag(1 / p0))`` (e.g. the previous task's posterior). The objective
 ``sum_i l_i + 1/2 (theta - m0)^T diag(p0) (theta - m0)``, divided by ``N``, gives the
-update above with ``delta = p0 / N`` (a ``[P]`` vector) and ``delta m`` replaced by
-``delta (m - m0)``; the posterior precision is ``N h + p0``.
+update above with ``d = p0 / N`` (a ``[P]`` vector) and ``d m`` replaced by
+``d (m - m0)``; the posterior precision is ``N h + p0``.
 
 Typical use::
 
@@ -70,6 +71,9 @@ References:
 
 from __future__ import annotations
 
+import copy
+import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -77,35 +81,95 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fromp._checks import check_ivon_group, check_positive
+from fromp._checks import check_positive
+from fromp.distributed import is_distributed, mean_over_ranks
 from fromp.optim._contract import (
+    GroupHyperparameters,
+    check_betas,
     check_closure_result,
+    check_ess,
     check_groups,
+    check_ivon_hyper,
     check_ivon_state,
+    check_param_state,
     ess_alias,
+    renamed_kwarg,
 )
 from fromp.optim.ivon_posterior import IVONPosterior
 
-__all__ = ["IVON"]
+__all__ = ["DEFAULT_WEIGHT_DECAY", "IVON"]
+
+#: ``prior_precision / ess`` when no prior precision is given (the IVON paper's default
+#: weight decay): ``prior_precision = 1e-4 * ess``.
+DEFAULT_WEIGHT_DECAY = 1e-4
+_WD_HOW = "prior_precision = weight_decay * ess"
 
 
-class IVON(IVONPosterior, torch.optim.Optimizer):
+def _old_weight_decay(weight_decay: object, ess: float) -> float:
+    """The deprecated ``weight_decay`` (``delta / N``) as ``prior_precision = weight_decay *
+    ess`` (checked first, so that the message names the argument the user wrote)."""
+    if isinstance(weight_decay, bool) or not isinstance(weight_decay, int | float):
+        raise ValueError(f"weight_decay must be a float >= 0, got {weight_decay!r}")
+    if not (weight_decay >= 0 and math.isfinite(weight_decay)):
+        raise ValueError(f"weight_decay must be a finite float >= 0, got {weight_decay!r}")
+    return float(weight_decay) * ess
+
+
+def _betas(
+    betas: tuple[float, float] | None, beta1: float | None, beta2: float | None
+) -> tuple[float, float]:
+    """``betas``, or the deprecated ``beta1=`` / ``beta2=`` (each defaulting to the paper's
+    ``0.9`` / ``0.99999``)."""
+    old = None
+    if beta1 is not None or beta2 is not None:
+        old = (0.9 if beta1 is None else beta1, 0.99999 if beta2 is None else beta2)
+    how = "betas = (beta1, beta2)"
+    betas = renamed_kwarg(betas, old, "beta1/beta2", "betas", "IVON", how, stacklevel=4)
+    return check_betas((0.9, 0.99999) if betas is None else betas)
+
+
+def _old_group(group: dict[str, Any], ess: float) -> dict[str, Any]:
+    """A parameter group with the 0.4 keys (``weight_decay``, ``beta1``, ``beta2``) in the new
+    ones, with a ``DeprecationWarning``; ``weight_decay`` times the group's ``ess`` (the
+    constructor's when the group has none)."""
+    if not {"weight_decay", "beta1", "beta2"} & set(group):
+        return group
+    warnings.warn("IVON parameter groups take 'prior_precision' (= weight_decay * ess) and "
+                  "'betas' (= (beta1, beta2)); 'weight_decay', 'beta1' and 'beta2' are "
+                  "deprecated", DeprecationWarning, stacklevel=4)  # fmt: skip
+    group = dict(group)
+    if "weight_decay" in group:
+        n = check_ess(group.get("ess", ess))
+        group["prior_precision"] = _old_weight_decay(group.pop("weight_decay"), n)
+    if "beta1" in group or "beta2" in group:
+        b1, b2 = group.pop("beta1", 0.9), group.pop("beta2", 0.99999)
+        group["betas"] = check_betas((b1, b2))
+    return group
+
+
+class IVON(IVONPosterior, GroupHyperparameters, torch.optim.Optimizer):
     r"""Improved Variational Online Newton; see the module docstring for the update.
 
     Args:
         params: an iterable of tensors or of parameter-group dicts (each group may override
             every hyperparameter below except ``mc_samples`` and ``antithetic``, which are
             global).
-        lr: learning rate (scaled by ``hess_init + weight_decay`` when ``rescale_lr``).
+        lr: learning rate (scaled by ``hess_init + prior_precision / ess`` when
+            ``rescale_lr``).
         ess: effective sample size ``N`` (usually the training-set size; VOGN's name too);
-            sets the posterior scale ``sigma^2 = 1 / (N (h + delta))``.
+            sets the posterior scale ``sigma^2 = 1 / (N h + delta)``.
             ``train_set_size=`` is its deprecated synonym.
-        hess_init: initial Hessian estimate ``h0 > 0``.
-        beta1: momentum decay of the gradient.
-        beta2: decay of the Hessian estimate.
-        weight_decay: ``delta >= 0``, the prior precision divided by ``N`` (the IVON paper's
-            parameterisation: VOGN's ``prior_precision`` is ``N delta``; ``h + delta`` must
-            stay positive: with ``delta = 0``, ``h0 > 0`` keeps it so).
+        prior_precision: ``delta >= 0``, the whole precision of the prior ``N(0, 1 /
+            delta)`` on the weights (VOGN's name and meaning); the update uses ``delta / N``
+            (the IVON paper's weight decay). None: ``1e-4 * ess`` (the paper's default weight
+            decay 1e-4). ``h + delta / N`` must stay positive: with ``delta = 0``,
+            ``hess_init > 0`` keeps it so. ``weight_decay=`` (``delta / N``) is deprecated:
+            ``prior_precision = weight_decay * ess`` (converted with the ``ess`` given here).
+        hess_init: initial Hessian estimate ``h0 > 0`` (VOGN's name for its initial
+            curvature too).
+        betas: ``(beta1, beta2)``, the decays of the momentum of the gradient and of the
+            Hessian estimate (default ``(0.9, 0.99999)``; torch's and VOGN's form, which LR
+            schedulers that cycle the momentum edit). ``beta1=`` / ``beta2=`` are deprecated.
         mc_samples: draws per step when stepping with a closure (``>= 1``).
         antithetic: draw in mirrored pairs: every second draw is ``-z`` of the draw before
             it (within a step when ``mc_samples`` is even, else across consecutive steps),
@@ -115,7 +179,7 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
             z^2 + g(m) z / sigma`` for independent draws), and half of the draws need no
             random numbers (on a CPU the normal fill is most of IVON's cost over Adam).
         clip_radius: clip each coordinate of the preconditioned step (None: no clipping).
-        rescale_lr: ``alpha = lr * (hess_init + weight_decay)``.
+        rescale_lr: ``alpha = lr * (hess_init + prior_precision / ess)``.
 
     Memory: the state (``g``, ``h``) and eight work buffers, flat, ``10 P`` numbers for ``P``
     parameters (``13 P`` after :meth:`set_prior`), against Adam's ``2 P``: for a torchvision
@@ -134,37 +198,49 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
         lr: float,
         ess: float | None = None,
         *,
+        prior_precision: float | None = None,
         hess_init: float = 1.0,
-        beta1: float = 0.9,
-        beta2: float = 0.99999,
-        weight_decay: float = 1e-4,
+        betas: tuple[float, float] | None = None,
         mc_samples: int = 1,
         clip_radius: float | None = None,
         rescale_lr: bool = True,
         antithetic: bool = False,
+        weight_decay: float | None = None,
+        beta1: float | None = None,
+        beta2: float | None = None,
         train_set_size: float | None = None,
     ) -> None:
         ess = ess_alias(ess, train_set_size, "IVON")
         if ess is None:
             raise ValueError("ess is required: IVON(params, lr, ess=N), N the training-set size")
+        ess = check_ess(ess)
         if isinstance(params, nn.Module):
             raise ValueError("params must be an iterable of tensors (model.parameters())")
+        if weight_decay is not None:
+            weight_decay = _old_weight_decay(weight_decay, ess)
+        prior_precision = renamed_kwarg(prior_precision, weight_decay, "weight_decay",
+                                        "prior_precision", "IVON", _WD_HOW)  # fmt: skip
+        if prior_precision is None:
+            prior_precision = DEFAULT_WEIGHT_DECAY * ess
+        betas = _betas(betas, beta1, beta2)
         defaults = dict(
             lr=lr,
             ess=ess,
+            prior_precision=prior_precision,
             hess_init=hess_init,
-            beta1=beta1,
-            beta2=beta2,
-            weight_decay=weight_decay,
+            betas=betas,
             mc_samples=mc_samples,
             clip_radius=clip_radius,
             rescale_lr=bool(rescale_lr),
             antithetic=antithetic,
         )
-        check_ivon_group(defaults)
+        check_positive(lr, "lr")
+        check_ivon_hyper(defaults)
+        params = [_old_group(g, ess) if isinstance(g, dict) else g for g in params]
         super().__init__(params, defaults)
         for group in self.param_groups:
-            check_ivon_group(group)
+            check_positive(group["lr"], "lr")
+            check_ivon_hyper(group)
             for name in ("mc_samples", "antithetic"):
                 if group[name] != defaults[name]:
                     raise ValueError(f"{name} is global: do not set it per parameter group")
@@ -177,26 +253,30 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
                     "params of one group must share dtype and device, got "
                     f"{sorted(map(str, kinds))}"
                 )
-        self.ivon_state: dict[str, Any] = {
-            "step": 0,
-            "params": [self._fresh(p, g) for g, p in self._pairs()],
-        }
         self._work_cache: dict[int, dict[str, Any]] = {}
         self._version = 0  # bumped when the prior or the loaded state changes
         self._drawn = False  # the parameters hold theta, the mean is in the work buffers
         self._n_acc = 0  # draws accumulated for the next step
         # antithetic: the z of the last fresh draw, per group, while its mirror is unused
         self._mirror: list[Tensor] | None = None
-        self._link_state()
+        self._states()  # self.state[p] for every parameter, as torch's optimizers keep it
 
     # ------------------------------------------------------------------ bookkeeping
-    def _link_state(self) -> None:
-        """torch's per-parameter state: ``self.state[p]`` is ``p``'s dict of
-        :attr:`ivon_state` (the same object, so it always shows the live tensors). Relinked
-        at every step when missing: Avalanche's optimizer resets replace ``self.state``,
-        while :attr:`ivon_state`, the posterior, survives them."""
-        for p, st in zip(self.params, self.ivon_state["params"]):
-            self.state[p] = st
+    @property
+    def ivon_state(self) -> dict[str, Any]:
+        """Deprecated: ``{"step": t, "params": [self.state[p] for p in params]}``, a view of
+        :attr:`state` (the per-parameter state is torch's ``self.state[p]``)."""
+        warnings.warn(
+            "IVON.ivon_state is deprecated: the state is torch's, IVON.state[p] ('step', "
+            "'momentum', 'hess', ...)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return {"step": self._step_count(), "params": self._states()}
+
+    def _step_count(self) -> int:
+        """``t``, the steps since the start (or the last :meth:`set_prior` with a reset)."""
+        return max((int(st.get("step", 0)) for st in self.state.values()), default=0)
 
     def _pairs(self) -> Iterator[tuple[dict[str, Any], Tensor]]:
         for group in self.param_groups:
@@ -209,15 +289,6 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
             "momentum": torch.zeros_like(p, memory_format=torch.preserve_format).detach(),
             "hess": torch.full_like(p, group["hess_init"]).detach(),
         }
-
-    @property
-    def params(self) -> list[Tensor]:
-        """The parameters in parameter-group order (the order of the flat vectors)."""
-        return [p for _, p in self._pairs()]
-
-    @property
-    def mc_samples(self) -> int:
-        return int(self.param_groups[0]["mc_samples"])
 
     @property
     def antithetic(self) -> bool:
@@ -234,18 +305,30 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
         for group in self.param_groups:
             group["ess"] = value
 
-    def _states(self) -> list[dict[str, Tensor]]:
-        states = self.ivon_state["params"]
-        n = sum(1 for _ in self._pairs())
-        if len(states) != n:
-            raise RuntimeError(
-                f"IVON holds state for {len(states)} parameters but its groups hold {n}: "
-                "parameters were added or removed after construction"
-            )
-        for (_, p), st in zip(self._pairs(), states):
-            if st["hess"].device != p.device or st["hess"].dtype != p.dtype:
+    def _states(self) -> list[dict[str, Any]]:
+        """``self.state[p]`` of every parameter in group order, created where missing (a
+        parameter added after construction, e.g. a new head, or a state reset):
+        ``momentum`` 0, ``hess`` ``hess_init``, the current step count and, in a group
+        whose parameters have a prior from :meth:`set_prior`, the group's prior ``N(0, 1 /
+        delta)``. Tensors follow the parameter's device and dtype."""
+        t = None
+        states = []
+        for group, p in self._pairs():
+            st = self.state[p]
+            if "hess" not in st:
+                t = self._step_count() if t is None else t
+                st.update(self._fresh(p, group), step=t)
+                others = [self.state[q] for q in group["params"] if q is not p]
+                if any("prior_precision" in o for o in others):
+                    st["prior_mean"] = torch.zeros_like(p).detach()
+                    st["prior_precision"] = torch.full_like(p, group["prior_precision"]).detach()
+                self._version += 1
+            elif st["hess"].device != p.device or st["hess"].dtype != p.dtype:
                 for k, v in st.items():
-                    st[k] = v.to(device=p.device, dtype=p.dtype)
+                    if isinstance(v, Tensor):
+                        st[k] = v.to(device=p.device, dtype=p.dtype)
+                self._version += 1
+            states.append(st)
         return states
 
     @staticmethod
@@ -253,7 +336,7 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
         """``delta``: ``p0 / N`` after :meth:`set_prior`, else the weight decay."""
         if "prior_precision" in st:
             return st["prior_precision"] / group["ess"]
-        return float(group["weight_decay"])
+        return float(group["prior_precision"]) / float(group["ess"])
 
     # ------------------------------------------------------------------ work buffers
     _BUFFERS = ("mom", "hess", "den", "rsd", "z", "mean", "ga", "ha", "buf", "gx")
@@ -263,15 +346,16 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
         steps (fresh temporaries cost page faults on every step on a CPU), so that every
         operation of a step is one pass over a flat vector:
 
-        - ``mom`` / ``hess``: the state ``g`` and ``h``; the tensors of :attr:`ivon_state`
-          are views of them (re-bound here after a load, a device move or a new prior);
+        - ``mom`` / ``hess``: flat copies of the state ``g`` and ``h`` of ``self.state``
+          (copied in after a load, a device move, a new prior or a new parameter; written
+          back after every update);
         - ``den = h + delta`` and ``rsd = den^{-1/2}`` of the current ``h`` (``sigma =
           rsd / sqrt(N)``), kept from the last update;
         - ``z`` (the standard-normal draw), ``mean`` (``m`` while the parameters hold
           ``theta``), ``ga`` / ``ha`` (sums of ``g^`` and ``h^`` over the draws), ``gx``
           (the gradient of :meth:`add_gradient`), ``buf`` (scratch);
-        - after :meth:`set_prior`: ``m0`` and ``p0`` (views bound to the state) and ``dvec
-          = p0 / N``.
+        - after :meth:`set_prior`: ``m0`` and ``p0`` (copies of the state) and ``dvec =
+          p0 / N``.
 
         Memory: ``10 P`` numbers (``13 P`` with a prior)."""
         params = group["params"]
@@ -283,14 +367,22 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
             for name in self._BUFFERS:
                 self._flat(work, name, params)
             self._work_cache[gi] = work
-        self._bind(work, params, states, "mom", "momentum")
-        self._bind(work, params, states, "hess", "hess")
-        if "prior_precision" in states[0]:
-            if "m0" not in work:
-                for name in ("m0", "p0", "dvec"):
-                    self._flat(work, name, params)
-            self._bind(work, params, states, "m0", "prior_mean")
-            self._bind(work, params, states, "p0", "prior_precision")
+        prior = "prior_precision" in states[0]
+        src = (
+            self._version,
+            prior,
+            [id(v) for st in states for v in st.values() if isinstance(v, Tensor)],
+        )
+        if work.get("src") != src:  # the state was replaced or edited: copy it in
+            torch._foreach_copy_(work["mom_v"], [st["momentum"] for st in states])
+            torch._foreach_copy_(work["hess_v"], [st["hess"] for st in states])
+            if prior:
+                if "m0" not in work:
+                    for name in ("m0", "p0", "dvec"):
+                        self._flat(work, name, params)
+                torch._foreach_copy_(work["m0_v"], [st["prior_mean"] for st in states])
+                torch._foreach_copy_(work["p0_v"], [st["prior_precision"] for st in states])
+            work["src"], work["den_key"] = src, None
         return work
 
     @staticmethod
@@ -304,26 +396,9 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
         work[name] = flat
         work[name + "_v"] = views
 
-    @staticmethod
-    def _bind(
-        work: dict[str, Any],
-        params: list[Tensor],
-        states: list[dict[str, Tensor]],
-        name: str,
-        key: str,
-    ) -> None:
-        """Make ``states[j][key]`` a view of the flat buffer ``work[name]`` (copying its
-        values in) where it is not one already."""
-        views = work[name + "_v"]
-        for st, v in zip(states, views):
-            if st[key] is not v:
-                v.copy_(st[key])
-                st[key] = v
-                work["den_key"] = None
-
     def _den_key(self, group: dict[str, Any]) -> tuple[Any, ...]:
         """What ``den`` depends on besides ``h``: it is recomputed when this changes."""
-        return (group["ess"], group["weight_decay"], self._version, self.ivon_state["step"])
+        return (group["ess"], group["prior_precision"], self._version, self._step_count())
 
     @staticmethod
     def _set_den(work: dict[str, Any], group: dict[str, Any], prior: bool) -> None:
@@ -332,8 +407,15 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
             torch.div(work["p0"], group["ess"], out=work["dvec"])
             torch.add(work["hess"], work["dvec"], out=work["den"])
         else:
-            torch.add(work["hess"], group["weight_decay"], out=work["den"])
+            torch.add(work["hess"], group["prior_precision"] / group["ess"], out=work["den"])
         torch.rsqrt(work["den"], out=work["rsd"])
+
+    def _group_states(self) -> list[list[dict[str, Any]]]:
+        states, out, i = self._states(), [], 0
+        for group in self.param_groups:
+            out.append(states[i : i + len(group["params"])])
+            i += len(group["params"])
+        return out
 
     def _group_work(self) -> list[tuple[dict[str, Any], dict[str, Any], bool]]:
         states = self._states()
@@ -490,13 +572,27 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ update
     @torch.no_grad()
-    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:  # type: ignore[override]
+    def step(  # type: ignore[override]
+        self, closure: Callable[[], Tensor] | None = None, *, batch_size: int | None = None
+    ) -> Tensor | None:
         """One IVON update.
 
-        With ``closure`` (zeroes the gradients, computes the loss, calls ``backward()``):
-        ``mc_samples`` draws, each evaluated inside :meth:`sampled_params`; returns the
-        mean loss. Without: averages the draws accumulated since the last step (at least
-        one :meth:`sampled_params` block with ``train=True``)."""
+        With ``closure`` (zeroes the gradients, computes the mean loss, calls
+        ``backward()``, returns the loss: the protocol VOGN shares): ``mc_samples`` draws,
+        each evaluated inside :meth:`sampled_params`; returns the mean loss. Without:
+        averages the draws accumulated since the last step (at least one
+        :meth:`sampled_params` block with ``train=True``).
+
+        Several processes (``torch.distributed`` initialised, more than one rank): the
+        averaged ``g^``, ``h^`` (and :meth:`add_gradient`'s term) of this rank, means over
+        its ``batch_size`` examples, become the means over all ranks' examples,
+        ``sum_r M_r g^_r / sum_r M_r`` (:func:`fromp.distributed.mean_over_ranks`;
+        ``batch_size=None`` weighs the ranks equally, right when they have equal batches),
+        before the update, so every rank makes the same update. Each rank's ``h^`` comes
+        from its own draw: seed each rank differently (``torch.manual_seed(seed +
+        fromp.distributed.rank())``, as in IVON's multi-GPU runs) and the ``h^`` of the
+        ranks average like ``world_size`` Monte Carlo samples; with one seed on every rank
+        the draws are equal and the step is exactly one process's on the global batch."""
         check_groups(self.param_groups, "IVON.step()")
         loss = None
         if closure is not None:
@@ -523,6 +619,12 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
                 "backward() inside `with opt.sampled_params(train=True):`, or pass a closure"
             )
         work = self._group_work()
+        if is_distributed():
+            bufs = []
+            for _, w, _ in work:
+                self._fold_pending(w)  # h^ of this rank's draw, before the average
+                bufs += [w["ga"], w["ha"]] + ([w["gx"]] if w["has_gx"] else [])
+            mean_over_ranks(bufs, 1.0 if batch_size is None else batch_size)
         finite = torch.stack([torch.isfinite(w["ga"]).all() for _, w, _ in work]).all()
         if not bool(finite):  # one host sync per step; refuse before any state changes
             self._discard()
@@ -547,13 +649,14 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
         ``h^ = g^ z / sigma`` formed here) and ``rsd`` of the draws (old ``h``); leaves
         ``den`` and ``rsd`` of the new ``h`` for the next draw. 13 passes over ``[P]``
         (12 without ``clip_radius``), fewer than half of them divisions or square roots."""
-        self.ivon_state["step"] += 1
-        t = self.ivon_state["step"]
-        if self.params[0] not in self.state:  # self.state was reset (Avalanche)
-            self._link_state()
-        for group, w, prior in self._group_work():
+        work = self._group_work()
+        t = self._step_count() + 1
+        for st in self._states():
+            st["step"] = t
+        for (group, w, prior), sts in zip(work, self._group_states()):
             params = group["params"]
-            b1, b2 = group["beta1"], group["beta2"]
+            b1, b2 = group["betas"]
+            wd = group["prior_precision"] / group["ess"]  # delta / N
             bc1 = 1 - b1**t
             ga, ha, buf, hess, mom = w["ga"], w["ha"], w["buf"], w["hess"], w["mom"]
             den, rsd, c = w["den"], w["rsd"], w["c"]
@@ -582,65 +685,95 @@ class IVON(IVONPosterior, torch.optim.Optimizer):
                 torch._foreach_copy_(w["ga_v"], params)
                 ga.sub_(w["m0"]).mul_(w["dvec"])
                 buf.addcdiv_(ga, den, value=bc1)
-            elif group["weight_decay"]:
-                torch._foreach_addcdiv_(
-                    w["buf_v"], params, w["den_v"], value=group["weight_decay"] * bc1
-                )
+            elif wd:
+                torch._foreach_addcdiv_(w["buf_v"], params, w["den_v"], value=wd * bc1)
             if group["clip_radius"] is not None:
                 buf.clamp_(-group["clip_radius"] * bc1, group["clip_radius"] * bc1)
             alpha = group["lr"]
             if group["rescale_lr"]:
-                alpha = alpha * (group["hess_init"] + group["weight_decay"])
+                alpha = alpha * (group["hess_init"] + wd)
             torch._foreach_add_(params, w["buf_v"], alpha=-alpha / bc1)
+            torch._foreach_copy_([st["momentum"] for st in sts], w["mom_v"])  # into self.state
+            torch._foreach_copy_([st["hess"] for st in sts], w["hess_v"])
             w["den_key"] = self._den_key(group)
 
     # ------------------------------------------------------------------ (de)serialisation
     def state_dict(self) -> dict[str, Any]:
-        """torch's optimizer state (the hyperparameters) plus ``"ivon"``: step count and
-        per-parameter state (tensors cloned)."""
+        """torch's optimizer state dict: ``"state"`` (per parameter index: ``"step"``,
+        ``"momentum"``, ``"hess"`` and, after :meth:`set_prior`, ``"prior_mean"`` and
+        ``"prior_precision"``; with ``antithetic``, ``"mirror"``, the draw the next one
+        mirrors) and ``"param_groups"``. The tensors are the live ones, as torch's (copy
+        them to keep them)."""
         if self._drawn:
             raise RuntimeError("IVON.state_dict(): the parameters hold a draw; restore() first")
+        self._states()
         out = super().state_dict()
-        out["state"] = {}  # self.state is a view of ivon_state, saved once under "ivon"
-        out["ivon"] = self._ivon_copy()
+        out["state"] = {i: dict(st) for i, st in out["state"].items()}
+        if self._mirror is not None:  # antithetic: the next draw mirrors this z
+            views = [v for g in self._mirror for v in self._split(g)]
+            for i, v in enumerate(views):
+                out["state"][i]["mirror"] = v.clone()
         return out
 
-    def _ivon_copy(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "step": self.ivon_state["step"],
-            "params": [{k: v.clone() for k, v in st.items()} for st in self._states()],
-        }
-        if self._mirror is not None:  # antithetic: the next draw mirrors this z
-            out["mirror"] = [z.clone() for z in self._mirror]
-        return out
+    def _split(self, flat: Tensor) -> list[Tensor]:
+        """A flat group vector as per-parameter views (the group is found by its size)."""
+        for group in self.param_groups:
+            if sum(p.numel() for p in group["params"]) == flat.numel():
+                views, i = [], 0
+                for p in group["params"]:
+                    views.append(flat[i : i + p.numel()].view_as(p))
+                    i += p.numel()
+                return views
+        raise ValueError("a mirror draw that fits no parameter group")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Inverse of :meth:`state_dict` (the parameters themselves, i.e. the mean, are the
-        model's: load them with the model)."""
+        """Inverse of :meth:`state_dict`, refused before any change when it does not fit
+        (the parameters themselves, i.e. the mean, are the model's: load them with the
+        model). A state dict of fromp 0.4 (``"ivon"`` beside an empty ``"state"``) loads
+        too."""
         state_dict = dict(state_dict)
-        ivon = state_dict.pop("ivon", None)
-        if ivon is None:
-            raise ValueError("state_dict has no 'ivon' entry: it was not saved by IVON")
+        old = state_dict.pop("ivon", None)
+        if old is not None:
+            check_ivon_state(old, self.params, self.param_groups)
+            state_dict["state"] = self._from_old(old)
         # refuse before anything is replaced: torch's load overwrites the groups
         check_groups(state_dict.get("param_groups", []), "IVON.load_state_dict")
-        check_ivon_state(ivon, self.params, self.param_groups)
+        check_param_state(state_dict.get("state", {}), self.params, ("momentum", "hess"), "IVON")
         super().load_state_dict(state_dict)
-        self.load_ivon_state(ivon)
-
-    def load_ivon_state(self, ivon: dict[str, Any]) -> None:
-        """Load ``state_dict()["ivon"]`` alone."""
-        check_ivon_state(ivon, self.params, self.param_groups)
-        params = self.params
-        loaded = []
-        for p, st in zip(params, ivon["params"]):
-            loaded.append({k: v.detach().to(p).clone() for k, v in st.items()})
-        self.ivon_state = {"step": int(ivon["step"]), "params": loaded}
-        self._link_state()
-        mirror = ivon.get("mirror")
-        if mirror is not None:
-            mirror = [
-                z.detach().to(g["params"][0]).clone() for z, g in zip(mirror, self.param_groups)
-            ]
-        self._mirror = mirror
+        mirror = []
+        for p in self.params:  # own copies: torch's load may share the caller's tensors
+            st = self.state[p]
+            for k, v in list(st.items()):
+                if isinstance(v, Tensor):
+                    st[k] = v.detach().to(p).clone()
+            if "mirror" in st:
+                mirror.append(st.pop("mirror"))
+        self._mirror = None
+        if mirror:
+            self._mirror, i = [], 0
+            for group in self.param_groups:
+                k = len(group["params"])
+                self._mirror.append(torch.cat([z.reshape(-1) for z in mirror[i : i + k]]))
+                i += k
         self._n_acc = 0
         self._version += 1
+
+    def _from_old(self, ivon: dict[str, Any]) -> dict[int, dict[str, Any]]:
+        """The 0.4 ``"ivon"`` entry (``{"step", "params": [...], "mirror"}``) as torch's
+        per-index state."""
+        state = {i: {**st, "step": int(ivon["step"])} for i, st in enumerate(ivon["params"])}
+        if ivon.get("mirror") is not None:
+            views = [v for z in ivon["mirror"] for v in self._split(z)]
+            for i, v in enumerate(views):
+                state[i]["mirror"] = v
+        return state
+
+    def load_ivon_state(self, ivon: dict[str, Any]) -> None:
+        """Load the posterior state alone: torch's ``state_dict()["state"]`` or the 0.4
+        ``state_dict()["ivon"]`` (the hyperparameters are left as they are)."""
+        groups = copy.deepcopy([{k: v for k, v in g.items() if k != "params"}
+                                for g in super().state_dict()["param_groups"]])  # fmt: skip
+        if "params" in ivon and "step" in ivon:
+            self.load_state_dict({"ivon": ivon, "state": {}, "param_groups": groups})
+        else:
+            self.load_state_dict({"state": ivon, "param_groups": groups})

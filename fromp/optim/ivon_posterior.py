@@ -50,8 +50,8 @@ class IVONPosterior:
         return DiagonalGaussian(torch.cat(means).clone(), torch.cat(precs))
 
     def prior(self, model: nn.Module | None = None) -> DiagonalGaussian:
-        """The prior ``N(m0, diag(1 / p0))``: ``N(0, 1 / (N delta))`` before :meth:`set_prior`
-        (needs ``weight_decay > 0``)."""
+        """The prior ``N(m0, diag(1 / p0))``: ``N(0, 1 / delta)`` before :meth:`set_prior`
+        (``delta`` the group's ``prior_precision``, which must then be ``> 0``)."""
         states = self._states()
         pairs = list(self._pairs())
         means, precs = [], []
@@ -60,9 +60,9 @@ class IVONPosterior:
             m0 = st.get("prior_mean", torch.zeros_like(p))
             p0 = st.get("prior_precision")
             if p0 is None:
-                if group["weight_decay"] == 0:
-                    raise ValueError("prior(): weight_decay is 0, the prior is improper")
-                p0 = torch.full_like(p, group["weight_decay"] * group["ess"])
+                if group["prior_precision"] == 0:
+                    raise ValueError("prior(): prior_precision is 0, the prior is improper")
+                p0 = torch.full_like(p, float(group["prior_precision"]))
             means.append(m0.reshape(-1))
             precs.append(p0.reshape(-1))
         return DiagonalGaussian(torch.cat(means).clone(), torch.cat(precs).clone())
@@ -108,6 +108,7 @@ class IVONPosterior:
                 st["momentum"].zero_()
                 st["hess"].fill_(group["hess_init"])
         if reset:
-            self.ivon_state["step"] = 0
+            for st in states:
+                st["step"] = 0
         self._version += 1
         return self.prior(model)

@@ -21,11 +21,11 @@ regulariser weight only). With the data term written as a mean over examples, ev
 
    with ``m^ = m / (1 - beta1^t)`` and ``s^ = s / (1 - beta2^t)`` when ``bias_correction``
    (the correction of ``s`` only applies when ``s`` starts at zero, i.e.
-   ``init_precision=None``; otherwise ``s^ = s``).
+   ``hess_init=None``; otherwise ``s^ = s``).
 
 The posterior is ``q = N(mu, diag(1 / (N (s^ + delta~) / kl_weight)))``: precision
 ``N s^ / kl_weight + delta``. For ``kl_weight = 1`` this is ``N (s^ + delta~)``. As in
-``torchsso`` (the reference implementation of Osawa et al.), ``init_precision`` is the
+``torchsso`` (the reference implementation of Osawa et al.), ``hess_init`` is the
 initial value of ``s`` (so ``q`` starts with precision ``N s_0 / kl_weight + delta``) and
 ``kl_weight`` scales both the prior term and the sampling variance.
 
@@ -52,6 +52,7 @@ pass of the mini-batch at the first sampled weights to update the running statis
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -60,9 +61,12 @@ import torch
 from torch import Tensor, nn
 
 from fromp._checks import check_chunk_size, check_positive, check_vogn_groups
+from fromp.distributed import is_distributed, mean_over_ranks
 from fromp.likelihood import Likelihood
 from fromp.optim._contract import (
+    GroupHyperparameters,
     _as_vector,
+    check_betas,
     check_closure_result,
     check_ess,
     check_groups,
@@ -70,11 +74,13 @@ from fromp.optim._contract import (
     check_vogn_state,
     deprecated_alias,
     ess_alias,
+    renamed_kwarg,
 )
 from fromp.optim._stats import (
     GradStats,
     LayerCapture,
     LossFn,
+    OutputCapture,
     _has_bn,
     _loss_fn,
     per_example_grad_stats,
@@ -87,6 +93,7 @@ __all__ = [
     "VOGN",
     "GradStats",
     "LayerCapture",
+    "OutputCapture",
     "per_example_grad_stats",
     "predict_mc",
     "predict_mean",
@@ -102,7 +109,7 @@ _VIEWS = (
 )
 
 
-class VOGN(torch.optim.Optimizer):
+class VOGN(GroupHyperparameters, torch.optim.Optimizer):
     r"""Variational Online Gauss-Newton with a diagonal Gaussian posterior.
 
     See the module docstring for the update. The optimiser keeps its own flat state
@@ -114,14 +121,29 @@ class VOGN(torch.optim.Optimizer):
 
     Two ways to step:
 
-    * **Standalone** (exact, all MC samples): ``loss = opt.step(x, y)`` or
-      ``opt.step(x, y, regularizer=fn)``. For each draw ``w ~ q`` the optimiser writes ``w``
-      into the model, computes :func:`per_example_grad_stats` of the data loss, and, if
-      given, ``fn()`` (a scalar using the model, e.g. a FROMP function-space regulariser):
-      its gradient is added to ``g`` only, never to the curvature ``h``. The regulariser must
-      be on the scale of the mean per-example loss (a term ``R`` of the full objective
-      ``sum_i nll_i + R`` enters as ``R / N``). ``model=`` overrides the module used for the
-      forward pass (e.g. ``with_task(net, t)``; it must share the parameters).
+    * **With a closure** (torch's ``step(closure)``, the protocol IVON shares):
+
+      .. code-block:: python
+
+          def closure():
+              opt.zero_grad()
+              loss = F.cross_entropy(model(x), y)     # the mean over the mini-batch
+              with opt.extra_term():                  # optional: enters g, never h
+                  loss = loss + reg(model) / N         # on the mean per-example scale
+              loss.backward()
+              return loss
+
+          opt.step(closure)
+
+      For each draw ``w ~ q`` held in the parameters the optimizer runs the closure and
+      finds the per-example curvature of the model calls it made itself (no
+      ``set_curvature``): from the layer inputs and output gradients (``curvature="ef"``,
+      layers of :mod:`fromp.curvature.capture`) or from per-example Jacobians at the
+      recorded outputs (any model, ``"ef"`` or ``"ggn"``). The loss must be the mean of
+      per-example losses over the rows of the model's outputs; multi-head calls
+      (``with_task(net, t)(x_t)`` per task, Avalanche's ``model(x, task_labels)``) count
+      all their rows. The deprecated ``step(x, y, regularizer=fn, model=m)`` is this with
+      ``loss_fn(m(x), y)`` and ``fn()`` in :meth:`extra_term`.
     * **Two-phase** (training loops that call ``loss.backward(); optimizer.step()``, such as
       Avalanche's; see :class:`strategies.vogn.VOGNPlugin`): ``opt.sample_params()`` before
       the forward pass, ``opt.set_curvature(h)`` after the backward pass with the per-example
@@ -130,10 +152,11 @@ class VOGN(torch.optim.Optimizer):
       any regulariser). The lowest level is :meth:`update` ``(g, h)``.
 
     Args:
-        params_or_model: the model (needed by the standalone step), an iterable of its
+        params_or_model: the model (what the closure calls), an iterable of its
             parameters, or parameter groups (dicts with ``"params"`` and optionally ``"lr"``
             and ``"prior_precision"``, a float for the group's part of ``delta``); with
-            tensors or groups only the closure, two-phase and :meth:`update` APIs apply. The
+            tensors or groups, pass ``model=`` for the closure API (else only the two-phase
+            and :meth:`update` APIs, or a closure that calls :meth:`set_curvature`). The
             flat ``[P]`` state follows the groups' order. ``lr`` is read from
             ``param_groups`` at every step, so learning-rate schedulers work; ``betas``,
             ``mc_samples``, ``kl_weight`` and ``bias_correction`` are one per optimizer.
@@ -146,7 +169,9 @@ class VOGN(torch.optim.Optimizer):
             of the prior on the weights (IVON's ``weight_decay`` is ``delta / N``).
         prior_mean: ``mu_0`` ``[P]`` (default zeros) or a :class:`DiagonalGaussian` prior,
             whose precision is then ``delta`` too (``prior_precision`` must then be None).
-        init_precision: initial ``s`` (float or ``[P]``; torchsso's convention); None: 0.
+        hess_init: initial curvature ``s`` (float or ``[P]``; torchsso's convention; IVON's
+            name for its initial Hessian estimate); None: 0. ``init_precision=`` is its
+            deprecated synonym.
         mc_samples: draws per step; 0 gives OGN (no sampling, ``w = mu``).
         kl_weight: the weight of the KL term (tempering; ``tau`` in Osawa et al.).
         likelihood: the per-example loss: a :class:`Likelihood`, its name, or a callable
@@ -157,6 +182,11 @@ class VOGN(torch.optim.Optimizer):
         chunk_size: examples per vectorised per-example call (bounds memory).
         method: how per-example squared gradients are computed, see
             :func:`per_example_grad_stats` (``"auto"``, ``"hooks"`` or ``"vmap"``).
+        model: with parameter groups, the module the closure calls (its trainable
+            parameters must be exactly the groups').
+
+    Several processes (``torch.distributed``): see :meth:`update`; draw the same noise on
+    every rank or not, the update is the same on all of them.
     """
 
     def __init__(
@@ -168,7 +198,7 @@ class VOGN(torch.optim.Optimizer):
         ess: float | None = None,
         prior_precision: float | Tensor | None = None,
         prior_mean: Tensor | DiagonalGaussian | None = None,
-        init_precision: float | Tensor | None = None,
+        hess_init: float | Tensor | None = None,
         mc_samples: int = 1,
         kl_weight: float = 1.0,
         likelihood: Likelihood | LossFn | str = "categorical",
@@ -176,23 +206,29 @@ class VOGN(torch.optim.Optimizer):
         bias_correction: bool = True,
         chunk_size: int | None = None,
         method: str = "auto",
+        model: nn.Module | None = None,
+        init_precision: float | Tensor | None = None,
         train_set_size: float | None = None,
     ) -> None:
         ess = ess_alias(ess, train_set_size, "VOGN")
+        hess_init = renamed_kwarg(hess_init, init_precision, "init_precision", "hess_init", "VOGN")
         if isinstance(params_or_model, nn.Module):
+            if model is not None and model is not params_or_model:
+                raise ValueError("model= is for parameter groups: VOGN(model) has its model")
             self.model: nn.Module | None = params_or_model
             named = [(n, p) for n, p in params_or_model.named_parameters() if p.requires_grad]
             params = [p for _, p in named]
         else:
-            self.model = None
+            if model is not None and not isinstance(model, nn.Module):
+                raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
+            self.model = model
             params = list(params_or_model)
             if any(isinstance(p, dict) for p in params):
                 params = check_vogn_groups(params)
         if not params:
             raise ValueError("params_or_model has no trainable parameters")
         check_positive(lr, "lr")
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"betas must be two floats in [0, 1), got {betas!r}")
+        betas = check_betas(betas)
         if not (isinstance(mc_samples, int) and mc_samples >= 0):
             raise ValueError(f"mc_samples must be an int >= 0, got {mc_samples!r}")
         check_positive(kl_weight, "kl_weight")
@@ -240,12 +276,12 @@ class VOGN(torch.optim.Optimizer):
         mu0 = (
             torch.zeros_like(mu) if prior_mean is None else _as_vector(prior_mean, mu, "prior_mean")
         )
-        if init_precision is None:
+        if hess_init is None:
             s0 = torch.zeros_like(mu)
         else:
-            s0 = _as_vector(init_precision, mu, "init_precision")
+            s0 = _as_vector(hess_init, mu, "hess_init")
             if not (torch.isfinite(s0).all() and (s0 >= 0).all()):
-                raise ValueError("init_precision must be finite and >= 0")
+                raise ValueError("hess_init must be finite and >= 0")
         if ess is not None:
             ess = check_ess(ess)
         self.vogn_state: dict[str, Any] = {
@@ -255,16 +291,24 @@ class VOGN(torch.optim.Optimizer):
             "step": 0,
             "prior_mean": mu0,
             "prior_precision": delta,
-            "init_s": s0 if init_precision is not None else None,
+            "init_s": s0 if hess_init is not None else None,
             "train_set_size": ess,  # the state's key since the first checkpoints
         }
         self._pending_curv: Tensor | None = None
+        self._pending_n: int | None = None
+        self._paused = 0  # inside extra_term(): model calls are not examples
         self._sampled = False
         self._version = 0  # bumped when the prior or the state is replaced
         self._std_cache: tuple[tuple, Tensor] | None = None
         self._dt_cache: tuple[tuple, Tensor] | None = None
         self._lr_cache: tuple[tuple, Tensor] | None = None
         self._work: dict[str, Tensor] = {}  # [P] work buffers (see _buffer)
+        self._layout = [(id(p), p.numel()) for p in self.params]
+        # what a parameter added later starts with (a float given to the constructor)
+        self._s0_scalar = float(hess_init) if isinstance(hess_init, int | float) else 0.0
+        self._delta_scalar = (
+            float(prior_precision) if isinstance(prior_precision, int | float) else 1.0
+        )
         self._link_state()
 
     def _link_state(self) -> None:
@@ -282,15 +326,6 @@ class VOGN(torch.optim.Optimizer):
             i += k
 
     # ---------------------------------------------------------------- hyper-parameters
-    @property
-    def params(self) -> list[Tensor]:
-        """All parameters, group by group: the order of the flat ``[P]`` state."""
-        return [p for group in self.param_groups for p in group["params"]]
-
-    @property
-    def mc_samples(self) -> int:
-        return int(self.param_groups[0]["mc_samples"])
-
     @property
     def kl_weight(self) -> float:
         return float(self.param_groups[0]["kl_weight"])
@@ -355,6 +390,7 @@ class VOGN(torch.optim.Optimizer):
 
     def posterior(self) -> DiagonalGaussian:
         """``q = N(mu, diag(1 / (N s^ / kl_weight + delta)))`` (copies of the state)."""
+        self._follow_params()
         return DiagonalGaussian(self.vogn_state["mu"].clone(), self.posterior_precision().clone())
 
     def prior(self) -> DiagonalGaussian:
@@ -367,7 +403,7 @@ class VOGN(torch.optim.Optimizer):
         """Make ``prior`` (default: the current posterior) the prior ``N(mu_0, 1/delta)``.
 
         With ``reset`` (a new task of naive continual VOGN), ``m``, the step count and ``s``
-        restart (``s`` at its initial value, so with ``init_precision=None`` the next
+        restart (``s`` at its initial value, so with ``hess_init=None`` the next
         posterior starts equal to the prior); ``mu`` is kept. Returns the new prior.
         """
         prior = self.posterior() if prior is None else prior
@@ -387,8 +423,53 @@ class VOGN(torch.optim.Optimizer):
         return self.prior()
 
     # ---------------------------------------------------------------- parameters
+    def _follow_params(self) -> None:
+        """Follow the parameter groups when parameters were added or replaced after
+        construction (Avalanche adds a new head's parameters, or replaces a grown one): the
+        state of the parameters kept is kept; a new one starts with its current values as
+        the mean, no momentum, ``s`` at ``hess_init`` (0 when it was None or a vector),
+        the prior ``N(0, 1 / delta)`` with its group's ``prior_precision`` (1.0 when the
+        constructor got a vector)."""
+        layout = [(id(p), p.numel()) for p in self.params]
+        if layout == self._layout:
+            return
+        st, old, i = self.vogn_state, {}, 0
+        for key, k in self._layout:
+            old[key] = (i, k)
+            i += k
+        keys = [k for k, v in st.items() if isinstance(v, Tensor)]
+        parts: dict[str, list[Tensor]] = {k: [] for k in keys}
+        for group in self.param_groups:
+            for p in group["params"]:
+                where = old.get(id(p))
+                if where is not None and where[1] == p.numel():
+                    for k in keys:
+                        parts[k].append(st[k][where[0] : where[0] + where[1]])
+                    continue
+                fresh = {
+                    "mu": p.detach().reshape(-1).to(st["mu"]),
+                    "s": st["mu"].new_full((p.numel(),), self._s0_scalar),
+                    "m": st["mu"].new_zeros(p.numel()),
+                    "prior_mean": st["mu"].new_zeros(p.numel()),
+                    "prior_precision": st["mu"].new_full(
+                        (p.numel(),), group["prior_precision"] or self._delta_scalar
+                    ),
+                    "init_s": st["mu"].new_full((p.numel(),), self._s0_scalar),
+                }
+                for k in keys:
+                    parts[k].append(fresh[k])
+        for k in keys:
+            st[k] = torch.cat(parts[k]).clone()
+        self._layout = layout
+        self._version += 1
+        self._work = {}
+        self._lr_cache = None
+        self._link_state()
+
     def _sync_device(self) -> None:
-        """Follow the parameters when the model was moved after construction."""
+        """Follow the parameters when the model was moved after construction, or
+        parameters were added (:meth:`_follow_params`)."""
+        self._follow_params()
         p0 = self.params[0]
         st = self.vogn_state
         if st["mu"].device != p0.device or st["mu"].dtype != p0.dtype:
@@ -473,10 +554,17 @@ class VOGN(torch.optim.Optimizer):
 
     # ---------------------------------------------------------------- updates
     @torch.no_grad()
-    def update(self, grad: Tensor, curv: Tensor) -> None:
+    def update(self, grad: Tensor, curv: Tensor, n_examples: int | None = None) -> None:
         """One VOGN update from ``g`` ``[P]`` (mean data gradient plus any extra terms, no
         prior term) and ``h`` ``[P]`` (mean per-example curvature); writes ``mu`` into the
-        parameters."""
+        parameters.
+
+        Under ``torch.distributed`` (more than one process), ``g`` and ``h`` are this rank's
+        means over its ``n_examples`` examples, and are replaced by the means over all
+        ranks' examples, ``sum_r M_r g_r / sum_r M_r`` (:func:`fromp.distributed.
+        mean_over_ranks`; ``n_examples=None`` weighs the ranks equally, right when every
+        rank has the same batch size), before the update: every rank then makes the same
+        update, the one of a single process on the global batch."""
         check_groups(self.param_groups, "VOGN.update()")
         self._check_precision_scale("VOGN.update()")
         self._sync_device()
@@ -485,6 +573,9 @@ class VOGN(torch.optim.Optimizer):
         for name, v in (("grad", grad), ("curv", curv)):
             if v.shape != mu.shape:
                 raise ValueError(f"{name} must have shape [P]=[{mu.numel()}], got {tuple(v.shape)}")
+        if is_distributed():
+            grad, curv = grad.clone(), curv.clone()
+            mean_over_ranks([grad, curv], 1.0 if n_examples is None else n_examples)
         # one host sync per step; refuse before any state changes (a NaN loss would
         # otherwise be written into the mean, the momentum and the curvature estimate)
         if not bool(torch.isfinite(grad).all() & torch.isfinite(curv).all()):
@@ -531,9 +622,13 @@ class VOGN(torch.optim.Optimizer):
             self._lr_cache = (key, vec)
         return self._lr_cache[1]
 
-    def set_curvature(self, curv: Tensor) -> None:
-        """Store ``h`` ``[P]`` for the next argument-less :meth:`step`."""
+    def set_curvature(self, curv: Tensor, n_examples: int | None = None) -> None:
+        """Store ``h`` ``[P]`` (a mean over ``n_examples`` examples: the weight of this rank
+        under ``torch.distributed``, see :meth:`update`) for the next argument-less
+        :meth:`step` (the two-phase loop of :class:`strategies.vogn.VOGNPlugin`). A closure
+        passed to :meth:`step` need not call it: VOGN finds ``h`` itself."""
         self._pending_curv = curv.detach()
+        self._pending_n = n_examples
 
     def step(  # type: ignore[override]
         self,
@@ -545,15 +640,18 @@ class VOGN(torch.optim.Optimizer):
     ) -> Tensor | None:
         """One VOGN step; compatible with :meth:`torch.optim.Optimizer.step` ``(closure=None)``.
 
-        * ``step(x, y, regularizer=None, model=None)``: standalone step on the mini-batch
-          ``(x, y)`` (``x`` a tensor in the place of the closure) averaging
-          ``max(mc_samples, 1)`` draws; returns the mean data loss.
-        * ``step(closure)``: for each of ``max(mc_samples, 1)`` draws held in the parameters
-          (:meth:`sampled_params`), ``closure()`` zeroes the gradients, computes the mean
-          loss, calls ``backward()`` and returns the loss; ``g`` is read from ``.grad``, ``h``
-          from the closure's own passes (``VOGN(model)``, ``curvature="ef"``, layers of
-          :mod:`fromp.curvature.capture`) or from :meth:`set_curvature` ``(h)`` called by the
-          closure.
+        * ``step(closure)`` (the closure protocol IVON shares): for each of
+          ``max(mc_samples, 1)`` draws held in the parameters (:meth:`sampled_params`),
+          ``closure()`` computes the **mean** loss over the mini-batch of the model's outputs
+          (``VOGN(model)``, or ``model=`` with parameter groups), calls ``backward()`` and
+          returns the loss. ``g`` is read from ``.grad``; ``h`` VOGN finds itself from the
+          model calls the closure made (layer capture, or per-example Jacobians, see
+          :meth:`_step_closure`); calls of the model inside :meth:`extra_term` (a
+          regulariser) enter ``g`` only. Returns the mean loss over the draws.
+        * ``step(x, y, regularizer=None, model=None)`` (deprecated, a
+          ``DeprecationWarning``; removed in the next minor version): the same step on the
+          mini-batch ``(x, y)`` with the optimizer's likelihood, ``regularizer()`` entering
+          ``g`` only.
         * ``step()``: two-phase step (``g`` from ``.grad``, ``h`` from :meth:`set_curvature`).
 
         The parameters hold ``mu`` afterwards, also when a draw raises.
@@ -561,6 +659,13 @@ class VOGN(torch.optim.Optimizer):
         check_groups(self.param_groups, "VOGN.step()")
         self._check_precision_scale("VOGN.step()")
         if isinstance(closure, Tensor):
+            warnings.warn(
+                "VOGN.step(x, y, regularizer=, model=) is deprecated: use step(closure), a "
+                "closure that computes the mean loss of model(x), any extra term inside "
+                "`with opt.extra_term():`, calls backward() and returns the loss",
+                DeprecationWarning,
+                stacklevel=3,  # past torch's step wrapper
+            )
             return self._step_batch(closure, y, regularizer=regularizer, model=model)
         if y is not None or regularizer is not None or model is not None:
             raise TypeError(
@@ -575,7 +680,7 @@ class VOGN(torch.optim.Optimizer):
                     "closure that does, or use step(x, y)"
                 )
             curv, self._pending_curv = self._pending_curv, None
-            self.update(self._read_grad(), curv)
+            self.update(self._read_grad(), curv, self._pending_n)
             return None
         if not callable(closure):
             raise TypeError(
@@ -584,28 +689,96 @@ class VOGN(torch.optim.Optimizer):
             )
         return self._step_closure(closure)
 
+    @contextmanager
+    def extra_term(self) -> Iterator[None]:
+        """Inside a closure: calls of the model in this block belong to a term of the
+        objective besides the data's mean loss (e.g. FROMP's function-space regulariser on
+        memorable points, on the scale of the mean per-example loss): its gradient enters
+        ``g`` through ``.grad``, never the curvature ``h``, and its rows are not examples."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def _named_to_flat(self, named: Tensor) -> Tensor:
+        """A ``[P]`` vector in the model's ``named_parameters()`` order (trainable) in the
+        optimizer's order (parameter groups)."""
+        assert self.model is not None
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        params = self.params
+        if [id(p) for p in trainable] == [id(p) for p in params]:
+            return named
+        if {id(p) for p in trainable} != {id(p) for p in params} or len(trainable) != len(params):
+            raise ValueError("model's trainable parameters must be exactly the optimizer's")
+        parts, i = {}, 0
+        for p in trainable:
+            parts[id(p)] = named[i : i + p.numel()]
+            i += p.numel()
+        return torch.cat([parts[id(p)] for p in params])
+
+    def _curvature_of(
+        self, outputs: OutputCapture | None, layers: LayerCapture | None
+    ) -> tuple[Tensor, int | None]:
+        """``(h, M)`` of the closure just run, at the weights the parameters hold: the ``h``
+        given to :meth:`set_curvature`, else from the layer capture (one call of the model,
+        no extra term), else from the recorded calls' per-example Jacobians."""
+        h, n_ex = self._pending_curv, self._pending_n
+        self._pending_curv = None
+        if h is not None:
+            return h, n_ex
+        if outputs is None:
+            raise ValueError(
+                "VOGN.step(closure) finds the per-example curvature from the model's calls: "
+                "construct VOGN(model) or VOGN(param_groups, model=model) (or let the "
+                "closure call set_curvature(h))"
+            )
+        n_ex = outputs.n_examples
+        if layers is not None and len(outputs.calls) == 1 and not outputs.skipped:
+            h = layers.squared_grads_of_mean_loss()
+        if layers is not None:
+            layers.calls, layers._outs = [], []
+        if h is None:
+            lik = self.likelihood if isinstance(self.likelihood, str | Likelihood) else None
+            if self.curvature == "ggn" and lik is None:
+                raise ValueError("VOGN: curvature='ggn' needs likelihood to be a Likelihood")
+            named = outputs.curvature(lik, self.curvature, self.chunk_size)
+            if named is None:
+                raise ValueError(
+                    "VOGN.step(closure): the loss reached no call of the model (the closure "
+                    "must compute the mean loss of the model's outputs and call backward())"
+                )
+            h = self._named_to_flat(named)
+        return h, n_ex
+
     def _step_closure(self, closure: Callable[[], Tensor]) -> Tensor:
+        """``max(mc_samples, 1)`` draws; at each, the closure's gradient ``g`` and the
+        per-example curvature ``h`` of the model calls it made (outside
+        :meth:`extra_term`): from the layer inputs and output gradients when every layer is
+        one :mod:`fromp.curvature.capture` handles, called once (``curvature="ef"``), else
+        from the per-example Jacobians at the recorded calls (:class:`~fromp.optim._stats.
+        OutputCapture`), or the ``h`` the closure gave to :meth:`set_curvature`."""
         draws = max(self.mc_samples, 1)
         g_acc = h_acc = loss_acc = None
+        n_ex = None
         self._pending_curv = None
-        capture = None if self.model is None else LayerCapture(self.model, retain_grad=True)
-        auto = capture is not None and capture.supported and self.curvature == "ef"
+        model = self.model
+        layers = None if model is None else LayerCapture(model, retain_grad=True)
+        fast = (
+            layers is not None
+            and layers.supported
+            and self.curvature == "ef"
+            and [p for p in model.parameters() if p.requires_grad] == self.params  # type: ignore[union-attr]
+        )
         for _ in range(draws):
-            with self.sampled_params(), torch.enable_grad(), capture if auto else nullcontext():
-                for p in self.params:  # a closure that never calls backward(): None
-                    p.grad = None
-                loss = closure()
-            check_closure_result("VOGN", loss, self.params)
-            h = self._pending_curv
-            if h is None and auto:  # the per-example squares of the closure's own passes
-                h = capture.squared_grads_of_mean_loss()  # type: ignore[union-attr]
-                capture.calls, capture._outs = [], []  # type: ignore[union-attr]
-            if h is None:
-                raise ValueError(
-                    "VOGN.step(closure): the closure must call set_curvature(h) (found without "
-                    "it only for VOGN(model, curvature='ef') over Linear/Conv/norm layers each "
-                    "called once, with a mean loss)"
-                )
+            outputs = None if model is None else OutputCapture(model, lambda: self._paused > 0)
+            with self.sampled_params(), torch.enable_grad():
+                with outputs or nullcontext(), layers if fast else nullcontext():
+                    for p in self.params:  # a closure that never calls backward(): None
+                        p.grad = None
+                    loss = closure()
+                check_closure_result("VOGN", loss, self.params)
+                h, n_ex = self._curvature_of(outputs, layers if fast else None)  # at w
             g = self._read_grad()
             self._pending_curv = None
             g_acc = g if g_acc is None else g_acc + g
@@ -615,7 +788,7 @@ class VOGN(torch.optim.Optimizer):
         assert g_acc is not None and h_acc is not None and loss_acc is not None
         if draws > 1:
             g_acc, h_acc = g_acc / draws, h_acc / draws
-        self.update(g_acc, h_acc)
+        self.update(g_acc, h_acc, n_ex)
         return loss_acc / draws
 
     def _step_batch(

@@ -1,0 +1,158 @@
+"""IVON and VOGN on torch.distributed (gloo, 2 processes on the CPU): each rank steps on its
+own shard of the global mini-batch (of different sizes: 5 and 11 examples), the optimizers
+average the gradient and curvature statistics over the ranks weighted by the examples, and
+every rank ends where one process on the global batch of 16 does (same noise on both ranks:
+one seed). With a different seed per rank (IVON's multi-GPU runs) the ranks still make one
+and the same update. Without torch.distributed nothing changes."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from fromp import IVON, VOGN, distributed
+
+WORLD = 2
+D = torch.float64
+X = torch.randn(16, 4, generator=torch.Generator().manual_seed(0), dtype=D)
+Y = torch.randint(0, 3, (16,), generator=torch.Generator().manual_seed(1))
+SHARDS = (slice(0, 5), slice(5, 16))  # unequal: the weighting rule matters
+STEPS = 3
+
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available() or sys.platform == "win32",
+    reason="torch.distributed (gloo) is not available",
+)
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(D)
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _closure(opt, model, rows):
+    def closure():
+        opt.zero_grad()
+        loss = F.cross_entropy(model(X[rows]), Y[rows])
+        loss.backward()
+        return loss
+
+    return closure
+
+
+def _vogn_run(rows, curvature: str, seed_of_step) -> dict:
+    model = _mlp()
+    opt = VOGN(model, lr=0.05, ess=16, prior_precision=2.0, curvature=curvature)
+    for t in range(STEPS):
+        torch.manual_seed(seed_of_step(t))
+        opt.step(_closure(opt, model, rows))
+    return {"mean": _flat(model), "s": opt.vogn_state["s"].clone()}
+
+
+def _ivon_run(rows, seed_of_step, batch_size) -> dict:
+    model = _mlp()
+    opt = IVON(model.parameters(), lr=0.1, ess=16, hess_init=0.3, mc_samples=2)
+    for t in range(STEPS):
+        torch.manual_seed(seed_of_step(t))
+        opt.step(_closure(opt, model, rows), batch_size=batch_size)
+    hess = torch.cat([opt.state[p]["hess"].reshape(-1) for p in model.parameters()])
+    return {"mean": _flat(model), "hess": hess}
+
+
+def _everything(rank: int) -> dict:
+    rows = SHARDS[rank]
+    n = rows.stop - rows.start
+    return {
+        "vogn_ef": _vogn_run(rows, "ef", lambda t: 10 + t),
+        "vogn_ggn": _vogn_run(rows, "ggn", lambda t: 10 + t),
+        "ivon": _ivon_run(rows, lambda t: 20 + t, n),
+        "ivon_own_seed": _ivon_run(rows, lambda t: 100 * rank + t, n),
+        "ranks": (distributed.world_size(), distributed.rank()),
+    }
+
+
+def _worker(rank: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD
+    )
+    try:
+        torch.save({"ok": _everything(rank)}, os.path.join(out_dir, f"{rank}.pt"))
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(str(Path(tmp) / "init"), tmp), nprocs=WORLD, join=True)
+        out = []
+        for r in range(WORLD):
+            got = torch.load(Path(tmp) / f"{r}.pt", weights_only=False)
+            assert "error" not in got, got.get("error")
+            out.append(got["ok"])
+    return out
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_the_ranks_ran_distributed(ranks):
+    assert [r["ranks"] for r in ranks] == [(2, 0), (2, 1)]
+
+
+@pytest.mark.parametrize("curvature", ["ef", "ggn"])
+def test_vogn_on_two_ranks_equals_one_process_on_the_global_batch(ranks, curvature):
+    one = _vogn_run(slice(0, 16), curvature, lambda t: 10 + t)
+    for r in ranks:
+        _close(r[f"vogn_{curvature}"]["mean"], one["mean"])
+        _close(r[f"vogn_{curvature}"]["s"], one["s"])
+    # the check can fail: one rank's shard alone gives another posterior
+    alone = _vogn_run(SHARDS[0], curvature, lambda t: 10 + t)
+    assert not torch.allclose(alone["s"], one["s"], rtol=1e-3)
+
+
+def test_ivon_on_two_ranks_with_one_seed_equals_one_process_on_the_global_batch(ranks):
+    one = _ivon_run(slice(0, 16), lambda t: 20 + t, None)
+    for r in ranks:
+        _close(r["ivon"]["mean"], one["mean"])
+        _close(r["ivon"]["hess"], one["hess"])
+    # equal weights instead of the examples' (5 and 11) would give another step
+    equal = 0.5 * (
+        _ivon_run(SHARDS[0], lambda t: 20 + t, None)["hess"]
+        + _ivon_run(SHARDS[1], lambda t: 20 + t, None)["hess"]
+    )
+    assert not torch.allclose(equal, one["hess"], rtol=1e-6)
+
+
+def test_ivon_with_a_seed_per_rank_makes_one_update_on_every_rank(ranks):
+    a, b = ranks[0]["ivon_own_seed"], ranks[1]["ivon_own_seed"]
+    torch.testing.assert_close(a["mean"], b["mean"], rtol=0, atol=0)
+    torch.testing.assert_close(a["hess"], b["hess"], rtol=0, atol=0)
+    assert not torch.equal(a["hess"], ranks[0]["ivon"]["hess"])  # other noise, other h
+
+
+def test_without_torch_distributed_nothing_changes():
+    assert not distributed.is_distributed()
+    t = torch.tensor([1.0, 2.0])
+    distributed.mean_over_ranks([t], 7)
+    assert torch.equal(t, torch.tensor([1.0, 2.0]))
+    a = _ivon_run(slice(0, 16), lambda t: 20 + t, None)
+    b = _ivon_run(slice(0, 16), lambda t: 20 + t, 16)
+    torch.testing.assert_close(a["mean"], b["mean"], rtol=0, atol=0)
