@@ -54,9 +54,7 @@ def test_minibatch_fisher_and_penalty_equal_avalanche_ewc(mode):
     net = _net()
     decay = 0.7 if mode == "online" else None
     theirs = AvalancheEWCPlugin(LAMBDA, mode=mode, decay_factor=decay)
-    ours = EWCMethod(
-        LAMBDA, fisher="minibatch", batch_size=B, mode=mode, decay_factor=decay or 1.0
-    )
+    ours = EWCMethod(LAMBDA, fisher="minibatch", batch_size=B, mode=mode, decay_factor=decay or 1.0)
     opt = torch.optim.SGD(net.parameters(), lr=0.0)
     for t in range(3):
         x, y = _task(t)
