@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-__all__ = ["all_reduce_sum", "fold", "is_distributed", "rank", "world_size"]
+__all__ = ["all_reduce_sum", "fold", "gather", "is_distributed", "rank", "world_size"]
 
 T = TypeVar("T")
 
@@ -115,3 +115,12 @@ def _first_device(obj: Any) -> torch.device | None:
         if d is not None:
             return d
     return None
+
+
+def gather(obj: T, device: torch.device | None = None) -> list[T]:
+    """Every rank's ``obj`` in rank order (tensors inside travel through the CPU and come back
+    on ``device``, default: the device of the first tensor in ``obj``); ``[obj]`` in a
+    single process. Every rank gets the same list."""
+    if not is_distributed():
+        return [obj]
+    return fold([obj], lambda u, v: u + v, device)
