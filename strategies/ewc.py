@@ -41,6 +41,7 @@ import torch
 from avalanche.training.plugins import SupervisedPlugin
 from torch import Tensor, nn
 
+from fromp import distributed
 from fromp.continual.ewc import EWCMethod, ewc_penalty
 from fromp.likelihood import Likelihood
 from strategies.benchmarks import experience_tensors
@@ -144,7 +145,8 @@ class EWC(MethodStrategy):
             unwrap(model),
             ewc_lambda,
             per_example_lambda=per_example_lambda,
-            batch_size=int(template_kwargs.get("train_mb_size", 1)),
+            # under torch.distributed a rank's mini-batch is its share of the global one
+            batch_size=int(template_kwargs.get("train_mb_size", 1)) * distributed.world_size(),
             mode=mode,
             decay_factor=decay_factor,
             fisher=fisher,

@@ -173,3 +173,54 @@ def test_ewc_over_two_ranks_equals_one_process(fisher, mode):
             assert float(ref["penalty"]) > 1e-6
             for a, b in zip(got["grad"], ref["grad"]):
                 _close(a, b)
+
+
+# ----------------------------------------------------------------------- the runner
+def _bench(out, nproc: int | None) -> dict:
+    """``fromp-bench`` on the built-in Split-Digits (2 tasks, tiny), plain (``nproc=None``)
+    or launched by ``torch.distributed.run`` with ``nproc`` gloo processes; the JSON of
+    every run that rank 0 wrote."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    args = ["-m", "benchmarks", "split-digits", "--strategies", "ewc,fromp", "--epochs", "1",
+            "--batch-size", "8", "--n-train", "80", "--n-test", "20", "--stop-after", "2",
+            "--out", str(out), "--no-progress"]  # fmt: skip
+    if nproc is not None:
+        args = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                *args]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path.cwd())}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    done = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    base = Path(out) / "split-digits"
+    assert (base / "results.json").exists()
+    runs = {f.stem.split("-")[0]: json.loads(f.read_text()) for f in (base / "runs").glob("*.json")}
+    assert set(runs) == {"ewc", "fromp"}
+    return runs
+
+
+def test_runner_under_torchrun_rank_zero_writes_and_one_process_is_unchanged(tmp_path):
+    """``torchrun --nproc_per_node=1`` gives the plain run's numbers exactly; with 2 gloo
+    processes rank 0 writes the results (one file per run), which hold the same settings,
+    data and task sizes, and train both tasks to finite accuracies."""
+    plain = _bench(tmp_path / "plain", None)
+    one = _bench(tmp_path / "one", 1)
+    two = _bench(tmp_path / "two", 2)
+    for name in ("ewc", "fromp"):
+        assert one[name]["accuracy_matrix"] == plain[name]["accuracy_matrix"]
+        assert one[name]["per_task"] == plain[name]["per_task"]
+        assert "distributed" not in one[name] and "distributed" not in plain[name]
+        got, ref = two[name], plain[name]
+        assert got["distributed"] == {"world_size": 2, "backend": "gloo"}
+        for key in ("settings", "data", "n_train_per_task", "seed"):
+            assert got[key] == ref[key], key
+        assert len(got["accuracy_matrix"]) == 2
+        accs = [a for row in got["accuracy_matrix"] for a in row if a is not None]
+        assert len(accs) == 3 and all(0.0 <= a <= 100.0 for a in accs)
+        assert got["accuracy_matrix"][0][0] > 50.0  # it learnt task 1 (two classes)
