@@ -14,6 +14,7 @@ Selection is balanced: the same number of examples per class.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -193,15 +194,10 @@ def select_memorable_points(
     y: Tensor,
     likelihood: str | Likelihood = "categorical",
     n_per_class: int = 20,
-    *,
-    order: str = "descending",
-    classes: Sequence[int] | None = None,
-    generator: torch.Generator | None = None,
-    batch_size: int = 1024,
-    posterior: DiagonalGaussian | None = None,
-    chunk_size: int = 64,
+    **options: Any,
 ) -> tuple[Tensor, Tensor]:
-    """The memorable points ``(x[idx], y[idx])`` of :func:`select_memorable` (same arguments)
+    """The memorable points ``(x[idx], y[idx])`` of :func:`select_memorable` (same arguments;
+    ``options`` are its keyword-only ones: ``order``, ``classes``, ``generator``, ...)
     chosen over the data of every ``torch.distributed`` rank, ``x`` and ``y`` being this
     rank's shard: the result, the same on every rank, is that of one process on the
     concatenation of the shards in rank order (ties keep that order).
@@ -218,16 +214,22 @@ def select_memorable_points(
         ``(x_mem [len(classes) * n_per_class, ...], y_mem [len(classes) * n_per_class])``,
         on ``x``'s and ``y``'s devices, grouped by class in the order of ``classes``.
     """
-    kwargs = {
-        "order": order,
-        "generator": generator,
-        "batch_size": batch_size,
-        "posterior": posterior,
-        "chunk_size": chunk_size,
-    }
     if not distributed.is_distributed():
-        idx = select_memorable(model, x, y, likelihood, n_per_class, classes=classes, **kwargs)  # type: ignore[arg-type]
+        idx = select_memorable(model, x, y, likelihood, n_per_class, **options)
         return x[idx.to(x.device)], y[idx.to(y.device)]
+    unknown = set(options) - {
+        "order",
+        "classes",
+        "generator",
+        "batch_size",
+        "posterior",
+        "chunk_size",
+    }
+    if unknown:
+        raise TypeError(f"select_memorable_points got unexpected keyword(s) {sorted(unknown)}")
+    classes = options.pop("classes", None)
+    order = options.get("order", "descending")
+    batch_size = options.get("batch_size", 1024)
     check_batch(x, "x")
     check_tensor(y, "y", f"[N]=[{len(x)}]")
     if y.ndim != 1 or len(y) != len(x):
@@ -237,7 +239,7 @@ def select_memorable_points(
         shards = distributed.gather((x.cpu(), y.cpu()), torch.device("cpu"))
         xs = torch.cat([s[0] for s in shards])
         ys = torch.cat([s[1] for s in shards])
-        idx = select_memorable(model, xs, ys, likelihood, n_per_class, classes=cls, **kwargs)  # type: ignore[arg-type]
+        idx = select_memorable(model, xs, ys, likelihood, n_per_class, classes=cls, **options)
         return xs[idx].to(x.device), ys[idx].to(y.device)
     if order not in _ORDERS:
         raise ValueError(f"order must be one of {_ORDERS}, got {order!r}")
