@@ -589,11 +589,9 @@ class _DataParallel(SupervisedPlugin):
     def after_backward(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
         from fromp import distributed
 
-        params = [p for p in strategy.model.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params]
+        # the same parameters have a gradient on every rank (one model, one code path); those
+        # without one (another task's head) keep None, as in one process (Adam skips them)
+        grads = [p.grad for p in strategy.model.parameters() if p.grad is not None]
         distributed.all_reduce_sum(grads)
         for g in grads:
             g.div_(distributed.world_size())
