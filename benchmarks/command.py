@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import json
 import math
 import sys
@@ -37,11 +38,13 @@ from benchmarks.runner import (
     SettingsError,
     check_device,
     check_sequence,
+    init_distributed,
     load_sequence,
     resolve_settings,
     run,
     validate_settings,
 )
+from fromp import distributed
 
 DEMO_STRATEGIES = ("fromp", "ewc", "vcl", "naive")
 # For each demo slot, the strategies to try in order (the first installed one runs).
@@ -400,6 +403,8 @@ def run_benchmark(
     Returns the payload written to ``results.json`` (``failed`` lists runs stopped by a
     non-finite value).
     """
+    init_distributed(device)  # under torchrun: join the process group; rank 0 writes
+    main = distributed.rank() == 0
     grid = grid or [{}]
     protocol = {"n_train": n_train, "n_test": n_test, "valid_fraction": valid_fraction,
                 "valid_seed": valid_seed}  # fmt: skip
@@ -408,8 +413,10 @@ def run_benchmark(
     results = []
     labels = set()
     started = time.perf_counter()
-    with out_lock(base):  # taken before the data checks: a second job is refused at once
-        check_writable_run_dirs(base)
+    lock = out_lock(base) if main else contextlib.nullcontext()
+    with lock:  # taken before the data checks: a second job is refused at once
+        if main:
+            check_writable_run_dirs(base)
         check_data(benchmark, jobs, data_root, n_train, n_test, valid_fraction, valid_seed)
         for name, merged, tag in jobs:
             for seed in seeds:
@@ -419,7 +426,12 @@ def run_benchmark(
                                n_train, n_test, resume, stop_after, progress, valid_fraction,
                                valid_seed, allow_code_change)  # fmt: skip
                 results.append(res)
-                print(describe(res, tag), flush=True)
+                if main:
+                    print(describe(res, tag), flush=True)
+        if not main:  # the other ranks return what rank 0 writes, and write nothing
+            failed = [{"strategy": r["strategy"], "seed": r["seed"], **r["failed"]}
+                      for r in results if r.get("failed")]  # fmt: skip
+            return {"benchmark": benchmark, "runs": results, "failed": failed}
         # results.json keeps this directory's earlier runs (other strategies, settings or
         # seeds); a run of the same (strategy, settings, seed) replaces its earlier result
         earlier = _earlier_runs(base, labels)
@@ -450,7 +462,8 @@ def _run_one(benchmark: str, name: str, merged: dict[str, Any], seed: int, label
     cfg = RunConfig(benchmark, name, seed, data_root, device, merged, n_train, n_test,
                     str(ckpt), resume, stop_after, progress, *rest)  # fmt: skip
     res = run(cfg)
-    save_json(base / "runs" / f"{label}.json", res)
+    if distributed.rank() == 0:  # under torchrun only rank 0 writes
+        save_json(base / "runs" / f"{label}.json", res)
     return res
 
 

@@ -532,3 +532,66 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+class _DataParallel(SupervisedPlugin):
+    """Data parallelism on ``torch.distributed`` for the runner (one process per rank, each
+    holding its shard of every experience as the experience itself, see
+    :func:`benchmarks.runner.run`).
+
+    Avalanche 0.6 shards its loaders with a ``DistributedSampler`` whenever
+    ``torch.distributed`` is initialised but leaves the gradients alone; here the loaders are
+    rebuilt without that sampler (the training data are already the rank's shard and every
+    rank evaluates the whole test sets, so that rank 0's metrics are those of one process),
+    and after every backward pass the gradients are averaged over the ranks, one all-reduce
+    per step: what ``DistributedDataParallel`` does, without its reducer, which refuses the
+    parameters that only a penalty reaches (the old heads FROMP and EWC regularise).
+    Batch-norm running statistics stay per rank."""
+
+    supports_distributed = True
+
+    def before_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        from avalanche.benchmarks.utils.data_loader import TaskBalancedDataLoader
+
+        common = strategy._obtain_common_dataloader_parameters(
+            batch_size=strategy.train_mb_size,
+            num_workers=0,
+            shuffle=True,
+            pin_memory=None,
+            persistent_workers=False,
+            drop_last=False,
+        )
+        strategy.dataloader = TaskBalancedDataLoader(
+            strategy.adapted_dataset,
+            oversample_small_groups=True,
+            distributed_sampling=False,
+            **common,
+        )
+
+    def before_eval_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        from avalanche.benchmarks.utils.data_loader import (
+            SingleDatasetDataLoader,
+            collate_from_data_or_kwargs,
+        )
+
+        common = strategy._obtain_common_dataloader_parameters(
+            batch_size=strategy.eval_mb_size,
+            num_workers=0,
+            shuffle=False,
+            pin_memory=None,
+            persistent_workers=False,
+        )
+        collate_from_data_or_kwargs(strategy.adapted_dataset, common)
+        strategy.dataloader = SingleDatasetDataLoader(
+            strategy.adapted_dataset, distributed_sampling=False, **common
+        )
+
+    def after_backward(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        from fromp import distributed
+
+        # the same parameters have a gradient on every rank (one model, one code path); those
+        # without one (another task's head) keep None, as in one process (Adam skips them)
+        grads = [p.grad for p in strategy.model.parameters() if p.grad is not None]
+        distributed.all_reduce_sum(grads)
+        for g in grads:
+            g.div_(distributed.world_size())

@@ -20,6 +20,18 @@ marked ``failed`` with the task where it happened and never enters a table.
 With ``valid_fraction`` each task's training data is split (:meth:`~benchmarks.data.TaskSequence.
 with_validation`) and the validation sets are evaluated after every experience too, under a
 forked random-number generator so that the test results do not depend on it.
+
+Data parallelism: launched by ``torchrun --nproc_per_node=R`` (``WORLD_SIZE > 1``; one
+machine or several), :func:`run` joins the process group (gloo on the CPU, NCCL on CUDA with
+one GPU per local rank), gives rank ``r`` the examples ``r, r + R, ...`` of every task's
+training set (each task cut to a multiple of ``R`` examples, so every rank takes the same
+number of steps) with mini-batches of ``train_mb_size / R`` and averages the gradients over
+the ranks after every backward pass (:class:`benchmarks.plugins._DataParallel`): a global
+mini-batch of ``train_mb_size``. Every rank is seeded with the run's seed (the same initial
+weights), evaluates the whole test sets and returns the same metrics; only rank 0 writes the
+checkpoint. FROMP's and EWC's after-experience steps combine the ranks' shards
+(:mod:`fromp.distributed`); other plugins (VCL's coreset, VOGN's and IVON's ``ess``) see
+their rank's shard. ``torchrun --nproc_per_node=1`` and plain runs are the one-process run.
 """
 
 from __future__ import annotations
@@ -48,6 +60,7 @@ from benchmarks.plugins import (
     NonFiniteError,
     _check_key,
     _Collector,
+    _DataParallel,
     _Guard,
     _phase_times,
     _plugin_state,
@@ -63,6 +76,7 @@ from benchmarks.plugins import (
 )
 from benchmarks.registry import BenchmarkSpec, StrategySpec, get_benchmark, get_strategy
 from benchmarks.report import code_record, env_record
+from fromp import distributed
 from strategies.checkpoint import get_rng_state, set_rng_state
 from strategies.models import as_avalanche_model
 
@@ -405,6 +419,44 @@ def check_sequence(seq: TaskSequence, settings: Mapping[str, Any]) -> None:
             )
 
 
+def init_distributed(device: str = "cpu") -> str:
+    """Join the ``torch.distributed`` process group that ``torchrun`` describes in the
+    environment (``WORLD_SIZE > 1``; gloo on the CPU, NCCL on CUDA) unless one is already
+    initialised; returns the device of this rank (``cuda:LOCAL_RANK`` for ``"cuda"``). A no-op
+    returning ``device`` without ``torchrun`` or with one process."""
+    dist = torch.distributed
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        cuda = torch.device(device).type == "cuda"
+        dist.init_process_group("nccl" if cuda else "gloo")
+    if distributed.is_distributed() and device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return f"cuda:{local}"
+    return device
+
+
+def _shard(seq: TaskSequence) -> TaskSequence:
+    """This rank's shard of every task's training set: examples ``r, r + R, ...`` of the
+    first ``R * floor(N / R)`` (the same count on every rank)."""
+    r, world = distributed.rank(), distributed.world_size()
+    tasks = []
+    for t in seq:
+        n = len(t.train_x) // world * world
+        tasks.append(
+            Task(
+                t.train_x[r:n:world],
+                t.train_y[r:n:world],
+                t.test_x,
+                t.test_y,
+                t.task_id,
+                list(t.classes),
+                t.valid_x,
+                t.valid_y,
+            )
+        )
+    return TaskSequence(seq.name, tasks, seq.multi_head, seq.input_shape, seq.n_outputs)
+
+
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)  # noqa: NPY002 (libraries draw from the legacy global state)
@@ -500,6 +552,13 @@ def run(
     bench, strat = get_benchmark(cfg.benchmark), get_strategy(cfg.strategy)
     settings = resolve_settings(bench, strat, cfg.overrides)
     validate_settings(bench, strat, settings, device=cfg.device)
+    device = init_distributed(cfg.device)
+    world, main = distributed.world_size(), distributed.rank() == 0
+    if world > 1 and int(settings["train_mb_size"]) % world:
+        raise SettingsError(
+            f"train_mb_size={settings['train_mb_size']} must be a multiple of the "
+            f"{world} processes (each takes train_mb_size / {world} examples a step)"
+        )
     seq, fingerprint = _load_with_fingerprint(
         bench, cfg.data_root, cfg.n_train, cfg.n_test, cfg.valid_fraction, cfg.valid_seed
     )
@@ -509,7 +568,7 @@ def run(
     cls = strat.load_class()
 
     _seed_everything(cfg.seed)
-    scenario = to_avalanche(seq)
+    scenario = to_avalanche(_shard(seq) if world > 1 else seq)
     valid_seq = _validation_view(seq)
     valid_stream = None if valid_seq is None else to_avalanche(valid_seq).test_stream
     net = bench.model(seq)
@@ -522,7 +581,7 @@ def run(
         settings["optimizer_kwargs"],
     )
     collector = _Collector()
-    progress = _Progress(f"{cfg.strategy}/seed{cfg.seed}", cfg.progress)
+    progress = _Progress(f"{cfg.strategy}/seed{cfg.seed}", cfg.progress and main)
     restore = _RestoreOptimizer()
     with warnings.catch_warnings():  # metrics are reported by the runner, not a logger
         warnings.filterwarnings("ignore", message="No loggers specified")
@@ -531,11 +590,11 @@ def run(
         model=model,
         optimizer=optimizer,
         criterion=nn.CrossEntropyLoss(),
-        train_mb_size=int(settings["train_mb_size"]),
+        train_mb_size=int(settings["train_mb_size"]) // world,
         train_epochs=int(settings["train_epochs"]),
         eval_mb_size=1000,
-        device=cfg.device,
-        plugins=[collector, _Guard(), progress, restore],
+        device=device,
+        plugins=[collector, _Guard(), progress, restore, *([_DataParallel()] if world > 1 else [])],
         evaluator=evaluator,
         **settings["kwargs"],
     )
@@ -604,7 +663,7 @@ def run(
         )
         elapsed += t2 - t0
         done = step + 1
-        if ckpt is not None:
+        if ckpt is not None and main:
             _write_checkpoint(
                 ckpt,
                 {
@@ -655,6 +714,8 @@ def run(
     }
     if resumed_from_code is not None:
         result["resumed_from_code"] = resumed_from_code
+    if world > 1:
+        result["distributed"] = {"world_size": world, "backend": torch.distributed.get_backend()}
     if matrix and failed is None:
         result.update(_summarise(matrix, metrics, n_tasks if not strat.joint else 1))
     if valid_matrix and failed is None:

@@ -27,7 +27,15 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
-__all__ = ["all_reduce_sum", "fold", "is_distributed", "mean_over_ranks", "rank", "world_size"]
+__all__ = [
+    "all_reduce_sum",
+    "fold",
+    "gather",
+    "is_distributed",
+    "mean_over_ranks",
+    "rank",
+    "world_size",
+]
 
 T = TypeVar("T")
 
@@ -131,3 +139,12 @@ def mean_over_ranks(tensors: Sequence[Tensor], n: float | Tensor = 1.0) -> None:
     all_reduce_sum([*tensors, total])
     for t in tensors:
         t.div_(total.to(t))
+
+
+def gather(obj: T, device: torch.device | None = None) -> list[T]:
+    """Every rank's ``obj`` in rank order (tensors inside travel through the CPU and come back
+    on ``device``, default: the device of the first tensor in ``obj``); ``[obj]`` in a
+    single process. Every rank gets the same list."""
+    if not is_distributed():
+        return [obj]
+    return fold([obj], lambda u, v: u + v, device)

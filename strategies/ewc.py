@@ -1,4 +1,5 @@
-"""Elastic weight consolidation (EWC; Kirkpatrick et al., 2017) with a per-example Fisher.
+"""Elastic weight consolidation (EWC; Kirkpatrick et al., 2017) with a per-example Fisher,
+``ewc_lambda`` on Avalanche's scale.
 
 Avalanche's ``EWCPlugin`` uses as importance the mean over mini-batches of the *squared
 mini-batch gradient* (avalanche issue #1224). That is not the Fisher: for a mini-batch of
@@ -10,19 +11,25 @@ diagonal) and it depends on the batch size. Here the importance of task ``t`` is
 the per-example Fisher diagonal averaged over the task's ``N_t`` training examples, with
 ``y_n`` sampled from the model (``fisher="sampled"``, the true Fisher, Monte Carlo), the
 observed labels (``"empirical"``) or its exact expectation, the GGN diagonal (``"exact"``);
-computed by :mod:`fromp.curvature` through the task's head (multi-head models). The loss
-on task ``T`` is
+computed by :mod:`fromp.curvature` through the task's head (multi-head models), or
+Avalanche's own importance (``fisher="minibatch"``, times ``B``). With ``B`` the strategy's
+``train_mb_size``, the loss on task ``T`` is
 
-    ``CE_T(w) + (lambda / 2) sum_{t < T} sum_p F_{t,p} (w_p - w*_{t,p})^2``       (separate)
-    ``CE_T(w) + (lambda / 2) sum_p F~_p (w_p - w*_{T-1,p})^2``,
+    ``CE_T(w) + (lambda / B) sum_{t < T} sum_p F_{t,p} (w_p - w*_{t,p})^2``       (separate)
+    ``CE_T(w) + (lambda / B) sum_p F~_p (w_p - w*_{T-1,p})^2``,
     ``F~ = gamma F~ + F_{T-1}``                                                   (online)
 
-with ``w*_t`` the weights after task ``t``. Because ``CE`` is the mean over the batch, this
-is the Laplace-approximation objective divided by ``N`` when ``lambda = N_t``; ``lambda`` is
-per example. Comparison with Avalanche's ``ewc_lambda`` (penalty
-``lambda_av * sum_p I_p (w_p - w*_p)^2`` with ``I ~ F_bar / B``): the two penalties match
-when ``lambda = 2 * lambda_av / B``, e.g. Avalanche's ``lambda_av = 1e4`` with batches of
-``B = 128`` corresponds to ``lambda ~ 156``.
+with ``w*_t`` the weights after task ``t``: ``ewc_lambda`` is Avalanche's (its penalty is
+``lambda sum_p I_p (w_p - w*_p)^2`` with ``I ~ F_bar / B``), so ``EWC(ewc_lambda=x)`` and
+``avalanche.training.EWC(ewc_lambda=x)`` weigh their penalties alike, and with
+``fisher="minibatch"`` they are the same penalty (tested). ``per_example_lambda=l`` keeps
+the scale of 0.4 and earlier, ``(l / 2) sum_p F_p (w_p - w*_p)^2`` (``l = 2 lambda / B``;
+because ``CE`` is the mean over the batch, this is the Laplace-approximation objective
+divided by ``N`` when ``l = N_t``).
+
+Under ``torch.distributed`` each rank passes its shard of the experience (the runner's
+data-parallel mode gives each rank its shard as the experience) and the Fisher sums over
+all of them (:class:`fromp.continual.ewc.EWCMethod`).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import torch
 from avalanche.training.plugins import SupervisedPlugin
 from torch import Tensor, nn
 
+from fromp import distributed
 from fromp.continual.ewc import EWCMethod, ewc_penalty
 from fromp.likelihood import Likelihood
 from strategies.benchmarks import experience_tensors
@@ -54,10 +62,12 @@ class EWCPlugin(SupervisedPlugin):
 
     Args:
         net: the network inside the strategy's model (its parameters are the model's).
-        ewc_lambda, **kwargs: those of :class:`fromp.continual.ewc.EWCMethod`.
+        ewc_lambda, **kwargs: those of :class:`fromp.continual.ewc.EWCMethod` (pass
+            ``batch_size=`` the strategy's ``train_mb_size`` for Avalanche's scale; the
+            :class:`EWC` strategy does).
     """
 
-    def __init__(self, net: nn.Module, ewc_lambda: float, **kwargs: Any) -> None:
+    def __init__(self, net: nn.Module, ewc_lambda: float | None = None, **kwargs: Any) -> None:
         super().__init__()
         self.net = net
         self.method = EWCMethod(ewc_lambda, **kwargs)
@@ -84,7 +94,7 @@ class EWCPlugin(SupervisedPlugin):
         return self.method.fisher_diagonal(self.net, x, y, task)
 
     def before_backward(self, strategy: Any, **kwargs: Any) -> None:
-        if self.method.anchors and self.method.ewc_lambda > 0:
+        if self.method.anchors and self.method.coefficient > 0:
             strategy.loss += self.penalty()
 
     def after_training_exp(self, strategy: Any, **kwargs: Any) -> None:
@@ -109,7 +119,9 @@ class EWCPlugin(SupervisedPlugin):
 class EWC(MethodStrategy):
     """EWC with a per-example Fisher as an Avalanche strategy: the keyword arguments of
     :class:`EWCPlugin`, and Avalanche's template arguments (``criterion``,
-    ``train_mb_size``, ...) as in :class:`strategies.template.MethodStrategy`."""
+    ``train_mb_size``, ...) as in :class:`strategies.template.MethodStrategy`.
+    ``ewc_lambda`` (default 100) is on Avalanche's scale with ``B = train_mb_size``;
+    ``per_example_lambda`` the scale of 0.4 and earlier (give one of the two)."""
 
     def __init__(
         self,
@@ -117,7 +129,8 @@ class EWC(MethodStrategy):
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         criterion: nn.Module | Callable | None = None,
-        ewc_lambda: float = 100.0,
+        ewc_lambda: float | None = None,
+        per_example_lambda: float | None = None,
         mode: str = "separate",
         decay_factor: float = 1.0,
         fisher: str = "sampled",
@@ -126,9 +139,14 @@ class EWC(MethodStrategy):
         likelihood: str | Likelihood = "categorical",
         **template_kwargs: Any,
     ) -> None:
+        if ewc_lambda is None and per_example_lambda is None:
+            ewc_lambda = 100.0
         plugin = EWCPlugin(
             unwrap(model),
             ewc_lambda,
+            per_example_lambda=per_example_lambda,
+            # under torch.distributed a rank's mini-batch is its share of the global one
+            batch_size=int(template_kwargs.get("train_mb_size", 1)) * distributed.world_size(),
             mode=mode,
             decay_factor=decay_factor,
             fisher=fisher,

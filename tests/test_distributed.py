@@ -23,15 +23,17 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _worker(rank: int, fn_name: str, init_file: str, out_dir: str) -> None:
-    """Runs ``fn_name(rank)`` of this module inside a gloo process group; writes its result
-    (or the traceback) to ``out_dir/rank.pt``."""
+def _worker(rank: int, fn_name, init_file: str, out_dir: str) -> None:
+    """Runs ``fn_name(rank)`` (a function of this module by name, or a module-level function
+    of another test module) inside a gloo process group; writes its result (or the
+    traceback) to ``out_dir/rank.pt``."""
     torch.set_num_threads(1)
     torch.distributed.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD
     )
     try:
-        result = globals()[fn_name](rank)
+        fn = globals()[fn_name] if isinstance(fn_name, str) else fn_name
+        result = fn(rank)
         torch.save({"ok": result}, os.path.join(out_dir, f"{rank}.pt"))
     except BaseException:
         torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt"))
@@ -39,8 +41,9 @@ def _worker(rank: int, fn_name: str, init_file: str, out_dir: str) -> None:
         torch.distributed.destroy_process_group()
 
 
-def run_ranks(fn_name: str) -> list:
-    """Each rank's return value of ``fn_name(rank)``."""
+def run_ranks(fn_name) -> list:
+    """Each rank's return value of ``fn_name(rank)`` (a name in this module or a module-level
+    function)."""
     with tempfile.TemporaryDirectory() as tmp:
         init = Path(tmp) / "init"
         mp.spawn(_worker, args=(fn_name, str(init), tmp), nprocs=WORLD, join=True)

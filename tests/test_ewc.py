@@ -77,18 +77,23 @@ def test_penalty_value_and_online_accumulation():
     w = torch.randn(10, dtype=torch.float64)
     anchors = [torch.randn(10, dtype=torch.float64) for _ in range(2)]
     imps = [torch.rand(10, dtype=torch.float64) for _ in range(2)]
-    ref = 0.5 * 3.0 * sum((f * (w - a) ** 2).sum() for a, f in zip(anchors, imps))
+    # Avalanche's form: lambda sum F (w - w*)^2, no 1/2
+    ref = 3.0 * sum((f * (w - a) ** 2).sum() for a, f in zip(anchors, imps))
     torch.testing.assert_close(ewc_penalty(w, anchors, imps, 3.0), ref)
     with pytest.raises(ValueError, match="equal lengths"):
         ewc_penalty(w, anchors, imps[:1], 1.0)
 
     net = _net()
-    plugin = EWCPlugin(net, 2.0)
+    plugin = EWCPlugin(net, 2.0, batch_size=4)
     assert plugin.penalty() == 0
     plugin.anchors = [flat_params(net).detach() + 0.1]
     plugin.importances = [torch.full_like(plugin.anchors[0], 0.5)]
-    expected = 0.5 * 2.0 * (0.5 * 0.01 * plugin.anchors[0].numel())
+    expected = 2.0 / 4 * (0.5 * 0.01 * plugin.anchors[0].numel())  # (lambda / B) sum F d^2
     torch.testing.assert_close(plugin.penalty(), torch.tensor(expected, dtype=torch.float64))
+    old_scale = EWCPlugin(net, per_example_lambda=2.0, batch_size=4)  # (lambda' / 2) sum F d^2
+    old_scale.anchors, old_scale.importances = plugin.anchors, plugin.importances
+    want = 0.5 * 2.0 * (0.5 * 0.01 * plugin.anchors[0].numel())
+    torch.testing.assert_close(old_scale.penalty(), torch.tensor(want, dtype=torch.float64))
     plugin.penalty().backward()  # differentiable in the live parameters
     assert net.body[1].weight.grad is not None
 
@@ -130,7 +135,7 @@ def test_strategy_on_synthetic_split_and_state_round_trip(mode):
     # importance of task 1 (head 1) is the per-example average; head 2 is untouched
     assert all(torch.all(v >= 0) for v in strat.plugin.importances[-1].values())
     state = strat.plugin.state_dict()
-    fresh = EWCPlugin(net, 50.0, mode=mode, decay_factor=0.9)
+    fresh = EWCPlugin(net, 50.0, batch_size=16, mode=mode, decay_factor=0.9)
     fresh.load_state_dict(state)
     with torch.no_grad():
         for p in net.parameters():

@@ -19,7 +19,7 @@ D = torch.float64
 
 
 def _explicit(net: nn.Module, method: EWCMethod) -> torch.Tensor:
-    """``(lambda / 2) sum_t sum_p F_t (w - w*_t)^2`` written out, term by term (grown
+    """``(lambda / B) sum_t sum_p F_t (w - w*_t)^2`` written out, term by term (grown
     parameters penalised on their old entries)."""
     w = dict(net.named_parameters())
     total = torch.zeros((), dtype=D)
@@ -27,7 +27,7 @@ def _explicit(net: nn.Module, method: EWCMethod) -> torch.Tensor:
         for n, fn in f.items():
             old = tuple(slice(0, k) for k in fn.shape)
             total = total + (fn * (w[n][old] - a[n]) ** 2).sum()
-    return 0.5 * method.ewc_lambda * total
+    return method.ewc_lambda / method.batch_size * total
 
 
 def _data(task: int, n: int = 24):

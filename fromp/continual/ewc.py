@@ -12,7 +12,22 @@ the last term a constant. :class:`EWCMethod` keeps the per-task terms (to replac
 learnt again exactly, and for checkpoints) and the consolidated ``S``, ``a~`` and constant,
 rebuilt once per learnt task in float64, so that a training step costs one pass over the
 parameters whatever the number of tasks (the form ``S w^2 - 2 w sum_t F_t w*_t + c`` would
-lose the penalty to cancellation in float32 when ``w`` is near the anchors)."""
+lose the penalty to cancellation in float32 when ``w`` is near the anchors).
+
+``ewc_lambda`` is on Avalanche's scale (``avalanche.training.EWC(ewc_lambda=...)``, 0.6):
+Avalanche's penalty is ``lambda sum_t sum_p I_{t,p} (w_p - w*_{t,p})^2`` (no 1/2) with the
+importance ``I_t = (1 / M) sum_b (grad_w L_b)^2``, ``L_b`` the mean loss of mini-batch ``b``
+(``M`` mini-batches of ``B`` = the strategy's ``train_mb_size``, observed labels, eval mode).
+Near a minimum ``I ~ F / B`` with ``F`` the per-example Fisher, so the per-example importances
+here enter as ``F / B`` (``batch_size=B``): ``fisher="minibatch"`` is Avalanche's importance
+itself, and ``ewc_lambda=x`` is then Avalanche's penalty to float rounding (tested against
+Avalanche's ``EWCPlugin``). The former per-example scale, ``(lambda' / 2) sum F (w - w*)^2``,
+is ``per_example_lambda=lambda'`` (``= 2 ewc_lambda / B``).
+
+Under ``torch.distributed`` (:mod:`fromp.distributed`) :meth:`EWCMethod.learn_task` takes this
+rank's shard of the experience and the Fisher is the sum over every rank's shard divided by
+the total count: every rank ends with the Fisher of the union, as one process on all the
+data."""
 
 from __future__ import annotations
 
@@ -22,6 +37,7 @@ import warnings
 import torch
 from torch import Tensor, nn
 
+from fromp import distributed
 from fromp._checks import check_batch, check_chunk_size, check_class_targets, device_dtype
 from fromp.continual.methods import Named, by_name, fit_shape
 from fromp.curvature.diagonal import diag_ef, diag_fisher, diag_ggn
@@ -31,7 +47,7 @@ from fromp.models import is_multitask, with_task
 
 __all__ = ["EWCMethod", "ewc_penalty"]
 
-_FISHERS = ("sampled", "empirical", "exact")
+_FISHERS = ("sampled", "empirical", "exact", "minibatch")
 
 #: Prefixes that wrappers put before a model's parameter names: ``nn.DataParallel`` and
 #: ``DistributedDataParallel`` (``module.``), ``torch.compile`` (``_orig_mod.``).
@@ -44,7 +60,9 @@ def ewc_penalty(
     importances: list[Tensor] | list[Named],
     ewc_lambda: float,
 ) -> Tensor:
-    """``(lambda / 2) sum_t sum_p F_{t,p} (w_p - w*_{t,p})^2`` (a scalar).
+    """``lambda sum_t sum_p F_{t,p} (w_p - w*_{t,p})^2`` (a scalar): Avalanche's EWC penalty
+    for importances ``F_t`` on its scale (module docstring; the 1/2 of 0.4 and earlier is gone:
+    halve ``ewc_lambda`` for the former value).
 
     ``w``, each anchor ``w*_t`` and each importance ``F_t`` are either flat ``[P]`` vectors
     or dicts ``{parameter name: tensor}``; with dicts, a parameter that a task's importance
@@ -69,7 +87,7 @@ def ewc_penalty(
     total = (next(iter(w.values())) if isinstance(w, dict) else w).new_zeros(())
     for t in terms:
         total = total + t.sum()
-    return 0.5 * ewc_lambda * total
+    return ewc_lambda * total
 
 
 def strip_wrappers(name: str) -> str:
@@ -168,10 +186,17 @@ class EWCMethod:
     The importance of task ``t`` is ``F_t = (1 / N_t) sum_n diag(g_n g_n^T)`` ``[P]``,
     ``g_n = grad_w -log p(y_n | f_w(x_n))`` through head ``t``, with ``y_n`` sampled from
     the model (``fisher="sampled"``), the observed labels (``"empirical"``) or its exact
-    expectation (``"exact"``: the GGN diagonal). The penalty is
+    expectation (``"exact"``: the GGN diagonal); ``"minibatch"`` is Avalanche's importance,
+    ``F_t = B (1 / M) sum_b (grad_w L_b)^2`` over the task's ``M`` consecutive mini-batches of
+    ``B = batch_size`` (``L_b`` their mean negative log-likelihood, observed labels). The
+    penalty, on Avalanche's scale (module docstring), is
 
-        ``(lambda / 2) sum_{t < T} sum_p F_{t,p} (w_p - w*_{t,p})^2``          (separate)
-        ``(lambda / 2) sum_p F~_p (w_p - w*_{T-1,p})^2``, ``F~ <- gamma F~ + F_t``  (online)
+        ``(lambda / B) sum_{t < T} sum_p F_{t,p} (w_p - w*_{t,p})^2``          (separate)
+        ``(lambda / B) sum_p F~_p (w_p - w*_{T-1,p})^2``, ``F~ <- gamma F~ + F_t``  (online)
+
+    (``per_example_lambda=lambda'`` instead: ``lambda / B`` is ``lambda' / 2``, the scale of
+    0.4 and earlier). With ``fisher="minibatch"`` and ``B`` the training mini-batch size it
+    is ``avalanche.training.EWC(ewc_lambda=lambda)``'s penalty.
 
     with ``w*_t`` the weights after task ``t``. Anchors and importances are dicts keyed by
     parameter name (without the ``module.`` / ``_orig_mod.`` prefixes of ``DataParallel``
@@ -186,7 +211,7 @@ class EWCMethod:
     running sum, is added again with a warning).
 
     Args:
-        ewc_lambda: ``lambda``.
+        ewc_lambda: ``lambda`` on Avalanche's scale (give this or ``per_example_lambda``).
         mode: ``"separate"`` or ``"online"``.
         decay_factor: ``gamma`` of the online mode, applied once per learnt task after the
             first.
@@ -195,10 +220,18 @@ class EWCMethod:
         max_examples: use at most this many (random) examples for the Fisher (None: all).
         chunk_size: examples per vectorised per-example-gradient call.
         likelihood: a :class:`fromp.likelihood.Likelihood` or its name.
+        batch_size: ``B``, the mini-batch size Avalanche's importance would use (its
+            ``train_mb_size``; the strategy passes its own).
+        per_example_lambda: ``lambda'``, the per-example scale of 0.4 and earlier: penalty
+            ``(lambda' / 2) sum_p F_p (w_p - w*_p)^2`` whatever ``batch_size``.
+
+    Under ``torch.distributed`` :meth:`learn_task` takes this rank's shard and the Fisher
+    sums over every rank's (module docstring); ``max_examples`` then caps each rank at
+    ``max_examples // world_size`` examples.
 
     Example (a plain PyTorch loop)::
 
-        method = EWCMethod(ewc_lambda=100.0)
+        method = EWCMethod(ewc_lambda=6400.0, batch_size=128)
         for task, (x, y) in enumerate(tasks):
             for xb, yb in batches(x, y):
                 loss = F.cross_entropy(with_task(net, task)(xb), yb) + method.penalty(net)
@@ -208,7 +241,7 @@ class EWCMethod:
 
     def __init__(
         self,
-        ewc_lambda: float,
+        ewc_lambda: float | None = None,
         *,
         mode: str = "separate",
         decay_factor: float = 1.0,
@@ -217,14 +250,29 @@ class EWCMethod:
         max_examples: int | None = None,
         chunk_size: int = 128,
         likelihood: str | Likelihood = "categorical",
+        batch_size: int = 1,
+        per_example_lambda: float | None = None,
     ) -> None:
+        if (ewc_lambda is None) == (per_example_lambda is None):
+            raise ValueError(
+                "give exactly one of ewc_lambda (Avalanche's scale) and per_example_lambda "
+                f"(the per-example scale), got ewc_lambda={ewc_lambda!r}, "
+                f"per_example_lambda={per_example_lambda!r}"
+            )
+        name, value = (
+            ("ewc_lambda", ewc_lambda)
+            if per_example_lambda is None
+            else ("per_example_lambda", per_example_lambda)
+        )
         if (
-            isinstance(ewc_lambda, bool)
-            or not isinstance(ewc_lambda, int | float)
-            or not ewc_lambda >= 0
-            or not math.isfinite(ewc_lambda)
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not value >= 0
+            or not math.isfinite(value)
         ):
-            raise ValueError(f"ewc_lambda must be a finite float >= 0, got {ewc_lambda!r}")
+            raise ValueError(f"{name} must be a finite float >= 0, got {value!r}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         if mode not in ("separate", "online"):
             raise ValueError(f"mode must be 'separate' or 'online', got {mode!r}")
         if not 0.0 <= decay_factor <= 1.0:
@@ -242,7 +290,15 @@ class EWCMethod:
         ):
             raise ValueError(f"max_examples must be an int >= 1 or None, got {max_examples!r}")
         chunk_size = check_chunk_size(chunk_size, allow_none=False)
-        self.ewc_lambda, self.mode, self.decay_factor = float(ewc_lambda), mode, decay_factor
+        self.batch_size = int(batch_size)
+        if per_example_lambda is not None:
+            self.ewc_lambda = 0.5 * float(per_example_lambda) * self.batch_size
+            self._coefficient = 0.5 * float(per_example_lambda)
+        else:
+            assert ewc_lambda is not None
+            self.ewc_lambda = float(ewc_lambda)
+            self._coefficient = self.ewc_lambda / self.batch_size
+        self.mode, self.decay_factor = mode, decay_factor
         self.fisher, self.fisher_samples = fisher, int(fisher_samples)
         self.max_examples, self.chunk_size = max_examples, int(chunk_size)
         self.likelihood = get_likelihood(likelihood)
@@ -275,7 +331,7 @@ class EWCMethod:
 
     def penalty(self, net: nn.Module) -> Tensor:
         """The current penalty (scalar, differentiable in ``net``'s parameters):
-        ``(lambda / 2) (sum_p S_p (w_p - a~_p)^2 + c)`` (module docstring), one pass over
+        ``(lambda / B) (sum_p S_p (w_p - a~_p)^2 + c)`` (module docstring), one pass over
         the parameters. Refuses a ``net`` that has none of the parameter names the anchors
         hold (a renamed model: the penalty would silently be 0)."""
         w = _live(net)
@@ -290,12 +346,20 @@ class EWCMethod:
                 "pass the network the method learnt (wrappers' 'module.' and '_orig_mod.' "
                 "prefixes are handled)"
             )
-        return 0.5 * self.ewc_lambda * terms.value(w)
+        return self.coefficient * terms.value(w)
+
+    @property
+    def coefficient(self) -> float:
+        """The factor of ``sum_p F_p (w_p - w*_p)^2`` in the penalty: ``lambda / B`` (or
+        ``lambda' / 2`` for ``per_example_lambda``)."""
+        return self._coefficient
 
     @torch.no_grad()
     def fisher_diagonal(self, net: nn.Module, x: Tensor, y: Tensor, task: int | None) -> Tensor:
         """Per-example-averaged Fisher diagonal ``[P]`` of ``(x, y)`` through head ``task``
-        (eval mode)."""
+        (eval mode); under ``torch.distributed`` ``(x, y)`` is this rank's shard and the
+        average is over every rank's examples (``"minibatch"``: over every rank's
+        mini-batches)."""
         model = with_task(net, task)
         lik = self.likelihood
         was_training = net.training
@@ -312,11 +376,15 @@ class EWCMethod:
                     )
                 elif self.fisher == "empirical":
                     f = diag_ef(model, (x, y), lik, chunk_size=self.chunk_size)
-                else:
+                elif self.fisher == "exact":
                     f = diag_ggn(model, x, lik, chunk_size=self.chunk_size)
+                else:
+                    return _minibatch_importance(model, x, y, lik, self.batch_size)
         finally:
             net.train(was_training)
-        return f / len(x)
+        count = f.new_tensor([float(len(x))])
+        distributed.all_reduce_sum([f, count])
+        return f / count
 
     def learn_task(
         self,
@@ -343,12 +411,15 @@ class EWCMethod:
             experience = max(self.experiences, default=-1) + 1
         elif isinstance(experience, bool) or not isinstance(experience, int):
             raise ValueError(f"experience must be an int key or None, got {experience!r}")
-        if self.max_examples is not None and len(x) > self.max_examples:
-            idx = torch.randperm(len(x))[: self.max_examples]
+        cap = self.max_examples
+        if cap is not None and distributed.is_distributed():
+            cap = max(1, cap // distributed.world_size())
+        if cap is not None and len(x) > cap:
+            idx = torch.randperm(len(x))[:cap]
             x, y = x[idx], y[idx]
         device, _ = device_dtype(net)
         task = task if is_multitask(net) else None
-        if self.fisher == "empirical" and self.likelihood.name != "gaussian":
+        if self.fisher in ("empirical", "minibatch") and self.likelihood.name != "gaussian":
             with torch.no_grad():
                 was_training = net.training
                 net.eval()
@@ -458,3 +529,28 @@ class EWCMethod:
         self._online_base = None if base is None else load([base])[0]
         self._consolidated = None
         self._sync_experiences()
+
+
+def _minibatch_importance(
+    model: nn.Module, x: Tensor, y: Tensor, likelihood: Likelihood, batch_size: int
+) -> Tensor:
+    """Avalanche's EWC importance times ``B``: ``B (1 / M) sum_b (grad_w L_b)^2`` ``[P]``,
+    ``L_b`` the mean negative log-likelihood of the ``b``-th of the ``M`` consecutive
+    mini-batches of ``B = batch_size`` examples (the last one may be smaller), in the order
+    of the parameters of ``model``. Under ``torch.distributed`` the sum and ``M`` run over
+    every rank's mini-batches."""
+    params = list(model.parameters())
+    live = [p for p in params if p.requires_grad]
+    total = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=x.device)
+    for s in range(0, len(x), batch_size):
+        loss = likelihood.nll(model(x[s : s + batch_size]), y[s : s + batch_size]).mean()
+        grads = dict(zip(map(id, live), torch.autograd.grad(loss, live, allow_unused=True)))
+        total += torch.cat(
+            [
+                (torch.zeros_like(p) if grads.get(id(p)) is None else grads[id(p)]).reshape(-1) ** 2
+                for p in params
+            ]
+        )
+    count = total.new_tensor([float(-(-len(x) // batch_size))])
+    distributed.all_reduce_sum([total, count])
+    return total * batch_size / count

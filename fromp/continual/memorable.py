@@ -14,15 +14,17 @@ Selection is balanced: the same number of examples per class.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from fromp import distributed
 from fromp._checks import check_batch, check_tensor
 from fromp.likelihood import Likelihood, get_likelihood
 from fromp.posterior import DiagonalGaussian
 
-__all__ = ["memorability_scores", "select_memorable"]
+__all__ = ["global_classes", "memorability_scores", "select_memorable", "select_memorable_points"]
 
 _ORDERS = ("descending", "ascending", "random", "sensitivity")
 
@@ -177,3 +179,95 @@ def select_memorable(
         rank = torch.sort(s, descending=order != "ascending", stable=True).indices
         picks.append(idx[rank[:n_per_class]])
     return torch.cat(picks)
+
+
+def global_classes(y: Tensor) -> list[int]:
+    """The sorted class labels present in ``y`` on any ``torch.distributed`` rank (those of
+    ``y`` in a single process)."""
+    local = sorted(int(c) for c in y.unique())
+    return sorted(set().union(*distributed.gather(local)))
+
+
+def select_memorable_points(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    likelihood: str | Likelihood = "categorical",
+    n_per_class: int = 20,
+    **options: Any,
+) -> tuple[Tensor, Tensor]:
+    """The memorable points ``(x[idx], y[idx])`` of :func:`select_memorable` (same arguments;
+    ``options`` are its keyword-only ones: ``order``, ``classes``, ``generator``, ...)
+    chosen over the data of every ``torch.distributed`` rank, ``x`` and ``y`` being this
+    rank's shard: the result, the same on every rank, is that of one process on the
+    concatenation of the shards in rank order (ties keep that order).
+
+    ``"descending"`` / ``"ascending"``: each rank scores its shard and keeps its best
+    ``n_per_class`` per class; the candidates, their scores and their positions in the
+    concatenation are gathered and the best ``n_per_class`` of each class kept (memory
+    ``world_size * n_classes * n_per_class`` inputs). ``"random"`` and ``"sensitivity"``
+    gather the shards themselves and select on the union (memory: the experience's data on
+    every rank; ``generator`` must be in the same state on every rank). In a single process
+    this is :func:`select_memorable` itself.
+
+    Returns:
+        ``(x_mem [len(classes) * n_per_class, ...], y_mem [len(classes) * n_per_class])``,
+        on ``x``'s and ``y``'s devices, grouped by class in the order of ``classes``.
+    """
+    if not distributed.is_distributed():
+        idx = select_memorable(model, x, y, likelihood, n_per_class, **options)
+        return x[idx.to(x.device)], y[idx.to(y.device)]
+    unknown = set(options) - {
+        "order",
+        "classes",
+        "generator",
+        "batch_size",
+        "posterior",
+        "chunk_size",
+    }
+    if unknown:
+        raise TypeError(f"select_memorable_points got unexpected keyword(s) {sorted(unknown)}")
+    classes = options.pop("classes", None)
+    order = options.get("order", "descending")
+    batch_size = options.get("batch_size", 1024)
+    check_batch(x, "x")
+    check_tensor(y, "y", f"[N]=[{len(x)}]")
+    if y.ndim != 1 or len(y) != len(x):
+        raise ValueError(f"y must be a [N] tensor with N={len(x)} labels, got {tuple(y.shape)}")
+    cls = global_classes(y) if classes is None else [int(c) for c in classes]
+    if order in ("random", "sensitivity"):
+        shards = distributed.gather((x.cpu(), y.cpu()), torch.device("cpu"))
+        xs = torch.cat([s[0] for s in shards])
+        ys = torch.cat([s[1] for s in shards])
+        idx = select_memorable(model, xs, ys, likelihood, n_per_class, classes=cls, **options)
+        return xs[idx].to(x.device), ys[idx].to(y.device)
+    if order not in _ORDERS:
+        raise ValueError(f"order must be one of {_ORDERS}, got {order!r}")
+    if not isinstance(n_per_class, int) or n_per_class < 1:
+        raise ValueError(f"n_per_class must be a positive int, got {n_per_class!r}")
+    offset = sum(distributed.gather(len(x))[: distributed.rank()])
+    y_cpu = y.cpu()
+    counts = torch.tensor([int((y_cpu == c).sum()) for c in cls], dtype=torch.long)
+    distributed.all_reduce_sum([counts])
+    for c, k in zip(cls, counts.tolist()):
+        if k < n_per_class:
+            raise ValueError(f"class {c} has {k} examples, fewer than n_per_class={n_per_class}")
+    descending = order == "descending"
+    scores = memorability_scores(model, x, likelihood, batch_size=batch_size).cpu()
+    mine = []
+    for c in cls:
+        idx = torch.nonzero(y_cpu == c).squeeze(1)
+        keep = idx[torch.sort(scores[idx], descending=descending, stable=True).indices]
+        keep = keep[:n_per_class]
+        mine.append((scores[keep], keep + offset, x[keep.to(x.device)].cpu(), y_cpu[keep]))
+    everyone = distributed.gather(mine, torch.device("cpu"))
+    xs, ys = [], []
+    for j in range(len(cls)):
+        s = torch.cat([r[j][0] for r in everyone])
+        pos = torch.cat([r[j][1] for r in everyone])
+        by_pos = torch.argsort(pos)  # data order first, so that ties keep it
+        rank_ = by_pos[torch.sort(s[by_pos], descending=descending, stable=True).indices]
+        take = rank_[:n_per_class]
+        xs.append(torch.cat([r[j][2] for r in everyone])[take])
+        ys.append(torch.cat([r[j][3] for r in everyone])[take])
+    return torch.cat(xs).to(x.device), torch.cat(ys).to(y.device)

@@ -27,8 +27,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from fromp import distributed
 from fromp._checks import check_batch, check_vector, device_dtype
-from fromp.continual.memorable import select_memorable
+from fromp.continual.memorable import global_classes, select_memorable_points
 from fromp.continual.named_state import (
     Named,
     _check_labels,
@@ -353,7 +354,7 @@ class FROMPMethod:
         times = {"select_s": 0.0, "curvature_s": 0.0, "kernel_s": 0.0}
         try:
             _check_labels(head, x, y, self.likelihood)  # before any state changes
-            classes = sorted(int(c) for c in y.unique())
+            classes = global_classes(y)  # every rank's (torch.distributed)
             per_class = self.n_points // len(classes)
             if per_class < 1:
                 raise ValueError(
@@ -367,7 +368,7 @@ class FROMPMethod:
                 times["curvature_s"] = _clock(device) - t0
                 q = DiagonalGaussian(flat_params(net), self.posterior_variance(net).reciprocal())
             t0 = _clock(device)
-            idx = select_memorable(
+            x_mem, y_mem = select_memorable_points(
                 head,
                 x.to(device) if sensitivity else x,
                 y,
@@ -393,7 +394,7 @@ class FROMPMethod:
             seen = self.regularizer.classes_seen
             seen[task] = sorted(set(seen.get(task, [])) | set(classes))
             self.regularizer.add_task(
-                net, x[idx].to(device), task, variance, labels=y[idx].to(device)
+                net, x_mem.to(device), task, variance, labels=y_mem.to(device)
             )
             self.experiences.append(experience)
             self.bn_buffers = _norm_buffers(net)
@@ -426,9 +427,16 @@ class FROMPMethod:
             self.optimizer_variance = by_name(net, posterior_variance.to(device))
             return
         xc, scale = x, 1.0
-        if self.curvature_examples is not None and self.curvature_examples < len(x):
+        cap = self.curvature_examples
+        if cap is not None and distributed.is_distributed():  # each rank its share
+            cap = max(1, cap // distributed.world_size())
+        if cap is not None and cap < len(x):
             sub = torch.randperm(len(x), generator=self.generator)
-            xc, scale = x[sub[: self.curvature_examples]], len(x) / self.curvature_examples
+            xc = x[sub[:cap]]
+        if len(xc) < len(x) or distributed.is_distributed():  # N / examples used, all ranks
+            counts = torch.tensor([float(len(x)), float(len(xc))], dtype=torch.float64)
+            distributed.all_reduce_sum([counts])
+            scale = float(counts[0] / counts[1])
         if self.posterior == "kron":
             self._add_kron(net, head, xc, device, scale, experience)
             return
@@ -464,6 +472,7 @@ class FROMPMethod:
         view = self._view(net, head)
         batches = [(x[s : s + 1024].to(device), None) for s in range(0, len(x), 1024)]
         term = kron_curvature(view, batches, get_likelihood(self.likelihood))
+        term = distributed.fold(term, lambda a, b: a + b)  # every rank's shard (in rank order)
         if scale != 1.0:
             term = KronCurvature(
                 [
@@ -523,9 +532,11 @@ class FROMPMethod:
         Jacobians (:func:`fromp.curvature.diag_ggn`) otherwise."""
         batches = ((x[s : s + 1024].to(device),) for s in range(0, len(x), 1024))
         try:
-            return diag_ggn_linear(head, batches, self.likelihood)
+            g = diag_ggn_linear(head, batches, self.likelihood)
         except ValueError:
-            return diag_ggn(head, x.to(device), self.likelihood, chunk_size=self.chunk_size)
+            g = diag_ggn(head, x.to(device), self.likelihood, chunk_size=self.chunk_size)
+        distributed.all_reduce_sum([g])  # the sum over every rank's shard
+        return g
 
     # ------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
