@@ -40,7 +40,7 @@ def make_strategy(method: str, lr: float, epochs: int, loggers: list) -> object:
     if method == "fromp":
         return FROMP(tau=10.0, n_points=40, **common)
     if method == "ewc":
-        return EWC(ewc_lambda=100.0, **common)
+        return EWC(ewc_lambda=6400.0, **common)  # Avalanche's scale: (lambda / B) sum F d^2
     return VCL(train_samples=10, test_samples=10, **common)
 
 

@@ -31,7 +31,7 @@ SETTINGS = {
     "train_mb_size": 128,
     "train_epochs": 1,
     "fromp": {"tau": 10.0, "n_points": 40},
-    "ewc": {"ewc_lambda": 100.0},
+    "ewc": {"ewc_lambda": 6400.0},  # Avalanche's scale: (6400 / 128) sum F d^2, 0.3's 100
     "vcl": {"train_samples": 10, "test_samples": 100},
 }
 
