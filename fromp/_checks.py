@@ -109,29 +109,6 @@ def require_eval(model: nn.Module) -> None:
         )
 
 
-def check_ivon_group(group: dict[str, Any]) -> None:
-    """Validate one IVON parameter group's hyperparameters (``ValueError`` naming the
-    argument)."""
-    check_positive(group["lr"], "lr")
-    check_positive(group["ess"], "ess")
-    check_positive(group["hess_init"], "hess_init")
-    for name in ("beta1", "beta2"):
-        b = group[name]
-        if isinstance(b, bool) or not isinstance(b, int | float) or not 0.0 <= b < 1.0:
-            raise ValueError(f"{name} must be a float in [0, 1), got {b!r}")
-    wd = group["weight_decay"]
-    if isinstance(wd, bool) or not isinstance(wd, int | float) or not wd >= 0:
-        raise ValueError(f"weight_decay must be a float >= 0, got {wd!r}")
-    r = group["clip_radius"]
-    if r is not None:
-        check_positive(r, "clip_radius")
-    mc = group["mc_samples"]
-    if isinstance(mc, bool) or not isinstance(mc, int) or mc < 1:
-        raise ValueError(f"mc_samples must be an int >= 1, got {mc!r}")
-    if not isinstance(group["antithetic"], bool):
-        raise ValueError(f"antithetic must be a bool, got {group['antithetic']!r}")
-
-
 def check_chunk_size(chunk_size: object, *, allow_none: bool = True) -> int | None:
     """``chunk_size`` as an int ``>= 1`` (or None where ``allow_none``: the default chunk);
     ValueError naming the argument otherwise (bools and floats included). The one rule for
@@ -194,25 +171,6 @@ def _check_step_lr(lr: object, where: str) -> None:
     constructors ask for ``> 0``)."""
     if not _finite_number(lr) or not lr >= 0:  # type: ignore[operator]
         raise ValueError(f"{where}lr must be a finite float >= 0, got {lr!r}")
-
-
-def check_ivon_hyper(group: dict[str, Any], where: str = "") -> None:
-    """:func:`check_ivon_group` plus a finite ``weight_decay``, for the hyperparameters of an
-    IVON parameter group read at every step or loaded from a state dict (a scheduler or an
-    edit of ``param_groups`` may have changed them since construction). ``where`` prefixes
-    the message (e.g. ``"param_groups[1]: "``)."""
-    missing = {"lr", "ess", "hess_init", "beta1", "beta2", "weight_decay"} - set(group)
-    missing |= {"clip_radius", "mc_samples", "antithetic", "rescale_lr"} - set(group)
-    if missing:
-        raise ValueError(f"{where}IVON parameter group is missing {sorted(missing)}")
-    _check_step_lr(group["lr"], where)
-    try:
-        check_ivon_group({**group, "lr": 1.0})  # lr may reach 0 under a scheduler
-    except ValueError as err:
-        raise ValueError(f"{where}{err}") from None
-    if not _finite_number(group["weight_decay"]):
-        wd = group["weight_decay"]
-        raise ValueError(f"{where}weight_decay must be a finite float >= 0, got {wd!r}")
 
 
 def check_vogn_hyper(group: dict[str, Any], where: str = "") -> None:
