@@ -273,10 +273,15 @@ def at_predict(la: Any, x: Any, outputs: bool = True) -> None:
 
 
 def _outputs(la: Any, x: Tensor) -> None:
+    """The model's outputs at ``x`` are finite, checked a chunk of inputs at a time (the
+    memory of one chunk's forward pass, :meth:`~fromp.laplace.predictive.LaplaceTorchAPI.
+    _forward_step`)."""
     device = next(p for p in la.model.parameters()).device
+    x = x.to(device)
+    step = la._forward_step(x) if hasattr(la, "_forward_step") else len(x)
     with torch.no_grad():
-        f = la.model(x.to(device))
-    finite_outputs(f)
+        for s in range(0, len(x), step):
+            finite_outputs(la.model(x[s : s + step]))
 
 
 def finite_outputs(f: Any) -> Any:
