@@ -43,8 +43,8 @@ from torch import Tensor, nn
 import fromp.laplace.checks as checks
 from fromp import distributed
 from fromp._checks import require_eval
-from fromp.curvature.jacobian import check_memory_budget
 from fromp.curvature.diagonal import DataArg, iter_batches
+from fromp.curvature.jacobian import check_memory_budget
 from fromp.laplace.laplace_gp import LaplaceGP
 from fromp.laplace.options import check_backend, option
 from fromp.laplace.predictive import LaplaceTorchAPI

@@ -485,9 +485,10 @@ class LaplaceTorchAPI:
             checks.finite_outputs(f)
             j = js.flatten(0, 1)
             return f.flatten(), j @ self._sigma_times(j).T
+        step = self._forward_step(x, memory_budget)
         with torch.no_grad():
             f = torch.cat([checks.finite_outputs(self.model(x[r]))
-                           for r in row_chunks(len(x), self._forward_step(x, memory_budget))])  # fmt: skip
+                           for r in row_chunks(len(x), step)])  # fmt: skip
         k = self._kernel_chunked(x, x, memory_budget)
         n, c = f.shape
         return f.flatten(), k.reshape(n * c, n * c).detach()
