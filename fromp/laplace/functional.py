@@ -352,7 +352,7 @@ class FunctionalLaplace(LaplaceTorchAPI):
         link_approx = option(link_approx)
         self._require_fit()
         self._budget(memory_budget)
-        mu, var = self._glm(self._input(x), joint=joint and self.regression,
+        mu, var = self._glm(self._input(x, memory_budget), joint=joint and self.regression,
                             memory_budget=memory_budget)  # fmt: skip
         if self.regression:
             if diagonal_output and not joint:

@@ -247,7 +247,7 @@ class LaplaceTorchAPI:
         return norm - self.square_norm(value) / 2
 
     # ------------------------------------------------------------------ Jacobians
-    def _input(self, x: Any) -> Tensor:
+    def _input(self, x: Any, memory_budget: int | None = None) -> Tensor:
         """``x``, or ``x[dict_key_x]`` of a mapping (a Hugging Face-style batch), on the
         model's device."""
         if isinstance(x, Mapping):
@@ -260,7 +260,7 @@ class LaplaceTorchAPI:
         # a fit, eval mode, the fitted size, finite x and outputs f(x); the last-layer
         # structures check the outputs where their feature pass computes them
         # (checks.finite_outputs), so that their predictive runs the network once
-        checks.at_predict(self, x, outputs=self.subset_of_weights != "last_layer")
+        checks.at_predict(self, x, self.subset_of_weights != "last_layer", memory_budget)
         return x.to(self._device())
 
     def _undict(self, data: Any) -> Any:
@@ -464,7 +464,8 @@ class LaplaceTorchAPI:
         """``J(x_n) Sigma J(x_n)^T`` ``[N, C, C]`` at inputs ``x`` (each structure's fast
         route, no ``[N, C, P]`` Jacobian where it has one), a chunk of inputs at a time
         within ``memory_budget`` bytes (module docstring)."""
-        x = self._input(x)
+        self._budget(memory_budget)  # refused before any work when not a positive int
+        x = self._input(x, memory_budget)
         mu, var = self._mean_and_variance_chunked(x, memory_budget)
         checks.finite_outputs(mu)
         return var
@@ -554,7 +555,7 @@ class LaplaceTorchAPI:
                              "pred_type='nn' only (the glm predictive calls model(x))")  # fmt: skip
         self._require_fit()
         self._budget(memory_budget)  # refused before any work when not a positive int
-        x = self._input(x)
+        x = self._input(x, memory_budget)
         if pred_type == "nn":
             f = self._nn_over_inputs(x, n_samples, generator, memory_budget, **model_kwargs)
             f = checks.finite_outputs(f)
@@ -605,7 +606,7 @@ class LaplaceTorchAPI:
         pred_type = option(pred_type)
         self._require_fit()
         self._budget(memory_budget)
-        x = self._input(x)
+        x = self._input(x, memory_budget)
         if pred_type == "nn":
             return checks.finite_outputs(
                 self._nn_over_inputs(x, n_samples, generator, memory_budget)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+import fromp.laplace.checks as checks
 from fromp.curvature.capture import LayerMap, capture_calls
 from fromp.curvature.diagonal import diag_ggn
 from fromp.curvature.ggn import ggn
@@ -49,17 +50,36 @@ class _AllWeightsGP:
     :class:`fromp.gp.GP` (structured layer capture for the diagonal), linearised at the
     model's current weights (as every structure: :mod:`fromp.laplace.predictive`)."""
 
-    def _gp(self) -> Any:
+    def _gp(self, memory_budget: int | None = None) -> Any:
         from fromp.gp.process import GP
 
         now = torch.cat([p.detach().reshape(-1) for _, p in self._named]).to(self._mu)
         post = self.posterior
+        budget = self._budget(memory_budget)
         return GP(self.model, type(post)(now, post.precision), self._lik,
-                  chunk_size=self.chunk_size, memory_budget=self._budget())  # fmt: skip
+                  chunk_size=self.chunk_size, memory_budget=budget)  # fmt: skip
 
     def _mean_and_variance(self, x: Tensor) -> tuple[Tensor, Tensor]:
         gp = self._gp()
         return gp.mean(x), gp.variance(x)
+
+    def _mean_and_variance_chunked(
+        self, x: Tensor, memory_budget: int | None = None
+    ) -> tuple[Tensor, Tensor]:
+        # the GP takes the inputs in chunks under the same budget itself (its mean by
+        # forward passes, its variance by Jacobian or structured-feature chunks): one GP
+        # (one factorisation of the posterior) for all chunks
+        gp = self._gp(memory_budget)
+        return gp.mean(x), gp.variance(x)
+
+    def _glm(
+        self, x: Tensor, joint: bool = False, memory_budget: int | None = None
+    ) -> tuple[Tensor, Tensor]:
+        if joint or self.enable_backprop:
+            return super()._glm(x, joint, memory_budget)  # type: ignore[misc]
+        mu, var = self._mean_and_variance_chunked(x, memory_budget)
+        checks.finite_outputs(mu)
+        return mu, var
 
     def _kernel(self, x1: Tensor, x2: Tensor) -> Tensor:
         return self._gp().kernel(x1, x2)
