@@ -403,8 +403,8 @@ def log_marginal_likelihood(
     ``= -sum_n nll_n - 1/2 (w* - m0)^T D (w* - m0) - 1/2 [log det(G + D) - log det D]`` with
     ``G`` the GGN: its diagonal (``hessian_structure="diag"``) or, for small models, the full
     matrix (``hessian_structure="full"``, ``P <= max_params``). By Hadamard's inequality the
-    diagonal version is never larger than the full one. ``prior_precision``: a positive scalar or ``[P]``.
-    Returns a scalar tensor (detached). ``data`` needs targets.
+    diagonal version is never larger than the full one. ``prior_precision``: a positive
+    scalar or ``[P]``. Returns a scalar tensor (detached). ``data`` needs targets.
     """
     structure = _hessian_structure(hessian_structure, curvature)
     next(iter_batches(data, need_targets=True))  # refuses data without targets, naming it
