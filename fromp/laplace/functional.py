@@ -34,9 +34,8 @@ from fromp.curvature.diagonal import DataArg, iter_batches
 from fromp.curvature.jacobian import check_memory_budget
 from fromp.laplace.base import _likelihood
 from fromp.laplace.options import check_backend, option
-from fromp.laplace.predictive import LaplaceTorchAPI, bridge
-from fromp.likelihood import CategoricalLikelihood, GaussianLikelihood
-from fromp.link import glm_draws, probit_scale
+from fromp.laplace.predictive import LaplaceTorchAPI
+from fromp.likelihood import GaussianLikelihood
 
 __all__ = ["FunctionalLaplace"]
 
@@ -354,20 +353,7 @@ class FunctionalLaplace(LaplaceTorchAPI):
         self._budget(memory_budget)
         mu, var = self._glm(self._input(x, memory_budget), joint=joint and self.regression,
                             memory_budget=memory_budget)  # fmt: skip
-        if self.regression:
-            if diagonal_output and not joint:
-                var = torch.diagonal(var, dim1=-2, dim2=-1)
-            return mu, var
-        if link_approx == "probit":
-            return self._lik.inverse_link(mu * probit_scale(var))
-        if link_approx == "mc":
-            f = glm_draws(mu, var, n_samples, generator)
-            return self._lik.inverse_link(f.flatten(0, 1)).reshape(f.shape).mean(0)
-        if link_approx in ("bridge", "bridge_norm") and isinstance(
-            self._lik, CategoricalLikelihood
-        ):
-            return bridge(mu, var, normalized=link_approx == "bridge_norm")
-        raise ValueError(f"link_approx={link_approx!r} is not available here")
+        return self._linked(mu, var, joint, link_approx, n_samples, diagonal_output, generator)
 
     def sample(self, n_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
         raise ValueError("FunctionalLaplace has no weight-space posterior to sample; use "

@@ -563,6 +563,21 @@ class LaplaceTorchAPI:
                 return f.mean(0), f.var(0)
             return self._lik.inverse_link(f.flatten(0, 1)).reshape(f.shape).mean(0)
         mu, var = self._glm(x, joint=joint and self.regression, memory_budget=memory_budget)
+        return self._linked(mu, var, joint, link_approx, n_samples, diagonal_output, generator)
+
+    def _linked(
+        self,
+        mu: Tensor,
+        var: Tensor,
+        joint: bool,
+        link_approx: str,
+        n_samples: int,
+        diagonal_output: bool,
+        generator: torch.Generator | None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """The GLM predictive from the outputs' Gaussian ``N(mu, var)``: regression ``(mu,
+        var)`` (``diagonal_output``: the variances), else the probabilities by
+        ``link_approx`` (:meth:`__call__`)."""
         if self.regression:
             if diagonal_output and not joint:
                 var = torch.diagonal(var, dim1=-2, dim2=-1)
