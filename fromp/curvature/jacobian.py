@@ -26,6 +26,7 @@ from fromp._checks import check_batch, check_chunk_size
 
 __all__ = [
     "CPU_MEMORY_BUDGET",
+    "CUDA_MEMORY_CAP",
     "CUDA_MEMORY_FRACTION",
     "check_memory_budget",
     "default_memory_budget",
@@ -246,8 +247,10 @@ def per_example_grads(
 #: The working-memory budget on a CPU when none is given (bytes).
 CPU_MEMORY_BUDGET = 2 * 1024**3
 #: The fraction of the device's free memory (``torch.cuda.mem_get_info``) taken as the
-#: budget on CUDA when none is given.
+#: budget on CUDA when none is given, at most ``CUDA_MEMORY_CAP`` bytes (larger chunks of
+#: test inputs are no faster: the work is per input).
 CUDA_MEMORY_FRACTION = 0.5
+CUDA_MEMORY_CAP = 4 * 1024**3
 _user_default: list[int | None] = [None]
 
 
@@ -269,14 +272,14 @@ def set_default_memory_budget(value: int | None) -> None:
 def default_memory_budget(device: torch.device | str | None = None) -> int:
     """The working-memory budget in bytes when none is given: the value of
     :func:`set_default_memory_budget` if set; on a CUDA device ``CUDA_MEMORY_FRACTION``
-    (0.5) of its free memory (``torch.cuda.mem_get_info``); else ``CPU_MEMORY_BUDGET``
-    (2 GiB)."""
+    (0.5) of its free memory (``torch.cuda.mem_get_info``), at most ``CUDA_MEMORY_CAP``
+    (4 GiB); else ``CPU_MEMORY_BUDGET`` (2 GiB)."""
     if _user_default[0] is not None:
         return _user_default[0]
     device = torch.device("cpu" if device is None else device)
     if device.type == "cuda" and torch.cuda.is_available():
         free, _ = torch.cuda.mem_get_info(device)
-        return max(1, int(free * CUDA_MEMORY_FRACTION))
+        return max(1, min(CUDA_MEMORY_CAP, int(free * CUDA_MEMORY_FRACTION)))
     return CPU_MEMORY_BUDGET
 
 
