@@ -183,7 +183,7 @@ def test_full_posterior_equals_bayesian_linear_regression(bias):
     torch.testing.assert_close(gp.kernel(x)[:, 0, :, 0], xt @ cov @ xt.T, rtol=1e-10, atol=1e-12)
     # evidence: exact log N(y | 0, sigma^2 I + X X^T / delta)
     exact = torch.distributions.MultivariateNormal(torch.zeros(len(x), dtype=F64), kxx).log_prob(y)
-    lml = log_marginal_likelihood(model, (x, y), lik, delta, curvature="full")
+    lml = log_marginal_likelihood(model, (x, y), lik, delta, hessian_structure="full")
     assert abs(float(lml - exact)) < 1e-8
 
 
@@ -193,10 +193,10 @@ def test_evidence_multi_output_and_vector_prior():
     mvn = torch.distributions.MultivariateNormal(torch.zeros(len(x), dtype=F64), kxx)
     exact = mvn.log_prob(y.T).sum()
     lml = log_marginal_likelihood(model, [(x[:5], y[:5]), (x[5:], y[5:])], lik, delta,
-                                  curvature="full")  # fmt: skip
+                                  hessian_structure="full")  # fmt: skip
     assert abs(float(lml - exact)) < 1e-8
     vec = torch.full((8,), delta, dtype=F64)
-    lml_vec = log_marginal_likelihood(model, (x, y), lik, vec, curvature="full")
+    lml_vec = log_marginal_likelihood(model, (x, y), lik, vec, hessian_structure="full")
     assert abs(float(lml_vec - exact)) < 1e-8
 
 
@@ -213,8 +213,8 @@ def test_diagonal_posterior_linear_regression_is_mean_field_on_the_diagonal():
     xst = torch.cat([xs, torch.ones(4, 1, dtype=F64)], 1)
     torch.testing.assert_close(gp.variance(xs)[:, 0, 0], (xst**2 / h_diag).sum(1), rtol=1e-10,
                                atol=1e-12)  # fmt: skip
-    full = log_marginal_likelihood(model, (x, y), lik, delta, curvature="full")
-    diag = log_marginal_likelihood(model, (x, y), lik, delta, curvature="diag")
+    full = log_marginal_likelihood(model, (x, y), lik, delta, hessian_structure="full")
+    diag = log_marginal_likelihood(model, (x, y), lik, delta, hessian_structure="diag")
     gap = 0.5 * (torch.log(h_diag).sum() - torch.logdet(precision))
     torch.testing.assert_close(full - diag, gap, rtol=1e-10, atol=1e-10)
     assert float(diag) <= float(full)
@@ -227,14 +227,14 @@ def test_optimize_prior_precision_grid_and_gradient_agree(curvature):
     y = torch.randint(0, 3, (20,))
     data, lik = (x, y), CategoricalLikelihood()
     grid = torch.logspace(-3, 3, 121, dtype=F64)
-    best_g = optimize_prior_precision(model, data, lik, "grid", grid, curvature=curvature)
-    deltas, values = log_evidence_grid(model, data, lik, grid, curvature=curvature)
+    best_g = optimize_prior_precision(model, data, lik, "grid", grid, hessian_structure=curvature)
+    deltas, values = log_evidence_grid(model, data, lik, grid, hessian_structure=curvature)
     assert best_g == float(deltas[int(values.argmax())])
-    best_d = optimize_prior_precision(model, data, lik, "gradient", curvature=curvature)
+    best_d = optimize_prior_precision(model, data, lik, "gradient", hessian_structure=curvature)
     assert values.shape == (121,)
     step = math.log(float(grid[1] / grid[0]))
     assert abs(math.log(best_g) - math.log(best_d)) <= step
-    f = [float(log_marginal_likelihood(model, data, lik, best_d * s, curvature=curvature))
+    f = [float(log_marginal_likelihood(model, data, lik, best_d * s, hessian_structure=curvature))
          for s in (0.99, 1.0, 1.01)]  # fmt: skip
     assert f[1] >= f[0] and f[1] >= f[2]  # a maximum
     assert f[1] >= float(values.max()) - 1e-9
@@ -305,7 +305,10 @@ def test_errors_named():
         gp.variance(torch.zeros(2, 4, dtype=F64), chunk_size=-1)
     with pytest.raises(ValueError, match="data must include targets"):
         log_marginal_likelihood(model, torch.zeros(2, 4, dtype=F64), "categorical", 1.0)
-    with pytest.raises(ValueError, match="curvature must be"):
+    with pytest.raises(ValueError, match="hessian_structure must be"):
+        log_marginal_likelihood(model, (torch.zeros(2, 4), torch.zeros(2)), "categorical", 1.0,
+                                hessian_structure="kfac")  # fmt: skip
+    with pytest.raises(ValueError, match="curvature must be"), pytest.warns(DeprecationWarning):
         log_marginal_likelihood(model, (torch.zeros(2, 4), torch.zeros(2)), "categorical", 1.0,
                                 curvature="kfac")  # fmt: skip
     with pytest.raises(ValueError, match="method must be 'marglik' or 'gridsearch'"):
@@ -541,3 +544,22 @@ def test_structured_chunks_follow_the_memory_budget(monkeypatch):
         seen.clear()
         run(chunk_size=2)
         assert seen == [2, 2, 2, 1], seen
+
+
+@pytest.mark.parametrize("old", [{"curvature": "full"}, {"hessian_structure": "diagonal"},
+                                 {"curvature": "diagonal"}])  # fmt: skip
+def test_old_structure_names_warn_and_give_the_same_evidence(old):
+    """``curvature=`` naming the structure and ``"diagonal"`` still work, with a
+    DeprecationWarning, and equal the new spelling's evidence."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).to(F64).eval()
+    data = (torch.randn(6, 4, dtype=F64), torch.randint(0, 2, (6,)))
+    new = {"hessian_structure": next(iter(old.values())).replace("diagonal", "diag")}
+    with pytest.warns(DeprecationWarning, match="hessian_structure=|'diag'"):
+        a = log_marginal_likelihood(model, data, "categorical", 0.7, **old)
+    b = log_marginal_likelihood(model, data, "categorical", 0.7, **new)
+    torch.testing.assert_close(a, b)
+    with pytest.warns(DeprecationWarning):
+        _, va = log_evidence_grid(model, data, "categorical", [0.5, 2.0], **old)
+    _, vb = log_evidence_grid(model, data, "categorical", [0.5, 2.0], **new)
+    torch.testing.assert_close(va, vb)

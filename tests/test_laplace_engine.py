@@ -113,20 +113,24 @@ def test_evidence_and_prior_search_equal_the_class(structure):
     net = tiny_mlp(4, 5, 3)
     x, y = data()
     la = Laplace(net, "classification", "all", structure).fit((x, y))
-    got = fromp.log_marginal_likelihood(net, (x, y), "categorical", 0.4, curvature=structure)
+    got = fromp.log_marginal_likelihood(
+        net, (x, y), "categorical", 0.4, hessian_structure=structure
+    )
     torch.testing.assert_close(got, la.log_marginal_likelihood(0.4).detach(), rtol=0, atol=0)
     with no_warnings():
         layer = fromp.optimize_prior_precision(
             net, (x, y), "categorical", "marglik", prior_structure="layerwise", n_steps=50,
-            curvature=structure,
+            hessian_structure=structure,
         )  # fmt: skip
         want = la.optimize_prior_precision(prior_structure="layerwise", n_steps=50)
         torch.testing.assert_close(layer, want)
-        scalar = fromp.optimize_prior_precision(net, (x, y), "categorical", curvature=structure)
+        scalar = fromp.optimize_prior_precision(
+            net, (x, y), "categorical", hessian_structure=structure
+        )
     assert isinstance(scalar, float)
     gs = fromp.optimize_prior_precision(
         net, (x, y), "categorical", "gridsearch", val_loader=[(x, y)], grid_size=5,
-        curvature=structure,
+        hessian_structure=structure,
     )  # fmt: skip
     la.optimize_prior_precision("gridsearch", val_loader=[(x, y)], grid_size=5)
     assert gs == float(la.prior_precision)

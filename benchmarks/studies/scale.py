@@ -27,6 +27,14 @@ Cases (inputs are standard-normal tensors of the network's input shape, labels u
 * ``laplace_kron``: ``fromp.Laplace(net, "classification", "all", "kron").fit(batches)``
   (KFAC of every ``Linear`` / ``Conv2d``, diagonal blocks for batch norm) and its evidence;
   above a network's ``kron_max`` inputs it is timed on ``kron_max`` and scaled linearly;
+* ``laplace_predictive``: ``fromp.Laplace(net, "classification", "all", structure)`` for
+  ``structure`` ``"kron"`` and ``"diag"``, fitted once on ``pred_fit`` inputs (``fit_s``),
+  then the GLM probit predictive ``la(x[:n])`` for each ``n`` of ``ns`` (100 and 1,000;
+  ``--lpred-n`` to change) in ascending order: ``pred_s`` its wall time,
+  ``pred_peak_rss_mb`` the process's peak resident set after it (``fit_rss_mb``: before the
+  first; ``peak_cuda_mb``: the predictive's own peak on a GPU). With
+  ``--memory-budget`` the predictive takes that many bytes per chunk of inputs; without,
+  the default (half the GPU's free memory, 2 GiB on the CPU);
 * ``check``: fromp's and laplace-torch's GGN diagonals on 8 inputs, max relative difference.
 
 Every case runs in a fresh subprocess: ``peak_rss_mb`` is that process's peak resident set
@@ -64,13 +72,16 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     # inputs per case; laplace-torch is run on at most lt_max inputs (linear extrapolation)
     "mlp": {"ggn": [1000, 10000], "kernel": [256, 1024], "kernel_full": [256, 1024],
             "pred": 256, "lt_max": 1000, "lt_batch": 256, "gp_chunk": 64,
-            "kron": [1000, 10000], "kron_max": 10000, "kron_batch": 256},
+            "kron": [1000, 10000], "kron_max": 10000, "kron_batch": 256,
+            "lpred": [100, 1000], "pred_fit": 256},
     "cnn": {"ggn": [1000, 10000], "kernel": [256, 1024], "kernel_full": [256, 1024],
             "pred": 256, "lt_max": 1000, "lt_batch": 32, "gp_chunk": 16,
-            "kron": [1000, 10000], "kron_max": 10000, "kron_batch": 64},
+            "kron": [1000, 10000], "kron_max": 10000, "kron_batch": 64,
+            "lpred": [100, 1000], "pred_fit": 64},
     "resnet18": {"ggn": [1000, 10000], "kernel": [256, 1024], "kernel_full": [256],
                  "pred": 256, "lt_max": 16, "lt_batch": 2, "gp_chunk": 32,
-                 "kron": [1000, 10000], "kron_max": 10000, "kron_batch": 32},
+                 "kron": [1000, 10000], "kron_max": 10000, "kron_batch": 32,
+                 "lpred": [100, 1000], "pred_fit": 32},
 }  # fmt: skip
 
 
@@ -140,6 +151,31 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
         la = Laplace(net, "classification", "all", "kron", prior_precision=1.0).fit(batches)
         out["log_marginal_likelihood"] = float(la.log_marginal_likelihood())
         out["kron_blocks"], out["diagonal_tensors"] = len(la.H.blocks), len(la.H.diag)
+    elif spec["case"] == "laplace_predictive":
+        from fromp import Laplace
+
+        m = spec["pred_fit"]
+        xf, yf = _inputs(shape, m, c, device)
+        la = Laplace(net, "classification", "all", spec["structure"], prior_precision=1.0)
+        la.fit([(xf[i : i + 16], yf[i : i + 16]) for i in range(0, m, 16)])
+        kw = {} if spec.get("memory_budget") is None else {"memory_budget": spec["memory_budget"]}
+        _sync(device)
+        out["fit_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        out["fit_s"] = time.perf_counter() - t0
+        out["predictive"] = []
+        for k in sorted(spec.get("ns", [n])):  # ascending: ru_maxrss only grows
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            t1 = time.perf_counter()
+            with torch.no_grad():
+                p = la(x[:k], **kw)
+            _sync(device)
+            row = {"n": k, "pred_s": time.perf_counter() - t1,
+                   "pred_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                   "prob_sum_mean": float(p.sum(1).mean())}  # fmt: skip
+            if device.type == "cuda":
+                row["peak_cuda_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+            out["predictive"].append(row)
     elif spec["case"] == "laplace_torch":
         h = _laplace_torch_fit(net, x, y, spec["lt_batch"])
         out["precision_sum"] = float(h.sum()) + h.numel()
@@ -191,15 +227,19 @@ def _spawn(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
 
 
 CASES = (
-    "check", "laplace", "laplace_torch", "laplace_kron", "kernel", "kernel_full", "predictive"
+    "check", "laplace", "laplace_torch", "laplace_kron", "kernel", "kernel_full", "predictive",
+    "laplace_predictive",
 )  # fmt: skip
 
 
 def _plan(models: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
     cases = getattr(args, "cases", None) or CASES
     specs = []
+    lpred = getattr(args, "lpred_n", None)
     for m in models:
-        d = DEFAULTS[m]
+        d = dict(DEFAULTS[m])
+        if lpred:
+            d["lpred"] = [int(v) for v in lpred.split(",")]
         base = {"model": m, "device": args.device, "threads": args.threads,
                 "lt_batch": d["lt_batch"], "gp_chunk": d["gp_chunk"]}  # fmt: skip
         specs.append({**base, "case": "check", "n": 8})
@@ -215,6 +255,10 @@ def _plan(models: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
             for n in d[case]:
                 specs.append({**base, "case": case, "n": n})
         specs.append({**base, "case": "predictive", "n": d["pred"]})
+        for structure in ("kron", "diag"):  # one fit, then the predictive on each n
+            specs.append({**base, "case": "laplace_predictive", "n": max(d["lpred"]),
+                          "ns": d["lpred"], "structure": structure, "pred_fit": d["pred_fit"],
+                          "memory_budget": getattr(args, "memory_budget", None)})  # fmt: skip
     return [s for s in specs if s["case"] in cases]
 
 
@@ -241,6 +285,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--skip-laplace-torch", action="store_true")
+    parser.add_argument(
+        "--lpred-n", default=None, help="comma-separated input counts for laplace_predictive"
+    )
+    parser.add_argument(
+        "--memory-budget",
+        type=int,
+        default=None,
+        help="bytes for laplace_predictive's chunks (default: the device's)",
+    )
     harness.add_out(parser, RESULTS / "scale.json")
     parser.add_argument("--case-json", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -257,6 +310,10 @@ def main(argv: list[str] | None = None) -> None:
     bad = [c for c in args.cases if c not in CASES]
     if bad or not args.cases:
         parser.error(f"--cases must be among {CASES}, got {bad or args.cases}")
+    if args.memory_budget is not None and args.memory_budget < 1:
+        parser.error(
+            f"--memory-budget must be a positive number of bytes, got {args.memory_budget}"
+        )
     try:
         check_device(args.device)
     except ValueError as err:

@@ -25,13 +25,23 @@ from torch.func import jvp as _jvp
 from fromp._checks import check_batch, check_chunk_size
 
 __all__ = [
+    "CPU_MEMORY_BUDGET",
+    "CUDA_MEMORY_CAP",
+    "CUDA_MEMORY_FRACTION",
+    "check_memory_budget",
+    "default_memory_budget",
     "flat_params",
+    "forward_numel",
     "iter_jacobians",
     "jacobians",
     "jvp",
     "num_params",
     "over_examples",
     "per_example_grads",
+    "resolve_memory_budget",
+    "row_chunks",
+    "rows_per_chunk",
+    "set_default_memory_budget",
     "trainable_params",
     "unflatten",
     "vjp_sum",
@@ -231,3 +241,93 @@ def per_example_grads(
         for s in range(0, len(x), step)
     ]
     return torch.cat(outs, dim=0)
+
+
+# ---------------------------------------------------------------------- memory budget
+#: The working-memory budget on a CPU when none is given (bytes).
+CPU_MEMORY_BUDGET = 2 * 1024**3
+#: The fraction of the device's free memory (``torch.cuda.mem_get_info``) taken as the
+#: budget on CUDA when none is given, at most ``CUDA_MEMORY_CAP`` bytes (larger chunks of
+#: test inputs are no faster: the work is per input).
+CUDA_MEMORY_FRACTION = 0.5
+CUDA_MEMORY_CAP = 4 * 1024**3
+_user_default: list[int | None] = [None]
+
+
+def check_memory_budget(value: object, name: str = "memory_budget") -> int:
+    """``value`` as a positive ``int`` number of bytes, else a ``ValueError`` naming
+    ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int (bytes), got {value!r}")
+    return int(value)
+
+
+def set_default_memory_budget(value: int | None) -> None:
+    """Set the budget (bytes) every predictive, kernel and sampling path uses when neither
+    the call nor the object names one; None restores the derived default
+    (:func:`default_memory_budget`)."""
+    _user_default[0] = None if value is None else check_memory_budget(value)
+
+
+def default_memory_budget(device: torch.device | str | None = None) -> int:
+    """The working-memory budget in bytes when none is given: the value of
+    :func:`set_default_memory_budget` if set; on a CUDA device ``CUDA_MEMORY_FRACTION``
+    (0.5) of its free memory (``torch.cuda.mem_get_info``), at most ``CUDA_MEMORY_CAP``
+    (4 GiB); else ``CPU_MEMORY_BUDGET`` (2 GiB)."""
+    if _user_default[0] is not None:
+        return _user_default[0]
+    device = torch.device("cpu" if device is None else device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(1, min(CUDA_MEMORY_CAP, int(free * CUDA_MEMORY_FRACTION)))
+    return CPU_MEMORY_BUDGET
+
+
+def resolve_memory_budget(*given: int | None, device: torch.device | str | None = None) -> int:
+    """The first of ``given`` that is not None (each checked: a positive int), else
+    :func:`default_memory_budget` of ``device``."""
+    for value in given:
+        if value is not None:
+            return check_memory_budget(value)
+    return default_memory_budget(device)
+
+
+def rows_per_chunk(bytes_per_row: int, budget: int) -> int:
+    """How many rows (test inputs) of ``bytes_per_row`` working memory fit ``budget``
+    bytes: ``max(1, budget // bytes_per_row)``."""
+    return max(1, int(budget) // max(1, int(bytes_per_row)))
+
+
+def row_chunks(n: int, step: int) -> list[slice]:
+    """``[0, n)`` as consecutive slices of ``step`` rows (the last one shorter)."""
+    return [slice(s, min(s + step, n)) for s in range(0, n, max(1, step))]
+
+
+def forward_numel(model: nn.Module, x0: Tensor) -> tuple[int, int, int]:
+    """``(A, U, C)`` for one example ``x0`` ``[1, ...]``: ``A`` the numbers the forward pass
+    produces in all leaf modules (what autograd keeps for a backward pass, at most), ``U``
+    the largest unfolded convolution input ``L * in_channels * kh * kw`` (a Kronecker
+    factor's per-example input rows), ``C`` the output's last dimension. One forward pass
+    without gradients."""
+    sizes: list[int] = []
+    unfold = [0]
+
+    def hook(m: nn.Module, inputs: Any, out: Any) -> None:
+        if isinstance(out, Tensor):
+            sizes.append(out.numel())
+            if isinstance(m, nn.Conv1d | nn.Conv2d | nn.Conv3d):
+                spatial = out[0, 0].numel() if out.ndim > 2 else 1
+                unfold[0] = max(unfold[0], spatial * m.weight[0].numel())
+
+    leaves = [m for m in model.modules() if not list(m.children())]
+    handles = [m.register_forward_hook(hook) for m in leaves]
+    try:
+        with torch.no_grad():
+            out = model(x0)
+    finally:
+        for h in handles:
+            h.remove()
+    if not isinstance(out, Tensor):
+        raise ValueError(f"model output must be a tensor, got {type(out).__name__}")
+    sizes.append(out.numel())
+    return sum(sizes), unfold[0], out.shape[-1]

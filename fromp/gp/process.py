@@ -27,11 +27,14 @@ from torch import Tensor, nn
 from torch.func import functional_call, jacrev
 
 from fromp._checks import check_batch, check_chunk_size, not_on_meta, require_eval
-from fromp.curvature.capture import DEFAULT_MEMORY_BUDGET
 from fromp.curvature.jacobian import (
     flatten_leading,
+    forward_numel,
     num_params,
     over_examples,
+    resolve_memory_budget,
+    row_chunks,
+    rows_per_chunk,
     single_output_fn,
     unflatten,
 )
@@ -75,7 +78,11 @@ class GP:
             from ``memory_budget``: ``min(64, budget / (3 C P * bytes))`` examples, so that a
             chunk's whitened Jacobians ``[chunk, C, P]`` and their temporaries fit (one
             example of ResNet-18 with ``C = 10`` is 0.45 GB in float32).
-        memory_budget: bytes (default 2 GiB) for the default chunk size.
+        memory_budget: bytes of working memory for the default chunk sizes (Jacobian rows,
+            structured features, forward passes of :meth:`mean`); None: half the free memory
+            of a CUDA device, 2 GiB on the CPU
+            (:func:`fromp.curvature.jacobian.default_memory_budget`). Refused unless a
+            positive int.
     """
 
     def __init__(
@@ -85,7 +92,7 @@ class GP:
         likelihood: str | Likelihood,
         *,
         chunk_size: int | None = None,
-        memory_budget: int = DEFAULT_MEMORY_BUDGET,
+        memory_budget: int | None = None,
     ) -> None:
         if not isinstance(posterior, GaussianPosterior):
             raise ValueError(
@@ -104,15 +111,11 @@ class GP:
         self.likelihood = get_likelihood(likelihood)
         if chunk_size is not None:
             _check_chunk(chunk_size)
-        if (
-            isinstance(memory_budget, bool)
-            or not isinstance(memory_budget, int)
-            or (memory_budget < 1)
-        ):
-            raise ValueError(f"memory_budget must be a positive int (bytes), got {memory_budget!r}")
-        self._chunk_size, self.memory_budget = chunk_size, memory_budget
         ref = next(p for p in model.parameters() if p.requires_grad)
+        memory_budget = resolve_memory_budget(memory_budget, device=ref.device)
+        self._chunk_size, self.memory_budget = chunk_size, memory_budget
         self._dtype, self._device = ref.dtype, ref.device
+        self._elt = ref.element_size()
         self._params = unflatten(model, posterior.mean.detach().to(ref))
         self._buffers = dict(model.named_buffers())
         self._jac = over_examples(jacrev(single_output_fn(model)), (None, 0))
@@ -152,10 +155,16 @@ class GP:
         return x.to(self._dtype) if x.is_floating_point() else x
 
     def mean(self, x: Tensor) -> Tensor:
-        """``f(x)`` at the posterior mean, ``[N, C]``."""
+        """``f(x)`` at the posterior mean, ``[N, C]``, by forward passes of as many inputs
+        as ``memory_budget`` holds (twice one input's activations each)."""
         x = self._prep(x)
+        step = len(x)
+        if len(x) > 1:
+            a, _, _ = forward_numel(self.model, x[:1])
+            step = rows_per_chunk(2 * a * self._elt, self.memory_budget)
         with torch.no_grad():
-            out = functional_call(self.model, (self._params, self._buffers), (x,))
+            out = torch.cat([functional_call(self.model, (self._params, self._buffers), (x[r],))
+                             for r in row_chunks(len(x), step)])  # fmt: skip
         if out.ndim != 2:
             raise ValueError(f"model output must have shape [N, C], got {tuple(out.shape)}")
         self._n_out = out.shape[1]
@@ -451,7 +460,7 @@ def dnn2gp(
     likelihood: str | Likelihood,
     *,
     chunk_size: int | None = None,
-    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    memory_budget: int | None = None,
 ) -> GP:
     """The DNN2GP :class:`GP` of ``model`` under ``posterior`` (see :class:`GP`)."""
     return GP(model, posterior, likelihood, chunk_size=chunk_size, memory_budget=memory_budget)

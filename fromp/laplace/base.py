@@ -43,8 +43,8 @@ from torch import Tensor, nn
 import fromp.laplace.checks as checks
 from fromp import distributed
 from fromp._checks import require_eval
-from fromp.curvature.capture import DEFAULT_MEMORY_BUDGET
 from fromp.curvature.diagonal import DataArg, iter_batches
+from fromp.curvature.jacobian import check_memory_budget
 from fromp.laplace.laplace_gp import LaplaceGP
 from fromp.laplace.options import check_backend, option
 from fromp.laplace.predictive import LaplaceTorchAPI
@@ -99,7 +99,11 @@ class BaseLaplace(PriorTuning, LaplaceTorchAPI):
             parameter tensor of the subset) or ``[P]``.
         prior_mean: ``m0``: a float or ``[P]``.
         temperature: ``T``.
-        chunk_size, memory_budget: working-memory controls of the curvature.
+        chunk_size, memory_budget: working-memory controls: ``chunk_size`` examples per
+            Jacobian chunk of the curvature; ``memory_budget`` bytes for the curvature and for
+            every predictive, kernel and sampling path (test inputs a chunk at a time, see
+            :mod:`fromp.laplace.predictive`); None: half the free memory of a CUDA device,
+            2 GiB on the CPU (:func:`fromp.curvature.jacobian.default_memory_budget`).
         enable_backprop: make the ``"glm"`` predictive differentiable in ``x``.
         dict_key_x, dict_key_y: the keys of the input and target in mapping batches
             (Hugging Face style); fromp passes ``batch[dict_key_x]`` to the model.
@@ -125,7 +129,7 @@ class BaseLaplace(PriorTuning, LaplaceTorchAPI):
         temperature: float = 1.0,
         subset_of_weights: str = "all",
         chunk_size: int | None = None,
-        memory_budget: int = DEFAULT_MEMORY_BUDGET,
+        memory_budget: int | None = None,
         method: str = "auto",
         max_params: int = 20_000,
         enable_backprop: bool = False,
@@ -156,6 +160,8 @@ class BaseLaplace(PriorTuning, LaplaceTorchAPI):
         self.regression = isinstance(self._lik, GaussianLikelihood)
         self.temperature = float(temperature)
         self.subset_of_weights = subset_of_weights
+        if memory_budget is not None:
+            check_memory_budget(memory_budget)
         self.chunk_size, self.memory_budget, self.method = chunk_size, memory_budget, method
         self.max_params = max_params
         self.layer_name: str | None = None

@@ -231,13 +231,14 @@ def at_state_dict(la: Any) -> None:
         raise ValueError("call fit(train_loader) first")
 
 
-def at_predict(la: Any, x: Any, outputs: bool = True) -> None:
+def at_predict(la: Any, x: Any, outputs: bool = True, memory_budget: int | None = None) -> None:
     """A prediction at ``x``: a fit, the model in eval mode (dropout on would make the
     predictive random), the model still of the fitted size, ``x`` a non-empty ``[N, ...]``
     tensor with finite entries whose squared norm is finite in its dtype (the functional
     variance ``J Sigma J^T`` carries the squares of the inputs: ``|x| ~ 1e30`` overflows
     float32 to NaN), and finite outputs ``f(x)`` (``outputs=False``: the caller checks the
-    outputs it computes anyway with :func:`finite_outputs`, saving a forward pass)."""
+    outputs it computes anyway with :func:`finite_outputs`, saving a forward pass), by
+    forward passes of as many inputs as ``memory_budget`` holds."""
     at_state_dict(la)
     model = la.model
     require_eval(model)
@@ -246,7 +247,7 @@ def at_predict(la: Any, x: Any, outputs: bool = True) -> None:
         return  # dict inputs: the model's own forward checks them
     x = check_batch(x, "x")
     if x.is_floating_point():
-        big = float(x.detach().abs().amax())
+        big = float(torch.linalg.vector_norm(x.detach(), float("inf")))  # no [N, ...] copy
         limit = math.sqrt(torch.finfo(x.dtype).max / max(1, x[0].numel()))
         if big > limit:
             raise ValueError(
@@ -256,7 +257,7 @@ def at_predict(la: Any, x: Any, outputs: bool = True) -> None:
             )
     if not hasattr(la, "_subset_size"):  # a GP Laplace: no weight subset to compare
         if outputs:
-            _outputs(la, x)
+            _outputs(la, x, memory_budget)
         return
     n_fit = la.num_params
     try:
@@ -269,14 +270,19 @@ def at_predict(la: Any, x: Any, outputs: bool = True) -> None:
             "the model changed since the fit (fit again, or load the fitted model's weights)"
         )
     if outputs:
-        _outputs(la, x)
+        _outputs(la, x, memory_budget)
 
 
-def _outputs(la: Any, x: Tensor) -> None:
+def _outputs(la: Any, x: Tensor, memory_budget: int | None = None) -> None:
+    """The model's outputs at ``x`` are finite, checked a chunk of inputs at a time (the
+    memory of one chunk's forward pass, :meth:`~fromp.laplace.predictive.LaplaceTorchAPI.
+    _forward_step`)."""
     device = next(p for p in la.model.parameters()).device
+    x = x.to(device)
+    step = la._forward_step(x, memory_budget) if hasattr(la, "_forward_step") else len(x)
     with torch.no_grad():
-        f = la.model(x.to(device))
-    finite_outputs(f)
+        for s in range(0, len(x), step):
+            finite_outputs(la.model(x[s : s + step]))
 
 
 def finite_outputs(f: Any) -> Any:

@@ -31,11 +31,11 @@ from torch import Tensor, nn
 
 from fromp._checks import require_eval
 from fromp.curvature.diagonal import DataArg, iter_batches
+from fromp.curvature.jacobian import check_memory_budget
 from fromp.laplace.base import _likelihood
 from fromp.laplace.options import check_backend, option
-from fromp.laplace.predictive import LaplaceTorchAPI, bridge
-from fromp.likelihood import CategoricalLikelihood, GaussianLikelihood
-from fromp.link import glm_draws, probit_scale
+from fromp.laplace.predictive import LaplaceTorchAPI
+from fromp.likelihood import GaussianLikelihood
 
 __all__ = ["FunctionalLaplace"]
 
@@ -48,7 +48,9 @@ class FunctionalLaplace(LaplaceTorchAPI):
     ``prior_mean``, ``temperature``, ``enable_backprop``, ``dict_key_x``, ``dict_key_y``,
     ``backend`` / ``backend_kwargs`` (GGN only), ``independent_outputs``, ``seed``;
     fromp's ``full_output_hessian`` (default False: laplace-torch's diagonal) and
-    ``chunk_size`` (examples per Jacobian chunk).
+    ``chunk_size`` (examples per Jacobian chunk) and ``memory_budget`` (bytes for the
+    predictive's chunks of test inputs; None: the device's default, see
+    :mod:`fromp.laplace.predictive`).
     """
 
     structure = "gp"
@@ -72,7 +74,11 @@ class FunctionalLaplace(LaplaceTorchAPI):
         seed: int = 0,
         full_output_hessian: bool = False,
         chunk_size: int | None = None,
+        memory_budget: int | None = None,
     ) -> None:
+        if memory_budget is not None:
+            check_memory_budget(memory_budget)
+        self.memory_budget = memory_budget
         check_backend(backend, backend_kwargs)
         if isinstance(n_subset, bool) or not isinstance(n_subset, int) or n_subset < 1:
             raise ValueError(f"n_subset must be a positive int, got {n_subset!r}")
@@ -226,19 +232,26 @@ class FunctionalLaplace(LaplaceTorchAPI):
         return self._posterior_cov(self._check_js(Js))
 
     def functional_variance(self, Js: Tensor) -> Tensor:
+        """``var f(x_n)`` ``[N, C, C]`` for Jacobians ``Js`` ``[N, C, P]``, a chunk of
+        inputs at a time (each input's block needs only its own rows)."""
         js = self._check_js(Js)
+        return self._over_inputs(js, self._js_variance, None, 3 * js[0].numel() * js.element_size())
+
+    def _js_variance(self, js: Tensor) -> Tensor:
         n, c = js.shape[:2]
         cov = self._posterior_cov(js).reshape(n, c, n, c)
         return cov[torch.arange(n), :, torch.arange(n), :]
 
-    def _glm(self, x: Tensor, joint: bool = False) -> tuple[Tensor, Tensor]:
+    def _glm_joint(self, x: Tensor, memory_budget: int | None = None) -> tuple[Tensor, Tensor]:
         js, f = self._jacobians(x, enable_backprop=self.enable_backprop)
-        if joint:
-            return f.flatten(), self.functional_covariance(js)
-        return f, self.functional_variance(js)
+        return f.flatten(), self.functional_covariance(js)
+
+    def _glm_marginal(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        js, f = self._jacobians(x, enable_backprop=self.enable_backprop)
+        return f, self._js_variance(js)
 
     def _mean_and_variance(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        return self._glm(x)
+        return self._glm_marginal(x)
 
     def _kernel(self, x1: Tensor, x2: Tensor) -> Tensor:
         raise NotImplementedError(
@@ -329,28 +342,18 @@ class FunctionalLaplace(LaplaceTorchAPI):
     def __call__(self, x: Any, pred_type: str = "gp", joint: bool = False,
                  link_approx: str = "probit", n_samples: int = 100,
                  diagonal_output: bool = False, generator: torch.Generator | None = None,
-                 fitting: bool = False, **model_kwargs: Any):  # fmt: skip
+                 fitting: bool = False, memory_budget: int | None = None,
+                 **model_kwargs: Any):  # fmt: skip
         """The GP predictive (``pred_type`` ``"gp"`` or ``"glm"``; see
         :meth:`fromp.laplace.predictive.LaplaceTorchAPI.__call__` for the rest)."""
         if option(pred_type) not in ("gp", "glm"):
             raise ValueError("FunctionalLaplace predicts with pred_type='gp' (or 'glm')")
         link_approx = option(link_approx)
         self._require_fit()
-        mu, var = self._glm(self._input(x), joint=joint and self.regression)
-        if self.regression:
-            if diagonal_output and not joint:
-                var = torch.diagonal(var, dim1=-2, dim2=-1)
-            return mu, var
-        if link_approx == "probit":
-            return self._lik.inverse_link(mu * probit_scale(var))
-        if link_approx == "mc":
-            f = glm_draws(mu, var, n_samples, generator)
-            return self._lik.inverse_link(f.flatten(0, 1)).reshape(f.shape).mean(0)
-        if link_approx in ("bridge", "bridge_norm") and isinstance(
-            self._lik, CategoricalLikelihood
-        ):
-            return bridge(mu, var, normalized=link_approx == "bridge_norm")
-        raise ValueError(f"link_approx={link_approx!r} is not available here")
+        self._budget(memory_budget)
+        mu, var = self._glm(self._input(x, memory_budget), joint=joint and self.regression,
+                            memory_budget=memory_budget)  # fmt: skip
+        return self._linked(mu, var, joint, link_approx, n_samples, diagonal_output, generator)
 
     def sample(self, n_samples: int = 100, generator: torch.Generator | None = None) -> Tensor:
         raise ValueError("FunctionalLaplace has no weight-space posterior to sample; use "

@@ -36,8 +36,10 @@ class LaplaceGP:
 
     def mean(self, x: Tensor) -> Tensor:
         checks.at_predict(self.la, x)
+        x = x.to(self.la._device())
+        step = self.la._forward_step(x)  # forward passes within the Laplace's memory budget
         with torch.no_grad():
-            return self.la.model(x.to(self.la._device()))
+            return torch.cat([self.la.model(x[s : s + step]) for s in range(0, len(x), step)])
 
     def variance(self, x: Tensor, *, chunk_size: int | None = None, method: str = "auto") -> Tensor:
         return self.la.functional_variance_at(x.to(self.la._device()))
@@ -48,7 +50,7 @@ class LaplaceGP:
             checks.at_predict(self.la, x2)
         dev = self.la._device()
         x1 = x1.to(dev)
-        return self.la._kernel(x1, x1 if x2 is None else x2.to(dev))
+        return self.la._kernel_chunked(x1, x1 if x2 is None else x2.to(dev))
 
     def predictive(
         self,

@@ -132,7 +132,7 @@ class _LastLayer:
 
     def functional_variance_fast(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """laplace-torch's: ``(f(x) [N, C], diag J Sigma J^T [N, C])``."""
-        f, var = self._mean_and_variance(self._input(x))
+        f, var = self._mean_and_variance_chunked(self._input(x))
         return f, torch.diagonal(var, dim1=-2, dim2=-1)
 
     def _nn_samples(self, x, n_samples, generator, **model_kwargs):

@@ -174,7 +174,7 @@ class LowRankLaplace(BaseLaplace):
         return top_eigenpairs(
             self.model, [x for x, _ in batches], self._lik, self.low_rank,
             method=self.eig_method, chunk_size=self.chunk_size,
-            memory_budget=self.memory_budget, **self._eig_kw,
+            memory_budget=self._budget(), **self._eig_kw,
         )  # fmt: skip
 
     def _add(self, old, new):

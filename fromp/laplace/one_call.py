@@ -123,6 +123,24 @@ def accumulate_ggn(
     return previous.to(g) + g
 
 
+def _hessian_structure(hessian_structure: str, curvature: str | None) -> str:
+    """``hessian_structure`` (``"diag"`` or ``"full"``), or the deprecated ``curvature=``
+    that named it before (a DeprecationWarning); ``"diagonal"`` is read as ``"diag"`` (a
+    DeprecationWarning). Refused, naming the argument, when neither structure."""
+    name = "hessian_structure"
+    if curvature is not None:
+        warnings.warn("curvature= naming the structure is deprecated: use hessian_structure= "
+                      "(curvature= names the kind of curvature, 'ggn' | 'ef' | 'hessian')",
+                      DeprecationWarning, stacklevel=3)  # fmt: skip
+        hessian_structure, name = curvature, "curvature"
+    if hessian_structure == "diagonal":
+        warnings.warn("'diagonal' is deprecated: write 'diag'", DeprecationWarning, stacklevel=3)
+        hessian_structure = "diag"
+    if hessian_structure not in ("diag", "full"):
+        raise ValueError(f"{name} must be 'diag' or 'full', got {hessian_structure!r}")
+    return hessian_structure
+
+
 def _fitted(
     model: nn.Module,
     data: DataArg,
@@ -139,7 +157,7 @@ def _fitted(
     engine behind the functions of this module (its checks included: eval mode, the model's
     dtype and device, the inputs and the targets for the likelihood, before any work)."""
     if structure not in ("diag", "full"):
-        raise ValueError(f"curvature must be 'diag' or 'full', got {structure!r}")
+        raise ValueError(f"hessian_structure must be 'diag' or 'full', got {structure!r}")
     mean = flat_params(model)
     _check_prior_mean(prior_mean, mean)
     la = Laplace(
@@ -303,13 +321,15 @@ def optimize_prior_precision(
     n_steps: int = 200,
     init_prior_prec: float | Tensor = 1.0,
     prior_mean: Tensor | None = None,
-    curvature: str = "diag",
+    hessian_structure: str = "diag",
     chunk_size: int | None = None,
     max_params: int = 20_000,
+    curvature: str | None = None,
     **kwargs: Any,
 ) -> float | Tensor:
-    """The prior precision ``delta`` of the all-weights Laplace (``curvature`` ``"diag"`` or
-    ``"full"``) fitted on ``data``, chosen by the fitted class's
+    """The prior precision ``delta`` of the all-weights Laplace (``hessian_structure``
+    ``"diag"`` or ``"full"``; ``curvature=`` deprecated) fitted on ``data``, chosen by the
+    fitted class's
     :meth:`~fromp.laplace.base.BaseLaplace.optimize_prior_precision` (one vocabulary):
 
     * ``method="marglik"`` (default): maximise the evidence (L-BFGS on ``log delta`` from
@@ -327,6 +347,7 @@ def optimize_prior_precision(
     Returns:
         ``delta`` as a float for a scalar prior, else the ``[n_layers]`` / ``[P]`` tensor.
     """
+    structure = _hessian_structure(hessian_structure, curvature)
     method, kwargs = _new_vocabulary(method, kwargs)
     if method not in ("marglik", "gridsearch", "grid"):
         raise ValueError(
@@ -347,7 +368,7 @@ def optimize_prior_precision(
             f"init_prior_prec must be a positive finite number, got {init_prior_prec!r}"
         )
     la = _fitted(
-        model, data, likelihood, curvature, prior_mean=prior_mean, chunk_size=chunk_size,
+        model, data, likelihood, structure, prior_mean=prior_mean, chunk_size=chunk_size,
         max_params=max_params,
     )  # fmt: skip
     if method == "grid":
@@ -369,28 +390,29 @@ def log_marginal_likelihood(
     prior_precision: float | Tensor,
     *,
     prior_mean: Tensor | None = None,
-    curvature: str = "diag",
+    hessian_structure: str = "diag",
     chunk_size: int | None = None,
     max_params: int = 20_000,
+    curvature: str | None = None,
 ) -> Tensor:
     """Laplace evidence ``log p(D | delta)`` at the model's weights ``w*``: one call of
-    ``fromp.Laplace(model, likelihood, "all", curvature).fit(data).log_marginal_likelihood(
-    delta)`` (to evaluate many ``delta`` fit the Laplace once).
+    ``fromp.Laplace(model, likelihood, "all", hessian_structure).fit(data)
+    .log_marginal_likelihood(delta)`` (to evaluate many ``delta`` fit the Laplace once);
+    ``curvature=`` for ``hessian_structure=`` still works with a DeprecationWarning.
 
     ``= -sum_n nll_n - 1/2 (w* - m0)^T D (w* - m0) - 1/2 [log det(G + D) - log det D]`` with
-    ``G`` the GGN: its diagonal (``curvature="diag"``) or, for small models, the full matrix
-    (``curvature="full"``, ``P <= max_params``). By Hadamard's inequality the diagonal version
-    is never larger than the full one. ``prior_precision``: a positive scalar or ``[P]``.
-    Returns a scalar tensor (detached). ``data`` needs targets.
+    ``G`` the GGN: its diagonal (``hessian_structure="diag"``) or, for small models, the full
+    matrix (``hessian_structure="full"``, ``P <= max_params``). By Hadamard's inequality the
+    diagonal version is never larger than the full one. ``prior_precision``: a positive
+    scalar or ``[P]``. Returns a scalar tensor (detached). ``data`` needs targets.
     """
-    if curvature not in ("diag", "full"):
-        raise ValueError(f"curvature must be 'diag' or 'full', got {curvature!r}")
+    structure = _hessian_structure(hessian_structure, curvature)
     next(iter_batches(data, need_targets=True))  # refuses data without targets, naming it
     delta = prior_precision_vector(prior_precision, flat_params(model))  # scalar or [P]
     if not isinstance(prior_precision, Tensor) or prior_precision.ndim == 0:
         delta = delta[0]
     la = _fitted(
-        model, data, likelihood, curvature, prior_mean=prior_mean, chunk_size=chunk_size,
+        model, data, likelihood, structure, prior_mean=prior_mean, chunk_size=chunk_size,
         max_params=max_params,
     )  # fmt: skip
     return la.log_marginal_likelihood(delta).detach()
@@ -403,16 +425,19 @@ def log_evidence_grid(
     grid: Sequence[float] | Tensor | None = None,
     *,
     prior_mean: Tensor | None = None,
-    curvature: str = "diag",
+    hessian_structure: str = "diag",
     chunk_size: int | None = None,
     max_params: int = 20_000,
+    curvature: str | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The Laplace evidence ``log p(D | delta)`` (:func:`log_marginal_likelihood`) at every
     scalar ``delta`` of ``grid`` (default ``logspace(-4, 4, 81)``), fitting the curvature
-    once. Returns ``(deltas [G], log evidence [G])``, float64, detached."""
+    once (``hessian_structure`` ``"diag"`` or ``"full"``; ``curvature=`` deprecated).
+    Returns ``(deltas [G], log evidence [G])``, float64, detached."""
+    structure = _hessian_structure(hessian_structure, curvature)
     deltas = _checked_grid(grid)
     la = _fitted(
-        model, data, likelihood, curvature, prior_mean=prior_mean, chunk_size=chunk_size,
+        model, data, likelihood, structure, prior_mean=prior_mean, chunk_size=chunk_size,
         max_params=max_params,
     )  # fmt: skip
     la.log_likelihood  # noqa: B018  (fails early without targets, naming them)

@@ -13,6 +13,15 @@ With ``enable_backprop=True`` the ``"glm"`` predictive is differentiable in ``x`
 Jacobians ``J(x)`` by ``torch.func``, with autograd through ``x``): the gradient of the
 predictive mean and variance, e.g. for Bayesian optimisation.
 
+Bounded memory: every predictive, functional variance, kernel and sample path takes its
+test inputs a chunk at a time under one budget, ``memory_budget`` bytes (per call, else the
+Laplace's ``memory_budget``, else :func:`fromp.curvature.jacobian.default_memory_budget`:
+half the free memory of a CUDA device, 2 GiB on the CPU). The chunk holds
+``budget // b`` inputs, ``b`` the working bytes of one input, known before any work from
+the shapes (``P``, ``C`` and one example's forward pass, :meth:`LaplaceTorchAPI.
+_bytes_per_input`); results are the same to float rounding for any chunk, and the peak
+memory does not grow with the number of inputs beyond the outputs themselves.
+
 Last-layer posteriors draw ``"nn"`` samples from the features ``phi(x)`` of one forward pass
 (only the head is resampled), not one full forward pass per draw.
 """
@@ -29,6 +38,12 @@ from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vmap
 
 import fromp.laplace.checks as checks
+from fromp.curvature.jacobian import (
+    forward_numel,
+    resolve_memory_budget,
+    row_chunks,
+    rows_per_chunk,
+)
 from fromp.laplace.laplace_gp import LaplaceGP
 from fromp.laplace.options import Likelihood as LikelihoodName
 from fromp.laplace.options import option
@@ -232,7 +247,7 @@ class LaplaceTorchAPI:
         return norm - self.square_norm(value) / 2
 
     # ------------------------------------------------------------------ Jacobians
-    def _input(self, x: Any) -> Tensor:
+    def _input(self, x: Any, memory_budget: int | None = None) -> Tensor:
         """``x``, or ``x[dict_key_x]`` of a mapping (a Hugging Face-style batch), on the
         model's device."""
         if isinstance(x, Mapping):
@@ -245,7 +260,7 @@ class LaplaceTorchAPI:
         # a fit, eval mode, the fitted size, finite x and outputs f(x); the last-layer
         # structures check the outputs where their feature pass computes them
         # (checks.finite_outputs), so that their predictive runs the network once
-        checks.at_predict(self, x, outputs=self.subset_of_weights != "last_layer")
+        checks.at_predict(self, x, self.subset_of_weights != "last_layer", memory_budget)
         return x.to(self._device())
 
     def _undict(self, data: Any) -> Any:
@@ -297,6 +312,124 @@ class LaplaceTorchAPI:
             j = j[..., cols.to(j.device)]
         return (j, f) if enable_backprop else (j.detach(), f.detach())
 
+    # ------------------------------------------------------------------ memory budget
+    def _budget(self, memory_budget: int | None = None) -> int:
+        """The working-memory budget in bytes: ``memory_budget`` (this call), else the
+        Laplace's ``memory_budget``, else the device's default
+        (:func:`fromp.curvature.jacobian.default_memory_budget`)."""
+        return resolve_memory_budget(memory_budget, getattr(self, "memory_budget", None),
+                                     device=self._device())  # fmt: skip
+
+    def _probe(self, x: Tensor) -> tuple[int, int, int]:
+        """``(C, A, U)`` from one example's forward pass (no gradients):
+        :func:`fromp.curvature.jacobian.forward_numel`'s ``A`` and ``U``, and the output
+        width ``C``."""
+        a, u, c = forward_numel(self.model, x[:1].detach())
+        return c, a, u
+
+    def _element_size(self) -> int:
+        return self._mu.element_size() if self._mu.numel() else 4
+
+    def _forward_step(self, x: Tensor, memory_budget: int | None = None) -> int:
+        """Inputs per chunk of a forward pass without gradients: ``budget // (2 A bytes)``."""
+        _, a, _ = self._probe(x)
+        return rows_per_chunk(2 * a * self._element_size(), self._budget(memory_budget))
+
+    def _bytes_per_input(self, x: Tensor) -> int:
+        """The working bytes of one test input of the linearised predictive (hook): its
+        Jacobian rows ``[C, P]``, ``Sigma J^T`` and one temporary (``3 C P`` numbers) and its
+        forward and backward pass (``2 A``). The Kronecker structure overrides it."""
+        c, a, _ = self._probe(x)
+        return (3 * c * self.num_params + 2 * a) * self._element_size()
+
+    def _over_inputs(
+        self,
+        x: Tensor,
+        fn: Any,
+        memory_budget: int | None = None,
+        bytes_per_input: int | None = None,
+        dims: tuple[int, ...] = (0, 0),
+        before_chunk: Any = None,
+    ) -> Any:
+        """``fn(x)`` for a function of the test inputs whose outputs are stacked along
+        ``dims`` (one per output), evaluated a chunk of ``budget // bytes_per_input`` inputs
+        at a time and concatenated (the same values as one call, to float rounding);
+        ``before_chunk()`` runs before each chunk (to replay a random stream)."""
+        per = self._bytes_per_input(x) if bytes_per_input is None else bytes_per_input
+        step = rows_per_chunk(per, self._budget(memory_budget))
+        if step >= len(x):
+            if before_chunk is not None:
+                before_chunk()
+            return fn(x)
+        outs = []
+        for rows in row_chunks(len(x), step):
+            if before_chunk is not None:
+                before_chunk()
+            outs.append(fn(x[rows]))
+        if isinstance(outs[0], Tensor):
+            return torch.cat(outs, dims[0])
+        return tuple(torch.cat(list(o), d) for o, d in zip(zip(*outs), dims))
+
+    def _kernel_chunked(self, x1: Tensor, x2: Tensor, memory_budget: int | None = None) -> Tensor:
+        """``J(x1) Sigma J(x2)^T`` ``[N1, C, N2, C]`` by blocks of inputs (each structure's
+        ``_kernel`` on a pair of chunks, a block's working memory within the budget);
+        ``x2 is x1``: the Gram of one set (the diagonal blocks by the structure's own fast
+        route for one set)."""
+        per = self._bytes_per_input(x1)
+        step = rows_per_chunk(2 * per, self._budget(memory_budget))
+        if step >= len(x1) and step >= len(x2):
+            return self._kernel(x1, x2)
+        same = x2 is x1
+        c = self._probe(x1)[0]
+        out = x1.new_zeros(len(x1), c, len(x2), c, dtype=self._mu.dtype)
+        chunks1, chunks2 = row_chunks(len(x1), step), row_chunks(len(x2), step)
+        for r1 in chunks1:
+            a = x1[r1]
+            for r2 in chunks2:
+                b = a if same and r1 == r2 else x2[r2]
+                out[r1, :, r2, :] = self._kernel(a, b)
+        return out
+
+    def _nn_over_inputs(
+        self,
+        x: Tensor,
+        n_samples: int,
+        generator: torch.Generator | None,
+        memory_budget: int | None = None,
+        **model_kwargs: Any,
+    ) -> Tensor:
+        """``[S, N, C]`` network outputs at ``S`` weight draws (:meth:`_nn_samples`), a chunk
+        of inputs at a time: the random stream (``generator``, else torch's global one) is
+        replayed for each chunk, so every chunk sees the same ``S`` draws and the result
+        equals one call's; the stream ends where one call leaves it."""
+        if generator is not None:
+            state = generator.get_state()
+
+            def replay() -> None:
+                generator.set_state(state)
+
+        else:
+            dev = self._device()
+            cpu = torch.get_rng_state()
+            gpu = torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None
+
+            def replay() -> None:
+                torch.set_rng_state(cpu)
+                if gpu is not None:
+                    torch.cuda.set_rng_state(gpu, dev)
+
+        c, a, _ = self._probe(x)
+        per = (2 * a + 2 * n_samples * c) * self._element_size()
+        return self._over_inputs(
+            x, lambda z: self._nn_samples(z, n_samples, generator, **model_kwargs),
+            memory_budget, per, dims=(1,), before_chunk=replay,
+        )  # fmt: skip
+
+    def _mean_and_variance_chunked(
+        self, x: Tensor, memory_budget: int | None = None
+    ) -> tuple[Tensor, Tensor]:
+        return self._over_inputs(x, self._mean_and_variance, memory_budget)
+
     # ------------------------------------------------------------------ functional
     def _check_js(self, js: Tensor) -> Tensor:
         if not isinstance(js, Tensor) or js.ndim != 3 or js.shape[-1] != self.num_params:
@@ -315,6 +448,10 @@ class LaplaceTorchAPI:
                           DeprecationWarning, stacklevel=2)  # fmt: skip
             return self.functional_variance_at(Js)
         js = self._check_js(Js)
+        return self._over_inputs(js, self._js_variance, None, 3 * js[0].numel() * js.element_size())
+
+    def _js_variance(self, js: Tensor) -> Tensor:
+        """``J_n Sigma J_n^T`` ``[n, C, C]`` for Jacobians ``[n, C, P]``."""
         sj = self._sigma_times(js.flatten(0, 1)).reshape(js.shape)
         return torch.einsum("ncp,ndp->ncd", js, sj)
 
@@ -323,29 +460,46 @@ class LaplaceTorchAPI:
         j = self._check_js(Js).flatten(0, 1)
         return j @ self._sigma_times(j).T
 
-    def functional_variance_at(self, x: Tensor) -> Tensor:
+    def functional_variance_at(self, x: Tensor, memory_budget: int | None = None) -> Tensor:
         """``J(x_n) Sigma J(x_n)^T`` ``[N, C, C]`` at inputs ``x`` (each structure's fast
-        route, no ``[N, C, P]`` Jacobian where it has one)."""
-        mu, var = self._mean_and_variance(self._input(x))
+        route, no ``[N, C, P]`` Jacobian where it has one), a chunk of inputs at a time
+        within ``memory_budget`` bytes (module docstring)."""
+        self._budget(memory_budget)  # refused before any work when not a positive int
+        x = self._input(x, memory_budget)
+        mu, var = self._mean_and_variance_chunked(x, memory_budget)
         checks.finite_outputs(mu)
         return var
 
-    def _glm(self, x: Tensor, joint: bool = False) -> tuple[Tensor, Tensor]:
-        """``(f [N, C], var [N, C, C])`` or, ``joint``, ``(f [N C], cov [N C, N C])``."""
+    def _glm(
+        self, x: Tensor, joint: bool = False, memory_budget: int | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """``(f [N, C], var [N, C, C])`` or, ``joint``, ``(f [N C], cov [N C, N C])``; the
+        marginal one a chunk of inputs at a time (:meth:`_glm_marginal`)."""
+        if joint:
+            return self._glm_joint(x, memory_budget)
+        return self._over_inputs(x, self._glm_marginal, memory_budget)
+
+    def _glm_joint(self, x: Tensor, memory_budget: int | None = None) -> tuple[Tensor, Tensor]:
+        """``(f [N C], J Sigma J^T [N C, N C])``."""
         if self.enable_backprop:
             js, f = self._jacobians(x, enable_backprop=True)
             checks.finite_outputs(f)
-            if joint:
-                j = js.flatten(0, 1)
-                return f.flatten(), j @ self._sigma_times(j).T
-            sj = self._sigma_times(js.flatten(0, 1)).reshape(js.shape)
-            return f, torch.einsum("ncp,ndp->ncd", js, sj)
-        if joint:
-            with torch.no_grad():
-                f = checks.finite_outputs(self.model(x))
-            k = self._kernel(x, x)
-            n, c = f.shape
-            return f.flatten(), k.reshape(n * c, n * c).detach()
+            j = js.flatten(0, 1)
+            return f.flatten(), j @ self._sigma_times(j).T
+        step = self._forward_step(x, memory_budget)
+        with torch.no_grad():
+            f = torch.cat([checks.finite_outputs(self.model(x[r]))
+                           for r in row_chunks(len(x), step)])  # fmt: skip
+        k = self._kernel_chunked(x, x, memory_budget)
+        n, c = f.shape
+        return f.flatten(), k.reshape(n * c, n * c).detach()
+
+    def _glm_marginal(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``(f [n, C], J_n Sigma J_n^T [n, C, C])`` for one chunk of inputs."""
+        if self.enable_backprop:
+            js, f = self._jacobians(x, enable_backprop=True)
+            checks.finite_outputs(f)
+            return f, self._js_variance(js)
         mu, var = self._mean_and_variance(x)
         checks.finite_outputs(mu)
         return mu.detach(), var.detach()
@@ -361,6 +515,7 @@ class LaplaceTorchAPI:
         diagonal_output: bool = False,
         generator: torch.Generator | None = None,
         fitting: bool = False,
+        memory_budget: int | None = None,
         **model_kwargs: Any,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """The predictive at ``x`` (a tensor, or a mapping holding it at ``dict_key_x``):
@@ -376,6 +531,9 @@ class LaplaceTorchAPI:
         * ``pred_type="nn"``: ``n_samples`` weight draws around ``la.mean`` pushed through
           the network (``model_kwargs`` passed to its forward): probabilities averaged, or
           regression ``(mean, variance [N, C])`` of the draws (laplace-torch's).
+
+        ``memory_budget``: working bytes for this call (module docstring: the inputs are
+        taken a chunk at a time; default the Laplace's, else the device's).
 
         ``fitting`` (laplace-torch's reward modelling) has no effect here. A string in the
         third position is taken as ``link_approx`` (fromp 0.3's order), with a
@@ -396,13 +554,30 @@ class LaplaceTorchAPI:
             raise ValueError(f"model keyword arguments {sorted(model_kwargs)} are used by "
                              "pred_type='nn' only (the glm predictive calls model(x))")  # fmt: skip
         self._require_fit()
-        x = self._input(x)
+        self._budget(memory_budget)  # refused before any work when not a positive int
+        x = self._input(x, memory_budget)
         if pred_type == "nn":
-            f = checks.finite_outputs(self._nn_samples(x, n_samples, generator, **model_kwargs))
+            f = self._nn_over_inputs(x, n_samples, generator, memory_budget, **model_kwargs)
+            f = checks.finite_outputs(f)
             if self.regression:
                 return f.mean(0), f.var(0)
             return self._lik.inverse_link(f.flatten(0, 1)).reshape(f.shape).mean(0)
-        mu, var = self._glm(x, joint=joint and self.regression)
+        mu, var = self._glm(x, joint=joint and self.regression, memory_budget=memory_budget)
+        return self._linked(mu, var, joint, link_approx, n_samples, diagonal_output, generator)
+
+    def _linked(
+        self,
+        mu: Tensor,
+        var: Tensor,
+        joint: bool,
+        link_approx: str,
+        n_samples: int,
+        diagonal_output: bool,
+        generator: torch.Generator | None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """The GLM predictive from the outputs' Gaussian ``N(mu, var)``: regression ``(mu,
+        var)`` (``diagonal_output``: the variances), else the probabilities by
+        ``link_approx`` (:meth:`__call__`)."""
         if self.regression:
             if diagonal_output and not joint:
                 var = torch.diagonal(var, dim1=-2, dim2=-1)
@@ -419,11 +594,17 @@ class LaplaceTorchAPI:
         return bridge(mu, var, normalized=link_approx == "bridge_norm")
 
     def predictive(
-        self, x: Any, pred_type: str = "glm", link_approx: str = "probit", n_samples: int = 100
+        self,
+        x: Any,
+        pred_type: str = "glm",
+        link_approx: str = "probit",
+        n_samples: int = 100,
+        memory_budget: int | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """laplace-torch's ``predictive``: ``la(x, pred_type=..., link_approx=...,
-        n_samples=...)``."""
-        return self(x, pred_type=pred_type, link_approx=link_approx, n_samples=n_samples)
+        n_samples=..., memory_budget=...)``."""
+        return self(x, pred_type=pred_type, link_approx=link_approx, n_samples=n_samples,
+                    memory_budget=memory_budget)  # fmt: skip
 
     def functional_samples(
         self,
@@ -432,18 +613,22 @@ class LaplaceTorchAPI:
         n_samples: int = 100,
         diagonal_output: bool = False,
         generator: torch.Generator | None = None,
+        memory_budget: int | None = None,
     ) -> Tensor:
         """``[n_samples, N, C]`` draws of the outputs ``f(x)``: of the linearised network's
         Gaussian (``"glm"``; ``diagonal_output``: its diagonal) or through weight draws
-        (``"nn"``)."""
+        (``"nn"``); the inputs a chunk at a time within ``memory_budget`` bytes."""
         pred_type = option(pred_type)
         self._require_fit()
-        x = self._input(x)
+        self._budget(memory_budget)
+        x = self._input(x, memory_budget)
         if pred_type == "nn":
-            return checks.finite_outputs(self._nn_samples(x, n_samples, generator))
+            return checks.finite_outputs(
+                self._nn_over_inputs(x, n_samples, generator, memory_budget)
+            )
         if pred_type != "glm":
             raise ValueError(f"pred_type must be 'glm' or 'nn', got {pred_type!r}")
-        mu, var = self._glm(x)
+        mu, var = self._glm(x, memory_budget=memory_budget)
         if diagonal_output:
             var = torch.diag_embed(torch.diagonal(var, dim1=-2, dim2=-1))
         return glm_draws(mu, var, n_samples, generator)
@@ -455,10 +640,12 @@ class LaplaceTorchAPI:
         n_samples: int = 100,
         diagonal_output: bool = False,
         generator: torch.Generator | None = None,
+        memory_budget: int | None = None,
     ) -> Tensor:
         """``[n_samples, N, C]`` draws of the predictive: :meth:`functional_samples` with
         the inverse link applied (probabilities; regression: the outputs)."""
-        f = self.functional_samples(x, pred_type, n_samples, diagonal_output, generator)
+        f = self.functional_samples(x, pred_type, n_samples, diagonal_output, generator,
+                                    memory_budget)  # fmt: skip
         if self.regression:
             return f
         return self._lik.inverse_link(f.flatten(0, 1)).reshape(f.shape)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+import fromp.laplace.checks as checks
 from fromp.curvature.capture import LayerMap, capture_calls
 from fromp.curvature.diagonal import diag_ggn
 from fromp.curvature.ggn import ggn
@@ -49,17 +50,36 @@ class _AllWeightsGP:
     :class:`fromp.gp.GP` (structured layer capture for the diagonal), linearised at the
     model's current weights (as every structure: :mod:`fromp.laplace.predictive`)."""
 
-    def _gp(self) -> Any:
+    def _gp(self, memory_budget: int | None = None) -> Any:
         from fromp.gp.process import GP
 
         now = torch.cat([p.detach().reshape(-1) for _, p in self._named]).to(self._mu)
         post = self.posterior
+        budget = self._budget(memory_budget)
         return GP(self.model, type(post)(now, post.precision), self._lik,
-                  chunk_size=self.chunk_size, memory_budget=self.memory_budget)  # fmt: skip
+                  chunk_size=self.chunk_size, memory_budget=budget)  # fmt: skip
 
     def _mean_and_variance(self, x: Tensor) -> tuple[Tensor, Tensor]:
         gp = self._gp()
         return gp.mean(x), gp.variance(x)
+
+    def _mean_and_variance_chunked(
+        self, x: Tensor, memory_budget: int | None = None
+    ) -> tuple[Tensor, Tensor]:
+        # the GP takes the inputs in chunks under the same budget itself (its mean by
+        # forward passes, its variance by Jacobian or structured-feature chunks): one GP
+        # (one factorisation of the posterior) for all chunks
+        gp = self._gp(memory_budget)
+        return gp.mean(x), gp.variance(x)
+
+    def _glm(
+        self, x: Tensor, joint: bool = False, memory_budget: int | None = None
+    ) -> tuple[Tensor, Tensor]:
+        if joint or self.enable_backprop:
+            return super()._glm(x, joint, memory_budget)  # type: ignore[misc]
+        mu, var = self._mean_and_variance_chunked(x, memory_budget)
+        checks.finite_outputs(mu)
+        return mu, var
 
     def _kernel(self, x1: Tensor, x2: Tensor) -> Tensor:
         return self._gp().kernel(x1, x2)
@@ -109,7 +129,7 @@ class LaplaceDiag(_AllWeightsGP, _DiagMaths, BaseLaplace):
 
     def _curvature(self, batches):
         return diag_ggn(self.model, [(x,) for x, _ in batches], self._lik,
-                        chunk_size=self.chunk_size, memory_budget=self.memory_budget,
+                        chunk_size=self.chunk_size, memory_budget=self._budget(),
                         method=self.method)  # fmt: skip
 
     @property
@@ -397,10 +417,14 @@ class KronLaplace(_KronMixin, BaseLaplace):
         self._outputs = []
         return kron_curvature(self.model, batches, self._lik, outputs=self._outputs)
 
-    def _rows(self, x: Tensor, factored: bool = False) -> tuple[Tensor, list[tuple[Any, str, Any]]]:
-        """``f(x)`` and, per parameter tensor (subset order), the Jacobian rows ``[N, C,
-        ...]``: rotated into the factors' eigenbases for KFAC blocks, as they are for
-        diagonal blocks (per-example gradients of the layer, :mod:`fromp.curvature.layer_rules`).
+    def _rows(self, x: Tensor, factored: bool = False) -> tuple[Tensor, Any]:
+        """``f(x)`` and an iterator of ``(ref, kind, rows)`` per parameter tensor of the
+        subset: its Jacobian rows ``[N, C, ...]``, rotated into the factors' eigenbases for
+        KFAC blocks, as they are for diagonal blocks (per-example gradients of the layer,
+        :mod:`fromp.curvature.layer_rules`). The rows are formed one layer at a time as the
+        iterator is consumed: a consumer that reduces each layer's rows before the next
+        (the variance) holds one layer's ``[N, C, out, in']``, never all layers' ``[N, C,
+        P]``.
 
         A weight's rotated rows ``R_nc = Q_B^T (sum_l g_ncl u_nl^T) Q_A`` ``[out, in']`` are
         formed from the rotated factors ``(Q_B^T g_ncl)`` and ``(Q_A^T u_nl)`` when that is
@@ -426,40 +450,61 @@ class KronLaplace(_KronMixin, BaseLaplace):
                                      allow_unused=True)  # fmt: skip
             for m, g in zip(mods, gs):
                 grads[id(m)].append(torch.zeros_like(calls[id(m)].z) if g is None else g.detach())
-        rows: dict[tuple[str, Any], Tensor] = {}
+        del zs
+        return f.detach(), self._iter_rows(x, f, layers, d_owner, calls, grads, factored)
+
+    def _iter_rows(self, x, f, layers, d_owner, calls, grads, factored):
+        """The iterator of :meth:`_rows` (``grads``: per layer, the output gradients of each
+        output ``c``; a layer's are dropped once its rows are formed)."""
+        c_out = f.shape[1]
         for i, m in enumerate(layers):
             blk = self.H.blocks[i]
+            has_bias = len(self.H.names[i]) > 1
             if not grads.get(id(m)):  # not called (another task's head): zero Jacobian rows
                 o, a = blk.B.shape[0], blk.A.shape[0]
-                rows["w", i] = f.new_zeros(len(x), c_out, o, a)
-                if len(self.H.names[i]) > 1:
-                    rows["b", i] = f.new_zeros(len(x), c_out, o)
+                yield i, "w", f.new_zeros(len(x), c_out, o, a)
+                if has_bias:
+                    yield i, "b", f.new_zeros(len(x), c_out, o)
                 continue
             u = unfold_input(m, calls[id(m)].a)  # [N, L, in']
-            g = torch.stack(grads[id(m)], 1)  # [N, C, out, ...]
+            g = torch.stack(grads.pop(id(m)), 1)  # [N, C, out, ...]
             g = g.reshape(g.shape[0], c_out, g.shape[2], -1) if isinstance(m, nn.Conv2d) else \
                 g.reshape(g.shape[0], c_out, -1, g.shape[-1]).transpose(2, 3)  # fmt: skip
             # g: [N, C, out, L]
             qa, qb = self._eig.qa[i], self._eig.qb[i]
             n_pos, o, d_in = u.shape[1], g.shape[2], u.shape[2]
             if factored and n_pos == 1:
-                rows["w", i] = (torch.einsum("nco,op->ncp", g[..., 0], qb), u[:, 0] @ qa)
+                rows = (torch.einsum("nco,op->ncp", g[..., 0], qb), u[:, 0] @ qa)
             elif c_out * n_pos * o * o + n_pos * d_in * d_in < c_out * o * d_in * (o + d_in):
                 gb = torch.einsum("ncol,op->ncpl", g, qb)
-                rows["w", i] = torch.einsum("ncol,nli->ncoi", gb, u @ qa)
+                rows = torch.einsum("ncol,nli->ncoi", gb, u @ qa)
+                del gb
             else:
-                jw = torch.einsum("ncol,nli->ncoi", g, u)
-                rows["w", i] = self._eig.rotate_weight(i, jw)
-            if len(self.H.names[i]) > 1:
-                rows["b", i] = g.sum(-1) @ self._eig.qbb[i]
+                rows = self._eig.rotate_weight(i, torch.einsum("ncol,nli->ncoi", g, u))
+            del u
+            bias = g.sum(-1) @ self._eig.qbb[i] if has_bias else None
+            del g
+            yield i, "w", rows
+            del rows
+            if bias is not None:
+                yield i, "b", bias
         for name, (m, pn) in d_owner.items():
             numel = self.H.diag[name].numel()
             if not grads.get(id(m)):
-                rows["d", name] = f.new_zeros(len(x), c_out, numel)
+                yield name, "d", f.new_zeros(len(x), c_out, numel)
                 continue
             per = [per_example_layer_grads(m, calls[id(m)].a, g)[pn] for g in grads[id(m)]]
-            rows["d", name] = torch.stack(per, 1).reshape(len(x), c_out, numel)
-        return f.detach(), [(ref, kind, rows[kind, ref]) for kind, ref in self._entries()]
+            yield name, "d", torch.stack(per, 1).reshape(len(x), c_out, numel)
+
+    def _bytes_per_input(self, x: Tensor) -> int:
+        """One test input's working bytes for the layer-by-layer variance: the forward
+        pass and the ``C`` output gradients of every captured layer (``(C + 2) A``), one
+        unfolded input ``U``, and one layer's rows with their temporaries (``3 C`` times
+        the largest parameter tensor), plus the diagonal blocks' rows (``C`` times their
+        sizes)."""
+        c, a, u = self._probe(x)
+        diag = sum(h.numel() for h in self.H.diag.values())
+        return ((c + 2) * a + u + 3 * c * max(self.sizes) + c * diag) * self._element_size()
 
     def _weights(self) -> list[Tensor]:
         eig, deltas, factor = self._eig, self._deltas(self._delta), self._factor()
@@ -474,24 +519,35 @@ class KronLaplace(_KronMixin, BaseLaplace):
             out.append(e.reciprocal())
         return out
 
+    def _weight_map(self) -> dict[tuple[str, Any], Tensor]:
+        """The inverse eigenvalues :meth:`_weights` keyed by ``(kind, ref)``."""
+        return {(kind, ref): w for (kind, ref), w in zip(self._entries(), self._weights())}
+
     def _mean_and_variance(self, x):
+        """``f(x)`` and ``sum_layers sum_ij R_nc,ij R_nd,ij w_ij``, accumulated one layer at
+        a time (:meth:`_rows`): the rows of one layer live at once."""
         f, rows = self._rows(x, factored=True)
-        var = 0.0
-        for (_, _, r), w in zip(rows, self._weights()):
+        weights = self._weight_map()
+        var = f.new_zeros(*f.shape, f.shape[1])
+        for ref, kind, r in rows:
+            w = weights[kind, ref]
             if isinstance(r, tuple):  # R_nc = gb_nc ua_n^T: sum_ij gb_ci gb_di ua_j^2 w_ij
                 gb, ua = r
-                var = var + torch.einsum("nci,ni,ndi->ncd", gb, (ua**2) @ w.T, gb)
-                continue
-            r = r.flatten(2)
-            var = var + torch.einsum("ncp,p,ndp->ncd", r, w.flatten(), r)
+                var += torch.einsum("nci,ni,ndi->ncd", gb, (ua**2) @ w.T, gb)
+            else:
+                r = r.flatten(2)
+                var += torch.einsum("ncp,p,ndp->ncd", r, w.flatten(), r)
+            del r
         return f, var
 
     def _kernel(self, x1, x2):
         _, r1 = self._rows(x1)
-        r2 = r1 if x2 is x1 else self._rows(x2)[1]  # the Gram of one set: rows once
+        r1 = list(r1)
+        r2 = r1 if x2 is x1 else list(self._rows(x2)[1])  # the Gram of one set: rows once
+        weights = self._weight_map()
         k = 0.0
-        for (_, _, a), (_, _, b), w in zip(r1, r2, self._weights()):
+        for (ref, kind, a), (_, _, b) in zip(r1, r2):
             a = a.flatten(2)
-            aw = a * w.flatten()
-            k = k + torch.einsum("ncp,mdp->ncmd", aw, a if b is a else b.flatten(2))
+            aw = a * weights[kind, ref].flatten()
+            k = k + torch.einsum("ncp,mdp->ncmd", aw, a if x2 is x1 else b.flatten(2))
         return k

@@ -237,7 +237,7 @@ class SubnetLaplace(BaseLaplace):
             jac_fn = over_examples(jacrev(one), (None, 0))
             p_touched = sum(p.numel() for p in touched.values())
             per_example = 3 * n_out * p_touched * f.element_size()  # rows and their grads
-            step = self.chunk_size or max(1, min(256, self.memory_budget // per_example))
+            step = self.chunk_size or max(1, min(256, self._budget() // per_example))
             for s in range(0, len(x), step):
                 jac = jac_fn(touched, x[s : s + step])
                 for name, local, pos in self._where:
