@@ -4,7 +4,7 @@
 
 1. A small MLP (784-100-10) is trained briefly (Adam) on a subset of MNIST.
 2. A diagonal Laplace-GGN posterior is fitted, with the prior precision chosen by the Laplace
-   evidence (:func:`fromp.laplace.optimize_prior_precision`).
+   evidence (:func:`fromp.laplace.log_evidence_grid`).
 3. DNN2GP (:func:`fromp.dnn2gp`) gives the kernel ``k(x, x') = J(x) Sigma J(x')^T``. Its
    per-class blocks on 100 test images sorted by class are shown summed over classes, raw
    and normalised to correlations (a block structure by class is expected).
@@ -35,7 +35,7 @@ from torch import Tensor
 
 from benchmarks.data import DataNotFoundError, load_fashion_mnist, load_mnist
 from fromp import dnn2gp, laplace
-from fromp.laplace.one_call import optimize_prior_precision
+from fromp.laplace.one_call import log_evidence_grid
 from fromp.models import MultiHeadMLP
 
 
@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"test accuracy {acc:.3f}")
 
     grid = torch.logspace(-2, 4, 25).tolist()
-    delta = optimize_prior_precision(model, (x_tr, y_tr), "categorical", "grid", grid)
+    deltas, evidence = log_evidence_grid(model, (x_tr, y_tr), "categorical", grid)
+    delta = float(deltas[int(torch.argmax(evidence))])
     post = laplace(model, x_tr, "categorical", delta)
     gp = dnn2gp(model, post, "categorical")
     print(f"prior precision (evidence, grid): {delta:.3g}")

@@ -105,11 +105,11 @@ def main(argv: list[str] | None = None) -> dict:
     grid = torch.logspace(-3, 3, 61, dtype=torch.float64)
     choice = {}
     for curv in ("full", "diag"):
-        _, vals = log_evidence_grid(model, (x, y), lik, grid, curvature=curv)
+        _, vals = log_evidence_grid(model, (x, y), lik, grid, hessian_structure=curv)
         d = float(grid[int(vals.argmax())])
         choice[curv] = {"delta": d, "values": vals}
     delta = choice["full"]["delta"]
-    delta_grad = optimize_prior_precision(model, (x, y), lik, "gradient", curvature="full")
+    delta_grad = optimize_prior_precision(model, (x, y), lik, "marglik", hessian_structure="full")
     post_full = laplace_full(model, (x, y), lik, delta)
     post_diag = laplace(model, (x, y), lik, choice["diag"]["delta"])
 
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
         "log_evidence_full": float(choice["full"]["values"].max()),
         "log_evidence_diag": float(choice["diag"]["values"].max()),
         "log_evidence_diag_at_full_delta": float(
-            log_marginal_likelihood(model, (x, y), lik, delta, curvature="diag")
+            log_marginal_likelihood(model, (x, y), lik, delta, hessian_structure="diag")
         ),
         "predictive_sd": summary,
         "seconds": time.time() - start,

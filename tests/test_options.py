@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from _dense import dense_ggn, flat, tiny_mlp
 
-from fromp import VOGN, log_marginal_likelihood, optimize_prior_precision
+from fromp import VOGN, log_marginal_likelihood
+from fromp.laplace.one_call import log_evidence_grid
 from fromp.likelihood import CategoricalLikelihood
 
 D = torch.float64
@@ -49,16 +50,17 @@ def test_evidence_with_a_nonzero_prior_mean(curvature):
     m0 = 0.5 * torch.randn(flat(net).numel(), dtype=D)
     for delta in (0.3, 4.0):
         got = log_marginal_likelihood(
-            net, (x, y), "categorical", delta, prior_mean=m0, curvature=curvature
+            net, (x, y), "categorical", delta, prior_mean=m0, hessian_structure=curvature
         )
         want = _dense_evidence(net, x, y, delta, m0, curvature)
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     # the optimum moves with the prior mean, and is the grid's argmax of the dense formula
     grid = torch.logspace(-2, 2, 17, dtype=D)
     dense = torch.stack([_dense_evidence(net, x, y, float(d), m0, curvature) for d in grid])
-    best = optimize_prior_precision(
-        net, (x, y), "categorical", "grid", grid, prior_mean=m0, curvature=curvature
+    deltas, values = log_evidence_grid(
+        net, (x, y), "categorical", grid, prior_mean=m0, hessian_structure=curvature
     )
+    best = float(deltas[int(torch.argmax(values))])
     assert best == pytest.approx(float(grid[int(torch.argmax(dense))]))
     zero = torch.stack(
         [_dense_evidence(net, x, y, float(d), torch.zeros_like(m0), curvature) for d in grid]
