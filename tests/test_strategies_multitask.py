@@ -104,7 +104,7 @@ def test_ewc_three_tasks_fisher_through_each_head_and_online_decay(mode):
     ``w*_3``."""
     stream, net = _stream(), _net()
     lam, gamma = 3.0, 0.6
-    plugin = EWCPlugin(net, lam, mode=mode, decay_factor=gamma, fisher="exact")
+    plugin = EWCPlugin(net, per_example_lambda=lam, mode=mode, decay_factor=gamma, fisher="exact")
     anchors, fishers = [], []
     for x, y, t in stream:
         _move(net, seed=200 + t)
