@@ -9,10 +9,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from _dense import dense_ggn, flat, tiny_mlp
 
 from fromp import VOGN, log_marginal_likelihood, optimize_prior_precision
 from fromp.likelihood import CategoricalLikelihood
+from fromp.testing import dense_ggn, flat, tiny_mlp
 
 D = torch.float64
 
