@@ -11,7 +11,6 @@ import copy
 
 import pytest
 import torch
-from _dense import dense_ggn
 from avalanche.benchmarks.scenarios.deprecated.generators import nc_benchmark
 from avalanche.benchmarks.utils import _make_taskaware_tensor_classification_dataset
 from avalanche.core import SupervisedPlugin
@@ -20,6 +19,7 @@ from torch import nn
 
 from fromp.likelihood import get_likelihood
 from fromp.models import TaskView, is_multitask, with_task
+from fromp.testing import dense_ggn
 from strategies.ewc import EWC
 from strategies.fromp import FROMP
 

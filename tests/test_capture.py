@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _dense import ConvZoo, Scale, conv_zoo, dense_ggn, dense_jacobian, flat, tiny_cnn, tiny_mlp
 from torch import nn
 
 from fromp.curvature.capture import CapturePlan, capture_calls
@@ -19,6 +18,16 @@ from fromp.curvature.layer_rules import (
     squared_grad_sums,
 )
 from fromp.likelihood import CategoricalLikelihood, GaussianLikelihood
+from fromp.testing import (
+    ConvZoo,
+    Scale,
+    conv_zoo,
+    dense_ggn,
+    dense_jacobian,
+    flat,
+    tiny_cnn,
+    tiny_mlp,
+)
 
 F64 = torch.float64
 

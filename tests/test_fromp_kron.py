@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _dense import dense_ggn, dense_jacobian
 from torch import nn
 
 from fromp import FROMPMethod, Laplace
@@ -14,6 +13,7 @@ from fromp.curvature.jacobian import flat_params
 from fromp.curvature.kron import kron_curvature
 from fromp.likelihood import CategoricalLikelihood
 from fromp.models import MultiHeadMLP, TaskView, with_task
+from fromp.testing import dense_ggn, dense_jacobian
 
 F64 = torch.float64
 
@@ -171,7 +171,7 @@ def test_resume_after_task_two_gives_the_same_task_three():
 
 
 def test_kron_refuses_layers_it_cannot_factor_and_grown_layers():
-    from _dense import Scale
+    from fromp.testing import Scale
 
     torch.manual_seed(0)
     odd = nn.Sequential(nn.Linear(3, 4), Scale(4), nn.Linear(4, 2)).to(F64).eval()

@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-from _dense import conv_zoo, dense_jacobian, dense_kernel, flat, forward_at, tiny_cnn, tiny_mlp
 from torch import nn
 
 from fromp import DiagonalGaussian, FullGaussian, dnn2gp, laplace, laplace_full
@@ -19,6 +18,15 @@ from fromp.laplace.one_call import (
 )
 from fromp.likelihood import BernoulliLikelihood, CategoricalLikelihood, GaussianLikelihood
 from fromp.models import MultiHeadMLP, with_task
+from fromp.testing import (
+    conv_zoo,
+    dense_jacobian,
+    dense_kernel,
+    flat,
+    forward_at,
+    tiny_cnn,
+    tiny_mlp,
+)
 
 F64 = torch.float64
 

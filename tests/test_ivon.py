@@ -9,12 +9,12 @@ from collections import defaultdict
 
 import pytest
 import torch
-from _dense import dense_jacobian, flat, forward_at, tiny_cnn, tiny_mlp
 from avalanche.models.dynamic_optimizers import update_optimizer
 
 import fromp
 from fromp.optim import IVON
 from fromp.posterior import DiagonalGaussian
+from fromp.testing import dense_jacobian, flat, forward_at, tiny_cnn, tiny_mlp
 
 D = torch.float64
 

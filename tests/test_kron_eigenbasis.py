@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _dense import dense_jacobian, dense_nll_hessians
 from torch import nn
 
 from fromp import Laplace
 from fromp.likelihood import CategoricalLikelihood
+from fromp.testing import dense_jacobian, dense_nll_hessians
 
 F64 = torch.float64
 DELTA = 0.3

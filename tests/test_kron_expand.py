@@ -6,12 +6,12 @@ made every convolution's block ``L`` times too large."""
 from __future__ import annotations
 
 import torch
-from _dense import dense_ggn
 from torch import nn
 
 from fromp import Laplace
 from fromp.curvature.kron import kron_curvature
 from fromp.likelihood import CategoricalLikelihood
+from fromp.testing import dense_ggn
 
 F64 = torch.float64
 

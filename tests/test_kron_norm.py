@@ -9,12 +9,12 @@ import math
 
 import pytest
 import torch
-from _dense import dense_ggn, dense_jacobian
 from torch import nn
 
 from fromp import FROMPMethod, Laplace
 from fromp.curvature.kron import kron_curvature
 from fromp.likelihood import CategoricalLikelihood
+from fromp.testing import dense_ggn, dense_jacobian
 
 F64 = torch.float64
 

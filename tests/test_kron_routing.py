@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _dense import dense_nll_hessians
 from torch import nn
 
 from fromp import Laplace
 from fromp.curvature.kron import kron_curvature
 from fromp.likelihood import CategoricalLikelihood
+from fromp.testing import dense_nll_hessians
 
 F64 = torch.float64
 

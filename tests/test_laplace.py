@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _dense import dense_ggn, flat, tiny_cnn, tiny_mlp
 from torch import nn
 
 from fromp import DiagonalGaussian, FullGaussian, laplace, laplace_full
@@ -13,6 +12,7 @@ from fromp.curvature.jacobian import unflatten
 from fromp.laplace.one_call import accumulate_ggn
 from fromp.likelihood import BernoulliLikelihood, CategoricalLikelihood
 from fromp.models import MultiHeadMLP, with_task
+from fromp.testing import dense_ggn, flat, tiny_cnn, tiny_mlp
 
 
 @pytest.mark.parametrize("make", [tiny_mlp, tiny_cnn], ids=["mlp", "cnn_bn"])

@@ -12,7 +12,6 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from _dense import dense_ggn, flat, tiny_mlp
 from torch import nn
 
 import fromp
@@ -20,6 +19,7 @@ from fromp import DiagLaplace, FullLaplace, Laplace
 from fromp.laplace.laplace_gp import LaplaceGP
 from fromp.laplace.structures import LaplaceDiag, LaplaceFull
 from fromp.likelihood import CategoricalLikelihood, GaussianLikelihood
+from fromp.testing import dense_ggn, flat, tiny_mlp
 
 F64 = torch.float64
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _dense import dense_ggn, flat, tiny_cnn, tiny_mlp
 from torch import nn
 
 from fromp import DiagLaplace, FullLaplace, laplace, laplace_full
 from fromp.laplace.one_call import log_marginal_likelihood
 from fromp.likelihood import CategoricalLikelihood, GaussianLikelihood
+from fromp.testing import dense_ggn, flat, tiny_cnn, tiny_mlp
 
 F64 = torch.float64
 

@@ -11,10 +11,10 @@ import math
 import numpy as np
 import pytest
 import torch
-from _dense import dense_jacobian
 from torch import nn
 
 from fromp import FunctionalLaplace, Laplace
+from fromp.testing import dense_jacobian
 
 F64 = torch.float64
 

@@ -11,11 +11,11 @@ import math
 
 import pytest
 import torch
-from _dense import dense_jacobian, flat
 from torch import nn
 from torch.func import functional_call
 
 from fromp import Laplace
+from fromp.testing import dense_jacobian, flat
 
 F64 = torch.float64
 C = 3
@@ -207,7 +207,7 @@ def test_backend_gradients_are_per_example_loss_gradients():
     w = flat(model)
     for i in range(3):
         wi = w.clone().requires_grad_(True)
-        from _dense import forward_at
+        from fromp.testing import forward_at
 
         li = nn.functional.cross_entropy(forward_at(model, wi, x[i : i + 1]), y[i : i + 1],
                                          reduction="sum")  # fmt: skip
@@ -464,7 +464,7 @@ def test_nn_regression_returns_the_draws_mean_and_variance():
     mu, var = la(x, pred_type="nn", link_approx="mc", n_samples=30,
                  generator=torch.Generator().manual_seed(1))  # fmt: skip
     draws = la.sample(30, generator=torch.Generator().manual_seed(1))
-    from _dense import forward_at
+    from fromp.testing import forward_at
 
     f = torch.stack([forward_at(model, w, x) for w in draws]).detach()
     torch.testing.assert_close(mu, f.mean(0))

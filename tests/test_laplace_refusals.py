@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _dense import dense_jacobian, dense_nll_hessians
 from torch import nn
 
 import fromp
 from fromp import Laplace
 from fromp.likelihood import CategoricalLikelihood
+from fromp.testing import dense_jacobian, dense_nll_hessians
 
 CASES = [
     ("all", "diag"), ("all", "kron"), ("all", "full"), ("all", "lowrank"),

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _dense import dense_jacobian, dense_nll_hessians, flat
 from torch import nn
 
 import fromp
 from fromp import Laplace
 from fromp.likelihood import CategoricalLikelihood
+from fromp.testing import dense_jacobian, dense_nll_hessians, flat
 
 F64 = torch.float64
 

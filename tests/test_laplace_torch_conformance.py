@@ -15,12 +15,12 @@ import math
 
 import pytest
 import torch
-from _dense import dense_jacobian, flat, forward_at
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 # the only lines a laplace-torch user changes
 from fromp import Laplace, marglik_training
+from fromp.testing import dense_jacobian, flat, forward_at
 from fromp.utils import (
     LargestMagnitudeSubnetMask,
     LargestVarianceDiagLaplaceSubnetMask,

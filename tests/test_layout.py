@@ -99,6 +99,7 @@ LAYERS = [
     {"fromp.memory"},
     {"fromp.continual"},
     {"fromp"},
+    {"fromp.testing"},  # dense references for tests: nothing in fromp may import it
 ]
 
 

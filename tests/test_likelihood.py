@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-from _dense import dense_nll_hessians
 
 from fromp.likelihood import (
     BernoulliLikelihood,
@@ -15,6 +14,7 @@ from fromp.likelihood import (
     GaussianLikelihood,
     get_likelihood,
 )
+from fromp.testing import dense_nll_hessians
 
 LIKS = {
     "categorical": (CategoricalLikelihood(), 4),

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _dense import dense_jacobian
 from torch import nn
 
 from fromp.continual.memorable import memorability_scores, select_memorable
+from fromp.testing import dense_jacobian
 
 
 def _setup(n: int = 60, c: int = 3):

@@ -9,11 +9,11 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from _dense import dense_ggn, flat, tiny_mlp
 
 from fromp import VOGN, log_marginal_likelihood
 from fromp.laplace.one_call import log_evidence_grid
 from fromp.likelihood import CategoricalLikelihood
+from fromp.testing import dense_ggn, flat, tiny_mlp
 
 D = torch.float64
 

@@ -9,10 +9,10 @@ import math
 
 import pytest
 import torch
-from _dense import dense_jacobian, dense_kernel, flat, tiny_mlp
 
 from fromp import GP, DiagonalGaussian, FullGaussian
 from fromp.posterior import GaussianPosterior
+from fromp.testing import dense_jacobian, dense_kernel, flat, tiny_mlp
 
 F64 = torch.float64
 

@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _dense import (
+from torch import nn
+
+import fromp
+from fromp.likelihood import get_likelihood
+from fromp.memory.sensitivity import memory_perturbation, newton_step_loo, prediction_variance
+from fromp.optim import IVON
+from fromp.testing import (
     dense_jacobian,
     dense_nll_hessians,
     flat,
@@ -15,12 +21,6 @@ from _dense import (
     tiny_cnn,
     tiny_mlp,
 )
-from torch import nn
-
-import fromp
-from fromp.likelihood import get_likelihood
-from fromp.memory.sensitivity import memory_perturbation, newton_step_loo, prediction_variance
-from fromp.optim import IVON
 
 D = torch.float64
 

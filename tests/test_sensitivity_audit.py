@@ -10,7 +10,6 @@ import math
 
 import pytest
 import torch
-from _dense import dense_jacobian, forward_at
 from torch import nn
 
 import fromp
@@ -19,6 +18,7 @@ from fromp.likelihood import GaussianLikelihood
 from fromp.memory.loo import LOOTracker, last_layer_loo
 from fromp.memory.sensitivity import memory_perturbation, newton_step_loo
 from fromp.posterior import FullGaussian
+from fromp.testing import dense_jacobian, forward_at
 
 D = torch.float64
 

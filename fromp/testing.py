@@ -1,0 +1,402 @@
+"""Dense float64 references and small test networks, for checking ``fromp`` and code built on it.
+
+Every reference here is written with plain autograd and explicit loops, independently of
+``fromp``'s own engines (layer capture, ``torch.func`` batching, Kronecker factors, the GP
+and Laplace classes): Jacobians through :func:`torch.autograd.functional.jacobian` of the
+batched forward pass with respect to one flat parameter vector, output Hessians of the
+negative log-likelihood through :func:`torch.autograd.functional.hessian`, GGNs, kernels,
+posterior covariances and predictives by dense ``[P, P]`` algebra, FROMP's regulariser and
+EWC's penalty from their formulas. They are meant for networks with at most a few hundred
+weights (they build ``P x P`` matrices).
+
+Shapes: ``N`` examples, ``C`` outputs, ``P`` trainable weights (in ``named_parameters()``
+order, the order of :func:`flat`).
+
+The networks (:func:`tiny_mlp`, :func:`tiny_cnn` with or without batch norm,
+:func:`multihead_mlp`, :func:`conv_zoo`) are float64 and take an optional ``seed``; with
+``seed=None`` they draw their weights from torch's global generator (as ``nn.Module``
+constructors do). :class:`NetCase` pairs a network with matching inputs; :data:`NETS` lists
+the kinds. :func:`toy_regression` and :func:`toy_classification` give small seeded data.
+
+Nothing in ``fromp`` imports this module; it is for tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+__all__ = [
+    "NETS",
+    "ConvZoo",
+    "NetCase",
+    "Scale",
+    "TinyCNN",
+    "conv_zoo",
+    "dense_ewc_penalty",
+    "dense_fromp_penalty",
+    "dense_ggn",
+    "dense_jacobian",
+    "dense_kernel",
+    "dense_nll_hessians",
+    "dense_posterior_covariance",
+    "dense_predictive",
+    "flat",
+    "forward_at",
+    "multihead_mlp",
+    "split",
+    "tiny_cnn",
+    "tiny_mlp",
+    "toy_classification",
+    "toy_regression",
+]
+
+
+# ------------------------------------------------------------------------------ flat weights
+def flat(model: nn.Module) -> Tensor:
+    """Trainable parameters of ``model`` flattened in ``named_parameters()`` order ``[P]``."""
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters() if p.requires_grad])
+
+
+def split(model: nn.Module, w: Tensor) -> dict[str, Tensor]:
+    """A flat vector ``w [P]`` as a parameter dict of ``model`` (differentiable in ``w``)."""
+    out, i = {}, 0
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            out[name] = w[i : i + p.numel()].view_as(p)
+            i += p.numel()
+    if i != w.numel():
+        raise ValueError(f"w has {w.numel()} entries, the model {i} trainable weights")
+    return out
+
+
+def forward_at(model: nn.Module, w: Tensor, x: Tensor) -> Tensor:
+    """``f_w(x) [N, C]`` with the flat weights ``w [P]`` (buffers from the module)."""
+    return functional_call(model, (split(model, w), dict(model.named_buffers())), (x,))
+
+
+# ----------------------------------------------------------------------------- curvature
+def dense_jacobian(model: nn.Module, x: Tensor, w: Tensor | None = None) -> Tensor:
+    """``J[n, c, p] = d f_c(x_n) / d w_p`` ``[N, C, P]`` by
+    ``torch.autograd.functional.jacobian`` of the batched forward pass (``w``: the model's
+    weights when None)."""
+    w = flat(model) if w is None else w
+    return torch.autograd.functional.jacobian(lambda v: forward_at(model, v, x), w)
+
+
+def dense_nll_hessians(lik: Any, f: Tensor, y: Tensor) -> Tensor:
+    """``Lambda_n = d^2 nll(f_n, y_n) / d f_n^2`` ``[N, C, C]``, one autograd Hessian per
+    example; ``lik`` is anything with ``nll(f [1, C], y [1, ...]) -> [1]``."""
+    return torch.stack(
+        [
+            torch.autograd.functional.hessian(
+                lambda fi, yi=y[i : i + 1]: lik.nll(fi.unsqueeze(0), yi).sum(), f[i]
+            )
+            for i in range(len(f))
+        ]
+    )
+
+
+def dense_ggn(
+    model: nn.Module, x: Tensor, lik: Any, w: Tensor | None = None, y: Tensor | None = None
+) -> Tensor:
+    """The generalised Gauss-Newton ``G = sum_n J_n^T Lambda_n J_n`` ``[P, P]``, ``J_n
+    [C, P]`` from :func:`dense_jacobian` and ``Lambda_n [C, C]`` from
+    :func:`dense_nll_hessians`. Targets ``y`` default to ``lik.sample(f)``: the Hessian does
+    not depend on them for the Gaussian, Bernoulli and categorical likelihoods."""
+    w = flat(model) if w is None else w
+    jac = dense_jacobian(model, x, w)
+    with torch.no_grad():
+        f = forward_at(model, w, x)
+    y = lik.sample(f) if y is None else y
+    lam = dense_nll_hessians(lik, f, y)
+    out = torch.zeros(w.numel(), w.numel(), dtype=w.dtype)
+    for n in range(len(x)):
+        out += jac[n].T @ lam[n] @ jac[n]
+    return out
+
+
+# ---------------------------------------------------------------------- GP and posterior
+def dense_kernel(j1: Tensor, cov: Tensor, j2: Tensor) -> Tensor:
+    """``K[n, c, m, d] = J1[n, c] Sigma J2[m, d]^T`` ``[N, C, M, D]`` with a dense
+    ``Sigma [P, P]``, ``J1 [N, C, P]``, ``J2 [M, D, P]``."""
+    return torch.einsum("ncp,pq,mdq->ncmd", j1, cov, j2)
+
+
+def dense_posterior_covariance(ggn: Tensor, prior_precision: float | Tensor) -> Tensor:
+    """The Laplace posterior covariance ``Sigma = (G + diag(delta))^{-1}`` ``[P, P]`` from a
+    dense curvature ``G [P, P]`` (e.g. :func:`dense_ggn`) and the prior precision ``delta``
+    (a scalar or ``[P]``), by an explicit inverse in float64."""
+    g = ggn.double()
+    delta = torch.as_tensor(prior_precision, dtype=torch.float64)
+    prec = g + torch.diag(delta.expand(g.shape[0]))
+    return torch.linalg.inv(prec)
+
+
+def dense_predictive(
+    model: nn.Module, x: Tensor, cov: Tensor, w: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """The linearised (GLM) predictive of the outputs under ``N(w, Sigma)``: mean
+    ``f_w(x) [N, C]`` and covariance ``J(x_n) Sigma J(x_n)^T`` ``[N, C, C]`` per example."""
+    w = flat(model) if w is None else w
+    jac = dense_jacobian(model, x, w)
+    with torch.no_grad():
+        mean = forward_at(model, w, x)
+    covs = torch.stack([jac[n] @ cov @ jac[n].T for n in range(len(x))])
+    return mean, covs
+
+
+# ------------------------------------------------------------------------ continual methods
+def _inverse_link(link: str) -> Callable[[Tensor], Tensor]:
+    if link == "softmax":
+        return lambda f: torch.softmax(f, -1)
+    if link == "sigmoid":
+        return torch.sigmoid
+    if link == "identity":
+        return lambda f: f
+    raise ValueError(f"link must be 'softmax', 'sigmoid' or 'identity', got {link!r}")
+
+
+def dense_fromp_penalty(
+    model: nn.Module,
+    x: Tensor,
+    w_old: Tensor,
+    variance: Tensor,
+    w_new: Tensor,
+    *,
+    kernel: str = "per_class",
+    jitter: float = 0.0,
+    link: str = "softmax",
+) -> Tensor:
+    """FROMP's regulariser for one memorable set, from its formula.
+
+    ``p(w) = link(f_w(x))`` ``[M, C]``; targets ``m = p(w_old)``; ``G = dp(w_old)/dw``
+    ``[M, C, P]`` by autograd; ``Sigma = diag(variance)`` ``[P]``. ``"per_class"``: ``K_c =
+    G[:, c] Sigma G[:, c]^T + jitter I`` ``[M, M]`` and ``R = 1/2 sum_c r_c^T K_c^{-1} r_c``
+    with ``r_c = p_c(w_new) - m_c``; ``"joint"``: ``K [C M, C M]`` class-major (index ``(c,
+    m)``) and ``R = 1/2 r^T K^{-1} r``; ``"identity"``: ``R = 1/2 ||r||^2``. Dense inverses,
+    float64. Returns a scalar."""
+    inv = _inverse_link(link)
+    w_old, w_new, variance = w_old.double(), w_new.double(), variance.double()
+    g = torch.autograd.functional.jacobian(lambda v: inv(forward_at(model, v, x)), w_old)
+    with torch.no_grad():
+        r = inv(forward_at(model, w_new, x)) - inv(forward_at(model, w_old, x))
+    m, c = r.shape
+    if kernel == "identity":
+        return 0.5 * (r * r).sum()
+    if kernel == "per_class":
+        total = torch.zeros((), dtype=torch.float64)
+        for k in range(c):
+            gk = g[:, k, :]  # [M, P]
+            kk = gk @ torch.diag(variance) @ gk.T + jitter * torch.eye(m, dtype=torch.float64)
+            total = total + 0.5 * r[:, k] @ torch.linalg.inv(kk) @ r[:, k]
+        return total
+    if kernel == "joint":
+        gj = g.permute(1, 0, 2).reshape(c * m, -1)  # class-major rows (c, m)
+        kk = gj @ torch.diag(variance) @ gj.T + jitter * torch.eye(c * m, dtype=torch.float64)
+        rj = r.T.reshape(-1)
+        return 0.5 * rj @ torch.linalg.inv(kk) @ rj
+    raise ValueError(f"kernel must be 'per_class', 'joint' or 'identity', got {kernel!r}")
+
+
+def dense_ewc_penalty(
+    w: Tensor, anchors: Sequence[Tensor], importances: Sequence[Tensor], ewc_lambda: float
+) -> Tensor:
+    """EWC's penalty ``(lambda / 2) sum_t sum_p F_{t,p} (w_p - w*_{t,p})^2`` by an explicit
+    loop over tasks ``t`` and weights ``p`` (flat ``[P]`` vectors; a scalar)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for a, f in zip(anchors, importances, strict=True):
+        for p in range(w.numel()):
+            total = total + float(f[p]) * (float(w[p]) - float(a[p])) ** 2
+    return 0.5 * ewc_lambda * total
+
+
+# ------------------------------------------------------------------------------- networks
+@contextlib.contextmanager
+def _seeded(seed: int | None) -> Iterator[None]:
+    """Draw from a generator seeded with ``seed`` without touching the global state (None:
+    the global generator)."""
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def tiny_mlp(d_in: int = 4, hidden: int = 5, c: int = 3, *, seed: int | None = None) -> nn.Module:
+    """``Linear(d_in, hidden) -> Tanh -> Linear(hidden, c)``, float64; input ``[N, d_in]``."""
+    with _seeded(seed):
+        return nn.Sequential(nn.Linear(d_in, hidden), nn.Tanh(), nn.Linear(hidden, c)).double()
+
+
+class TinyCNN(nn.Module):
+    """Conv (weight sharing) -> [BatchNorm (eval)] -> ReLU -> conv -> max-pool -> linear;
+    input ``[N, 1, 6, 6]``, output ``[N, c]``. With batch norm its statistics and affine
+    weights are randomised so that eval mode is not the identity. The weights of the convs
+    and the linear layer are drawn in the same order with or without batch norm."""
+
+    def __init__(self, c: int = 3, batch_norm: bool = True) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 2, 3, padding=1)
+        self.bn = nn.BatchNorm2d(2) if batch_norm else None
+        self.conv2 = nn.Conv2d(2, 2, 3)
+        self.fc = nn.Linear(2 * 2 * 2, c)
+        if self.bn is not None:
+            with torch.no_grad():
+                self.bn.running_mean.uniform_(-0.5, 0.5)
+                self.bn.running_var.uniform_(0.5, 2.0)
+                self.bn.weight.uniform_(0.5, 1.5)
+                self.bn.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.conv1(x)
+        h = torch.relu(h if self.bn is None else self.bn(h))
+        h = torch.nn.functional.max_pool2d(torch.tanh(self.conv2(h)), 2)
+        return self.fc(h.flatten(1))
+
+
+def tiny_cnn(c: int = 3, *, batch_norm: bool = True, seed: int | None = None) -> nn.Module:
+    """:class:`TinyCNN` in float64; with batch norm in eval mode (it uses its running
+    statistics), without it in the default training mode (which changes nothing)."""
+    with _seeded(seed):
+        net = TinyCNN(c, batch_norm).double()
+    return net.eval() if batch_norm else net
+
+
+def multihead_mlp(
+    c: int = 3, n_heads: int = 3, d_in: int = 4, hidden: int = 5, *, seed: int | None = None
+) -> nn.Module:
+    """:class:`fromp.models.MultiHeadMLP` ``d_in -> hidden -> n_heads heads of c``, float64
+    (one head per task; see :func:`fromp.models.with_task`)."""
+    from fromp.models import MultiHeadMLP
+
+    with _seeded(seed):
+        return MultiHeadMLP(d_in, (hidden,), n_heads=n_heads, head_size=c).double()
+
+
+class Scale(nn.Module):
+    """``x * s`` per channel: a parametrised layer with no capture rule (``fromp``'s
+    engines must fall back to Jacobians for it)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.linspace(0.5, 1.5, n))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.s.view(1, -1, *([1] * (x.ndim - 2)))
+
+
+class ConvZoo(nn.Module):
+    """Conv2d with stride/dilation/reflect padding, grouped conv with 'same' circular
+    padding, BatchNorm2d (eval), GroupNorm, a 1x1-output conv (Gram route), Conv1d with
+    stride, LayerNorm on a sequence, a sequence Linear, a Scale layer (fallback); input
+    ``[N, 2, 8, 8]``, output ``[N, c]``."""
+
+    def __init__(self, c: int = 3) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(2, 4, 3, stride=2, dilation=1, padding=1, padding_mode="reflect")
+        self.bn = nn.BatchNorm2d(4)
+        self.c2 = nn.Conv2d(4, 4, 3, padding="same", dilation=2, groups=2, padding_mode="circular")
+        self.gn = nn.GroupNorm(2, 4)
+        self.scale = Scale(4)
+        self.c3 = nn.Conv2d(4, 6, 4, stride=2, bias=False)  # 4x4 -> 1x1 output
+        self.c1d = nn.Conv1d(1, 3, 3, stride=2, padding=1)  # on a 1-d view of the input
+        self.ln = nn.LayerNorm(3)
+        self.seq = nn.Linear(3, 2)
+        self.fc = nn.Linear(6 + 2, c)
+        with torch.no_grad():
+            self.bn.running_mean.uniform_(-0.5, 0.5)
+            self.bn.running_var.uniform_(0.5, 2.0)
+            for norm in (self.bn, self.gn, self.ln):
+                norm.weight.uniform_(0.5, 1.5)
+                norm.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.bn(self.c1(x)))  # B, 4, 4, 4
+        h = torch.relu(self.scale(self.gn(self.c2(h))))
+        h = torch.tanh(self.c3(h)).flatten(1)  # B, 6
+        s = self.c1d(x[:, :1].flatten(2)[..., :15])  # B, 3, 8
+        s = self.seq(torch.tanh(self.ln(s.transpose(1, 2)))).mean(1)  # B, 2
+        return self.fc(torch.cat([h, s], 1))
+
+
+def conv_zoo(c: int = 3, *, seed: int | None = None) -> nn.Module:
+    """:class:`ConvZoo` in float64 and eval mode."""
+    with _seeded(seed):
+        return ConvZoo(c).double().eval()
+
+
+def _mlp(c: int = 3) -> nn.Module:
+    return tiny_mlp(4, 5, c)
+
+
+def _cnn(c: int = 3) -> nn.Module:
+    return tiny_cnn(c, batch_norm=False)
+
+
+def _bn(c: int = 3) -> nn.Module:
+    return tiny_cnn(c, batch_norm=True)
+
+
+#: kind -> (factory(c) -> network, input shape of one example)
+NETS: dict[str, tuple[Callable[[int], nn.Module], tuple[int, ...]]] = {
+    "mlp": (_mlp, (4,)),
+    "cnn": (_cnn, (1, 6, 6)),
+    "multihead": (multihead_mlp, (4,)),
+    "bn": (_bn, (1, 6, 6)),
+}
+
+
+class NetCase:
+    """A test network with matching inputs: ``net``, ``inputs(n)``, ``kind`` and, for
+    multi-head networks, ``n_heads`` (``head(t)`` is the network seen through head ``t``).
+
+    ``NetCase(kind, c, seed)`` seeds torch's global generator with ``seed`` and builds
+    ``NETS[kind][0](c)``: equal calls give equal weights."""
+
+    def __init__(self, kind: str, c: int = 3, seed: int = 0) -> None:
+        if kind not in NETS:
+            raise ValueError(f"kind must be one of {sorted(NETS)}, got {kind!r}")
+        factory, self.input_shape = NETS[kind]
+        torch.manual_seed(seed)
+        self.kind, self.c, self.net = kind, c, factory(c)
+        self.n_heads = getattr(self.net, "n_heads", 1)
+
+    def inputs(self, n: int, seed: int = 1) -> Tensor:
+        """``n`` float64 standard-normal inputs ``[n, *input_shape]`` from ``seed``."""
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(n, *self.input_shape, generator=g, dtype=torch.float64)
+
+    def head(self, task: int | None = None) -> nn.Module:
+        from fromp.models import with_task
+
+        return with_task(self.net, task if self.n_heads > 1 else None)
+
+
+# ----------------------------------------------------------------------------------- data
+def toy_regression(
+    n: int = 20, d: int = 3, noise: float = 0.1, *, seed: int = 0
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``x [n, d]``, ``y [n, 1] = x w + noise * eps`` and the true ``w [d, 1]``, float64."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g, dtype=torch.float64)
+    w = torch.randn(d, 1, generator=g, dtype=torch.float64)
+    y = x @ w + noise * torch.randn(n, 1, generator=g, dtype=torch.float64)
+    return x, y, w
+
+
+def toy_classification(
+    n: int = 20, d: int = 4, c: int = 3, *, seed: int = 0
+) -> tuple[Tensor, Tensor]:
+    """``x [n, d]`` float64 and labels ``y [n]`` (int64 in ``[0, c)``) from a random linear
+    rule ``argmax(x W)``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g, dtype=torch.float64)
+    w = torch.randn(d, c, generator=g, dtype=torch.float64)
+    return x, (x @ w).argmax(1)
