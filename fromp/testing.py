@@ -205,15 +205,21 @@ def dense_fromp_penalty(
 
 
 def dense_ewc_penalty(
-    w: Tensor, anchors: Sequence[Tensor], importances: Sequence[Tensor], ewc_lambda: float
+    w: Tensor,
+    anchors: Sequence[Tensor],
+    importances: Sequence[Tensor],
+    ewc_lambda: float,
+    batch_size: int = 1,
 ) -> Tensor:
-    """EWC's penalty ``(lambda / 2) sum_t sum_p F_{t,p} (w_p - w*_{t,p})^2`` by an explicit
-    loop over tasks ``t`` and weights ``p`` (flat ``[P]`` vectors; a scalar)."""
+    """EWC's penalty on Avalanche's scale, ``(lambda / B) sum_t sum_p F_{t,p} (w_p -
+    w*_{t,p})^2`` (``F`` the per-example Fisher, ``B`` the mini-batch size), by an explicit
+    loop over tasks ``t`` and weights ``p`` (flat ``[P]`` vectors; a scalar). 0.3's scale
+    ``(lambda' / 2) sum F d^2`` is ``ewc_lambda = lambda'``, ``batch_size = 2``."""
     total = torch.zeros((), dtype=torch.float64)
     for a, f in zip(anchors, importances, strict=True):
         for p in range(w.numel()):
             total = total + float(f[p]) * (float(w[p]) - float(a[p])) ** 2
-    return 0.5 * ewc_lambda * total
+    return ewc_lambda / batch_size * total
 
 
 # ------------------------------------------------------------------------------- networks

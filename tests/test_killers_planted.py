@@ -52,7 +52,7 @@ def test_laplace_probit_predictive_against_the_dense_glm():
 
 
 def test_online_ewc_anchors_at_the_last_task_and_sums_decayed_fishers_against_dense():
-    """Online EWC after tasks 1, 2 and 3: ``(lambda/2) sum_p F_p (w_p - w*_3,p)^2`` with ``F =
+    """Online EWC after tasks 1, 2 and 3: ``lambda sum_p F_p (w_p - w*_3,p)^2`` with ``F =
     gamma (gamma F_1 + F_2) + F_3``, ``F_t = diag(G_t) / N_t`` the dense GGN diagonal of
     task ``t`` at its own weights ``w*_t``; the anchor is the last task's weights."""
     from fromp.continual.ewc import EWCMethod

@@ -101,3 +101,15 @@ def test_every_study_builds_its_parser_on_the_harness(path):
     assert "argparse.ArgumentParser" not in calls, path.name
     assert "harness.parser" in calls, path.name
     assert "write_text(json.dumps" not in src and "json.dump(" not in src, path.name
+
+
+def test_paths_in_a_record_are_written_as_strings_and_other_objects_refused(tmp_path):
+    """Two studies crashed at their last line writing an ``argparse`` Path (after all their
+    work): a Path is written as its string; an object JSON cannot hold is refused and the
+    earlier file is kept."""
+    out = tmp_path / "r.json"
+    harness.write_json(out, {"out": tmp_path / "x.json", "n": 1})
+    assert json.loads(out.read_text()) == {"out": str(tmp_path / "x.json"), "n": 1}
+    with pytest.raises(TypeError, match="set"):
+        harness.write_json(out, {"bad": {1, 2}})
+    assert json.loads(out.read_text())["n"] == 1

@@ -165,8 +165,9 @@ def test_ewc_penalty_by_hand():
     w = torch.tensor([1.0, 2.0], dtype=F64)
     anchors = [torch.zeros(2, dtype=F64), torch.tensor([1.0, 1.0], dtype=F64)]
     fishers = [torch.tensor([1.0, 3.0], dtype=F64), torch.tensor([2.0, 0.5], dtype=F64)]
-    # task 0: 1*1 + 3*4 = 13; task 1: 2*0 + 0.5*1 = 0.5; times lambda / 2 = 1
-    assert float(ft.dense_ewc_penalty(w, anchors, fishers, 2.0)) == pytest.approx(13.5)
+    # task 0: 1*1 + 3*4 = 13; task 1: 2*0 + 0.5*1 = 0.5; times lambda / B
+    assert float(ft.dense_ewc_penalty(w, anchors, fishers, 2.0)) == pytest.approx(27.0)
+    assert float(ft.dense_ewc_penalty(w, anchors, fishers, 2.0, 4)) == pytest.approx(6.75)
 
 
 def test_factories_are_seeded_and_leave_the_global_generator_alone():

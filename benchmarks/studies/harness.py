@@ -179,12 +179,20 @@ def write_record(
     return full
 
 
+def _plain(obj: Any) -> Any:
+    """JSON for the values a record may hold beside plain data: paths as strings."""
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    raise TypeError(f"a study record holds a {type(obj).__name__}, which JSON cannot write")
+
+
 def write_json(out: str | os.PathLike, obj: Any, *, indent: int = 2) -> None:
     """Write ``obj`` as JSON to ``out`` atomically (a temporary file, then a rename): a study
-    killed while writing leaves the previous file whole."""
+    killed while writing leaves the previous file whole. Paths are written as strings; any
+    other value JSON cannot hold is refused before the file is touched."""
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(obj, indent=indent) + "\n"
+    text = json.dumps(obj, indent=indent, default=_plain) + "\n"
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:

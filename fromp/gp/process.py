@@ -19,7 +19,6 @@ The Laplace evidence lives beside the Laplace code (:mod:`fromp.laplace`,
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -47,13 +46,12 @@ from fromp.likelihood import (
     get_likelihood,
     randn_like_on,
 )
+from fromp.link import probit_scale
 from fromp.posterior import DiagonalGaussian, GaussianPosterior
 
 __all__ = ["GP", "dnn2gp", "predictive_from"]
 
 Posterior = GaussianPosterior
-
-_PROBIT_SCALE = math.pi / 8
 
 
 def _check_chunk(chunk_size: int) -> int:
@@ -443,8 +441,7 @@ def predictive_from(
     if method == "linear":
         probs = lik.inverse_link(m)
     elif method == "probit":
-        kappa = torch.rsqrt(1 + _PROBIT_SCALE * torch.diagonal(v, dim1=-2, dim2=-1))
-        probs = lik.inverse_link(m * kappa)
+        probs = lik.inverse_link(m * probit_scale(v))
     else:
         evals, evecs = torch.linalg.eigh(v)
         root = evecs * evals.clamp_min(0).sqrt().unsqueeze(-2)  # N, C, C: v = root root^T
