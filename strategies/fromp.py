@@ -314,7 +314,7 @@ class FROMP(MethodStrategy):
         tau: float = 10.0,
         n_points: int = 40,
         kernel: str = "per_class",
-        select: str = "descending",
+        select: str | None = None,
         prior_precision: float = 1e-3,
         jitter: float = 1e-6,
         grad_clip_norm: float | None = None,

@@ -278,3 +278,35 @@ def test_fixed_head_regularised_on_the_classes_trained_so_far():
     fresh = FROMPMethod(n_points=6)
     fresh.load_state_dict(method.state_dict())
     assert fresh.regularizer.classes_seen == {None: list(range(2 * N_EXP))}
+
+
+def test_replay_defaults_to_a_random_class_balanced_coreset():
+    # the points with the largest tr(Lambda) are the ambiguous ones: as a labelled coreset
+    # they taught a class-incremental network much less than random points of each class
+    # (split MNIST: 70.5 % against 90.9 %); replay=True draws at random unless told
+    from fromp import FROMPMethod
+    from strategies.benchmarks import experience_tensors
+
+    assert FROMPMethod().select == "descending"
+    assert FROMPMethod(replay=True).select == "random"
+    assert FROMPMethod(replay=True, select="descending").select == "descending"
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(D, 12), nn.Tanh(), nn.Linear(12, 2 * N_EXP)).double()
+    x, y, _ = experience_tensors(_stream().train_stream[0].dataset)
+    chosen = {}
+    for select in (None, "descending"):
+        method = FROMPMethod(n_points=10, replay=True, select=select)
+        method.learn_task(net, x, y, None)
+        m = method.regularizer.memories[0]
+        assert sorted(m.labels.tolist()) == sorted(ORDER[0] * 5)  # 5 of each class
+        chosen[select] = {tuple(v.tolist()) for v in m.inputs}
+    # tr(Lambda) of softmax outputs by hand: sum_c p_c (1 - p_c); the 5 largest per class
+    with torch.no_grad():
+        p = torch.softmax(net(x), -1)
+    score = (p * (1 - p)).sum(-1)
+    top = set()
+    for c in ORDER[0]:
+        idx = torch.nonzero(y == c).squeeze(1)
+        top |= {tuple(v.tolist()) for v in x[idx[score[idx].argsort(descending=True)[:5]]]}
+    assert chosen["descending"] == top
+    assert chosen[None] != top

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from fromp._checks import check_batch, check_vector, device_dtype
+from fromp.continual.memorable import _ORDERS as _SELECT
 from fromp.continual.memorable import select_memorable
 from fromp.continual.named_state import (
     Named,
@@ -50,7 +51,6 @@ from fromp.posterior import DiagonalGaussian
 
 __all__ = ["FROMPMethod", "Named", "by_name", "fit_shape", "to_flat"]
 
-_SELECT = ("descending", "ascending", "random", "sensitivity")
 _POSTERIORS = ("ggn", "kron", "vogn", "ivon")
 _OWN_CURVATURE = ("ggn", "kron")  # curvature computed by the method, not by an optimizer
 _IVON_PENALTY = ("mean", "sample")
@@ -101,7 +101,12 @@ class FROMPMethod:
         n_points: memorable points per task (the paper's setting: 40 on split MNIST, 200 on
             permuted MNIST and split CIFAR), split evenly over the task's classes.
         kernel: ``"per_class"`` (FROMP), ``"joint"`` or ``"identity"`` (FROMP-L2).
-        select: ``"descending"`` (largest ``tr Lambda``, FROMP), ``"ascending"``,
+        select: ``"descending"`` (largest ``tr Lambda``, FROMP; the default without
+            ``replay``), ``"random"`` (a uniform draw per class; the default with
+            ``replay=True``: the points with the largest ``tr Lambda`` are the ambiguous
+            ones, a poor labelled coreset: class-incremental split MNIST, 50 % of the data,
+            2 epochs, replay alone: 70.5 % with them against 90.9 % with random points),
+            ``"ascending"``,
             ``"random"`` or ``"sensitivity"`` (largest memory-perturbation sensitivity
             ``sum_k |e_k lambda_k v_k|`` under the task's posterior ``N(w, Sigma)``, see
             :mod:`fromp.memory.sensitivity`; ``Sigma`` is computed first, then the points).
@@ -162,7 +167,7 @@ class FROMPMethod:
         n_points: int = 40,
         *,
         kernel: str = "per_class",
-        select: str = "descending",
+        select: str | None = None,
         prior_precision: float = 1e-3,
         jitter: float = 1e-6,
         grad_clip_norm: float | None = None,
@@ -175,6 +180,8 @@ class FROMPMethod:
         replay: bool = False,
         bn_statistics: str = "stored",
     ) -> None:
+        if select is None:  # a labelled coreset must represent its classes: random points
+            select = "random" if replay is True else "descending"
         for name, v in (("tau", tau), ("prior_precision", prior_precision), ("jitter", jitter)):
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise TypeError(
