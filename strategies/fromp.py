@@ -24,6 +24,7 @@ head.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -307,29 +308,22 @@ class FROMP(MethodStrategy):
 
     def __init__(
         self,
-        *,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        *args: Any,
         criterion: nn.Module | Callable | None = None,
-        tau: float = 10.0,
-        n_points: int = 40,
-        kernel: str = "per_class",
-        select: str | None = None,
-        prior_precision: float = 1e-3,
-        jitter: float = 1e-6,
-        grad_clip_norm: float | None = None,
-        posterior: str = "ggn",
-        curvature_examples: int | None = 1000,
-        chunk_size: int = 64,
-        likelihood: str = "categorical",
-        seed: int = 0,
         vogn_continual: bool = True,
         ivon_continual: bool = False,
-        ivon_penalty: str = "mean",
-        replay: bool = False,
-        bn_statistics: str = "stored",
-        **template_kwargs: Any,
+        **kwargs: Any,
     ) -> None:
+        # the method's keyword arguments (FROMPMethod's signature, written there once; see
+        # the __signature__ set below the class) go to the plugin, the rest to the template
+        template_kwargs = {k: v for k, v in kwargs.items() if k not in _METHOD_PARAMS}
+        method_kwargs = {k: v for k, v in kwargs.items() if k in _METHOD_PARAMS}
+        criterion = _legacy_positional(args, criterion, template_kwargs)
+        if model is None or optimizer is None:
+            raise TypeError("FROMP needs model= and optimizer=")
+        posterior = method_kwargs.get("posterior", _METHOD_PARAMS["posterior"].default)
         extra: list[Any] = []
         if posterior == "vogn":
             from fromp.optim import VOGN
@@ -354,23 +348,7 @@ class FROMP(MethodStrategy):
             # gradient IVON reads, and FROMP reads the task's posterior before IVON may turn
             # it into the next prior
             extra.append(IVONPlugin(optimizer, continual=ivon_continual))
-        plugin = FROMPPlugin(
-            tau,
-            n_points,
-            kernel=kernel,
-            select=select,
-            prior_precision=prior_precision,
-            jitter=jitter,
-            grad_clip_norm=grad_clip_norm,
-            posterior=posterior,
-            curvature_examples=curvature_examples,
-            chunk_size=chunk_size,
-            likelihood=likelihood,
-            seed=seed,
-            ivon_penalty=ivon_penalty,
-            replay=replay,
-            bn_statistics=bn_statistics,
-        )
+        plugin = FROMPPlugin(**method_kwargs)
         super().__init__(
             method_plugins=[plugin, *extra],
             model=model,
@@ -379,3 +357,68 @@ class FROMP(MethodStrategy):
             **template_kwargs,
         )
         _add_penalty_metric(self.evaluator)
+
+
+#: FROMPMethod's keyword arguments by name (the one place they are written)
+_METHOD_PARAMS: dict[str, inspect.Parameter] = {
+    n: p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+    for n, p in inspect.signature(FROMPMethod.__init__).parameters.items()
+    if n != "self"
+}
+#: Avalanche's template arguments after model and optimizer, in the order its strategies
+#: once took them positionally
+_TEMPLATE_ORDER = (
+    "criterion",
+    "train_mb_size",
+    "train_epochs",
+    "eval_mb_size",
+    "device",
+    "plugins",
+    "evaluator",
+    "eval_every",
+)
+
+
+def _legacy_positional(
+    args: tuple[Any, ...], criterion: Any, template_kwargs: dict[str, Any]
+) -> Any:
+    """Deprecated ``FROMP(model, optimizer, criterion, train_mb_size, ...)``: the template
+    arguments after ``model`` and ``optimizer`` given by position (Avalanche's order), with a
+    DeprecationWarning; returns the criterion and puts the others in ``template_kwargs``."""
+    if not args:
+        return criterion
+    if len(args) > len(_TEMPLATE_ORDER):
+        raise TypeError(
+            f"FROMP takes at most {2 + len(_TEMPLATE_ORDER)} positional arguments (model, "
+            f"optimizer, {', '.join(_TEMPLATE_ORDER)}), got {2 + len(args)}"
+        )
+    warnings.warn(
+        "FROMP(model, optimizer, criterion, ...): arguments after model and optimizer by "
+        "position are deprecated and will be keyword-only: pass "
+        + ", ".join(f"{n}=" for n in _TEMPLATE_ORDER[: len(args)]),
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    for name, value in zip(_TEMPLATE_ORDER, args):
+        given = criterion is not None if name == "criterion" else name in template_kwargs
+        if given:
+            raise TypeError(f"FROMP got {name!r} both by position and by keyword")
+        if name == "criterion":
+            criterion = value
+        else:
+            template_kwargs[name] = value
+    return criterion
+
+
+def _signature() -> inspect.Signature:
+    """FROMP's signature for ``help`` and introspection: ``model``, ``optimizer``, then
+    keyword-only ``criterion``, FROMPMethod's arguments, ``vogn_continual``,
+    ``ivon_continual`` and Avalanche's template arguments."""
+    own = inspect.signature(FROMP.__init__).parameters
+    params = [own["self"], own["model"], own["optimizer"], own["criterion"]]
+    params += list(_METHOD_PARAMS.values())
+    params += [own["vogn_continual"], own["ivon_continual"], own["kwargs"]]
+    return inspect.Signature(params)
+
+
+FROMP.__init__.__signature__ = _signature()  # type: ignore[attr-defined]

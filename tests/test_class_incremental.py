@@ -244,18 +244,22 @@ def test_penalty_is_finite_and_of_the_order_of_the_loss(trained):
 def test_replay_adds_the_memorable_points_loss_under_their_labels():
     strategy, net, probe, snapshots, _ = _train(replay=True)
     method = strategy.plugin.method
-    xs = torch.cat([m.inputs for m in method.regularizer.memories])
-    ys = torch.cat([m.labels for m in method.regularizer.memories])
-    expected = F.cross_entropy(net(xs), ys)
+    # each earlier task's coreset stands in for its data term (weight 1, as the current
+    # task's mean loss): the sum over the sets of each set's mean cross-entropy
+    sets = method.regularizer.memories
+    assert len(sets) == 3
+    expected = sum(F.cross_entropy(net(m.inputs), m.labels) for m in sets)
     torch.testing.assert_close(method.regularizer.replay_loss(net), expected)
     # in training: loss = CE(batch) + replay + tau * R, the replay part checked at the
-    # second step of experience 2 (one memorable set, labels 0 and 1)
-    step = [s for s in probe.steps if s["exp"] == 1][1]
-    upto = _train_memories_upto(1, replay=True)
-    first = upto.plugin.regularizer.memories[0]
-    replay = float(F.cross_entropy(step["net"](first.inputs), first.labels))
-    pen = float(method.tau) * float(_dense_penalty(step["net"], snapshots[0], upto))
-    assert step["loss"] == pytest.approx(step["ce"] + replay + pen, rel=1e-6)
+    # second step of experiences 2 (one memorable set) and 3 (two sets)
+    for exp in (1, 2):
+        step = [s for s in probe.steps if s["exp"] == exp][1]
+        upto = _train_memories_upto(exp, replay=True)
+        mems = upto.plugin.regularizer.memories
+        assert len(mems) == exp
+        replay = sum(float(F.cross_entropy(step["net"](m.inputs), m.labels)) for m in mems)
+        pen = float(method.tau) * float(_dense_penalty(step["net"], snapshots[exp - 1], upto))
+        assert step["loss"] == pytest.approx(step["ce"] + replay + pen, rel=1e-6)
 
 
 def test_fixed_head_regularised_on_the_classes_trained_so_far():

@@ -132,12 +132,14 @@ class FROMPMethod:
             its GGN, rescaled to the task size (default 1,000: the after-experience cost is
             bounded whatever the experience's size, a few passes over 1,000 examples; None:
             all, as in the paper and the runner's settings).
-        replay: also use the memorable set as a labelled coreset: :meth:`terms` returns the
-            mean negative log-likelihood of the memorable points of all earlier tasks under
-            their labels (through their heads), which the Avalanche plugin adds to the loss
-            (as S-FSVI and VCL use their coresets). Useful when one head sees classes one
-            experience at a time (class-incremental streams), where a penalty on the
-            function alone does not teach the head to tell old classes from new ones.
+        replay: also use the memorable set as a labelled coreset: :meth:`terms` returns,
+            summed over the earlier tasks, the mean negative log-likelihood of each task's
+            memorable points under their labels (through their heads; each set stands in for
+            its task's data term, see :meth:`FROMPRegularizer.replay_loss`), which the
+            Avalanche plugin adds to the loss (as S-FSVI and VCL use their coresets).
+            Useful when one head sees classes one experience at a time (class-incremental
+            streams), where a penalty on the function alone does not teach the head to tell
+            old classes from new ones.
         bn_statistics: the batch-norm statistics the memorable points are evaluated with
             (targets, kernels and penalty): ``"stored"`` (default) those of the running
             buffers at the last :meth:`learn_task` (what the network computed at test after
@@ -278,8 +280,9 @@ class FROMPMethod:
 
     def terms(self, net: nn.Module) -> tuple[Tensor, Tensor | None]:
         """``(R(w), replay loss)`` from one forward pass of the memorable points (one call
-        per head at most); the replay loss (mean negative log-likelihood of the memorable
-        points under their labels) is None unless ``replay=True``.
+        per head at most); the replay loss (summed over the earlier tasks, the mean negative
+        log-likelihood of each one's memorable points under their labels) is None unless
+        ``replay=True``.
 
         The forward runs in eval mode (no dropout) and, with ``bn_statistics="stored"``,
         with the normalisation layers' running statistics of the last :meth:`learn_task`
