@@ -308,9 +308,9 @@ class FROMP(MethodStrategy):
 
     def __init__(
         self,
+        *,
         model: nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
-        *args: Any,
         criterion: nn.Module | Callable | None = None,
         vogn_continual: bool = True,
         ivon_continual: bool = False,
@@ -320,7 +320,6 @@ class FROMP(MethodStrategy):
         # the __signature__ set below the class) go to the plugin, the rest to the template
         template_kwargs = {k: v for k, v in kwargs.items() if k not in _METHOD_PARAMS}
         method_kwargs = {k: v for k, v in kwargs.items() if k in _METHOD_PARAMS}
-        criterion = _legacy_positional(args, criterion, template_kwargs)
         if model is None or optimizer is None:
             raise TypeError("FROMP needs model= and optimizer=")
         posterior = method_kwargs.get("posterior", _METHOD_PARAMS["posterior"].default)
@@ -365,60 +364,21 @@ _METHOD_PARAMS: dict[str, inspect.Parameter] = {
     for n, p in inspect.signature(FROMPMethod.__init__).parameters.items()
     if n != "self"
 }
-#: Avalanche's template arguments after model and optimizer, in the order its strategies
-#: once took them positionally
-_TEMPLATE_ORDER = (
-    "criterion",
-    "train_mb_size",
-    "train_epochs",
-    "eval_mb_size",
-    "device",
-    "plugins",
-    "evaluator",
-    "eval_every",
-)
-
-
-def _legacy_positional(
-    args: tuple[Any, ...], criterion: Any, template_kwargs: dict[str, Any]
-) -> Any:
-    """Deprecated ``FROMP(model, optimizer, criterion, train_mb_size, ...)``: the template
-    arguments after ``model`` and ``optimizer`` given by position (Avalanche's order), with a
-    DeprecationWarning; returns the criterion and puts the others in ``template_kwargs``."""
-    if not args:
-        return criterion
-    if len(args) > len(_TEMPLATE_ORDER):
-        raise TypeError(
-            f"FROMP takes at most {2 + len(_TEMPLATE_ORDER)} positional arguments (model, "
-            f"optimizer, {', '.join(_TEMPLATE_ORDER)}), got {2 + len(args)}"
-        )
-    warnings.warn(
-        "FROMP(model, optimizer, criterion, ...): arguments after model and optimizer by "
-        "position are deprecated and will be keyword-only: pass "
-        + ", ".join(f"{n}=" for n in _TEMPLATE_ORDER[: len(args)]),
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    for name, value in zip(_TEMPLATE_ORDER, args):
-        given = criterion is not None if name == "criterion" else name in template_kwargs
-        if given:
-            raise TypeError(f"FROMP got {name!r} both by position and by keyword")
-        if name == "criterion":
-            criterion = value
-        else:
-            template_kwargs[name] = value
-    return criterion
 
 
 def _signature() -> inspect.Signature:
-    """FROMP's signature for ``help`` and introspection: ``model``, ``optimizer``, then
-    keyword-only ``criterion``, FROMPMethod's arguments, ``vogn_continual``,
-    ``ivon_continual`` and Avalanche's template arguments."""
-    own = inspect.signature(FROMP.__init__).parameters
+    """FROMP's signature for ``help``, introspection and Avalanche's mapping of positional
+    arguments: keyword-only ``model``, ``optimizer``, ``criterion``, FROMPMethod's
+    arguments, ``vogn_continual``, ``ivon_continual`` and Avalanche's template arguments."""
+    own = inspect.signature(_INIT).parameters
     params = [own["self"], own["model"], own["optimizer"], own["criterion"]]
     params += list(_METHOD_PARAMS.values())
     params += [own["vogn_continual"], own["ivon_continual"], own["kwargs"]]
     return inspect.Signature(params)
 
 
-FROMP.__init__.__signature__ = _signature()  # type: ignore[attr-defined]
+#: FROMP's own __init__ (Avalanche's template wraps it: positional arguments are mapped, in
+#: this signature's order, by Avalanche's legacy support with its
+#: PositionalArgumentsDeprecatedWarning)
+_INIT = getattr(FROMP.__init__, "__wrapped__", FROMP.__init__)
+_INIT.__signature__ = _signature()  # type: ignore[attr-defined]

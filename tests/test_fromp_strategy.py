@@ -252,8 +252,10 @@ def test_training_the_same_experience_twice_is_idempotent():
     torch.testing.assert_close(plugin.regularizer.memories[0].inputs, inputs_once)
 
 
-def test_keyword_only_after_model_and_optimizer_with_deprecated_positional_forms():
+def test_keyword_only_signature_and_positional_forms_in_its_order():
     import inspect
+
+    from avalanche.training.templates.base import PositionalArgumentsDeprecatedWarning
 
     from fromp.continual.methods import FROMPMethod
 
@@ -261,24 +263,30 @@ def test_keyword_only_after_model_and_optimizer_with_deprecated_positional_forms
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     crit = torch.nn.CrossEntropyLoss(reduction="sum")
     sig = inspect.signature(FROMP)
-    kinds = {n: p.kind for n, p in sig.parameters.items()}
-    assert kinds["model"] == kinds["optimizer"] == inspect.Parameter.POSITIONAL_OR_KEYWORD
-    method_args = [n for n in inspect.signature(FROMPMethod).parameters]
-    for n in ["criterion", *method_args, "vogn_continual"]:
-        assert kinds[n] == inspect.Parameter.KEYWORD_ONLY, n
+    method_args = list(inspect.signature(FROMPMethod).parameters)
+    names = ["model", "optimizer", "criterion", *method_args, "vogn_continual"]
+    assert list(sig.parameters)[: len(names)] == names
+    for n in names:
+        assert sig.parameters[n].kind == inspect.Parameter.KEYWORD_ONLY, n
     # FROMPMethod's defaults are FROMP's (written once)
     for n in method_args:
         assert sig.parameters[n].default == inspect.signature(FROMPMethod).parameters[n].default
     with warnings.catch_warnings():
+        warnings.simplefilter("error", PositionalArgumentsDeprecatedWarning)
         warnings.simplefilter("error", DeprecationWarning)
-        s = FROMP(net, opt, criterion=crit, tau=2.0, n_points=6, train_mb_size=7, evaluator=None)
+        s = FROMP(
+            model=net,
+            optimizer=opt,
+            criterion=crit,
+            tau=2.0,
+            n_points=6,
+            train_mb_size=7,
+            evaluator=None,
+        )
     assert (s._criterion, s.plugin.tau, s.plugin.n_points, s.train_mb_size) == (crit, 2.0, 6, 7)
-    # Avalanche's former positional order: criterion, train_mb_size, train_epochs, ...
-    with pytest.warns(DeprecationWarning, match="criterion=, train_mb_size="):
-        s = FROMP(net, opt, crit, 5, evaluator=None)
-    assert (s._criterion, s.train_mb_size, s.plugin.tau) == (crit, 5, 10.0)
-    with pytest.raises(TypeError, match="both by position and by keyword"):
-        with pytest.warns(DeprecationWarning):
-            FROMP(net, opt, crit, criterion=crit)
+    # by position: the signature's order (criterion, then tau, n_points), with a warning
+    with pytest.warns(PositionalArgumentsDeprecatedWarning):
+        s = FROMP(net, opt, crit, 3.0, 8, evaluator=None)
+    assert (s._criterion, s.plugin.tau, s.plugin.n_points) == (crit, 3.0, 8)
     with pytest.raises(TypeError, match="model= and optimizer="):
         FROMP(model=net)
