@@ -58,6 +58,7 @@ _BN_STATISTICS = ("stored", "live", "batch")
 #: the settings a state must have been saved with to be loaded (see load_state_dict)
 _SETTINGS = (
     "n_points",
+    "replay",  # before select: replay=True changes select's default, name the cause
     "select",
     "prior_precision",
     "posterior",
@@ -66,7 +67,6 @@ _SETTINGS = (
     "likelihood",
     "kernel",
     "jitter",
-    "replay",
     "bn_statistics",
 )
 
