@@ -418,14 +418,8 @@ def test_experience_replay_keeps_its_memory_per_experience_and_restores_it():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 6))
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    strategy = ExperienceReplay(
-        model=net,
-        optimizer=opt,
-        mem_per_experience=4,
-        n_experiences=3,
-        train_mb_size=8,
-        evaluator=None,
-    )
+    sizes = {"mem_per_experience": 4, "n_experiences": 3}
+    strategy = ExperienceReplay(model=net, optimizer=opt, train_mb_size=8, evaluator=None, **sizes)
     plugin = strategy.plugins[0]
     for t, exp in enumerate(scenario.train_stream):
         strategy.train(exp)
