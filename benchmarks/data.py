@@ -51,6 +51,7 @@ __all__ = [
     "DataNotFoundError",
     "Task",
     "TaskSequence",
+    "class_incremental",
     "load_cifar10",
     "load_cifar100",
     "load_fashion_mnist",
@@ -62,6 +63,7 @@ __all__ = [
     "split_digits",
     "split_fashion_mnist",
     "split_mnist",
+    "split_mnist_ci",
     "split_tasks",
     "synthetic_split",
     "to_avalanche",
@@ -572,6 +574,55 @@ def split_mnist(
     xtr, ytr, xte, yte = load_mnist(data_root, download=download)
     tasks = split_tasks(xtr.unsqueeze(1), ytr, xte.unsqueeze(1), yte, _pairs(10))
     return TaskSequence("split-mnist", tasks, True, (1, 28, 28), 2)
+
+
+def class_incremental(seq: TaskSequence, name: str | None = None) -> TaskSequence:
+    """The class-incremental form of a split sequence: the same experiences with one shared
+    head over every class, labels the original classes (``task.classes[y]``, Avalanche's
+    default labels) and no task label (``multi_head=False``), so that after experience ``t``
+    the network must tell all classes seen so far apart.
+
+    Raises:
+        ValueError: a sequence that is already single-head, or whose classes are not
+            ``0..K-1`` over the experiences, each once.
+    """
+    if not seq.multi_head:
+        raise ValueError(f"{seq.name!r} is single-head already: expected a split sequence")
+    classes = [c for t in seq for c in t.classes]
+    if sorted(classes) != list(range(len(classes))):
+        raise ValueError(
+            f"{seq.name!r}: the experiences' classes {classes} are not 0..{len(classes) - 1}, "
+            "each once"
+        )
+    tasks = []
+    for t in seq:
+        lookup = torch.tensor(t.classes, dtype=torch.long)
+
+        def glob(y: Tensor | None, lookup: Tensor = lookup) -> Tensor | None:
+            return None if y is None else lookup[y]
+
+        tasks.append(
+            Task(
+                t.train_x,
+                glob(t.train_y),
+                t.test_x,
+                glob(t.test_y),
+                t.task_id,
+                list(t.classes),
+                t.valid_x,
+                glob(t.valid_y),
+            )
+        )
+    return TaskSequence(name or f"{seq.name}-ci", tasks, False, seq.input_shape, len(classes))
+
+
+def split_mnist_ci(
+    data_root: str | os.PathLike[str] | None = None, *, download: bool = True
+) -> TaskSequence:
+    """Class-incremental split MNIST: the 5 experiences of :func:`split_mnist` (0/1, 2/3,
+    ..., 8/9, the order of S-FSVI's single-head ``smnist_sh``) with one 10-way head and the
+    digits as labels (:func:`class_incremental`)."""
+    return class_incremental(split_mnist(data_root, download=download), "split-mnist-ci")
 
 
 def split_fashion_mnist(

@@ -22,11 +22,13 @@ from torch import nn
 
 from benchmarks.data import (
     TaskSequence,
+    class_incremental,
     permuted_mnist,
     split_cifar,
     split_digits,
     split_fashion_mnist,
     split_mnist,
+    split_mnist_ci,
 )
 from benchmarks.settings import settings_for
 from fromp.models import CifarCNN, MultiHeadMLP
@@ -154,6 +156,24 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
         ("CIFAR10", "CIFAR100"),
         (6, (3, 32, 32), 10, True),
     ),
+    # Class-incremental split MNIST, S-FSVI's single-head protocol ("smnist_sh" in
+    # benchmarking/data_loaders/mnist_and_cifar.py of timrudner/S-FSVI): 5 experiences of 2
+    # digits, one 10-way head, 200 memory points per experience for every method that keeps
+    # examples (FROMP's memorable set, Replay's buffer). The training protocol (network,
+    # optimizer, epochs) is the same for every strategy; see benchmarks/settings.py.
+    "split-mnist-ci": BenchmarkSpec(
+        "split-mnist-ci",
+        "Class-incremental split MNIST: 5 experiences of 2 digits, global labels, MLP "
+        "784-256-256 with one 10-way head",
+        lambda root: split_mnist_ci(root),
+        _mlp((256, 256)),
+        {"optimizer": "adam", "lr": 1e-3, "train_epochs": 2, "train_mb_size": 128},
+        {
+            "s-fsvi": Published(92.87, 0.14, _SFSVI + ", single head, 200 coreset points per task"),
+        },
+        ("MNIST",),
+        (5, (1, 28, 28), 10, False),
+    ),
     "split-fashion-mnist": BenchmarkSpec(
         "split-fashion-mnist",
         "Split Fashion-MNIST: 5 tasks of 2 classes, raw pixels, MLP 784-256-256, 5 heads",
@@ -174,6 +194,17 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
         {},
         (),
         (5, (1, 8, 8), 2, True),
+    ),
+    "split-digits-ci": BenchmarkSpec(
+        "split-digits-ci",
+        "Class-incremental Split-Digits: the 5 experiences of split-digits with global labels "
+        "and one 10-way head, MLP 64-256-256 (built in, no download)",
+        lambda root: class_incremental(split_digits(), "split-digits-ci"),
+        _mlp((256, 256)),
+        {"optimizer": "adam", "lr": 1e-3, "train_epochs": 20, "train_mb_size": 32},
+        {},
+        (),
+        (5, (1, 8, 8), 10, False),
     ),
 }
 
@@ -285,6 +316,25 @@ STRATEGIES: dict[str, StrategySpec] = {
             "Avalanche's own EWC (squared mini-batch gradients as importance), with the "
             "benchmark's training settings, the same as ewc's",
             kwargs={"ewc_lambda": 1e4, "mode": "separate"},
+        ),
+        StrategySpec(
+            "fromp-coreset",
+            "strategies.fromp:FROMP",
+            "FROMP whose memorable set, drawn at random per class, is also a labelled coreset "
+            "in the loss (replay=True)",
+            kwargs={"replay": True, "select": "random"},
+        ),
+        StrategySpec(
+            "replay",
+            "strategies.benchmarks:ExperienceReplay",
+            "Avalanche's ReplayPlugin with a fixed buffer per experience "
+            "(ExperienceBalancedBuffer, not adaptive): mem_per_experience examples of each",
+        ),
+        StrategySpec(
+            "lwf",
+            "strategies.benchmarks:LwFStrategy",
+            "Avalanche's LwF (distillation of the previous model's outputs), checkpointable",
+            kwargs={"alpha": 1.0, "temperature": 2.0},
         ),
         StrategySpec(
             "naive",

@@ -1,14 +1,25 @@
-"""An Avalanche experience's dataset as tensors (what the method objects consume)."""
+"""An Avalanche experience's dataset as tensors (what the method objects consume), and the
+Avalanche baselines the benchmark runner builds beside fromp's strategies."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
-from torch import Tensor
+from avalanche.core import SupervisedPlugin
+from avalanche.training.plugins import LwFPlugin, ReplayPlugin
+from avalanche.training.templates import SupervisedTemplate
+from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-__all__ = ["experience_tensors"]
+__all__ = [
+    "ExperienceReplay",
+    "LwFStatePlugin",
+    "LwFStrategy",
+    "ReplayBufferPlugin",
+    "experience_tensors",
+]
 
 
 def experience_tensors(
@@ -35,3 +46,129 @@ def experience_tensors(
     if not xs:
         raise ValueError("dataset is empty: expected at least one example")
     return torch.cat(xs), torch.cat(ys).long(), torch.cat(ts).long()
+
+
+class ReplayBufferPlugin(ReplayPlugin):
+    """Avalanche's ``ReplayPlugin`` over an ``ExperienceBalancedBuffer`` whose buffer can be
+    saved and restored (``state_dict`` / ``load_state_dict``: per experience, the kept
+    examples as tensors and their reservoir weights), so that a run resumed from a
+    checkpoint replays the same examples."""
+
+    def state_dict(self) -> dict[str, Any]:
+        policy = self.storage_policy
+        groups = {}
+        for key, group in policy.buffer_groups.items():
+            x, y, t = experience_tensors(group.buffer, eval_transforms=False)
+            groups[int(key)] = {
+                "x": x,
+                "y": y,
+                "t": t,
+                "weights": group._buffer_weights.clone(),
+                "max_size": int(group.max_size),
+            }
+        return {"num_exps": int(policy._num_exps), "groups": groups}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from avalanche.benchmarks.utils import _make_taskaware_tensor_classification_dataset
+        from avalanche.training.storage_policy import ReservoirSamplingBuffer
+
+        policy = self.storage_policy
+        policy.buffer_groups = {}
+        for key, g in sorted(state["groups"].items()):
+            group = ReservoirSamplingBuffer(g["max_size"])
+            group.buffer = _make_taskaware_tensor_classification_dataset(
+                g["x"], g["y"], task_labels=g["t"].tolist(), targets=g["y"].tolist()
+            )
+            group._buffer_weights = g["weights"].clone()
+            policy.buffer_groups[int(key)] = group
+        policy._num_exps = int(state["num_exps"])
+
+
+class _PluginStrategy(SupervisedTemplate):
+    """Avalanche's supervised template with one method plugin first (cross-entropy when no
+    criterion is given); the baselines below build their plugin and pass it here."""
+
+    def __init__(
+        self, plugin: SupervisedPlugin, *, plugins: list[Any] | None = None, **kwargs: Any
+    ):
+        kwargs["criterion"] = kwargs.get("criterion") or nn.CrossEntropyLoss()
+        super().__init__(plugins=[plugin, *(plugins or [])], **kwargs)
+
+
+class ExperienceReplay(_PluginStrategy):
+    """Avalanche's replay with a fixed memory per experience: a ``ReplayPlugin`` whose
+    buffer is an ``ExperienceBalancedBuffer(max_size=mem_per_experience * n_experiences,
+    adaptive_size=False, num_experiences=n_experiences)``, so that after ``t`` experiences it
+    holds ``mem_per_experience`` random examples of each (``t * mem_per_experience`` in all),
+    the memory FROMP's memorable sets take with ``n_points=mem_per_experience``. (Avalanche's
+    ``Replay(mem_size=m)`` splits ``m`` over the experiences seen so far instead, so it holds
+    more of the early experiences.) Every training mini-batch is joined by one of the same
+    size drawn from the buffer (``batch_size_mem``, default ``train_mb_size``).
+
+    Args: Avalanche's ``SupervisedTemplate`` keyword arguments (``model``, ``optimizer``,
+    ``criterion``, ...), and
+        mem_per_experience: examples kept of each experience (default 200: S-FSVI's
+            single-head split MNIST).
+        n_experiences: experiences of the stream the buffer is sized for.
+        batch_size_mem: replayed examples per mini-batch (None: ``train_mb_size``).
+    """
+
+    def __init__(
+        self,
+        *,
+        mem_per_experience: int = 200,
+        n_experiences: int = 5,
+        batch_size_mem: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        from avalanche.training.storage_policy import ExperienceBalancedBuffer
+
+        sizes = (("mem_per_experience", mem_per_experience), ("n_experiences", n_experiences))
+        for name, v in sizes:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        size = mem_per_experience * n_experiences
+        buffer = ExperienceBalancedBuffer(
+            max_size=size, adaptive_size=False, num_experiences=n_experiences
+        )
+        plugin = ReplayBufferPlugin(
+            mem_size=size, batch_size_mem=batch_size_mem, storage_policy=buffer
+        )
+        super().__init__(plugin, **kwargs)
+        self.mem_per_experience = mem_per_experience
+
+
+class LwFStatePlugin(LwFPlugin):
+    """Avalanche's ``LwFPlugin`` whose state (the previous model's weights, the classes seen
+    per task, the experience count) can be saved and restored, for checkpoints."""
+
+    def __init__(self, model: nn.Module, alpha: float = 1.0, temperature: float = 2.0) -> None:
+        super().__init__(alpha=alpha, temperature=temperature)
+        self._model = model  # the architecture a restored previous model is built from
+
+    def state_dict(self) -> dict[str, Any]:
+        lwf = self.lwf
+        prev = None if lwf.prev_model is None else lwf.prev_model.state_dict()
+        classes = {int(k): sorted(int(c) for c in v) for k, v in lwf.prev_classes_by_task.items()}
+        return {"expcount": int(lwf.expcount), "classes": classes, "prev_model": prev}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        lwf = self.lwf
+        lwf.expcount = int(state["expcount"])
+        lwf.prev_classes_by_task.clear()
+        lwf.prev_classes_by_task.update({int(k): set(v) for k, v in state["classes"].items()})
+        lwf.prev_model = None
+        if state["prev_model"] is not None:
+            lwf.prev_model = copy.deepcopy(self._model)
+            lwf.prev_model.load_state_dict(state["prev_model"])
+
+
+class LwFStrategy(_PluginStrategy):
+    """Avalanche's LwF (``avalanche.training.LwF``: distillation of the previous model's
+    softened outputs on the units of the classes seen, ``alpha * KL``) with a checkpointable
+    plugin (:class:`LwFStatePlugin`); the same training as Avalanche's ``LwF``. Keyword
+    arguments: ``alpha``, ``temperature`` and Avalanche's ``SupervisedTemplate`` ones."""
+
+    def __init__(self, *, alpha: float = 1.0, temperature: float = 2.0, **kwargs: Any) -> None:
+        plugin = LwFStatePlugin(kwargs["model"], alpha=alpha, temperature=temperature)
+        super().__init__(plugin, **kwargs)

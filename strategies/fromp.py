@@ -24,6 +24,7 @@ head.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -308,28 +309,20 @@ class FROMP(MethodStrategy):
     def __init__(
         self,
         *,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
         criterion: nn.Module | Callable | None = None,
-        tau: float = 10.0,
-        n_points: int = 40,
-        kernel: str = "per_class",
-        select: str = "descending",
-        prior_precision: float = 1e-3,
-        jitter: float = 1e-6,
-        grad_clip_norm: float | None = None,
-        posterior: str = "ggn",
-        curvature_examples: int | None = 1000,
-        chunk_size: int = 64,
-        likelihood: str = "categorical",
-        seed: int = 0,
         vogn_continual: bool = True,
         ivon_continual: bool = False,
-        ivon_penalty: str = "mean",
-        replay: bool = False,
-        bn_statistics: str = "stored",
-        **template_kwargs: Any,
+        **kwargs: Any,
     ) -> None:
+        # the method's keyword arguments (FROMPMethod's signature, written there once; see
+        # the __signature__ set below the class) go to the plugin, the rest to the template
+        template_kwargs = {k: v for k, v in kwargs.items() if k not in _METHOD_PARAMS}
+        method_kwargs = {k: v for k, v in kwargs.items() if k in _METHOD_PARAMS}
+        if model is None or optimizer is None:
+            raise TypeError("FROMP needs model= and optimizer=")
+        posterior = method_kwargs.get("posterior", _METHOD_PARAMS["posterior"].default)
         extra: list[Any] = []
         if posterior == "vogn":
             from fromp.optim import VOGN
@@ -354,23 +347,7 @@ class FROMP(MethodStrategy):
             # gradient IVON reads, and FROMP reads the task's posterior before IVON may turn
             # it into the next prior
             extra.append(IVONPlugin(optimizer, continual=ivon_continual))
-        plugin = FROMPPlugin(
-            tau,
-            n_points,
-            kernel=kernel,
-            select=select,
-            prior_precision=prior_precision,
-            jitter=jitter,
-            grad_clip_norm=grad_clip_norm,
-            posterior=posterior,
-            curvature_examples=curvature_examples,
-            chunk_size=chunk_size,
-            likelihood=likelihood,
-            seed=seed,
-            ivon_penalty=ivon_penalty,
-            replay=replay,
-            bn_statistics=bn_statistics,
-        )
+        plugin = FROMPPlugin(**method_kwargs)
         super().__init__(
             method_plugins=[plugin, *extra],
             model=model,
@@ -379,3 +356,29 @@ class FROMP(MethodStrategy):
             **template_kwargs,
         )
         _add_penalty_metric(self.evaluator)
+
+
+#: FROMPMethod's keyword arguments by name (the one place they are written)
+_METHOD_PARAMS: dict[str, inspect.Parameter] = {
+    n: p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+    for n, p in inspect.signature(FROMPMethod.__init__).parameters.items()
+    if n != "self"
+}
+
+
+def _signature() -> inspect.Signature:
+    """FROMP's signature for ``help``, introspection and Avalanche's mapping of positional
+    arguments: keyword-only ``model``, ``optimizer``, ``criterion``, FROMPMethod's
+    arguments, ``vogn_continual``, ``ivon_continual`` and Avalanche's template arguments."""
+    own = inspect.signature(_INIT).parameters
+    params = [own["self"], own["model"], own["optimizer"], own["criterion"]]
+    params += list(_METHOD_PARAMS.values())
+    params += [own["vogn_continual"], own["ivon_continual"], own["kwargs"]]
+    return inspect.Signature(params)
+
+
+#: FROMP's own __init__ (Avalanche's template wraps it: positional arguments are mapped, in
+#: this signature's order, by Avalanche's legacy support with its
+#: PositionalArgumentsDeprecatedWarning)
+_INIT = getattr(FROMP.__init__, "__wrapped__", FROMP.__init__)
+_INIT.__signature__ = _signature()  # type: ignore[attr-defined]

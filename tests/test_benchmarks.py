@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from benchmarks.__main__ import main
 from benchmarks.registry import BENCHMARKS, STRATEGIES, get_benchmark, get_strategy
@@ -344,3 +345,98 @@ def test_speed_benchmark_ratios_come_from_its_own_timings(tmp_path):
     assert r["ratio_normal_floor_antithetic"] == pytest.approx(
         (r["adam_mean"] + r["normal_mean"] / 2) / r["adam_mean"]
     )
+
+
+# ----------------------------------------------------------------- class-incremental split
+
+
+def test_class_incremental_sequence_has_global_labels_and_one_head():
+    from benchmarks.data import class_incremental, synthetic_split
+
+    split = synthetic_split(n_tasks=3, n_train=20, n_test=10)
+    seq = class_incremental(split)
+    assert (seq.multi_head, seq.n_outputs, len(seq)) == (False, 6, 3)
+    for t, s in zip(seq, split):
+        assert t.classes == s.classes == [2 * t.task_id, 2 * t.task_id + 1]
+        # the label of every example is its original class, not its place in the task
+        assert torch.equal(t.train_y, s.train_y + 2 * t.task_id)
+        assert torch.equal(t.test_y, s.test_y + 2 * t.task_id)
+        assert torch.equal(t.train_x, s.train_x)
+    with pytest.raises(ValueError, match="single-head already"):
+        class_incremental(seq)
+
+
+@pytest.mark.parametrize("name", ["split-mnist-ci", "split-digits-ci"])
+def test_class_incremental_benchmarks_share_protocol_and_memory(name):
+    bench = get_benchmark(name)
+    n_tasks, _, n_out, multi = bench.layout
+    assert (n_tasks, n_out, multi) == (5, 10, False)
+    got = {
+        s: resolve_settings(bench, get_strategy(s), {})
+        for s in ("fromp", "fromp-coreset", "replay", "naive", "lwf", "ewc-avalanche")
+    }
+    protocol = {
+        s: (v["optimizer"], v["lr"], v["train_epochs"], v["train_mb_size"]) for s, v in got.items()
+    }
+    assert len(set(protocol.values())) == 1, protocol
+    memory = got["replay"]["kwargs"]["mem_per_experience"]
+    assert got["fromp-coreset"]["kwargs"]["n_points"] == memory
+    assert got["fromp"]["kwargs"]["n_points"] == memory
+    assert got["fromp-coreset"]["kwargs"]["replay"] is True
+    assert got["replay"]["kwargs"]["n_experiences"] == n_tasks
+    if name == "split-mnist-ci":  # S-FSVI's single-head split MNIST: 200 per task
+        assert memory == 200
+
+
+def test_class_incremental_digits_one_ten_way_head_and_every_method_in_the_table(tmp_path):
+    bench = get_benchmark("split-digits-ci")
+    seq = bench.load(None)
+    net = bench.model(seq)
+    x = seq[0].train_x[:3]
+    assert net(x).shape == (3, 10)
+    assert getattr(net, "n_heads", 1) == 1
+    for t in seq:  # labels are the digits themselves
+        assert set(t.train_y.unique().tolist()) == set(t.classes)
+    names = ["naive", "replay", "lwf", "ewc-avalanche", "fromp", "fromp-coreset"]
+    argv = ["split-digits-ci", "--strategies", ",".join(names), "--epochs", "1"]
+    argv += ["--n-train", "60", "--n-test", "20", "--no-progress", "--out", str(tmp_path)]
+    argv += ["--valid-fraction", "0.2", "--select-on", "validation"]
+    assert main(argv) == 0
+    payload = json.loads((tmp_path / "split-digits-ci" / "results.json").read_text())
+    assert set(payload["aggregate"]) == set(names)
+    report = (tmp_path / "split-digits-ci" / "report.md").read_text()
+    for n in names:
+        assert f"| {n} | 1 |" in report
+
+
+def test_experience_replay_keeps_its_memory_per_experience_and_restores_it():
+    from benchmarks.data import class_incremental, synthetic_split, to_avalanche
+    from strategies.benchmarks import ExperienceReplay, experience_tensors
+
+    seq = class_incremental(synthetic_split(n_tasks=3, input_shape=(6,), n_train=30))
+    scenario = to_avalanche(seq)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 6))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    sizes = {"mem_per_experience": 4, "n_experiences": 3}
+    strategy = ExperienceReplay(model=net, optimizer=opt, train_mb_size=8, evaluator=None, **sizes)
+    plugin = strategy.plugins[0]
+    for t, exp in enumerate(scenario.train_stream):
+        strategy.train(exp)
+        groups = plugin.storage_policy.buffer_groups
+        assert sorted(groups) == list(range(t + 1))  # after tasks 1, 2 and 3
+        for k, g in groups.items():
+            _, y, _ = experience_tensors(g.buffer)
+            assert len(y) == 4 and set(y.tolist()) <= set(seq[k].classes)
+    state = plugin.state_dict()
+    other = ExperienceReplay(
+        model=net, optimizer=opt, mem_per_experience=4, n_experiences=3, evaluator=None
+    ).plugins[0]
+    other.load_state_dict(state)
+    again = other.state_dict()
+    assert again["num_exps"] == 3
+    for k in state["groups"]:
+        for key in ("x", "y", "weights"):
+            assert torch.equal(again["groups"][k][key], state["groups"][k][key])
+    with pytest.raises(ValueError, match="mem_per_experience"):
+        ExperienceReplay(model=net, optimizer=opt, mem_per_experience=0)

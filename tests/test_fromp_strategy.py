@@ -121,6 +121,9 @@ def test_plugin_argument_errors():
     }
     for bench, d in SETTINGS["fromp"].items():
         assert {"optimizer", "lr", "train_epochs", "train_mb_size", "kwargs"} <= set(d)
+        if bench.endswith("-ci"):  # class-incremental: FROMP with Adam only (and a coreset)
+            assert SETTINGS["fromp-coreset"][bench]["kwargs"]["replay"] is True
+            continue
         assert SETTINGS["fromp-vogn"][bench]["optimizer"] == "vogn"
         assert SETTINGS["fromp-vogn"][bench]["kwargs"]["posterior"] == "vogn"
         assert SETTINGS["fromp-ivon"][bench]["optimizer"] == "ivon"
@@ -247,3 +250,43 @@ def test_training_the_same_experience_twice_is_idempotent():
     assert len(plugin.regularizer) == 1 and plugin.regularizer.num_points == 4
     torch.testing.assert_close(plugin.posterior_variance(net), var_once, rtol=0, atol=0)
     torch.testing.assert_close(plugin.regularizer.memories[0].inputs, inputs_once)
+
+
+def test_keyword_only_signature_and_positional_forms_in_its_order():
+    import inspect
+
+    from avalanche.training.templates.base import PositionalArgumentsDeprecatedWarning
+
+    from fromp.continual.methods import FROMPMethod
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    crit = torch.nn.CrossEntropyLoss(reduction="sum")
+    sig = inspect.signature(FROMP)
+    method_args = list(inspect.signature(FROMPMethod).parameters)
+    names = ["model", "optimizer", "criterion", *method_args, "vogn_continual"]
+    assert list(sig.parameters)[: len(names)] == names
+    for n in names:
+        assert sig.parameters[n].kind == inspect.Parameter.KEYWORD_ONLY, n
+    # FROMPMethod's defaults are FROMP's (written once)
+    for n in method_args:
+        assert sig.parameters[n].default == inspect.signature(FROMPMethod).parameters[n].default
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PositionalArgumentsDeprecatedWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        s = FROMP(
+            model=net,
+            optimizer=opt,
+            criterion=crit,
+            tau=2.0,
+            n_points=6,
+            train_mb_size=7,
+            evaluator=None,
+        )
+    assert (s._criterion, s.plugin.tau, s.plugin.n_points, s.train_mb_size) == (crit, 2.0, 6, 7)
+    # by position: the signature's order (criterion, then tau, n_points), with a warning
+    with pytest.warns(PositionalArgumentsDeprecatedWarning):
+        s = FROMP(net, opt, crit, 3.0, 8, evaluator=None)
+    assert (s._criterion, s.plugin.tau, s.plugin.n_points) == (crit, 3.0, 8)
+    with pytest.raises(TypeError, match="model= and optimizer="):
+        FROMP(model=net)

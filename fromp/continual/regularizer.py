@@ -464,7 +464,7 @@ class FROMPRegularizer:
         self, model_fn: ModelFn | nn.Module, *, replay: bool = False
     ) -> tuple[Tensor, Tensor | None]:
         """``(R(w), replay loss or None)`` from one evaluation of the memorable points:
-        :meth:`penalty`, and with ``replay`` the mean negative log-likelihood of the
+        :meth:`penalty`, and with ``replay`` the tasks' mean negative log-likelihoods of the
         memorable points under their stored labels (:meth:`replay_loss`)."""
         if not self.memories:
             return torch.zeros(()), (torch.zeros(()) if replay else None)
@@ -473,25 +473,29 @@ class FROMPRegularizer:
         return self._penalty(residuals), (self._replay(outputs) if replay else None)
 
     def replay_loss(self, model_fn: ModelFn | nn.Module) -> Tensor:
-        """The memorable set as a labelled coreset: ``-(1 / sum_s M_s) sum_s sum_m log
-        p(y_m | f(x_m; w))`` over the stored points of every task, through their heads
-        (softmax cross-entropy for ``"categorical"``). Needs the labels
-        (``add_task(..., labels=)``)."""
+        """The memorable sets as labelled coresets: ``-sum_s (1 / M_s) sum_{m in s} log
+        p(y_m | f(x_m; w))``, each earlier task's mean negative log-likelihood on its
+        stored points, through its head (softmax cross-entropy for ``"categorical"``),
+        summed over the tasks. Each set stands in for its task's data term, which the
+        current task's mean loss weighs 1: after ``t`` tasks the coreset weighs ``t``
+        against the new task's 1, as the tasks' classes do in a class-incremental stream
+        (one mean over all the points instead gave the ``2 t`` old classes together the
+        weight of the 2 new ones: split MNIST after 5 experiences 90.2 % against Replay's
+        90.0 %). Needs the labels (``add_task(..., labels=)``)."""
         return self.terms(model_fn, replay=True)[1]
 
     def _replay(self, outputs: list[Tensor]) -> Tensor:
-        total, count = None, 0
+        total = None
         for f, m in zip(outputs, self.memories):
             if m.labels is None:
                 raise ValueError(
                     f"the memorable set of task {m.task} has no labels: replay needs "
                     "add_task(..., labels=)"
                 )
-            nll = self.likelihood.nll(f, m.labels.to(f.device)).sum()
+            nll = self.likelihood.nll(f, m.labels.to(f.device)).sum() / len(m.labels)
             total = nll if total is None else total + nll
-            count += len(m.labels)
         assert total is not None
-        return total / count
+        return total
 
     def outputs(self, model_fn: ModelFn | nn.Module) -> list[Tensor]:
         """The model's outputs ``[M_s, C]`` on every stored memorable set, through its head.
