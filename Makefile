@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m benchmarks demo
+	$(BIN)/python -m fromp_bench demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
@@ -26,12 +26,12 @@ test: $(STAMP)
 # On a machine with a CUDA GPU: the CUDA tests and GPU measurements (about 9 minutes on an
 # H100; --budget bounds it) -> benchmarks/results/gpu/<date>-<device>.json and .md.
 gpu-check: $(STAMP)
-	$(BIN)/python -m benchmarks.studies.gpu_check --out benchmarks/results/gpu
+	$(BIN)/python -m fromp_bench.studies.gpu_check --out benchmarks/results/gpu
 
 # For a GPU machine without a package index: wheels, MNIST and a wandb stand-in into
 # .gpu-bundle/ (ignored by git), and the one command to run there (docs/gpu.md).
 gpu-bundle: $(STAMP)
-	$(BIN)/python -m benchmarks.studies.gpu_bundle
+	$(BIN)/python -m fromp_bench.studies.gpu_bundle
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

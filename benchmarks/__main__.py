@@ -1,4 +1,4 @@
-"""``python -m benchmarks`` / ``fromp-bench``: run continual-learning benchmarks.
+"""``python -m fromp_bench`` / ``fromp-bench``: run continual-learning benchmarks.
 
 Examples::
 
@@ -17,7 +17,7 @@ interrupted by Ctrl-C or SIGTERM (the message says how to resume; the lock is re
 
 Writes ``<out>/<benchmark>/results.json`` (every run and the aggregate), ``report.md`` and
 ``accuracy.png``; checkpoints go to ``<out>/<benchmark>/checkpoints/``. The command line
-lives in :mod:`benchmarks.command`, the sweep in :mod:`benchmarks.sweep`; this module only
+lives in :mod:`fromp_bench.command`, the sweep in :mod:`fromp_bench.sweep`; this module only
 dispatches, so that neither imports the other's entry point.
 """
 
@@ -30,7 +30,7 @@ import sys
 import threading
 from pathlib import Path
 
-from benchmarks.command import (
+from fromp_bench.command import (
     USER_ERRORS,
     _list,
     build_parser,
@@ -41,8 +41,8 @@ from benchmarks.command import (
     run_benchmark,
     run_options,
 )
-from benchmarks.registry import get_benchmark, get_strategy
-from benchmarks.sweep import sweep_main
+from fromp_bench.registry import get_benchmark, get_strategy
+from fromp_bench.sweep import sweep_main
 
 __all__ = ["main"]
 

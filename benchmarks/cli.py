@@ -35,15 +35,15 @@ from typing import Any
 
 import numpy as np
 import torch
+from fromp_avalanche.checkpoint import CheckpointError as _BaseCheckpointError
+from fromp_avalanche.checkpoint import read_checked
+from fromp_bench.data import CorruptDataError, DataNotFoundError, TaskSequence
+from fromp_bench.plugins import check_out
+from fromp_bench.registry import STRATEGIES, UnknownNameError, get_benchmark
+from fromp_bench.report import image_grid, log_norm, plot_kernel, to_image
 from torch import nn
 
-from benchmarks.data import CorruptDataError, DataNotFoundError, TaskSequence
-from benchmarks.plugins import check_out
-from benchmarks.registry import STRATEGIES, UnknownNameError, get_benchmark
-from benchmarks.report import image_grid, log_norm, plot_kernel, to_image
 from fromp.models import with_task
-from strategies.checkpoint import CheckpointError as _BaseCheckpointError
-from strategies.checkpoint import read_checked
 
 __all__ = ["gp_main", "load_trained", "load_user_model", "memorable_main", "write_memory_map"]
 
@@ -64,7 +64,7 @@ def load_trained(
     """The trained network of a ``fromp-bench`` checkpoint, its task sequence and run config.
 
     The file is verified against its ``.sha256`` and read with ``weights_only=True``
-    (:func:`strategies.checkpoint.read_checked`): a missing or mismatched checksum, a file
+    (:func:`fromp_avalanche.checkpoint.read_checked`): a missing or mismatched checksum, a file
     that needs code to load, a directory or an empty file is refused naming the path.
 
     Returns:
@@ -73,7 +73,7 @@ def load_trained(
         deterministic network at the posterior means), ``seq`` the benchmark's tasks
         (subsampled as in the run).
     """
-    from benchmarks.runner import load_sequence
+    from fromp_bench.runner import load_sequence
 
     path = Path(path)
     try:  # checksum verified, read with weights_only=True: a checkpoint never runs code
@@ -148,7 +148,7 @@ def load_user_model(
     """
     import importlib
 
-    from benchmarks.runner import load_sequence
+    from fromp_bench.runner import load_sequence
 
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:

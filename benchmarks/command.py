@@ -1,6 +1,6 @@
 """The runner's command line: argument parsing and checks, planning, running and reporting
 (``fromp-bench``; the entry point, its examples and exit statuses are in
-:mod:`benchmarks.__main__`). Writes ``<out>/<benchmark>/results.json`` (every run and the
+:mod:`fromp_bench.__main__`). Writes ``<out>/<benchmark>/results.json`` (every run and the
 aggregate), ``report.md`` and ``accuracy.png``; checkpoints go to
 ``<out>/<benchmark>/checkpoints/``."""
 
@@ -16,23 +16,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.data import CorruptDataError, DataNotFoundError
-from benchmarks.plugins import MIN_FREE_BYTES as MIN_FREE_BYTES  # moved, kept here too
-from benchmarks.plugins import (
+from fromp_bench.data import CorruptDataError, DataNotFoundError
+from fromp_bench.plugins import MIN_FREE_BYTES as MIN_FREE_BYTES  # moved, kept here too
+from fromp_bench.plugins import (
     UsageError,
     check_out,
     check_report_files,
     check_writable_run_dirs,
     out_lock,
 )
-from benchmarks.registry import (
+from fromp_bench.registry import (
     BENCHMARKS,
     STRATEGIES,
     UnknownNameError,
     get_benchmark,
     get_strategy,
 )
-from benchmarks.runner import (
+from fromp_bench.runner import (
     CheckpointError,
     RunConfig,
     SettingsError,
@@ -44,6 +44,7 @@ from benchmarks.runner import (
     run,
     validate_settings,
 )
+
 from fromp import distributed
 
 DEMO_STRATEGIES = ("fromp", "ewc", "vcl", "naive")
@@ -449,7 +450,7 @@ def _run_one(benchmark: str, name: str, merged: dict[str, Any], seed: int, label
              base: Path, *args: Any) -> dict[str, Any]:  # fmt: skip
     """One run (``args``: the rest of :class:`RunConfig`'s fields after ``overrides``, the
     checkpoint path excepted), its result saved as ``base/runs/<label>.json``."""
-    from benchmarks.report import save_json
+    from fromp_bench.report import save_json
 
     data_root, device, n_train, n_test, resume, stop_after, progress, *rest = args
     ckpt = base / "checkpoints" / f"{label}.pt"
@@ -526,7 +527,7 @@ def write_report(
     """Aggregate ``results`` and write ``results.json``, ``report.md`` and ``accuracy.png``
     under ``base``; print the table. Failed runs are listed, never aggregated. Returns the
     payload of ``results.json``."""
-    from benchmarks.report import aggregate, markdown_report, plot_accuracy, save_json, select
+    from fromp_bench.report import aggregate, markdown_report, plot_accuracy, save_json, select
 
     bench = get_benchmark(bench_name)
     agg = aggregate(results)
@@ -571,7 +572,7 @@ def write_report(
 
 def report_only(benchmark: str, out: Path, select_on: str | None = None) -> dict[str, Any]:
     """Rebuild the report of ``benchmark`` from ``<out>/<benchmark>/runs/*.json``; runs are
-    grouped by identical settings and data (:func:`benchmarks.report.group_key`)."""
+    grouped by identical settings and data (:func:`fromp_bench.report.group_key`)."""
     base = out / benchmark
     files = sorted((base / "runs").glob("*.json"))
     if not files:

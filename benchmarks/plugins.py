@@ -23,11 +23,10 @@ import numpy as np
 import torch
 from avalanche.core import SupervisedPlugin
 from avalanche.training.plugins import EvaluationPlugin
+from fromp_avalanche.checkpoint import CheckpointError as _BaseCheckpointError
+from fromp_avalanche.checkpoint import read_checked, write_checked
 from torch import Tensor
 from tqdm.auto import tqdm
-
-from strategies.checkpoint import CheckpointError as _BaseCheckpointError
-from strategies.checkpoint import read_checked, write_checked
 
 __all__ = [
     "CHECKPOINT_VERSION",
@@ -378,7 +377,7 @@ def _summarise(
 
 
 def _write_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    """Atomic and checked (:func:`strategies.checkpoint.write_checked`): the bytes go to a
+    """Atomic and checked (:func:`fromp_avalanche.checkpoint.write_checked`): the bytes go to a
     temporary file, are flushed to disk and then renamed over ``path``; their SHA-256 goes to
     ``path.sha256`` (written the same way), which :func:`_read_checkpoint` verifies. A crash
     leaves the previous checkpoint whole."""
@@ -537,7 +536,7 @@ def _alive(pid: int) -> bool:
 class _DataParallel(SupervisedPlugin):
     """Data parallelism on ``torch.distributed`` for the runner (one process per rank, each
     holding its shard of every experience as the experience itself, see
-    :func:`benchmarks.runner.run`).
+    :func:`fromp_bench.runner.run`).
 
     Avalanche 0.6 shards its loaders with a ``DistributedSampler`` whenever
     ``torch.distributed`` is initialised but leaves the gradients alone; here the loaders are

@@ -4,7 +4,7 @@ A benchmark carries its protocol (how the tasks are built, which network, the tr
 settings of the FROMP paper) and the published numbers to compare with. A strategy names an
 Avalanche strategy class by import path (imported lazily, so a missing optional strategy does
 not break the others) and preset keyword arguments; its tuned per-benchmark settings live in
-:data:`benchmarks.settings.SETTINGS`.
+:data:`fromp_bench.settings.SETTINGS`.
 
 Settings are merged in this order, later wins: benchmark defaults,
 ``SETTINGS[strategy][benchmark]``, the preset's own settings, command-line overrides.
@@ -18,9 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch import nn
-
-from benchmarks.data import (
+from fromp_bench.data import (
     TaskSequence,
     class_incremental,
     permuted_mnist,
@@ -30,7 +28,9 @@ from benchmarks.data import (
     split_mnist,
     split_mnist_ci,
 )
-from benchmarks.settings import settings_for
+from fromp_bench.settings import settings_for
+from torch import nn
+
 from fromp.models import CifarCNN, MultiHeadMLP
 
 __all__ = [
@@ -243,7 +243,7 @@ class StrategySpec:
         return True
 
     def defaults(self, benchmark: str) -> dict[str, Any]:
-        """The tuned settings for ``benchmark`` (:data:`benchmarks.settings.SETTINGS`; may be
+        """The tuned settings for ``benchmark`` (:data:`fromp_bench.settings.SETTINGS`; may be
         empty)."""
         return settings_for(self.name, benchmark)
 
@@ -253,61 +253,61 @@ STRATEGIES: dict[str, StrategySpec] = {
     for s in [
         StrategySpec(
             "fromp",
-            "strategies.fromp:FROMP",
+            "fromp_avalanche.fromp:FROMP",
             "FROMP: functional regularisation of memorable past, per-class DNN2GP kernels",
         ),
         StrategySpec(
             "fromp-l2",
-            "strategies.fromp:FROMP",
+            "fromp_avalanche.fromp:FROMP",
             "FROMP-L2: FROMP with the kernel replaced by the identity",
             kwargs={"kernel": "identity"},
         ),
         StrategySpec(
             "fromp-kron",
-            "strategies.fromp:FROMP",
+            "fromp_avalanche.fromp:FROMP",
             "FROMP with Kronecker-factored (KFAC) posterior kernels instead of diagonal ones",
             kwargs={"posterior": "kron"},
         ),
         StrategySpec(
             "fromp-vogn",
-            "strategies.fromp:FROMP",
+            "fromp_avalanche.fromp:FROMP",
             "FROMP trained with VOGN; the kernel uses VOGN's posterior",
             kwargs={"posterior": "vogn"},
             settings={"optimizer": "vogn"},
         ),
         StrategySpec(
             "fromp-ivon",
-            "strategies.fromp:FROMP",
+            "fromp_avalanche.fromp:FROMP",
             "FROMP trained with IVON; the kernel uses IVON's posterior",
             kwargs={"posterior": "ivon"},
             settings={"optimizer": "ivon"},
         ),
         StrategySpec(
             "ivon",
-            "strategies.ivon:IVONStrategy",
+            "fromp_avalanche.ivon:IVONStrategy",
             "IVON: improved variational online Newton, each task's posterior is the next prior",
             settings={"optimizer": "ivon"},
         ),
         StrategySpec(
             "vogn",
-            "strategies.vogn:VOGNStrategy",
+            "fromp_avalanche.vogn:VOGNStrategy",
             "VOGN: variational online Gauss-Newton, each task's posterior is the next prior",
             settings={"optimizer": "vogn"},
         ),
         StrategySpec(
             "vcl",
-            "strategies.vcl:VCL",
+            "fromp_avalanche.vcl:VCL",
             "VCL: mean-field variational continual learning",
         ),
         StrategySpec(
             "vcl-coreset",
-            "strategies.vcl:VCL",
+            "fromp_avalanche.vcl:VCL",
             "VCL with a random coreset, trained on before evaluation",
             kwargs={"coreset_method": "random"},
         ),
         StrategySpec(
             "ewc",
-            "strategies.ewc:EWC",
+            "fromp_avalanche.ewc:EWC",
             "EWC with the per-example (sampled) Fisher diagonal",
         ),
         StrategySpec(
@@ -319,20 +319,20 @@ STRATEGIES: dict[str, StrategySpec] = {
         ),
         StrategySpec(
             "fromp-coreset",
-            "strategies.fromp:FROMP",
+            "fromp_avalanche.fromp:FROMP",
             "FROMP whose memorable set, drawn at random per class, is also a labelled coreset "
             "in the loss (replay=True)",
             kwargs={"replay": True, "select": "random"},
         ),
         StrategySpec(
             "replay",
-            "strategies.benchmarks:ExperienceReplay",
+            "fromp_avalanche.benchmarks:ExperienceReplay",
             "Avalanche's ReplayPlugin with a fixed buffer per experience "
             "(ExperienceBalancedBuffer, not adaptive): mem_per_experience examples of each",
         ),
         StrategySpec(
             "lwf",
-            "strategies.benchmarks:LwFStrategy",
+            "fromp_avalanche.benchmarks:LwFStrategy",
             "Avalanche's LwF (distillation of the previous model's outputs), checkpointable",
             kwargs={"alpha": 1.0, "temperature": 2.0},
         ),

@@ -8,8 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from benchmarks.registry import BenchmarkSpec
+from fromp_bench.registry import BenchmarkSpec
 
 __all__ = [
     "aggregate",
@@ -57,7 +56,7 @@ def code_record() -> dict[str, Any]:
 
         root = Path(__file__).resolve().parents[1]
         h = hashlib.sha256()
-        for pkg in ("fromp", "strategies", "benchmarks"):
+        for pkg in _PACKAGES:
             for f in sorted((root / pkg).rglob("*.py")):
                 h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
         commit = None

@@ -1,7 +1,7 @@
 """Run one strategy on one benchmark with one seed, with checkpoints and full metrics.
 
 The loop is Avalanche's: the task sequence becomes an Avalanche benchmark
-(:func:`benchmarks.data.to_avalanche`), the strategy is an Avalanche
+(:func:`fromp_bench.data.to_avalanche`), the strategy is an Avalanche
 ``SupervisedTemplate``, and after every experience the strategy is evaluated on the test sets
 of all tasks seen so far. A plugin collects the predicted probabilities during evaluation, so
 accuracy, negative log-likelihood and expected calibration error come from the same outputs
@@ -11,13 +11,13 @@ After every experience a checkpoint holds the model, the strategy's method state
 plugins' ``state_dict``, keyed by plugin class name), the optimizer state, the random-number
 generators and the metrics so far; :func:`run` with ``resume=True`` continues from it and ends
 with the same results as an uninterrupted run. The checkpoint is keyed by the run's settings,
-the data root and a fingerprint of the data (:meth:`benchmarks.data.TaskSequence.fingerprint`):
+the data root and a fingerprint of the data (:meth:`fromp_bench.data.TaskSequence.fingerprint`):
 resuming with any of them changed is refused.
 
 Integrity: a non-finite loss, weight or predicted probability stops the run; the result is
 marked ``failed`` with the task where it happened and never enters a table.
 
-With ``valid_fraction`` each task's training data is split (:meth:`~benchmarks.data.TaskSequence.
+With ``valid_fraction`` each task's training data is split (:meth:`~fromp_bench.data.TaskSequence.
 with_validation`) and the validation sets are evaluated after every experience too, under a
 forked random-number generator so that the test results do not depend on it.
 
@@ -26,7 +26,7 @@ machine or several), :func:`run` joins the process group (gloo on the CPU, NCCL 
 one GPU per local rank), gives rank ``r`` the examples ``r, r + R, ...`` of every task's
 training set (each task cut to a multiple of ``R`` examples, so every rank takes the same
 number of steps) with mini-batches of ``train_mb_size / R`` and averages the gradients over
-the ranks after every backward pass (:class:`benchmarks.plugins._DataParallel`): a global
+the ranks after every backward pass (:class:`fromp_bench.plugins._DataParallel`): a global
 mini-batch of ``train_mb_size``. Every rank is seeded with the run's seed (the same initial
 weights), evaluates the whole test sets and returns the same metrics; only rank 0 writes the
 checkpoint. FROMP's and EWC's after-experience steps combine the ranks' shards
@@ -51,10 +51,10 @@ import numpy as np
 import torch
 from avalanche.evaluation.metrics import accuracy_metrics
 from avalanche.training.plugins import EvaluationPlugin
-from torch import Tensor, nn
-
-from benchmarks.data import Task, TaskSequence, resolve_data_root, to_avalanche
-from benchmarks.plugins import (
+from fromp_avalanche.checkpoint import get_rng_state, set_rng_state
+from fromp_avalanche.models import as_avalanche_model
+from fromp_bench.data import Task, TaskSequence, resolve_data_root, to_avalanche
+from fromp_bench.plugins import (
     CHECKPOINT_VERSION,
     CheckpointError,
     NonFiniteError,
@@ -74,11 +74,11 @@ from benchmarks.plugins import (
     expected_calibration_error,
     method_plugins,
 )
-from benchmarks.registry import BenchmarkSpec, StrategySpec, get_benchmark, get_strategy
-from benchmarks.report import code_record, env_record
+from fromp_bench.registry import BenchmarkSpec, StrategySpec, get_benchmark, get_strategy
+from fromp_bench.report import code_record, env_record
+from torch import Tensor, nn
+
 from fromp import distributed
-from strategies.checkpoint import get_rng_state, set_rng_state
-from strategies.models import as_avalanche_model
 
 __all__ = [
     "CheckpointError",
@@ -108,8 +108,8 @@ class RunConfig:
     """What to run.
 
     Attributes:
-        benchmark: a name from :data:`benchmarks.registry.BENCHMARKS`.
-        strategy: a name from :data:`benchmarks.registry.STRATEGIES`.
+        benchmark: a name from :data:`fromp_bench.registry.BENCHMARKS`.
+        strategy: a name from :data:`fromp_bench.registry.STRATEGIES`.
         seed: seeds Python, NumPy and PyTorch (model init, data order, sampling).
         data_root: data root (``--data-root``; None: ``$FROMP_DATA`` or ``./data``).
         device: torch device string.
@@ -182,7 +182,7 @@ def _load_with_fingerprint(spec, data_root, n_train, n_test, valid_fraction, val
 def resolve_settings(
     bench: BenchmarkSpec, strat: StrategySpec, overrides: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
-    """Merge benchmark defaults < :data:`benchmarks.settings.SETTINGS` < preset < overrides.
+    """Merge benchmark defaults < :data:`fromp_bench.settings.SETTINGS` < preset < overrides.
 
     Returns a dict with ``optimizer``, ``lr``, ``train_epochs``, ``train_mb_size``,
     ``optimizer_kwargs`` and ``kwargs`` (keyword arguments of the strategy class).
@@ -465,7 +465,7 @@ def _seed_everything(seed: int) -> None:
 
 def _rng_state() -> dict[str, Any]:
     """Python, NumPy, torch CPU and (where CUDA is available) every CUDA generator's state, as
-    tensors and plain containers (:func:`strategies.checkpoint.get_rng_state`)."""
+    tensors and plain containers (:func:`fromp_avalanche.checkpoint.get_rng_state`)."""
     return get_rng_state()
 
 

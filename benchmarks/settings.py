@@ -3,8 +3,8 @@
 ``SETTINGS[strategy][benchmark]`` holds any of ``optimizer``, ``lr``, ``train_epochs``,
 ``train_mb_size``, ``optimizer_kwargs`` (of the optimizer) and ``kwargs`` (of the strategy
 class). The runner merges, later wins: the benchmark's protocol
-(:attr:`benchmarks.registry.BenchmarkSpec.settings`), ``SETTINGS[strategy][benchmark]``, the
-strategy preset (:attr:`benchmarks.registry.StrategySpec.settings` / ``kwargs``), then the
+(:attr:`fromp_bench.registry.BenchmarkSpec.settings`), ``SETTINGS[strategy][benchmark]``, the
+strategy preset (:attr:`fromp_bench.registry.StrategySpec.settings` / ``kwargs``), then the
 command line (``--set``, ``--lr``, ...). A strategy or benchmark missing here uses the
 benchmark's protocol and the class defaults.
 

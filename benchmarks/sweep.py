@@ -1,6 +1,6 @@
 """``fromp-bench sweep``: a grid of (benchmark, strategy, settings, seed) as Ray Tune trials.
 
-Every trial is one :func:`benchmarks.runner.run`; after each experience it reports the mean
+Every trial is one :func:`fromp_bench.runner.run`; after each experience it reports the mean
 test (and validation) accuracy over the tasks seen so far to Tune, with the runner's
 checkpoint as a Tune checkpoint, so a trial that fails (a lost node, a killed worker) is
 retried from its last finished experience (``--max-failures``). When all trials are done, the
@@ -34,8 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from benchmarks.command import (
+from fromp_bench.command import (
     USER_ERRORS,
     UsageError,
     build_parser,
@@ -48,8 +47,8 @@ from benchmarks.command import (
     run_options,
     write_report,
 )
-from benchmarks.registry import get_benchmark
-from benchmarks.runner import RunConfig, data_root_of, run
+from fromp_bench.registry import get_benchmark
+from fromp_bench.runner import RunConfig, data_root_of, run
 
 __all__ = ["sweep", "sweep_main"]
 
@@ -143,7 +142,7 @@ def sweep(
 ) -> dict[str, Any]:
     """Run the grid as Ray Tune trials and write the same report as the plain runner.
 
-    ``options`` are those of :func:`benchmarks.command.run_benchmark` (``seeds``, ``out``,
+    ``options`` are those of :func:`fromp_bench.command.run_benchmark` (``seeds``, ``out``,
     ``data_root``, ``device``, ``overrides``, ``grid``, ``n_train``, ``n_test``,
     ``valid_fraction``, ``valid_seed``, ``select_on``; ``resume`` restores an interrupted
     sweep). Returns the payload of ``results.json``. Settings are validated (and, on a local
@@ -259,7 +258,7 @@ def _collect(
     """The run results of all trials in the plan's order (job, then seed; trials of earlier
     invocations outside the plan after them), saved to ``runs/``; a trial that errored beyond
     its retries becomes a failed run."""
-    from benchmarks.report import save_json
+    from fromp_bench.report import save_json
 
     rows = []
     for r in trials:

@@ -17,11 +17,10 @@ from avalanche.evaluation.metrics import accuracy_metrics, loss_metrics
 from avalanche.logging import InteractiveLogger, TextLogger
 from avalanche.models import MTSimpleMLP
 from avalanche.training.plugins import EvaluationPlugin
-
-from strategies.checkpoint import load_checkpoint, save_checkpoint
-from strategies.ewc import EWC
-from strategies.fromp import FROMP
-from strategies.vcl import VCL
+from fromp_avalanche.checkpoint import load_checkpoint, save_checkpoint
+from fromp_avalanche.ewc import EWC
+from fromp_avalanche.fromp import FROMP
+from fromp_avalanche.vcl import VCL
 
 
 def make_strategy(method: str, lr: float, epochs: int, loggers: list) -> object:

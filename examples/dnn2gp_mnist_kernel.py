@@ -31,9 +31,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
+from fromp_bench.data import DataNotFoundError, load_fashion_mnist, load_mnist
 from torch import Tensor
 
-from benchmarks.data import DataNotFoundError, load_fashion_mnist, load_mnist
 from fromp import dnn2gp, laplace
 from fromp.laplace.one_call import log_evidence_grid
 from fromp.models import MultiHeadMLP

@@ -30,7 +30,7 @@ from fromp.continual.memorable import memorability_scores, select_memorable
 def load(dataset: str, data_root: str | None, n_train: int, seed: int) -> tuple[Tensor, Tensor]:
     """Training images ``[N, H, W]`` in [0, 1] and labels ``[N]`` (random subset)."""
     if dataset == "mnist":
-        from benchmarks.data import load_mnist
+        from fromp_bench.data import load_mnist
 
         x, y, _, _ = load_mnist(data_root, download=False)
     elif dataset == "digits":

@@ -3,7 +3,8 @@
 FROMP (functional regularisation of memorable past), DNN2GP (a trained network as a Gaussian
 process), Laplace posteriors in laplace-torch's words, the VOGN and IVON optimizers and the
 memory-perturbation equation. The package is plain PyTorch (it never imports Avalanche);
-the Avalanche strategies are in ``strategies``, the benchmark runner in ``benchmarks``.
+the Avalanche strategies are in ``fromp_avalanche`` (the folder ``strategies/``), the benchmark
+runner in ``fromp_bench`` (the folder ``benchmarks/``).
 
 The public surface below is grouped by task; everything else lives in its module
 (``fromp.continual.bayesian`` for VCL's mean-field layers, ``fromp.continual.coreset``,

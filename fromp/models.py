@@ -5,7 +5,7 @@ selects the output head: an ``int`` (one head for the whole batch), a ``[N]`` lo
 (one head per example) or ``None`` (allowed only with a single head). Single-head models
 ignore ``task``. :func:`with_task` fixes the head, giving a module ``x -> logits`` that
 shares the parameters, which is what the curvature and GP tools of :mod:`fromp` expect.
-Avalanche multi-task wrappers live in :mod:`strategies.models`.
+Avalanche multi-task wrappers live in :mod:`fromp_avalanche.models`.
 """
 
 from __future__ import annotations

@@ -5,12 +5,12 @@ maths to :mod:`fromp`, so it runs on any Avalanche benchmark with Avalanche's me
 loggers.
 """
 
-from strategies.benchmarks import experience_tensors
-from strategies.ewc import EWC, EWCPlugin
-from strategies.fromp import FROMP, FROMPPenaltyMetric, FROMPPlugin
-from strategies.ivon import IVONPlugin, IVONStrategy
-from strategies.vcl import VCL, VCLPlugin
-from strategies.vogn import VOGNPlugin, VOGNStrategy
+from fromp_avalanche.benchmarks import experience_tensors
+from fromp_avalanche.ewc import EWC, EWCPlugin
+from fromp_avalanche.fromp import FROMP, FROMPPenaltyMetric, FROMPPlugin
+from fromp_avalanche.ivon import IVONPlugin, IVONStrategy
+from fromp_avalanche.vcl import VCL, VCLPlugin
+from fromp_avalanche.vogn import VOGNPlugin, VOGNStrategy
 
 __all__ = [
     "EWC",

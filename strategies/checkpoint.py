@@ -2,7 +2,7 @@
 
 One file holds everything the next experience depends on: the model's ``state_dict``
 (with an Avalanche dynamic module's grown heads and masks), the optimizer's state, the
-state of every method plugin of :mod:`strategies` (FROMP's memorable sets and GGN terms,
+state of every method plugin of :mod:`fromp_avalanche` (FROMP's memorable sets and GGN terms,
 EWC's anchors and Fisher, VCL's priors), the number of experiences trained, and the RNG
 states (Python, NumPy, torch CPU and every CUDA device) that drive shuffling and sampling.
 
@@ -217,11 +217,11 @@ def _code_needed(path: Path) -> list[str]:
 
 # ----------------------------------------------------------------------- strategies
 def _method_plugins(strategy: Any) -> list[Any]:
-    """The strategy's plugins from :mod:`strategies` that carry state."""
+    """The strategy's plugins from :mod:`fromp_avalanche` that carry state."""
     return [
         p
         for p in strategy.plugins
-        if type(p).__module__.startswith("strategies.")
+        if type(p).__module__.startswith("fromp_avalanche.")
         and callable(getattr(type(p), "state_dict", None))
         and callable(getattr(type(p), "load_state_dict", None))
     ]

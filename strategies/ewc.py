@@ -39,14 +39,14 @@ from typing import Any
 
 import torch
 from avalanche.training.plugins import SupervisedPlugin
+from fromp_avalanche.benchmarks import experience_tensors
+from fromp_avalanche.models import unwrap
+from fromp_avalanche.template import MethodStrategy
 from torch import Tensor, nn
 
 from fromp import distributed
 from fromp.continual.ewc import EWCMethod, ewc_penalty
 from fromp.likelihood import Likelihood
-from strategies.benchmarks import experience_tensors
-from strategies.models import unwrap
-from strategies.template import MethodStrategy
 
 __all__ = ["EWC", "EWCPlugin", "ewc_penalty"]
 
@@ -119,7 +119,7 @@ class EWCPlugin(SupervisedPlugin):
 class EWC(MethodStrategy):
     """EWC with a per-example Fisher as an Avalanche strategy: the keyword arguments of
     :class:`EWCPlugin`, and Avalanche's template arguments (``criterion``,
-    ``train_mb_size``, ...) as in :class:`strategies.template.MethodStrategy`.
+    ``train_mb_size``, ...) as in :class:`fromp_avalanche.template.MethodStrategy`.
     ``ewc_lambda`` (default 100) is on Avalanche's scale with ``B = train_mb_size``;
     ``per_example_lambda`` the scale of 0.4 and earlier (give one of the two)."""
 

@@ -33,12 +33,12 @@ import torch
 from avalanche.core import SupervisedPlugin
 from avalanche.evaluation import GenericPluginMetric
 from avalanche.evaluation.metrics import Mean
+from fromp_avalanche.benchmarks import experience_tensors
+from fromp_avalanche.models import unwrap
+from fromp_avalanche.template import MethodStrategy
 from torch import Tensor, nn
 
 from fromp.continual.methods import FROMPMethod, to_flat
-from strategies.benchmarks import experience_tensors
-from strategies.models import unwrap
-from strategies.template import MethodStrategy
 
 __all__ = ["FROMP", "FROMPPenaltyMetric", "FROMPPlugin", "experience_tensors"]
 
@@ -294,15 +294,15 @@ class FROMP(MethodStrategy):
     ``SimpleMLP`` or a torchvision ResNet), an Avalanche ``MultiTaskModule`` whose
     ``forward(x, task_labels)`` picks a head (``MTSimpleMLP``, ``MultiHeadClassifier``,
     grown heads included), or a :mod:`fromp` multi-head model, wrapped or not by
-    :func:`strategies.models.as_avalanche_model`. Method keyword arguments are those of
-    :class:`FROMPPlugin`; :data:`benchmarks.settings.SETTINGS` holds the settings per benchmark.
+    :func:`fromp_avalanche.models.as_avalanche_model`. Method keyword arguments are those of
+    :class:`FROMPPlugin`; :data:`fromp_bench.settings.SETTINGS` holds the settings per benchmark.
     Avalanche's template arguments (``criterion``, ``train_mb_size``, ...) are those of
-    :class:`strategies.template.MethodStrategy`.
+    :class:`fromp_avalanche.template.MethodStrategy`.
     With ``posterior="vogn"`` the optimizer must be a :class:`fromp.optim.VOGN`; a
-    :class:`strategies.vogn.VOGNPlugin` drives it (``vogn_continual``: the task's posterior
+    :class:`fromp_avalanche.vogn.VOGNPlugin` drives it (``vogn_continual``: the task's posterior
     becomes the next task's prior, naive continual VOGN, as in that plugin). With
     ``posterior="ivon"`` it must be a :class:`fromp.optim.IVON`, driven by a
-    :class:`strategies.ivon.IVONPlugin` (``ivon_continual``, default False: the prior stays
+    :class:`fromp_avalanche.ivon.IVONPlugin` (``ivon_continual``, default False: the prior stays
     IVON's weight decay).
     """
 
@@ -325,8 +325,9 @@ class FROMP(MethodStrategy):
         posterior = method_kwargs.get("posterior", _METHOD_PARAMS["posterior"].default)
         extra: list[Any] = []
         if posterior == "vogn":
+            from fromp_avalanche.vogn import VOGNPlugin
+
             from fromp.optim import VOGN
-            from strategies.vogn import VOGNPlugin
 
             if not isinstance(optimizer, VOGN):
                 raise TypeError(
@@ -336,8 +337,9 @@ class FROMP(MethodStrategy):
             # turns it into the next prior
             extra.append(VOGNPlugin(optimizer, continual=vogn_continual))
         elif posterior == "ivon":
+            from fromp_avalanche.ivon import IVONPlugin
+
             from fromp.optim import IVON
-            from strategies.ivon import IVONPlugin
 
             if not isinstance(optimizer, IVON):
                 raise TypeError(

@@ -35,13 +35,13 @@ import copy
 from typing import Any
 
 import torch
+from fromp_avalanche.models import unwrap
+from fromp_avalanche.template import MethodStrategy, PosteriorOptimizerPlugin, require_optimizer_on
 from torch import nn
 
 from fromp._checks import check_positive
 from fromp.optim.ivon import IVON
 from fromp.posterior import DiagonalGaussian
-from strategies.models import unwrap
-from strategies.template import MethodStrategy, PosteriorOptimizerPlugin, require_optimizer_on
 
 __all__ = ["IVONPlugin", "IVONStrategy"]
 
@@ -168,7 +168,7 @@ class IVONStrategy(MethodStrategy):
         prior_scale: temper that prior, precision times ``prior_scale > 0``
             (:class:`IVONPlugin`).
         **template_kwargs: Avalanche's template arguments (``criterion``, ``train_mb_size``,
-            ...), as in :class:`strategies.template.MethodStrategy`.
+            ...), as in :class:`fromp_avalanche.template.MethodStrategy`.
     """
 
     def __init__(

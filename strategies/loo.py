@@ -7,11 +7,11 @@ from contextlib import ExitStack
 from typing import Any
 
 from avalanche.core import SupervisedPlugin
+from fromp_avalanche.benchmarks import experience_tensors
 from torch import Tensor
 
 from fromp.memory.loo import LOOTracker
 from fromp.models import is_multitask, with_task
-from strategies.benchmarks import experience_tensors
 
 
 class LOOPlugin(SupervisedPlugin):

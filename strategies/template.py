@@ -1,4 +1,4 @@
-"""The Avalanche template every strategy of :mod:`strategies` is built on, and what the
+"""The Avalanche template every strategy of :mod:`fromp_avalanche` is built on, and what the
 plugins that drive a posterior-keeping optimizer (VOGN, IVON) share."""
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ __all__ = [
 class MethodStrategy(SupervisedTemplate):
     """Avalanche's ``SupervisedTemplate`` with a method's plugins in front of the user's.
 
-    The method's plugins (e.g. :class:`strategies.fromp.FROMPPlugin`) run before those in
+    The method's plugins (e.g. :class:`fromp_avalanche.fromp.FROMPPlugin`) run before those in
     ``plugins``; ``self.plugin`` is the first of them. The keyword arguments are Avalanche's,
     with the defaults every strategy here uses.
 
     Args:
         method_plugins: the method's plugins, in hook order.
         model: the Avalanche model (a multi-head :mod:`fromp` model wrapped by
-            :func:`strategies.models.as_avalanche_model`).
+            :func:`fromp_avalanche.models.as_avalanche_model`).
         optimizer: its optimizer.
         criterion: the training loss (default ``nn.CrossEntropyLoss()``).
         train_mb_size, train_epochs, eval_mb_size, device, plugins, evaluator, eval_every:
@@ -162,8 +162,8 @@ def require_optimizer_on(model: nn.Module, optimizer: Any, cls: type) -> None:
 
 
 class PosteriorOptimizerPlugin(SupervisedPlugin):
-    """What the plugins driving a posterior-keeping optimizer (:class:`strategies.vogn.
-    VOGNPlugin`, :class:`strategies.ivon.IVONPlugin`) share: the optimizer check, the
+    """What the plugins driving a posterior-keeping optimizer (:class:`fromp_avalanche.vogn.
+    VOGNPlugin`, :class:`fromp_avalanche.ivon.IVONPlugin`) share: the optimizer check, the
     per-experience posteriors and the task counter, continual prior updates and checkpoints.
 
     Subclasses set ``optimizer_class`` (e.g. :class:`fromp.optim.VOGN`) and ``state_key``

@@ -22,22 +22,24 @@ from typing import Any
 
 import torch
 from avalanche.training.plugins import SupervisedPlugin
+from fromp_avalanche.benchmarks import experience_tensors
+from fromp_avalanche.models import as_avalanche_model, unwrap
+from fromp_avalanche.template import MethodStrategy
 from torch import Tensor, nn
 
 from fromp.continual.bayesian import BayesMultiHeadModel, MeanFieldNet, MeanFieldTwin
 from fromp.continual.vcl import VCLMethod, prior_variance
-from strategies.benchmarks import experience_tensors
-from strategies.models import as_avalanche_model, unwrap
-from strategies.template import MethodStrategy
 
 __all__ = ["VCL", "VCLPlugin", "VCLTwinPlugin"]
 
 
 def __getattr__(name: str) -> object:
-    if name == "dataset_tensors":  # the former name of strategies.benchmarks.experience_tensors
+    if (
+        name == "dataset_tensors"
+    ):  # the former name of fromp_avalanche.benchmarks.experience_tensors
         warnings.warn(
-            "strategies.vcl.dataset_tensors is deprecated: use "
-            "strategies.benchmarks.experience_tensors",
+            "fromp_avalanche.vcl.dataset_tensors is deprecated: use "
+            "fromp_avalanche.benchmarks.experience_tensors",
             DeprecationWarning,
             stacklevel=2,
         )
@@ -182,7 +184,7 @@ class VCL(MethodStrategy):
     sample in training and to ``log(mean_s softmax)`` in evaluation.
     Adam's state is reset at the start of every task (a fresh optimizer per task, as in the
     reference code). Avalanche's template arguments (``criterion``, ``train_mb_size``, ...)
-    are those of :class:`strategies.template.MethodStrategy`.
+    are those of :class:`fromp_avalanche.template.MethodStrategy`.
     """
 
     def __init__(

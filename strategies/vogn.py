@@ -44,12 +44,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from fromp_avalanche.models import unwrap
+from fromp_avalanche.template import MethodStrategy, PosteriorOptimizerPlugin, require_optimizer_on
 from torch import Tensor, nn
 
 from fromp.models import is_multitask, with_task
 from fromp.optim.vogn import VOGN, LayerCapture, OutputCapture, per_example_grad_stats
-from strategies.models import unwrap
-from strategies.template import MethodStrategy, PosteriorOptimizerPlugin, require_optimizer_on
 
 __all__ = ["VOGNPlugin", "VOGNStrategy", "minibatch_curvature"]
 
@@ -222,7 +222,7 @@ class VOGNStrategy(MethodStrategy):
         continual: make the posterior the next prior (False: the prior stays the initial one).
         reuse_forward: see :class:`VOGNPlugin`.
         **template_kwargs: Avalanche's template arguments (``criterion``, ``train_mb_size``,
-            ...), as in :class:`strategies.template.MethodStrategy`.
+            ...), as in :class:`fromp_avalanche.template.MethodStrategy`.
     """
 
     def __init__(

@@ -15,13 +15,13 @@ from avalanche.benchmarks.scenarios.deprecated.generators import nc_benchmark
 from avalanche.benchmarks.utils import _make_taskaware_tensor_classification_dataset
 from avalanche.core import SupervisedPlugin
 from avalanche.models import MTSimpleMLP, SimpleMLP
+from fromp_avalanche.ewc import EWC
+from fromp_avalanche.fromp import FROMP
 from torch import nn
 
 from fromp.likelihood import get_likelihood
 from fromp.models import TaskView, is_multitask, with_task
 from fromp.testing import dense_ggn
-from strategies.ewc import EWC
-from strategies.fromp import FROMP
 
 N_CLASSES, D_IN = 6, 8
 LIK = get_likelihood("categorical")
@@ -83,7 +83,7 @@ def _train(kind: str, method: str, **kwargs):
 
 
 def _xy(exp):
-    from strategies.benchmarks import experience_tensors
+    from fromp_avalanche.benchmarks import experience_tensors
 
     x, y, t = experience_tensors(exp.dataset)
     return x.double(), y, int(t[0])
@@ -196,7 +196,7 @@ def test_vcl_twin_kl_sampling_and_prior_after_tasks_2_and_3():
     samples with a vanishing variance are the model's own head-``t`` outputs; after each
     task every head trained so far has its posterior as prior and the head of the next task,
     created by Avalanche's adaptation, starts from ``N(0, prior_var)``."""
-    from strategies.vcl import VCL
+    from fromp_avalanche.vcl import VCL
 
     bm = _benchmark(task_labels=True)
     model = _model("mt")
@@ -266,7 +266,7 @@ def test_vcl_twin_kl_sampling_and_prior_after_tasks_2_and_3():
 def test_vcl_trains_avalanche_models_and_resumes(kind):
     """VCL trains both Avalanche models through three experiences; its state (means,
     log-variances, priors, counter) round-trips into a fresh strategy."""
-    from strategies.vcl import VCL
+    from fromp_avalanche.vcl import VCL
 
     bm = _benchmark(task_labels=kind == "mt")
 
@@ -307,7 +307,7 @@ _DEVICES = [
 
 
 def _user_strategy(method: str, kind: str, device: str):
-    from strategies.vcl import VCL
+    from fromp_avalanche.vcl import VCL
 
     torch.manual_seed(0)
     model = _model(kind).to(device)
@@ -328,7 +328,7 @@ def test_checkpoint_in_a_user_loop_resumes_exactly(method, device, tmp_path):
     """A user's loop saves after two experiences; a fresh strategy (fresh model, optimizer
     and plugin, RNG moved on) loads the file (read on the CPU, moved to ``device``) and
     trains experience 3 to the very same weights as the uninterrupted run."""
-    from strategies.checkpoint import load_checkpoint, save_checkpoint
+    from fromp_avalanche.checkpoint import load_checkpoint, save_checkpoint
 
     bm = _benchmark(task_labels=True)
     stream = bm.train_stream
@@ -357,9 +357,10 @@ def test_checkpoint_in_a_user_loop_resumes_exactly(method, device, tmp_path):
 def test_global_labels_with_fixed_two_unit_heads_say_what_to_pass(method):
     """A fromp two-unit-per-task model with Avalanche's default global labels is refused
     before training the second experience with one line naming the argument to pass."""
+    from fromp_avalanche.models import as_avalanche_model
+    from fromp_avalanche.vcl import VCL
+
     from fromp.models import MultiHeadMLP
-    from strategies.models import as_avalanche_model
-    from strategies.vcl import VCL
 
     bm = _benchmark(task_labels=True)
     model = as_avalanche_model(MultiHeadMLP(D_IN, (6,), n_heads=3, head_size=2))
@@ -382,7 +383,7 @@ def test_torchvision_resnet18_on_a_cifar_shaped_stream(method):
     method on two CIFAR-shaped experiences; VCL makes every conv and linear parameter
     Gaussian and keeps the batch-norm parameters deterministic."""
     torchvision = pytest.importorskip("torchvision")
-    from strategies.vcl import VCL
+    from fromp_avalanche.vcl import VCL
 
     def ds(n: int, seed: int):
         g = torch.Generator().manual_seed(seed)
@@ -425,7 +426,7 @@ def test_label_check_leaves_the_rng_where_it_was():
     """The label check runs a forward pass before each experience; a Bayesian model samples
     weights in its forward, so the check must not move the global RNG (else a VCL run with
     the check differs from the same run without it)."""
-    from strategies.template import check_labels_fit
+    from fromp_avalanche.template import check_labels_fit
 
     class Noisy(torch.nn.Module):
         def __init__(self):

@@ -14,10 +14,10 @@ from avalanche.benchmarks.scenarios.deprecated.generators import tensors_benchma
 from avalanche.evaluation.metrics import accuracy_metrics
 from avalanche.training import Naive
 from avalanche.training.plugins import EvaluationPlugin
+from fromp_avalanche.fromp import FROMP
 from torch import nn
 
 from fromp import FROMPMethod
-from strategies.fromp import FROMP
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -6,10 +6,9 @@ import json
 
 import pytest
 import torch
-
-from benchmarks.__main__ import main
-from benchmarks.registry import BENCHMARKS, STRATEGIES, get_benchmark, get_strategy
-from benchmarks.runner import RunConfig, expected_calibration_error, resolve_settings, run
+from fromp_bench.__main__ import main
+from fromp_bench.registry import BENCHMARKS, STRATEGIES, get_benchmark, get_strategy
+from fromp_bench.runner import RunConfig, expected_calibration_error, resolve_settings, run
 
 QUICK = {"train_epochs": 2, "train_mb_size": 32}
 
@@ -198,7 +197,7 @@ def test_killed_process_resumes_to_the_same_table(tmp_path):
     import torch
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "benchmarks", *_cli_args(tmp_path / "killed")]
+    cmd = [sys.executable, "-m", "fromp_bench", *_cli_args(tmp_path / "killed")]
     ckpt = tmp_path / "killed" / "split-digits" / "checkpoints" / "naive-seed0.pt"
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
@@ -243,7 +242,7 @@ def test_validation_metrics_do_not_change_the_test_results(tmp_path):
     with_val = run(RunConfig(**seq_cfg, **kw))
     assert len(with_val["valid_accuracy_matrix"]) == 5
     assert 0 <= with_val["mean_valid_accuracy"] <= 100
-    import benchmarks.runner as R
+    import fromp_bench.runner as R
 
     no_val_view = R._validation_view
     try:
@@ -310,7 +309,7 @@ def test_demo_leaks_no_warnings_and_explains_a_low_vcl(tmp_path, capsys, monkeyp
 
 
 def test_opt_prefix_sets_optimizer_keyword_arguments():
-    from benchmarks.command import _merge, _parse_set, grid_tag, parse_grid
+    from fromp_bench.command import _merge, _parse_set, grid_tag, parse_grid
 
     parsed = _parse_set(["opt.beta2=0.999", "tau=0.5", "lr=0.1"])
     assert parsed == {"optimizer_kwargs": {"beta2": 0.999}, "kwargs": {"tau": 0.5}, "lr": 0.1}
@@ -323,11 +322,11 @@ def test_opt_prefix_sets_optimizer_keyword_arguments():
     # the optimizer keyword arguments reach resolve_settings over SETTINGS and the preset
     s = resolve_settings(get_benchmark("split-mnist"), get_strategy("ivon"), merged)
     assert s["optimizer_kwargs"]["beta2"] == 0.999 and s["optimizer_kwargs"]["hess_init"] == 1.0
-    assert s["optimizer_kwargs"]["weight_decay"] == 1e-4  # from benchmarks/settings.py
+    assert s["optimizer_kwargs"]["weight_decay"] == 1e-4  # from fromp_bench/settings.py
 
 
 def test_speed_benchmark_ratios_come_from_its_own_timings(tmp_path):
-    from benchmarks.studies import vogn_speed
+    from fromp_bench.studies import vogn_speed
 
     out = tmp_path / "speed.json"
     vogn_speed.main(["--ivon", "--steps", "3", "--models", "mlp", "--out", str(out)])
@@ -351,7 +350,7 @@ def test_speed_benchmark_ratios_come_from_its_own_timings(tmp_path):
 
 
 def test_class_incremental_sequence_has_global_labels_and_one_head():
-    from benchmarks.data import class_incremental, synthetic_split
+    from fromp_bench.data import class_incremental, synthetic_split
 
     split = synthetic_split(n_tasks=3, n_train=20, n_test=10)
     seq = class_incremental(split)
@@ -410,8 +409,8 @@ def test_class_incremental_digits_one_ten_way_head_and_every_method_in_the_table
 
 
 def test_experience_replay_keeps_its_memory_per_experience_and_restores_it():
-    from benchmarks.data import class_incremental, synthetic_split, to_avalanche
-    from strategies.benchmarks import ExperienceReplay, experience_tensors
+    from fromp_avalanche.benchmarks import ExperienceReplay, experience_tensors
+    from fromp_bench.data import class_incremental, synthetic_split, to_avalanche
 
     seq = class_incremental(synthetic_split(n_tasks=3, input_shape=(6,), n_train=30))
     scenario = to_avalanche(seq)

@@ -269,9 +269,9 @@ def test_default_budget_cuda_is_half_the_free_memory_up_to_4_gib():
 
 
 def test_scale_study_runs_the_laplace_predictive_case():
-    """benchmarks.studies.scale's ``laplace_predictive`` case: one fit, then the predictive
+    """fromp_bench.studies.scale's ``laplace_predictive`` case: one fit, then the predictive
     on each ``n`` in ascending order, probabilities summing to one."""
-    from benchmarks.studies.scale import run_case
+    from fromp_bench.studies.scale import run_case
 
     spec = {"model": "mlp", "device": "cpu", "threads": 1, "lt_batch": 4, "gp_chunk": 4,
             "case": "laplace_predictive", "n": 5, "ns": [5, 2], "structure": "kron",

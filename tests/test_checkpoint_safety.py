@@ -2,10 +2,10 @@
 
 A crafted checkpoint whose pickle calls ``exec`` (writing a marker file) is given to every
 loader: ``fromp-bench --resume``, ``fromp-memorable``, ``fromp-gp`` (a checkpoint and
-``--weights``), the runner's reader and ``strategies.checkpoint.load_checkpoint``. Each must
+``--weights``), the runner's reader and ``fromp_avalanche.checkpoint.load_checkpoint``. Each must
 refuse it in one line naming the file, and the marker must not exist afterwards (before,
 all but ``--weights`` read with ``weights_only=False`` and ran it). Then the integrity of
-``strategies.checkpoint``: a checksum written beside the file, a flipped byte, a missing
+``fromp_avalanche.checkpoint``: a checksum written beside the file, a flipped byte, a missing
 checksum, a truncated file and missing keys refused with the path, and a checkpoint of
 another method refused before the strategy's model or optimizer is changed."""
 
@@ -22,15 +22,10 @@ import torch
 from avalanche.benchmarks.scenarios.deprecated.generators import nc_benchmark
 from avalanche.benchmarks.utils import _make_taskaware_tensor_classification_dataset
 from avalanche.models import MTSimpleMLP
-from torch import nn
-
-from benchmarks.__main__ import main
-from benchmarks.cli import gp_main, load_trained, memorable_main
-from benchmarks.plugins import CheckpointError, _read_checkpoint
-from strategies.checkpoint import (
+from fromp_avalanche.checkpoint import (
     CheckpointError as StrategyCheckpointError,
 )
-from strategies.checkpoint import (
+from fromp_avalanche.checkpoint import (
     get_rng_state,
     load_checkpoint,
     read_checked,
@@ -38,8 +33,12 @@ from strategies.checkpoint import (
     set_rng_state,
     write_checked,
 )
-from strategies.ewc import EWC
-from strategies.fromp import FROMP
+from fromp_avalanche.ewc import EWC
+from fromp_avalanche.fromp import FROMP
+from fromp_bench.__main__ import main
+from fromp_bench.cli import gp_main, load_trained, memorable_main
+from fromp_bench.plugins import CheckpointError, _read_checkpoint
+from torch import nn
 
 QUICK = ["--epochs", "1", "--n-train", "60", "--n-test", "30", "--no-progress"]
 
@@ -363,7 +362,7 @@ def test_cuda_rng_states_are_saved_and_restored(monkeypatch):
 # ----------------------------------------------------------------------- the runner's state
 def test_runner_checkpoints_save_and_restore_cuda_rng_states(monkeypatch):
     """Before: the runner saved the CPU generators only, so a GPU --resume was not exact."""
-    from benchmarks import runner
+    from fromp_bench import runner
 
     states = [torch.tensor([7, 8, 9], dtype=torch.uint8)]
     restored = []
@@ -381,8 +380,7 @@ def test_plugin_attributes_are_encoded_as_plain_data_and_back():
     from collections import defaultdict
 
     from avalanche.training.utils import ParamData
-
-    from benchmarks.plugins import _plain, _unplain
+    from fromp_bench.plugins import _plain, _unplain
 
     value = {
         "saved": defaultdict(dict, {0: {"w": ParamData("w", init_tensor=torch.ones(2, 3))}}),
@@ -408,7 +406,7 @@ def test_avalanche_ewc_resumes_exactly_from_a_plain_checkpoint(tmp_path):
     """Avalanche's own EWC plugin has no state_dict: its attributes (ParamData in
     defaultdicts) are stored as plain data, the file loads with weights_only=True and
     nothing allow-listed, and the resumed run equals an uninterrupted one."""
-    from benchmarks.runner import RunConfig, run
+    from fromp_bench.runner import RunConfig, run
 
     kw = dict(overrides={"train_epochs": 1}, n_train=40, n_test=20, progress=False)
     straight = run(RunConfig("split-digits", "ewc-avalanche", **kw))

@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 import torch
 import torchvision.datasets as tvd
-
-from benchmarks.data import split_cifar
-from benchmarks.runner import RunConfig, run
+from fromp_bench.data import split_cifar
+from fromp_bench.runner import RunConfig, run
 
 
 def _write(path, labels_key, labels, rng):
@@ -61,7 +60,7 @@ def test_split_cifar_protocol(cifar_root):
 
 @pytest.mark.parametrize("strategy", ["naive", "fromp"])
 def test_split_cifar_runs_through_the_runner(cifar_root, strategy):
-    from benchmarks.registry import get_strategy
+    from fromp_bench.registry import get_strategy
 
     if not get_strategy(strategy).available():
         pytest.skip(f"{strategy} not installed")

@@ -15,9 +15,8 @@ import torch.nn.functional as F
 from avalanche.benchmarks.scenarios.deprecated.generators import tensors_benchmark
 from avalanche.core import SupervisedPlugin
 from avalanche.models import IncrementalClassifier
+from fromp_avalanche.fromp import FROMP
 from torch import nn
-
-from strategies.fromp import FROMP
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -265,8 +264,9 @@ def test_replay_adds_the_memorable_points_loss_under_their_labels():
 def test_fixed_head_regularised_on_the_classes_trained_so_far():
     # a fixed 6-way head (no masking): the units of classes not trained yet have small but
     # non-zero probabilities and kernels near the jitter; they are left out until trained
+    from fromp_avalanche.benchmarks import experience_tensors
+
     from fromp import FROMPMethod
-    from strategies.benchmarks import experience_tensors
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(D, 12), nn.Tanh(), nn.Linear(12, 2 * N_EXP)).double()
@@ -288,8 +288,9 @@ def test_replay_defaults_to_a_random_class_balanced_coreset():
     # the points with the largest tr(Lambda) are the ambiguous ones: as a labelled coreset
     # they taught a class-incremental network much less than random points of each class
     # (split MNIST: 70.5 % against 90.9 %); replay=True draws at random unless told
+    from fromp_avalanche.benchmarks import experience_tensors
+
     from fromp import FROMPMethod
-    from strategies.benchmarks import experience_tensors
 
     assert FROMPMethod().select == "descending"
     assert FROMPMethod(replay=True).select == "random"

@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 import torch
+from fromp_bench.cli import gp_main, load_trained, load_user_model, memorable_main
+from fromp_bench.plugins import _write_checkpoint
+from fromp_bench.runner import RunConfig, run
 
-from benchmarks.cli import gp_main, load_trained, load_user_model, memorable_main
-from benchmarks.plugins import _write_checkpoint
-from benchmarks.runner import RunConfig, run
 from fromp.continual.memorable import memorability_scores
 from fromp.models import with_task
 

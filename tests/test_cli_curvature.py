@@ -9,11 +9,11 @@ import json
 import numpy as np
 import pytest
 import torch
+from fromp_bench.cli import _auto_curvature, load_trained, memorable_main
+from fromp_bench.plugins import _write_checkpoint
+from fromp_bench.runner import RunConfig, run
 from torch.func import functional_call, jacrev
 
-from benchmarks.cli import _auto_curvature, load_trained, memorable_main
-from benchmarks.plugins import _write_checkpoint
-from benchmarks.runner import RunConfig, run
 from fromp import Laplace
 from fromp.curvature.kron import kron_curvature, kron_curvature_tasks
 from fromp.likelihood import get_likelihood

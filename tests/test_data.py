@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from benchmarks import data as D
+from fromp_bench import data as D
 
 
 def test_root_precedence(monkeypatch, tmp_path):

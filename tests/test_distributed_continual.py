@@ -186,7 +186,7 @@ def _bench(out, nproc: int | None) -> dict:
     import sys
     from pathlib import Path
 
-    args = ["-m", "benchmarks", "split-digits", "--strategies", "ewc,fromp", "--epochs", "1",
+    args = ["-m", "fromp_bench", "split-digits", "--strategies", "ewc,fromp", "--epochs", "1",
             "--batch-size", "8", "--n-train", "80", "--n-test", "20", "--stop-after", "2",
             "--out", str(out), "--no-progress"]  # fmt: skip
     if nproc is not None:

@@ -7,13 +7,13 @@ import torch
 import torch.nn.functional as F
 from avalanche.evaluation.metrics import accuracy_metrics
 from avalanche.training.plugins import EvaluationPlugin
+from fromp_avalanche.ewc import EWC, EWCPlugin, ewc_penalty
+from fromp_avalanche.models import as_avalanche_model
+from fromp_bench.data import synthetic_split, to_avalanche
+from fromp_bench.settings import SETTINGS
 
-from benchmarks.data import synthetic_split, to_avalanche
-from benchmarks.settings import SETTINGS
 from fromp.curvature.jacobian import flat_params
 from fromp.models import MultiHeadMLP
-from strategies.ewc import EWC, EWCPlugin, ewc_penalty
-from strategies.models import as_avalanche_model
 
 
 def _net():

@@ -11,11 +11,11 @@ import pytest
 import torch
 from avalanche.training.plugins import EWCPlugin as AvalancheEWCPlugin
 from avalanche.training.utils import copy_params_dict
+from fromp_avalanche.ewc import EWC
 from torch import nn
 from torch.utils.data import TensorDataset
 
 from fromp.continual.ewc import EWCMethod
-from strategies.ewc import EWC
 
 LAMBDA, B, N = 37.0, 4, 10  # N not a multiple of B: the last mini-batch is smaller
 

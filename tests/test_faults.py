@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import fromp_avalanche as st
 from hypothesis import given, settings
-from hypothesis import strategies as st
 from torch import nn
 
 from fromp import select_memorable
@@ -80,7 +80,7 @@ def test_likelihoods_accept_only_the_documented_target_shapes(n, c, extra):
 
 
 def _cfg(path, **kw):
-    from benchmarks.runner import RunConfig
+    from fromp_bench.runner import RunConfig
 
     base = dict(overrides={"train_epochs": 1}, n_train=60, n_test=20, checkpoint=str(path),
                 progress=False)  # fmt: skip
@@ -89,7 +89,7 @@ def _cfg(path, **kw):
 
 
 def test_a_run_records_its_code_and_environment(tmp_path):
-    from benchmarks.runner import run
+    from fromp_bench.runner import run
 
     res = run(_cfg(tmp_path / "c.pt", stop_after=1))
     assert set(res["code"]) == {"version", "source_hash", "git_commit"}
@@ -98,7 +98,7 @@ def test_a_run_records_its_code_and_environment(tmp_path):
 
 
 def test_resume_refuses_other_code_unless_allowed_and_records_it(tmp_path, monkeypatch):
-    import benchmarks.runner as runner
+    import fromp_bench.runner as runner
 
     path = tmp_path / "c.pt"
     runner.run(_cfg(path, stop_after=1))
@@ -112,7 +112,7 @@ def test_resume_refuses_other_code_unless_allowed_and_records_it(tmp_path, monke
 
 
 def test_a_damaged_or_unchecked_checkpoint_is_refused_with_its_path(tmp_path):
-    import benchmarks.runner as runner
+    import fromp_bench.runner as runner
 
     path = tmp_path / "c.pt"
     runner.run(_cfg(path, stop_after=1))
@@ -129,7 +129,7 @@ def test_a_damaged_or_unchecked_checkpoint_is_refused_with_its_path(tmp_path):
 def test_resume_on_a_device_string_with_an_index(tmp_path):
     """``--device cpu:0``: the checkpoint is read on the CPU and the RNG state restored
     (``torch.set_rng_state`` needs a CPU byte tensor); the resumed run equals a straight one."""
-    from benchmarks.runner import run
+    from fromp_bench.runner import run
 
     straight = run(_cfg(tmp_path / "a.pt", device="cpu:0"))
     run(_cfg(tmp_path / "b.pt", device="cpu:0", stop_after=2))
@@ -140,7 +140,7 @@ def test_resume_on_a_device_string_with_an_index(tmp_path):
 def test_a_crash_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
     import os
 
-    import benchmarks.runner as runner
+    import fromp_bench.runner as runner
 
     path = tmp_path / "c.pt"
     runner.run(_cfg(path, stop_after=1))
@@ -165,7 +165,7 @@ def test_a_second_job_into_the_same_out_is_refused_and_a_stale_lock_taken_over(t
     import subprocess
     import sys
 
-    from benchmarks.__main__ import main
+    from fromp_bench.__main__ import main
 
     base = tmp_path / "split-digits"
     base.mkdir()
@@ -188,7 +188,7 @@ def test_a_second_job_into_the_same_out_is_refused_and_a_stale_lock_taken_over(t
 def test_a_later_invocation_adds_to_results_json_instead_of_replacing_it(tmp_path, capsys):
     import json
 
-    from benchmarks.__main__ import main
+    from fromp_bench.__main__ import main
 
     out = ["--out", str(tmp_path)]
     assert main(["split-digits", "--strategies", "naive", *QUICK, *out]) == 0
@@ -202,7 +202,7 @@ def test_a_later_invocation_adds_to_results_json_instead_of_replacing_it(tmp_pat
 
 
 def test_ansi_escapes_never_reach_a_failure_reason():
-    from benchmarks.sweep import failure_reason
+    from fromp_bench.sweep import failure_reason
 
     coloured = "\x1b[36mray::ImplicitFunc.train()\x1b[39m (pid=1)\n  boom " + "x" * 400
     reason = failure_reason(RuntimeError(coloured))
@@ -221,8 +221,8 @@ def test_unwritable_run_directories_and_a_full_disk_are_refused_before_training(
     from collections import namedtuple
     from pathlib import Path
 
-    import benchmarks.command as command
-    from benchmarks.__main__ import main
+    import fromp_bench.command as command
+    from fromp_bench.__main__ import main
 
     trained = []
     monkeypatch.setattr(command, "run", lambda cfg: trained.append(cfg) or {})
@@ -255,7 +255,7 @@ def test_sigkill_during_a_checkpoint_write_keeps_the_previous_checkpoint(tmp_pat
     import sys
     import time
 
-    from benchmarks.plugins import _read_checkpoint, _write_checkpoint
+    from fromp_bench.plugins import _read_checkpoint, _write_checkpoint
 
     path = tmp_path / "c.pt"
     _write_checkpoint(path, {"version": 3, "config": {}, "model": {"w": torch.ones(3)}})
@@ -263,7 +263,7 @@ def test_sigkill_during_a_checkpoint_write_keeps_the_previous_checkpoint(tmp_pat
     script = f"""
 import os, time, torch
 from pathlib import Path
-import benchmarks.plugins as p
+import fromp_bench.plugins as p
 def stall(fd):
     Path({str(tmp_path)!r}, "stalled").write_text("1")
     time.sleep(60)
@@ -295,7 +295,7 @@ def test_sigkill_during_a_results_write_keeps_the_previous_results_json(tmp_path
     import sys
     import time
 
-    from benchmarks.report import save_json
+    from fromp_bench.report import save_json
 
     path = tmp_path / "results.json"
     save_json(path, {"runs": [{"seed": 0}]})
@@ -303,7 +303,7 @@ def test_sigkill_during_a_results_write_keeps_the_previous_results_json(tmp_path
     script = f"""
 import time
 from pathlib import Path
-import benchmarks.report as report
+import fromp_bench.report as report
 def half(self, data, *args, **kwargs):
     with open(self, "w") as f:
         f.write(data[: len(data) // 2])

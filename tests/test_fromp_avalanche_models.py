@@ -17,12 +17,12 @@ from avalanche.evaluation.metrics import loss_metrics
 from avalanche.logging import CSVLogger, TextLogger
 from avalanche.models import MTSimpleCNN, MTSimpleMLP
 from avalanche.training.plugins import EvaluationPlugin
+from fromp_avalanche.ewc import EWC
+from fromp_avalanche.fromp import FROMP, FROMPPenaltyMetric
 from torch import nn
 
 from fromp import FROMPMethod, select_memorable
 from fromp.continual.methods import by_name
-from strategies.ewc import EWC
-from strategies.fromp import FROMP, FROMPPenaltyMetric
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -254,8 +254,7 @@ def test_memorable_points_of_all_tasks_in_one_forward_per_head():
 
 def test_one_call_per_head_for_modules_taking_task_labels():
     from avalanche.models.utils import avalanche_model_adaptation
-
-    from strategies.benchmarks import experience_tensors
+    from fromp_avalanche.benchmarks import experience_tensors
 
     torch.manual_seed(0)
     model = MTSimpleMLP()

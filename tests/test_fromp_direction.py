@@ -11,13 +11,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from fromp_avalanche.fromp import FROMPPlugin
+from fromp_bench.data import synthetic_split
 from torch.func import functional_call
 
-from benchmarks.data import synthetic_split
 from fromp.continual.regularizer import FROMPRegularizer
 from fromp.curvature.jacobian import flat_params, num_params, unflatten
 from fromp.models import MultiHeadMLP
-from strategies.fromp import FROMPPlugin
 
 D = torch.float64
 

@@ -9,12 +9,12 @@ import torch
 from avalanche.evaluation.metrics import accuracy_metrics
 from avalanche.training import Naive
 from avalanche.training.plugins import EvaluationPlugin
+from fromp_avalanche.fromp import FROMP, FROMPPlugin
+from fromp_avalanche.models import as_avalanche_model, unwrap
+from fromp_bench.data import permuted_mnist, synthetic_split, to_avalanche
+from fromp_bench.settings import SETTINGS
 
-from benchmarks.data import permuted_mnist, synthetic_split, to_avalanche
-from benchmarks.settings import SETTINGS
 from fromp.models import MultiHeadMLP
-from strategies.fromp import FROMP, FROMPPlugin
-from strategies.models import as_avalanche_model, unwrap
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -21,7 +21,7 @@ MODULES = (
     "fromp.continual.methods",
     "fromp.continual.ewc",
     "fromp.laplace.base",
-    "strategies.vcl",
+    "fromp_avalanche.vcl",
 )
 
 

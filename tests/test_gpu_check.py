@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from fromp_bench.studies import gpu_bundle, gpu_check
 
-from benchmarks.studies import gpu_bundle, gpu_check
 from fromp.continual import methods
 
 
@@ -57,7 +57,7 @@ def _fake_runner(calls: list[list[str]], seconds: dict[str, list[float]]):
             out = "..s\n2 passed, 1 skipped, 40 deselected in 1.00s\n"
             return {"returncode": 0, "stdout": out, "stderr": "", "timed_out": False,
                     "wall_s": 1.0}  # fmt: skip
-        assert cmd[1:3] == ["-m", "benchmarks"], cmd
+        assert cmd[1:3] == ["-m", "fromp_bench"], cmd
         bench, strategy = cmd[3], cmd[cmd.index("--strategies") + 1]
         base = Path(cmd[cmd.index("--out") + 1]) / bench
         base.mkdir(parents=True)
@@ -103,7 +103,7 @@ def test_quick_cpu_run_writes_every_case_with_a_value_or_a_reason(tmp_path, monk
     assert "0 GPUs" in record["cases"]["distributed"]["reason"]
     assert record["cases"]["ivon_adam"]["ratio_ivon_adam"] > 0
     # the runner ran each strategy in its own process, on the built-in data, in quick mode
-    bench = [c for c in calls if "benchmarks" in c]
+    bench = [c for c in calls if "fromp_bench" in c]
     assert [c[c.index("--strategies") + 1] for c in bench] == ["naive", "fromp", "ewc"]
     assert all(c[3] == "split-digits" and "--epochs" in c for c in bench)
     # quick mode: flags are computed but never pass or fail
@@ -325,7 +325,7 @@ def test_the_distributed_case_launches_one_process_per_gpu(monkeypatch):
     monkeypatch.setattr(gpu_check, "run_command", launched)
     out = gpu_check.distributed_case(torch.device("cuda"), gpu_check.FULL, None, 60)
     assert "--nproc_per_node=4" in seen["cmd"] and "--dist-worker" in seen["cmd"]
-    assert out["command"].startswith("torchrun --standalone --nproc_per_node=4 -m benchmarks")
+    assert out["command"].startswith("torchrun --standalone --nproc_per_node=4 -m fromp_bench")
     assert out["status"] == "failed" and "kron" in out["reason"]
 
 
@@ -413,7 +413,7 @@ def test_phase_clock_synchronises_cuda(monkeypatch):
 def test_the_avalanche_study_refuses_a_diverged_run():
     from types import SimpleNamespace
 
-    from benchmarks.studies.avalanche_models import check_trained
+    from fromp_bench.studies.avalanche_models import check_trained
 
     net = torch.nn.Linear(2, 2)
     check_trained(SimpleNamespace(model=net, loss=torch.tensor(0.3)), "ok")

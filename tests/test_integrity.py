@@ -12,14 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from benchmarks import command as bench_main
-from benchmarks import data as D
-from benchmarks.__main__ import main
-from benchmarks.cli import gp_main, memorable_main
-from benchmarks.plugins import _write_checkpoint
-from benchmarks.report import aggregate
-from benchmarks.runner import (
+from fromp_bench import command as bench_main
+from fromp_bench import data as D
+from fromp_bench.__main__ import main
+from fromp_bench.cli import gp_main, memorable_main
+from fromp_bench.plugins import _write_checkpoint
+from fromp_bench.report import aggregate
+from fromp_bench.runner import (
     CheckpointError,
     RunConfig,
     expected_calibration_error,

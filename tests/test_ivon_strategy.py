@@ -10,14 +10,14 @@ import pytest
 import torch
 from avalanche.evaluation.metrics import accuracy_metrics
 from avalanche.training.plugins import EvaluationPlugin, SupervisedPlugin
+from fromp_avalanche.fromp import FROMP, FROMPPlugin
+from fromp_avalanche.ivon import IVONPlugin, IVONStrategy
+from fromp_avalanche.models import as_avalanche_model
+from fromp_bench.data import synthetic_split, to_avalanche
 
-from benchmarks.data import synthetic_split, to_avalanche
 from fromp.curvature.jacobian import flat_params
 from fromp.models import MultiHeadMLP
 from fromp.optim import IVON
-from strategies.fromp import FROMP, FROMPPlugin
-from strategies.ivon import IVONPlugin, IVONStrategy
-from strategies.models import as_avalanche_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -259,7 +259,7 @@ def test_fromp_ivon_penalty_gradient_at_the_mean_after_tasks_2_and_3(where):
     ("strategy", "antithetic"), [("ivon", False), ("fromp-ivon", False), ("ivon", True)]
 )
 def test_runner_strategies_run_and_resume(tmp_path, strategy, antithetic):
-    from benchmarks.runner import RunConfig, run
+    from fromp_bench.runner import RunConfig, run
 
     # antithetic: 3 steps per experience, so a checkpoint after an odd number of experiences
     # holds a pending mirror draw

@@ -1,4 +1,4 @@
-"""The side-by-side study with laplace-torch (``python -m benchmarks.studies.laplace_torch``):
+"""The side-by-side study with laplace-torch (``python -m fromp_bench.studies.laplace_torch``):
 its helpers (relative differences, the Kronecker-block comparison, the case table, the
 summary), the fromp side on tiny settings, the one-line refusal without laplace-torch, and,
 where laplace-torch is installed, the float64 comparison itself."""
@@ -11,9 +11,8 @@ import math
 
 import pytest
 import torch
-
-from benchmarks.studies import laplace_torch as study
-from benchmarks.studies.laplace_torch import (
+from fromp_bench.studies import laplace_torch as study
+from fromp_bench.studies.laplace_torch import (
     MissingExtra,
     compare_rows,
     kron_rel_diff,

@@ -3,9 +3,9 @@
 
 import pytest
 import torch
+from fromp_bench.studies.loo_posteriors import Block, rows
 from torch import nn
 
-from benchmarks.studies.loo_posteriors import Block, rows
 from fromp.likelihood import get_likelihood
 
 DELTA = 0.7

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fromp_avalanche.models import AvalancheMultiHead, as_avalanche_model, unwrap
 from torch import nn
 
 from fromp.models import CifarCNN, LeNet5, MultiHeadMLP, with_task
-from strategies.models import AvalancheMultiHead, as_avalanche_model, unwrap
 
 
 def _n(model: nn.Module) -> int:
@@ -75,8 +75,7 @@ def test_avalanche_wrapper_routes_task_labels():
 def test_naive_strategy_trains_on_split_digits():
     from avalanche.training import Naive
     from avalanche.training.plugins import EvaluationPlugin
-
-    from benchmarks.data import split_digits, to_avalanche
+    from fromp_bench.data import split_digits, to_avalanche
 
     seq = split_digits().subsample(200, 100)
     bench = to_avalanche(seq)

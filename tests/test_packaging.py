@@ -42,3 +42,45 @@ def test_core_dependencies_are_what_fromp_needs():
     extras = project["optional-dependencies"]
     assert any(d.startswith("avalanche-lib") for d in extras["avalanche"])
     assert "fromp[bench,ray]" in extras["dev"]
+
+
+#: repository folder -> installed import name (pyproject.toml's package-dir)
+FOLDERS = {"fromp": "fromp", "strategies": "fromp_avalanche", "benchmarks": "fromp_bench"}
+
+
+def test_installed_package_list_is_every_folder_under_its_import_name():
+    """pyproject.toml lists each package explicitly (the folders strategies/ and benchmarks/
+    install as ``fromp_avalanche`` and ``fromp_bench``): a new subpackage missing from the
+    list would be left out of the wheel."""
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert tool["package-dir"] == {
+        "": ".",
+        "fromp_avalanche": "strategies",
+        "fromp_bench": "benchmarks",
+    }
+    want = set()
+    for folder, name in FOLDERS.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder).parts
+            want.add(".".join((name, *rel)))
+    assert set(tool["packages"]) == want
+    assert not {"strategies", "benchmarks"} & {p.split(".")[0] for p in tool["packages"]}
+
+
+def test_a_users_own_strategies_and_benchmarks_modules_do_not_shadow_ours(tmp_path):
+    """A user's ``strategies.py`` and ``benchmarks.py`` beside their script (first on
+    ``sys.path``) leave fromp's Avalanche layer and runner importable: the installed names
+    are ``fromp_avalanche`` and ``fromp_bench``, and no module of ours imports the folder
+    names."""
+    for name in ("strategies", "benchmarks"):
+        (tmp_path / f"{name}.py").write_text("raise ImportError('the user module was imported')\n")
+    code = (
+        "import fromp_avalanche, fromp_avalanche.fromp, fromp_bench.runner, fromp_bench.command;"
+        "import sys; assert 'strategies' not in sys.modules and 'benchmarks' not in sys.modules;"
+        "print('ok')"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "ok"

@@ -10,8 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from benchmarks.studies import planted_bugs as pb
+from fromp_bench.studies import planted_bugs as pb
 
 TOY = {
     "toy/__init__.py": "",
@@ -112,14 +111,14 @@ def test_cli_lists_and_refuses_unknown_names(capsys):
 def test_a_rerun_of_some_bugs_replaces_their_rows_and_keeps_what_they_were():
     first, second = pb.BUGS[0].name, pb.BUGS[1].name
     prev = {
-        "command": "python -m benchmarks.studies.planted_bugs",
+        "command": "python -m fromp_bench.studies.planted_bugs",
         "baseline": {"outcome": "passed"},
         "bugs": [{"name": first, "outcome": "caught"}, {"name": second, "outcome": "missed"}],
         "caught": 1,
         "total": 2,
     }
     rerun = {"baseline": {"outcome": "passed"}, "bugs": [{"name": second, "outcome": "caught"}]}
-    out = pb.merge(prev, rerun, "python -m benchmarks.studies.planted_bugs --only x")
+    out = pb.merge(prev, rerun, "python -m fromp_bench.studies.planted_bugs --only x")
     assert [r["outcome"] for r in out["bugs"]] == ["caught", "caught"]
     assert (out["caught"], out["total"]) == (2, 2)
     assert out["first_command"] == prev["command"]

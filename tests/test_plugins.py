@@ -9,8 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-from benchmarks.plugins import NonFiniteError, _Guard, _Progress
+from fromp_bench.plugins import NonFiniteError, _Guard, _Progress
 
 
 def _strategy():

@@ -15,12 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from benchmarks import command as bench_main
-from benchmarks.__main__ import main
-from benchmarks.cli import gp_main, memorable_main
-from benchmarks.command import settings_id
-from benchmarks.report import aggregate
+from fromp_bench import command as bench_main
+from fromp_bench.__main__ import main
+from fromp_bench.cli import gp_main, memorable_main
+from fromp_bench.command import settings_id
+from fromp_bench.report import aggregate
 
 QUICK = ["--n-test", "20", "--no-progress"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,7 +133,7 @@ def test_cli_out_that_cannot_be_written_is_refused_before_loading(
 ):
     """Before: ``fromp-memorable --map`` and ``fromp-gp`` computed everything, then died on a
     raw PermissionError / NotADirectoryError."""
-    import benchmarks.cli as cli
+    import fromp_bench.cli as cli
 
     def loaded(*args, **kwargs):
         raise AssertionError("the network was loaded before --out was checked")
@@ -257,8 +256,8 @@ def test_sigterm_says_how_to_resume_and_releases_the_lock(tmp_path):
     script = textwrap.dedent(
         f"""
         import os, signal, sys, time
-        from benchmarks import command
-        from benchmarks.__main__ import main
+        from fromp_bench import command
+        from fromp_bench.__main__ import main
         def run(cfg):
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(30)

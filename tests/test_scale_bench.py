@@ -1,4 +1,4 @@
-"""Smoke test of the scale benchmark (python -m benchmarks.studies.scale) on tiny settings."""
+"""Smoke test of the scale benchmark (python -m fromp_bench.studies.scale) on tiny settings."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import importlib.util
 
 import pytest
 import torch
-
-from benchmarks.studies.scale import _plan, check_device, main, run_case
+from fromp_bench.studies.scale import _plan, check_device, main, run_case
 
 
 def test_plan_and_one_case_run():
@@ -67,7 +66,7 @@ def test_fromp_matches_laplace_torch_diag_ggn():
 
 
 def test_kernel_profile_refuses_no_inputs(capsys):
-    from benchmarks.studies.kernel_profile import main as profile_main
+    from fromp_bench.studies.kernel_profile import main as profile_main
 
     with pytest.raises(SystemExit):
         profile_main(["--n", "0"])
@@ -82,7 +81,7 @@ def test_kernel_vs_revision_runs_and_compares(tmp_path):
     import shutil
     import subprocess
 
-    from benchmarks.studies import kernel_vs_revision as kvr
+    from fromp_bench.studies import kernel_vs_revision as kvr
 
     repo = tmp_path / "repo"
     (repo / "fromp" / "gp").mkdir(parents=True)

@@ -253,8 +253,7 @@ def test_loo_plugin_recorded_on_an_avalanche_multi_head_model_after_experience_1
     from avalanche.benchmarks.utils import _make_taskaware_tensor_classification_dataset
     from avalanche.models import MTSimpleMLP
     from avalanche.training.supervised import Naive
-
-    from strategies.loo import LOOPlugin
+    from fromp_avalanche.loo import LOOPlugin
 
     def data(n, seed):
         g = torch.Generator().manual_seed(seed)

@@ -1,12 +1,11 @@
-"""benchmarks.studies.sensitivity refuses a training or retraining that did not converge: its
+"""fromp_bench.studies.sensitivity refuses a training or retraining that did not converge: its
 estimates assume a minimum, so such a run must not produce numbers."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-
-from benchmarks.studies.sensitivity import _minimise, _require_converged
+from fromp_bench.studies.sensitivity import _minimise, _require_converged
 
 
 def test_converged_minimum_is_accepted_and_a_stalled_or_nan_one_refused():

@@ -292,10 +292,10 @@ def test_loo_tracker_ivon_last_layer_against_dense():
 
 def test_loo_plugin_records_each_epoch_on_the_current_experience():
     from avalanche.training.supervised import Naive
+    from fromp_avalanche.loo import LOOPlugin
+    from fromp_bench.data import split_digits, to_avalanche
 
-    from benchmarks.data import split_digits, to_avalanche
     from fromp.memory.loo import LOOTracker
-    from strategies.loo import LOOPlugin
 
     torch.manual_seed(9)
     seq = split_digits()
@@ -450,10 +450,10 @@ def test_loo_plugin_recorded_uses_the_epochs_own_passes_of_the_current_experienc
     training passes of the current experience (every example once), with the head at the
     epoch's end; close to the evaluation-pass estimate, and the hooks are gone afterwards."""
     from avalanche.training.supervised import Naive
+    from fromp_avalanche.loo import LOOPlugin
+    from fromp_bench.data import split_digits, to_avalanche
 
-    from benchmarks.data import split_digits, to_avalanche
     from fromp.memory.loo import LOOTracker
-    from strategies.loo import LOOPlugin
 
     torch.manual_seed(10)
     seq = split_digits()

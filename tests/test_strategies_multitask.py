@@ -10,15 +10,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from fromp_avalanche.ewc import EWCPlugin
+from fromp_avalanche.fromp import FROMPPlugin
+from fromp_bench.data import synthetic_split
 from torch.utils.data import TensorDataset
 
-from benchmarks.data import synthetic_split
 from fromp.continual.memorable import select_memorable
 from fromp.curvature.diagonal import diag_ggn
 from fromp.curvature.jacobian import flat_params
 from fromp.models import MultiHeadMLP, with_task
-from strategies.ewc import EWCPlugin
-from strategies.fromp import FROMPPlugin
 
 D = torch.float64
 
@@ -238,16 +238,16 @@ def test_fromp_and_ewc_state_survive_a_new_head():
 
 
 def test_strategy_package_exports_and_fromp_likelihood():
-    import strategies
-    from strategies.fromp import FROMP
+    import fromp_avalanche
+    from fromp_avalanche.fromp import FROMP
 
     for name in ("EWC", "VCL", "FROMP", "VOGNStrategy", "experience_tensors"):
-        assert name in strategies.__all__ and hasattr(strategies, name)
+        assert name in fromp_avalanche.__all__ and hasattr(fromp_avalanche, name)
     net = _net()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     strategy = FROMP(model=net, optimizer=opt, evaluator=None, likelihood="bernoulli")
     assert strategy.plugin.regularizer.likelihood.name == "bernoulli"
-    ewc = strategies.EWC(model=net, optimizer=opt, evaluator=None, likelihood="bernoulli")
+    ewc = fromp_avalanche.EWC(model=net, optimizer=opt, evaluator=None, likelihood="bernoulli")
     assert ewc.plugin.likelihood.name == "bernoulli"
 
 

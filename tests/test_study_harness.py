@@ -1,4 +1,4 @@
-"""The studies' one harness (benchmarks.studies.harness): the checks before any work, the
+"""The studies' one harness (fromp_bench.studies.harness): the checks before any work, the
 record's command and environment, atomic writes, refusal of non-finite numbers, and every
 study built on it."""
 
@@ -12,8 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from benchmarks.studies import harness
+from fromp_bench.studies import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 NOT_STUDIES = {"__init__", "harness", "laplace_torch_table", "gpu_check"}
@@ -37,11 +36,11 @@ def test_prepare_out_refuses_before_any_work(tmp_path):
 def test_write_record_adds_command_and_environment(tmp_path):
     out = tmp_path / "r.json"
     rec = harness.write_record(
-        out, {"rows": [{"nll": 0.5}]}, module="benchmarks.studies.x", argv=["--n", "3 4"]
+        out, {"rows": [{"nll": 0.5}]}, module="fromp_bench.studies.x", argv=["--n", "3 4"]
     )
     back = json.loads(out.read_text())
     assert back == rec
-    assert back["command"] == "python -m benchmarks.studies.x --n '3 4'"
+    assert back["command"] == "python -m fromp_bench.studies.x --n '3 4'"
     assert back["environment"]["torch"] and back["environment"]["threads"] >= 1
     # a study's own command is kept (a resummarised file keeps the command that measured it)
     harness.write_record(out, {"command": "python -m a --b"}, module="m", argv=[])
@@ -71,7 +70,7 @@ def test_non_finite_paths():
 def test_module_name_under_python_dash_m(tmp_path):
     code = (
         "import sys; sys.argv[0]='x';"
-        "from benchmarks.studies import harness;"
+        "from fromp_bench.studies import harness;"
         "print(harness.module_name('__main__'))"
     )
     out = subprocess.run(
@@ -79,13 +78,13 @@ def test_module_name_under_python_dash_m(tmp_path):
     )
     assert out.stdout.strip() == "__main__"  # no spec: the name is kept as given
     out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.studies.kernel_profile", "--help"],
+        [sys.executable, "-m", "fromp_bench.studies.kernel_profile", "--help"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert out.returncode == 0 and "python -m benchmarks.studies.kernel_profile" in out.stdout
+    assert out.returncode == 0 and "python -m fromp_bench.studies.kernel_profile" in out.stdout
 
 
 @pytest.mark.parametrize("path", STUDIES, ids=lambda p: p.stem)

@@ -7,16 +7,15 @@ import csv
 import json
 
 import pytest
-
-from benchmarks.__main__ import main
-from benchmarks.runner import RunConfig, run
+from fromp_bench.__main__ import main
+from fromp_bench.runner import RunConfig, run
 
 ray = pytest.importorskip("ray", reason="Ray Tune is an optional extra: pip install 'fromp[ray]'")
 
 
 @pytest.mark.slow
 def test_local_sweep_matches_the_runner_and_resumes_a_crashed_trial(tmp_path, monkeypatch):
-    from benchmarks.sweep import sweep
+    from fromp_bench.sweep import sweep
 
     marker = tmp_path / "crashed"
     kw = dict(n_train=60, n_test=30, valid_fraction=0.2)
@@ -75,7 +74,7 @@ def test_resume_runs_only_the_added_trials_and_keeps_the_finished_ones(tmp_path,
     import tempfile
     from pathlib import Path
 
-    from benchmarks.sweep import sweep
+    from fromp_bench.sweep import sweep
 
     # a temporary root of this test's own (pytest-xdist runs other sweeps beside it)
     own_tmp = Path(tempfile.mkdtemp(prefix="fs-"))
@@ -120,7 +119,7 @@ def test_sigterm_shuts_ray_down_and_removes_the_trials_temporary_files(tmp_path)
     tmp_root = Path(tempfile.mkdtemp(prefix="fs-"))
     env = {**os.environ, "TMPDIR": str(tmp_root), "OMP_NUM_THREADS": "1"}
     cmd = [
-        sys.executable, "-m", "benchmarks", "sweep", "split-digits", "--strategies", "naive",
+        sys.executable, "-m", "fromp_bench", "sweep", "split-digits", "--strategies", "naive",
         "--seeds", "1", "--n-train", "200", "--n-test", "20", "--epochs", "5000",
         "--num-cpus", "1", "--out", str(tmp_path / "out"),
     ]  # fmt: skip

@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from benchmarks.studies import task_time
+from fromp_bench.studies import task_time
 
 
 def test_record_holds_per_task_times_and_ratios(tmp_path):
@@ -14,7 +13,7 @@ def test_record_holds_per_task_times_and_ratios(tmp_path):
     argv = ["--tasks", "3", "--steps", "2", "--n-train", "200", "--batch-size", "32"]
     task_time.main([*argv, "--out", str(out)])
     rec = json.loads(out.read_text())
-    assert rec["command"].startswith("python -m benchmarks.studies.task_time")
+    assert rec["command"].startswith("python -m fromp_bench.studies.task_time")
     for m in task_time.METHODS:
         per = rec["per_task"][m]
         assert len(per["train_s"]) == len(per["total_s"]) == 3

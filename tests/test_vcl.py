@@ -6,13 +6,13 @@ import pytest
 import torch
 from avalanche.evaluation.metrics import accuracy_metrics
 from avalanche.training.plugins import EvaluationPlugin
+from fromp_avalanche.models import as_avalanche_model
+from fromp_avalanche.vcl import VCL, VCLPlugin
+from fromp_bench.data import synthetic_split, to_avalanche
+from fromp_bench.settings import SETTINGS
 
-from benchmarks.data import synthetic_split, to_avalanche
-from benchmarks.settings import SETTINGS
 from fromp.continual.bayesian import BayesMultiHeadModel
 from fromp.models import MultiHeadMLP
-from strategies.models import as_avalanche_model
-from strategies.vcl import VCL, VCLPlugin
 
 
 def _strategy(net, **kw):
@@ -188,7 +188,7 @@ def test_defaults_follow_the_contract():
 
 def test_runner_resume_matches_uninterrupted_run(tmp_path):
     """Checkpoint after 2 experiences and resume in a fresh strategy: same results."""
-    from benchmarks.runner import RunConfig, run
+    from fromp_bench.runner import RunConfig, run
 
     kw = dict(
         seed=0,
@@ -208,8 +208,9 @@ def test_runner_resume_matches_uninterrupted_run(tmp_path):
 def test_the_strategy_takes_every_setting_of_the_method_and_prior_var_is_deprecated():
     import inspect
 
+    from fromp_avalanche.vcl import METHOD_SETTINGS
+
     from fromp.continual.vcl import VCLMethod
-    from strategies.vcl import METHOD_SETTINGS
 
     params = inspect.signature(VCL).parameters
     assert set(METHOD_SETTINGS) == set(inspect.signature(VCLMethod).parameters) - {"net"}

@@ -322,9 +322,8 @@ def test_the_strategy_gives_the_plain_loops_numbers():
     step) and a plain loop over the same data with the same seeds: the same losses, the same
     coresets and the same posterior."""
     from avalanche.training.plugins import SupervisedPlugin
-
-    from benchmarks.data import synthetic_split, to_avalanche
-    from strategies.vcl import VCL
+    from fromp_avalanche.vcl import VCL
+    from fromp_bench.data import synthetic_split, to_avalanche
 
     seq = synthetic_split(n_tasks=3, input_shape=(6,), n_train=20, n_test=10)
     settings = dict(

@@ -10,16 +10,16 @@ import pytest
 import torch
 from avalanche.models.dynamic_optimizers import update_optimizer
 from avalanche.training.plugins import SupervisedPlugin
+from fromp_avalanche.models import as_avalanche_model
+from fromp_avalanche.vogn import VOGNStrategy, minibatch_curvature
+from fromp_bench.data import synthetic_split, to_avalanche
 from torch import nn
 
-from benchmarks.data import synthetic_split, to_avalanche
 from fromp import IVON, OGN, VOGN
 from fromp.likelihood import CategoricalLikelihood, GaussianLikelihood
 from fromp.models import MultiHeadMLP, with_task
 from fromp.optim.vogn import LayerCapture, per_example_grad_stats, predict_mc, predict_mean
 from fromp.posterior import DiagonalGaussian
-from strategies.models import as_avalanche_model
-from strategies.vogn import VOGNStrategy, minibatch_curvature
 
 D = torch.float64
 
@@ -811,9 +811,8 @@ def test_vogn_and_ivon_train_avalanche_multitask_mlp_over_three_experiences():
     import sys
 
     sys.path.insert(0, str(Path(__file__).parent))
+    from fromp_avalanche.ivon import IVONStrategy
     from test_avalanche_models import _benchmark, _model
-
-    from strategies.ivon import IVONStrategy
 
     for name, reuse in (("vogn", False), ("vogn", True), ("ivon", None)):
         bm = _benchmark(True)

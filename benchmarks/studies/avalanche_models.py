@@ -6,7 +6,7 @@ one epoch per experience on the first two experiences of ``SplitMNIST(n_experien
 seed=0)``. Reports the test accuracy of experience 0 after experience 0 and after
 experience 1, and of experience 1 after experience 1, and the wall time.
 
-    python -m benchmarks.studies.avalanche_models --data /path/to/data \\
+    python -m fromp_bench.studies.avalanche_models --data /path/to/data \\
         --out benchmarks/results/avalanche_models.json
 """
 
@@ -20,11 +20,10 @@ from avalanche.benchmarks.classic import SplitMNIST
 from avalanche.evaluation.metrics import accuracy_metrics
 from avalanche.models import MTSimpleMLP, SimpleMLP
 from avalanche.training.plugins import EvaluationPlugin
-
-from benchmarks.studies import harness
-from strategies.ewc import EWC
-from strategies.fromp import FROMP
-from strategies.vcl import VCL
+from fromp_avalanche.ewc import EWC
+from fromp_avalanche.fromp import FROMP
+from fromp_avalanche.vcl import VCL
+from fromp_bench.studies import harness
 
 SETTINGS = {
     "lr": 1e-3,

@@ -2,14 +2,14 @@
 
 Both strategies are trained in one process, one after the other, on the same Avalanche
 stream with the same settings (by default the official code's split-MNIST settings,
-:data:`benchmarks.settings.FROMP_REFERENCE`, 40 memorable points per task;
-``--settings default`` uses the runner's :data:`benchmarks.settings.SETTINGS`; Naive uses the
+:data:`fromp_bench.settings.FROMP_REFERENCE`, 40 memorable points per task;
+``--settings default`` uses the runner's :data:`fromp_bench.settings.SETTINGS`; Naive uses the
 same optimiser, epochs and batch size).
 Reported: total training wall time of each, the ratio FROMP / Naive, and FROMP's per-task
 cost of memorable-point selection, curvature (diagonal GGN) and kernel construction.
 
-    python -m benchmarks.studies.fromp_speed --data-root $FROMP_DATA
-    python -m benchmarks.studies.fromp_speed --n-train 2000 --epochs 2      # quick
+    python -m fromp_bench.studies.fromp_speed --data-root $FROMP_DATA
+    python -m fromp_bench.studies.fromp_speed --n-train 2000 --epochs 2      # quick
 
 Without MNIST (``--benchmark split-digits``) the built-in 8x8 digits are used.
 """
@@ -26,13 +26,13 @@ import torch
 from avalanche.evaluation.metrics import accuracy_metrics
 from avalanche.training import Naive
 from avalanche.training.plugins import EvaluationPlugin
+from fromp_avalanche.fromp import FROMP
+from fromp_avalanche.models import as_avalanche_model
+from fromp_bench.data import split_digits, split_mnist, to_avalanche
+from fromp_bench.settings import FROMP_REFERENCE, SETTINGS
+from fromp_bench.studies import harness
 
-from benchmarks.data import split_digits, split_mnist, to_avalanche
-from benchmarks.settings import FROMP_REFERENCE, SETTINGS
-from benchmarks.studies import harness
 from fromp.models import MultiHeadMLP
-from strategies.fromp import FROMP
-from strategies.models import as_avalanche_model
 
 
 def _evaluator() -> EvaluationPlugin:

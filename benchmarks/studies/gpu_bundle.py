@@ -2,7 +2,7 @@
 one folder that git ignores (``.gpu-bundle/``), and the one command to run there
 (``make gpu-bundle``; docs/gpu.md, "Running the GPU check").
 
-    python -m benchmarks.studies.gpu_bundle [--dest .gpu-bundle] [--data DIR] [--budget 520]
+    python -m fromp_bench.studies.gpu_bundle [--dest .gpu-bundle] [--data DIR] [--budget 520]
                                             [--dry-run]
 
 The folder holds
@@ -20,7 +20,7 @@ The folder holds
 
 It prints the command (at most 2,000 characters) and the paths to carry with it: the command
 installs the wheels into ``/tmp/site``, puts the checkout, the wheels and the stand-in on
-``PYTHONPATH`` and runs ``python3 -m benchmarks.studies.gpu_check --device cuda --budget B
+``PYTHONPATH`` and runs ``python3 -m fromp_bench.studies.gpu_check --device cuda --budget B
 --out $OUT``, logging to ``$OUT/gpu_check.log``. ``--dry-run`` checks the sources and prints
 the command without fetching or copying anything.
 """
@@ -35,7 +35,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.studies import harness
+from fromp_bench.studies import harness
 
 ROOT = Path(__file__).resolve().parents[2]
 BUNDLE = ".gpu-bundle"
@@ -90,9 +90,11 @@ def device_command(dest: str = BUNDLE, budget: float = 520) -> str:
         "set -o pipefail; "
         f"python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "
         f"--target {site} {dest}/whl/*.whl || exit 1; "
-        f"export PYTHONPATH=$PWD:{site}:$PWD/{dest}/stub PYTHONUNBUFFERED=1 "
+        "mkdir -p /tmp/names; "
+        + "".join(f"ln -sfn $PWD/{d} /tmp/names/{n}; " for n, d in harness.IMPORT_NAMES.items())
+        + f"export PYTHONPATH=$PWD:/tmp/names:{site}:$PWD/{dest}/stub PYTHONUNBUFFERED=1 "
         f"FROMP_DATA=$PWD/{dest}/data; nvidia-smi -L; "
-        f"python3 -m benchmarks.studies.gpu_check --device cuda --budget {budget:g} --out $OUT "
+        f"python3 -m fromp_bench.studies.gpu_check --device cuda --budget {budget:g} --out $OUT "
         "2>&1 | tee $OUT/gpu_check.log"
     )
 

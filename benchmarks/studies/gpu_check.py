@@ -1,7 +1,7 @@
 """The GPU check (``make gpu-check``): the CUDA tests and the GPU measurements of issue 37,
 each case written to ``OUT/<date>-<device>.json`` (and a summary ``.md``) as soon as it ends.
 
-    python -m benchmarks.studies.gpu_check [--device cuda] [--budget 520] [--quick]
+    python -m fromp_bench.studies.gpu_check [--device cuda] [--budget 520] [--quick]
                                            [--data-root DIR] [--out benchmarks/results/gpu]
 
 The cases, in the order they run (the most telling first, so that a run cut short by its
@@ -22,7 +22,7 @@ budget or killed still leaves them):
   estimate (the pilot's numbers are kept, labelled as such). All ten subset x structure
   pairs of :func:`fromp.Laplace` run: all weights (kron, diag, lowrank, gp, full), last
   layer (diag, kron, full), subnetwork of ``--subnet`` weights (diag, full).
-* ``split-mnist/<strategy>``: ``python -m benchmarks split-mnist --strategies S --seeds 1
+* ``split-mnist/<strategy>``: ``python -m fromp_bench split-mnist --strategies S --seeds 1
   --device DEVICE`` for Naive, FROMP and EWC at the registry's settings (15 epochs per task),
   one process each: per-task seconds (training plus the method's own phases; evaluation, which
   grows with the tasks seen by design, is kept apart) and mean accuracy. A run stopped by its
@@ -76,9 +76,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from fromp_bench.studies import harness
 from torch import Tensor, nn
-
-from benchmarks.studies import harness
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "benchmarks" / "results" / "gpu"
@@ -559,7 +558,7 @@ def has_mnist(root: Path) -> bool:
 
 
 def split_case(strategy: str, sizes: Sizes, device: str, root: Path, seconds: float) -> dict:
-    """One strategy through the runner (``python -m benchmarks``), seed 0."""
+    """One strategy through the runner (``python -m fromp_bench``), seed 0."""
     if sizes.bench == "split-mnist" and not has_mnist(root):
         return {
             "status": "skipped",
@@ -570,7 +569,7 @@ def split_case(strategy: str, sizes: Sizes, device: str, root: Path, seconds: fl
         cmd = [
             sys.executable,
             "-m",
-            "benchmarks",
+            "fromp_bench",
             sizes.bench,
             "--strategies",
             strategy,
@@ -703,7 +702,7 @@ def distributed_case(
             "--standalone",
             f"--nproc_per_node={n}",
             "-m",
-            "benchmarks.studies.gpu_check",
+            "fromp_bench.studies.gpu_check",
             "--dist-worker",
             str(result),
             "--device",
@@ -939,7 +938,7 @@ def device_slug(dev: torch.device) -> str:
 
 
 def source_hash() -> str:
-    """The runner's ``code.source_hash`` (``benchmarks.report.code_record``) without importing
+    """The runner's ``code.source_hash`` (``fromp_bench.report.code_record``) without importing
     the runner (and Avalanche): SHA-256 over every ``.py`` of fromp, strategies, benchmarks."""
     h = hashlib.sha256()
     files = [

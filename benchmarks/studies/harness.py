@@ -1,6 +1,6 @@
 """One harness for the studies: their command line, the record they write and how.
 
-Every study is ``python -m benchmarks.studies.NAME ... --out FILE.json``; through this module
+Every study is ``python -m fromp_bench.studies.NAME ... --out FILE.json``; through this module
 each one
 
 * builds its parser with :func:`parser` (``prog`` and description from the study's module,
@@ -32,6 +32,22 @@ from typing import Any
 import torch
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
+#: installed import name -> repository folder (pyproject.toml's package-dir)
+IMPORT_NAMES = {"fromp_avalanche": "strategies", "fromp_bench": "benchmarks"}
+
+
+def import_names_dir(root: str | os.PathLike, into: str | os.PathLike) -> Path:
+    """A folder of links ``fromp_avalanche -> root/strategies``, ``fromp_bench ->
+    root/benchmarks``: put it on ``PYTHONPATH`` (after ``root``) to import a checkout that is
+    not installed (a copy of the tree, a machine that receives only the checkout)."""
+    into = Path(into)
+    into.mkdir(parents=True, exist_ok=True)
+    for name, folder in IMPORT_NAMES.items():
+        link = into / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(Path(root).resolve() / folder, target_is_directory=True)
+    return into
 
 
 def module_name(module: str) -> str:

@@ -12,7 +12,7 @@ task's worth of steps, then prints, for the trained network:
 
 Usage (real MNIST under ``$FROMP_DATA`` or ``--data-root``)::
 
-    python -m benchmarks.studies.ivon_kernel_scale --beta2 0.999 --epochs 15 --clip-radius 0.1
+    python -m fromp_bench.studies.ivon_kernel_scale --beta2 0.999 --epochs 15 --clip-radius 0.1
 
 Memory: the Jacobians of 40 points, ``[40, 2, P]`` with ``P = 269,322``; no ``P x P`` matrix.
 """
@@ -23,10 +23,10 @@ import time
 
 import torch
 import torch.nn.functional as F
+from fromp_bench.data import load_mnist
+from fromp_bench.studies import harness
 
 import fromp
-from benchmarks.data import load_mnist
-from benchmarks.studies import harness
 from fromp.continual.memorable import select_memorable
 from fromp.curvature.diagonal import diag_ggn_linear
 from fromp.curvature.jacobian import flat_params

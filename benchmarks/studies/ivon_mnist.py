@@ -9,12 +9,12 @@ Reports test accuracy, negative log-likelihood and expected calibration error (1
 
 Usage (real MNIST under ``$FROMP_DATA`` or ``--data-root``)::
 
-    python -m benchmarks.studies.ivon_mnist [--epochs 10] [--hidden 256,256] [--threads 1]
+    python -m fromp_bench.studies.ivon_mnist [--epochs 10] [--hidden 256,256] [--threads 1]
 
 Defaults: MLP 784-256-256-10, batch 128, 10 epochs, Adam lr 1e-3 (as
-``benchmarks.studies.vogn_mnist``); IVON lr 0.2 (rescaled by ``h0 + delta``), ``ess`` = training-set
-size, ``h0 = 0.1``, betas (0.9, 0.99999) (the paper's ``beta2``; 0.999 diverged in epoch 5
-with lr 0.2, as did lr 0.5), weight decay 1e-4, one training sample, 20 test samples.
+``fromp_bench.studies.vogn_mnist``); IVON lr 0.2 (rescaled by ``h0 + delta``), ``ess`` =
+training-set size, ``h0 = 0.1``, betas (0.9, 0.99999) (the paper's ``beta2``; 0.999 diverged
+in epoch 5 with lr 0.2, as did lr 0.5), weight decay 1e-4, one training sample, 20 test samples.
 
 Writes ``benchmarks/results/ivon_mnist.json``.
 """
@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from fromp_bench.data import load_mnist
+from fromp_bench.studies import harness
+from fromp_bench.studies.vogn_mnist import _batches, _chunks, _metrics, adam_baseline
 
-from benchmarks.data import load_mnist
-from benchmarks.studies import harness
-from benchmarks.studies.vogn_mnist import _batches, _chunks, _metrics, adam_baseline
 from fromp.models import MultiHeadMLP
 from fromp.optim import IVON
 from fromp.optim.vogn import predict_mc, predict_mean

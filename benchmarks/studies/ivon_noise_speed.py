@@ -8,7 +8,7 @@ restore 2, the update 13; torch's Adam makes about seven, in a loop over the ten
 
 Usage::
 
-    python -m benchmarks.studies.ivon_noise_speed [--calls 200]
+    python -m fromp_bench.studies.ivon_noise_speed [--calls 200]
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ import time
 from collections.abc import Callable
 
 import torch
-
-from benchmarks.studies import harness
+from fromp_bench.studies import harness
 
 P = 269_322
 

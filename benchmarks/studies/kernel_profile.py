@@ -1,6 +1,6 @@
 """Where the time of the structured DNN2GP kernel goes, on ResNet-18 (``cProfile``).
 
-    python -m benchmarks.studies.kernel_profile [--n 256] [--full]
+    python -m fromp_bench.studies.kernel_profile [--n 256] [--full]
 
 ``torchvision.models.resnet18(num_classes=10)`` (eval, random weights) on ``--n`` standard
 normal ``[3, 32, 32]`` inputs with a random diagonal posterior, one CPU thread: the CPU time
@@ -18,8 +18,7 @@ import resource
 import time
 
 import torch
-
-from benchmarks.studies import harness
+from fromp_bench.studies import harness
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,6 @@
 """Speed and memory of the DNN2GP kernel ``K = J Sigma J^T`` against the reference loop.
 
-    python -m benchmarks.studies.kernel_speed [--n 1000] [--ref-n 100] [--data-root DIR]
+    python -m fromp_bench.studies.kernel_speed [--n 1000] [--ref-n 100] [--data-root DIR]
 
 For ``--n`` MNIST test images (uniform-noise images of MNIST's shape when MNIST is not found;
 the output says so) and two networks, split MNIST's ``MultiHeadMLP(784, (256, 256), 5, 2)``
@@ -39,9 +39,8 @@ import time
 from typing import Any
 
 import torch
+from fromp_bench.studies import harness
 from torch import Tensor, nn
-
-from benchmarks.studies import harness
 
 __all__ = ["main", "make_model", "measure"]
 
@@ -194,7 +193,7 @@ def _run(task: dict[str, Any]) -> dict[str, Any]:
 
 def load_images(n: int, data_root: str | None) -> tuple[Tensor, str]:
     """``n`` MNIST test images ``[n, 1, 28, 28]`` and where they came from."""
-    from benchmarks.data import DataNotFoundError, load_mnist
+    from fromp_bench.data import DataNotFoundError, load_mnist
 
     try:
         _, _, x_test, _ = load_mnist(data_root, download=False)

@@ -1,6 +1,6 @@
 """The DNN2GP kernel now against the kernel of an earlier revision, side by side in one process.
 
-    python -m benchmarks.studies.kernel_vs_revision [--rev c35553b~1] [--repo DIR] [--n 1024]
+    python -m fromp_bench.studies.kernel_vs_revision [--rev c35553b~1] [--repo DIR] [--n 1024]
                                                     [--repeats 3]
                                             [--data-root DIR] [--out FILE]
 
@@ -29,9 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from benchmarks.studies import harness
-from benchmarks.studies.kernel_speed import _posterior, load_images, make_model
+from fromp_bench.studies import harness
+from fromp_bench.studies.kernel_speed import _posterior, load_images, make_model
 
 __all__ = ["main"]
 

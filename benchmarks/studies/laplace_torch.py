@@ -1,6 +1,6 @@
 r"""fromp's Laplace beside laplace-torch 0.3: every subset and structure, same weights, same data.
 
-    python -m benchmarks.studies.laplace_torch --out benchmarks/results/laplace_torch.json
+    python -m fromp_bench.studies.laplace_torch --out benchmarks/results/laplace_torch.json
         [--models mlp,cnn,resnet18] [--parts cases,equality,curvlinops] [--threads 1]
         [--subsets all,last_layer] [--prior-precision 30] [--data-root DATA] [--timeout 600]
 
@@ -13,7 +13,7 @@ Networks (eval mode, one head of 10 classes):
 * ``cnn``: the split-CIFAR ``CifarCNN`` (one head of 10), initial weights (seed 0);
 * ``resnet18``: ``torchvision.models.resnet18(num_classes=10)``, initial weights (seed 0);
   the CNN and ResNet-18 run on standard-normal CIFAR-shaped inputs ``[N, 3, 32, 32]`` with
-  uniform labels (:func:`benchmarks.studies.scale._inputs`): their time, memory and the
+  uniform labels (:func:`fromp_bench.studies.scale._inputs`): their time, memory and the
   agreement of the two libraries are measured, their NLL / ECE are not meaningful.
 
 Three parts (``--parts``):
@@ -58,11 +58,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from fromp_bench.studies import harness
+from fromp_bench.studies.laplace_torch_table import compare_rows, markdown_table, rel_diff
+from fromp_bench.studies.scale import _inputs
 from torch import Tensor, nn
-
-from benchmarks.studies import harness
-from benchmarks.studies.laplace_torch_table import compare_rows, markdown_table, rel_diff
-from benchmarks.studies.scale import _inputs
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 MODELS = ("mlp", "cnn", "resnet18")
@@ -153,7 +152,7 @@ def make_model(name: str, state: str | None = None) -> tuple[nn.Module, tuple[in
 
 def train_mlp(path: Path, data_root: str | None, epochs: int = 1) -> dict[str, float]:
     """Train the MNIST MLP (Adam, lr 1e-3, batch 128, seed 0) and save its state at ``path``."""
-    from benchmarks.data import load_mnist
+    from fromp_bench.data import load_mnist
 
     x, y, _, _ = load_mnist(data_root, download=False)
     net, _ = make_model("mlp")
@@ -190,7 +189,7 @@ def load_data(model: str, n_fit: int, n_test: int, data_root: str | None = None)
     """``(x_fit, y_fit, x_test, y_test)``: MNIST for the MLP (first ``n_fit`` training and
     ``n_test`` test images), standard-normal CIFAR-shaped tensors otherwise."""
     if model == "mlp":
-        from benchmarks.data import load_mnist
+        from fromp_bench.data import load_mnist
 
         x, y, xt, yt = load_mnist(data_root, download=False)
         return x[:n_fit].flatten(1), y[:n_fit], xt[:n_test].flatten(1), yt[:n_test]
@@ -271,7 +270,7 @@ def predict(la: Any, x: Tensor, chunk: int) -> Tensor:
 
 def scores(probs: Tensor, y: Tensor) -> dict[str, float]:
     """Test NLL (mean), ECE (15 bins) and accuracy of predicted probabilities ``[N, C]``."""
-    from benchmarks.plugins import expected_calibration_error
+    from fromp_bench.plugins import expected_calibration_error
 
     p = probs.double().clamp_min(1e-12)
     return {
@@ -484,7 +483,7 @@ def curvlinops_case(model: str, n: int, batch: int) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------- the driver
 def _spawn(payload: dict[str, Any], timeout: float) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "benchmarks.studies.laplace_torch", "--case-json",
+    cmd = [sys.executable, "-m", "fromp_bench.studies.laplace_torch", "--case-json",
            json.dumps(payload)]  # fmt: skip
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -554,7 +553,7 @@ def main(argv: list[str] | None = None) -> None:
     except MissingExtra as err:
         parser.error(str(err))
     record: dict[str, Any] = {
-        "command": harness.command("benchmarks.studies.laplace_torch", argv),
+        "command": harness.command("fromp_bench.studies.laplace_torch", argv),
         "environment": harness.environment(),
         "torch": torch.__version__,
         "laplace_torch": _version("laplace-torch"),

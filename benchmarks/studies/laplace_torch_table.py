@@ -1,4 +1,4 @@
-"""The relative differences and the summary table of :mod:`benchmarks.studies.laplace_torch`."""
+"""The relative differences and the summary table of :mod:`fromp_bench.studies.laplace_torch`."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ the retrained changes of the probabilities ``[M, 10]`` over the test examples, a
 (a) less the change of refitting the head on all examples (Adam leaves the head short of
 its optimum; the estimate, which treats the trained head as the optimum, excludes that).
 
-    FROMP_DATA=... python -m benchmarks.studies.loo_class_out --classes 0,1,2 \\
+    FROMP_DATA=... python -m fromp_bench.studies.loo_class_out --classes 0,1,2 \\
         --out benchmarks/results/loo_class_out_mnist.json
 """
 
@@ -20,10 +20,10 @@ from __future__ import annotations
 import sys
 
 import torch
+from fromp_bench.studies import harness
+from fromp_bench.studies.loo_tracking import _load, _model
 from torch import nn
 
-from benchmarks.studies import harness
-from benchmarks.studies.loo_tracking import _load, _model
 from fromp.memory.loo import last_layer_features, last_layer_remove
 
 

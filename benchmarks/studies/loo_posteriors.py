@@ -24,7 +24,7 @@ evidence ``-sum_n nll_n - delta |theta|^2 / 2 + P log(delta) / 2 - sum log(e + d
 
 Usage (``OMP_NUM_THREADS=1 FROMP_DATA=...``)::
 
-    python -m benchmarks.studies.loo_posteriors CHECKPOINT TASK [--variants kron,mixed,...]
+    python -m fromp_bench.studies.loo_posteriors CHECKPOINT TASK [--variants kron,mixed,...]
 
 prints one line per variant and, with ``--out FILE``, writes them as JSON.
 """
@@ -37,10 +37,10 @@ import time
 from pathlib import Path
 
 import torch
+from fromp_bench.cli import _load, _task
+from fromp_bench.studies import harness
 from torch import Tensor, nn
 
-from benchmarks.cli import _load, _task
-from benchmarks.studies import harness
 from fromp.curvature.capture import capture_calls
 from fromp.likelihood import get_likelihood
 from fromp.memory.loo import _corrected_loo

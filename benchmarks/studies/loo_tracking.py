@@ -4,7 +4,7 @@ estimates the leave-one-out NLL of the training set (Adam: a last-layer full Lap
 delta = weight decay x N, refitted each epoch; IVON: its own posterior, over the output layer
 and, on a fixed subset of the examples, over all weights) and the test NLL is measured.
 
-    FROMP_DATA=... python -m benchmarks.studies.loo_tracking --n-train 10000 --epochs 12 \\
+    FROMP_DATA=... python -m fromp_bench.studies.loo_tracking --n-train 10000 --epochs 12 \\
         --out benchmarks/results/loo_tracking_mnist.json
 
 writes the per-epoch numbers, the Pearson correlation of LOO and test NLL across epochs and
@@ -18,15 +18,15 @@ import time
 from pathlib import Path
 
 import torch
+from fromp_bench.studies import harness
 from torch import nn
 
-from benchmarks.studies import harness
 from fromp.memory.loo import LOOTracker
 from fromp.optim import IVON
 
 
 def _load(root: str | None):
-    from benchmarks.data import load_mnist
+    from fromp_bench.data import load_mnist
 
     return load_mnist(root, download=False)
 

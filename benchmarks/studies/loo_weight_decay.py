@@ -13,7 +13,7 @@ network is trained on the training examples minus a held-out validation split, t
 and each criterion picks one weight decay; the test NLL and accuracy of the picked networks
 are reported.
 
-    FROMP_DATA=... python -m benchmarks.studies.loo_weight_decay \\
+    FROMP_DATA=... python -m fromp_bench.studies.loo_weight_decay \\
         --out benchmarks/results/loo_weight_decay_mnist.json
 """
 
@@ -22,10 +22,10 @@ from __future__ import annotations
 import sys
 
 import torch
+from fromp_bench.studies import harness
+from fromp_bench.studies.loo_tracking import _load, _model, _test
 from torch import nn
 
-from benchmarks.studies import harness
-from benchmarks.studies.loo_tracking import _load, _model, _test
 from fromp.laplace.one_call import log_marginal_likelihood
 from fromp.memory.loo import last_layer_loo
 

@@ -12,7 +12,7 @@ selected) or ``timeout``. Before the bugs, the union of all the named tests runs
 the unmutated copy (``baseline``): a selection that fails without a bug would make every
 "caught" meaningless, so then the study stops.
 
-    nice -n 5 python -m benchmarks.studies.planted_bugs --out benchmarks/results/planted_bugs.json
+    nice -n 5 python -m fromp_bench.studies.planted_bugs --out benchmarks/results/planted_bugs.json
 
 ``--only NAME[,NAME]`` runs some bugs; ``--list`` prints them.
 """
@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.studies import harness
+from fromp_bench.studies import harness
 
 ROOT = Path(__file__).resolve().parents[2]
 #: what a mutated copy needs: the packages, the tests and the project's configuration
@@ -89,9 +89,10 @@ def run_tests(
     """Run ``pytest -x -q tests`` in ``root`` (its packages first on the path, no bytecode
     written); returns ``(outcome, seconds, first failing test or last output line)`` with
     outcome ``"failed"`` (exit 1), ``"passed"`` (0), ``"timeout"`` or ``"error"``."""
+    names = harness.import_names_dir(root, Path(root) / ".import-names")
     env = {
         **os.environ,
-        "PYTHONPATH": str(root),
+        "PYTHONPATH": f"{root}{os.pathsep}{names}",
         "PYTHONDONTWRITEBYTECODE": "1",
         "OMP_NUM_THREADS": "1",
     }

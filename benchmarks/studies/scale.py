@@ -1,6 +1,6 @@
 """Time and peak memory of Laplace / GGN / DNN2GP on real-size networks, beside laplace-torch.
 
-    python -m benchmarks.studies.scale [--models mlp,cnn,resnet18] [--cases kernel,...]
+    python -m fromp_bench.studies.scale [--models mlp,cnn,resnet18] [--cases kernel,...]
                                        [--device cpu]
                                        [--threads 1]
 
@@ -62,9 +62,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from fromp_bench.studies import harness
 from torch import nn
-
-from benchmarks.studies import harness
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 MODELS = ("resnet18", "cnn", "mlp")
@@ -216,7 +215,7 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _spawn(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "benchmarks.studies.scale", "--case-json", json.dumps(spec)]
+    cmd = [sys.executable, "-m", "fromp_bench.studies.scale", "--case-json", json.dumps(spec)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -340,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
 def _write(out: Path, argv: list[str] | None, results: list[dict[str, Any]]) -> None:
     """Write the results so far (a killed run keeps what it measured)."""
     record = {
-        "command": harness.command("benchmarks.studies.scale", argv),
+        "command": harness.command("fromp_bench.studies.scale", argv),
         "environment": harness.environment(),
         "torch": torch.__version__,
         "machine": platform.machine(),

@@ -25,7 +25,7 @@ changes of the removed example's logits are compared with the estimates:
 
 Usage (real MNIST under ``$FROMP_DATA`` or ``--data-root``)::
 
-    python -m benchmarks.studies.sensitivity [--n-train 1000] [--n-each 50] [--threads 1]
+    python -m fromp_bench.studies.sensitivity [--n-train 1000] [--n-each 50] [--threads 1]
 
 Writes ``benchmarks/results/sensitivity.json`` and ``sensitivity.png``.
 """
@@ -40,12 +40,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from fromp_bench.data import load_mnist
+from fromp_bench.studies import harness
 from scipy.stats import pearsonr, spearmanr
 from torch import Tensor, nn
 from torch.func import functional_call, jvp
 
-from benchmarks.data import load_mnist
-from benchmarks.studies import harness
 from fromp.curvature.jacobian import flat_params, unflatten
 from fromp.laplace.one_call import laplace, laplace_full
 from fromp.likelihood import get_likelihood

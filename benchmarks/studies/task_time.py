@@ -10,7 +10,7 @@ synthetic (10 Gaussian class prototypes in 784 dimensions, noise) unless ``--dat
 names a torchvision MNIST folder. Methods run interleaved task by task, so that machine load
 affects them alike.
 
-Example: ``nice -n 5 python -m benchmarks.studies.task_time --tasks 10 --steps 50``
+Example: ``nice -n 5 python -m fromp_bench.studies.task_time --tasks 10 --steps 50``
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from fromp_bench.studies import harness
+from fromp_bench.studies.harness import RESULTS
 from torch import nn
 
-from benchmarks.studies import harness
-from benchmarks.studies.harness import RESULTS
 from fromp.continual.ewc import EWCMethod
 from fromp.continual.methods import FROMPMethod
 

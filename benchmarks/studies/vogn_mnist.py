@@ -8,7 +8,7 @@ Reports test accuracy, negative log-likelihood and expected calibration error (1
 
 Usage (real MNIST under ``$FROMP_DATA`` or ``--data-root``)::
 
-    python -m benchmarks.studies.vogn_mnist [--epochs 10] [--hidden 256,256] [--threads 1]
+    python -m fromp_bench.studies.vogn_mnist [--epochs 10] [--hidden 256,256] [--threads 1]
 
 Defaults: MLP 784-256-256-10, batch 128, 10 epochs, Adam lr 1e-3; VOGN lr 1e-3,
 betas (0.9, 0.999), prior precision 100, KL weight (temperature) 0.05, one training sample,
@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from fromp_bench.data import load_mnist
+from fromp_bench.runner import expected_calibration_error
+from fromp_bench.studies import harness
 from torch import Tensor, nn
 
-from benchmarks.data import load_mnist
-from benchmarks.runner import expected_calibration_error
-from benchmarks.studies import harness
 from fromp.models import MultiHeadMLP
 from fromp.optim import VOGN
 from fromp.optim.vogn import predict_mc, predict_mean

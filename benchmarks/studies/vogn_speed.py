@@ -7,7 +7,7 @@ Timings per model, batch of 128, interleaved step by step, median, minimum and m
 * ``adam``: ``zero_grad``, forward, mean cross-entropy, ``backward``, ``Adam.step``;
 * ``vogn``: the standalone ``VOGN.step(x, y)`` (sampling, exact per-example squared
   gradients by ``vmap(grad)``, the update);
-* ``vogn_two_phase``: the Avalanche path of :class:`strategies.vogn.VOGNPlugin`
+* ``vogn_two_phase``: the Avalanche path of :class:`fromp_avalanche.vogn.VOGNPlugin`
   (sampling, forward with the layer inputs recorded, squared per-example gradients from a
   partial backward of the data loss, the ordinary backward, ``VOGN.step()``);
 * ``ivon``: ``with IVON.sampled_params(): zero_grad, forward, cross-entropy, backward``,
@@ -25,8 +25,8 @@ Timings per model, batch of 128, interleaved step by step, median, minimum and m
 
 Usage::
 
-    python -m benchmarks.studies.vogn_speed [--steps 20] [--threads 1] [--models mlp,cnn]
-    python -m benchmarks.studies.vogn_speed --ivon --steps 40 \\
+    python -m fromp_bench.studies.vogn_speed [--steps 20] [--threads 1] [--models mlp,cnn]
+    python -m fromp_bench.studies.vogn_speed --ivon --steps 40 \\
         --out benchmarks/results/ivon_speed.json
 
 Writes ``benchmarks/results/vogn_speed.json`` (or ``--out``).
@@ -41,9 +41,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from fromp_bench.studies import harness
 from torch import nn
 
-from benchmarks.studies import harness
 from fromp.models import CifarCNN, MultiHeadMLP, with_task
 from fromp.optim import IVON, VOGN
 from fromp.optim.vogn import LayerCapture

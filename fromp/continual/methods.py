@@ -1,7 +1,7 @@
 """Continual-learning methods as plain objects for any PyTorch training loop.
 
 Each object holds one method's state and maths and knows nothing of Avalanche (the
-Avalanche plugins of :mod:`strategies` only call it from their hooks):
+Avalanche plugins of :mod:`fromp_avalanche` only call it from their hooks):
 
 * :class:`FROMPMethod` (here): FROMP (Pan et al., NeurIPS 2020), per-experience memorable
   sets, kernels and the running GGN sum; :meth:`FROMPMethod.penalty` is the loss term.
@@ -117,11 +117,11 @@ class FROMPMethod:
             clipping; ``grad_clip_norm`` when ``tau = 0``).
         posterior: ``"ggn"``: ``Sigma = 1 / (G + prior_precision)`` with ``G`` the running
             sum of the exact diagonal GGN over tasks; ``"vogn"``: the optimizer is a
-            :class:`fromp.optim.VOGN` driven by :class:`strategies.vogn.VOGNPlugin` and
+            :class:`fromp.optim.VOGN` driven by :class:`fromp_avalanche.vogn.VOGNPlugin` and
             ``Sigma`` is the variance of its posterior at the end of the task (no GGN pass;
             the regulariser's gradient enters VOGN's mean gradient only, its curvature
             uses the data loss only); ``"ivon"``: the same with a
-            :class:`fromp.optim.IVON` driven by :class:`strategies.ivon.IVONPlugin`
+            :class:`fromp.optim.IVON` driven by :class:`fromp_avalanche.ivon.IVONPlugin`
             (``Sigma = 1 / (N (h + delta))``; see ``ivon_penalty``); ``"kron"``: ``Sigma =
             (G_kfac + prior_precision)^{-1}`` with ``G_kfac`` the running sum of the tasks'
             Kronecker-factored GGNs (KFAC of every ``Linear`` / ``Conv2d`` layer, through

@@ -6,7 +6,7 @@ and the removal of a set of examples (a whole class).
   ``f + V (I - Lambda V)^{-1} e`` (the exact Newton step of the output layer);
 * :class:`LOOTracker`: the leave-one-out NLL and accuracy after each epoch of a plain
   PyTorch loop, from IVON's or VOGN's own posterior, or a last-layer Laplace for Adam/SGD
-  (``strategies.loo.LOOPlugin`` calls it from Avalanche);
+  (``fromp_avalanche.loo.LOOPlugin`` calls it from Avalanche);
 * :func:`last_layer_remove`: the outputs after removing a set of examples, by Newton's
   method on the output layer (its first step is the memory-perturbation step).
 

@@ -145,7 +145,7 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
       all their rows. The deprecated ``step(x, y, regularizer=fn, model=m)`` is this with
       ``loss_fn(m(x), y)`` and ``fn()`` in :meth:`extra_term`.
     * **Two-phase** (training loops that call ``loss.backward(); optimizer.step()``, such as
-      Avalanche's; see :class:`strategies.vogn.VOGNPlugin`): ``opt.sample_params()`` before
+      Avalanche's; see :class:`fromp_avalanche.vogn.VOGNPlugin`): ``opt.sample_params()`` before
       the forward pass, ``opt.set_curvature(h)`` after the backward pass with the per-example
       curvature of the data loss at the sampled weights, then ``opt.step()``: ``g`` is read
       from the parameters' ``.grad`` (everything that was back-propagated: data loss plus
@@ -625,7 +625,7 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
     def set_curvature(self, curv: Tensor, n_examples: int | None = None) -> None:
         """Store ``h`` ``[P]`` (a mean over ``n_examples`` examples: the weight of this rank
         under ``torch.distributed``, see :meth:`update`) for the next argument-less
-        :meth:`step` (the two-phase loop of :class:`strategies.vogn.VOGNPlugin`). A closure
+        :meth:`step` (the two-phase loop of :class:`fromp_avalanche.vogn.VOGNPlugin`). A closure
         passed to :meth:`step` need not call it: VOGN finds ``h`` itself."""
         self._pending_curv = curv.detach()
         self._pending_n = n_examples
