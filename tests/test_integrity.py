@@ -131,7 +131,7 @@ def test_nan_weights_after_a_task_fail_the_run_with_that_task(tmp_path, monkeypa
         (["--strategies", "naive", "--set", "nope=1"], "--set nope: not a setting"),
         (["--strategies", "naive", "--set", "optimizer='rmsprop'"], "optimizer must be one of"),
         (["--strategies", "naive", "--grid", "lr"], "--grid expects key=value1,value2"),
-        (["--strategies", "ivon", "--set", "opt.beta2=1.5"], "beta2 must be a float in [0, 1)"),
+        (["--strategies", "ivon", "--set", "opt.beta2=1.5"], "betas must be two floats in [0, 1)"),
         (["--strategies", "naive", "--set", "opt.nope=1"], "--set opt.nope: not a keyword arg"),
         (["--strategies", "naive", "--set", "opt.betas=0.5"], "--set opt.betas=0.5: expected a"),
         (["--strategies", "naive", "--set", "opt.eps='x'"], "--set opt.eps='x': expected a num"),

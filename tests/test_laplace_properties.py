@@ -10,8 +10,8 @@ import math
 
 import pytest
 import torch
-from hypothesis import fromp_avalanche as st
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fromp import Laplace
 from fromp.likelihood import CategoricalLikelihood

@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 
 import torch
-from hypothesis import fromp_avalanche as st
 from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from fromp.likelihood import GaussianLikelihood

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import assume, given, settings
-from hypothesis import fromp_avalanche as st
+from hypothesis import strategies as st
 from torch import nn
 
 from fromp import IVON, VOGN
