@@ -334,14 +334,7 @@ def test_a_reset_of_state_restarts_vogn_and_the_round_trip_is_exact():
     opt2 = VOGN(net2, lr=0.5, ess=1)
     opt2.load_state_dict(saved)
     assert opt2.param_groups[0]["lr"] == 0.01 and opt2.ess == 100
-    for a, b in zip(net.parameters(), net2.parameters()):
-        assert torch.equal(a, b)
-    torch.manual_seed(7)
-    opt.step(x, y)
-    torch.manual_seed(7)
-    opt2.step(x, y)
-    assert torch.equal(opt.posterior().mean, opt2.posterior().mean)
-    assert torch.equal(opt.posterior().precision, opt2.posterior().precision)
+    _assert_same_next_step(opt, opt2, x, y, seed=7)
 
     fresh_net = _TinyCNN().to(D)
     fresh_net.load_state_dict(net.state_dict())
@@ -351,12 +344,7 @@ def test_a_reset_of_state_restarts_vogn_and_the_round_trip_is_exact():
     p0 = opt.params[0]
     torch.testing.assert_close(opt.posterior().precision, fresh.posterior().precision)
     assert opt.state[p0]["step"] == 0 and opt.state[p0]["momentum"].abs().max() == 0
-    torch.manual_seed(5)
-    opt.step(x, y)
-    torch.manual_seed(5)
-    fresh.step(x, y)
-    assert torch.equal(opt.posterior().mean, fresh.posterior().mean)
-    assert torch.equal(opt.posterior().precision, fresh.posterior().precision)
+    _assert_same_next_step(opt, fresh, x, y, seed=5)
 
     bad = copy.deepcopy(saved)
     del bad["state"][0]["hess"]
@@ -781,6 +769,18 @@ def test_torch_per_parameter_state_holds_the_posterior():
     assert torch.equal(opt.prior().precision, torch.full_like(q.precision, 3.0))
 
 
+def _assert_same_next_step(opt, other, x, y, seed):
+    """Same weights now, and the same posterior, bit for bit, after one step of each with
+    the same seed."""
+    for a, b in zip(opt.params, other.params):
+        assert torch.equal(a, b)
+    for o in (opt, other):
+        torch.manual_seed(seed)
+        o.step(x, y)
+    assert torch.equal(opt.posterior().mean, other.posterior().mean)
+    assert torch.equal(opt.posterior().precision, other.posterior().precision)
+
+
 def _flat_state(opt, key):
     """``opt.state[p][key]`` of every parameter, flat in the optimizer's order."""
     return torch.cat([opt.state[p][key].reshape(-1) for p in opt.params])
@@ -881,3 +881,83 @@ def test_vogn_and_ivon_train_avalanche_multitask_mlp_over_three_experiences():
             assert probe.pairs, "no mini-batch was checked"
             for h, want in probe.pairs:
                 torch.testing.assert_close(h, want, rtol=1e-4, atol=1e-10)
+
+
+def _old_flat_state(opt) -> dict:
+    """fromp 0.5's state dict of ``opt``: torch's groups (no ``"ess"``), an empty
+    ``"state"`` and the flat ``"vogn"`` entry, written out by hand from ``opt.state``."""
+    sd = copy.deepcopy(opt.state_dict())
+    groups = [{k: v for k, v in g.items() if k != "ess"} for g in sd["param_groups"]]
+    flat = {
+        new: _flat_state(opt, old).clone()
+        for old, new in (
+            ("mean", "mu"),
+            ("momentum", "m"),
+            ("hess", "s"),
+            ("prior_mean", "prior_mean"),
+            ("prior_precision", "prior_precision"),
+        )
+    }
+    p0 = opt.params[0]
+    flat["init_s"] = _flat_state(opt, "hess_init").clone() if "hess_init" in opt.state[p0] else None
+    flat["step"] = opt.state[p0]["step"]
+    flat["train_set_size"] = opt.ess
+    return {"state": {}, "param_groups": groups, "vogn": flat}
+
+
+@pytest.mark.parametrize("hess_init", [None, 0.05])
+def test_an_old_flat_state_dict_loads_and_continues_exactly(hess_init):
+    """A state dict of fromp 0.5 (the flat ``"vogn"`` entry) converts into torch's
+    per-parameter state: the run continues bit for bit, ``ess`` included; a bad one is
+    refused naming the entry, before any change."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
+    x, y = torch.randn(8, 3, dtype=D), torch.randint(0, 2, (8,))
+    opt = VOGN(net, lr=0.1, ess=20, prior_precision=3.0, hess_init=hess_init, mc_samples=1)
+    for _ in range(3):
+        opt.step(x, y)
+    opt.set_prior(reset=False)
+    opt.step(x, y)
+    old = _old_flat_state(opt)
+    net2 = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
+    opt2 = VOGN(net2, lr=0.5, ess=1, hess_init=hess_init)
+    bad = copy.deepcopy(old)
+    bad["vogn"]["s"] = bad["vogn"]["s"][:-1]
+    with pytest.raises(ValueError, match="'s'"):
+        opt2.load_state_dict(bad)
+    assert opt2.ess == 1 and opt2.state[opt2.params[0]]["step"] == 0
+    opt2.load_state_dict(old)
+    assert opt2.ess == 20 and opt2.param_groups[0]["lr"] == 0.1
+    assert torch.equal(opt.prior().precision, opt2.prior().precision)
+    _assert_same_next_step(opt, opt2, x, y, seed=4)
+
+
+def test_a_parameter_added_later_gets_its_state_at_its_first_step():
+    """A parameter added after construction (a new head) has no state until the next step,
+    which gives it mean its value, no momentum, ``s`` at ``hess_init``, the group's prior
+    and the current step count; the state of the others is kept."""
+    torch.manual_seed(0)
+    body = nn.Linear(3, 2).to(D)
+    opt = VOGN(list(body.parameters()), lr=0.1, ess=20, prior_precision=3.0, hess_init=0.5)
+    g = torch.randn(8, dtype=D)
+    opt.update(g, torch.rand(8, dtype=D))
+    kept = {k: v.clone() for k, v in opt.state[body.weight].items() if torch.is_tensor(v)}
+    head = nn.Parameter(torch.randn(2, dtype=D))
+    opt.add_param_group({"params": [head], "prior_precision": 7.0})
+    assert head not in opt.state
+    start = head.detach().clone()
+    opt.update(torch.zeros(10, dtype=D), torch.zeros(10, dtype=D))
+    st = opt.state[head]
+    assert st["step"] == 2 and opt.state[body.weight]["step"] == 2
+    torch.testing.assert_close(st["prior_precision"], torch.full((2,), 7.0, dtype=D))
+    torch.testing.assert_close(st["hess_init"], torch.full((2,), 0.5, dtype=D))
+    # its first update from m = 0, s = 0.5: m = 0.1 * 7/20 * start, s = 0.999 * 0.5
+    dt = 7.0 / 20
+    m = 0.1 * dt * start
+    torch.testing.assert_close(st["momentum"], m, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(st["hess"], torch.full((2,), 0.999 * 0.5, dtype=D))
+    want = start - 0.1 * m / (1 - 0.9**2) / (0.999 * 0.5 + dt)
+    torch.testing.assert_close(head.detach(), want, rtol=1e-12, atol=1e-15)
+    # the body's state was kept: its momentum continues from step 1 (g = 0 now)
+    want_m = 0.9 * kept["momentum"] + 0.1 * (3.0 / 20) * kept["mean"]
+    torch.testing.assert_close(opt.state[body.weight]["momentum"], want_m, rtol=1e-12, atol=1e-15)
