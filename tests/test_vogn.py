@@ -961,3 +961,30 @@ def test_a_parameter_added_later_gets_its_state_at_its_first_step():
     # the body's state was kept: its momentum continues from step 1 (g = 0 now)
     want_m = 0.9 * kept["momentum"] + 0.1 * (3.0 / 20) * kept["mean"]
     torch.testing.assert_close(opt.state[body.weight]["momentum"], want_m, rtol=1e-12, atol=1e-15)
+
+
+def test_plugin_loads_a_checkpoint_with_the_old_flat_vogn_entry():
+    """A VOGNPlugin checkpoint of fromp 0.5 (its ``"vogn"`` the optimizer's flat entry) loads
+    through ``load_vogn_state``; a new one holds torch's state dict and round-trips."""
+    from fromp_avalanche.vogn import VOGNPlugin
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
+    x, y = torch.randn(8, 3, dtype=D), torch.randint(0, 2, (8,))
+    opt = VOGN(net, lr=0.1, ess=20, prior_precision=3.0)
+    for _ in range(2):
+        opt.step(x, y)
+    q = opt.posterior()
+    old = {"vogn": _old_flat_state(opt)["vogn"], "posteriors": [q.state_dict()], "task_count": 1}
+    net2 = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
+    opt2 = VOGN(net2, lr=0.1, ess=1)
+    plugin = VOGNPlugin(opt2)
+    plugin.load_state_dict(old)
+    assert opt2.ess == 20 and plugin.task_count == 1
+    torch.testing.assert_close(plugin.posteriors[0].mean, q.mean, rtol=0, atol=0)
+    _assert_same_next_step(opt, opt2, x, y, seed=2)
+    new = plugin.state_dict()
+    assert set(new["vogn"]) == {"state", "param_groups"}
+    opt3 = VOGN(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D), lr=0.1)
+    VOGNPlugin(opt3).load_state_dict(new)
+    _assert_same_next_step(opt2, opt3, x, y, seed=3)

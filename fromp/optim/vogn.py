@@ -981,8 +981,7 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
         """Load the posterior state alone: torch's ``state_dict()["state"]`` or the 0.5
         flat ``state_dict()["vogn"]`` (the hyperparameters are left as they are, but for
         ``ess`` of the 0.5 form)."""
-        groups = copy.deepcopy([{k: v for k, v in g.items() if k != "params"}
-                                for g in super().state_dict()["param_groups"]])  # fmt: skip
+        groups = copy.deepcopy(super().state_dict()["param_groups"])
         if isinstance(vogn, dict) and "mu" in vogn:
             self.load_state_dict({"vogn": vogn, "state": {}, "param_groups": groups})
         else:
