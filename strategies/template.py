@@ -3,6 +3,7 @@ plugins that drive a posterior-keeping optimizer (VOGN, IVON) share."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -166,8 +167,14 @@ class PosteriorOptimizerPlugin(SupervisedPlugin):
     VOGNPlugin`, :class:`fromp_avalanche.ivon.IVONPlugin`) share: the optimizer check, the
     per-experience posteriors and the task counter, continual prior updates and checkpoints.
 
+    The optimizer keeps its state in torch's ``optimizer.state``, which Avalanche resets the
+    first time a strategy trains (``make_optimizer(reset_optimizer_state=True)``): a loaded
+    checkpoint is therefore loaded again at the start of the next experience
+    (:meth:`before_training_exp`; a subclass that overrides it calls ``super()``).
+
     Subclasses set ``optimizer_class`` (e.g. :class:`fromp.optim.VOGN`) and ``state_key``
-    (``"vogn"``: the optimizer's ``state_dict()[state_key]`` and ``load_<state_key>_state``).
+    (``"vogn"``: the key of the optimizer's state dict in the plugin's, and
+    ``load_<state_key>_state`` for a checkpoint whose entry is an older optimizer's own form).
 
     Args:
         optimizer: the strategy's optimizer (also found as ``strategy.optimizer`` in the
@@ -184,6 +191,7 @@ class PosteriorOptimizerPlugin(SupervisedPlugin):
         self.continual = bool(continual)
         self.posteriors: list[DiagonalGaussian] = []
         self.task_count = 0
+        self._resume: dict[str, Any] | None = None  # a loaded optimizer state, applied again
 
     def _opt(self, strategy: Any) -> Any:
         opt = strategy.optimizer
@@ -204,14 +212,14 @@ class PosteriorOptimizerPlugin(SupervisedPlugin):
             set_prior()
 
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer's posterior state, the per-experience posteriors and the task
-        counter (tensors cloned)."""
+        """The optimizer's state dict (torch's: its per-parameter state and hyperparameters)
+        under ``state_key``, the per-experience posteriors and the task counter (copies)."""
         if self.optimizer is None:
             raise ValueError(
                 f"{type(self).__name__} has no optimizer yet: pass optimizer= or train first"
             )
         return {
-            self.state_key: self.optimizer.state_dict()[self.state_key],
+            self.state_key: copy.deepcopy(self.optimizer.state_dict()),
             "posteriors": [
                 {k: v.clone() for k, v in q.state_dict().items()} for q in self.posteriors
             ],
@@ -220,12 +228,32 @@ class PosteriorOptimizerPlugin(SupervisedPlugin):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Inverse of :meth:`state_dict` (the optimizer's ``load_<state_key>_state``)."""
+        """Inverse of :meth:`state_dict` (also a checkpoint whose optimizer entry is the
+        optimizer's older own form, through ``load_<state_key>_state``). The optimizer state
+        is loaded now and again at the start of the next experience."""
         if self.optimizer is None:
             raise ValueError(
                 f"{type(self).__name__} has no optimizer: construct it with optimizer="
             )
-        getattr(self.optimizer, f"load_{self.state_key}_state")(state[self.state_key])
+        self._resume = state[self.state_key]
+        self._apply_resume()
         self.posteriors = [DiagonalGaussian.from_state_dict(d) for d in state["posteriors"]]
         self.task_count = int(state["task_count"])
         self.continual = bool(state.get("continual", self.continual))
+
+    def _apply_resume(self) -> None:
+        """Load the optimizer state of the last :meth:`load_state_dict` (a copy of it)."""
+        if self._resume is None or self.optimizer is None:
+            return
+        saved = copy.deepcopy(self._resume)
+        if isinstance(saved, dict) and "param_groups" in saved:  # torch's state dict
+            self.optimizer.load_state_dict(saved)
+        else:
+            getattr(self.optimizer, f"load_{self.state_key}_state")(saved)
+
+    def before_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        """After Avalanche's first reset of ``optimizer.state``: the loaded state again."""
+        if self._resume is not None:
+            self._opt(strategy)
+            self._apply_resume()
+            self._resume = None

@@ -22,10 +22,12 @@ The criterion must be the mean over the mini-batch of the optimizer's per-exampl
 are on the same per-example scale. Batch norm: see :mod:`fromp.optim.vogn` (per-example
 curvature uses the running statistics; ``g`` comes from the training-mode pass).
 
-The posterior state (``mu, s, m``, step, prior, ``N``) lives in the optimizer's
-``vogn_state``, not in ``optimizer.state``, so Avalanche's optimizer resets keep it; the
-plugin's ``state_dict`` holds it too, with the per-experience posteriors, so that a run can
-be resumed in a fresh process.
+The posterior state (``mu, s, m``, step, prior) is torch's ``optimizer.state``, ``N`` the
+groups' ``"ess"``; parameters that Avalanche adds (a new head) get theirs at their first
+step. The plugin's ``state_dict`` holds the optimizer's state dict with the per-experience
+posteriors, so that a run can be resumed in a fresh process (loaded again after Avalanche's
+first reset of ``optimizer.state``, :class:`~fromp_avalanche.template.
+PosteriorOptimizerPlugin`).
 
 VOGN as the optimizer of another method (e.g. FROMP): add ``VOGNPlugin(optimizer)`` to the
 strategy's plugins and use a :class:`fromp.optim.VOGN` optimizer. Terms that other plugins
@@ -136,6 +138,7 @@ class VOGNPlugin(PosteriorOptimizerPlugin):
 
     # -------------------------------------------------------------- hooks
     def before_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        super().before_training_exp(strategy, *args, **kwargs)  # a resumed run's state
         opt = self._opt(strategy)
         opt.ess = len(strategy.experience.dataset)
 
@@ -207,7 +210,8 @@ class VOGNPlugin(PosteriorOptimizerPlugin):
 
     # -------------------------------------------------------------- checkpoints
     # state_dict / load_state_dict: PosteriorOptimizerPlugin's ("vogn": the optimizer's
-    # posterior state; loading writes mu into the model's parameters).
+    # state dict, or fromp 0.5's flat posterior state; loading writes mu into the model's
+    # parameters, again after Avalanche's first reset of optimizer.state).
 
 
 class VOGNStrategy(MethodStrategy):

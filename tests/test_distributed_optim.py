@@ -59,7 +59,10 @@ def _vogn_run(rows, curvature: str, seed_of_step) -> dict:
     for t in range(STEPS):
         torch.manual_seed(seed_of_step(t))
         opt.step(_closure(opt, model, rows))
-    return {"mean": _flat(model), "s": opt.vogn_state["s"].clone()}
+    return {
+        "mean": _flat(model),
+        "s": torch.cat([opt.state[q]["hess"].reshape(-1) for q in opt.params]),
+    }
 
 
 def _ivon_run(rows, seed_of_step, batch_size) -> dict:

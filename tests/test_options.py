@@ -87,7 +87,7 @@ def test_vogn_step_averages_several_posterior_samples():
     x, y = _data(8, seed=3)
     kw = dict(lr=0.1, ess=50, prior_precision=2.0, mc_samples=3)
     opt, ref = VOGN(net, **kw), VOGN(ref_net, **kw)
-    mu0 = ref.vogn_state["mu"].clone()
+    mu0 = ref.posterior().mean.clone()
 
     torch.manual_seed(11)
     loss = opt.step(x, y)
@@ -105,7 +105,7 @@ def test_vogn_step_averages_several_posterior_samples():
     g, h = torch.stack(gs).mean(0), torch.stack(hs).mean(0)
     dt = 2.0 / 50
     want = mu0 - 0.1 * (g + dt * mu0) / (h + dt)  # first step, bias-corrected
-    torch.testing.assert_close(opt.vogn_state["mu"], want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(opt.posterior().mean, want, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(opt.posterior().precision, 50 * h + 2.0, rtol=1e-10, atol=0)
     torch.testing.assert_close(loss.detach(), torch.stack(losses).mean(), rtol=1e-12, atol=0)
     # one draw would give another update: the test tells the draws apart

@@ -78,8 +78,7 @@ def _check_step(opt, model, valid, step):
         with pytest.raises(ValueError):
             step()
         assert all(torch.equal(p.detach(), w) for p, w in zip(model.parameters(), weights))
-        key = "state" if isinstance(opt, IVON) else "vogn"
-        assert _same(opt.state_dict()[key], state[key])
+        assert _same(opt.state_dict()["state"], state["state"])
 
 
 @SETTINGS

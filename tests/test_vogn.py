@@ -3,6 +3,7 @@ brute-force loops, the update rule, checkpoints and the Avalanche integration.""
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
 from pathlib import Path
 
@@ -83,7 +84,7 @@ def test_vogn_ggn_linear_regression_mean_and_precision():
     for i in range(500):
         opt.step(x, y)
         if i >= 250:
-            avg += opt.vogn_state["mu"] / 250
+            avg += opt.posterior().mean / 250
     q = opt.posterior()
     torch.testing.assert_close(q.precision, prec.diagonal(), atol=0, rtol=1e-9)
     std = prec.diagonal().rsqrt()
@@ -278,7 +279,7 @@ def test_one_step_formula_and_regulariser_only_in_gradient():
     g_tot = g + (mu - target) / 100 + dt * mu
     # bias-corrected: m^ = g_tot, s^ = h (squared data gradients only)
     want = mu - lr * g_tot / (sq + dt)
-    torch.testing.assert_close(opt.vogn_state["mu"], want, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(opt.posterior().mean, want, atol=1e-12, rtol=1e-10)
     torch.testing.assert_close(opt.posterior().precision, n * sq + delta, atol=0, rtol=1e-10)
     # the parameters hold mu after the step
     torch.testing.assert_close(torch.cat([p.detach().reshape(-1) for p in params]), want)
@@ -294,7 +295,7 @@ def test_one_step_formula_and_regulariser_only_in_gradient():
     (lik.nll(net2(x), y).mean() + reg()).backward()
     opt2.set_curvature(per_example_grad_stats(net2, x, y, lik).curv)
     opt2.step()
-    torch.testing.assert_close(opt2.vogn_state["mu"], want, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(opt2.posterior().mean, want, atol=1e-12, rtol=1e-10)
     with pytest.raises(ValueError, match="set_curvature"):
         opt2.step()
 
@@ -310,37 +311,47 @@ def test_sampling_uses_posterior_std_and_ogn_does_not_sample():
         torch.cat([p.detach().reshape(-1) for p in net.parameters()]), ws[-1]
     )
     ogn = OGN(_linear(4), ess=10)
-    assert torch.equal(ogn.sample_params(), ogn.vogn_state["mu"])
+    assert torch.equal(ogn.sample_params(), ogn.posterior().mean)
 
 
-def test_state_survives_avalanche_reset_and_round_trips():
+def test_a_reset_of_state_restarts_vogn_and_the_round_trip_is_exact():
+    """The state is torch's ``self.state``: a reset (Avalanche's ``reset_state=True``)
+    restarts VOGN like a VOGN built on the current weights (the next step equals that
+    optimizer's, bit for bit), and ``state_dict`` / ``load_state_dict`` into a fresh
+    optimizer continue the run exactly (hyperparameters and ``ess`` included)."""
     x, y = torch.rand(16, 1, 8, 8, dtype=D), torch.randint(0, 4, (16,))
     torch.manual_seed(3)
     net = _TinyCNN().to(D)
-    opt = VOGN(net, lr=0.01, ess=100, hess_init=1e-3, prior_precision=0.1)
+    kw = dict(lr=0.01, ess=100, hess_init=1e-3, prior_precision=0.1)
+    opt = VOGN(net, **kw)
     for _ in range(3):
         opt.step(x, y)
-    before = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.vogn_state.items()}
-    update_optimizer(opt, dict(net.named_parameters()), None, reset_state=True)
-    assert isinstance(opt.state, defaultdict)
-    for k, v in before.items():
-        assert torch.equal(opt.vogn_state[k], v) if torch.is_tensor(v) else opt.vogn_state[k] == v
-    saved = opt.state_dict()
+    saved = copy.deepcopy(opt.state_dict())
+    assert set(saved) == {"state", "param_groups"}
+    assert saved["param_groups"][0]["ess"] == 100
 
     net2 = _TinyCNN().to(D)
     opt2 = VOGN(net2, lr=0.5, ess=1)
     opt2.load_state_dict(saved)
     assert opt2.param_groups[0]["lr"] == 0.01 and opt2.ess == 100
-    for a, b in zip(net.parameters(), net2.parameters()):
-        assert torch.equal(a, b)
-    torch.manual_seed(7)
-    opt.step(x, y)
-    torch.manual_seed(7)
-    opt2.step(x, y)
-    assert torch.equal(opt.vogn_state["mu"], opt2.vogn_state["mu"])
-    assert torch.equal(opt.posterior().precision, opt2.posterior().precision)
-    with pytest.raises(ValueError, match="vogn"):
-        opt2.load_state_dict({k: v for k, v in saved.items() if k != "vogn"})
+    _assert_same_next_step(opt, opt2, x, y, seed=7)
+
+    fresh_net = _TinyCNN().to(D)
+    fresh_net.load_state_dict(net.state_dict())
+    fresh = VOGN(fresh_net, **kw)
+    update_optimizer(opt, dict(net.named_parameters()), None, reset_state=True)
+    assert isinstance(opt.state, defaultdict) and len(opt.state) == 0
+    p0 = opt.params[0]
+    torch.testing.assert_close(opt.posterior().precision, fresh.posterior().precision)
+    assert opt.state[p0]["step"] == 0 and opt.state[p0]["momentum"].abs().max() == 0
+    _assert_same_next_step(opt, fresh, x, y, seed=5)
+
+    bad = copy.deepcopy(saved)
+    del bad["state"][0]["hess"]
+    before = copy.deepcopy(opt2.state_dict())
+    with pytest.raises(ValueError, match="hess"):
+        opt2.load_state_dict(bad)
+    assert torch.equal(opt2.state[opt2.params[0]]["hess"], before["state"][0]["hess"])
 
 
 def test_batchnorm_cnn_trains_and_updates_running_stats():
@@ -425,7 +436,7 @@ class _Probe(SupervisedPlugin):
         if strategy.clock.train_exp_epochs == 0:
             opt = strategy.optimizer
             self.seen.append(
-                {"prior": opt.prior(), "mu": opt.vogn_state["mu"].clone(), "state": opt.state}
+                {"prior": opt.prior(), "mu": _flat_state(opt, "mean"), "state": opt.state}
             )
 
 
@@ -455,9 +466,9 @@ def test_vogn_strategy_two_experiences_checkpoint_and_resume():
     assert opt.ess == len(seq[0].train_x)
     torch.testing.assert_close(opt.prior().mean, q1.mean)  # posterior -> prior
     torch.testing.assert_close(opt.prior().precision, q1.precision)
-    assert opt.vogn_state["step"] == 0 and opt.vogn_state["m"].abs().max() == 0
+    assert all(opt.state[p]["step"] == 0 for p in opt.params)
+    assert _flat_state(opt, "momentum").abs().max() == 0
     ckpt_plugin = strat.plugin.state_dict()
-    ckpt_opt = opt.state_dict()
     ckpt_model = {k: v.clone() for k, v in model.state_dict().items()}
 
     torch.manual_seed(11)
@@ -467,10 +478,10 @@ def test_vogn_strategy_two_experiences_checkpoint_and_resume():
     torch.testing.assert_close(start2["prior"].mean, q1.mean, atol=0, rtol=0)
     torch.testing.assert_close(start2["prior"].precision, q1.precision, atol=0, rtol=0)
     torch.testing.assert_close(start2["mu"], q1.mean, atol=0, rtol=0)
-    # Avalanche replaced opt.state at exp 2; VOGN relinked it to the surviving posterior
+    # the state is torch's: after exp 2 it holds the mean, the step count restarted by the
+    # continual prior update
     st = opt.state[opt.params[0]]
-    assert st["step"] == opt.vogn_state["step"]
-    assert st["mean"].data_ptr() == opt.vogn_state["mu"].data_ptr()
+    assert st["step"] == 0 and torch.equal(st["mean"], opt.params[0].detach())
     q2 = strat.plugin.posteriors[1]
     assert not torch.equal(q2.mean, q1.mean)
     assert (q2.precision >= q1.precision - 1e-6).float().mean() > 0.5
@@ -480,8 +491,8 @@ def test_vogn_strategy_two_experiences_checkpoint_and_resume():
     # Resume exp 2 from the checkpoint in a fresh process-like setup: identical result.
     _, scenario2, model2, opt2, _, strat2 = _avalanche_setup(seed=123)
     model2.load_state_dict(ckpt_model)
-    strat2.plugin.load_state_dict(ckpt_plugin)
-    opt2.load_state_dict(ckpt_opt)
+    strat2.plugin.load_state_dict(ckpt_plugin)  # the optimizer's state dict is in it
+    assert set(ckpt_plugin["vogn"]) == {"state", "param_groups"}
     torch.testing.assert_close(opt2.posterior().mean, q1.mean, atol=0, rtol=0)
     torch.manual_seed(11)
     strat2.train(scenario2.train_stream[1])
@@ -588,7 +599,7 @@ def test_closure_step_matches_batch_step_and_restores_the_mean():
     torch.manual_seed(5)
     loss_b = opt_b.step(closure=closure)
     torch.testing.assert_close(loss_b, loss_a, atol=1e-12, rtol=0)
-    torch.testing.assert_close(opt_b.vogn_state["mu"], opt_a.vogn_state["mu"], atol=1e-12, rtol=0)
+    torch.testing.assert_close(opt_b.posterior().mean, opt_a.posterior().mean, atol=1e-12, rtol=0)
     torch.testing.assert_close(opt_b.posterior().precision, opt_a.posterior().precision)
     mu = opt_b.posterior().mean
 
@@ -620,26 +631,25 @@ def test_closure_step_matches_batch_step_and_restores_the_mean():
 def test_a_non_finite_loss_is_refused_and_changes_nothing():
     """A NaN loss gives NaN gradients (and curvature): the update raises with the mean, the
     momentum, the curvature estimate and the step count as they were; training goes on."""
-    import copy
-
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
     opt = VOGN(model, lr=0.1, ess=20, prior_precision=1.0)
     x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
     opt.step(x, y)
     before = [p.detach().clone() for p in model.parameters()]
-    state = copy.deepcopy(opt.state_dict()["vogn"])
-    p = state["mu"].numel()
+    state = copy.deepcopy(opt.state_dict()["state"])
+    p = sum(q.numel() for q in model.parameters())
     for grad, curv in ((torch.full((p,), float("nan")), torch.ones(p)),
                        (torch.zeros(p), torch.full((p,), float("inf")))):  # fmt: skip
         with pytest.raises(FloatingPointError, match="not finite"):
             opt.update(grad, curv)
     for q, b in zip(model.parameters(), before):
         assert torch.equal(q, b)
-    after = opt.state_dict()["vogn"]
-    assert after["step"] == state["step"]
-    for k in ("mu", "m", "s"):
-        assert torch.equal(after[k], state[k]), k
+    after = opt.state_dict()["state"]
+    for i, st in state.items():
+        assert after[i]["step"] == st["step"]
+        for k in ("mean", "momentum", "hess"):
+            assert torch.equal(after[i][k], st[k]), k
     opt.step(x, y)  # training goes on
     assert all(torch.isfinite(q).all() for q in model.parameters())
 
@@ -668,7 +678,7 @@ def test_parameter_groups_step_sizes_prior_precisions_and_schedulers():
     lr = torch.cat([mu.new_full((k,), lrs[0]), mu.new_full((len(mu) - k,), lrs[1])])
     dt = delta / n
     want = mu - lr * (g + dt * mu) / (h + dt)  # bias-corrected first step: m^ = g_tot, s^ = h
-    torch.testing.assert_close(opt.vogn_state["mu"], want, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(opt.posterior().mean, want, atol=1e-12, rtol=1e-10)
     torch.testing.assert_close(opt.posterior().precision, n * h + delta, atol=0, rtol=1e-10)
 
     # equal groups: bit-identical to one group
@@ -682,15 +692,15 @@ def test_parameter_groups_step_sizes_prior_precisions_and_schedulers():
             p.copy_(v.view_as(p))
     two = OGN([{"params": body}, {"params": head}], lr=0.01, ess=n)
     two.update(g, h)
-    assert torch.equal(one.vogn_state["mu"], two.vogn_state["mu"])
+    assert torch.equal(one.posterior().mean, two.posterior().mean)
 
     # a scheduler that sets the head's lr to zero freezes the head at the next step
     sched = torch.optim.lr_scheduler.LambdaLR(two, [lambda e: 1.0, lambda e: 0.0])
-    before = two.vogn_state["mu"].clone()
+    before = two.posterior().mean.clone()
     two.update(g, h)
     assert sched.get_last_lr() == [0.01, 0.0]
-    assert torch.equal(two.vogn_state["mu"][k:], before[k:])
-    assert not torch.equal(two.vogn_state["mu"][:k], before[:k])
+    assert torch.equal(two.posterior().mean[k:], before[k:])
+    assert not torch.equal(two.posterior().mean[:k], before[:k])
     state = two.state_dict()
     assert [grp["lr"] for grp in state["param_groups"]] == [0.01, 0.0]
 
@@ -708,38 +718,72 @@ def test_parameter_groups_step_sizes_prior_precisions_and_schedulers():
         )
 
 
-def test_torch_per_parameter_state_shows_the_live_posterior():
-    """``opt.state[p]`` holds views of VOGN's flat state (torch's per-parameter convention):
-    they follow every step and every replacement of the flat tensors (set_prior, load), and
-    ``state_dict`` saves the posterior once (not the views as well)."""
+def test_torch_per_parameter_state_holds_the_posterior():
+    """``opt.state[p]`` is VOGN's state (torch's per-parameter convention), tensors of its
+    own shaped like ``p`` (no views of a shared flat buffer): mean, momentum, ``s``, prior
+    and step follow every step, :meth:`set_prior` and a load; the deprecated
+    ``vogn_state`` is the flat picture of it."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
     opt = VOGN(net, lr=0.1, ess=20, prior_precision=3.0)
     x, y = torch.randn(8, 3, dtype=D), torch.randint(0, 2, (8,))
-    opt.step(x, y)
-    mu, s = opt.vogn_state["mu"], opt.vogn_state["s"]
+    g, h = torch.randn(opt.posterior().mean.numel(), dtype=D), torch.rand(26, dtype=D)
+    mu0 = opt.posterior().mean
+    opt.update(g, h)
+    # by hand: m = (1 - b1)(g + dt mu0), s = (1 - b2) h, s^ = h, mu = mu0 - lr m / (1 - b1) / ...
+    dt = 3.0 / 20
+    m = 0.1 * (g + dt * mu0)
+    want_mu = mu0 - 0.1 * (m / 0.1) / (h + dt)
     sizes = [p.numel() for p in net.parameters()]
-    for p, m_p, s_p in zip(net.parameters(), mu.split(sizes), s.split(sizes)):
-        assert torch.equal(opt.state[p]["mean"], m_p.view_as(p))
-        assert torch.equal(opt.state[p]["curvature"], s_p.view_as(p))
-        assert torch.equal(opt.state[p]["mean"], p.detach())
-        assert opt.state[p]["step"] == 1
-    opt.set_prior()  # new prior tensors and s: the views follow
+    ptrs = set()
+    for p, m_p, s_p, mu_p in zip(net.parameters(), m.split(sizes), (1e-3 * h).split(sizes),
+                                 want_mu.split(sizes)):  # fmt: skip
+        st = opt.state[p]
+        assert set(st) == {"mean", "momentum", "hess", "prior_mean", "prior_precision", "step"}
+        torch.testing.assert_close(st["momentum"], m_p.view_as(p), rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(st["hess"], s_p.view_as(p), rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(st["mean"], mu_p.view_as(p), rtol=1e-12, atol=1e-14)
+        assert torch.equal(st["mean"], p.detach()) and st["step"] == 1
+        for v in st.values():
+            if torch.is_tensor(v):
+                assert v.shape == p.shape
+                ptrs.add(v.untyped_storage().data_ptr())
+    assert len(ptrs) == 5 * len(sizes)  # every tensor its own storage
+    q = opt.posterior()
+    opt.set_prior()
     p0 = next(net.parameters())
-    assert (
-        opt.state[p0]["prior_precision"].data_ptr() == opt.vogn_state["prior_precision"].data_ptr()
-    )
-    assert opt.state[p0]["step"] == 0
-    saved = opt.state_dict()
-    assert saved["state"] == {}
-    opt.state.clear()  # what Avalanche's reset does
-    opt.step(x, y)
-    assert opt.state[p0]["step"] == 1 and opt.state[p0]["mean"].data_ptr() == mu.data_ptr()
+    assert torch.equal(opt.state[p0]["prior_precision"], q.precision[: p0.numel()].view_as(p0))
+    assert opt.state[p0]["step"] == 0 and opt.state[p0]["momentum"].abs().max() == 0
+    with pytest.warns(DeprecationWarning, match="vogn_state"):
+        flat = opt.vogn_state
+    assert torch.equal(flat["prior_precision"], q.precision) and flat["step"] == 0
+    assert torch.equal(flat["mu"], q.mean) and flat["train_set_size"] == 20
+    saved = copy.deepcopy(opt.state_dict())
     other = VOGN(net, lr=0.1, ess=20)
     other.load_state_dict(saved)
     assert other.state[p0]["step"] == 0
-    assert torch.equal(other.state[p0]["prior_precision"], opt.prior().precision[: p0.numel()]
-                       .view_as(p0))  # fmt: skip
+    assert torch.equal(other.state[p0]["prior_precision"], q.precision[: p0.numel()].view_as(p0))
+    opt.state.clear()  # torch's meaning: the state restarts (the constructor's prior)
+    opt.step(x, y)
+    assert opt.state[p0]["step"] == 1
+    assert torch.equal(opt.prior().precision, torch.full_like(q.precision, 3.0))
+
+
+def _assert_same_next_step(opt, other, x, y, seed):
+    """Same weights now, and the same posterior, bit for bit, after one step of each with
+    the same seed."""
+    for a, b in zip(opt.params, other.params):
+        assert torch.equal(a, b)
+    for o in (opt, other):
+        torch.manual_seed(seed)
+        o.step(x, y)
+    assert torch.equal(opt.posterior().mean, other.posterior().mean)
+    assert torch.equal(opt.posterior().precision, other.posterior().precision)
+
+
+def _flat_state(opt, key):
+    """``opt.state[p][key]`` of every parameter, flat in the optimizer's order."""
+    return torch.cat([opt.state[p][key].reshape(-1) for p in opt.params])
 
 
 def test_minibatch_curvature_routes_an_avalanche_multitask_module_by_task_label():
@@ -837,3 +881,110 @@ def test_vogn_and_ivon_train_avalanche_multitask_mlp_over_three_experiences():
             assert probe.pairs, "no mini-batch was checked"
             for h, want in probe.pairs:
                 torch.testing.assert_close(h, want, rtol=1e-4, atol=1e-10)
+
+
+def _old_flat_state(opt) -> dict:
+    """fromp 0.5's state dict of ``opt``: torch's groups (no ``"ess"``), an empty
+    ``"state"`` and the flat ``"vogn"`` entry, written out by hand from ``opt.state``."""
+    sd = copy.deepcopy(opt.state_dict())
+    groups = [{k: v for k, v in g.items() if k != "ess"} for g in sd["param_groups"]]
+    flat = {
+        new: _flat_state(opt, old).clone()
+        for old, new in (
+            ("mean", "mu"),
+            ("momentum", "m"),
+            ("hess", "s"),
+            ("prior_mean", "prior_mean"),
+            ("prior_precision", "prior_precision"),
+        )
+    }
+    p0 = opt.params[0]
+    flat["init_s"] = _flat_state(opt, "hess_init").clone() if "hess_init" in opt.state[p0] else None
+    flat["step"] = opt.state[p0]["step"]
+    flat["train_set_size"] = opt.ess
+    return {"state": {}, "param_groups": groups, "vogn": flat}
+
+
+@pytest.mark.parametrize("hess_init", [None, 0.05])
+def test_an_old_flat_state_dict_loads_and_continues_exactly(hess_init):
+    """A state dict of fromp 0.5 (the flat ``"vogn"`` entry) converts into torch's
+    per-parameter state: the run continues bit for bit, ``ess`` included; a bad one is
+    refused naming the entry, before any change."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
+    x, y = torch.randn(8, 3, dtype=D), torch.randint(0, 2, (8,))
+    opt = VOGN(net, lr=0.1, ess=20, prior_precision=3.0, hess_init=hess_init, mc_samples=1)
+    for _ in range(3):
+        opt.step(x, y)
+    opt.set_prior(reset=False)
+    opt.step(x, y)
+    old = _old_flat_state(opt)
+    net2 = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
+    opt2 = VOGN(net2, lr=0.5, ess=1, hess_init=hess_init)
+    bad = copy.deepcopy(old)
+    bad["vogn"]["s"] = bad["vogn"]["s"][:-1]
+    with pytest.raises(ValueError, match="'s'"):
+        opt2.load_state_dict(bad)
+    assert opt2.ess == 1 and opt2.state[opt2.params[0]]["step"] == 0
+    opt2.load_state_dict(old)
+    assert opt2.ess == 20 and opt2.param_groups[0]["lr"] == 0.1
+    assert torch.equal(opt.prior().precision, opt2.prior().precision)
+    _assert_same_next_step(opt, opt2, x, y, seed=4)
+
+
+def test_a_parameter_added_later_gets_its_state_at_its_first_step():
+    """A parameter added after construction (a new head) has no state until the next step,
+    which gives it mean its value, no momentum, ``s`` at ``hess_init``, the group's prior
+    and the current step count; the state of the others is kept."""
+    torch.manual_seed(0)
+    body = nn.Linear(3, 2).to(D)
+    opt = VOGN(list(body.parameters()), lr=0.1, ess=20, prior_precision=3.0, hess_init=0.5)
+    g = torch.randn(8, dtype=D)
+    opt.update(g, torch.rand(8, dtype=D))
+    kept = {k: v.clone() for k, v in opt.state[body.weight].items() if torch.is_tensor(v)}
+    head = nn.Parameter(torch.randn(2, dtype=D))
+    opt.add_param_group({"params": [head], "prior_precision": 7.0})
+    assert head not in opt.state
+    start = head.detach().clone()
+    opt.update(torch.zeros(10, dtype=D), torch.zeros(10, dtype=D))
+    st = opt.state[head]
+    assert st["step"] == 2 and opt.state[body.weight]["step"] == 2
+    torch.testing.assert_close(st["prior_precision"], torch.full((2,), 7.0, dtype=D))
+    torch.testing.assert_close(st["hess_init"], torch.full((2,), 0.5, dtype=D))
+    # its first update from m = 0, s = 0.5: m = 0.1 * 7/20 * start, s = 0.999 * 0.5
+    dt = 7.0 / 20
+    m = 0.1 * dt * start
+    torch.testing.assert_close(st["momentum"], m, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(st["hess"], torch.full((2,), 0.999 * 0.5, dtype=D))
+    want = start - 0.1 * m / (1 - 0.9**2) / (0.999 * 0.5 + dt)
+    torch.testing.assert_close(head.detach(), want, rtol=1e-12, atol=1e-15)
+    # the body's state was kept: its momentum continues from step 1 (g = 0 now)
+    want_m = 0.9 * kept["momentum"] + 0.1 * (3.0 / 20) * kept["mean"]
+    torch.testing.assert_close(opt.state[body.weight]["momentum"], want_m, rtol=1e-12, atol=1e-15)
+
+
+def test_plugin_loads_a_checkpoint_with_the_old_flat_vogn_entry():
+    """A VOGNPlugin checkpoint of fromp 0.5 (its ``"vogn"`` the optimizer's flat entry) loads
+    through ``load_vogn_state``; a new one holds torch's state dict and round-trips."""
+    from fromp_avalanche.vogn import VOGNPlugin
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
+    x, y = torch.randn(8, 3, dtype=D), torch.randint(0, 2, (8,))
+    opt = VOGN(net, lr=0.1, ess=20, prior_precision=3.0)
+    for _ in range(2):
+        opt.step(x, y)
+    q = opt.posterior()
+    old = {"vogn": _old_flat_state(opt)["vogn"], "posteriors": [q.state_dict()], "task_count": 1}
+    net2 = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
+    opt2 = VOGN(net2, lr=0.1, ess=1)
+    plugin = VOGNPlugin(opt2)
+    plugin.load_state_dict(old)
+    assert opt2.ess == 20 and plugin.task_count == 1
+    torch.testing.assert_close(plugin.posteriors[0].mean, q.mean, rtol=0, atol=0)
+    _assert_same_next_step(opt, opt2, x, y, seed=2)
+    new = plugin.state_dict()
+    assert set(new["vogn"]) == {"state", "param_groups"}
+    opt3 = VOGN(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D), lr=0.1)
+    VOGNPlugin(opt3).load_state_dict(new)
+    _assert_same_next_step(opt2, opt3, x, y, seed=3)

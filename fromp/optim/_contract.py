@@ -153,22 +153,24 @@ def check_targets(opt: Any, net: nn.Module, x: Tensor, y: Tensor) -> None:
     check_class_targets(y, n_out, lik, "y")
 
 
-def check_vogn_state(vogn: Any, current: dict[str, Any]) -> None:
-    """A ``"vogn"`` state entry that fits the optimizer whose state is ``current``."""
+def check_vogn_state(vogn: Any, size: int) -> None:
+    """A flat ``"vogn"`` state entry of fromp 0.5 (``[P]`` tensors) that fits a VOGN over
+    ``size`` (``P``) numbers."""
     if not isinstance(vogn, dict):
         raise ValueError(f"vogn state must be a dict, got {type(vogn).__name__}")
-    mu = current["mu"]
-    missing = set(current) - set(vogn)
+    keys = ("mu", "s", "m", "step", "prior_mean", "prior_precision", "init_s", "train_set_size")
+    missing = set(keys) - set(vogn)
     if missing:
         raise ValueError(f"vogn state is missing {sorted(missing)}")
-    if vogn["mu"].shape != mu.shape:
-        raise ValueError(f"vogn state has P={vogn['mu'].numel()}, optimizer has {mu.numel()}")
     for key in ("mu", "s", "m", "prior_mean", "prior_precision"):
         v = vogn[key]
-        if not isinstance(v, Tensor) or v.shape != mu.shape:
-            raise ValueError(f"vogn state's {key!r} must be a [P]=[{mu.numel()}] tensor")
+        if not isinstance(v, Tensor) or v.shape != (size,):
+            raise ValueError(f"vogn state's {key!r} must be a [P]=[{size}] tensor")
         if not bool(torch.isfinite(v).all()):
             raise ValueError(f"vogn state's {key!r} has non-finite entries (NaN or inf)")
+    init_s = vogn["init_s"]
+    if init_s is not None and (not isinstance(init_s, Tensor) or init_s.shape != (size,)):
+        raise ValueError(f"vogn state's 'init_s' must be None or a [P]=[{size}] tensor")
     if not bool((vogn["prior_precision"] > 0).all()):
         raise ValueError("vogn state's 'prior_precision' must be strictly positive")
     n = vogn["train_set_size"]

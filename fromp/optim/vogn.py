@@ -29,8 +29,13 @@ The posterior is ``q = N(mu, diag(1 / (N (s^ + delta~) / kl_weight)))``: precisi
 initial value of ``s`` (so ``q`` starts with precision ``N s_0 / kl_weight + delta``) and
 ``kl_weight`` scales both the prior term and the sampling variance.
 
-Everything is kept as flat ``[P]`` vectors, parameters in ``named_parameters()`` order
-(trainable only), the order of :func:`fromp.curvature.jacobian.flat_params`.
+The state is torch's ``self.state[p]``, per parameter and shaped like it (``"mean"``
+``mu``, ``"momentum"`` ``m``, ``"hess"`` ``s``, ``"prior_mean"``, ``"prior_precision"``,
+``"step"`` and, with ``hess_init``, ``"hess_init"``); ``N`` is the groups' ``"ess"``. Every
+flat ``[P]`` vector of the API (``posterior()``, :meth:`VOGN.update`'s ``g`` and ``h``)
+follows the parameters in group order, for a model its ``named_parameters()`` order
+(trainable only), the order of :func:`fromp.curvature.jacobian.flat_params`; the update
+works on private flat copies of the state, gathered before and written back after it.
 
 Per-example statistics (``g``, ``h``; exact for any architecture) come from
 :mod:`fromp.optim._stats`, predictives from :mod:`fromp.optim.predictive` (re-exported).
@@ -51,6 +56,7 @@ pass of the mini-batch at the first sampled weights to update the running statis
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -70,6 +76,7 @@ from fromp.optim._contract import (
     check_closure_result,
     check_ess,
     check_groups,
+    check_param_state,
     check_targets,
     check_vogn_state,
     deprecated_alias,
@@ -100,24 +107,28 @@ __all__ = [
 ]
 
 
+#: per-parameter state (``self.state[p]``) and the private flat copy it is gathered into
 _VIEWS = (
     ("mean", "mu"),
     ("momentum", "m"),
-    ("curvature", "s"),
+    ("hess", "s"),
     ("prior_mean", "prior_mean"),
     ("prior_precision", "prior_precision"),
 )
+_REQUIRED = tuple(name for name, _ in _VIEWS)
 
 
 class VOGN(GroupHyperparameters, torch.optim.Optimizer):
     r"""Variational Online Gauss-Newton with a diagonal Gaussian posterior.
 
-    See the module docstring for the update. The optimiser keeps its own flat state
-    (``mu``, ``s``, ``m``, step count, prior, ``N``) in :attr:`vogn_state`, so Avalanche's
-    optimizer resets (``make_optimizer(reset_optimizer_state=True)``) do not erase the
-    posterior; ``self.state[p]`` shows ``p``'s part of it as views (torch's per-parameter
-    convention; relinked after such a reset), and :meth:`state_dict` /
-    :meth:`load_state_dict` carry it once. After every step the parameters hold ``mu``.
+    See the module docstring for the update. The state (``mu``, ``s``, ``m``, step count,
+    prior) is torch's ``self.state[p]`` (``N``: ``param_groups[i]["ess"]``), so
+    :meth:`state_dict` / :meth:`load_state_dict` are torch's; a parameter added later (a
+    new head) gets its state at its first step, and a reset of ``self.state`` (Avalanche's
+    ``make_optimizer(reset_optimizer_state=True)``) restarts VOGN as if built on the current
+    weights (:class:`fromp_avalanche.vogn.VOGNPlugin` loads a resumed run's state again
+    after it). ``vogn_state`` (the flat form of fromp 0.5) is a deprecated read-only view.
+    After every step the parameters hold ``mu``.
 
     Two ways to step:
 
@@ -237,6 +248,8 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
         chunk_size = check_chunk_size(chunk_size)
         if method not in ("auto", "vmap", "hooks"):
             raise ValueError(f"method must be 'auto', 'vmap' or 'hooks', got {method!r}")
+        if ess is not None:
+            ess = check_ess(ess)
         defaults = dict(
             lr=float(lr),
             betas=tuple(float(b) for b in betas),
@@ -244,6 +257,7 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
             kl_weight=float(kl_weight),
             bias_correction=bool(bias_correction),
             prior_precision=None,
+            ess=ess,
         )
         super().__init__(params, defaults)
         self.likelihood = likelihood
@@ -282,18 +296,24 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
             s0 = _as_vector(hess_init, mu, "hess_init")
             if not (torch.isfinite(s0).all() and (s0 >= 0).all()):
                 raise ValueError("hess_init must be finite and >= 0")
-        if ess is not None:
-            ess = check_ess(ess)
-        self.vogn_state: dict[str, Any] = {
-            "mu": mu,
-            "s": s0.clone(),
-            "m": torch.zeros_like(mu),
-            "step": 0,
-            "prior_mean": mu0,
-            "prior_precision": delta,
-            "init_s": s0 if hess_init is not None else None,
-            "train_set_size": ess,  # the state's key since the first checkpoints
-        }
+        # the constructor's configuration (not state): what self.state[p] starts with, at
+        # construction and again after a reset of self.state (torch's meaning)
+        self._s_from_zero = hess_init is None  # s^ bias-corrected; no "hess_init" in the state
+        self._initial: dict[Tensor, dict[str, Tensor]] = {}
+        i = 0
+        for p in self.params:
+            k = p.numel()
+            self._initial[p] = {
+                "prior_mean": mu0[i : i + k].view_as(p),
+                "prior_precision": delta[i : i + k].view_as(p),
+                "hess": s0[i : i + k].view_as(p),
+            }
+            i += k
+        # what a parameter added later starts with (a float given to the constructor)
+        self._s0_scalar = float(hess_init) if isinstance(hess_init, int | float) else 0.0
+        self._delta_scalar = (
+            float(prior_precision) if isinstance(prior_precision, int | float) else 1.0
+        )
         self._pending_curv: Tensor | None = None
         self._pending_n: int | None = None
         self._paused = 0  # inside extra_term(): model calls are not examples
@@ -303,27 +323,123 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
         self._dt_cache: tuple[tuple, Tensor] | None = None
         self._lr_cache: tuple[tuple, Tensor] | None = None
         self._work: dict[str, Tensor] = {}  # [P] work buffers (see _buffer)
-        self._layout = [(id(p), p.numel()) for p in self.params]
-        # what a parameter added later starts with (a float given to the constructor)
-        self._s0_scalar = float(hess_init) if isinstance(hess_init, int | float) else 0.0
-        self._delta_scalar = (
-            float(prior_precision) if isinstance(prior_precision, int | float) else 1.0
-        )
-        self._link_state()
+        self._cache: dict[str, Any] | None = None  # flat copies of self.state (see _flat)
+        self._states()  # self.state[p] for every parameter, as torch's optimizers keep it
 
-    def _link_state(self) -> None:
-        """torch's per-parameter state: ``self.state[p]`` holds views shaped like ``p`` of
-        the flat state (``"mean"`` ``mu``, ``"momentum"`` ``m``, ``"curvature"`` ``s``,
-        ``"prior_mean"``, ``"prior_precision"``) and ``"step"``. Relinked whenever a flat
-        tensor is replaced, and at the next step after Avalanche's optimizer resets replace
-        ``self.state`` (:attr:`vogn_state`, the posterior, survives them)."""
-        st = self.vogn_state
-        i = 0
+    # ---------------------------------------------------------------- state
+    @property
+    def vogn_state(self) -> dict[str, Any]:
+        """Deprecated: the state as flat ``[P]`` copies built from :attr:`state` (``"mu"``,
+        ``"s"``, ``"m"``, ``"step"``, ``"prior_mean"``, ``"prior_precision"``, ``"init_s"``,
+        ``"train_set_size"``); editing them changes nothing. The state is torch's
+        ``VOGN.state[p]``."""
+        warnings.warn(
+            "VOGN.vogn_state is deprecated: the state is torch's, VOGN.state[p] ('mean', "
+            "'momentum', 'hess', 'prior_mean', 'prior_precision', 'step')",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        st = self._flat()
+        out = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in st.items()}
+        del out["src"]
+        out["train_set_size"] = self.ess
+        return out
+
+    def _step_count(self) -> int:
+        """``t``, the steps since the start (or the last reset of the state)."""
+        steps = [int(self.state[p].get("step", 0)) for p in self.params if p in self.state]
+        return max(steps, default=0)
+
+    def _fresh(self, p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
+        """The state a parameter starts with: mean its current value, no momentum, ``s`` and
+        the prior from the constructor (a parameter added later: ``s`` at ``hess_init``, 0
+        when it was None or a vector, the prior ``N(0, 1 / delta)`` with its group's
+        ``prior_precision``, 1.0 when the constructor got a vector)."""
+        init = self._initial.get(p)
+        if init is not None and init["hess"].shape == p.shape:
+            s0, m0, d = init["hess"], init["prior_mean"], init["prior_precision"]
+        else:
+            s0 = torch.full_like(p, self._s0_scalar)
+            m0 = torch.zeros_like(p)
+            d = torch.full_like(p, group["prior_precision"] or self._delta_scalar)
+        st = {
+            "mean": p.detach().clone(),
+            "momentum": torch.zeros_like(p).detach(),
+            "hess": s0.detach().to(p).clone(),
+            "prior_mean": m0.detach().to(p).clone(),
+            "prior_precision": d.detach().to(p).clone(),
+        }
+        if not self._s_from_zero:
+            st["hess_init"] = s0.detach().to(p).clone()
+        return st
+
+    def _states(self) -> list[dict[str, Any]]:
+        """``self.state[p]`` of every parameter in group order, created where missing (a
+        parameter added after construction, e.g. a new head, or a reset of ``self.state``,
+        which restarts it: :meth:`_fresh`, at the current step count); tensors follow the
+        parameter's device and dtype."""
+        t, out = None, []
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state[p]
+                if "hess" not in st:
+                    t = self._step_count() if t is None else t
+                    st.update(self._fresh(p, group), step=t)
+                    self._cache = None
+                elif st["mean"].device != p.device or st["mean"].dtype != p.dtype:
+                    for k, v in list(st.items()):
+                        if isinstance(v, Tensor):
+                            st[k] = v.to(device=p.device, dtype=p.dtype)
+                    self._cache = None
+                out.append(st)
+        return out
+
+    def _flat(self) -> dict[str, Any]:
+        """Private flat ``[P]`` copies of :attr:`state` (``"mu"``, ``"m"``, ``"s"``,
+        ``"prior_mean"``, ``"prior_precision"``, ``"init_s"`` or None, and ``"step"``), in
+        group order, gathered again whenever ``self.state`` was replaced or reset, or
+        parameters were added (the update works on them in place; :meth:`_scatter` writes
+        them back into ``self.state``)."""
+        states = self._states()
+        params = self.params
+        src = (
+            tuple(id(p) for p in params),
+            tuple(id(v) for st in states for v in st.values() if isinstance(v, Tensor)),
+        )
+        c = self._cache
+        if c is not None and c["src"] == src:
+            return c
+        c = {key: torch.cat([st[name].reshape(-1) for st in states]) for name, key in _VIEWS}
+        c["init_s"] = (
+            torch.cat([st["hess_init"].reshape(-1) for st in states])
+            if all("hess_init" in st for st in states)
+            else None
+        )
+        c["step"] = max(int(st["step"]) for st in states)
+        c["src"] = src
+        self._cache = c
+        self._version += 1
+        self._work = {}
+        self._lr_cache = None
+        return c
+
+    def _scatter(self, keys: Iterable[str]) -> None:
+        """Write the flat copies ``keys`` (and the step count) back into ``self.state``."""
+        c = self._cache
+        assert c is not None
+        states = [self.state[p] for p in self.params]
+        for name, key in _VIEWS:
+            if key in keys:
+                torch._foreach_copy_([st[name] for st in states], self._views(c[key]))
+        for st in states:
+            st["step"] = c["step"]
+
+    def _views(self, flat: Tensor) -> list[Tensor]:
+        out, i = [], 0
         for p in self.params:
-            k = p.numel()
-            self.state[p] = {name: st[key][i : i + k].view_as(p) for name, key in _VIEWS}
-            self.state[p]["step"] = st["step"]
-            i += k
+            out.append(flat[i : i + p.numel()].view_as(p))
+            i += p.numel()
+        return out
 
     # ---------------------------------------------------------------- hyper-parameters
     @property
@@ -332,17 +448,19 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
 
     @property
     def ess(self) -> float | None:
-        """``N``, the effective sample size (None until set)."""
-        return self.vogn_state["train_set_size"]
+        """``N``, the effective sample size (None until set; ``param_groups[i]["ess"]``)."""
+        return self.param_groups[0].get("ess")
 
     @ess.setter
     def ess(self, n: float) -> None:
-        self.vogn_state["train_set_size"] = check_ess(n)
+        n = check_ess(n)
+        for group in self.param_groups:
+            group["ess"] = n
 
     train_set_size = deprecated_alias("train_set_size", "ess", "VOGN")
 
     def _n(self) -> float:
-        n = self.vogn_state["train_set_size"]
+        n = self.ess
         if n is None:
             raise ValueError("ess is not set: pass VOGN(..., ess=N) or set opt.ess = N")
         return n
@@ -352,49 +470,49 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
         """``N c / kl_weight`` (the factor of ``s`` in the posterior precision) must be a
         number of the state's dtype: a tiny ``kl_weight`` overflows it (refused before any
         change)."""
-        st = self.vogn_state
-        if st["train_set_size"] is None:
+        if self.ess is None:
             return
+        dtype = self._flat()["s"].dtype
         alpha = self._n() * self._s_scale() / self.kl_weight
-        limit = torch.finfo(st["s"].dtype).max
+        limit = torch.finfo(dtype).max
         if not math.isfinite(alpha) or alpha > limit:
             raise ValueError(
                 f"{where}: kl_weight={self.kl_weight:g} makes the posterior precision's factor "
-                f"N / kl_weight = {alpha:.3g} overflow {st['s'].dtype} (N={self._n():g}); use a "
+                f"N / kl_weight = {alpha:.3g} overflow {dtype} (N={self._n():g}); use a "
                 "larger kl_weight"
             )
 
     def _s_scale(self) -> float:
         """``c`` with ``s^ = c s`` (bias correction of ``s`` when it starts at zero)."""
-        st = self.vogn_state
+        st = self._flat()
         beta2 = self.param_groups[0]["betas"][1]
         if self.param_groups[0]["bias_correction"] and st["init_s"] is None and st["step"] > 0:
             return 1.0 / (1.0 - beta2 ** st["step"])
         return 1.0
 
     def _s_hat(self) -> Tensor:
-        return self.vogn_state["s"] * self._s_scale()
+        return self._flat()["s"] * self._s_scale()
 
     def _delta_tilde(self) -> Tensor:
         """``kl_weight delta / N`` ``[P]`` (cached until the prior, N or kl_weight change)."""
+        st = self._flat()
         key = (self._n(), self.kl_weight, self._version)
         if self._dt_cache is None or self._dt_cache[0] != key:
-            self._dt_cache = (key, self.vogn_state["prior_precision"] * (key[1] / key[0]))
+            self._dt_cache = (key, st["prior_precision"] * (key[1] / key[0]))
         return self._dt_cache[1]
 
     def posterior_precision(self, out: Tensor | None = None) -> Tensor:
         """``N s^ / kl_weight + delta`` ``[P]`` (written into ``out`` when given)."""
-        st = self.vogn_state
+        st = self._flat()
         alpha = self._n() * self._s_scale() / self.kl_weight
         return torch.add(st["prior_precision"], st["s"], alpha=alpha, out=out)
 
     def posterior(self) -> DiagonalGaussian:
         """``q = N(mu, diag(1 / (N s^ / kl_weight + delta)))`` (copies of the state)."""
-        self._follow_params()
-        return DiagonalGaussian(self.vogn_state["mu"].clone(), self.posterior_precision().clone())
+        return DiagonalGaussian(self._flat()["mu"].clone(), self.posterior_precision().clone())
 
     def prior(self) -> DiagonalGaussian:
-        st = self.vogn_state
+        st = self._flat()
         return DiagonalGaussian(st["prior_mean"].clone(), st["prior_precision"].clone())
 
     def set_prior(
@@ -407,7 +525,7 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
         posterior starts equal to the prior); ``mu`` is kept. Returns the new prior.
         """
         prior = self.posterior() if prior is None else prior
-        st = self.vogn_state
+        st = self._flat()
         if prior.mean.shape != st["mu"].shape:
             raise ValueError(
                 f"prior must have P={st['mu'].numel()} entries, got {tuple(prior.mean.shape)}"
@@ -419,65 +537,14 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
             st["m"].zero_()
             st["step"] = 0
             st["s"] = torch.zeros_like(st["mu"]) if st["init_s"] is None else st["init_s"].clone()
-        self._link_state()
+        self._scatter([key for _, key in _VIEWS])
         return self.prior()
 
     # ---------------------------------------------------------------- parameters
-    def _follow_params(self) -> None:
-        """Follow the parameter groups when parameters were added or replaced after
-        construction (Avalanche adds a new head's parameters, or replaces a grown one): the
-        state of the parameters kept is kept; a new one starts with its current values as
-        the mean, no momentum, ``s`` at ``hess_init`` (0 when it was None or a vector),
-        the prior ``N(0, 1 / delta)`` with its group's ``prior_precision`` (1.0 when the
-        constructor got a vector)."""
-        layout = [(id(p), p.numel()) for p in self.params]
-        if layout == self._layout:
-            return
-        st, old, i = self.vogn_state, {}, 0
-        for key, k in self._layout:
-            old[key] = (i, k)
-            i += k
-        keys = [k for k, v in st.items() if isinstance(v, Tensor)]
-        parts: dict[str, list[Tensor]] = {k: [] for k in keys}
-        for group in self.param_groups:
-            for p in group["params"]:
-                where = old.get(id(p))
-                if where is not None and where[1] == p.numel():
-                    for k in keys:
-                        parts[k].append(st[k][where[0] : where[0] + where[1]])
-                    continue
-                fresh = {
-                    "mu": p.detach().reshape(-1).to(st["mu"]),
-                    "s": st["mu"].new_full((p.numel(),), self._s0_scalar),
-                    "m": st["mu"].new_zeros(p.numel()),
-                    "prior_mean": st["mu"].new_zeros(p.numel()),
-                    "prior_precision": st["mu"].new_full(
-                        (p.numel(),), group["prior_precision"] or self._delta_scalar
-                    ),
-                    "init_s": st["mu"].new_full((p.numel(),), self._s0_scalar),
-                }
-                for k in keys:
-                    parts[k].append(fresh[k])
-        for k in keys:
-            st[k] = torch.cat(parts[k]).clone()
-        self._layout = layout
-        self._version += 1
-        self._work = {}
-        self._lr_cache = None
-        self._link_state()
-
     def _sync_device(self) -> None:
-        """Follow the parameters when the model was moved after construction, or
-        parameters were added (:meth:`_follow_params`)."""
-        self._follow_params()
-        p0 = self.params[0]
-        st = self.vogn_state
-        if st["mu"].device != p0.device or st["mu"].dtype != p0.dtype:
-            for k, v in st.items():
-                if isinstance(v, Tensor):
-                    st[k] = v.to(device=p0.device, dtype=p0.dtype)
-            self._version += 1
-            self._link_state()
+        """Follow the parameters when the model was moved after construction, parameters
+        were added (their state starts at their first step) or ``self.state`` was reset."""
+        self._flat()
 
     @torch.no_grad()
     def _write(self, vec: Tensor) -> None:
@@ -496,7 +563,7 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
     def _buffer(self, name: str) -> Tensor:
         """A ``[P]`` work buffer like ``mu``, reused across steps. Fresh ``[P]`` temporaries
         cost page faults on every step on a CPU; the hot path writes into these instead."""
-        mu = self.vogn_state["mu"]
+        mu = self._flat()["mu"]
         buf = self._work.get(name)
         if buf is None or buf.shape != mu.shape or buf.dtype != mu.dtype or buf.device != mu.device:
             buf = self._work[name] = torch.empty_like(mu)
@@ -515,11 +582,11 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
         check_groups(self.param_groups, "VOGN.sample_params()")
         self._check_precision_scale("VOGN.sample_params()")
         self._sync_device()
-        mu = self.vogn_state["mu"]
+        mu = self._flat()["mu"]
         if self.mc_samples == 0:
             w = mu
         else:
-            key = (self.vogn_state["step"], self._n(), self.kl_weight, self._version)
+            key = (self._flat()["step"], self._n(), self.kl_weight, self._version)
             if self._std_cache is None or self._std_cache[0] != key:
                 std = self.posterior_precision(out=self._buffer("std")).rsqrt_()
                 self._std_cache = (key, std)
@@ -532,7 +599,7 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
     @torch.no_grad()
     def load_mean(self) -> None:
         """Write ``mu`` into the parameters."""
-        self._write(self.vogn_state["mu"])
+        self._write(self._flat()["mu"])
         self._sampled = False
 
     @contextmanager
@@ -549,8 +616,9 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
     @torch.no_grad()
     def sync_mean_from_params(self) -> None:
         """Set ``mu`` to the parameters' current values (after loading a model by hand)."""
-        self.vogn_state["mu"] = torch.cat([p.detach().reshape(-1) for p in self.params]).clone()
-        self._link_state()
+        st = self._flat()
+        st["mu"] = torch.cat([p.detach().reshape(-1) for p in self.params]).clone()
+        self._scatter(("mu",))
 
     # ---------------------------------------------------------------- updates
     @torch.no_grad()
@@ -568,7 +636,7 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
         check_groups(self.param_groups, "VOGN.update()")
         self._check_precision_scale("VOGN.update()")
         self._sync_device()
-        st = self.vogn_state
+        st = self._flat()
         mu = st["mu"]
         for name, v in (("grad", grad), ("curv", curv)):
             if v.shape != mu.shape:
@@ -591,10 +659,6 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
         dt = self._delta_tilde()
         st["step"] += 1
         t = st["step"]
-        if self.params[0] not in self.state:  # self.state was reset (Avalanche)
-            self._link_state()
-        for p in self.params:
-            self.state[p]["step"] = t
         m, s = st["m"], st["s"]
         m.mul_(beta1).add_(grad.to(mu), alpha=1 - beta1)
         diff = torch.sub(mu, st["prior_mean"], out=self._buffer("diff"))
@@ -606,6 +670,7 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
             mu.addcdiv_(m, denom, value=-lr / bc1)
         else:  # parameter groups with different step sizes
             mu.addcmul_(torch.div(m, denom, out=denom), lr, value=-1.0 / bc1)
+        self._scatter(("mu", "m", "s"))  # into self.state
         self.load_mean()
 
     def _lr(self) -> float | Tensor:
@@ -614,7 +679,7 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
         lrs = tuple(float(g["lr"]) for g in self.param_groups)
         if len(set(lrs)) == 1:
             return lrs[0]
-        mu = self.vogn_state["mu"]
+        mu = self._flat()["mu"]
         key = (lrs, mu.device, mu.dtype)
         if self._lr_cache is None or self._lr_cache[0] != key:
             sizes = [sum(p.numel() for p in g["params"]) for g in self.param_groups]
@@ -852,36 +917,75 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
 
     # ---------------------------------------------------------------- (de)serialisation
     def state_dict(self) -> dict[str, Any]:
-        """torch's optimizer state plus ``"vogn"``: the posterior state (tensors cloned)."""
-        out = super().state_dict()
-        out["state"] = {}  # self.state is a view of vogn_state, saved once under "vogn"
-        out["vogn"] = {
-            k: (v.clone() if isinstance(v, Tensor) else v) for k, v in self.vogn_state.items()
-        }
-        return out
+        """torch's optimizer state dict: ``"state"`` (per parameter index: ``"mean"``
+        ``mu``, ``"momentum"`` ``m``, ``"hess"`` ``s``, ``"prior_mean"``,
+        ``"prior_precision"``, ``"step"`` and, with ``hess_init``, ``"hess_init"``, all
+        shaped like the parameter) and ``"param_groups"`` (with ``"ess"``). The tensors are
+        the live ones, as torch's (copy them to keep them)."""
+        self._states()
+        return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Inverse of :meth:`state_dict`; also writes ``mu`` into the parameters."""
+        """Inverse of :meth:`state_dict`, refused before any change when it does not fit;
+        writes ``mu`` into the parameters. A state dict of fromp 0.5 (the flat ``"vogn"``
+        entry beside an empty ``"state"``) loads too."""
         state_dict = dict(state_dict)
-        vogn = state_dict.pop("vogn", None)
-        if vogn is None:
-            raise ValueError("state_dict has no 'vogn' entry: it was not saved by VOGN")
+        old = state_dict.pop("vogn", None)
+        if old is not None:
+            check_vogn_state(old, sum(p.numel() for p in self.params))
+            state_dict["state"] = self._from_old(old)
+            groups = [dict(g) for g in state_dict.get("param_groups", [])]
+            for g in groups:
+                g["ess"] = old["train_set_size"]
+            state_dict["param_groups"] = groups
         # refuse before anything is replaced: torch's load overwrites the groups
-        check_groups(state_dict.get("param_groups", []), "VOGN.load_state_dict")
-        check_vogn_state(vogn, self.vogn_state)
+        groups = state_dict.get("param_groups", [])
+        check_groups(groups, "VOGN.load_state_dict")
+        for g in groups:
+            if g.get("ess") is not None:
+                check_ess(g["ess"])
+        state = state_dict.get("state", {})
+        check_param_state(state, self.params, _REQUIRED, "VOGN")
+        for i, st in state.items():
+            if not bool((st["prior_precision"] > 0).all()):
+                raise ValueError(f"VOGN state[{i}]['prior_precision'] must be strictly positive")
         super().load_state_dict(state_dict)
-        self.load_vogn_state(vogn)
+        for p in self.params:  # own copies: torch's load may share the caller's tensors
+            st = self.state[p]
+            for k, v in list(st.items()):
+                if isinstance(v, Tensor):
+                    st[k] = v.detach().to(p).clone()
+                elif k == "step":
+                    st[k] = int(v)
+        self._cache = None
+        self._version += 1
+        self.load_mean()
+
+    def _from_old(self, vogn: dict[str, Any]) -> dict[int, dict[str, Any]]:
+        """The 0.5 flat ``"vogn"`` entry as torch's per-index state."""
+        state: dict[int, dict[str, Any]] = {}
+        i = 0
+        for j, p in enumerate(self.params):
+            k = p.numel()
+            st: dict[str, Any] = {
+                name: vogn[key][i : i + k].reshape(p.shape).clone() for name, key in _VIEWS
+            }
+            if vogn.get("init_s") is not None:
+                st["hess_init"] = vogn["init_s"][i : i + k].reshape(p.shape).clone()
+            st["step"] = int(vogn["step"])
+            state[j] = st
+            i += k
+        return state
 
     def load_vogn_state(self, vogn: dict[str, Any]) -> None:
-        """Load the posterior state alone (``state_dict()["vogn"]``)."""
-        check_vogn_state(vogn, self.vogn_state)
-        mu = self.vogn_state["mu"]
-        self.vogn_state = {
-            k: (v.detach().to(mu).clone() if isinstance(v, Tensor) else v) for k, v in vogn.items()
-        }
-        self._version += 1
-        self._link_state()
-        self.load_mean()
+        """Load the posterior state alone: torch's ``state_dict()["state"]`` or the 0.5
+        flat ``state_dict()["vogn"]`` (the hyperparameters are left as they are, but for
+        ``ess`` of the 0.5 form)."""
+        groups = copy.deepcopy(super().state_dict()["param_groups"])
+        if isinstance(vogn, dict) and "mu" in vogn:
+            self.load_state_dict({"vogn": vogn, "state": {}, "param_groups": groups})
+        else:
+            self.load_state_dict({"state": vogn, "param_groups": groups})
 
 
 class OGN(VOGN):
