@@ -907,7 +907,7 @@ def _old_flat_state(opt) -> dict:
 
 @pytest.mark.parametrize("hess_init", [None, 0.05])
 def test_an_old_flat_state_dict_loads_and_continues_exactly(hess_init):
-    """A state dict of fromp 0.5 (the flat ``"vogn"`` entry) converts into torch's
+    """A state dict of fromp 0.3 (the flat ``"vogn"`` entry) converts into torch's
     per-parameter state: the run continues bit for bit, ``ess`` included; a bad one is
     refused naming the entry, before any change."""
     torch.manual_seed(0)

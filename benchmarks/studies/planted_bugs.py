@@ -265,8 +265,8 @@ BUGS: tuple[Bug, ...] = (
        T + "test_vogn.py::test_one_step_formula_and_regulariser_only_in_gradient"),
     _b("vogn_prior_without_kl_weight", "dropped factor", "VOGN's δ~ = δ/N, kl_weight dropped",
        "fromp/optim/vogn.py",
-       'self.vogn_state["prior_precision"] * (key[1] / key[0])',
-       'self.vogn_state["prior_precision"] * (1.0 / key[0])',
+       'st["prior_precision"] * (key[1] / key[0])',
+       'st["prior_precision"] * (1.0 / key[0])',
        T + "test_vogn.py::test_ogn_ggn_recovers_exact_posterior_of_linear_regression"),
     # ---------------------------------------------------------------- memory perturbation
     _b("loo_sign", "wrong sign", "leave-one-out outputs f − V e",

@@ -771,8 +771,7 @@ class IVON(IVONPosterior, GroupHyperparameters, torch.optim.Optimizer):
     def load_ivon_state(self, ivon: dict[str, Any]) -> None:
         """Load the posterior state alone: torch's ``state_dict()["state"]`` or the 0.4
         ``state_dict()["ivon"]`` (the hyperparameters are left as they are)."""
-        groups = copy.deepcopy([{k: v for k, v in g.items() if k != "params"}
-                                for g in super().state_dict()["param_groups"]])  # fmt: skip
+        groups = copy.deepcopy(super().state_dict()["param_groups"])
         if "params" in ivon and "step" in ivon:
             self.load_state_dict({"ivon": ivon, "state": {}, "param_groups": groups})
         else:

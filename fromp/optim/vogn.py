@@ -927,7 +927,7 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Inverse of :meth:`state_dict`, refused before any change when it does not fit;
-        writes ``mu`` into the parameters. A state dict of fromp 0.5 (the flat ``"vogn"``
+        writes ``mu`` into the parameters. A state dict of fromp 0.3 (the flat ``"vogn"``
         entry beside an empty ``"state"``) loads too."""
         state_dict = dict(state_dict)
         old = state_dict.pop("vogn", None)
@@ -962,7 +962,7 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
         self.load_mean()
 
     def _from_old(self, vogn: dict[str, Any]) -> dict[int, dict[str, Any]]:
-        """The 0.5 flat ``"vogn"`` entry as torch's per-index state."""
+        """The 0.3 flat ``"vogn"`` entry as torch's per-index state."""
         state: dict[int, dict[str, Any]] = {}
         i = 0
         for j, p in enumerate(self.params):
@@ -980,7 +980,7 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
     def load_vogn_state(self, vogn: dict[str, Any]) -> None:
         """Load the posterior state alone: torch's ``state_dict()["state"]`` or the 0.5
         flat ``state_dict()["vogn"]`` (the hyperparameters are left as they are, but for
-        ``ess`` of the 0.5 form)."""
+        ``ess`` of the 0.3 form)."""
         groups = copy.deepcopy(super().state_dict()["param_groups"])
         if isinstance(vogn, dict) and "mu" in vogn:
             self.load_state_dict({"vogn": vogn, "state": {}, "param_groups": groups})
