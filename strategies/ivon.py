@@ -31,7 +31,6 @@ and the step count restart, the mean is kept and ``N`` becomes the size of the n
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
@@ -41,7 +40,6 @@ from torch import nn
 
 from fromp._checks import check_positive
 from fromp.optim.ivon import IVON
-from fromp.posterior import DiagonalGaussian
 
 __all__ = ["IVONPlugin", "IVONStrategy"]
 
@@ -76,43 +74,9 @@ class IVONPlugin(PosteriorOptimizerPlugin):
         self.prior_scale = check_positive(prior_scale, "prior_scale")
         super().__init__(optimizer, continual=continual)
         self.set_ess = bool(set_ess)
-        self._resume: dict[str, Any] | None = None  # a loaded state, applied again
 
-    # -------------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """The optimizer's state dict (torch's: the per-parameter IVON state and the
-        hyperparameters) under ``"ivon"``, the per-experience posteriors and the task
-        counter (tensors cloned)."""
-        if self.optimizer is None:
-            raise ValueError("IVONPlugin has no optimizer yet: pass optimizer= or train first")
-        return {
-            "ivon": copy.deepcopy(self.optimizer.state_dict()),
-            "posteriors": [q.state_dict() for q in self.posteriors],
-            "task_count": self.task_count,
-            "continual": self.continual,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Inverse of :meth:`state_dict` (also a 0.4 checkpoint, whose ``"ivon"`` is IVON's
-        old ``{"step", "params"}``). The optimizer state is loaded now and again at the
-        start of the next experience: Avalanche resets ``optimizer.state`` the first time
-        a strategy trains, after this load."""
-        if self.optimizer is None:
-            raise ValueError("IVONPlugin has no optimizer: construct it with optimizer=")
-        self._resume = state["ivon"]
-        self._load_optimizer_state()
-        self.posteriors = [DiagonalGaussian.from_state_dict(d) for d in state["posteriors"]]
-        self.task_count = int(state["task_count"])
-        self.continual = bool(state.get("continual", self.continual))
-
-    def _load_optimizer_state(self) -> None:
-        saved = self._resume
-        if saved is None or self.optimizer is None:
-            return
-        if "param_groups" in saved:  # torch's state dict
-            self.optimizer.load_state_dict(copy.deepcopy(saved))
-        else:
-            self.optimizer.load_ivon_state(saved)
+    # checkpoints: PosteriorOptimizerPlugin's state_dict / load_state_dict (the optimizer's
+    # torch state dict under "ivon"; a 0.3 checkpoint through IVON.load_ivon_state)
 
     def _discard_draw(self, strategy: Any) -> None:
         opt = self._opt(strategy)
@@ -121,10 +85,8 @@ class IVONPlugin(PosteriorOptimizerPlugin):
 
     # -------------------------------------------------------------- hooks
     def before_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        super().before_training_exp(strategy, *args, **kwargs)  # a resumed state again
         opt = self._opt(strategy)
-        if self._resume is not None:  # after Avalanche's first reset of optimizer.state
-            self._load_optimizer_state()
-            self._resume = None
         if self.set_ess:
             opt.ess = len(strategy.experience.dataset)
 
