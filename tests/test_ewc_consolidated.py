@@ -14,6 +14,7 @@ from torch import nn
 
 from fromp import EWCMethod
 from fromp.models import MultiHeadMLP
+from fromp.testing import count_aten_ops
 
 D = torch.float64
 
@@ -236,22 +237,6 @@ def test_penalty_step_time_after_10_tasks_within_1_5x_of_after_1():
     assert min(ratios) < 1.5, f"step time after 10 tasks / after 1: {ratios}"
 
 
-def _aten_ops(fn) -> int:
-    """The number of aten operations ``fn()`` runs (forward and backward)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        fn()
-    return Count.n
-
-
 def test_penalty_step_runs_the_same_operations_after_10_tasks_as_after_1():
     """The deterministic form of the timing test: the penalty and its backward pass run the
     same number of operations whatever the number of tasks learnt."""
@@ -269,5 +254,5 @@ def test_penalty_step_runs_the_same_operations_after_10_tasks_as_after_1():
             net.zero_grad()
             method.penalty(net).backward()
 
-        counts[n_tasks] = _aten_ops(step)
+        counts[n_tasks] = count_aten_ops(step)
     assert counts[1] == counts[2] == counts[10], counts
