@@ -30,9 +30,19 @@ Kernels (``kernel=``):
 ``K`` is the DNN2GP kernel (:class:`fromp.gp.GP`) of ``p = inverse_link(f)`` linearised
 at the current weights under ``N(w, Sigma)``. The kernels are factorised once per
 :meth:`FROMPRegularizer.add_task` / :meth:`update` call (float64 Cholesky,
-``K + jitter I``; larger jitter, with a warning, when the factorisation fails), so every
-training step costs only forward/backward passes on the memorable inputs and ``[M, M]``
-triangular solves.
+``K + jitter I``, all kernels of a size in one batched call; larger jitter, with a warning,
+for a kernel whose factorisation fails).
+
+Cost. A training step runs the same operations whatever the number of tasks stored: one
+forward and backward of the network on all ``N`` memorable points, then the quadratic forms
+of all tasks as one: the inverse factors ``L_b^{-1}`` of every kernel block are stacked once
+per stored task into ``[B, L, L]``, the residuals gathered into ``[B, L]`` with one stored
+index, ``R = 1/2 ||L^{-1} r||^2`` one batched product (``B L^2`` multiply-adds; no host
+synchronisation). What grows with the tasks is the arithmetic on more points, chiefly the
+network's forward and backward on ``N = sum_s M_s``. After a task, :meth:`update` takes
+every earlier set's targets and kernel again under the new posterior (FROMP regularises
+towards the latest solution): one forward per head, one GP per head, each set's kernel
+block, one batched factorisation; its cost grows with the sets stored, by design.
 """
 
 from __future__ import annotations
@@ -206,15 +216,16 @@ class _Stack:
     ``"identity"``) holds ``L_b`` residual entries ``p[rows[b, i], cols[b, i]] -
     targets[b, i]`` (``p`` ``[N, C]`` the probabilities of all ``N`` memorable points;
     class-major ``(c, m)`` within a joint block), zero-padded to ``L = max_b L_b``, and
-    ``whiten[b] = chol_b^{-1}`` (``chol_b chol_b^T = K_b + jitter I``; zero rows and columns
-    on the padding), so that ``r_b^T (K_b + jitter I)^{-1} r_b = ||whiten[b] r_b||^2``.
+    ``whiten_t[b] = chol_b^{-T}`` (``chol_b chol_b^T = K_b + jitter I``; zero rows and
+    columns on the padding), so that ``r_b^T (K_b + jitter I)^{-1} r_b = ||r_b^T
+    whiten_t[b]||^2`` (the row-vector product is the faster layout of the batched matmul).
     """
 
     rows: Tensor  # [B, L] long: the point among all N memorable points
     cols: Tensor  # [B, L] long: its output unit
     targets: Tensor  # [B, L] float64
     mask: Tensor  # [B, L] float64: 1 on entries, 0 on the padding
-    whiten: Tensor | None  # [B, L, L] float64; None for the identity kernel
+    whiten_t: Tensor | None  # [B, L, L] float64; None for the identity kernel
     sizes: list[int]  # M_s per set
     needs: list[int]  # per set, the head width it needs (largest unit + 1)
     labels: Tensor | None  # [N] when every set has labels
@@ -266,7 +277,7 @@ class _Stack:
             cols=torch.cat([pad(c) for c in cols]),
             targets=torch.cat([pad(t) for t in targets]),
             mask=torch.cat([pad(torch.ones_like(t)) for t in targets]),
-            whiten=torch.cat([pad(w, True) for w in whiten]) if whiten else None,
+            whiten_t=torch.cat([pad(w, True) for w in whiten]).mT.contiguous() if whiten else None,
             sizes=[len(m.inputs) for m in memories],
             needs=[int(_units_of(m).max()) + 1 for m in memories],
             labels=torch.cat([m.labels for m in memories]) if labelled else None,  # type: ignore[misc]
@@ -693,11 +704,11 @@ class FROMPRegularizer:
         if flat is None:  # the index into p's flat storage, per head width
             flat = st.flat[p.shape[1]] = st.rows * p.shape[1] + st.cols
         r = torch.take(p, flat) - st.targets  # [B, L]
-        if st.whiten is None:  # identity kernel
+        if st.whiten_t is None:  # identity kernel
             r = r * st.mask
             pen = 0.5 * (r * r).sum()
         else:
-            z = torch.matmul(st.whiten, r.unsqueeze(-1))  # [B, L, 1]: L_b^{-1} r_b
+            z = torch.matmul(r.unsqueeze(1), st.whiten_t)  # [B, 1, L]: (L_b^{-1} r_b)^T
             pen = 0.5 * (z * z).sum()
         if not replay:
             return pen, None
