@@ -106,11 +106,11 @@ def test_penalty_step_time_after_10_tasks_within_1_5x_of_after_1():
     replaced: 1.3 -> 2.7 ms, 2.1x), one CPU thread.
 
     Not reachable, and not asserted, on the task-time study's MLP (784-100-100-10) with the
-    paper's 40 points per task: after 1 task 1.55 ms, after 10 (400 points) 3.8 ms (2.5x;
-    the per-task loop: 1.9 -> 6.4 ms, 3.3x), of which the network's own forward and
-    backward on 400 points instead of 40 is 0.96 -> 2.7 ms (2.8x): there the step is the
-    forward over 10x the points, which FROMP's maths needs (``benchmarks/results/
-    task_time.json`` records the study's numbers per task)."""
+    paper's 40 points per task (``benchmarks/results/task_time.json``, best of 50): after 1
+    task 1.25 ms, after 10 (400 points) 3.46 ms (2.8x; the per-task loop, run back to back:
+    1.5 -> 6.4 ms, 4.2x), of which the network's own forward and backward on 400 points
+    instead of 40 is 0.84 -> 2.66 ms (3.2x): there the step is the forward over 10x the
+    points, which FROMP's maths needs, and FROMP's own part of the step grows 0.4 -> 0.8 ms."""
     net1, one = _learnt_mlp(1)
     net10, ten = _learnt_mlp(10)
     assert one.regularizer.num_points == 10 and ten.regularizer.num_points == 100
