@@ -8,7 +8,7 @@ kernels of a size at once; wrong inputs are refused before any work."""
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -19,7 +19,7 @@ from fromp.continual.methods import FROMPMethod
 from fromp.continual.regularizer import FROMPRegularizer
 from fromp.curvature.jacobian import num_params
 from fromp.models import MultiHeadMLP, with_task
-from fromp.testing import count_aten_ops, flat, forward_at
+from fromp.testing import count_aten_ops, flat, forward_at, timing_ratios
 
 D = torch.float64
 
@@ -75,13 +75,29 @@ def test_count_aten_ops_counts_each_operation():
     assert count_aten_ops(lambda: a + b + c) == 2
 
 
+def test_timing_ratios_stop_at_the_first_attempt_below_the_bound():
+    import time
+
+    def slow() -> None:
+        time.sleep(0.002)
+
+    def fast() -> None:
+        pass
+
+    above = timing_ratios(slow, fast, repeats=2, attempts=3, below=1.5)
+    assert len(above) == 3 and min(above) > 10  # never below: every attempt made
+    below = timing_ratios(fast, slow, repeats=2, attempts=3, below=1.5)
+    assert len(below) == 1 and below[0] < 0.5
+
+
 # ---------------------------------------------------------------------------- (b) timing
-def _penalty_step_seconds(method: FROMPMethod, net: nn.Module) -> float:
-    t0 = time.perf_counter()
-    for _ in range(5):
-        net.zero_grad()
-        method.penalty(net).backward()
-    return time.perf_counter() - t0
+def _penalty_steps(method: FROMPMethod, net: nn.Module) -> Callable[[], None]:
+    def run() -> None:
+        for _ in range(5):
+            net.zero_grad()
+            method.penalty(net).backward()
+
+    return run
 
 
 def _learnt_mlp(n_tasks: int) -> tuple[nn.Module, FROMPMethod]:
@@ -114,16 +130,9 @@ def test_penalty_step_time_after_10_tasks_within_1_5x_of_after_1():
     net1, one = _learnt_mlp(1)
     net10, ten = _learnt_mlp(10)
     assert one.regularizer.num_points == 10 and ten.regularizer.num_points == 100
-    _penalty_step_seconds(one, net1), _penalty_step_seconds(ten, net10)  # stacked once
-    ratios = []
-    for _ in range(3):  # a busy machine may slow one series: the best of three attempts
-        best_one = best_ten = float("inf")
-        for _ in range(40):
-            best_one = min(best_one, _penalty_step_seconds(one, net1))
-            best_ten = min(best_ten, _penalty_step_seconds(ten, net10))
-        ratios.append(best_ten / best_one)
-        if ratios[-1] < 1.5:
-            break
+    after_1, after_10 = _penalty_steps(one, net1), _penalty_steps(ten, net10)
+    after_1(), after_10()  # the stacked state is built once per learnt task, not timed
+    ratios = timing_ratios(after_10, after_1, repeats=40, below=1.5)
     assert min(ratios) < 1.5, f"step time after 10 tasks / after 1: {ratios}"
 
 
