@@ -17,6 +17,8 @@ The networks (:func:`tiny_mlp`, :func:`tiny_cnn` with or without batch norm,
 ``seed=None`` they draw their weights from torch's global generator (as ``nn.Module``
 constructors do). :class:`NetCase` pairs a network with matching inputs; :data:`NETS` lists
 the kinds. :func:`toy_regression` and :func:`toy_classification` give small seeded data.
+:func:`count_aten_ops` counts the operations a step runs, :func:`timing_ratios` times two
+steps interleaved.
 
 Nothing in ``fromp`` imports this module; it is for tests.
 """
@@ -38,6 +40,7 @@ __all__ = [
     "Scale",
     "TinyCNN",
     "conv_zoo",
+    "count_aten_ops",
     "dense_ewc_penalty",
     "dense_fromp_penalty",
     "dense_ggn",
@@ -50,6 +53,7 @@ __all__ = [
     "forward_at",
     "multihead_mlp",
     "split",
+    "timing_ratios",
     "tiny_cnn",
     "tiny_mlp",
     "toy_classification",
@@ -406,3 +410,51 @@ def toy_classification(
     x = torch.randn(n, d, generator=g, dtype=torch.float64)
     w = torch.randn(d, c, generator=g, dtype=torch.float64)
     return x, (x @ w).argmax(1)
+
+
+# ---------------------------------------------------------------------------- operations
+def count_aten_ops(fn: Callable[[], Any]) -> int:
+    """The number of aten operations ``fn()`` dispatches (forward and any backward it
+    runs), counted with a :class:`~torch.utils._python_dispatch.TorchDispatchMode`: the
+    deterministic form of "this step's cost does not grow with ``n``" (equal counts for
+    two sizes of the state it reads, e.g. the tasks learnt)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+def timing_ratios(
+    numerator: Callable[[], object],
+    denominator: Callable[[], object],
+    *,
+    repeats: int = 60,
+    attempts: int = 3,
+    below: float = 1.5,
+) -> list[float]:
+    """``min t(numerator()) / min t(denominator())`` over ``repeats`` interleaved timings
+    (so that a busy machine slows both series alike), one ratio per attempt; further
+    attempts (at most ``attempts``) only while the ratio is not ``below`` the bound, since
+    a busy machine may still slow one series in one attempt. Assert on ``min(ratios)``."""
+    import time
+
+    ratios: list[float] = []
+    for _ in range(attempts):
+        best = [float("inf"), float("inf")]
+        for _ in range(repeats):
+            for i, fn in enumerate((numerator, denominator)):
+                t0 = time.perf_counter()
+                fn()
+                best[i] = min(best[i], time.perf_counter() - t0)
+        ratios.append(best[0] / best[1])
+        if ratios[-1] < below:
+            break
+    return ratios

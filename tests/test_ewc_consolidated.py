@@ -14,6 +14,7 @@ from torch import nn
 
 from fromp import EWCMethod
 from fromp.models import MultiHeadMLP
+from fromp.testing import count_aten_ops, timing_ratios
 
 D = torch.float64
 
@@ -224,32 +225,9 @@ def test_penalty_step_time_after_10_tasks_within_1_5x_of_after_1():
         ten.learn_task(net, x, y, None)
     assert len(one.anchors) == 1 and len(ten.anchors) == 10
     one.penalty(net), ten.penalty(net)  # consolidation done once, outside the timing
-    ratios = []
-    for _ in range(3):  # a busy machine may slow one series: the best of three attempts
-        best_one = best_ten = float("inf")
-        for _ in range(60):
-            best_one = min(best_one, _penalty_step_seconds(one, net))
-            best_ten = min(best_ten, _penalty_step_seconds(ten, net))
-        ratios.append(best_ten / best_one)
-        if ratios[-1] < 1.5:
-            break
+    ratios = timing_ratios(lambda: _penalty_step_seconds(ten, net),
+                           lambda: _penalty_step_seconds(one, net))  # fmt: skip
     assert min(ratios) < 1.5, f"step time after 10 tasks / after 1: {ratios}"
-
-
-def _aten_ops(fn) -> int:
-    """The number of aten operations ``fn()`` runs (forward and backward)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        fn()
-    return Count.n
 
 
 def test_penalty_step_runs_the_same_operations_after_10_tasks_as_after_1():
@@ -269,5 +247,5 @@ def test_penalty_step_runs_the_same_operations_after_10_tasks_as_after_1():
             net.zero_grad()
             method.penalty(net).backward()
 
-        counts[n_tasks] = _aten_ops(step)
+        counts[n_tasks] = count_aten_ops(step)
     assert counts[1] == counts[2] == counts[10], counts

@@ -30,3 +30,15 @@ def test_bad_arguments_refused_before_any_work(tmp_path, capsys):
         task_time.main(["--tasks", "0", "--out", str(tmp_path / "t.json")])
     assert "--tasks must be >= 1" in capsys.readouterr().err
     assert not (tmp_path / "t.json").exists()
+
+
+def test_record_holds_the_penalty_step_after_each_task(tmp_path):
+    out = tmp_path / "t.json"
+    argv = ["--tasks", "2", "--steps", "1", "--n-train", "100", "--batch-size", "20"]
+    task_time.main([*argv, "--repeats", "2", "--out", str(out)])
+    after = json.loads(out.read_text())["after_each_task"]
+    assert after["fromp_memorable_points"] == [40, 80]  # 40 per task
+    for key in ("fromp_penalty_step_ms", "ewc_penalty_step_ms", "fromp_forward_backward_ms"):
+        assert len(after[key]) == 2 and all(v > 0 for v in after[key])
+    for key in ("fromp_select_s", "fromp_curvature_s", "fromp_kernel_s"):
+        assert len(after[key]) == 2 and all(v >= 0 for v in after[key])

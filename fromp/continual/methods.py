@@ -335,6 +335,16 @@ class FROMPMethod:
         (or, for ``posterior="vogn"`` or ``"ivon"``, store ``posterior_variance``), rebuild
         the kernels.
 
+        Cost: the selection and the curvature are bounded per experience (one pass over
+        ``x``, at most ``curvature_examples`` examples); the kernels grow with the
+        experiences learnt, by design: FROMP regularises towards the latest solution, so
+        every earlier memorable set's targets and kernel are taken again under the new
+        posterior (:meth:`FROMPRegularizer.update`: one forward per head, one GP per head,
+        each set's ``[C, M, M]`` kernel block, ``C M^2 P`` multiply-adds at most, and one
+        batched Cholesky factorisation). On the task-time study's MLP (784-100-100-10, 40
+        points per task) that is about 30 ms per earlier set on one CPU thread
+        (``benchmarks/results/task_time.json``, ``fromp_kernel_s``).
+
         Args:
             net: the model (see the module docstring), in the state reached on the task.
             x: the experience's training inputs ``[N, ...]``.

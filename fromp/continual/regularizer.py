@@ -30,18 +30,29 @@ Kernels (``kernel=``):
 ``K`` is the DNN2GP kernel (:class:`fromp.gp.GP`) of ``p = inverse_link(f)`` linearised
 at the current weights under ``N(w, Sigma)``. The kernels are factorised once per
 :meth:`FROMPRegularizer.add_task` / :meth:`update` call (float64 Cholesky,
-``K + jitter I``; larger jitter, with a warning, when the factorisation fails), so every
-training step costs only forward/backward passes on the memorable inputs and ``[M, M]``
-triangular solves.
+``K + jitter I``, all kernels of a size in one batched call; larger jitter, with a warning,
+for a kernel whose factorisation fails).
+
+Cost. A training step runs the same operations whatever the number of tasks stored: one
+forward and backward of the network on all ``N`` memorable points, then the quadratic forms
+of all tasks as one: the inverse factors ``L_b^{-1}`` of every kernel block are stacked once
+per stored task into ``[B, L, L]``, the residuals gathered into ``[B, L]`` with one stored
+index, ``R = 1/2 ||L^{-1} r||^2`` one batched product (``B L^2`` multiply-adds; no host
+synchronisation). What grows with the tasks is the arithmetic on more points, chiefly the
+network's forward and backward on ``N = sum_s M_s``. After a task, :meth:`update` takes
+every earlier set's targets and kernel again under the new posterior (FROMP regularises
+towards the latest solution): one forward per head, one GP per head, each set's kernel
+block, one batched factorisation; its cost grows with the sets stored, by design.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fromp._checks import check_batch, check_tensor, check_vector, device_dtype
@@ -184,6 +195,96 @@ class MemorableSet:
     labels: Tensor | None = None
 
 
+def _units_of(m: MemorableSet) -> Tensor:
+    """The set's units (``[C_s]`` long); the first ``targets.shape[1]`` for older states."""
+    if m.units is not None:
+        return m.units
+    return torch.arange(m.targets.shape[1], device=m.targets.device)
+
+
+def _mean_weights(m: MemorableSet) -> Tensor:
+    """``[M]`` float64 ``1 / M``: the weights of the set's mean over its points."""
+    n = len(m.inputs)
+    return torch.full((n,), 1.0 / n, dtype=torch.float64, device=m.targets.device)
+
+
+@dataclass
+class _Stack:
+    """Every stored set's quadratic form as blocks of one batched one.
+
+    Block ``b`` (per task and class for ``"per_class"``, per task for ``"joint"`` and
+    ``"identity"``) holds ``L_b`` residual entries ``p[rows[b, i], cols[b, i]] -
+    targets[b, i]`` (``p`` ``[N, C]`` the probabilities of all ``N`` memorable points;
+    class-major ``(c, m)`` within a joint block), zero-padded to ``L = max_b L_b``, and
+    ``whiten_t[b] = chol_b^{-T}`` (``chol_b chol_b^T = K_b + jitter I``; zero rows and
+    columns on the padding), so that ``r_b^T (K_b + jitter I)^{-1} r_b = ||r_b^T
+    whiten_t[b]||^2`` (the row-vector product is the faster layout of the batched matmul).
+    """
+
+    rows: Tensor  # [B, L] long: the point among all N memorable points
+    cols: Tensor  # [B, L] long: its output unit
+    targets: Tensor  # [B, L] float64
+    mask: Tensor  # [B, L] float64: 1 on entries, 0 on the padding
+    whiten_t: Tensor | None  # [B, L, L] float64; None for the identity kernel
+    sizes: list[int]  # M_s per set
+    needs: list[int]  # per set, the head width it needs (largest unit + 1)
+    labels: Tensor | None  # [N] when every set has labels
+    weights: Tensor | None  # [N] float64, 1 / M_s: each set's mean NLL (replay)
+    x: Tensor | None = None  # [N, ...] all memorable inputs (made on first use)
+    task: Tensor | None = None  # [N] long, their heads
+    flat: dict[int, Tensor] = field(default_factory=dict)  # per width C: rows * C + cols
+
+    @property
+    def count(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def need(self) -> int:
+        return max(self.needs)
+
+    @classmethod
+    def of(cls, memories: list[MemorableSet], kernel: str) -> _Stack:
+        """Stack ``memories`` (all on one device; each set's factor inverted once)."""
+        rows, cols, targets, whiten = [], [], [], []
+        off = 0
+        for m in memories:
+            n, dev = len(m.inputs), m.targets.device
+            units = _units_of(m).to(dev)
+            points = torch.arange(off, off + n, device=dev)
+            if kernel == "per_class":
+                rows.append(points.expand(len(units), n))
+                cols.append(units[:, None].expand(len(units), n))
+                targets.append(m.targets.T)
+            else:  # one block, class-major (c, m)
+                rows.append(points.repeat(len(units))[None])
+                cols.append(units.repeat_interleave(n)[None])
+                targets.append(m.targets.T.reshape(1, -1))
+            if kernel != "identity":
+                if m.chol is None:
+                    raise ValueError(f"the memorable set of task {m.task} has no kernel factor")
+                eye = torch.eye(m.chol.shape[-1], dtype=m.chol.dtype, device=dev)
+                whiten.append(torch.linalg.solve_triangular(m.chol, eye, upper=False))
+            off += n
+        width = max(t.shape[1] for t in targets)
+
+        def pad(t: Tensor, square: bool = False) -> Tensor:
+            extra = width - t.shape[-1]
+            return F.pad(t, (0, extra, 0, extra) if square else (0, extra))
+
+        labelled = all(m.labels is not None for m in memories)
+        return cls(
+            rows=torch.cat([pad(r) for r in rows]),
+            cols=torch.cat([pad(c) for c in cols]),
+            targets=torch.cat([pad(t) for t in targets]),
+            mask=torch.cat([pad(torch.ones_like(t)) for t in targets]),
+            whiten_t=torch.cat([pad(w, True) for w in whiten]).mT.contiguous() if whiten else None,
+            sizes=[len(m.inputs) for m in memories],
+            needs=[int(_units_of(m).max()) + 1 for m in memories],
+            labels=torch.cat([m.labels for m in memories]) if labelled else None,  # type: ignore[misc]
+            weights=torch.cat([_mean_weights(m) for m in memories]),
+        )
+
+
 class FROMPRegularizer:
     """Functional regulariser ``1/2 sum_s r_s^T K_s^{-1} r_s`` over finished tasks.
 
@@ -234,14 +335,26 @@ class FROMPRegularizer:
         self.jitter = float(jitter)
         self.max_tries = int(max_tries)
         self.chunk_size = int(chunk_size)
-        self.memories: list[MemorableSet] = []
+        self._cache: dict = {}
+        self._memories: list[MemorableSet] = []
         #: per head (task id), the classes (output units) trained so far; when a head has
         #: an entry, its sets are regularised on those units only (see MemorableSet.units)
         self.classes_seen: dict[int | None, list[int]] = {}
-        self._cache: dict = {}
 
     def __len__(self) -> int:
         return len(self.memories)
+
+    @property
+    def memories(self) -> list[MemorableSet]:
+        """The stored sets, one per finished task, in the order stored. The penalty reads
+        them through tensors stacked once after they change (by this class's methods or by
+        assigning a new list); a set's fields changed in place from outside are not seen."""
+        return self._memories
+
+    @memories.setter
+    def memories(self, sets: list[MemorableSet]) -> None:
+        self._memories = sets
+        self._cache = {}
 
     @property
     def num_points(self) -> int:
@@ -270,25 +383,55 @@ class FROMPRegularizer:
         inverse link's Jacobian (softmax: ``diag(p) - p p^T``), since ``dp/dw = A df/dw``.
         Batch-norm and dropout layers must be in eval mode.
         """
-        module = with_task(model, task)
         x = check_batch(x, "x")
         if self.kernel == "identity":
             with torch.no_grad():
-                c_out = module(x[:1]).shape[1]
+                c_out = with_task(model, task)(x[:1]).shape[1]
             return torch.eye(c_out * len(x), dtype=torch.float64, device=x.device).unsqueeze(0)
-        if callable(posterior_variance):
-            k = self._prob_kernel(module, x, posterior_variance(model, x, task))
-        else:
-            var = self._check_variance(model, posterior_variance)
-            gp = _prob_gp(module, self.likelihood, var, self.chunk_size)
-            k = _gp_kernel(gp, x, self.kernel == "per_class").double()
-            if not bool((var > 0).any()):  # Sigma = 0: K = 0
+        return self._kernels(model, [x], [task], self._check_variance(model, posterior_variance))[0]
+
+    def _kernels(
+        self,
+        model: nn.Module,
+        xs: list[Tensor],
+        tasks: list[int | None],
+        variance: Tensor | FunctionKernel,
+    ) -> list[Tensor]:
+        """:meth:`kernel_matrix` of every set ``xs[s]`` ``[M_s, ...]`` through head
+        ``tasks[s]`` (``variance`` already checked), each its own block ``K_s`` (the kernel
+        between two sets is never formed: its cost, ``C M_s M_r P`` per pair, would make
+        the after-task step quadratic in the tasks for nothing the penalty uses).
+
+        With a diagonal ``Sigma`` one :class:`~fromp.gp.GP` per head serves all the head's
+        sets: its structured evaluator (and the one-example check that it applies) is set
+        up once, and ``Sigma = 0`` is tested once. What is left per set is the kernel's own
+        arithmetic, the Gram products of the set's whitened Jacobians (``C M_s^2 P``
+        multiply-adds per class-diagonal block, ``P_layer`` per pair and layer with the
+        structured way) and its ``[M_s, C, P]``-sized features."""
+        per_class = self.kernel == "per_class"
+        if callable(variance):
+            return [
+                self._arranged(self._prob_kernel(with_task(model, t), x, variance(model, x, t)))
+                for x, t in zip(xs, tasks)
+            ]
+        zero = not bool((variance > 0).any())  # Sigma = 0: K = 0
+        gps: dict[int | None, GP] = {}
+        out = []
+        for x, t in zip(xs, tasks):
+            if t not in gps:
+                gps[t] = _prob_gp(with_task(model, t), self.likelihood, variance, self.chunk_size)
+            k = _gp_kernel(gps[t], x, per_class).double()
+            if zero:
                 k = torch.zeros_like(k)
-            if self.kernel == "per_class":
-                return k
+            out.append(k if per_class else self._arranged(k))
+        return out
+
+    def _arranged(self, k: Tensor) -> Tensor:
+        """``[M, C, M, C]`` -> the class blocks ``[C, M, M]`` (per class) or the class-major
+        ``[1, C M, C M]`` (joint)."""
         if self.kernel == "per_class":
             return torch.diagonal(k, dim1=1, dim2=3).permute(2, 0, 1).contiguous()
-        m, c = k.shape[:2]  # [M, C, M, C] -> class-major [C M, C M]
+        m, c = k.shape[:2]
         return k.permute(1, 0, 3, 2).reshape(1, c * m, c * m)
 
     def _prob_kernel(self, module: nn.Module, x: Tensor, kf: Tensor) -> Tensor:
@@ -312,14 +455,13 @@ class FROMPRegularizer:
         v = check_vector(v, num_params(model), "posterior_variance", nonnegative=True)
         return v.detach().double()
 
-    def _cholesky(self, k: Tensor, what: str) -> tuple[Tensor, float]:
+    def _cholesky_retry(self, k: Tensor, what: str) -> tuple[Tensor, float]:
+        """The factor of ``k + jitter' I`` ``[., L, L]`` once ``k + jitter I`` failed:
+        ``jitter'`` from ``max(jitter, 1e-10 * mean(diag k))``, times 10 per try, with a
+        warning; ``RuntimeError`` after ``max_tries``."""
         eye = torch.eye(k.shape[-1], dtype=k.dtype, device=k.device)
-        jitter = self.jitter
-        chol, info = torch.linalg.cholesky_ex(k + jitter * eye)
-        if not bool((info != 0).any()):
-            return chol, jitter
         scale = float(torch.diagonal(k, dim1=-2, dim2=-1).abs().mean())
-        jitter = max(jitter, 1e-10 * scale, 1e-12)
+        jitter = max(self.jitter, 1e-10 * scale, 1e-12)
         for _ in range(self.max_tries):
             chol, info = torch.linalg.cholesky_ex(k + jitter * eye)
             if not bool((info != 0).any()):
@@ -327,7 +469,7 @@ class FROMPRegularizer:
                     f"kernel of {what} is not positive definite with jitter {self.jitter:g}; "
                     f"added jitter {jitter:g} to its diagonal",
                     RuntimeWarning,
-                    stacklevel=3,
+                    stacklevel=5,
                 )
                 return chol, jitter
             jitter *= 10
@@ -336,17 +478,31 @@ class FROMPRegularizer:
             f"{jitter / 10:g} (max_tries={self.max_tries}); the kernel may contain NaN/inf"
         )
 
-    def _build(
-        self,
-        model: nn.Module,
-        x: Tensor,
-        task: int | None,
-        variance: Tensor | FunctionKernel,
-        labels: Tensor | None = None,
-    ) -> MemorableSet:
-        module = with_task(model, task)
-        with torch.no_grad():
-            p = self.likelihood.inverse_link(module(x))
+    def _cholesky_all(
+        self, ks: list[Tensor], tasks: list[int | None]
+    ) -> list[tuple[Tensor, float]]:
+        """The lower Cholesky factors of ``K_s + jitter I`` for every set's kernel ``K_s``
+        and the jitter used: the kernels of one block size in one batched factorisation
+        (one host sync for all); only a set whose factorisation fails goes through the
+        retries (:meth:`_cholesky_retry`) with its own larger jitter."""
+        out: list[tuple[Tensor, float] | None] = [None] * len(ks)
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, k in enumerate(ks):
+            groups.setdefault(tuple(k.shape[1:]), []).append(i)
+        for shape, idx in groups.items():
+            k = ks[idx[0]] if len(idx) == 1 else torch.cat([ks[i] for i in idx])
+            eye = torch.eye(shape[-1], dtype=k.dtype, device=k.device)
+            chol, info = torch.linalg.cholesky_ex(k + self.jitter * eye)
+            counts = [len(ks[i]) for i in idx]
+            failed = [bool(f.any()) for f in (info != 0).cpu().split(counts)]
+            for i, c, bad in zip(idx, chol.split(counts), failed):
+                what = f"task {tasks[i]}"
+                out[i] = self._cholesky_retry(ks[i], what) if bad else (c, self.jitter)
+        return out  # type: ignore[return-value]
+
+    def _units(self, p: Tensor, task: int | None) -> Tensor:
+        """The output units a set is stored on (see :attr:`MemorableSet.units`) from the
+        probabilities ``p`` ``[M, C]`` of its points."""
         # units whose probability is exactly 0 on every point (masked: logit -1000) have a
         # zero Jacobian, so a kernel of jitter alone: they are left out until they exist
         live = p.amax(0) > 0
@@ -357,13 +513,51 @@ class FROMPRegularizer:
         units = torch.nonzero(live).squeeze(1)
         if len(units) == 0:
             raise ValueError(f"the head of task {task} gives probability 0 to every output")
-        targets = p.double()[:, units]
+        return units
+
+    def _build(
+        self,
+        model: nn.Module,
+        items: list[tuple[Tensor, int | None, Tensor | None]],
+        variance: Tensor | FunctionKernel,
+    ) -> list[MemorableSet]:
+        """The memorable sets of ``items`` (``(inputs, task, labels)`` each) at the model's
+        present weights and ``Sigma``: targets from one forward per head over all its
+        points, kernels through one GP per head (:meth:`_kernels`), the factorisations
+        batched (:meth:`_cholesky_all`). Nothing is stored here: a failure leaves the
+        regulariser as it was."""
+        xs = [x for x, _, _ in items]
+        tasks = [t for _, t, _ in items]
+        probs = self._probs_by_head(model, xs, tasks)
+        units = [self._units(p, t) for p, t in zip(probs, tasks)]
+        targets = [p.double()[:, u] for p, u in zip(probs, units)]
         if self.kernel == "identity":
-            return MemorableSet(x, task, targets, None, 0.0, units, labels)
-        k = self.kernel_matrix(model, x, task, variance)
-        k = _select_units(k, units, self.kernel, len(x))
-        chol, jitter = self._cholesky(k, f"task {task}")
-        return MemorableSet(x, task, targets, chol, jitter, units, labels)
+            factors: list[tuple[Tensor | None, float]] = [(None, 0.0)] * len(items)
+        else:
+            ks = self._kernels(model, xs, tasks, variance)
+            ks = [_select_units(k, u, self.kernel, len(x)) for k, u, x in zip(ks, units, xs)]
+            factors = self._cholesky_all(ks, tasks)  # type: ignore[assignment]
+        return [
+            MemorableSet(x, t, target, chol, jitter, u, labels)
+            for (x, t, labels), target, (chol, jitter), u in zip(items, targets, factors, units)
+        ]
+
+    def _probs_by_head(
+        self, model: nn.Module, xs: list[Tensor], tasks: list[int | None]
+    ) -> list[Tensor]:
+        """``inverse_link(f)`` ``[M_s, C]`` of every set through its head, one forward per
+        head over all the head's points (no gradient)."""
+        heads: dict[int | None, list[int]] = {}
+        for i, t in enumerate(tasks):
+            heads.setdefault(t, []).append(i)
+        out: list[Tensor | None] = [None] * len(xs)
+        with torch.no_grad():
+            for t, idx in heads.items():
+                x = xs[idx[0]] if len(idx) == 1 else torch.cat([xs[i] for i in idx])
+                p = self.likelihood.inverse_link(with_task(model, t)(x))
+                for i, pi in zip(idx, p.split([len(xs[i]) for i in idx])):
+                    out[i] = pi
+        return out  # type: ignore[return-value]
 
     # ------------------------------------------------------------------------------ API
     def add_task(
@@ -403,17 +597,28 @@ class FROMPRegularizer:
                 )
             labels = labels.detach().long().to(device)
         var = self._check_variance(model, posterior_variance)
-        if update_previous:
-            self.update(model, var)
-        self.memories.append(self._build(model, x_mem.detach().to(device), task, var, labels))
-        self._cache = {}
+        new = (x_mem.detach().to(device), task, labels)
+        if update_previous:  # the earlier sets and the new one in one pass
+            self.memories = self._build(model, [*self._items(), new], var)
+        else:
+            self.memories = [*self.memories, *self._build(model, [new], var)]
 
     def update(self, model: nn.Module, posterior_variance: Tensor | FunctionKernel) -> None:
         """Recompute every stored task's targets and kernel at the current parameters and
-        ``posterior_variance`` (inputs and heads are kept)."""
+        ``posterior_variance`` (inputs and heads are kept).
+
+        This is the after-task cost that grows with the tasks learnt, by design: FROMP
+        regularises towards the latest solution, so every earlier set's targets and kernel
+        ``K_s`` are taken again under the new posterior (nothing of the old ``K_s`` can be
+        reused: ``Sigma`` and the Jacobians both changed). The work is one forward per head
+        over all its points, one GP per head (:meth:`_kernels`: its set-up and checks
+        done once), each set's kernel block (``C M_s^2 P`` multiply-adds per set, linear in
+        the tasks) and one batched Cholesky factorisation of all blocks of a size."""
         var = self._check_variance(model, posterior_variance)
-        self.memories = [self._build(model, m.inputs, m.task, var, m.labels) for m in self.memories]
-        self._cache = {}
+        self.memories = self._build(model, self._items(), var)
+
+    def _items(self) -> list[tuple[Tensor, int | None, Tensor | None]]:
+        return [(m.inputs, m.task, m.labels) for m in self.memories]
 
     def retarget(self, model_fn: ModelFn | nn.Module) -> None:
         """Set every stored set's targets to the model's present outputs through
@@ -433,30 +638,44 @@ class FROMPRegularizer:
         those units, the softmax taken over all ``C'`` units (masked units, at ``-1000``,
         have probability 0): keeping the old classes' probabilities keeps the new units'
         mass near zero on the memorable past."""
-        return [self._residual(f, m) for f, m in zip(self.outputs(model_fn), self.memories)]
+        outputs = self.outputs(model_fn)
+        st = self._stack()
+        for f in outputs:
+            self._check_width(f.shape[1], st)
+        return [
+            self.likelihood.inverse_link(f).double()[:, _units_of(m)] - m.targets
+            for f, m in zip(outputs, self.memories)
+        ]
 
-    def _residual(self, f: Tensor, m: MemorableSet) -> Tensor:
-        p = self.likelihood.inverse_link(f).double()
-        need = m.targets.shape[1] if m.units is None else int(m.units.max()) + 1
-        if p.shape[1] < need:
-            raise ValueError(
-                f"the head of task {m.task} has {p.shape[1]} outputs, fewer than the "
-                f"{need} it had when its memorable set was stored"
-            )
-        if m.units is None:
-            return p[:, :need] - m.targets
-        return p[:, m.units] - m.targets
+    def _check_width(self, c: int, st: _Stack) -> None:
+        """Refuse outputs ``[., c]`` narrower than a stored set's units (Python ints only)."""
+        if c >= st.need:
+            return
+        for m, need in zip(self.memories, st.needs):
+            if c < need:
+                raise ValueError(
+                    f"the head of task {m.task} has {c} outputs, fewer than the {need} it "
+                    "had when its memorable set was stored"
+                )
 
     def penalty(self, model_fn: ModelFn | nn.Module) -> Tensor:
         """``R(w) = 1/2 sum_s r_s^T K_s^{-1} r_s``, a differentiable scalar.
 
-        ``K_s^{-1} r_s`` is a Cholesky solve that is differentiable in ``r_s``; since
-        ``K_s`` is constant, one backward pass gives exactly
-        ``sum_s (dp(X_s)/dw)^T K_s^{-1} r_s``. ``model_fn(x, task) -> logits`` is called once
-        per stored task. A :mod:`fromp` model (or a plain ``x -> logits`` module) may be
-        passed instead: then all memorable inputs go through one forward pass (a multi-head
-        model gets a ``[N]`` tensor of heads) and the solves of equal-sized kernels are
-        batched. Returns 0 when no task is stored.
+        Computed as ``1/2 ||W r||^2`` over all stored tasks at once: ``W`` ``[B, L, L]``
+        stacks the inverse Cholesky factors ``L_b^{-1}`` of every kernel block ``b`` (one
+        per task and class for ``"per_class"``, one per task for ``"joint"``; zero-padded
+        to the largest block ``L``), built once per stored task (when the sets change),
+        so ``r_b^T K_b^{-1} r_b = ||L_b^{-1} r_b||^2``; ``r`` ``[B, L]`` is gathered from
+        the probabilities of all memorable points with one stored index. Since ``K`` is
+        constant, one backward pass gives exactly ``sum_s (dp(X_s)/dw)^T K_s^{-1} r_s``.
+
+        A :mod:`fromp` model (or a plain ``x -> logits`` module) is called once on all
+        memorable inputs (a multi-head model gets a ``[N]`` tensor of heads); a module
+        taking ``task_labels`` once per head; a function ``model_fn(x, task) -> logits``
+        once per stored task. Whatever the number of tasks, a step runs the same
+        operations (the forward and backward of the network on ``N`` points, then a fixed
+        handful on ``[B, L]``, no host sync); its arithmetic grows with the points
+        (``N``) and blocks (``B L^2``). Returns 0 when no task is stored.
         """
         return self.terms(model_fn)[0]
 
@@ -468,9 +687,35 @@ class FROMPRegularizer:
         memorable points under their stored labels (:meth:`replay_loss`)."""
         if not self.memories:
             return torch.zeros(()), (torch.zeros(()) if replay else None)
-        outputs = self.outputs(model_fn)
-        residuals = [self._residual(f, m) for f, m in zip(outputs, self.memories)]
-        return self._penalty(residuals), (self._replay(outputs) if replay else None)
+        st = self._stack()
+        if replay and st.labels is None:
+            self._unlabelled()
+        f = self._joined_outputs(model_fn)
+        if isinstance(f, Tensor):
+            p = self.likelihood.inverse_link(f).double()
+        else:  # heads of different widths: probabilities zero-padded to the widest
+            width = max(fi.shape[1] for fi in f)
+            p = torch.cat(
+                [F.pad(self.likelihood.inverse_link(fi).double(), (0, width - fi.shape[1]))
+                 for fi in f]
+            )  # fmt: skip
+        self._check_width(p.shape[1], st)
+        flat = st.flat.get(p.shape[1])
+        if flat is None:  # the index into p's flat storage, per head width
+            flat = st.flat[p.shape[1]] = st.rows * p.shape[1] + st.cols
+        r = torch.take(p, flat) - st.targets  # [B, L]
+        if st.whiten_t is None:  # identity kernel
+            r = r * st.mask
+            pen = 0.5 * (r * r).sum()
+        else:
+            z = torch.matmul(r.unsqueeze(1), st.whiten_t)  # [B, 1, L]: (L_b^{-1} r_b)^T
+            pen = 0.5 * (z * z).sum()
+        if not replay:
+            return pen, None
+        if isinstance(f, Tensor):
+            assert st.labels is not None and st.weights is not None
+            return pen, (self.likelihood.nll(f, st.labels) * st.weights.to(f.dtype)).sum()
+        return pen, self._replay(f)
 
     def replay_loss(self, model_fn: ModelFn | nn.Module) -> Tensor:
         """The memorable sets as labelled coresets: ``-sum_s (1 / M_s) sum_{m in s} log
@@ -484,14 +729,19 @@ class FROMPRegularizer:
         90.0 %). Needs the labels (``add_task(..., labels=)``)."""
         return self.terms(model_fn, replay=True)[1]
 
-    def _replay(self, outputs: list[Tensor]) -> Tensor:
-        total = None
-        for f, m in zip(outputs, self.memories):
+    def _unlabelled(self) -> None:
+        for m in self.memories:
             if m.labels is None:
                 raise ValueError(
                     f"the memorable set of task {m.task} has no labels: replay needs "
                     "add_task(..., labels=)"
                 )
+
+    def _replay(self, outputs: list[Tensor]) -> Tensor:
+        """:meth:`replay_loss` from per-set outputs of different widths."""
+        total = None
+        for f, m in zip(outputs, self.memories):
+            assert m.labels is not None
             nll = self.likelihood.nll(f, m.labels.to(f.device)).sum() / len(m.labels)
             total = nll if total is None else total + nll
         assert total is not None
@@ -518,50 +768,44 @@ class FROMPRegularizer:
                     out[i] = fi
             return out  # type: ignore[return-value]
         if isinstance(model_fn, nn.Module):
-            return self._outputs_batched(model_fn)
+            return list(self._forward_all(model_fn).split(self._stack().sizes))
         return [model_fn(m.inputs, m.task) for m in self.memories]
 
-    def _penalty(self, residuals: list[Tensor]) -> Tensor:
-        if self.kernel == "identity":
-            return 0.5 * sum((r * r).sum() for r in residuals)
-        # group the right-hand sides by kernel size: one batched solve per group
-        groups: dict[int, list[int]] = {}
-        for i, m in enumerate(self.memories):
-            groups.setdefault(m.chol.shape[-1], []).append(i)
-        total = None
-        for idx in groups.values():
-            if self.kernel == "per_class":
-                rr = torch.cat([residuals[i].T.unsqueeze(-1) for i in idx])  # [sum C, M, 1]
-            else:
-                rr = torch.cat([residuals[i].T.reshape(1, -1, 1) for i in idx])
-            chol = self._stacked_chol(tuple(idx))
-            term = 0.5 * (rr * torch.cholesky_solve(rr, chol)).sum()
-            total = term if total is None else total + term
-        return total
+    def _joined_outputs(self, model_fn: ModelFn | nn.Module) -> Tensor | list[Tensor]:
+        """The outputs on all memorable points as one ``[N, C]`` tensor (in the sets'
+        order), or per set when the heads' widths differ."""
+        if isinstance(model_fn, nn.Module) and not takes_task_labels(model_fn):
+            return self._forward_all(model_fn)
+        outputs = self.outputs(model_fn)
+        if len({f.shape[1] for f in outputs}) > 1:
+            return outputs
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
-    def _stacked_chol(self, idx: tuple[int, ...]) -> Tensor:
-        key = ("chol", idx)
-        if key not in self._cache:
-            self._cache[key] = torch.cat([self.memories[i].chol for i in idx])
-        return self._cache[key]
-
-    def _outputs_batched(self, model: nn.Module) -> list[Tensor]:
-        if "x" not in self._cache:
-            self._cache["x"] = torch.cat([m.inputs for m in self.memories])
+    def _forward_all(self, model: nn.Module) -> Tensor:
+        """One forward pass of every memorable input ``[N, ...]`` (a multi-head
+        :mod:`fromp` model gets the ``[N]`` heads)."""
+        st = self._stack()
+        if st.x is None:
+            st.x = torch.cat([m.inputs for m in self.memories])
             tasks = [0 if m.task is None else int(m.task) for m in self.memories]
-            self._cache["task"] = torch.cat(
+            st.task = torch.cat(
                 [
                     torch.full((len(m.inputs),), t, dtype=torch.long, device=m.inputs.device)
                     for m, t in zip(self.memories, tasks)
                 ]
             )
-            self._cache["sizes"] = [len(m.inputs) for m in self.memories]
-        x, task = self._cache["x"], self._cache["task"]
         if getattr(model, "n_heads", 1) > 1:
-            f = model(x, task=task)
-        else:
-            f = model(x)
-        return list(f.split(self._cache["sizes"]))
+            return model(st.x, task=st.task)
+        return model(st.x)
+
+    def _stack(self) -> _Stack:
+        """The stored sets as the batched quadratic form :meth:`penalty` evaluates, built
+        once after the sets change (:meth:`add_task`, :meth:`update`, :meth:`retarget`,
+        :meth:`load_state_dict`, a new :attr:`memories` list)."""
+        st = self._cache.get("stack")
+        if st is None or st.count != len(self.memories):
+            st = self._cache["stack"] = _Stack.of(self.memories, self.kernel)
+        return st
 
     # ------------------------------------------------------------------------- state
     def state_dict(self) -> dict:
