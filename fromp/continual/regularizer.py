@@ -28,8 +28,14 @@ Kernels (``kernel=``):
 * ``"identity"``: ``K = I`` (FROMP-L2), ``R = 1/2 ||p(X; w) - m||^2``.
 
 ``K`` is the DNN2GP kernel (:class:`fromp.gp.GP`) of ``p = inverse_link(f)`` linearised
-at the current weights under ``N(w, Sigma)``. The kernels are factorised once per
-:meth:`FROMPRegularizer.add_task` / :meth:`update` call (float64 Cholesky,
+at the current weights under ``N(w, Sigma)``. With ``function="logits"`` the function kept
+is ``f`` itself (``r_s = f(X_s; w) - m_s``, ``K_c = (df_c/dw) Sigma (df_c/dw)^T``, the
+DNN2GP kernel of the outputs, S-FSVI's function space). The softmax's Jacobian ``diag(p) -
+p p^T`` vanishes on confidently classified points, so their probabilities' kernels are
+near the jitter and ``K^{-1}`` multiplies their small changes by up to ``1 / jitter``:
+on one many-class head (class-incremental streams) that penalty grows by orders of
+magnitude within an experience; the logits' kernel keeps its scale there. The kernels
+are factorised once per :meth:`FROMPRegularizer.add_task` / :meth:`update` call (float64 Cholesky,
 ``K + jitter I``; larger jitter, with a warning, when the factorisation fails), so every
 training step costs only forward/backward passes on the memorable inputs and ``[M, M]``
 triangular solves.
@@ -59,6 +65,9 @@ FunctionKernel = Callable[[nn.Module, Tensor, "int | None"], Tensor]
 the outputs ``f`` through head ``task`` under a posterior of any structure (e.g. a fitted
 Kronecker :func:`fromp.Laplace`); FROMP maps it to the probabilities' kernel."""
 _KERNELS = ("per_class", "joint", "identity")
+#: the functions FROMP can keep: the probabilities ``p = inverse_link(f)`` (the paper) or the
+#: outputs ``f`` themselves (the logits, the function space of DNN2GP and S-FSVI)
+_FUNCTIONS = ("probs", "logits")
 
 
 def task_fn(model: nn.Module) -> ModelFn:
@@ -85,10 +94,15 @@ class _InverseLink(nn.Module):
 
 
 def _prob_gp(
-    module: nn.Module, likelihood: Likelihood, variance: Tensor | None, chunk_size: int
+    module: nn.Module,
+    likelihood: Likelihood,
+    variance: Tensor | None,
+    chunk_size: int,
+    function: str = "probs",
 ) -> GP:
-    """The DNN2GP :class:`~fromp.gp.GP` of ``p = inverse_link(module(x))`` linearised at the
-    module's current weights, under ``Sigma = diag(variance)`` (``variance`` ``[P]``; None: the
+    """The DNN2GP :class:`~fromp.gp.GP` of ``p = inverse_link(module(x))`` (``function=
+    "probs"``) or of the outputs ``f = module(x)`` (``"logits"``) linearised at the module's
+    current weights, under ``Sigma = diag(variance)`` (``variance`` ``[P]``; None: the
     identity). A zero variance is taken as the smallest positive float64 (its whitened
     Jacobian column is then zero to working precision)."""
     mean = flat_params(module)
@@ -97,7 +111,8 @@ def _prob_gp(
     else:
         precision = variance.double().clamp_min(torch.finfo(torch.float64).tiny).reciprocal()
     posterior = DiagonalGaussian(mean, precision.to(mean.device))
-    return GP(_InverseLink(module, likelihood), posterior, likelihood, chunk_size=chunk_size)
+    fn = module if function == "logits" else _InverseLink(module, likelihood)
+    return GP(fn, posterior, likelihood, chunk_size=chunk_size)
 
 
 def _gp_kernel(gp: GP, x: Tensor, diagonal_outputs: bool) -> Tensor:
@@ -196,6 +211,9 @@ class FROMPRegularizer:
             (from at least ``1e-10 * mean(diag K)``) up to this many times, with a warning;
             a ``RuntimeError`` is raised if it still fails.
         chunk_size: examples per Jacobian chunk when computing kernels (``GP.kernel``).
+        function: the function kept on the memorable points: ``"probs"`` (``p =
+            inverse_link(f)``, FROMP) or ``"logits"`` (the outputs ``f``); see the module
+            docstring.
 
     Example:
         >>> import torch
@@ -220,9 +238,12 @@ class FROMPRegularizer:
         jitter: float = 1e-6,
         max_tries: int = 8,
         chunk_size: int = 64,
+        function: str = "probs",
     ) -> None:
         if kernel not in _KERNELS:
             raise ValueError(f"kernel must be one of {_KERNELS}, got {kernel!r}")
+        if function not in _FUNCTIONS:
+            raise ValueError(f"function must be one of {_FUNCTIONS}, got {function!r}")
         if not jitter >= 0:
             raise ValueError(f"jitter must be >= 0, got {jitter!r}")
         if max_tries < 0:
@@ -230,6 +251,7 @@ class FROMPRegularizer:
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
         self.kernel = kernel
+        self.function = function
         self.likelihood = get_likelihood(likelihood)
         self.jitter = float(jitter)
         self.max_tries = int(max_tries)
@@ -247,6 +269,11 @@ class FROMPRegularizer:
     def num_points(self) -> int:
         """Total number of memorable inputs over all tasks."""
         return sum(len(m.inputs) for m in self.memories)
+
+    def link(self, f: Tensor) -> Tensor:
+        """The function the penalty keeps, from the outputs ``f`` ``[M, C]``: ``p =
+        inverse_link(f)`` (``function="probs"``) or ``f`` itself (``"logits"``)."""
+        return f if self.function == "logits" else self.likelihood.inverse_link(f)
 
     # ----------------------------------------------------------------------------- kernels
     def kernel_matrix(
@@ -280,7 +307,7 @@ class FROMPRegularizer:
             k = self._prob_kernel(module, x, posterior_variance(model, x, task))
         else:
             var = self._check_variance(model, posterior_variance)
-            gp = _prob_gp(module, self.likelihood, var, self.chunk_size)
+            gp = _prob_gp(module, self.likelihood, var, self.chunk_size, self.function)
             k = _gp_kernel(gp, x, self.kernel == "per_class").double()
             if not bool((var > 0).any()):  # Sigma = 0: K = 0
                 k = torch.zeros_like(k)
@@ -301,6 +328,8 @@ class FROMPRegularizer:
                 f"the function-space kernel must have shape [M, C, M, C]={(m, c, m, c)}, got "
                 f"{tuple(kf.shape)}"
             )
+        if self.function == "logits":  # A = I
+            return kf.double()
         a = torch.func.vmap(torch.func.jacrev(self.likelihood.inverse_link))(f)  # [M, C, C]
         return torch.einsum("mca,manb,ndb->mcnd", a, kf.double(), a)
 
@@ -346,7 +375,8 @@ class FROMPRegularizer:
     ) -> MemorableSet:
         module = with_task(model, task)
         with torch.no_grad():
-            p = self.likelihood.inverse_link(module(x))
+            f = module(x)
+            p = self.likelihood.inverse_link(f)
         # units whose probability is exactly 0 on every point (masked: logit -1000) have a
         # zero Jacobian, so a kernel of jitter alone: they are left out until they exist
         live = p.amax(0) > 0
@@ -357,7 +387,7 @@ class FROMPRegularizer:
         units = torch.nonzero(live).squeeze(1)
         if len(units) == 0:
             raise ValueError(f"the head of task {task} gives probability 0 to every output")
-        targets = p.double()[:, units]
+        targets = self.link(f).double()[:, units]
         if self.kernel == "identity":
             return MemorableSet(x, task, targets, None, 0.0, units, labels)
         k = self.kernel_matrix(model, x, task, variance)
@@ -420,7 +450,7 @@ class FROMPRegularizer:
         :meth:`outputs` (the evaluation the penalty uses: e.g. batch-norm layers on the
         statistics of the memorable batch), on the units each set is stored on."""
         for f, m in zip(self.outputs(model_fn), self.memories):
-            p = self.likelihood.inverse_link(f).detach().double()
+            p = self.link(f).detach().double()
             m.targets = p[:, m.units] if m.units is not None else p[:, : m.targets.shape[1]]
         self._cache = {}
 
@@ -436,7 +466,7 @@ class FROMPRegularizer:
         return [self._residual(f, m) for f, m in zip(self.outputs(model_fn), self.memories)]
 
     def _residual(self, f: Tensor, m: MemorableSet) -> Tensor:
-        p = self.likelihood.inverse_link(f).double()
+        p = self.link(f).double()
         need = m.targets.shape[1] if m.units is None else int(m.units.max()) + 1
         if p.shape[1] < need:
             raise ValueError(
@@ -568,6 +598,7 @@ class FROMPRegularizer:
         """All state: settings and, per task, inputs, head, targets, Cholesky factors."""
         return {
             "kernel": self.kernel,
+            "function": self.function,
             "likelihood": self.likelihood.name,
             "jitter": self.jitter,
             "max_tries": self.max_tries,
@@ -594,7 +625,11 @@ class FROMPRegularizer:
             raise ValueError(f"state is missing keys {sorted(missing)}")
         if state["kernel"] not in _KERNELS:
             raise ValueError(f"state['kernel'] must be one of {_KERNELS}, got {state['kernel']!r}")
+        function = state.get("function", "probs")  # states before 0.4: the probabilities
+        if function not in _FUNCTIONS:
+            raise ValueError(f"state['function'] must be one of {_FUNCTIONS}, got {function!r}")
         self.kernel = state["kernel"]
+        self.function = function
         if "likelihood" in state and state["likelihood"] != self.likelihood.name:
             self.likelihood = get_likelihood(state["likelihood"])
         self.jitter = float(state.get("jitter", self.jitter))
