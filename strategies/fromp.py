@@ -147,24 +147,54 @@ class FROMPPlugin(SupervisedPlugin):
     def before_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
         self._checks_left = 20  # steps of this experience whose penalty is compared
         self._last_penalty = None
+        # a resumed run: the saved copy of the previous network into the (adapted) model
+        self.method.attach_previous(unwrap(strategy.model))
 
     def before_backward(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
         self._weighted = None
         if len(self.regularizer) == 0:
             return
+        context = self._context_term(strategy)
         replay = self.method.replay
         if (self.tau == 0 or self._penalty_at_mean) and not replay:
+            if context is not None:
+                strategy.loss = strategy.loss + context
+                self._weighted = context.detach()
             return
         pen, rep = self.method.terms(unwrap(strategy.model))
         if rep is not None:  # the coreset's loss is part of the data term
             strategy.loss = strategy.loss + rep.to(strategy.loss.dtype)
         if self.tau == 0 or self._penalty_at_mean:
+            if context is not None:
+                strategy.loss = strategy.loss + context
+                self._weighted = context.detach()
             return
         self._last_penalty = pen.detach()
         weighted = self.tau * pen.to(strategy.loss.dtype)
         self._check_dominance(weighted, strategy.loss)
+        if context is not None:
+            weighted = weighted + context
         strategy.loss = strategy.loss + weighted
         self._weighted = weighted.detach()
+
+    def _context_term(self, strategy: Any) -> Tensor | None:
+        """``context_tau`` times :meth:`FROMPMethod.context_penalty` on the mini-batch,
+        from the training step's outputs (one group per task label in the batch); None
+        when ``context_tau = 0``."""
+        if self.method.context_tau == 0:
+            return None
+        out, x = strategy.mb_output, strategy.mb_x
+        tasks = getattr(strategy, "mb_task_id", None)
+        if tasks is None or len(tasks.unique()) == 1:
+            t = None if tasks is None else int(tasks[0])
+            ctx = self.method.context_penalty(out, x, t)
+        else:
+            ctx = sum(
+                self.method.context_penalty(out[tasks == t], x[tasks == t], int(t))
+                * float((tasks == t).float().mean())
+                for t in tasks.unique()
+            )
+        return self.method.context_tau * ctx.to(strategy.loss.dtype)
 
     def after_backward(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
         # the loggers' loss: without the penalty (a constant taken out after the backward)

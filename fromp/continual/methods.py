@@ -69,6 +69,7 @@ _SETTINGS = (
     "kernel",
     "jitter",
     "bn_statistics",
+    "context_tau",
 )
 
 
@@ -102,6 +103,12 @@ class FROMPMethod:
         n_points: memorable points per task (the paper's setting: 40 on split MNIST, 200 on
             permuted MNIST and split CIFAR), split evenly over the task's classes.
         kernel: ``"per_class"`` (FROMP), ``"joint"`` or ``"identity"`` (FROMP-L2).
+        function: the function the penalty keeps on the memorable points: ``"probs"``
+            (``p = softmax(f)``, FROMP's choice) or ``"logits"`` (the outputs ``f``, whose
+            kernel does not vanish on confidently classified points; on one many-class head
+            it keeps the penalty's scale where the probabilities' kernels sit at the jitter:
+            class-incremental split MNIST, see :class:`fromp.continual.regularizer.
+            FROMPRegularizer`).
         select: ``"descending"`` (largest ``tr Lambda``, FROMP; the default without
             ``replay``), ``"random"`` (a uniform draw per class; the default with
             ``replay=True``: the points with the largest ``tr Lambda`` are the ambiguous
@@ -150,6 +157,17 @@ class FROMPMethod:
             batch, running buffers untouched; targets taken the same way); ``"live"``: the
             running statistics of the moment (they drift with the new task's batches). The
             running buffers are never written by the penalty.
+        context_tau: weight of a second function-space term, on the training mini-batch
+            (the new experience's inputs as context points, as S-FSVI draws context points
+            from the current task): :meth:`context_penalty` ``= 1/2 mean_b ||g(x_b; w)_S -
+            g(x_b; w_prev)_S||^2``, ``g`` the kept function (``function``), ``S`` the output
+            units of the batch's head trained before the experience, ``w_prev`` the weights
+            at the last :meth:`learn_task` (a frozen copy of the network is kept: one more
+            network in memory and one no-grad forward per step). An identity kernel: the
+            batch changes at every step, so no kernel is factorised for it. On one
+            many-class head it keeps the old classes' outputs on the new inputs, which the
+            memorable points alone do not (class-incremental split MNIST: see
+            ``docs/results-details.md``). 0 (default): off, no copy kept.
         chunk_size: examples per Jacobian chunk for the GGN and kernels.
         likelihood: the likelihood's name (``"categorical"``: softmax heads), for the
             memorability scores, the GGN and the kernels' ``p = inverse_link(f)``.
@@ -170,6 +188,7 @@ class FROMPMethod:
         n_points: int = 40,
         *,
         kernel: str = "per_class",
+        function: str = "probs",
         select: str | None = None,
         prior_precision: float = 1e-3,
         jitter: float = 1e-6,
@@ -182,6 +201,7 @@ class FROMPMethod:
         ivon_penalty: str = "mean",
         replay: bool = False,
         bn_statistics: str = "stored",
+        context_tau: float = 0.0,
     ) -> None:
         if select is None:  # a labelled coreset must represent its classes: random points
             select = "random" if replay is True else "descending"
@@ -195,6 +215,10 @@ class FROMPMethod:
             raise ValueError(f"tau must be a finite number >= 0, got {tau!r}")
         if not (jitter >= 0 and math.isfinite(jitter)):
             raise ValueError(f"jitter must be a finite number >= 0, got {jitter!r}")
+        if isinstance(context_tau, bool) or not isinstance(context_tau, (int, float)):
+            raise TypeError(f"context_tau must be a number, got {type(context_tau).__name__}")
+        if not (context_tau >= 0 and math.isfinite(context_tau)):
+            raise ValueError(f"context_tau must be a finite number >= 0, got {context_tau!r}")
         if not isinstance(n_points, int) or n_points < 1:
             raise ValueError(f"n_points must be a positive int, got {n_points!r}")
         if select not in _SELECT:
@@ -232,9 +256,15 @@ class FROMPMethod:
         self.chunk_size = chunk_size
         self.likelihood = likelihood
         self.regularizer = FROMPRegularizer(
-            kernel, likelihood, jitter=jitter, chunk_size=chunk_size
+            kernel, likelihood, jitter=jitter, chunk_size=chunk_size, function=function
         )
         self.seed = int(seed)
+        self.context_tau = float(context_tau)
+        #: context_tau > 0: a frozen copy of the network at the last learn_task (the
+        #: previous function on the new experience's inputs); a loaded state keeps its
+        #: weights until the first context_penalty call gives it a network to copy
+        self.previous: nn.Module | None = None
+        self._previous_state: dict[str, Tensor] | None = None
         self.replay = replay
         self.bn_statistics = bn_statistics
         # bn_statistics="stored": the normalisation layers' running statistics at the last
@@ -257,6 +287,11 @@ class FROMPMethod:
     @property
     def kernel(self) -> str:
         return self.regularizer.kernel
+
+    @property
+    def function(self) -> str:
+        """The function kept on the memorable points: ``"probs"`` or ``"logits"``."""
+        return self.regularizer.function
 
     def posterior_variance(self, net: nn.Module | None = None) -> Tensor:
         """``Sigma`` ``[P]``: ``1 / (G + prior_precision)`` for ``posterior="ggn"`` (``G``
@@ -296,23 +331,76 @@ class FROMPMethod:
         with self._memorable_mode(net):
             return self.regularizer.terms(net, replay=self.replay)
 
+    def context_penalty(self, output: Tensor, x: Tensor, task: int | None = None) -> Tensor:
+        """``1/2 mean_b ||g(x_b; w)_S - g(x_b; w_prev)_S||^2`` (see ``context_tau``): the
+        change of the kept function ``g`` (``function``) on the mini-batch ``x`` ``[B,
+        ...]``, over the units ``S`` of head ``task`` trained before the experience, from
+        the network at the last :meth:`learn_task` to ``output`` ``[B, C]``, the model's
+        outputs on ``x`` from the training step's own forward pass (so no second forward
+        of the model). The copy is evaluated without dropout and with the batch's own
+        normalisation statistics (train-mode batch norm, its running buffers untouched),
+        as the training forward normalises. Differentiable in ``output``; 0 before the
+        first :meth:`learn_task`, for a head with no trained units, or with
+        ``context_tau=0``. Not multiplied by ``context_tau``."""
+        zero = output.new_zeros(())
+        units = self.regularizer.classes_seen.get(task)
+        if self.context_tau == 0 or not units:
+            return zero
+        if output.ndim != 2 or len(output) != len(x):
+            raise ValueError(
+                f"output must be [B, C] for the B={len(x)} inputs, got {tuple(output.shape)}"
+            )
+        previous = self._previous_for(output)
+        if previous is None:
+            return zero
+        with torch.no_grad(), _batch_statistics(previous):
+            old = self.regularizer.link(with_task(previous, task)(x.to(output.device)))
+        units = [u for u in units if u < min(old.shape[1], output.shape[1])]
+        r = self.regularizer.link(output)[:, units] - old[:, units].to(output.dtype)
+        return 0.5 * (r * r).sum(1).mean()
+
+    def _previous_for(self, output: Tensor) -> nn.Module | None:
+        """The frozen copy; built from a loaded state's weights at first use."""
+        if self.previous is None and self._previous_state is not None:
+            raise RuntimeError(
+                "the state holds the previous network's weights: call "
+                "attach_previous(net) after load_state_dict, or learn_task"
+            )
+        return self.previous
+
+    def attach_previous(self, net: nn.Module) -> None:
+        """After :meth:`load_state_dict`: rebuild the frozen copy of the network at the last
+        :meth:`learn_task` from the saved weights, with ``net``'s architecture (a head that
+        grew since keeps the saved values in its leading units). No-op without saved
+        weights."""
+        if self._previous_state is None:
+            return
+        copy_ = _frozen_copy(net)
+        own = copy_.state_dict()
+        unknown = set(self._previous_state) - set(own)
+        if unknown:
+            raise ValueError(
+                f"the saved previous network has entries the model lacks: {sorted(unknown)[:3]}"
+            )
+        with torch.no_grad():
+            for name, saved in self._previous_state.items():
+                dst = own[name]
+                if saved.ndim != dst.ndim or any(a > b for a, b in zip(saved.shape, dst.shape)):
+                    raise ValueError(
+                        f"the saved previous network's {name} has shape {tuple(saved.shape)}, "
+                        f"not a leading block of the model's {tuple(dst.shape)}"
+                    )
+                dst[tuple(slice(0, n) for n in saved.shape)] = saved.to(dst)
+        self.previous, self._previous_state = copy_, None
+
     @contextlib.contextmanager
     def _memorable_mode(self, net: nn.Module) -> Iterator[None]:
         """The mode the memorable points are evaluated in (see :meth:`terms`)."""
         was_training = net.training
         net.eval()
-        norms = [m for m in net.modules() if isinstance(m, nn.modules.batchnorm._NormBase)]
         try:
             if self.bn_statistics == "batch":
-                clones = {
-                    n: b.detach().clone()
-                    for n, b in net.named_buffers()
-                    if n.rsplit(".", 1)[-1]
-                    in ("running_mean", "running_var", "num_batches_tracked")
-                }
-                for m in norms:
-                    m.train()
-                with _swapped_buffers(net, clones):
+                with _batch_statistics(net):
                     yield
             else:
                 stored = self.bn_buffers if self.bn_statistics == "stored" else {}
@@ -426,6 +514,8 @@ class FROMPMethod:
             times["kernel_s"] = _clock(device) - t0
         finally:
             net.train(was_training)
+        if self.context_tau > 0:
+            self.previous, self._previous_state = _frozen_copy(net), None
         self.tasks_done = len(self.experiences)
         self.timings.append(times)
         return times
@@ -574,9 +664,16 @@ class FROMPMethod:
             "chunk_size": self.chunk_size,
             "likelihood": self.likelihood,
             "kernel": self.kernel,
+            "function": self.function,
             "jitter": self.regularizer.jitter,
             "replay": self.replay,
             "bn_statistics": self.bn_statistics,
+            "context_tau": self.context_tau,
+            "previous": (
+                {k: v.detach().clone() for k, v in self.previous.state_dict().items()}
+                if self.previous is not None
+                else self._previous_state
+            ),
             "bn_buffers": dict(self.bn_buffers),
             "ggn_sum": self.ggn_sum,
             "optimizer_variance": self.optimizer_variance,
@@ -602,9 +699,15 @@ class FROMPMethod:
         mine = {"tau": self.tau, "grad_clip_norm": self.grad_clip_norm}
         mine.update({k: getattr(self, k) for k in _SETTINGS if k not in ("kernel", "jitter")})
         mine["kernel"], mine["jitter"] = self.kernel, self.regularizer.jitter
+        mine["function"] = self.function
         reg = state.get("regularizer", {})
         for key, value in mine.items():
-            saved = state.get(key, reg.get(key, value) if key in ("kernel", "jitter") else value)
+            if key == "function":  # states before 0.4 kept the probabilities
+                saved = state.get(key, reg.get(key, "probs"))
+            else:
+                saved = state.get(
+                    key, reg.get(key, value) if key in ("kernel", "jitter") else value
+                )
             if saved != value:
                 raise ValueError(
                     f"state was saved with {key}={saved!r}, method has {value!r}: resume "
@@ -641,6 +744,9 @@ class FROMPMethod:
             else:
                 self.ggn_sum = mv(state["curvature"])
         self.regularizer.load_state_dict(state["regularizer"], device=device)
+        previous = state.get("previous")
+        self.previous = None
+        self._previous_state = mv(previous)
         n_mem = len(self.regularizer)
         self.experiences = list(state.get("experiences", range(n_mem)))
         if "ggn_terms" in state:
@@ -659,3 +765,34 @@ class FROMPMethod:
             self.generator.set_state(state["generator"])
         self.timings = list(state.get("timings", []))
         self.bn_buffers = dict(mv(state.get("bn_buffers", {})) or {})
+
+
+def _frozen_copy(net: nn.Module) -> nn.Module:
+    """A copy of ``net`` in eval mode with no trainable parameters."""
+    import copy
+
+    twin = copy.deepcopy(net).eval()
+    for p in twin.parameters():
+        p.requires_grad_(False)
+    return twin
+
+
+@contextlib.contextmanager
+def _batch_statistics(net: nn.Module) -> Iterator[None]:
+    """``net`` in eval mode except its normalisation layers, which normalise with the
+    batch's statistics; their running buffers are restored on exit (never changed)."""
+    was_training = net.training
+    net.eval()
+    norms = [m for m in net.modules() if isinstance(m, nn.modules.batchnorm._NormBase)]
+    clones = {
+        n: b.detach().clone()
+        for n, b in net.named_buffers()
+        if n.rsplit(".", 1)[-1] in ("running_mean", "running_var", "num_batches_tracked")
+    }
+    for m in norms:
+        m.train()
+    try:
+        with _swapped_buffers(net, clones):
+            yield
+    finally:
+        net.train(was_training)

@@ -28,7 +28,15 @@ Kernels (``kernel=``):
 * ``"identity"``: ``K = I`` (FROMP-L2), ``R = 1/2 ||p(X; w) - m||^2``.
 
 ``K`` is the DNN2GP kernel (:class:`fromp.gp.GP`) of ``p = inverse_link(f)`` linearised
-at the current weights under ``N(w, Sigma)``. The kernels are factorised once per
+at the current weights under ``N(w, Sigma)``. With ``function="logits"`` the function kept
+is ``f`` itself (``r_s = f(X_s; w) - m_s``, ``K_c = (df_c/dw) Sigma (df_c/dw)^T``, the
+DNN2GP kernel of the outputs, S-FSVI's function space). The softmax's Jacobian ``diag(p) -
+p p^T`` vanishes on confidently classified points, so their probabilities' kernels are
+near the jitter and ``K^{-1}`` multiplies their small changes by up to ``1 / jitter``:
+on one many-class head (class-incremental streams) that penalty grows by orders of
+magnitude within an experience; the logits' kernel keeps its scale there.
+
+The kernels are factorised once per
 :meth:`FROMPRegularizer.add_task` / :meth:`update` call (float64 Cholesky,
 ``K + jitter I``, all kernels of a size in one batched call; larger jitter, with a warning,
 for a kernel whose factorisation fails).
@@ -70,6 +78,9 @@ FunctionKernel = Callable[[nn.Module, Tensor, "int | None"], Tensor]
 the outputs ``f`` through head ``task`` under a posterior of any structure (e.g. a fitted
 Kronecker :func:`fromp.Laplace`); FROMP maps it to the probabilities' kernel."""
 _KERNELS = ("per_class", "joint", "identity")
+#: the functions FROMP can keep: the probabilities ``p = inverse_link(f)`` (the paper) or the
+#: outputs ``f`` themselves (the logits, the function space of DNN2GP and S-FSVI)
+_FUNCTIONS = ("probs", "logits")
 
 
 def task_fn(model: nn.Module) -> ModelFn:
@@ -96,10 +107,15 @@ class _InverseLink(nn.Module):
 
 
 def _prob_gp(
-    module: nn.Module, likelihood: Likelihood, variance: Tensor | None, chunk_size: int
+    module: nn.Module,
+    likelihood: Likelihood,
+    variance: Tensor | None,
+    chunk_size: int,
+    function: str = "probs",
 ) -> GP:
-    """The DNN2GP :class:`~fromp.gp.GP` of ``p = inverse_link(module(x))`` linearised at the
-    module's current weights, under ``Sigma = diag(variance)`` (``variance`` ``[P]``; None: the
+    """The DNN2GP :class:`~fromp.gp.GP` of ``p = inverse_link(module(x))`` (``function=
+    "probs"``) or of the outputs ``f = module(x)`` (``"logits"``) linearised at the module's
+    current weights, under ``Sigma = diag(variance)`` (``variance`` ``[P]``; None: the
     identity). A zero variance is taken as the smallest positive float64 (its whitened
     Jacobian column is then zero to working precision)."""
     mean = flat_params(module)
@@ -108,7 +124,8 @@ def _prob_gp(
     else:
         precision = variance.double().clamp_min(torch.finfo(torch.float64).tiny).reciprocal()
     posterior = DiagonalGaussian(mean, precision.to(mean.device))
-    return GP(_InverseLink(module, likelihood), posterior, likelihood, chunk_size=chunk_size)
+    fn = module if function == "logits" else _InverseLink(module, likelihood)
+    return GP(fn, posterior, likelihood, chunk_size=chunk_size)
 
 
 def _gp_kernel(gp: GP, x: Tensor, diagonal_outputs: bool) -> Tensor:
@@ -297,6 +314,9 @@ class FROMPRegularizer:
             (from at least ``1e-10 * mean(diag K)``) up to this many times, with a warning;
             a ``RuntimeError`` is raised if it still fails.
         chunk_size: examples per Jacobian chunk when computing kernels (``GP.kernel``).
+        function: the function kept on the memorable points: ``"probs"`` (``p =
+            inverse_link(f)``, FROMP) or ``"logits"`` (the outputs ``f``); see the module
+            docstring.
 
     Example:
         >>> import torch
@@ -321,9 +341,12 @@ class FROMPRegularizer:
         jitter: float = 1e-6,
         max_tries: int = 8,
         chunk_size: int = 64,
+        function: str = "probs",
     ) -> None:
         if kernel not in _KERNELS:
             raise ValueError(f"kernel must be one of {_KERNELS}, got {kernel!r}")
+        if function not in _FUNCTIONS:
+            raise ValueError(f"function must be one of {_FUNCTIONS}, got {function!r}")
         if not jitter >= 0:
             raise ValueError(f"jitter must be >= 0, got {jitter!r}")
         if max_tries < 0:
@@ -331,6 +354,7 @@ class FROMPRegularizer:
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
         self.kernel = kernel
+        self.function = function
         self.likelihood = get_likelihood(likelihood)
         self.jitter = float(jitter)
         self.max_tries = int(max_tries)
@@ -360,6 +384,11 @@ class FROMPRegularizer:
     def num_points(self) -> int:
         """Total number of memorable inputs over all tasks."""
         return sum(len(m.inputs) for m in self.memories)
+
+    def link(self, f: Tensor) -> Tensor:
+        """The function the penalty keeps, from the outputs ``f`` ``[M, C]``: ``p =
+        inverse_link(f)`` (``function="probs"``) or ``f`` itself (``"logits"``)."""
+        return f if self.function == "logits" else self.likelihood.inverse_link(f)
 
     # ----------------------------------------------------------------------------- kernels
     def kernel_matrix(
@@ -419,7 +448,9 @@ class FROMPRegularizer:
         out = []
         for x, t in zip(xs, tasks):
             if t not in gps:
-                gps[t] = _prob_gp(with_task(model, t), self.likelihood, variance, self.chunk_size)
+                gps[t] = _prob_gp(
+                    with_task(model, t), self.likelihood, variance, self.chunk_size, self.function
+                )
             k = _gp_kernel(gps[t], x, per_class).double()
             if zero:
                 k = torch.zeros_like(k)
@@ -444,6 +475,8 @@ class FROMPRegularizer:
                 f"the function-space kernel must have shape [M, C, M, C]={(m, c, m, c)}, got "
                 f"{tuple(kf.shape)}"
             )
+        if self.function == "logits":  # A = I
+            return kf.double()
         a = torch.func.vmap(torch.func.jacrev(self.likelihood.inverse_link))(f)  # [M, C, C]
         return torch.einsum("mca,manb,ndb->mcnd", a, kf.double(), a)
 
@@ -528,9 +561,9 @@ class FROMPRegularizer:
         regulariser as it was."""
         xs = [x for x, _, _ in items]
         tasks = [t for _, t, _ in items]
-        probs = self._probs_by_head(model, xs, tasks)
-        units = [self._units(p, t) for p, t in zip(probs, tasks)]
-        targets = [p.double()[:, u] for p, u in zip(probs, units)]
+        outs = self._outputs_by_head(model, xs, tasks)
+        units = [self._units(self.likelihood.inverse_link(f), t) for f, t in zip(outs, tasks)]
+        targets = [self.link(f).double()[:, u] for f, u in zip(outs, units)]
         if self.kernel == "identity":
             factors: list[tuple[Tensor | None, float]] = [(None, 0.0)] * len(items)
         else:
@@ -542,10 +575,10 @@ class FROMPRegularizer:
             for (x, t, labels), target, (chol, jitter), u in zip(items, targets, factors, units)
         ]
 
-    def _probs_by_head(
+    def _outputs_by_head(
         self, model: nn.Module, xs: list[Tensor], tasks: list[int | None]
     ) -> list[Tensor]:
-        """``inverse_link(f)`` ``[M_s, C]`` of every set through its head, one forward per
+        """The outputs ``f`` ``[M_s, C]`` of every set through its head, one forward per
         head over all the head's points (no gradient)."""
         heads: dict[int | None, list[int]] = {}
         for i, t in enumerate(tasks):
@@ -554,8 +587,8 @@ class FROMPRegularizer:
         with torch.no_grad():
             for t, idx in heads.items():
                 x = xs[idx[0]] if len(idx) == 1 else torch.cat([xs[i] for i in idx])
-                p = self.likelihood.inverse_link(with_task(model, t)(x))
-                for i, pi in zip(idx, p.split([len(xs[i]) for i in idx])):
+                f = with_task(model, t)(x)
+                for i, pi in zip(idx, f.split([len(xs[i]) for i in idx])):
                     out[i] = pi
         return out  # type: ignore[return-value]
 
@@ -625,7 +658,7 @@ class FROMPRegularizer:
         :meth:`outputs` (the evaluation the penalty uses: e.g. batch-norm layers on the
         statistics of the memorable batch), on the units each set is stored on."""
         for f, m in zip(self.outputs(model_fn), self.memories):
-            p = self.likelihood.inverse_link(f).detach().double()
+            p = self.link(f).detach().double()
             m.targets = p[:, m.units] if m.units is not None else p[:, : m.targets.shape[1]]
         self._cache = {}
 
@@ -643,7 +676,7 @@ class FROMPRegularizer:
         for f in outputs:
             self._check_width(f.shape[1], st)
         return [
-            self.likelihood.inverse_link(f).double()[:, _units_of(m)] - m.targets
+            self.link(f).double()[:, _units_of(m)] - m.targets
             for f, m in zip(outputs, self.memories)
         ]
 
@@ -692,11 +725,11 @@ class FROMPRegularizer:
             self._unlabelled()
         f = self._joined_outputs(model_fn)
         if isinstance(f, Tensor):
-            p = self.likelihood.inverse_link(f).double()
-        else:  # heads of different widths: probabilities zero-padded to the widest
+            p = self.link(f).double()
+        else:  # heads of different widths: the kept function zero-padded to the widest
             width = max(fi.shape[1] for fi in f)
             p = torch.cat(
-                [F.pad(self.likelihood.inverse_link(fi).double(), (0, width - fi.shape[1]))
+                [F.pad(self.link(fi).double(), (0, width - fi.shape[1]))
                  for fi in f]
             )  # fmt: skip
         self._check_width(p.shape[1], st)
@@ -812,6 +845,7 @@ class FROMPRegularizer:
         """All state: settings and, per task, inputs, head, targets, Cholesky factors."""
         return {
             "kernel": self.kernel,
+            "function": self.function,
             "likelihood": self.likelihood.name,
             "jitter": self.jitter,
             "max_tries": self.max_tries,
@@ -838,7 +872,11 @@ class FROMPRegularizer:
             raise ValueError(f"state is missing keys {sorted(missing)}")
         if state["kernel"] not in _KERNELS:
             raise ValueError(f"state['kernel'] must be one of {_KERNELS}, got {state['kernel']!r}")
+        function = state.get("function", "probs")  # states before 0.4: the probabilities
+        if function not in _FUNCTIONS:
+            raise ValueError(f"state['function'] must be one of {_FUNCTIONS}, got {function!r}")
         self.kernel = state["kernel"]
+        self.function = function
         if "likelihood" in state and state["likelihood"] != self.likelihood.name:
             self.likelihood = get_likelihood(state["likelihood"])
         self.jitter = float(state.get("jitter", self.jitter))
