@@ -463,23 +463,6 @@ class BaseLaplace(PriorTuning, LaplaceTorchAPI):
         """``log p(D | w*)`` of the fitted data (with the temperature)."""
         return self._log_lik()
 
-    def log_marginal_likelihood(
-        self,
-        prior_precision: float | Tensor | None = None,
-        sigma_noise: float | Tensor | None = None,
-    ) -> Tensor:
-        """The Laplace evidence (module docstring), differentiable in ``prior_precision``
-        and ``sigma_noise`` (defaults: the current values). As in laplace-torch, values
-        passed are *stored* (``la.prior_precision``, ``la.sigma_noise``, detached), so a loop
-        of hyperparameter steps leaves the Laplace at its last values; the evidence at
-        other values without storing them: :meth:`log_marginal_likelihood_at`."""
-        out = self.log_marginal_likelihood_at(prior_precision, sigma_noise)
-        if prior_precision is not None:
-            self.prior_precision = prior_precision
-        if sigma_noise is not None:
-            self.sigma_noise = sigma_noise
-        return out
-
     def log_marginal_likelihood_at(
         self,
         prior_precision: float | Tensor | None = None,

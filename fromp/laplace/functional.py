@@ -307,18 +307,15 @@ class FunctionalLaplace(LaplaceTorchAPI):
         """The evidence's log-determinant term (module docstring)."""
         return self._terms(self._delta, None)[2]
 
-    def log_marginal_likelihood(self, prior_precision: Any = None, sigma_noise: Any = None):
-        """The GP evidence (module docstring), differentiable in both; values passed are
-        stored (laplace-torch's)."""
+    def log_marginal_likelihood_at(
+        self, prior_precision: Any = None, sigma_noise: Any = None
+    ) -> Tensor:
+        """The GP evidence (module docstring) at the given values, differentiable in both,
+        without storing them (:meth:`log_marginal_likelihood` stores them)."""
         if sigma_noise is not None and not self.regression:
             raise ValueError("sigma_noise is for regression only")
         d = self._delta if prior_precision is None else self._check_delta(prior_precision)
-        out = self._evidence(d, sigma_noise)
-        if prior_precision is not None:
-            self.prior_precision = prior_precision
-        if sigma_noise is not None:
-            self.sigma_noise = sigma_noise
-        return out
+        return self._evidence(d, sigma_noise)
 
     def optimize_prior_precision(
         self,

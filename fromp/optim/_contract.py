@@ -89,7 +89,12 @@ def check_ivon_hyper(group: dict[str, Any], where: str = "") -> None:
         raise ValueError(f"{where}ess={group['ess']!r} is too small: the posterior's scale "
                          "1 / sqrt(ess) overflows float32")  # fmt: skip
     check_betas(group["betas"], where)
-    check_prior_precision(group["prior_precision"], allow_zero=True, name=f"{where}prior_precision")
+    d = check_prior_precision(
+        group["prior_precision"], allow_zero=True, name=f"{where}prior_precision"
+    )
+    if d / float(group["ess"]) > _SCALE_MAX:  # the weight decay delta / N of the step
+        raise ValueError(f"{where}prior_precision / ess = {d!r} / {group['ess']!r} overflows "
+                         "float32: ess is too small")  # fmt: skip
     mc = group["mc_samples"]
     if isinstance(mc, bool) or not isinstance(mc, int) or mc < 1:
         raise ValueError(f"{where}mc_samples must be an int >= 1, got {mc!r}")
