@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 __all__ = [
+    "ArgumentTypeError",
     "check_batch",
     "check_finite",
     "check_positive",
