@@ -286,3 +286,17 @@ def test_every_prior_precision_argument_goes_through_the_one_check(bad):
     with pytest.raises(ValueError, match="prior_precision " + msg):
         la.prior_precision = bad
     assert float(la.prior_precision) == 1.0  # unchanged
+
+
+def test_ivon_zero_prior_precision_trains_but_has_no_prior_distribution():
+    """IVON's group key may be 0 (no prior: plain variational learning), so the check takes
+    ``allow_zero`` there; ``prior()`` needs a proper prior and refuses it by name."""
+    from fromp.optim import IVON
+
+    net = torch.nn.Linear(2, 3)
+    opt = IVON(net.parameters(), 0.1, ess=6, prior_precision=0.0)
+    assert opt.param_groups[0]["prior_precision"] == 0.0
+    with pytest.raises(ValueError, match=r"prior\(\): prior_precision \(0: an improper prior\)"):
+        opt.prior(net)
+    opt.param_groups[0]["prior_precision"] = 2.0
+    torch.testing.assert_close(opt.prior(net).precision, torch.full((9,), 2.0))
