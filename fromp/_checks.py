@@ -16,9 +16,11 @@ import torch
 from torch import Tensor, nn
 
 __all__ = [
+    "ArgumentTypeError",
     "check_batch",
     "check_finite",
     "check_positive",
+    "check_prior_precision",
     "check_tensor",
     "check_vector",
     "device_dtype",
@@ -185,7 +187,7 @@ def check_vogn_hyper(group: dict[str, Any], where: str = "") -> None:
     try:
         check_positive(group["kl_weight"], "kl_weight")
         if group.get("prior_precision") is not None:
-            check_positive(group["prior_precision"], "prior_precision")
+            check_prior_precision(group["prior_precision"])
     except ValueError as err:
         raise ValueError(f"{where}{err}") from None
     betas = group["betas"]
@@ -260,3 +262,71 @@ def check_saved_settings(state: dict[str, Any], settings: dict[str, Any]) -> Non
             f"state was saved with {key}={saved!r}, method has {value!r}: resume with the "
             "settings of the run"
         )
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type: a ``TypeError`` (the rule of this module) that is also
+    a ``ValueError``, so that code which caught the ``ValueError`` some checks raised for a
+    wrong type before they shared one implementation keeps working."""
+
+
+def check_prior_precision(
+    value: object,
+    *,
+    sizes: dict[str, int] | None = None,
+    like: Tensor | None = None,
+    allow_zero: bool = False,
+    name: str = "prior_precision",
+) -> float | Tensor:
+    """The prior precision ``delta`` checked before any work: the one rule for every
+    ``prior_precision`` argument (and setter, parameter-group key, loaded state) of fromp.
+
+    Args:
+        value: a number (``int`` or ``float``; not a ``bool``) or, where ``sizes`` is given,
+            a tensor of shape ``[]`` or ``[n]`` for ``n`` one of ``sizes``' values (a ``[1]``
+            tensor is laplace-torch's scalar form and becomes ``[]`` when ``1`` is not among
+            them).
+        sizes: the lengths a one-dimensional ``delta`` may have, by the name the message
+            gives them, e.g. ``{"n_layers": 3, "P": 1200}``; ``{}``: a number or a 0-dim
+            tensor; None: a number only (no tensor).
+        like: return a tensor with ``like``'s dtype and device (differentiable in a tensor
+            ``value``: the evidence is optimised through it); None: a number is returned as a
+            ``float`` and a tensor as it is.
+        allow_zero: ``delta >= 0`` (IVON's group key: no prior) instead of ``delta > 0``.
+        name: the argument's name in the messages.
+
+    Raises:
+        ArgumentTypeError: (a ``TypeError`` and a ``ValueError``) a bool, a non-number, or a
+            tensor where ``sizes`` is None.
+        ValueError: a shape outside ``[]`` and ``[n]`` for ``n`` in ``sizes``; a NaN, inf or
+            ``delta <= 0`` (``< 0`` with ``allow_zero``) entry.
+    """
+    sign = ">= 0" if allow_zero else "strictly positive"
+    types: tuple[type, ...] = (int, float) if sizes is None else (int, float, Tensor)
+    if isinstance(value, bool) or not isinstance(value, types):
+        what = "a number >= 0" if allow_zero else "a positive number"
+        if sizes is not None:
+            shapes = ["[]", *(f"[{k}]=[{n}]" for k, n in sizes.items())]
+            listed = ", ".join(shapes[:-1]) + " or " + shapes[-1] if sizes else shapes[0]
+            what += f" or a tensor of shape {listed}"
+        raise ArgumentTypeError(f"{name} must be {what}, got {type(value).__name__}")
+    if not isinstance(value, Tensor):
+        if not (math.isfinite(value) and (value >= 0 if allow_zero else value > 0)):
+            raise ValueError(f"{name} must be finite and {sign}, got {value!r}")
+        if like is None:
+            return float(value)
+        return torch.tensor(float(value), dtype=like.dtype, device=like.device)
+    assert sizes is not None
+    d = value if like is None else value.to(dtype=like.dtype, device=like.device)
+    if d.shape == (1,) and 1 not in sizes.values():
+        d = d.reshape(())  # laplace-torch's scalar form
+    if d.ndim > 1 or (d.ndim == 1 and len(d) not in sizes.values()):
+        allowed = " or ".join(f"[{k}]=[{n}]" for k, n in sizes.items())
+        what = f"a scalar or have shape {allowed}" if sizes else "a scalar"
+        raise ValueError(f"{name} must be {what}, got shape {tuple(d.shape)}")
+    v = d.detach()
+    if not bool(torch.isfinite(v).all()):
+        raise ValueError(f"{name} must be finite and {sign}, got non-finite entries (NaN or inf)")
+    if not bool((v >= 0 if allow_zero else v > 0).all()):
+        raise ValueError(f"{name} must be finite and {sign}, got an entry {float(v.min()):g}")
+    return d

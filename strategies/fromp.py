@@ -52,7 +52,7 @@ class FROMPPlugin(SupervisedPlugin):
     and ``current_experience`` key (training the same experience again replaces its
     memorable set and GGN term). Works with plain modules, :mod:`fromp` models and
     Avalanche ``MultiTaskModule``s (``forward(x, task_labels)``). The method's attributes
-    (``regularizer``, ``ggn_sum``, ``tasks_done``, ...) are readable on the plugin.
+    (``regularizer``, ``ggn_sum``, ``task_count``, ...) are readable on the plugin.
 
     What the loggers see: ``tau * R`` is added to ``strategy.loss`` for the backward pass
     and taken out of it again (as a constant) after it, so Avalanche's loss metrics (and the

@@ -141,6 +141,17 @@ def test_chunk_size_rule_is_one_rule_everywhere(bad):
         jacobians(net, x, chunk_size=bad)
     with pytest.raises(ValueError, match="chunk_size must be a positive int"):
         VOGN(net, ess=4, chunk_size=bad)
+    from fromp import Laplace
+    from fromp.continual.regularizer import FROMPRegularizer
+    from fromp.laplace.functional import FunctionalLaplace
+
+    with pytest.raises(ValueError, match="chunk_size must be a positive int, got"):
+        FROMPRegularizer(chunk_size=bad)  # type: ignore[arg-type]
+    for structure in ("diag", "kron", "full"):  # refused at construction, before a fit
+        with pytest.raises(ValueError, match="chunk_size must be a positive int or None"):
+            Laplace(net, "classification", hessian_structure=structure, chunk_size=bad)
+    with pytest.raises(ValueError, match="chunk_size must be a positive int or None"):
+        FunctionalLaplace(net, "classification", n_subset=4, chunk_size=bad)
 
 
 def test_chunk_size_accepts_ints_and_none():
@@ -151,3 +162,141 @@ def test_chunk_size_accepts_ints_and_none():
     assert type(check_chunk_size(torch.tensor(5).item())) is int
     with pytest.raises(ValueError, match="positive int, got None"):
         check_chunk_size(None, allow_none=False)
+
+
+# ----------------------------------------------------------------------- prior precision
+
+
+def test_prior_precision_accepted_shapes_and_returned_types():
+    from fromp._checks import check_prior_precision
+
+    out = check_prior_precision(2)  # an int: a float
+    assert type(out) is float and out == 2.0
+    assert check_prior_precision(0.0, allow_zero=True) == 0.0
+    like = torch.zeros(5, dtype=torch.float64)
+    sizes = {"n_layers": 2, "P": 5}
+    d = check_prior_precision(3.0, sizes=sizes, like=like)
+    assert d.shape == () and d.dtype == torch.float64 and float(d) == 3.0
+    for shape in [(), (2,), (5,)]:
+        d = check_prior_precision(torch.full(shape, 0.5), sizes=sizes, like=like)
+        assert d.shape == shape and d.dtype == torch.float64 and bool((d == 0.5).all())
+    # laplace-torch's scalar form [1] is [] unless 1 is an allowed length
+    assert check_prior_precision(torch.ones(1), sizes=sizes, like=like).shape == ()
+    assert check_prior_precision(torch.ones(1), sizes={"P": 1}, like=like).shape == (1,)
+    assert check_prior_precision(torch.ones(1), sizes={}).shape == ()
+    # without a reference a tensor comes back as it is (dtype kept); with one, differentiable
+    t = torch.ones(5, dtype=torch.float32)
+    assert check_prior_precision(t, sizes=sizes) is t
+    leaf = torch.tensor(2.0, requires_grad=True)
+    (check_prior_precision(leaf, sizes={}, like=like) * 3).backward()
+    assert float(leaf.grad) == 3.0
+
+
+@pytest.mark.parametrize("bad", [True, "1.0", [1.0], None])
+def test_prior_precision_wrong_types_are_refused_as_type_and_value_errors(bad):
+    from fromp._checks import check_prior_precision
+
+    sizes = {"n_layers": 2, "P": 5}
+    msg = r"prior_precision must be a positive number or a tensor of shape \[\], "
+    msg += r"\[n_layers\]=\[2\] or \[P\]=\[5\], got "
+    with pytest.raises(TypeError, match=msg) as err:
+        check_prior_precision(bad, sizes=sizes)
+    assert isinstance(err.value, ValueError)  # callers that caught ValueError still do
+    with pytest.raises(TypeError, match=r"delta must be a number >= 0, got"):
+        check_prior_precision(bad, allow_zero=True, name="delta")
+    with pytest.raises(TypeError, match=r"tensor of shape \[\], got"):
+        check_prior_precision(bad, sizes={})
+
+
+def test_prior_precision_tensor_refused_where_only_a_number_is_taken():
+    from fromp._checks import check_prior_precision
+
+    with pytest.raises(TypeError, match="prior_precision must be a positive number, got Tensor"):
+        check_prior_precision(torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("shape", [(3,), (2, 5), (1, 1)])
+def test_prior_precision_shapes_outside_the_allowed_ones_are_named(shape):
+    from fromp._checks import check_prior_precision
+
+    sizes = {"n_layers": 2, "P": 5}
+    msg = r"prior_precision must be a scalar or have shape \[n_layers\]=\[2\] or \[P\]=\[5\], "
+    with pytest.raises(ValueError, match=msg + rf"got shape \({shape[0]},"):
+        check_prior_precision(torch.ones(shape), sizes=sizes)
+    with pytest.raises(ValueError, match=r"prior_precision must be a scalar, got shape"):
+        check_prior_precision(torch.ones(shape), sizes={})
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf"), -float("inf")])
+def test_prior_precision_values_finite_and_positive(bad):
+    from fromp._checks import check_prior_precision
+
+    msg = "prior_precision must be finite and strictly positive"
+    with pytest.raises(ValueError, match=msg):
+        check_prior_precision(bad)
+    v = torch.ones(5)
+    v[3] = bad
+    with pytest.raises(ValueError, match=msg):
+        check_prior_precision(v, sizes={"P": 5}, like=v)
+    with pytest.raises(ValueError, match=msg):
+        check_prior_precision(torch.tensor(bad), sizes={})
+    if bad == 0.0:  # allowed where no prior is a choice (IVON's group key)
+        assert check_prior_precision(bad, allow_zero=True) == 0.0
+        assert check_prior_precision(v, sizes={"P": 5}, allow_zero=True) is v
+    else:
+        with pytest.raises(ValueError, match="prior_precision must be finite and >= 0"):
+            check_prior_precision(bad, allow_zero=True)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("inf"), True])
+def test_every_prior_precision_argument_goes_through_the_one_check(bad):
+    """The same refusal, with the same words, from every entry point that takes a prior
+    precision: the Laplace classes and setter, the one-call functions, the functional
+    Laplace, FROMP, VCL, VOGN (argument and group key), IVON, the leave-one-out tools."""
+    from fromp import FROMPMethod, Laplace, laplace
+    from fromp.continual.vcl import VCLMethod
+    from fromp.laplace.functional import FunctionalLaplace
+    from fromp.memory.loo import LOOTracker, last_layer_loo, last_layer_remove
+    from fromp.optim import IVON, VOGN
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(2, 3))
+    x, y = torch.randn(6, 2), torch.arange(6) % 3
+    msg = "must be finite and strictly positive" if bad is not True else "must be a positive"
+    calls = [
+        lambda: Laplace(net, "classification", subset_of_weights="all", prior_precision=bad),
+        lambda: Laplace(net, "classification", subset_of_weights="last_layer", prior_precision=bad),
+        lambda: laplace(net, (x, y), "categorical", bad),
+        lambda: FunctionalLaplace(net, "classification", n_subset=4, prior_precision=bad),
+        lambda: FROMPMethod(prior_precision=bad),
+        lambda: VCLMethod(net, prior_precision=bad),
+        lambda: VOGN(net, ess=6, prior_precision=bad),
+        lambda: VOGN([{"params": list(net.parameters()), "prior_precision": bad}], ess=6),
+        lambda: LOOTracker(prior_precision=bad),
+        lambda: last_layer_loo(net, x, y, bad),
+        lambda: last_layer_remove(net, x, y, torch.zeros(6, dtype=torch.bool), bad, x),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="prior_precision.*" + msg):
+            call()
+    ivon_msg = msg.replace("strictly positive", ">= 0").replace("positive", "number >= 0")
+    with pytest.raises(ValueError, match="prior_precision " + ivon_msg):  # 0: no prior
+        IVON(net.parameters(), 0.1, ess=6, prior_precision=bad)
+    la = Laplace(net, "classification", subset_of_weights="all", hessian_structure="diag")
+    with pytest.raises(ValueError, match="prior_precision " + msg):
+        la.prior_precision = bad
+    assert float(la.prior_precision) == 1.0  # unchanged
+
+
+def test_ivon_zero_prior_precision_trains_but_has_no_prior_distribution():
+    """IVON's group key may be 0 (no prior: plain variational learning), so the check takes
+    ``allow_zero`` there; ``prior()`` needs a proper prior and refuses it by name."""
+    from fromp.optim import IVON
+
+    net = torch.nn.Linear(2, 3)
+    opt = IVON(net.parameters(), 0.1, ess=6, prior_precision=0.0)
+    assert opt.param_groups[0]["prior_precision"] == 0.0
+    with pytest.raises(ValueError, match=r"prior\(\): prior_precision \(0: an improper prior\)"):
+        opt.prior(net)
+    opt.param_groups[0]["prior_precision"] = 2.0
+    torch.testing.assert_close(opt.prior(net).precision, torch.full((9,), 2.0))

@@ -28,7 +28,7 @@ def test_plain_loop_fromp_method_learns_three_tasks():
     torch.manual_seed(0)
     exec(python_block("avalanche.md", "## Without Avalanche"), env)
     method = env["method"]
-    assert method.tasks_done == 3 and len(method.regularizer) == 3
+    assert method.task_count == 3 and len(method.regularizer) == 3
     # after task 3 the penalty is zero at the weights reached, positive once they move
     model = env["model"]
     assert float(method.penalty(model).detach()) < 1e-8

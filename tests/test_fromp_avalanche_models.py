@@ -145,7 +145,7 @@ def test_load_state_dict_refuses_other_settings_and_changes_nothing():
         other = FROMPMethod(n_points=6, **kw)
         with pytest.raises(ValueError, match=name):
             other.load_state_dict(state)
-        assert len(other.regularizer) == 0 and other.tasks_done == 0
+        assert len(other.regularizer) == 0 and other.task_count == 0
     same = FROMPMethod(tau=10.0, n_points=6, kernel="identity")
     same.load_state_dict(state)
     assert float(same.penalty(net)) == float(m.penalty(net))
@@ -160,7 +160,7 @@ def test_labels_outside_the_head_refused_naming_y(labels):
     m = FROMPMethod(n_points=2)
     with pytest.raises(ValueError, match="y must"):
         m.learn_task(net, x, y, None)
-    assert m.tasks_done == 0 and m.ggn_sum is None
+    assert m.task_count == 0 and m.ggn_sum is None
     with pytest.raises(ValueError, match="y must"):
         select_memorable(net, x, y, n_per_class=2)
 

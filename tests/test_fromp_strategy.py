@@ -55,7 +55,7 @@ def test_runs_and_checkpoint_restores_identical_penalty(multi_head):
     for exp in list(scenario.train_stream)[:2]:
         strategy.train(exp)
     plugin = strategy.plugin
-    assert plugin.tasks_done == 2 and len(plugin.regularizer) == 2
+    assert plugin.task_count == 2 and len(plugin.regularizer) == 2
     assert plugin.regularizer.num_points == 16
     assert [m.task for m in plugin.regularizer.memories] == ([0, 1] if multi_head else [0, 0])
     assert plugin.last_penalty > 0  # the regulariser was active while learning task 2
@@ -70,10 +70,10 @@ def test_runs_and_checkpoint_restores_identical_penalty(multi_head):
     other = FROMPPlugin(tau=123.0, n_points=8, grad_clip_norm=1.0)
     with pytest.raises(ValueError, match=r"tau=1\.0"):
         other.load_state_dict(state)
-    assert other.tau == 123.0 and other.tasks_done == 0 and len(other.regularizer) == 0
+    assert other.tau == 123.0 and other.task_count == 0 and len(other.regularizer) == 0
     fresh = FROMPPlugin(tau=1.0, n_points=8, grad_clip_norm=1.0)
     fresh.load_state_dict(state)
-    assert fresh.tau == 1.0 and fresh.n_points == 8 and fresh.tasks_done == 2
+    assert fresh.tau == 1.0 and fresh.n_points == 8 and fresh.task_count == 2
     assert fresh.penalty(net).item() == plugin.penalty(net).item() > 0
     torch.testing.assert_close(fresh.posterior_variance(), plugin.posterior_variance())
 

@@ -65,6 +65,7 @@ def _ivon_valid(h) -> bool:
         and math.isfinite(h["prior_precision"]) and h["prior_precision"] >= 0
         and math.isfinite(h["ess"]) and h["ess"] > 0
         and h["ess"] ** -0.5 <= torch.finfo(torch.float32).max  # sigma's scale 1/sqrt(N)
+        and h["prior_precision"] / h["ess"] <= torch.finfo(torch.float32).max  # delta / N
         and math.isfinite(h["hess_init"]) and h["hess_init"] > 0
     )  # fmt: skip
 

@@ -56,7 +56,7 @@ def test_avalanche_example(monkeypatch, capsys):
     accs = [v for k, v in final.items() if k.startswith("Top1_Acc_Exp")]
     assert len(accs) == 5 and min(accs) > 0.75, final  # every task learnt and kept (chance: 0.5)
     (fromp,) = [p for p in env["strategy"].plugins if hasattr(p, "method")]
-    assert fromp.method.tasks_done == 5 and len(fromp.method.regularizer) == 5
+    assert fromp.method.task_count == 5 and len(fromp.method.regularizer) == 5
 
 
 def _trained_mlp():

@@ -185,7 +185,7 @@ def test_last_layer_bad_arguments():
         last_layer_loo(net, x, y, 1.0)
     with pytest.raises(ValueError, match=r"nn\.Linear"):
         last_layer_features(nn.Sequential(nn.Tanh()).eval(), x)
-    with pytest.raises(ValueError, match="prior_precision must be a positive float"):
+    with pytest.raises(ValueError, match="prior_precision must be finite and strictly positive"):
         last_layer_loo(net[0], x, y, 0.0)
     with pytest.raises(ValueError, match="y must have N=4"):
         last_layer_loo(net[0], x, y[:3], 1.0)

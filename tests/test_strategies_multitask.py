@@ -83,7 +83,7 @@ def test_fromp_three_tasks_ggn_sum_heads_targets_and_kernels():
             k = mem.chol @ mem.chol.transpose(-1, -2)
             k = k - mem.jitter * torch.eye(k.shape[-1], dtype=D)
             torch.testing.assert_close(k, _kernel(net, xs, s, var), rtol=1e-7, atol=1e-12)
-    assert plugin.tasks_done == 3
+    assert plugin.task_count == 3
     # the heads give different rankings, so the check above could tell them apart
     other = select_memorable(with_task(net, 0), stream[2][0], stream[2][1], "categorical", 2)
     assert not torch.equal(other, expected_idx[2])
@@ -264,4 +264,4 @@ def test_learn_task_checks_its_inputs_first():
     vogn = FROMPPlugin(n_points=4, posterior="vogn")
     with pytest.raises(ValueError, match=r"posterior_variance must have shape \[P\]"):
         vogn.learn_task(net, x, y, 0, torch.ones(3, dtype=D))
-    assert plugin.tasks_done == 0 and vogn.tasks_done == 0
+    assert plugin.task_count == 0 and vogn.task_count == 0

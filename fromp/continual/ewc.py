@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from fromp import distributed
 from fromp._checks import check_batch, check_chunk_size, check_class_targets, device_dtype
+from fromp.continual.experiences import add_experience, experience_key, forget_experience
 from fromp.continual.methods import Named, by_name, fit_shape
 from fromp.curvature.diagonal import diag_ef, diag_fisher, diag_ggn
 from fromp.curvature.jacobian import unflatten
@@ -407,10 +408,7 @@ class EWCMethod:
         if not isinstance(y, Tensor) or len(y) != len(x):
             got = tuple(y.shape) if isinstance(y, Tensor) else type(y).__name__
             raise ValueError(f"y must be a tensor of N={len(x)} targets, got {got}")
-        if experience is None:
-            experience = max(self.experiences, default=-1) + 1
-        elif isinstance(experience, bool) or not isinstance(experience, int):
-            raise ValueError(f"experience must be an int key or None, got {experience!r}")
+        experience = experience_key(self.experiences, experience)
         cap = self.max_examples
         if cap is not None and distributed.is_distributed():
             cap = max(1, cap // distributed.world_size())
@@ -431,25 +429,23 @@ class EWCMethod:
         f = _named(net, self.fisher_diagonal(net, x.to(device), y.to(device), task))
         w = _named(net, _live(net))
         self._sync_experiences()
+        i = forget_experience(self.experiences, experience)
         if self.mode == "separate":
-            if experience in self.experiences:  # learnt again: replace its term
-                i = self.experiences.index(experience)
-                del self.experiences[i], self.anchors[i], self.importances[i]
+            if i is not None:  # learnt again: replace its term
+                del self.anchors[i], self.importances[i]
             self.anchors.append(w)
             self.importances.append(f)
         else:
-            if self.experiences and experience == self.experiences[-1]:
-                base = self._online_base or {}  # the sum before the last experience
-                del self.experiences[-1]
+            if i is not None and i == len(self.experiences):  # the last one, learnt again
+                base = self._online_base or {}  # the sum before it
             else:
-                if experience in self.experiences:
+                if i is not None:
                     warnings.warn(
                         f"EWC online mode: experience {experience} learnt again after "
                         "others; its decayed Fisher cannot be taken out of the running sum, "
                         "so it is added again",
                         stacklevel=2,
                     )
-                    self.experiences.remove(experience)
                 base = self.importances[0] if self.importances else {}
             decayed = {n: v * self.decay_factor for n, v in base.items()}
             summed = {}
@@ -461,8 +457,7 @@ class EWCMethod:
             self._online_base = base
             self.anchors = [w]
             self.importances = [{**decayed, **summed}]
-        self.experiences.append(experience)
-        self.task_count = len(self.experiences)
+        self.task_count = add_experience(self.experiences, experience)
 
     def _sync_experiences(self) -> None:
         """Experience keys for terms assigned by hand or loaded from older states."""

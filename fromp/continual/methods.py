@@ -28,7 +28,14 @@ import torch
 from torch import Tensor, nn
 
 from fromp import distributed
-from fromp._checks import check_batch, check_vector, device_dtype
+from fromp._checks import (
+    check_batch,
+    check_prior_precision,
+    check_vector,
+    device_dtype,
+    warn_renamed,
+)
+from fromp.continual.experiences import add_experience, experience_key, forget_experience
 from fromp.continual.memorable import _ORDERS as _SELECT
 from fromp.continual.memorable import global_classes, select_memorable_points
 from fromp.continual.named_state import (
@@ -205,7 +212,7 @@ class FROMPMethod:
     ) -> None:
         if select is None:  # a labelled coreset must represent its classes: random points
             select = "random" if replay is True else "descending"
-        for name, v in (("tau", tau), ("prior_precision", prior_precision), ("jitter", jitter)):
+        for name, v in (("tau", tau), ("jitter", jitter)):
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise TypeError(
                     f"{name} must be a number, got {type(v).__name__} (a strategy's criterion "
@@ -223,10 +230,7 @@ class FROMPMethod:
             raise ValueError(f"n_points must be a positive int, got {n_points!r}")
         if select not in _SELECT:
             raise ValueError(f"select must be one of {_SELECT}, got {select!r}")
-        if not (prior_precision > 0 and math.isfinite(prior_precision)):
-            raise ValueError(
-                f"prior_precision must be a finite number > 0, got {prior_precision!r}"
-            )
+        prior_precision = check_prior_precision(prior_precision)  # type: ignore[assignment]
         if grad_clip_norm is not None and not (
             grad_clip_norm > 0 and math.isfinite(grad_clip_norm)
         ):
@@ -275,7 +279,7 @@ class FROMPMethod:
         # the optimizer's posterior variance after the last task ("vogn", "ivon")
         self.ggn_sum: Named | None = None
         self.optimizer_variance: Named | None = None
-        self.tasks_done = 0
+        self.task_count = 0
         self.timings: list[dict[str, float]] = []
         # per experience key: its GGN (by name) and its place in the regulariser's list
         self.ggn_terms: dict[int, Named] = {}
@@ -284,6 +288,17 @@ class FROMPMethod:
         self.kron_terms: dict[int, KronCurvature] = {}
 
     # ---------------------------------------------------------------------- helpers
+    @property
+    def tasks_done(self) -> int:
+        """Deprecated name of :attr:`task_count` (a ``DeprecationWarning``)."""
+        warn_renamed("FROMPMethod.tasks_done", "task_count")
+        return self.task_count
+
+    @tasks_done.setter
+    def tasks_done(self, value: int) -> None:
+        warn_renamed("FROMPMethod.tasks_done", "task_count")
+        self.task_count = value
+
     @property
     def kernel(self) -> str:
         return self.regularizer.kernel
@@ -445,8 +460,7 @@ class FROMPMethod:
                 them twice.
 
         Returns the wall times of the three steps (seconds)."""
-        if experience is None:
-            experience = max(self.experiences, default=-1) + 1
+        experience = experience_key(self.experiences, experience)
         if (posterior_variance is None) != (self.posterior in _OWN_CURVATURE):
             raise ValueError(
                 "posterior_variance must be given iff posterior is 'vogn' or 'ivon' (the "
@@ -495,16 +509,15 @@ class FROMPMethod:
                 times["curvature_s"] = _clock(device) - t0
             t0 = _clock(device)
             variance = self._kernel_source(net)
-            if experience in self.experiences:  # learnt again: drop its old memorable set
-                i = self.experiences.index(experience)
+            i = forget_experience(self.experiences, experience)
+            if i is not None:  # learnt again: drop its old memorable set
                 del self.regularizer.memories[i]
-                del self.experiences[i]
             seen = self.regularizer.classes_seen
             seen[task] = sorted(set(seen.get(task, [])) | set(classes))
             self.regularizer.add_task(
                 net, x_mem.to(device), task, variance, labels=y_mem.to(device)
             )
-            self.experiences.append(experience)
+            self.task_count = add_experience(self.experiences, experience)
             self.bn_buffers = _norm_buffers(net)
             if self.bn_statistics == "batch" and any(
                 isinstance(m, nn.modules.batchnorm._NormBase) for m in net.modules()
@@ -516,7 +529,6 @@ class FROMPMethod:
             net.train(was_training)
         if self.context_tau > 0:
             self.previous, self._previous_state = _frozen_copy(net), None
-        self.tasks_done = len(self.experiences)
         self.timings.append(times)
         return times
 
@@ -681,7 +693,7 @@ class FROMPMethod:
             "kron_terms": {k: v.state_dict() for k, v in self.kron_terms.items()},
             "experiences": list(self.experiences),
             "regularizer": self.regularizer.state_dict(),
-            "tasks_done": self.tasks_done,
+            "task_count": self.task_count,
             "generator": self.generator.get_state(),
             "timings": list(self.timings),
         }
@@ -730,10 +742,11 @@ class FROMPMethod:
             "curvature_examples",
             "chunk_size",
             "likelihood",
-            "tasks_done",
         ):
             if key in state:
                 setattr(self, key, state[key])
+        # "tasks_done": the key of older states
+        self.task_count = state.get("task_count", state.get("tasks_done", self.task_count))
         self.ggn_sum, self.optimizer_variance = (
             mv(state.get("ggn_sum")),
             mv(state.get("optimizer_variance")),

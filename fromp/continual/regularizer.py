@@ -63,7 +63,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fromp._checks import check_batch, check_tensor, check_vector, device_dtype
+from fromp._checks import check_batch, check_chunk_size, check_tensor, check_vector, device_dtype
 from fromp.curvature.jacobian import flat_params, num_params
 from fromp.gp.process import GP
 from fromp.likelihood import Likelihood, get_likelihood
@@ -351,8 +351,7 @@ class FROMPRegularizer:
             raise ValueError(f"jitter must be >= 0, got {jitter!r}")
         if max_tries < 0:
             raise ValueError(f"max_tries must be >= 0, got {max_tries!r}")
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        chunk_size = check_chunk_size(chunk_size, allow_none=False)  # type: ignore[assignment]
         self.kernel = kernel
         self.function = function
         self.likelihood = get_likelihood(likelihood)

@@ -55,7 +55,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fromp._checks import check_batch, check_positive, check_saved_settings, device_dtype
+from fromp._checks import (
+    check_batch,
+    check_positive,
+    check_prior_precision,
+    check_saved_settings,
+    device_dtype,
+)
 from fromp.continual.bayesian import BayesLayer, MeanFieldNet, to_bayesian
 from fromp.continual.bayesian import MeanFieldTwin as _MeanFieldTwin
 from fromp.continual.coreset import select_coreset
@@ -89,7 +95,7 @@ def prior_variance(prior_precision: float, prior_var: float | None, where: str) 
     the deprecated ``prior_var`` (used as given, with a ``DeprecationWarning``); refuses a
     non-positive value and both names at once."""
     if prior_var is None:
-        return 1.0 / check_positive(prior_precision, "prior_precision")
+        return 1.0 / check_prior_precision(prior_precision)  # type: ignore[operator]
     if prior_precision != 1.0:
         raise ValueError(
             f"{where}: pass prior_precision or the deprecated prior_var, not both "

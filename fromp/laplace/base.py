@@ -42,7 +42,7 @@ from torch import Tensor, nn
 
 import fromp.laplace.checks as checks
 from fromp import distributed
-from fromp._checks import require_eval
+from fromp._checks import check_chunk_size, check_prior_precision, require_eval
 from fromp.curvature.diagonal import DataArg, iter_batches
 from fromp.curvature.jacobian import check_memory_budget
 from fromp.laplace.laplace_gp import LaplaceGP
@@ -162,7 +162,8 @@ class BaseLaplace(PriorTuning, LaplaceTorchAPI):
         self.subset_of_weights = subset_of_weights
         if memory_budget is not None:
             check_memory_budget(memory_budget)
-        self.chunk_size, self.memory_budget, self.method = chunk_size, memory_budget, method
+        self.chunk_size = check_chunk_size(chunk_size)
+        self.memory_budget, self.method = memory_budget, method
         self.max_params = max_params
         self.layer_name: str | None = None
         self.layer: nn.Linear | None = None
@@ -262,24 +263,10 @@ class BaseLaplace(PriorTuning, LaplaceTorchAPI):
         self._delta = self._check_delta(value).detach().clone()
 
     def _check_delta(self, value: float | Tensor) -> Tensor:
-        if isinstance(value, bool) or not isinstance(value, int | float | Tensor):
-            raise ValueError(
-                "prior_precision must be a positive number or a tensor of shape [], "
-                f"[n_layers]=[{self.n_layers}] or [P]=[{self.num_params}], got "
-                f"{type(value).__name__}"
-            )
-        opts = {"dtype": self._mu.dtype, "device": self._mu.device}
-        d = value.to(**opts) if isinstance(value, Tensor) else torch.tensor(float(value), **opts)
-        if d.shape == (1,) and self.n_layers != 1 and self.num_params != 1:
-            d = d.reshape(())  # laplace-torch's scalar form
-        if d.ndim > 1 or (d.ndim == 1 and len(d) not in (self.n_layers, self.num_params)):
-            raise ValueError(
-                f"prior_precision must have shape [], [n_layers]=[{self.n_layers}] or "
-                f"[P]=[{self.num_params}], got {tuple(d.shape)}"
-            )
-        if not (torch.isfinite(d.detach()).all() and (d.detach() > 0).all()):
-            raise ValueError("prior_precision must be finite and strictly positive")
-        return d
+        """``value`` as ``delta`` on the mean's dtype and device: ``[]``, ``[n_layers]`` or
+        ``[P]``, finite and ``> 0`` (:func:`fromp._checks.check_prior_precision`)."""
+        sizes = {"n_layers": self.n_layers, "P": self.num_params}
+        return check_prior_precision(value, sizes=sizes, like=self._mu)  # type: ignore[return-value]
 
     def _delta_vector(self, d: Tensor) -> Tensor:
         """``delta`` as ``[P]`` (differentiable)."""
@@ -475,23 +462,6 @@ class BaseLaplace(PriorTuning, LaplaceTorchAPI):
     def log_likelihood(self) -> Tensor:
         """``log p(D | w*)`` of the fitted data (with the temperature)."""
         return self._log_lik()
-
-    def log_marginal_likelihood(
-        self,
-        prior_precision: float | Tensor | None = None,
-        sigma_noise: float | Tensor | None = None,
-    ) -> Tensor:
-        """The Laplace evidence (module docstring), differentiable in ``prior_precision``
-        and ``sigma_noise`` (defaults: the current values). As in laplace-torch, values
-        passed are *stored* (``la.prior_precision``, ``la.sigma_noise``, detached), so a loop
-        of hyperparameter steps leaves the Laplace at its last values; the evidence at
-        other values without storing them: :meth:`log_marginal_likelihood_at`."""
-        out = self.log_marginal_likelihood_at(prior_precision, sigma_noise)
-        if prior_precision is not None:
-            self.prior_precision = prior_precision
-        if sigma_noise is not None:
-            self.sigma_noise = sigma_noise
-        return out
 
     def log_marginal_likelihood_at(
         self,

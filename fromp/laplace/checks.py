@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fromp._checks import check_batch, not_on_meta, require_eval
+from fromp._checks import check_batch, check_prior_precision, not_on_meta, require_eval
 
 __all__ = [
     "at_fit",
@@ -109,10 +109,14 @@ def at_init(
     if isinstance(prior_mean, Tensor) and prior_mean.is_floating_point():
         if not bool(torch.isfinite(prior_mean).all()):
             raise ValueError("prior_mean is not finite (it has NaN or inf entries)")
-    if isinstance(prior_precision, Tensor) and not bool(torch.isfinite(prior_precision).all()):
-        raise ValueError("prior_precision must be finite and strictly positive")
+    sizes = [p.numel() for p in model.parameters() if p.requires_grad]
+    if subset_of_weights == "all":
+        check_prior_precision(prior_precision, sizes={"n_layers": len(sizes), "P": sum(sizes)})
+    else:  # the subset is found at the first fit: its shape is checked then (the setter)
+        one_dim = isinstance(prior_precision, Tensor) and prior_precision.ndim == 1
+        shape = {"n": len(prior_precision)} if one_dim else {}  # type: ignore[arg-type]
+        check_prior_precision(prior_precision, sizes=shape)
     if getattr(type(la), "structure", "") == "kron" and subset_of_weights == "all":
-        sizes = [p.numel() for p in model.parameters() if p.requires_grad]
         _kron_prior(prior_precision, sizes)
 
 

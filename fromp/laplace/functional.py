@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from fromp._checks import require_eval
+from fromp._checks import check_chunk_size, check_prior_precision, require_eval
 from fromp.curvature.diagonal import DataArg, iter_batches
 from fromp.curvature.jacobian import check_memory_budget
 from fromp.laplace.base import _likelihood
@@ -92,7 +92,8 @@ class FunctionalLaplace(LaplaceTorchAPI):
             bool(enable_backprop), dict_key_x, dict_key_y,
         )  # fmt: skip
         self.n_subset, self.independent_outputs, self.seed = n_subset, independent_outputs, seed
-        self.full_output_hessian, self.chunk_size = full_output_hessian, chunk_size
+        self.full_output_hessian = full_output_hessian
+        self.chunk_size = check_chunk_size(chunk_size)
         self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.sizes = [p.numel() for _, p in self._named]
         self._mu = torch.cat([p.detach().reshape(-1) for _, p in self._named]).clone()
@@ -123,13 +124,17 @@ class FunctionalLaplace(LaplaceTorchAPI):
 
     @prior_precision.setter
     def prior_precision(self, value: float | Tensor) -> None:
-        d = torch.as_tensor(value, dtype=self._mu.dtype, device=self._mu.device).detach()
-        if d.numel() != 1 or not bool(torch.isfinite(d).all() and (d > 0).all()):
+        self._delta = self._check_delta(value).detach()
+
+    def _check_delta(self, value: float | Tensor) -> Tensor:
+        """``value`` as a 0-dim ``delta`` on the mean's dtype and device (differentiable)."""
+        if isinstance(value, Tensor) and value.numel() != 1:
             raise ValueError(
                 "FunctionalLaplace needs a positive scalar prior_precision (the GP view of "
-                "the linearised network needs an isotropic prior)"
+                f"the linearised network needs an isotropic prior), got shape {tuple(value.shape)}"
             )
-        self._delta = d.reshape(())
+        value = value.reshape(()) if isinstance(value, Tensor) else value
+        return check_prior_precision(value, sizes={}, like=self._mu)  # type: ignore[return-value]
 
     def _delta_vector(self, d: Tensor) -> Tensor:
         return d.reshape(()).expand(self.num_params)
@@ -302,18 +307,15 @@ class FunctionalLaplace(LaplaceTorchAPI):
         """The evidence's log-determinant term (module docstring)."""
         return self._terms(self._delta, None)[2]
 
-    def log_marginal_likelihood(self, prior_precision: Any = None, sigma_noise: Any = None):
-        """The GP evidence (module docstring), differentiable in both; values passed are
-        stored (laplace-torch's)."""
+    def log_marginal_likelihood_at(
+        self, prior_precision: Any = None, sigma_noise: Any = None
+    ) -> Tensor:
+        """The GP evidence (module docstring) at the given values, differentiable in both,
+        without storing them (:meth:`log_marginal_likelihood` stores them)."""
         if sigma_noise is not None and not self.regression:
             raise ValueError("sigma_noise is for regression only")
-        d = self._delta if prior_precision is None else torch.as_tensor(prior_precision)
-        out = self._evidence(d.to(self._mu), sigma_noise)
-        if prior_precision is not None:
-            self.prior_precision = prior_precision
-        if sigma_noise is not None:
-            self.sigma_noise = sigma_noise
-        return out
+        d = self._delta if prior_precision is None else self._check_delta(prior_precision)
+        return self._evidence(d, sigma_noise)
 
     def optimize_prior_precision(
         self,
@@ -328,8 +330,8 @@ class FunctionalLaplace(LaplaceTorchAPI):
         ``init_prior_prec`` maximising the evidence (``method="marglik"``, scalar prior)."""
         if option(method) != "marglik":
             raise ValueError("FunctionalLaplace.optimize_prior_precision takes method='marglik'")
-        log_d = torch.tensor(math.log(float(init_prior_prec)), dtype=self._mu.dtype,
-                             requires_grad=True)  # fmt: skip
+        init = check_prior_precision(init_prior_prec, sizes={}, name="init_prior_prec")
+        log_d = torch.tensor(math.log(float(init)), dtype=self._mu.dtype, requires_grad=True)
         opt = torch.optim.Adam([log_d], lr=lr)
         for _ in range(n_steps):
             opt.zero_grad()

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fromp._checks import check_vector, require_eval
+from fromp._checks import check_prior_precision, check_vector, require_eval
 from fromp.curvature.capture import DEFAULT_MEMORY_BUDGET
 from fromp.curvature.diagonal import DataArg, diag_ggn, iter_batches
 from fromp.curvature.jacobian import flat_params
@@ -57,23 +57,10 @@ __all__ = [
 
 def prior_precision_vector(prior_precision: float | Tensor, reference: Tensor) -> Tensor:
     """``delta`` as a ``[P]`` vector like ``reference``; ``prior_precision`` a positive scalar
-    or a ``[P]`` tensor of positive entries."""
+    or a ``[P]`` tensor of positive entries (:func:`fromp._checks.check_prior_precision`)."""
     p = reference.shape[0]
-    if isinstance(prior_precision, bool) or not isinstance(prior_precision, int | float | Tensor):
-        raise ValueError(
-            "prior_precision must be a positive number or a [P] tensor, got "
-            f"{type(prior_precision).__name__}"
-        )
-    delta = torch.as_tensor(prior_precision, dtype=reference.dtype, device=reference.device)
-    if delta.ndim == 0:
-        delta = delta.expand(p)
-    if delta.shape != (p,):
-        raise ValueError(
-            f"prior_precision must be a scalar or have shape [P]=[{p}], got {tuple(delta.shape)}"
-        )
-    if not (torch.isfinite(delta).all() and (delta > 0).all()):
-        raise ValueError("prior_precision must be finite and strictly positive")
-    return delta.clone()
+    delta = check_prior_precision(prior_precision, sizes={"P": p}, like=reference)
+    return delta.expand(p).clone()  # type: ignore[union-attr]
 
 
 def _checked_batches(data: DataArg):

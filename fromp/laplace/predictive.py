@@ -122,7 +122,26 @@ class LaplaceTorchAPI:
     """laplace-torch 0.3's public instance names (module docstring). Needs from the class:
     ``_mu``, ``_named``, ``_delta``, ``_lik``, ``regression``, ``_mean_and_variance``,
     ``_kernel``, ``_sigma_times``, ``_prec_times``, ``_log_det_posterior``, ``_factor``,
-    ``sample``."""
+    ``sample``, ``log_marginal_likelihood_at``."""
+
+    # ------------------------------------------------------------------ evidence
+    def log_marginal_likelihood(
+        self,
+        prior_precision: float | Tensor | None = None,
+        sigma_noise: float | Tensor | None = None,
+    ) -> Tensor:
+        """The Laplace evidence (:mod:`fromp.laplace.base`; the GP evidence for
+        :class:`~fromp.laplace.functional.FunctionalLaplace`), differentiable in ``prior_precision``
+        and ``sigma_noise`` (defaults: the current values). As in laplace-torch, values
+        passed are *stored* (``la.prior_precision``, ``la.sigma_noise``, detached), so a loop
+        of hyperparameter steps leaves the Laplace at its last values; the evidence at
+        other values without storing them: :meth:`log_marginal_likelihood_at`."""
+        out = self.log_marginal_likelihood_at(prior_precision, sigma_noise)
+        if prior_precision is not None:
+            self.prior_precision = prior_precision
+        if sigma_noise is not None:
+            self.sigma_noise = sigma_noise
+        return out
 
     # ------------------------------------------------------------------ names
     @property

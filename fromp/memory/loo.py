@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from fromp._checks import (
     check_batch,
     check_chunk_size,
-    check_positive,
+    check_prior_precision,
     check_tensor,
     warn_renamed,
 )
@@ -113,7 +113,7 @@ def last_layer_loo(
         chunk_size: examples per chunk of the ``V_n`` computation.
     """
     _check_examples(x, y)
-    check_positive(prior_precision, "prior_precision")
+    check_prior_precision(prior_precision)
     chunk_size = check_chunk_size(chunk_size, allow_none=False)
     lik = get_likelihood(likelihood)
     phi, head = last_layer_features(model, x)
@@ -379,7 +379,7 @@ class LOOTracker:
                 f"hessian_structure must be 'full' or 'kron', got {hessian_structure!r}"
             )
         if prior_precision is not None:
-            check_positive(prior_precision, "prior_precision")
+            check_prior_precision(prior_precision)
         if max_examples is not None and (
             isinstance(max_examples, bool) or not isinstance(max_examples, int) or max_examples < 1
         ):
@@ -607,8 +607,7 @@ def last_layer_remove(
             f"remove must be a bool tensor of shape [{len(x)}], got {remove.dtype} "
             f"{tuple(remove.shape)}"
         )
-    if not (isinstance(prior_precision, int | float) and prior_precision > 0):
-        raise ValueError(f"prior_precision must be a number > 0, got {prior_precision!r}")
+    check_prior_precision(prior_precision)
     if steps is not None and steps < 1:
         raise ValueError(f"steps must be >= 1 or None, got {steps}")
     check_batch(x_eval, "x_eval")

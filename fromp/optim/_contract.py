@@ -15,7 +15,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fromp._checks import check_class_targets, check_positive, check_vogn_hyper
+from fromp._checks import (
+    check_class_targets,
+    check_positive,
+    check_prior_precision,
+    check_vogn_hyper,
+)
 from fromp.likelihood import Likelihood, get_likelihood
 
 __all__ = [
@@ -84,9 +89,12 @@ def check_ivon_hyper(group: dict[str, Any], where: str = "") -> None:
         raise ValueError(f"{where}ess={group['ess']!r} is too small: the posterior's scale "
                          "1 / sqrt(ess) overflows float32")  # fmt: skip
     check_betas(group["betas"], where)
-    d = group["prior_precision"]
-    if not _finite(d) or not d >= 0:
-        raise ValueError(f"{where}prior_precision must be a finite float >= 0, got {d!r}")
+    d = check_prior_precision(
+        group["prior_precision"], allow_zero=True, name=f"{where}prior_precision"
+    )
+    if d / float(group["ess"]) > _SCALE_MAX:  # the weight decay delta / N of the step
+        raise ValueError(f"{where}prior_precision / ess = {d!r} / {group['ess']!r} overflows "
+                         "float32: ess is too small")  # fmt: skip
     mc = group["mc_samples"]
     if isinstance(mc, bool) or not isinstance(mc, int) or mc < 1:
         raise ValueError(f"{where}mc_samples must be an int >= 1, got {mc!r}")
@@ -171,8 +179,9 @@ def check_vogn_state(vogn: Any, size: int) -> None:
     init_s = vogn["init_s"]
     if init_s is not None and (not isinstance(init_s, Tensor) or init_s.shape != (size,)):
         raise ValueError(f"vogn state's 'init_s' must be None or a [P]=[{size}] tensor")
-    if not bool((vogn["prior_precision"] > 0).all()):
-        raise ValueError("vogn state's 'prior_precision' must be strictly positive")
+    check_prior_precision(
+        vogn["prior_precision"], sizes={"P": size}, name="vogn state's 'prior_precision'"
+    )
     n = vogn["train_set_size"]
     if n is not None and (isinstance(n, bool) or not isinstance(n, int | float) or not n > 0):
         raise ValueError(f"vogn state's train_set_size (ess) must be a positive number, got {n!r}")

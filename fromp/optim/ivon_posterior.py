@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fromp._checks import check_prior_precision
 from fromp.posterior import DiagonalGaussian
 
 __all__ = ["IVONPosterior"]
@@ -59,10 +60,9 @@ class IVONPosterior:
             (group, p), st = pairs[i], states[i]
             m0 = st.get("prior_mean", torch.zeros_like(p))
             p0 = st.get("prior_precision")
-            if p0 is None:
-                if group["prior_precision"] == 0:
-                    raise ValueError("prior(): prior_precision is 0, the prior is improper")
-                p0 = torch.full_like(p, float(group["prior_precision"]))
+            if p0 is None:  # 0 is allowed in training (no prior), not here
+                name = "prior(): prior_precision (0: an improper prior)"
+                p0 = torch.full_like(p, check_prior_precision(group["prior_precision"], name=name))
             means.append(m0.reshape(-1))
             precs.append(p0.reshape(-1))
         return DiagonalGaussian(torch.cat(means).clone(), torch.cat(precs).clone())

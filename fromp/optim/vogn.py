@@ -66,7 +66,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fromp._checks import check_chunk_size, check_positive, check_vogn_groups
+from fromp._checks import (
+    check_chunk_size,
+    check_positive,
+    check_prior_precision,
+    check_vogn_groups,
+)
 from fromp.distributed import is_distributed, mean_over_ranks
 from fromp.likelihood import Likelihood
 from fromp.optim._contract import (
@@ -276,17 +281,18 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
                 )
             prior_precision = prior_mean.precision
             prior_mean = prior_mean.mean
-        delta = _as_vector(
-            1.0 if prior_precision is None else prior_precision, mu, "prior_precision"
+        delta = check_prior_precision(
+            1.0 if prior_precision is None else prior_precision, sizes={"P": len(mu)}, like=mu
         )
+        delta = delta.detach().expand_as(mu).clone()  # type: ignore[union-attr]
         i = 0
         for group, d in zip(self.param_groups, group_deltas):
             k = sum(p.numel() for p in group["params"])
             if d is not None:
-                delta[i : i + k] = check_positive(d, "prior_precision of a parameter group")
+                delta[i : i + k] = check_prior_precision(
+                    d, name="prior_precision of a parameter group"
+                )
             i += k
-        if not (torch.isfinite(delta).all() and (delta > 0).all()):
-            raise ValueError("prior_precision must be finite and strictly positive")
         mu0 = (
             torch.zeros_like(mu) if prior_mean is None else _as_vector(prior_mean, mu, "prior_mean")
         )
@@ -947,8 +953,9 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
         state = state_dict.get("state", {})
         check_param_state(state, self.params, _REQUIRED, "VOGN")
         for i, st in state.items():
-            if not bool((st["prior_precision"] > 0).all()):
-                raise ValueError(f"VOGN state[{i}]['prior_precision'] must be strictly positive")
+            d = st["prior_precision"].reshape(-1)  # its shape: check_param_state's
+            name = f"VOGN state[{i}]['prior_precision']"
+            check_prior_precision(d, sizes={"numel": len(d)}, name=name)
         super().load_state_dict(state_dict)
         for p in self.params:  # own copies: torch's load may share the caller's tensors
             st = self.state[p]
