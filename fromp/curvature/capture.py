@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, jacrev
 
 from fromp._checks import check_chunk_size
+from fromp.curvature.hooks import forward_hooks
 from fromp.curvature.jacobian import over_examples
 from fromp.curvature.layer_rules import (
     DEFAULT_MEMORY_BUDGET,
@@ -155,12 +156,8 @@ def capture_calls(modules: list[nn.Module]) -> Iterator[list[LayerCall]]:
         calls.append(LayerCall(m, inputs[0].detach(), output))
         return output.clone() if output.requires_grad else output
 
-    handles = [m.register_forward_hook(hook) for m in modules]
-    try:
+    with forward_hooks(modules, hook):
         yield calls
-    finally:
-        for h in handles:
-            h.remove()
 
 
 # ----------------------------------------------------------------------------- the plan

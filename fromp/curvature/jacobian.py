@@ -23,6 +23,7 @@ from torch.func import functional_call, jacrev, vjp, vmap
 from torch.func import jvp as _jvp
 
 from fromp._checks import check_batch, check_chunk_size
+from fromp.curvature.hooks import forward_hooks
 
 __all__ = [
     "CPU_MEMORY_BUDGET",
@@ -320,13 +321,8 @@ def forward_numel(model: nn.Module, x0: Tensor) -> tuple[int, int, int]:
                 unfold[0] = max(unfold[0], spatial * m.weight[0].numel())
 
     leaves = [m for m in model.modules() if not list(m.children())]
-    handles = [m.register_forward_hook(hook) for m in leaves]
-    try:
-        with torch.no_grad():
-            out = model(x0)
-    finally:
-        for h in handles:
-            h.remove()
+    with forward_hooks(leaves, hook), torch.no_grad():
+        out = model(x0)
     if not isinstance(out, Tensor):
         raise ValueError(f"model output must be a tensor, got {type(out).__name__}")
     sizes.append(out.numel())

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from fromp._checks import check_batch
+from fromp.curvature.hooks import forward_hooks
 from fromp.likelihood import Likelihood, get_likelihood
 
 __all__ = ["last_layer_features", "last_layer_ggn"]
@@ -31,13 +32,9 @@ def last_layer_features(model: nn.Module, x: Tensor) -> tuple[Tensor, nn.Linear]
     def hook(mod: nn.Module, inp: tuple[Tensor, ...], out: Tensor) -> None:
         calls.append((mod, inp[0], out))  # type: ignore[arg-type]
 
-    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, nn.Linear)]
-    try:
-        with torch.no_grad():
-            f = model(x)
-    finally:
-        for h in handles:
-            h.remove()
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    with forward_hooks(linears, hook), torch.no_grad():
+        f = model(x)
     if not calls:
         raise ValueError(f"model must end in an nn.Linear layer; {type(model).__name__} has none")
     if not bool(torch.isfinite(f).all()):

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from fromp._checks import check_batch, check_prior_precision, not_on_meta, require_eval
+from fromp.curvature.hooks import forward_hooks
 
 __all__ = [
     "at_fit",
@@ -163,14 +164,10 @@ def _last_linear(model: nn.Module, x: Tensor) -> tuple[str, nn.Module] | None:
     """The last ``nn.Linear`` called in a forward pass of ``x`` and its name."""
     seen: list[nn.Module] = []
     hook = lambda m, i, o: seen.append(m)  # noqa: E731
-    handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, nn.Linear)]
-    try:
-        device = next(p for p in model.parameters()).device
-        with torch.no_grad():
-            model(x[:1].to(device))
-    finally:
-        for h in handles:
-            h.remove()
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    device = next(p for p in model.parameters()).device
+    with forward_hooks(linears, hook), torch.no_grad():
+        model(x[:1].to(device))
     if not seen:
         return None
     layer = seen[-1]

@@ -32,6 +32,7 @@ from fromp._checks import (
     check_tensor,
     warn_renamed,
 )
+from fromp.curvature.hooks import forward_hooks
 from fromp.curvature.last_layer import augment_features, last_layer_features, last_layer_ggn
 from fromp.likelihood import CategoricalLikelihood, Likelihood, get_likelihood
 from fromp.memory.sensitivity import (
@@ -409,12 +410,10 @@ class LOOTracker:
             raise ValueError(
                 f"model must end in an nn.Linear layer; {type(model).__name__} has none"
             )
-        handles = [m.register_forward_hook(hook) for m in linears]
         try:
-            yield self
+            with forward_hooks(linears, hook):
+                yield self
         finally:
-            for h in handles:
-                h.remove()
             self._pending = None
 
     def observe(self, y: Tensor) -> None:
