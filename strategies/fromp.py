@@ -154,28 +154,20 @@ class FROMPPlugin(SupervisedPlugin):
         self._weighted = None
         if len(self.regularizer) == 0:
             return
-        context = self._context_term(strategy)
-        replay = self.method.replay
-        if (self.tau == 0 or self._penalty_at_mean) and not replay:
-            if context is not None:
-                strategy.loss = strategy.loss + context
-                self._weighted = context.detach()
-            return
-        pen, rep = self.method.terms(unwrap(strategy.model))
-        if rep is not None:  # the coreset's loss is part of the data term
-            strategy.loss = strategy.loss + rep.to(strategy.loss.dtype)
-        if self.tau == 0 or self._penalty_at_mean:
-            if context is not None:
-                strategy.loss = strategy.loss + context
-                self._weighted = context.detach()
-            return
-        self._last_penalty = pen.detach()
-        weighted = self.tau * pen.to(strategy.loss.dtype)
-        self._check_dominance(weighted, strategy.loss)
-        if context is not None:
-            weighted = weighted + context
-        strategy.loss = strategy.loss + weighted
-        self._weighted = weighted.detach()
+        weighted = self._context_term(strategy)
+        penalised = self.tau != 0 and not self._penalty_at_mean
+        if penalised or self.method.replay:
+            pen, rep = self.method.terms(unwrap(strategy.model))
+            if rep is not None:  # the coreset's loss is part of the data term
+                strategy.loss = strategy.loss + rep.to(strategy.loss.dtype)
+            if penalised:
+                self._last_penalty = pen.detach()
+                fromp_term = self.tau * pen.to(strategy.loss.dtype)
+                self._check_dominance(fromp_term, strategy.loss)
+                weighted = fromp_term if weighted is None else fromp_term + weighted
+        if weighted is not None:
+            strategy.loss = strategy.loss + weighted
+            self._weighted = weighted.detach()
 
     def _context_term(self, strategy: Any) -> Tensor | None:
         """``context_tau`` times :meth:`FROMPMethod.context_penalty` on the mini-batch,

@@ -12,8 +12,8 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from _probe import LossProbe
 from avalanche.benchmarks.scenarios.deprecated.generators import tensors_benchmark
-from avalanche.core import SupervisedPlugin
 from avalanche.models import IncrementalClassifier
 from fromp_avalanche.fromp import FROMP
 from torch import nn
@@ -54,25 +54,6 @@ def _stream(seed: int = 0):
     return tensors_benchmark(train, test, task_labels=[0] * N_EXP)
 
 
-class _Probe(SupervisedPlugin):
-    """Records, at each training step, the loss FROMP handed to the backward pass, the
-    cross-entropy of the mini-batch and a copy of the model (after the plugins before it)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.steps: list[dict] = []
-
-    def before_backward(self, strategy, **kwargs):
-        self.steps.append(
-            {
-                "exp": strategy.experience.current_experience,
-                "loss": float(strategy.loss),
-                "ce": float(F.cross_entropy(strategy.mb_output, strategy.mb_y)),
-                "net": copy.deepcopy(strategy.model) if len(self.steps) < 400 else None,
-            }
-        )
-
-
 @contextlib.contextmanager
 def _float64():
     """float64 by default (the heads IncrementalClassifier grows are built in it)."""
@@ -92,7 +73,7 @@ def _train(tau: float = 10.0, replay: bool = False, n_points: int = 6):
 def _train64(tau: float, replay: bool, n_points: int):
     torch.manual_seed(0)
     net = _Net().double()
-    probe = _Probe()
+    probe = LossProbe()
     strategy = FROMP(
         model=net,
         optimizer=torch.optim.Adam(net.parameters(), lr=1e-2),
@@ -220,7 +201,7 @@ def _upto64(exp: int, replay: bool):
         train_epochs=2,
         eval_mb_size=50,
         evaluator=None,
-        plugins=[_Probe()],
+        plugins=[LossProbe()],
         tau=10.0,
         n_points=6,
         replay=replay,

@@ -12,8 +12,8 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from _probe import LossProbe
 from avalanche.benchmarks.scenarios.deprecated.generators import tensors_benchmark
-from avalanche.core import SupervisedPlugin
 from fromp_avalanche.fromp import FROMP
 from torch import nn
 
@@ -149,32 +149,22 @@ def test_bad_context_tau_refused(bad):
         FROMPMethod(context_tau=True)
 
 
-class _Probe(SupervisedPlugin):
-    """The loss handed to the backward pass, the batch, its outputs and CE, per step."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.steps: list[dict] = []
+class _PenaltyProbe(LossProbe):
+    """Also records FROMP's ``tau * R`` of the step (its plugin runs first)."""
 
     def before_backward(self, strategy, **kwargs):
-        self.steps.append(
-            {
-                "exp": strategy.experience.current_experience,
-                "loss": float(strategy.loss),
-                "ce": float(F.cross_entropy(strategy.mb_output, strategy.mb_y)),
-                "x": strategy.mb_x.detach().clone(),
-                "out": strategy.mb_output.detach().clone(),
-            }
-        )
+        super().before_backward(strategy, **kwargs)
+        self.steps[-1]["tau_r"] = strategy.plugin.last_weighted_penalty
 
 
-def test_plugin_adds_context_tau_times_the_term_after_tasks_2_and_3():
-    """Through the Avalanche strategy (tau = 0: the context term alone): the loss handed to
-    the backward pass is CE + context_tau * term, the term by hand from a snapshot of the
-    network after the previous experience; the logged loss is CE alone."""
+@pytest.mark.parametrize("tau", [0.0, 1.0])
+def test_plugin_adds_context_tau_times_the_term_after_tasks_2_and_3(tau):
+    """Through the Avalanche strategy: the loss handed to the backward pass is CE + tau * R
+    + context_tau * term, the term by hand from a snapshot of the network after the
+    previous experience (tau = 0: the context term alone; tau = 1: both, neither dropped)."""
     train, test = _data()
     net = _net()
-    probe = _Probe()
+    probe = _PenaltyProbe()
     strategy = FROMP(
         model=net,
         optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
@@ -183,7 +173,7 @@ def test_plugin_adds_context_tau_times_the_term_after_tasks_2_and_3():
         eval_mb_size=50,
         evaluator=None,
         plugins=[probe],
-        tau=0.0,
+        tau=tau,
         n_points=4,
         function="logits",
         context_tau=0.7,
@@ -200,4 +190,6 @@ def test_plugin_adds_context_tau_times_the_term_after_tasks_2_and_3():
         for s in steps[1:]:  # the weights have moved since learn_task
             term = _expected(s["out"], s["x"], snapshots[e - 1], units, "logits")
             assert float(term) > 0
-            assert s["loss"] == pytest.approx(s["ce"] + 0.7 * float(term), rel=1e-5)
+            assert (s["tau_r"] > 0) == (tau > 0)
+            expected = s["ce"] + s["tau_r"] + 0.7 * float(term)
+            assert s["loss"] == pytest.approx(expected, rel=1e-5)
