@@ -318,8 +318,8 @@ BUGS: tuple[Bug, ...] = (
        T + "test_batchnorm_fromp.py::test_penalty_never_writes_running_buffers_nor_the_mode"),
     _b("fromp_tau_twice", "applied twice", "the plugin adds τ² R to the loss",
        "strategies/fromp.py",
-       "weighted = self.tau * pen.to(strategy.loss.dtype)",
-       "weighted = self.tau * self.tau * pen.to(strategy.loss.dtype)",
+       "fromp_term = self.tau * pen.to(strategy.loss.dtype)",
+       "fromp_term = self.tau * self.tau * pen.to(strategy.loss.dtype)",
        T + "test_class_incremental.py::test_penalty_matches_dense_float64_after_tasks_2_and_3"),
     # ---------------------------------------------------------------- EWC
     _b("ewc_penalty_batch_dropped", "dropped factor",
