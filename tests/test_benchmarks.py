@@ -365,6 +365,24 @@ def test_class_incremental_sequence_has_global_labels_and_one_head():
         class_incremental(seq)
 
 
+def test_split_mnist_ci_standardises_pixels_as_avalanche_splitmnist(tmp_path):
+    # Avalanche's default MNIST transform: ToTensor (pixels / 255) then Normalize(0.1307,
+    # 0.3081); the multi-head split MNIST keeps FROMP's raw [0, 1] pixels
+    from fromp_bench.data import split_mnist, split_mnist_ci
+    from test_integrity import write_mnist
+
+    write_mnist(tmp_path, n_train=100, n_test=50)
+    raw = split_mnist(tmp_path, download=False)
+    ci = split_mnist_ci(tmp_path, download=False)
+    for t, r in zip(ci, raw):
+        assert float(r.train_x.min()) >= 0 and float(r.train_x.max()) <= 1
+        for got, pix in ((t.train_x, r.train_x), (t.test_x, r.test_x)):
+            expected = (pix.double() * 255).round() / 255  # the stored bytes
+            want = (expected - 0.1307) / 0.3081
+            torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+        assert t.train_y.tolist() == (r.train_y + 2 * r.task_id).tolist()
+
+
 @pytest.mark.parametrize("name", ["split-mnist-ci", "split-digits-ci"])
 def test_class_incremental_benchmarks_share_protocol_and_memory(name):
     bench = get_benchmark(name)

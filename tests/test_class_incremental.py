@@ -65,12 +65,12 @@ def _float64():
         torch.set_default_dtype(old)
 
 
-def _train(tau: float = 10.0, replay: bool = False, n_points: int = 6):
+def _train(tau: float = 10.0, replay: bool = False, n_points: int = 6, replay_weight: float = 1.0):
     with _float64():
-        return _train64(tau, replay, n_points)
+        return _train64(tau, replay, n_points, replay_weight)
 
 
-def _train64(tau: float, replay: bool, n_points: int):
+def _train64(tau: float, replay: bool, n_points: int, replay_weight: float = 1.0):
     torch.manual_seed(0)
     net = _Net().double()
     probe = LossProbe()
@@ -85,6 +85,7 @@ def _train64(tau: float, replay: bool, n_points: int):
         tau=tau,
         n_points=n_points,
         replay=replay,
+        replay_weight=replay_weight,
     )
     snapshots = []  # the model right after each experience's learn_task
     bm = _stream()
@@ -184,14 +185,14 @@ def test_penalty_matches_dense_float64_after_tasks_2_and_3(trained):
         assert step["loss"] - step["ce"] > 0
 
 
-def _train_memories_upto(exp: int, replay: bool = False):
+def _train_memories_upto(exp: int, replay: bool = False, replay_weight: float = 1.0):
     """The strategy trained on the first ``exp`` experiences (same seed): its memorable sets
     are those that were regularising experience ``exp``."""
     with _float64():
-        return _upto64(exp, replay)
+        return _upto64(exp, replay, replay_weight)
 
 
-def _upto64(exp: int, replay: bool):
+def _upto64(exp: int, replay: bool, replay_weight: float = 1.0):
     torch.manual_seed(0)
     net = _Net().double()
     strategy = FROMP(
@@ -205,6 +206,7 @@ def _upto64(exp: int, replay: bool):
         tau=10.0,
         n_points=6,
         replay=replay,
+        replay_weight=replay_weight,
     )
     for e in list(_stream().train_stream)[:exp]:
         strategy.train(e)
@@ -221,8 +223,9 @@ def test_penalty_is_finite_and_of_the_order_of_the_loss(trained):
     assert not any("dominates" in str(w.message) for w in caught)
 
 
-def test_replay_adds_the_memorable_points_loss_under_their_labels():
-    strategy, net, probe, snapshots, _ = _train(replay=True)
+@pytest.mark.parametrize("weight", [1.0, 2.5])
+def test_replay_adds_the_memorable_points_loss_under_their_labels(weight):
+    strategy, net, probe, snapshots, _ = _train(replay=True, replay_weight=weight)
     method = strategy.plugin.method
     # each earlier task's coreset stands in for its data term (weight 1, as the current
     # task's mean loss): the sum over the sets of each set's mean cross-entropy
@@ -230,16 +233,47 @@ def test_replay_adds_the_memorable_points_loss_under_their_labels():
     assert len(sets) == 3
     expected = sum(F.cross_entropy(net(m.inputs), m.labels) for m in sets)
     torch.testing.assert_close(method.regularizer.replay_loss(net), expected)
-    # in training: loss = CE(batch) + replay + tau * R, the replay part checked at the
+    # the method's replay term carries replay_weight, the regulariser's does not
+    torch.testing.assert_close(method.terms(net)[1], weight * expected)
+    # in training: loss = CE(batch) + w * replay + tau * R, the replay part checked at the
     # second step of experiences 2 (one memorable set) and 3 (two sets)
     for exp in (1, 2):
         step = [s for s in probe.steps if s["exp"] == exp][1]
-        upto = _train_memories_upto(exp, replay=True)
+        upto = _train_memories_upto(exp, replay=True, replay_weight=weight)
         mems = upto.plugin.regularizer.memories
         assert len(mems) == exp
         replay = sum(float(F.cross_entropy(step["net"](m.inputs), m.labels)) for m in mems)
         pen = float(method.tau) * float(_dense_penalty(step["net"], snapshots[exp - 1], upto))
-        assert step["loss"] == pytest.approx(step["ce"] + replay + pen, rel=1e-6)
+        assert step["loss"] == pytest.approx(step["ce"] + weight * replay + pen, rel=1e-6)
+
+
+def test_replay_weight_is_checked_saved_and_refused_on_mismatch():
+    from fromp import FROMPMethod
+
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="replay_weight"):
+            FROMPMethod(replay=True, replay_weight=bad)
+    for bad in (True, "2", None):
+        with pytest.raises(TypeError, match="replay_weight"):
+            FROMPMethod(replay=True, replay_weight=bad)
+    with pytest.raises(ValueError, match="replay=True"):
+        FROMPMethod(replay_weight=2.0)  # no coreset to weigh
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(D, 12), nn.Tanh(), nn.Linear(12, 2 * N_EXP)).double()
+    method = FROMPMethod(n_points=6, replay=True, replay_weight=3.0)
+    from fromp_avalanche.benchmarks import experience_tensors
+
+    x, y, _ = experience_tensors(_stream().train_stream[0].dataset)
+    method.learn_task(net, x, y, None)
+    state = method.state_dict()
+    assert state["replay_weight"] == 3.0
+    same = FROMPMethod(n_points=6, replay=True, replay_weight=3.0)
+    same.load_state_dict(state)
+    torch.testing.assert_close(same.terms(net)[1], method.terms(net)[1])
+    with pytest.raises(ValueError, match="replay_weight"):
+        FROMPMethod(n_points=6, replay=True).load_state_dict(state)
+    older = {k: v for k, v in state.items() if k != "replay_weight"}  # before the setting
+    FROMPMethod(n_points=6, replay=True, replay_weight=3.0).load_state_dict(older)
 
 
 def test_fixed_head_regularised_on_the_classes_trained_so_far():

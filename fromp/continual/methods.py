@@ -67,6 +67,7 @@ _BN_STATISTICS = ("stored", "live", "batch")
 _SETTINGS = (
     "n_points",
     "replay",  # before select: replay=True changes select's default, name the cause
+    "replay_weight",
     "select",
     "prior_precision",
     "posterior",
@@ -155,6 +156,13 @@ class FROMPMethod:
             Useful when one head sees classes one experience at a time (class-incremental
             streams), where a penalty on the function alone does not teach the head to tell
             old classes from new ones.
+        replay_weight: ``w`` in the replay loss ``w sum_s mean_{m in s} -log p(y_m | x_m)``
+            (``replay=True`` only; 1, the default: each earlier task's set weighs as the
+            current task's mean loss, the data term of tasks of equal size). ``w > 1``
+            weighs the few stored points of the old classes above the new classes' data,
+            against the bias of a small memory towards the newest classes on one head
+            (class-incremental split MNIST: see ``docs/results-details.md``); a setting to
+            select on validation, not a term of the posterior.
         bn_statistics: the batch-norm statistics the memorable points are evaluated with
             (targets, kernels and penalty): ``"stored"`` (default) those of the running
             buffers at the last :meth:`learn_task` (what the network computed at test after
@@ -207,6 +215,7 @@ class FROMPMethod:
         seed: int = 0,
         ivon_penalty: str = "mean",
         replay: bool = False,
+        replay_weight: float = 1.0,
         bn_statistics: str = "stored",
         context_tau: float = 0.0,
     ) -> None:
@@ -239,6 +248,14 @@ class FROMPMethod:
             )
         if not isinstance(replay, bool):
             raise TypeError(f"replay must be a bool, got {replay!r}")
+        if isinstance(replay_weight, bool) or not isinstance(replay_weight, (int, float)):
+            raise TypeError(f"replay_weight must be a number, got {type(replay_weight).__name__}")
+        if not (replay_weight > 0 and math.isfinite(replay_weight)):
+            raise ValueError(f"replay_weight must be a finite number > 0, got {replay_weight!r}")
+        if replay_weight != 1 and not replay:
+            raise ValueError(
+                f"replay_weight={replay_weight!r} weighs the coreset's loss: it needs replay=True"
+            )
         if bn_statistics not in _BN_STATISTICS:
             raise ValueError(
                 f"bn_statistics must be one of {_BN_STATISTICS}, got {bn_statistics!r}"
@@ -270,6 +287,7 @@ class FROMPMethod:
         self.previous: nn.Module | None = None
         self._previous_state: dict[str, Tensor] | None = None
         self.replay = replay
+        self.replay_weight = float(replay_weight)
         self.bn_statistics = bn_statistics
         # bn_statistics="stored": the normalisation layers' running statistics at the last
         # learn_task (those the targets and kernels were computed with), by buffer name
@@ -331,9 +349,9 @@ class FROMPMethod:
 
     def terms(self, net: nn.Module) -> tuple[Tensor, Tensor | None]:
         """``(R(w), replay loss)`` from one forward pass of the memorable points (one call
-        per head at most); the replay loss (summed over the earlier tasks, the mean negative
-        log-likelihood of each one's memorable points under their labels) is None unless
-        ``replay=True``.
+        per head at most); the replay loss (``replay_weight`` times the sum over the earlier
+        tasks of the mean negative log-likelihood of each one's memorable points under
+        their labels) is None unless ``replay=True``.
 
         The forward runs in eval mode (no dropout) and, with ``bn_statistics="stored"``,
         with the normalisation layers' running statistics of the last :meth:`learn_task`
@@ -344,7 +362,10 @@ class FROMPMethod:
         ``"live"``: the running statistics of the moment (which drift with the new task's
         batches, so ``R`` is not 0 at the old weights)."""
         with self._memorable_mode(net):
-            return self.regularizer.terms(net, replay=self.replay)
+            pen, rep = self.regularizer.terms(net, replay=self.replay)
+        if rep is not None and self.replay_weight != 1:
+            rep = self.replay_weight * rep
+        return pen, rep
 
     def context_penalty(self, output: Tensor, x: Tensor, task: int | None = None) -> Tensor:
         """``1/2 mean_b ||g(x_b; w)_S - g(x_b; w_prev)_S||^2`` (see ``context_tau``): the
@@ -679,6 +700,7 @@ class FROMPMethod:
             "function": self.function,
             "jitter": self.regularizer.jitter,
             "replay": self.replay,
+            "replay_weight": self.replay_weight,
             "bn_statistics": self.bn_statistics,
             "context_tau": self.context_tau,
             "previous": (
