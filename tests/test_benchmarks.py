@@ -457,3 +457,36 @@ def test_experience_replay_keeps_its_memory_per_experience_and_restores_it():
             assert torch.equal(again["groups"][k][key], state["groups"][k][key])
     with pytest.raises(ValueError, match="mem_per_experience"):
         ExperienceReplay(model=net, optimizer=opt, mem_per_experience=0)
+
+
+def test_each_run_seed_draws_its_own_memory(monkeypatch):
+    # FROMP's random memorable points (and VCL's coresets) come from the method's own
+    # generator: a runner that left its seed at the default gave every run seed the same
+    # memory, so the spread over seeds hid the memory's draw
+    from fromp_bench.runner import strategy_kwargs
+
+    from fromp import FROMPMethod
+
+    drawn: dict[int, list] = {}
+    learn = FROMPMethod.learn_task
+
+    def spy(self, net, x, y, task, *args, **kwargs):
+        out = learn(self, net, x, y, task, *args, **kwargs)
+        drawn.setdefault(self.seed, []).append(self.regularizer.memories[-1].inputs.clone())
+        return out
+
+    monkeypatch.setattr(FROMPMethod, "learn_task", spy)
+    kw = dict(n_train=40, n_test=10, overrides={"train_epochs": 1}, progress=False)
+    for seed in (0, 1):
+        run(RunConfig("split-digits-ci", "fromp-coreset", seed=seed, **kw))
+    assert sorted(drawn) == [0, 1]  # the method got the run's seed
+    assert not torch.equal(drawn[0][0], drawn[1][0])  # and drew other points
+    # a seed named in the settings wins, for every run seed
+    drawn.clear()
+    pinned = {**kw, "overrides": {"train_epochs": 1, "kwargs": {"seed": 7}}}
+    for seed in (0, 1):
+        run(RunConfig("split-digits-ci", "fromp-coreset", seed=seed, **pinned))
+    assert list(drawn) == [7] and torch.equal(drawn[7][0], drawn[7][5])
+    # strategies without a seed argument are left as they were
+    assert strategy_kwargs(torch.nn.Linear, {"in_features": 2}, 3) == {"in_features": 2}
+    assert strategy_kwargs(FROMPMethod, {}, 3) == {"seed": 3}
