@@ -459,12 +459,15 @@ def _shard(seq: TaskSequence) -> TaskSequence:
 
 def strategy_kwargs(cls: Any, kwargs: Mapping[str, Any], seed: int) -> dict[str, Any]:
     """The strategy's keyword arguments for a run of ``seed``: ``kwargs`` and, for a strategy
-    that takes a ``seed`` of its own (FROMP's random memorable points and curvature
-    subsample, VCL's coresets and batches) that ``kwargs`` does not set, the run's seed, so
-    that every random choice changes with the run's seed, as Replay's buffer draws do (a
-    fixed ``seed=0`` gave every run of class-incremental split MNIST the same memory)."""
+    whose own ``seed`` defaults to a fixed number (FROMP's ``seed=0``: its random memorable
+    points and curvature subsample) and that ``kwargs`` does not set, the run's seed, so
+    that every random choice changes with the run's seed, as Replay's buffer draws do (the
+    fixed default gave every run of class-incremental split MNIST the same memory). A
+    ``seed`` defaulting to None (VCL's) already draws from the global generator, which the
+    run's seed sets; it is left as it is."""
     out = dict(kwargs)
-    if "seed" not in out and "seed" in inspect.signature(cls).parameters:
+    param = inspect.signature(cls).parameters.get("seed")
+    if "seed" not in out and param is not None and param.default is not None:
         out["seed"] = seed
     return out
 

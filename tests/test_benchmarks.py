@@ -460,9 +460,9 @@ def test_experience_replay_keeps_its_memory_per_experience_and_restores_it():
 
 
 def test_each_run_seed_draws_its_own_memory(monkeypatch):
-    # FROMP's random memorable points (and VCL's coresets) come from the method's own
-    # generator: a runner that left its seed at the default gave every run seed the same
-    # memory, so the spread over seeds hid the memory's draw
+    # FROMP's random memorable points come from the method's own generator: a runner that
+    # left its seed at the default (0) gave every run seed the same memory, so the spread
+    # over seeds hid the memory's draw
     from fromp_bench.runner import strategy_kwargs
 
     from fromp import FROMPMethod
@@ -487,6 +487,10 @@ def test_each_run_seed_draws_its_own_memory(monkeypatch):
     for seed in (0, 1):
         run(RunConfig("split-digits-ci", "fromp-coreset", seed=seed, **pinned))
     assert list(drawn) == [7] and torch.equal(drawn[7][0], drawn[7][5])
-    # strategies without a seed argument are left as they were
+    # strategies without a seed argument, or whose seed defaults to None (VCL's: drawn from
+    # the global generator, which the run's seed sets), are left as they were
+    from fromp_avalanche.vcl import VCL
+
     assert strategy_kwargs(torch.nn.Linear, {"in_features": 2}, 3) == {"in_features": 2}
+    assert strategy_kwargs(VCL, {"coreset_size": 2}, 3) == {"coreset_size": 2}
     assert strategy_kwargs(FROMPMethod, {}, 3) == {"seed": 3}
