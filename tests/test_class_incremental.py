@@ -65,34 +65,38 @@ def _float64():
         torch.set_default_dtype(old)
 
 
-def _train(tau: float = 10.0, replay: bool = False, n_points: int = 6, replay_weight: float = 1.0):
+def _train(
+    tau: float = 10.0,
+    replay: bool = False,
+    n_points: int = 6,
+    replay_weight: float = 1.0,
+    n_exp: int = N_EXP,
+):
+    """FROMP trained on the first ``n_exp`` experiences (seed 0), float64: ``(strategy, net,
+    probe, snapshots, benchmark)``, ``snapshots`` the model right after each experience."""
     with _float64():
-        return _train64(tau, replay, n_points, replay_weight)
-
-
-def _train64(tau: float, replay: bool, n_points: int, replay_weight: float = 1.0):
-    torch.manual_seed(0)
-    net = _Net().double()
-    probe = LossProbe()
-    strategy = FROMP(
-        model=net,
-        optimizer=torch.optim.Adam(net.parameters(), lr=1e-2),
-        train_mb_size=10,
-        train_epochs=2,
-        eval_mb_size=50,
-        evaluator=None,
-        plugins=[probe],
-        tau=tau,
-        n_points=n_points,
-        replay=replay,
-        replay_weight=replay_weight,
-    )
-    snapshots = []  # the model right after each experience's learn_task
-    bm = _stream()
-    for exp in bm.train_stream:
-        strategy.train(exp)
-        snapshots.append(copy.deepcopy(net))
-    return strategy, net, probe, snapshots, bm
+        torch.manual_seed(0)
+        net = _Net().double()
+        probe = LossProbe()
+        strategy = FROMP(
+            model=net,
+            optimizer=torch.optim.Adam(net.parameters(), lr=1e-2),
+            train_mb_size=10,
+            train_epochs=2,
+            eval_mb_size=50,
+            evaluator=None,
+            plugins=[probe],
+            tau=tau,
+            n_points=n_points,
+            replay=replay,
+            replay_weight=replay_weight,
+        )
+        snapshots = []
+        bm = _stream()
+        for exp in list(bm.train_stream)[:n_exp]:
+            strategy.train(exp)
+            snapshots.append(copy.deepcopy(net))
+        return strategy, net, probe, snapshots, bm
 
 
 def _dense_penalty(net: nn.Module, at_task: nn.Module, strategy) -> torch.Tensor:
@@ -188,29 +192,7 @@ def test_penalty_matches_dense_float64_after_tasks_2_and_3(trained):
 def _train_memories_upto(exp: int, replay: bool = False, replay_weight: float = 1.0):
     """The strategy trained on the first ``exp`` experiences (same seed): its memorable sets
     are those that were regularising experience ``exp``."""
-    with _float64():
-        return _upto64(exp, replay, replay_weight)
-
-
-def _upto64(exp: int, replay: bool, replay_weight: float = 1.0):
-    torch.manual_seed(0)
-    net = _Net().double()
-    strategy = FROMP(
-        model=net,
-        optimizer=torch.optim.Adam(net.parameters(), lr=1e-2),
-        train_mb_size=10,
-        train_epochs=2,
-        eval_mb_size=50,
-        evaluator=None,
-        plugins=[LossProbe()],
-        tau=10.0,
-        n_points=6,
-        replay=replay,
-        replay_weight=replay_weight,
-    )
-    for e in list(_stream().train_stream)[:exp]:
-        strategy.train(e)
-    return strategy
+    return _train(replay=replay, replay_weight=replay_weight, n_exp=exp)[0]
 
 
 def test_penalty_is_finite_and_of_the_order_of_the_loss(trained):
