@@ -301,6 +301,13 @@ def _check_weights(model: torch.nn.Module, saved: Mapping[str, Any], path: Path)
                                   f"strategy's model {tuple(value.shape)}")  # fmt: skip
 
 
+def _grows(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds an Avalanche dynamic module (one that adapts to experiences)."""
+    from avalanche.models import DynamicModule
+
+    return any(isinstance(m, DynamicModule) for m in model.modules())
+
+
 def _adapted_copy(strategy: Any, stream: Sequence[Any], done: int) -> torch.nn.Module:
     """A copy of the strategy's model adapted to the first ``done`` experiences (the
     strategy's own model is not touched)."""
@@ -361,7 +368,15 @@ def load_checkpoint(
             f"checkpoint {path} was taken after {done} experiences, the stream has {len(stream)}"
         )
     target = _adapted_copy(strategy, stream, done) if stream is not None else strategy.model
-    _check_weights(target, state["model"], path)
+    try:
+        _check_weights(target, state["model"], path)
+    except CheckpointError as err:
+        if stream is None and _grows(strategy.model):
+            raise CheckpointError(
+                f"{err}; the model grows with the experiences (Avalanche dynamic modules): "
+                "pass load_checkpoint(..., stream=the training stream)"
+            ) from None
+        raise
     cuda = list(state["rng"].get("cuda") or [])
     if cuda and torch.cuda.is_available() and len(cuda) != torch.cuda.device_count():
         raise CheckpointError(f"checkpoint {path} holds RNG states of {len(cuda)} CUDA devices, "

@@ -353,6 +353,27 @@ def test_checkpoint_in_a_user_loop_resumes_exactly(method, device, tmp_path):
         torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
 
 
+def test_checkpoint_of_a_grown_model_without_the_stream_says_to_pass_it(tmp_path):
+    """A grown head loaded into a fresh (ungrown) model without ``stream=``: refused, naming
+    the argument, before anything is changed."""
+    from fromp_avalanche.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+    stream = _benchmark(task_labels=True).train_stream
+    path = tmp_path / "ckpt.pt"
+    strategy = _user_strategy("fromp", "mt", "cpu")
+    for exp in list(stream)[:2]:
+        strategy.train(exp)
+    save_checkpoint(strategy, path, experiences_done=2)
+    fresh = _user_strategy("fromp", "mt", "cpu")
+    before = {k: v.clone() for k, v in fresh.model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"stream=") as err:
+        load_checkpoint(fresh, path)
+    assert str(path) in str(err.value)
+    after = fresh.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert load_checkpoint(fresh, path, stream) == 2  # with the stream it loads
+
+
 @pytest.mark.parametrize("method", ["fromp", "ewc", "vcl"])
 def test_global_labels_with_fixed_two_unit_heads_say_what_to_pass(method):
     """A fromp two-unit-per-task model with Avalanche's default global labels is refused
