@@ -515,3 +515,27 @@ def test_each_run_seed_draws_its_own_memory(monkeypatch):
     assert strategy_kwargs(torch.nn.Linear, {"in_features": 2}, 3) == {"in_features": 2}
     assert strategy_kwargs(VCL, {"coreset_size": 2}, 3) == {"coreset_size": 2}
     assert strategy_kwargs(FROMPMethod, {}, 3) == {"seed": 3}
+
+
+def test_one_head_defaults_study_records_every_task_after_each(tmp_path):
+    """The defaults study on fake MNIST files: an accuracy matrix of every task after each
+    of 3 tasks per configuration, FROMP built with the configuration's arguments only."""
+    from fromp_bench.studies import one_head_defaults as study
+    from test_integrity import write_mnist
+
+    write_mnist(tmp_path, n_train=400, n_test=50)
+    out = tmp_path / "rec.json"
+    args = ["--data-root", str(tmp_path), "--out", str(out), "--n-tasks", "3"]
+    args += ["--n-train", "300", "--n-test", "30", "--epochs", "1"]
+    study.main([*args, "--configs", "naive", "fromp-logits-tau1"])
+    rec = json.loads(out.read_text())
+    assert rec["protocol"]["n_tasks"] == 3 and rec["protocol"]["epochs"] == 1
+    assert [r["name"] for r in rec["runs"]] == ["naive", "fromp-logits-tau1"]
+    assert rec["runs"][1]["fromp_kwargs"] == {"function": "logits", "tau": 1.0}
+    for r in rec["runs"]:
+        m = r["accuracy_matrix"]
+        assert [len(row) for row in m] == [3, 3, 3]
+        assert all(0 <= a <= 100 for row in m for a in row)
+        assert r["mean_accuracy"] == pytest.approx((m[2][0] + m[2][1] + m[2][2]) / 3)
+    with pytest.raises(SystemExit):
+        study.main([*args[:-2], "--epochs", "0"])
