@@ -532,6 +532,9 @@ def test_one_head_defaults_study_records_every_task_after_each(tmp_path):
     assert rec["protocol"]["n_tasks"] == 3 and rec["protocol"]["epochs"] == 1
     assert [r["name"] for r in rec["runs"]] == ["naive", "fromp-logits-tau1"]
     assert rec["runs"][1]["fromp_kwargs"] == {"function": "logits", "tau": 1.0}
+    # the strategy was built with them: the logits, tau = 1 and the default 40 points
+    assert rec["runs"][1]["applied"] == {"function": "logits", "tau": 1.0, "n_points": 40}
+    assert rec["runs"][0]["applied"] is None
     for r in rec["runs"]:
         m = r["accuracy_matrix"]
         assert [len(row) for row in m] == [3, 3, 3]

@@ -60,6 +60,12 @@ def run_one(name: str, scenario: Any, epochs: int, seed: int) -> dict[str, Any]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         strategy = Naive(**common) if kw is None else FROMP(**common, **kw)
+        # what the strategy was built with, read back from it (not from CONFIGS)
+        applied = None if kw is None else {
+            "function": strategy.plugin.method.regularizer.function,
+            "tau": strategy.plugin.tau,
+            "n_points": strategy.plugin.method.n_points,
+        }  # fmt: skip
         for j, exp in enumerate(scenario.train_stream):
             strategy.train(exp)
             check_trained(strategy, f"{name}, task {j + 1}")
@@ -71,6 +77,7 @@ def run_one(name: str, scenario: Any, epochs: int, seed: int) -> dict[str, Any]:
     return {
         "name": name,
         "fromp_kwargs": kw,
+        "applied": applied,
         "accuracy_matrix": rows,
         "mean_accuracy": sum(final) / len(final),
         "dominance_warning": dominance[:1],
