@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 __all__ = [
+    "HOST_SYNC_OPS",
     "NETS",
     "ConvZoo",
     "NetCase",
@@ -51,6 +52,7 @@ __all__ = [
     "dense_predictive",
     "flat",
     "forward_at",
+    "host_syncs",
     "multihead_mlp",
     "split",
     "timing_ratios",
@@ -430,6 +432,80 @@ def count_aten_ops(fn: Callable[[], Any]) -> int:
     with Count():
         fn()
     return Count.n
+
+
+#: aten operations that, on a CUDA device, make the host wait for the GPU: a value read
+#: back (``.item()``, ``float(t)``, ``bool(t)``: ``_local_scalar_dense``), a tensor made
+#: from host data (``torch.tensor``, ``t.new_tensor``: ``lift_fresh``, a blocking copy from
+#: pageable memory) and the operations whose output size depends on the data (``nonzero``,
+#: ``masked_select``, ``unique``; :func:`host_syncs` also names indexing with a boolean
+#: mask).
+HOST_SYNC_OPS = frozenset(
+    {
+        "_local_scalar_dense",
+        "lift_fresh",
+        "lift_fresh_copy",
+        "nonzero",
+        "masked_select",
+        "_unique",
+        "_unique2",
+        "unique_dim",
+        "unique_consecutive",
+        "equal",
+    }
+)
+
+
+def _bool_index(args: tuple) -> bool:
+    """Whether an ``aten.index`` / ``index_put`` call indexes with a boolean mask."""
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(i, Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices)
+
+
+def host_syncs(
+    fn: Callable[[], Any], within: Sequence[str] = (), out: list[str] | None = None
+) -> list[str]:
+    """The aten operations of ``fn()`` (forward and any backward it runs) that would make
+    the host wait for a CUDA device (:data:`HOST_SYNC_OPS`), in the order they ran: ``[]``
+    for a step that keeps the GPU's queue full. Recorded with a
+    :class:`~torch.utils._python_dispatch.TorchDispatchMode` on whatever device the tensors
+    are, so a CPU test catches a per-step sync that only a GPU would pay for.
+
+    ``within``: folder or file paths; when given, only the operations called with a frame
+    of one of them on the Python stack count, each as ``"op@file:line"`` of the innermost
+    such frame (the code under test, not the training loop around it). Operations that
+    autograd's engine runs in the backward have no Python stack: test those with ``fn``
+    calling ``backward()`` and no ``within``. ``out``: the list to append to (returned), so
+    that the caller can interleave its own marks, e.g. where each training step begins."""
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    found: list[str] = [] if out is None else out
+    roots = tuple(str(w) for w in within)
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            name = func.overloadpacket.__name__
+            if name in ("index", "index_put", "index_put_") and _bool_index(args):
+                name = f"{name}(boolean mask)"  # a nonzero inside, on a GPU
+            if name in HOST_SYNC_OPS or name.endswith("(boolean mask)"):
+                if not roots:
+                    found.append(name)
+                else:
+                    ours = [
+                        f
+                        for f in traceback.extract_stack()
+                        if f.filename.startswith(roots) and f.filename != __file__
+                    ]
+                    if ours:
+                        where = ours[-1]
+                        found.append(f"{name}@{where.filename}:{where.lineno}")
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        fn()
+    return found
 
 
 def timing_ratios(

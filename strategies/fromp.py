@@ -142,7 +142,14 @@ class FROMPPlugin(SupervisedPlugin):
     @property
     def last_weighted_penalty(self) -> float:
         """``tau * R(w)`` of the last training step (0 before the first memorable set)."""
-        return 0.0 if self._last_penalty is None else self.tau * float(self._last_penalty)
+        return float(self.last_weighted_penalty_tensor)
+
+    @property
+    def last_weighted_penalty_tensor(self) -> Tensor | float:
+        """``tau * R(w)`` of the last training step as a detached tensor on the network's
+        device, not read back (0.0 before the first memorable set): what a metric
+        accumulates on every step without making training wait for the device."""
+        return 0.0 if self._last_penalty is None else self.tau * self._last_penalty
 
     def before_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
         self._checks_left = 20  # steps of this experience whose penalty is compared
@@ -276,6 +283,29 @@ class FROMPPlugin(SupervisedPlugin):
         self.method.load_state_dict(state, device=device)
 
 
+class _DeviceMean(Mean):
+    """Avalanche's weighted :class:`~avalanche.evaluation.metrics.Mean` whose sum stays a
+    tensor on the values' device between reads: ``update`` runs on every training step
+    and never waits for the GPU; ``result`` (once an epoch) reads it back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._sum: Tensor | float = 0.0
+
+    def update(self, value: Tensor | float, weight: float = 1.0) -> None:
+        if isinstance(value, Tensor):
+            value = value.detach().double()
+        self._sum = self._sum + value * float(weight)
+        self.weight += float(weight)
+
+    def result(self) -> float:
+        return 0.0 if self.weight == 0 else float(self._sum) / self.weight
+
+    def reset(self) -> None:
+        super().reset()
+        self._sum = 0.0
+
+
 class FROMPPenaltyMetric(GenericPluginMetric[float, Mean]):
     """Avalanche metric: the mean of ``tau * R(w)`` over an epoch's training steps
     (weighted by mini-batch size), emitted as ``FROMP_Penalty_Epoch`` after each training
@@ -291,12 +321,12 @@ class FROMPPenaltyMetric(GenericPluginMetric[float, Mean]):
     """
 
     def __init__(self) -> None:
-        super().__init__(Mean(), reset_at="epoch", emit_at="epoch", mode="train")
+        super().__init__(_DeviceMean(), reset_at="epoch", emit_at="epoch", mode="train")
 
     def update(self, strategy: Any) -> None:
         plugin = next((p for p in strategy.plugins if isinstance(p, FROMPPlugin)), None)
         if plugin is not None:
-            self._metric.update(plugin.last_weighted_penalty, len(strategy.mb_y))
+            self._metric.update(plugin.last_weighted_penalty_tensor, len(strategy.mb_y))
 
     def __str__(self) -> str:
         return "FROMP_Penalty_Epoch"

@@ -163,9 +163,11 @@ class _Consolidated:
 
     def value(self, w: Named) -> Tensor:
         """``sum_p S_p (w_p - a~_p)^2 + c`` (a scalar, differentiable in ``w``): one pass
-        over the parameters."""
+        over the parameters. The constant enters as a Python number (a kernel argument),
+        never as a tensor made from it: on a GPU that would be a blocking host-to-device copy
+        on every step."""
         ref = next(iter(w.values()))
-        total = ref.new_tensor(self.const)
+        total = ref.new_zeros(())
         for n, s_f in self.curvature.items():
             p = w.get(n)
             if p is None:
@@ -178,7 +180,7 @@ class _Consolidated:
                     )
                 p = p[tuple(slice(0, k) for k in s_f.shape)]
             total = total + (s_f * (p - self.center[n]) ** 2).sum()
-        return total
+        return total + self.const
 
 
 class EWCMethod:

@@ -283,10 +283,9 @@ class VCLMethod:
     def log_mean_softmax(logits: Tensor) -> Tensor:
         """``log mean_s softmax(f_s)`` ``[N, K]`` of logits ``[S, N, K]``: the log of the
         Monte Carlo predictive."""
-        s = logits.shape[0]
-        return torch.logsumexp(logits.log_softmax(-1), dim=0) - torch.log(
-            torch.tensor(float(s), dtype=logits.dtype, device=logits.device)
-        )
+        # log S as a Python number: a tensor made from it would be a blocking copy to the
+        # GPU on every training step
+        return torch.logsumexp(logits.log_softmax(-1), dim=0) - math.log(logits.shape[0])
 
     @torch.no_grad()
     def predict_log_proba(self, x: Tensor, task: int | Tensor | None) -> Tensor:
