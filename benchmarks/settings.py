@@ -63,6 +63,9 @@ FROMP_REFERENCE: dict[str, Settings] = {
         "kwargs": {
             "tau": 0.5,
             "n_points": 200,
+            # the official code's probabilities, named: FROMP's default ("auto") keeps the
+            # logits on a head that every task shares
+            "function": "probs",
             "prior_precision": 1e-5,
             "jitter": 1e-5,
             "grad_clip_norm": 0.01,

@@ -267,6 +267,10 @@ class FROMPPlugin(SupervisedPlugin):
             if opt.sampled:
                 opt.restore(accumulate=False)  # the model holds the posterior mean
             variance = opt.posterior(net).variance
+        if self.method.function == "auto" and _grows_with_classes(net):
+            # one head that grows with the classes: its first experience fills it, yet the
+            # classes still arrive over the experiences (class-incremental)
+            self.method.resolve_function("probs")
         self.method.learn_task(
             net, x, y, int(tasks[0]), variance, experience=int(exp.current_experience)
         )
@@ -281,6 +285,14 @@ class FROMPPlugin(SupervisedPlugin):
     ) -> None:
         """Restore :meth:`state_dict`, tensors moved to ``device`` when given."""
         self.method.load_state_dict(state, device=device)
+
+
+def _grows_with_classes(net: nn.Module) -> bool:
+    """Whether ``net`` holds a head that adds output units as new classes arrive
+    (Avalanche's ``IncrementalClassifier``)."""
+    from avalanche.models import IncrementalClassifier
+
+    return any(isinstance(m, IncrementalClassifier) for m in net.modules())
 
 
 class _DeviceMean(Mean):

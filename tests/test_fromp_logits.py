@@ -148,7 +148,11 @@ def test_method_state_keeps_the_function_and_refuses_the_other():
     again.load_state_dict(state)
     torch.testing.assert_close(again.penalty(net), m.penalty(net))
     with pytest.raises(ValueError, match="function='logits'"):
-        FROMPMethod(n_points=6).load_state_dict(state)
+        FROMPMethod(n_points=6, function="probs").load_state_dict(state)
+    auto = FROMPMethod(n_points=6)  # "auto", not chosen yet: takes the state's choice
+    auto.load_state_dict(state)
+    assert auto.function == "logits"
+    torch.testing.assert_close(auto.penalty(net), m.penalty(net))
     old = {k: v for k, v in FROMPMethod(n_points=6).state_dict().items() if k != "function"}
     old["regularizer"].pop("function")  # a state written before the option existed
     with pytest.raises(ValueError, match="function='probs'"):
@@ -158,7 +162,7 @@ def test_method_state_keeps_the_function_and_refuses_the_other():
 
 @pytest.mark.parametrize("bad", ["softmax", "", None, 1])
 def test_bad_function_refused_naming_it(bad):
-    with pytest.raises(ValueError, match="function must be one of"):
+    with pytest.raises(ValueError, match="function must be 'auto' or one of"):
         FROMPMethod(function=bad)
     with pytest.raises(ValueError, match="function must be one of"):
         FROMPRegularizer(function=bad)

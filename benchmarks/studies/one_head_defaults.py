@@ -3,10 +3,12 @@
 ``n_tasks`` permuted-MNIST tasks (the first unpermuted; ``--n-train`` training and
 ``--n-test`` test examples each), an MLP 784-100-100 with one 10-way head, Adam 10⁻³,
 batches of 128, ``--epochs`` epochs per task. Naive against ``FROMP`` with its defaults
-(the penalty on the probabilities, τ = 10, 40 points per task, prior precision 10⁻³, jitter
-10⁻⁶, curvature on 1,000 examples, no clipping) and with only the kept function or τ
-changed (``CONFIGS``). Records the accuracy matrix (row ``j``: every task's test accuracy
-after task ``j``), the mean after the last task and whether the dominance warning fired.
+(the kept function chosen from the head's layout, here the logits since every task fills
+the one head; τ = 10, 40 points per task, prior precision 10⁻³, jitter 10⁻⁶, curvature on
+1,000 examples, no clipping) and with only the kept function or τ changed (``CONFIGS``;
+``fromp-probs``: the paper's probabilities, the default before ``function="auto"``).
+Records the accuracy matrix (row ``j``: every task's test accuracy after task ``j``), the
+mean after the last task and whether the dominance warning fired.
 
     python -m fromp_bench.studies.one_head_defaults --data-root DATA \\
         --out benchmarks/results/one_head_defaults.json
@@ -35,6 +37,7 @@ from fromp.models import MultiHeadMLP
 CONFIGS: dict[str, dict[str, Any] | None] = {
     "naive": None,
     "fromp-defaults": {},
+    "fromp-probs": {"function": "probs"},
     "fromp-logits-tau10": {"function": "logits"},
     "fromp-logits-tau1": {"function": "logits", "tau": 1.0},
     "fromp-logits-tau0.3": {"function": "logits", "tau": 0.3},
@@ -62,7 +65,7 @@ def run_one(name: str, scenario: Any, epochs: int, seed: int) -> dict[str, Any]:
         strategy = Naive(**common) if kw is None else FROMP(**common, **kw)
         # what the strategy was built with, read back from it (not from CONFIGS)
         applied = None if kw is None else {
-            "function": strategy.plugin.method.regularizer.function,
+            "function": strategy.plugin.method.function,
             "tau": strategy.plugin.tau,
             "n_points": strategy.plugin.method.n_points,
         }  # fmt: skip
@@ -72,6 +75,8 @@ def run_one(name: str, scenario: Any, epochs: int, seed: int) -> dict[str, Any]:
             res = strategy.eval(scenario.test_stream)
             keys = sorted(k for k in res if k.startswith("Top1_Acc_Exp/eval_phase/test_stream"))
             rows.append([100 * float(res[k]) for k in keys])
+        if applied is not None:  # "auto" is chosen at the first task: read what was kept
+            applied["function"] = strategy.plugin.method.function
     dominance = [str(w.message) for w in caught if "dominates training" in str(w.message)]
     final = rows[-1]
     return {
