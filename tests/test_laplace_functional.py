@@ -141,3 +141,37 @@ def test_constructor_takes_laplace_torchs_arguments():
     assert set(lt_args) <= set(inspect.signature(FunctionalLaplace).parameters)
     with pytest.raises(ValueError, match="diag_ef"):
         FunctionalLaplace(_mlp(), "classification", n_subset=3, backend="CurvlinopsEF")
+
+
+def test_fit_refuses_a_subset_jacobian_larger_than_free_memory_before_any_work(monkeypatch):
+    """On the GPU the 'gp' structure ran out of memory after its forward passes on
+    ResNet-18 (M = 500, C = 10, P = 11.2 M: 224 GB). The fit now compares M C P numbers
+    with the memory free on the device first, and names n_subset and the size that fits."""
+    import importlib
+
+    functional = importlib.import_module("fromp.laplace.functional")
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double().eval()
+    x, y = torch.randn(40, 3, dtype=torch.float64), torch.arange(40) % 2
+    p = sum(q.numel() for q in model.parameters())  # 26
+    need = 30 * 2 * p * 8  # M C P float64 numbers
+    la = FunctionalLaplace(model, "classification", n_subset=30)
+    calls = []
+    monkeypatch.setattr(la, "_jacobians", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(functional, "free_memory", lambda device=None: need - 1)
+    with pytest.raises(ValueError, match=r"n_subset=30: .*\[30, 2, 26\].*n_subset <= 29"):
+        la.fit([(x, y)])
+    assert calls == []  # refused before any Jacobian
+    monkeypatch.setattr(functional, "free_memory", lambda device=None: need)
+    monkeypatch.undo()
+    la = FunctionalLaplace(model, "classification", n_subset=30).fit([(x, y)])
+    assert la._jm.shape == (30, 2, p)
+
+
+def test_free_memory_reads_the_cpu():
+    from fromp.curvature.jacobian import free_memory
+
+    free = free_memory("cpu")
+    assert free is None or free > 0
+    assert free_memory(torch.device("meta")) is None

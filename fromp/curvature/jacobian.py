@@ -284,6 +284,22 @@ def default_memory_budget(device: torch.device | str | None = None) -> int:
     return CPU_MEMORY_BUDGET
 
 
+def free_memory(device: torch.device | str | None = None) -> int | None:
+    """Bytes free on ``device`` now: ``torch.cuda.mem_get_info`` on a CUDA device, the
+    available physical memory (``os.sysconf``) on the CPU; None where neither can tell."""
+    import os
+
+    device = torch.device("cpu" if device is None else device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == "cpu":
+        try:
+            return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+        except (ValueError, OSError, AttributeError):
+            return None
+    return None
+
+
 def resolve_memory_budget(*given: int | None, device: torch.device | str | None = None) -> int:
     """The first of ``given`` that is not None (each checked: a positive int), else
     :func:`default_memory_budget` of ``device``."""

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from fromp._checks import check_chunk_size, check_prior_precision, require_eval
 from fromp.curvature.diagonal import DataArg, iter_batches
-from fromp.curvature.jacobian import check_memory_budget
+from fromp.curvature.jacobian import check_memory_budget, free_memory
 from fromp.laplace.base import _likelihood
 from fromp.laplace.options import check_backend, option
 from fromp.laplace.predictive import LaplaceTorchAPI
@@ -172,6 +172,7 @@ class FunctionalLaplace(LaplaceTorchAPI):
         n = len(x)
         if self.n_subset > n:
             raise ValueError(f"n_subset={self.n_subset} exceeds the N={n} training points")
+        self._check_jacobian_fits(x)
         idx = torch.as_tensor(np.random.default_rng(self.seed).choice(n, self.n_subset,
                                                                       replace=False))  # fmt: skip
         self._mu = torch.cat([p.detach().reshape(-1) for _, p in self._named]).clone()
@@ -191,6 +192,25 @@ class FunctionalLaplace(LaplaceTorchAPI):
         self._lam_root = evecs * evals.clamp_min(0).sqrt().unsqueeze(-2)  # L L^T = Lambda
         self.H = (js, lam)
         return self
+
+    def _check_jacobian_fits(self, x: Tensor) -> None:
+        """Refuse, before any Jacobian is taken, a subset whose Jacobian ``[M, C, P]`` (kept
+        by the fit and needed whole by the GP's Gram matrix) is larger than the memory free
+        on the model's device: ResNet-18 with ``M = 500`` and ``C = 10`` would need 224 GB."""
+        p = self._named[0][1] if self._named else None
+        dtype = p.dtype if p is not None else torch.get_default_dtype()
+        with torch.no_grad():
+            c = int(self.model(x[:2]).reshape(min(2, len(x)), -1).shape[1])
+        need = self.n_subset * c * self.num_params * torch.finfo(dtype).bits // 8
+        free = free_memory(self._device())
+        if free is not None and need > free:
+            fits = free // max(1, c * self.num_params * torch.finfo(dtype).bits // 8)
+            raise ValueError(
+                f"n_subset={self.n_subset}: the 'gp' structure keeps the subset's Jacobian "
+                f"[M, C, P] = [{self.n_subset}, {c}, {self.num_params}] ({need / 1e9:.3g} GB), "
+                f"more than the {free / 1e9:.3g} GB free on {self._device()}: use n_subset <= "
+                f"{fits}, or another structure (diag, kron, lowrank) for this network"
+            )
 
     # ------------------------------------------------------------------ GP maths
     def _w(self, factor: Any) -> Tensor:
