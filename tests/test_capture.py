@@ -258,3 +258,34 @@ def test_every_capture_user_routes_a_shared_weight_away_from_capture():
     assert _layout(net)[0] is False
     with pytest.raises(ValueError, match=r"'enc\.weight' is shared"):
         kron_layers(net)
+
+
+def test_per_example_entries_equal_the_layers_whole_per_example_gradients():
+    """Every entry of every captured layer of the conv zoo (strided, dilated, grouped with
+    circular padding, reflect padding, 1x1 output, Conv1d, a sequence Linear, batch, group
+    and layer norm), read alone, equals the layer's whole per-example gradient there."""
+    from fromp.curvature.capture import capture_calls
+    from fromp.curvature.layer_rules import (
+        per_example_entries,
+        per_example_layer_grads,
+        supported_layer,
+    )
+    from fromp.testing import conv_zoo
+
+    torch.manual_seed(0)
+    model = conv_zoo(3, seed=0).eval()
+    x = torch.randn(5, 2, 8, 8, dtype=torch.float64)
+    layers = [m for m in model.modules() if supported_layer(m) and len(list(m.parameters(False)))]
+    with capture_calls(layers) as calls:
+        f = model(x)
+    gs = torch.autograd.grad(f[:, 1].sum(), [c.z for c in calls])
+    seen = set()
+    for call, g in zip(calls, gs):
+        whole = per_example_layer_grads(call.module, call.a, g)
+        for attr, p in call.module.named_parameters(recurse=False):
+            local = torch.randperm(p.numel())  # every entry, in a shuffled order
+            got = per_example_entries(call.module, call.a, g, attr, local)
+            want = whole[attr].reshape(len(x), -1)[:, local]
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+            seen.add(type(call.module).__name__)
+    assert {"Conv2d", "Conv1d", "Linear", "BatchNorm2d", "GroupNorm", "LayerNorm"} <= seen

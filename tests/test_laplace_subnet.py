@@ -46,7 +46,7 @@ def tensor_of(model, idx):
 
 @pytest.mark.parametrize("model_name", MODELS)
 @pytest.mark.parametrize("structure", ["full", "diag"])
-@pytest.mark.parametrize("method", ["forward", "reverse"])
+@pytest.mark.parametrize("method", ["forward", "reverse", "capture"])
 def test_subnetwork_against_dense(model_name, structure, method):
     make, shape = MODELS[model_name]
     model = make()
@@ -256,4 +256,40 @@ def test_bad_subnetwork_indices_are_refused_before_any_work():
         Laplace(model, "classification", "all", "full", subnetwork_indices=ok)
     with pytest.raises(ValueError, match="method must be"):
         Laplace(model, "classification", "subnetwork", "full", subnetwork_indices=ok,
-                method="capture")  # fmt: skip
+                method="jacobian")  # fmt: skip
+
+
+@pytest.mark.parametrize("chunk_size", [None, 3])
+def test_capture_columns_on_every_layer_kind_equal_autograds(chunk_size):
+    """``method="capture"`` (the default for ``S > C``) on a network with strided, dilated,
+    grouped and 1-d convolutions, batch norm (eval), group and layer norm, a sequence
+    Linear and a layer with no capture rule (``Scale``: its entries through per-example
+    Jacobians): the subnetwork's Jacobian columns equal autograd's dense Jacobian's, in the
+    order of the indices, with chunks of 3 of the 7 examples too (a chunk boundary inside
+    the batch), and the precision is the dense GGN's block."""
+    from fromp.testing import conv_zoo, dense_jacobian
+
+    torch.manual_seed(0)
+    model = conv_zoo(3, seed=0).eval()
+    x = torch.randn(7, 2, 8, 8, dtype=F64)
+    y = torch.arange(7) % 3
+    flat = parameters_to_vector(model.parameters()).detach()
+    ends = torch.tensor([p.numel() for p in model.parameters()]).cumsum(0)
+    names = [n for n, _ in model.named_parameters()]
+    scale_start = int(ends[names.index("scale.s") - 1])
+    idx = torch.cat([indices(len(flat), 40, seed=5), torch.tensor([scale_start + 1])])
+    idx = torch.unique(idx)[torch.randperm(len(torch.unique(idx)))]  # unsorted, distinct
+    la = Laplace(model, "classification", "subnetwork", "full", subnetwork_indices=idx,
+                 prior_precision=1.0, chunk_size=chunk_size)  # fmt: skip
+    _, got = la._jacobian(x)
+    want = dense_jacobian(model, x)[:, :, idx]  # [N, C, S]
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert got[:, :, (idx == scale_start + 1).nonzero()[0, 0]].abs().sum() > 0
+    la.fit([(x, y)])
+    g, _, _, _ = dense(model, x)
+    torch.testing.assert_close(
+        la.posterior_precision,
+        g[idx][:, idx] + torch.eye(len(idx), dtype=F64),
+        rtol=1e-10,
+        atol=1e-10,
+    )

@@ -51,6 +51,7 @@ __all__ = [
     "LayerCall",
     "LayerMap",
     "capture_calls",
+    "fallback_jacobian",
     "per_example_layer_grads",
     "squared_grad_sums",
     "sum_squared_column_grads",
@@ -343,7 +344,7 @@ ColumnFn = Callable[[Tensor, Any], Tensor]
 whose per-example gradients are squared and summed."""
 
 
-def _fallback_jacobian(model: nn.Module, names: list[str], x: Tensor) -> Tensor:
+def fallback_jacobian(model: nn.Module, names: list[str], x: Tensor) -> Tensor:
     """Per-example Jacobians ``[B, C, P_fb]`` of the outputs with respect to the fallback
     parameters ``names`` only (the others are the module's own)."""
     params = dict(model.named_parameters())
@@ -356,6 +357,9 @@ def _fallback_jacobian(model: nn.Module, names: list[str], x: Tensor) -> Tensor:
 
     jac = over_examples(jacrev(single), (None, 0))(sub, x)  # a loop for nn.GRU / nn.RNN
     return torch.cat([jac[n].reshape(*jac[n].shape[:2], -1) for n in names], dim=-1)
+
+
+_fallback_jacobian = fallback_jacobian
 
 
 def sum_squared_column_grads(

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 __all__ = [
     "DEFAULT_MEMORY_BUDGET",
+    "per_example_entries",
     "per_example_layer_grads",
     "squared_grad_sums",
     "supported_layer",
@@ -128,6 +129,33 @@ def per_example_layer_grads(m: nn.Module, a: Tensor, g: Tensor) -> dict[str, Ten
         if m.bias is not None:
             out["bias"] = b_per
     return out
+
+
+def per_example_entries(m: nn.Module, a: Tensor, g: Tensor, attr: str, local: Tensor) -> Tensor:
+    """``[B, k]``: per-example gradients of the entries ``local`` ``[k]`` (flat offsets into
+    ``m.<attr>``) of one layer call, from its input ``a`` and output gradient ``g``, without
+    the layer's whole per-example gradient where the entries can be read directly: a
+    ``Linear`` weight entry ``(o, i)`` is ``sum_t g[t, o] a[t, i]`` over the positions ``t``
+    of a sequence, a convolution's ``(o, c, r)`` is ``sum_l g[o, l] U[c r, l]`` over the
+    output positions ``l`` of the unfolded input ``U`` (``c`` counted in ``o``'s group).
+    Biases and normalisation layers are read from :func:`per_example_layer_grads`."""
+    bsz = a.shape[0]
+    w = m.weight
+    if attr == "weight" and isinstance(m, nn.Linear):
+        o, i = local // w.shape[1], local % w.shape[1]
+        a3, g3 = a.reshape(bsz, -1, a.shape[-1]), g.reshape(bsz, -1, g.shape[-1])
+        return (g3[:, :, o] * a3[:, :, i]).sum(1)
+    if attr == "weight" and isinstance(m, _CONV):
+        a2, g2, geo = conv_geometry(m, a, g)
+        cols = F.unfold(a2, geo["kernel"], dilation=geo["dil"], stride=geo["stride"])
+        cout, cpg = w.shape[0], w.shape[1]
+        kk = geo["kernel"][0] * geo["kernel"][1]
+        o, rest = local // (cpg * kk), local % (cpg * kk)
+        channel = (o // (cout // m.groups)) * cpg + rest // kk  # the input channel
+        rows = channel * kk + rest % kk  # unfold's rows: channel-major, then the kernel
+        gl = g2.reshape(bsz, cout, -1)  # [B, Cout, L]
+        return (gl[:, o, :] * cols[:, rows, :]).sum(-1)
+    return per_example_layer_grads(m, a, g)[attr].reshape(bsz, -1)[:, local]
 
 
 def norm_per_example(m: nn.Module, a: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:

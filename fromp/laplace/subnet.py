@@ -19,9 +19,17 @@ Jacobian. ``G_SS`` is never cut from a ``[P, P]`` GGN; ``J_{n,S}`` is computed e
 * ``method="forward"``: one forward-mode pass (``jvp``) per subnetwork entry, vectorised over
   chunks of entries, over a whole batch: no Jacobian row of any parameter tensor is formed,
   ``S / chunk`` passes over the data (cheaper than ``"reverse"`` when ``S <= C``);
+* ``method="capture"``: layer capture (:mod:`fromp.curvature.capture`): one batched
+  backward pass per output over a chunk of examples gives every captured layer's output
+  gradients ``g``; each layer's per-example gradients follow from its input ``a`` and ``g``
+  (:func:`~fromp.curvature.layer_rules.per_example_layer_grads`), one layer at a time, and
+  the subnetwork's entries are read from them. Parameters of layers without a capture rule
+  go through ``"reverse"``'s per-example Jacobians. ``C`` batched backward passes per chunk
+  instead of ``C`` per example: on ResNet-18, where ``"reverse"`` fits 3 examples in a
+  4 GiB budget, the difference between seconds and minutes.
 
 ``method="auto"`` picks ``"forward"`` when ``S <= C`` (the number of outputs), else
-``"reverse"``. ``hessian_structure="full"`` keeps ``G_SS`` ``[S, S]``, ``"diag"`` its
+``"capture"``. ``hessian_structure="full"`` keeps ``G_SS`` ``[S, S]``, ``"diag"`` its
 diagonal; the posterior maths is that of :class:`~fromp.laplace.structures.LaplaceFull` /
 :class:`~fromp.laplace.structures.LaplaceDiag` on ``S`` parameters.
 
@@ -38,7 +46,13 @@ from torch import Tensor, nn
 from torch.func import functional_call, jacrev, jvp, vmap
 from torch.nn.utils import parameters_to_vector
 
+from fromp.curvature.capture import (
+    CapturePlan,
+    capture_calls,
+    fallback_jacobian,
+)
 from fromp.curvature.jacobian import over_examples
+from fromp.curvature.layer_rules import per_example_entries
 from fromp.laplace.base import BaseLaplace
 from fromp.laplace.structures import LaplaceDiag, LaplaceFull, _DiagMaths, _FullMaths
 from fromp.laplace.subnet_masks import (
@@ -111,10 +125,10 @@ class SubnetLaplace(BaseLaplace):
         kwargs.pop("subset_of_weights", None)
         n_total = sum(p.numel() for p in model.parameters())
         idx = check_subnetwork_indices(subnetwork_indices, n_total)
-        if kwargs.get("method", "auto") not in ("auto", "forward", "reverse"):
+        if kwargs.get("method", "auto") not in ("auto", "forward", "reverse", "capture"):
             raise ValueError(
-                f"method must be 'auto', 'forward' or 'reverse' for subset_of_weights="
-                f"'subnetwork', got {kwargs['method']!r}"
+                f"method must be 'auto', 'forward', 'reverse' or 'capture' for "
+                f"subset_of_weights='subnetwork', got {kwargs['method']!r}"
             )
         super().__init__(model, likelihood, subset_of_weights="subnetwork", **kwargs)
         self.subnetwork_indices = idx.detach().cpu().clone()
@@ -227,8 +241,11 @@ class SubnetLaplace(BaseLaplace):
         n_out = f.shape[1]
         method = self.method
         if method == "auto":
-            method = "forward" if self.num_params <= n_out else "reverse"
+            method = "forward" if self.num_params <= n_out else "capture"
         out = f.new_zeros(len(x), n_out, self.num_params)
+        if method == "capture":
+            self._capture_columns(x, out)
+            return f, out
         if method == "reverse":
 
             def one(params: dict[str, Tensor], xi: Tensor) -> Tensor:
@@ -263,6 +280,53 @@ class SubnetLaplace(BaseLaplace):
                 tangents[name] = t.reshape(len(cols), *p.shape)
             out[..., s : s + len(cols)] = vmap(column)(tangents).permute(1, 2, 0)
         return f, out
+
+    def _capture_columns(self, x: Tensor, out: Tensor) -> None:
+        """Fill ``out`` ``[N, C, S]`` with the subnetwork's Jacobian columns by layer capture
+        (module docstring): per chunk one forward with the layers holding subnetwork entries
+        recorded, then per output ``c`` one backward of ``sum_n f_c(x_n)``; the entries of
+        parameters no capture rule covers come from per-example Jacobians of those alone."""
+        model, n_out = self.model, out.shape[1]
+        where = {name: (local.to(x.device), pos.to(x.device)) for name, local, pos in self._where}
+        plan = CapturePlan.build(model, x[: min(len(x), 4)], n_columns=1)
+        layers = [m for m in plan.captured if any(
+            plan.param_of.get((id(m), pn)) in where for pn, _ in m.named_parameters(recurse=False)
+        )]  # fmt: skip
+        fallback = [n for n in plan.fallback if n in where]
+        per_example = plan.bytes_per_example
+        if fallback:
+            p_fb = sum(p.numel() for n, p in self._named if n in fallback)
+            per_example += 3 * n_out * p_fb * x.element_size()
+        step = self.chunk_size or max(1, min(256, self._budget() // max(1, per_example)))
+        for s in range(0, len(x), step):
+            xc = x[s : s + step]
+            if layers:
+                with torch.enable_grad(), capture_calls(layers) as calls:
+                    fc = model(xc)
+                zs = [c.z for c in calls]
+                for c in range(n_out):
+                    gs = torch.autograd.grad(
+                        fc[:, c].sum(), zs, retain_graph=c < n_out - 1, allow_unused=True
+                    )
+                    for call, g in zip(calls, gs):
+                        if g is None:  # no path to this output: its entries stay 0
+                            continue
+                        for attr, _ in call.module.named_parameters(recurse=False):
+                            name = plan.param_of.get((id(call.module), attr))
+                            if name in where:
+                                local, pos = where[name]
+                                out[s : s + step, c, pos] = per_example_entries(
+                                    call.module, call.a, g, attr, local
+                                )
+                del calls, zs, fc
+            if fallback:
+                jac = fallback_jacobian(model, fallback, xc)  # [B, C, P_fb]
+                start = 0
+                for name in fallback:
+                    size = dict(self._named)[name].numel()
+                    local, pos = where[name]
+                    out[s : s + step, :, pos] = jac[..., start : start + size][..., local]
+                    start += size
 
     def _sqrt_ggn_rows(self, batches: list[tuple[Tensor, Tensor | None]]):
         for x, _ in batches:
