@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from fromp_bench.studies import subnet_speed
 
 

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"subnet_speed: the two methods' precisions differ by "
             f"{result['max_relative_difference']:.3g} (relative): not recorded"
         )
-    record = {"protocol": vars(args) | {"out": str(args.out)}, **result}
+    record = {"protocol": {k: v for k, v in vars(args).items() if k != "out"}, **result}
     record = harness.write_record(args.out, record, module=__name__, argv=argv, device=args.device)
     m = result["methods"]
     print(
