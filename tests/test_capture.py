@@ -201,7 +201,7 @@ def test_laplace_on_the_fromp_mlp_takes_the_capture_route(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("the Jacobian fallback was used")
 
-    monkeypatch.setattr(capture, "_fallback_jacobian", forbidden)
+    monkeypatch.setattr(capture, "fallback_jacobian", forbidden)
     net = with_task(MultiHeadMLP(6, (5, 4), n_heads=3, head_size=2).double().eval(), 1)
     x = torch.randn(7, 6, dtype=F64)
     q = laplace(net, x, "categorical", 1.0)

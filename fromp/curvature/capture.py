@@ -359,9 +359,6 @@ def fallback_jacobian(model: nn.Module, names: list[str], x: Tensor) -> Tensor:
     return torch.cat([jac[n].reshape(*jac[n].shape[:2], -1) for n in names], dim=-1)
 
 
-_fallback_jacobian = fallback_jacobian
-
-
 def sum_squared_column_grads(
     model: nn.Module,
     batches: Iterator[tuple[Tensor, Any]],
@@ -456,7 +453,7 @@ def _accumulate_chunk(
         with torch.no_grad():
             v = columns(model(x), extra)
     if plan.fallback:
-        jac = _fallback_jacobian(model, plan.fallback, x)  # B, C, P_fb
+        jac = fallback_jacobian(model, plan.fallback, x)  # B, C, P_fb
         sq = torch.einsum("nck,ncp->nkp", v.to(jac.dtype), jac).pow(2).sum((0, 1))
         i = 0
         for n in plan.fallback:

@@ -279,7 +279,7 @@ def default_memory_budget(device: torch.device | str | None = None) -> int:
         return _user_default[0]
     device = torch.device("cpu" if device is None else device)
     if device.type == "cuda" and torch.cuda.is_available():
-        free, _ = torch.cuda.mem_get_info(device)
+        free = free_memory(device)
         return max(1, min(CUDA_MEMORY_CAP, int(free * CUDA_MEMORY_FRACTION)))
     return CPU_MEMORY_BUDGET
 

@@ -281,6 +281,17 @@ class SubnetLaplace(BaseLaplace):
             out[..., s : s + len(cols)] = vmap(column)(tangents).permute(1, 2, 0)
         return f, out
 
+    def _capture_plan(self, x: Tensor) -> CapturePlan:
+        """The capture plan of the model for inputs shaped like ``x`` (its probe forward
+        and self-check run once, not once per batch), rebuilt when the trainable
+        parameters or the input shape change."""
+        key = (tuple(id(p) for p in self.model.parameters()), tuple(x.shape[1:]), x.dtype)
+        cached = getattr(self, "_plan_cache", None)
+        if cached is None or cached[0] != key:
+            cached = (key, CapturePlan.build(self.model, x[: min(len(x), 4)], n_columns=1))
+            self._plan_cache = cached
+        return cached[1]
+
     def _capture_columns(self, x: Tensor, out: Tensor) -> None:
         """Fill ``out`` ``[N, C, S]`` with the subnetwork's Jacobian columns by layer capture
         (module docstring): per chunk one forward with the layers holding subnetwork entries
@@ -288,7 +299,7 @@ class SubnetLaplace(BaseLaplace):
         parameters no capture rule covers come from per-example Jacobians of those alone."""
         model, n_out = self.model, out.shape[1]
         where = {name: (local.to(x.device), pos.to(x.device)) for name, local, pos in self._where}
-        plan = CapturePlan.build(model, x[: min(len(x), 4)], n_columns=1)
+        plan = self._capture_plan(x)
         layers = [m for m in plan.captured if any(
             plan.param_of.get((id(m), pn)) in where for pn, _ in m.named_parameters(recurse=False)
         )]  # fmt: skip
@@ -321,9 +332,9 @@ class SubnetLaplace(BaseLaplace):
                 del calls, zs, fc
             if fallback:
                 jac = fallback_jacobian(model, fallback, xc)  # [B, C, P_fb]
-                start = 0
+                start, sizes = 0, {n: p.numel() for n, p in self._named}
                 for name in fallback:
-                    size = dict(self._named)[name].numel()
+                    size = sizes[name]
                     local, pos = where[name]
                     out[s : s + step, :, pos] = jac[..., start : start + size][..., local]
                     start += size
