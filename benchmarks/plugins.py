@@ -225,7 +225,43 @@ class _RestoreOptimizer(SupervisedPlugin):
             self.pending = None
 
 
-_OWN = (_Collector, _Guard, _Progress, _RestoreOptimizer)
+class _CosineLR(SupervisedPlugin):
+    r"""A cosine step size within each experience, restarted at the next one:
+    :math:`\eta_t = \tfrac12 \eta (1 + \cos(\pi t / T))` at iteration ``t`` of the
+    experience, with ``T`` = epochs x mini-batches per epoch (counted when the experience's
+    first epoch starts) and ``eta`` the run's ``lr``. Set before every iteration, in every
+    parameter group, so a resumed optimizer (whose state holds the last step size) follows the
+    schedule too; the plugin keeps no state of its own."""
+
+    def __init__(self, lr: float) -> None:
+        super().__init__()
+        self.lr, self.total = float(lr), 1
+
+    def before_training_epoch(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        if strategy.clock.train_exp_epochs == 0:
+            self.total = max(1, len(strategy.dataloader) * int(strategy.train_epochs))
+
+    def before_training_iteration(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        t = min(strategy.clock.train_exp_iterations, self.total)
+        lr = 0.5 * self.lr * (1.0 + math.cos(math.pi * t / self.total))
+        for group in strategy.optimizer.param_groups:
+            group["lr"] = lr
+
+
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def lr_schedule_plugins(schedule: str, lr: float) -> list[SupervisedPlugin]:
+    """The runner's plugins for ``lr_schedule`` (:data:`LR_SCHEDULES`): none for
+    ``"constant"``, :class:`_CosineLR` for ``"cosine"``."""
+    if schedule == "constant":
+        return []
+    if schedule == "cosine":
+        return [_CosineLR(lr)]
+    raise ValueError(f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {schedule!r}")
+
+
+_OWN = (_Collector, _Guard, _Progress, _RestoreOptimizer, _CosineLR)
 
 
 def method_plugins(strategy: Any) -> dict[str, Any]:

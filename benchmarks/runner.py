@@ -56,6 +56,7 @@ from fromp_avalanche.models import as_avalanche_model
 from fromp_bench.data import Task, TaskSequence, resolve_data_root, to_avalanche
 from fromp_bench.plugins import (
     CHECKPOINT_VERSION,
+    LR_SCHEDULES,
     CheckpointError,
     NonFiniteError,
     _check_key,
@@ -72,6 +73,7 @@ from fromp_bench.plugins import (
     _unplain,
     _write_checkpoint,
     expected_calibration_error,
+    lr_schedule_plugins,
     method_plugins,
 )
 from fromp_bench.registry import BenchmarkSpec, StrategySpec, get_benchmark, get_strategy
@@ -114,7 +116,8 @@ class RunConfig:
         data_root: data root (``--data-root``; None: ``$FROMP_DATA`` or ``./data``).
         device: torch device string.
         overrides: settings that win over all defaults (``lr``, ``train_epochs``,
-            ``train_mb_size``, ``optimizer``, and ``kwargs`` for the strategy class).
+            ``train_mb_size``, ``optimizer``, ``lr_schedule`` (``"constant"``, the default,
+            or ``"cosine"`` within each experience), and ``kwargs`` for the strategy class).
         n_train, n_test: keep this many train / test examples per task (quick runs).
         checkpoint: file to checkpoint to after every experience (None: no checkpoints).
         resume: continue from ``checkpoint`` when it exists.
@@ -320,6 +323,11 @@ def validate_settings(
         v = settings.get(key)
         if not _is_int(v) or v < 1:
             raise SettingsError(f"{key} ({flag}) must be an integer >= 1, got {v!r}")
+    schedule = settings.get("lr_schedule", "constant")
+    if schedule not in LR_SCHEDULES:
+        raise SettingsError(
+            f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {schedule!r}"
+        )
     for key in ("kwargs", "optimizer_kwargs"):
         if not isinstance(settings.get(key, {}), Mapping):
             raise SettingsError(f"{key} must be a mapping, got {settings.get(key)!r}")
@@ -609,7 +617,14 @@ def run(
         train_epochs=int(settings["train_epochs"]),
         eval_mb_size=1000,
         device=device,
-        plugins=[collector, _Guard(), progress, restore, *([_DataParallel()] if world > 1 else [])],
+        plugins=[
+            collector,
+            _Guard(),
+            progress,
+            restore,
+            *lr_schedule_plugins(settings.get("lr_schedule", "constant"), float(settings["lr"])),
+            *([_DataParallel()] if world > 1 else []),
+        ],
         evaluator=evaluator,
         **strategy_kwargs(cls, settings["kwargs"], cfg.seed),
     )
