@@ -101,3 +101,20 @@ def test_runner_refuses_an_unknown_schedule_before_loading_data(tmp_path):
     cfg = _cfg(tmp_path, overrides={"lr_schedule": "step"}, data_root=str(tmp_path / "none"))
     with pytest.raises(SettingsError, match="lr_schedule must be one of constant, cosine"):
         run(cfg)
+
+
+def test_report_labels_a_run_without_the_key_as_constant():
+    from fromp_bench.report import _labels, group_key
+
+    runs = [
+        {"strategy": "fromp", "settings": {"lr": 1e-3, "kwargs": {"tau": 0.3}}},
+        {
+            "strategy": "fromp",
+            "settings": {"lr": 1e-3, "lr_schedule": "cosine", "kwargs": {"tau": 0.3}},
+        },
+    ]
+    labels = _labels({group_key(r): [r] for r in runs})
+    assert sorted(labels.values()) == [
+        "fromp [lr_schedule=constant]",
+        "fromp [lr_schedule=cosine]",
+    ]
