@@ -501,6 +501,35 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
         raise CheckpointError(str(err)) from err
 
 
+def ivon_kwargs(extra: Mapping[str, Any], n_train: int) -> dict[str, Any]:
+    """IVON's keyword arguments with the names of fromp 0.4 that settings and ``--set opt.``
+    may still use, in IVON's current ones (the same optimizer, without a
+    ``DeprecationWarning`` in every run): ``beta1`` / ``beta2`` as ``betas = (beta1, beta2)``
+    (each defaulting to 0.9 / 0.99999) and ``weight_decay`` as ``prior_precision =
+    weight_decay * n_train`` (``n_train``: the ``ess`` IVON is built with). Settings ids are
+    unchanged: the settings keep their names, only the call is translated.
+
+    Raises:
+        SettingsError: both names of one quantity, or a ``weight_decay`` that is not a finite
+            number ``>= 0``.
+    """
+    out = dict(extra)
+    if "beta1" in out or "beta2" in out:
+        if "betas" in out:
+            raise SettingsError("opt.betas and opt.beta1 / opt.beta2 given together: use betas")
+        out["betas"] = (out.pop("beta1", 0.9), out.pop("beta2", 0.99999))
+    if "weight_decay" in out:
+        if "prior_precision" in out:
+            raise SettingsError(
+                "opt.prior_precision and opt.weight_decay given together: use prior_precision"
+            )
+        wd = out.pop("weight_decay")
+        if not _is_number(wd) or not math.isfinite(wd) or wd < 0:
+            raise SettingsError(f"opt.weight_decay must be a finite number >= 0, got {wd!r}")
+        out["prior_precision"] = float(wd) * n_train
+    return out
+
+
 def _make_optimizer(
     name: str, model: nn.Module, lr: float, n_train: int, extra: Mapping[str, Any]
 ) -> torch.optim.Optimizer:
@@ -515,7 +544,7 @@ def _make_optimizer(
     if name == "ivon":
         from fromp.optim import IVON
 
-        return IVON(model.parameters(), lr=lr, ess=n_train, **extra)
+        return IVON(model.parameters(), lr=lr, ess=n_train, **ivon_kwargs(extra, n_train))
     raise ValueError(f"optimizer must be 'adam', 'sgd', 'vogn' or 'ivon', got {name!r}")
 
 
