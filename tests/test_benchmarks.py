@@ -407,20 +407,24 @@ def test_class_incremental_benchmarks_share_protocol_and_memory(name):
 
 
 def test_permuted_coreset_is_fromp_with_s_fsvis_memory_replayed():
-    """fromp-coreset on permuted MNIST: fromp's protocol and penalty (logits, prior, jitter,
-    clipping, full curvature) with S-FSVI's "pmnist" memory of 200 points per task replayed
-    with their labels; only the coreset's settings differ."""
+    """fromp-coreset on permuted MNIST: fromp's penalty (logits, jitter, clipping, full
+    curvature), epochs and batches with S-FSVI's "pmnist" memory of 200 points per task
+    replayed with their labels; besides the coreset's settings only what was selected on
+    validation under the coreset differs (the step size and its schedule, the prior)."""
     bench = get_benchmark("permuted-mnist")
     own = resolve_settings(bench, get_strategy("fromp"), {})
     core = resolve_settings(bench, get_strategy("fromp-coreset"), {})
-    for key in ("optimizer", "lr", "train_epochs", "train_mb_size"):
+    for key in ("optimizer", "train_epochs", "train_mb_size"):
         assert core[key] == own[key], key
+    assert own.get("lr_schedule", "constant") == "constant"
+    assert core["lr_schedule"] == "cosine" and core["lr"] == 2e-3
     assert core["kwargs"]["n_points"] == own["kwargs"]["n_points"] == 200
     assert core["kwargs"]["replay"] is True and core["kwargs"]["select"] == "random"
     assert core["kwargs"]["replay_weight"] > 1
     changed = {k for k in core["kwargs"] if core["kwargs"][k] != own["kwargs"].get(k)}
-    assert changed <= {"replay", "select", "replay_weight", "tau"}, changed
-    for key in ("function", "prior_precision", "jitter", "grad_clip_norm"):
+    assert changed <= {"replay", "select", "replay_weight", "tau", "prior_precision"}, changed
+    assert core["kwargs"]["prior_precision"] == 1e-4
+    for key in ("function", "jitter", "grad_clip_norm"):
         assert core["kwargs"][key] == own["kwargs"][key], key
     assert core["kwargs"]["function"] == "logits"
     assert core["kwargs"]["curvature_examples"] is None
