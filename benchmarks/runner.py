@@ -56,7 +56,6 @@ from fromp_avalanche.models import as_avalanche_model
 from fromp_bench.data import Task, TaskSequence, resolve_data_root, to_avalanche
 from fromp_bench.plugins import (
     CHECKPOINT_VERSION,
-    LR_SCHEDULES,
     CheckpointError,
     NonFiniteError,
     _check_key,
@@ -323,11 +322,10 @@ def validate_settings(
         v = settings.get(key)
         if not _is_int(v) or v < 1:
             raise SettingsError(f"{key} ({flag}) must be an integer >= 1, got {v!r}")
-    schedule = settings.get("lr_schedule", "constant")
-    if schedule not in LR_SCHEDULES:
-        raise SettingsError(
-            f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {schedule!r}"
-        )
+    try:  # the plugins' own check, one message
+        lr_schedule_plugins(settings.get("lr_schedule", "constant"), 1.0)
+    except ValueError as err:
+        raise SettingsError(str(err)) from err
     for key in ("kwargs", "optimizer_kwargs"):
         if not isinstance(settings.get(key, {}), Mapping):
             raise SettingsError(f"{key} must be a mapping, got {settings.get(key)!r}")
