@@ -80,6 +80,7 @@ from fromp_bench.report import code_record, env_record
 from torch import Tensor, nn
 
 from fromp import distributed
+from fromp.optim.ivon import DEFAULT_BETAS
 
 __all__ = [
     "CheckpointError",
@@ -503,9 +504,10 @@ def ivon_kwargs(extra: Mapping[str, Any], n_train: int) -> dict[str, Any]:
     """IVON's keyword arguments with the names of fromp 0.4 that settings and ``--set opt.``
     may still use, in IVON's current ones (the same optimizer, without a
     ``DeprecationWarning`` in every run): ``beta1`` / ``beta2`` as ``betas = (beta1, beta2)``
-    (each defaulting to 0.9 / 0.99999) and ``weight_decay`` as ``prior_precision =
-    weight_decay * n_train`` (``n_train``: the ``ess`` IVON is built with). Settings ids are
-    unchanged: the settings keep their names, only the call is translated.
+    (each defaulting to its entry of :data:`fromp.optim.ivon.DEFAULT_BETAS`) and
+    ``weight_decay`` as ``prior_precision = weight_decay * n_train`` (``n_train``: the ``ess``
+    IVON is built with). Settings ids are unchanged: the settings keep their names, only the
+    call is translated.
 
     Raises:
         SettingsError: both names of one quantity, or a ``weight_decay`` that is not a finite
@@ -515,7 +517,7 @@ def ivon_kwargs(extra: Mapping[str, Any], n_train: int) -> dict[str, Any]:
     if "beta1" in out or "beta2" in out:
         if "betas" in out:
             raise SettingsError("opt.betas and opt.beta1 / opt.beta2 given together: use betas")
-        out["betas"] = (out.pop("beta1", 0.9), out.pop("beta2", 0.99999))
+        out["betas"] = (out.pop("beta1", DEFAULT_BETAS[0]), out.pop("beta2", DEFAULT_BETAS[1]))
     if "weight_decay" in out:
         if "prior_precision" in out:
             raise SettingsError(

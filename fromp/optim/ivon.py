@@ -97,11 +97,14 @@ from fromp.optim._contract import (
 )
 from fromp.optim.ivon_posterior import IVONPosterior
 
-__all__ = ["DEFAULT_WEIGHT_DECAY", "IVON"]
+__all__ = ["DEFAULT_BETAS", "DEFAULT_WEIGHT_DECAY", "IVON"]
 
 #: ``prior_precision / ess`` when no prior precision is given (the IVON paper's default
 #: weight decay): ``prior_precision = 1e-4 * ess``.
 DEFAULT_WEIGHT_DECAY = 1e-4
+#: IVON's default ``(beta1, beta2)``: the paper's momenta of the gradient and of the Hessian
+#: estimate (Shen et al., 2024).
+DEFAULT_BETAS: tuple[float, float] = (0.9, 0.99999)
 _WD_HOW = "prior_precision = weight_decay * ess"
 
 
@@ -122,10 +125,13 @@ def _betas(
     ``0.9`` / ``0.99999``)."""
     old = None
     if beta1 is not None or beta2 is not None:
-        old = (0.9 if beta1 is None else beta1, 0.99999 if beta2 is None else beta2)
+        old = (
+            DEFAULT_BETAS[0] if beta1 is None else beta1,
+            DEFAULT_BETAS[1] if beta2 is None else beta2,
+        )
     how = "betas = (beta1, beta2)"
     betas = renamed_kwarg(betas, old, "beta1/beta2", "betas", "IVON", how, stacklevel=4)
-    return check_betas((0.9, 0.99999) if betas is None else betas)
+    return check_betas(DEFAULT_BETAS if betas is None else betas)
 
 
 def _old_group(group: dict[str, Any], ess: float) -> dict[str, Any]:
@@ -142,7 +148,7 @@ def _old_group(group: dict[str, Any], ess: float) -> dict[str, Any]:
         n = check_ess(group.get("ess", ess))
         group["prior_precision"] = _old_weight_decay(group.pop("weight_decay"), n)
     if "beta1" in group or "beta2" in group:
-        b1, b2 = group.pop("beta1", 0.9), group.pop("beta2", 0.99999)
+        b1, b2 = group.pop("beta1", DEFAULT_BETAS[0]), group.pop("beta2", DEFAULT_BETAS[1])
         group["betas"] = check_betas((b1, b2))
     return group
 
