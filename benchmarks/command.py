@@ -52,7 +52,14 @@ DEMO_STRATEGIES = ("fromp", "ewc", "vcl", "naive")
 _DEMO_SLOTS = (("fromp",), ("ewc", "ewc-avalanche"), ("vcl",), ("naive",))
 
 
-_TRAINING_KEYS = ("lr", "train_epochs", "train_mb_size", "optimizer", "lr_schedule")
+_TRAINING_KEYS = (
+    "lr",
+    "train_epochs",
+    "train_mb_size",
+    "optimizer",
+    "lr_schedule",
+    "optimizer_state",
+)
 _OPT_PREFIX = "opt."  # --set opt.beta2=0.999: a keyword argument of the optimizer
 
 
@@ -76,8 +83,8 @@ def _put(out: dict[str, Any], key: str, value: Any) -> None:
 
 def _parse_set(items: list[str]) -> dict[str, Any]:
     """``key=value`` pairs; values are Python literals when they parse as one, else strings.
-    Keys ``lr``, ``train_epochs``, ``train_mb_size``, ``optimizer``, ``lr_schedule`` set
-    training settings;
+    Keys ``lr``, ``train_epochs``, ``train_mb_size``, ``optimizer``, ``lr_schedule``,
+    ``optimizer_state`` set training settings;
     ``opt.NAME`` a keyword argument of the optimizer (e.g. ``opt.beta2=0.999`` for IVON); any
     other key is a keyword argument of the strategy class."""
     out: dict[str, Any] = {"kwargs": {}}

@@ -261,7 +261,44 @@ def lr_schedule_plugins(schedule: str, lr: float) -> list[SupervisedPlugin]:
     raise ValueError(f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {schedule!r}")
 
 
-_OWN = (_Collector, _Guard, _Progress, _RestoreOptimizer, _CosineLR)
+class _ResetOptimizerState(SupervisedPlugin):
+    r"""Clears the optimizer's per-parameter state before each experience: Adam's moment
+    estimates :math:`m, v` and its step count start again, so that the first steps on a new
+    task are bias-corrected estimates of the new task's gradients instead of
+    :math:`m / \sqrt{v}` with :math:`v` from the previous task's converged end (small
+    gradients, hence large steps until :math:`v` catches up). The step size and the other
+    hyperparameters (``param_groups``) are kept. Runs after the state a resumed run loads
+    (:class:`_RestoreOptimizer` comes first), so a run resumed at an experience clears it as
+    the uninterrupted one does; the first experience's state is empty either way."""
+
+    def before_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
+        strategy.optimizer.state.clear()
+
+
+OPTIMIZER_STATES = ("keep", "reset")
+# optimizers whose state is their posterior (VOGN's and IVON's curvature estimates): a reset
+# would throw the posterior away, not an optimisation detail
+_STATEFUL_POSTERIORS = ("vogn", "ivon")
+
+
+def optimizer_state_plugins(mode: str, optimizer: str) -> list[SupervisedPlugin]:
+    """The runner's plugins for ``optimizer_state`` (:data:`OPTIMIZER_STATES`): none for
+    ``"keep"`` (the state carries over from one experience to the next, Avalanche's way),
+    :class:`_ResetOptimizerState` for ``"reset"`` (``adam`` and ``sgd`` only: VOGN's and
+    IVON's state is their posterior)."""
+    if mode == "keep":
+        return []
+    if mode == "reset":
+        if optimizer in _STATEFUL_POSTERIORS:
+            raise ValueError(
+                f"optimizer_state=reset needs optimizer adam or sgd, got {optimizer!r} (its "
+                "state is its posterior)"
+            )
+        return [_ResetOptimizerState()]
+    raise ValueError(f"optimizer_state must be one of {', '.join(OPTIMIZER_STATES)}, got {mode!r}")
+
+
+_OWN = (_Collector, _Guard, _Progress, _RestoreOptimizer, _CosineLR, _ResetOptimizerState)
 
 
 def method_plugins(strategy: Any) -> dict[str, Any]:

@@ -74,6 +74,7 @@ from fromp_bench.plugins import (
     expected_calibration_error,
     lr_schedule_plugins,
     method_plugins,
+    optimizer_state_plugins,
 )
 from fromp_bench.registry import BenchmarkSpec, StrategySpec, get_benchmark, get_strategy
 from fromp_bench.report import code_record, env_record
@@ -117,7 +118,9 @@ class RunConfig:
         device: torch device string.
         overrides: settings that win over all defaults (``lr``, ``train_epochs``,
             ``train_mb_size``, ``optimizer``, ``lr_schedule`` (``"constant"``, the default,
-            or ``"cosine"`` within each experience), and ``kwargs`` for the strategy class).
+            or ``"cosine"`` within each experience), ``optimizer_state`` (``"keep"``, the
+            default, or ``"reset"`` before each experience), and ``kwargs`` for the strategy
+            class).
         n_train, n_test: keep this many train / test examples per task (quick runs).
         checkpoint: file to checkpoint to after every experience (None: no checkpoints).
         resume: continue from ``checkpoint`` when it exists.
@@ -323,8 +326,9 @@ def validate_settings(
         v = settings.get(key)
         if not _is_int(v) or v < 1:
             raise SettingsError(f"{key} ({flag}) must be an integer >= 1, got {v!r}")
-    try:  # the plugins' own check, one message
+    try:  # the plugins' own checks, one message each
         lr_schedule_plugins(settings.get("lr_schedule", "constant"), 1.0)
+        optimizer_state_plugins(settings.get("optimizer_state", "keep"), settings["optimizer"])
     except ValueError as err:
         raise SettingsError(str(err)) from err
     for key in ("kwargs", "optimizer_kwargs"):
@@ -652,6 +656,9 @@ def run(
             progress,
             restore,
             *lr_schedule_plugins(settings.get("lr_schedule", "constant"), float(settings["lr"])),
+            *optimizer_state_plugins(
+                settings.get("optimizer_state", "keep"), str(settings["optimizer"])
+            ),
             *([_DataParallel()] if world > 1 else []),
         ],
         evaluator=evaluator,
