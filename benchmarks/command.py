@@ -16,7 +16,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fromp_bench.data import CorruptDataError, DataNotFoundError
+from fromp_bench.data import (
+    DATA_ENV_VAR,
+    CorruptDataError,
+    DataNotFoundError,
+    resolve_data_root,
+)
 from fromp_bench.plugins import MIN_FREE_BYTES as MIN_FREE_BYTES  # moved, kept here too
 from fromp_bench.plugins import (
     UsageError,
@@ -600,7 +605,11 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
         load_sequence(get_benchmark(benchmark), args.data_root)
     except DataNotFoundError as err:
         first = str(err).split(". ")[0]
-        print(f"demo: {first}; running the built-in Split-Digits benchmark instead.")
+        root = resolve_data_root(args.data_root).resolve()
+        print(
+            f"demo: {first} in data root {root} (from --data-root, ${DATA_ENV_VAR} or ./data); "
+            "running the built-in Split-Digits benchmark instead."
+        )
         benchmark = "split-digits"
     if args.strategies is not None:
         names = parse_strategies(args.strategies)

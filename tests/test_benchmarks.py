@@ -164,6 +164,8 @@ def test_demo_falls_back_to_split_digits_and_says_why(tmp_path, capsys, monkeypa
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "demo: MNIST not found" in out and "running the built-in Split-Digits" in out
+    # the line names where it looked and how to point it elsewhere
+    assert f"in data root {(tmp_path / 'empty').resolve()} (from --data-root, $FROMP_DATA" in out
     assert "| naive | 1 |" in out
     assert (tmp_path / "out" / "split-digits" / "results.json").exists()
 
