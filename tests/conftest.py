@@ -57,3 +57,22 @@ def make_net():
 def any_net(request) -> NetCase:
     """One :class:`NetCase` per kind of network (MLP, CNN, multi-head MLP, BN in eval)."""
     return NetCase(request.param)
+
+
+def quick_run_config(tmp_path: Path, overrides: dict, **kw):
+    """A runner config for a quick Naive run on split-digits (96 training and 40 test
+    examples per task, checkpointed in ``tmp_path``) with these training ``overrides``."""
+    from fromp_bench.runner import RunConfig
+
+    base = dict(
+        benchmark="split-digits",
+        strategy="naive",
+        seed=0,
+        overrides=overrides,
+        n_train=96,
+        n_test=40,
+        checkpoint=str(tmp_path / "run.pt"),
+        progress=False,
+    )
+    base.update(kw)
+    return RunConfig(**base)

@@ -10,13 +10,14 @@ from avalanche.benchmarks.scenarios.deprecated.generators import tensors_benchma
 from avalanche.core import SupervisedPlugin
 from avalanche.training import Naive
 from avalanche.training.plugins import EvaluationPlugin
+from conftest import quick_run_config
 from fromp_bench.plugins import (
     _CosineLR,
     _ResetOptimizerState,
     _RestoreOptimizer,
     optimizer_state_plugins,
 )
-from fromp_bench.runner import RunConfig, SettingsError, run
+from fromp_bench.runner import SettingsError, run
 from torch import nn
 
 
@@ -135,18 +136,8 @@ def test_names_and_optimizers_are_checked():
 
 
 def _cfg(tmp_path, **kw):
-    base = dict(
-        benchmark="split-digits",
-        strategy="naive",
-        seed=0,
-        overrides={"train_epochs": 2, "train_mb_size": 32, "optimizer_state": "reset"},
-        n_train=96,
-        n_test=40,
-        checkpoint=str(tmp_path / "run.pt"),
-        progress=False,
-    )
-    base.update(kw)
-    return RunConfig(**base)
+    kw.setdefault("overrides", {"train_epochs": 2, "train_mb_size": 32, "optimizer_state": "reset"})
+    return quick_run_config(tmp_path, **kw)
 
 
 def test_runner_applies_it_and_a_resumed_run_equals_the_uninterrupted_one(tmp_path):
