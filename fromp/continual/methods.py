@@ -63,6 +63,7 @@ _POSTERIORS = ("ggn", "kron", "vogn", "ivon")
 _OWN_CURVATURE = ("ggn", "kron")  # curvature computed by the method, not by an optimizer
 _IVON_PENALTY = ("mean", "sample")
 _BN_STATISTICS = ("stored", "live", "batch")
+_CURVATURE_COMBINE = ("sum", "mean")
 #: the settings a state must have been saved with to be loaded (see load_state_dict)
 _SETTINGS = (
     "n_points",
@@ -78,6 +79,7 @@ _SETTINGS = (
     "jitter",
     "bn_statistics",
     "context_tau",
+    "curvature_combine",
 )
 
 
@@ -182,6 +184,15 @@ class FROMPMethod:
             batch, running buffers untouched; targets taken the same way); ``"live"``: the
             running statistics of the moment (they drift with the new task's batches). The
             running buffers are never written by the penalty.
+        curvature_combine: how the experiences' curvatures form ``G`` (``posterior="ggn"``
+            or ``"kron"``): ``"sum"`` (default; the sequential Laplace posterior, ``G =
+            sum_e G_e``) or ``"mean"`` (``G = (1 / E) sum_e G_e`` over the ``E``
+            experiences learnt, a parameter absent from an experience counting 0 there).
+            With the sum, ``Sigma`` shrinks as experiences accumulate, so every memorable
+            set's kernel ``K_s`` shrinks with it and each set's penalty grows with the
+            number of experiences learnt (on top of the growing number of sets); with the
+            mean, ``Sigma`` keeps the scale of one experience's posterior, and a set's
+            penalty keeps its scale. Identical after the first experience.
         context_tau: weight of a second function-space term, on the training mini-batch
             (the new experience's inputs as context points, as S-FSVI draws context points
             from the current task): :meth:`context_penalty` ``= 1/2 mean_b ||g(x_b; w)_S -
@@ -228,6 +239,7 @@ class FROMPMethod:
         replay_weight: float = 1.0,
         bn_statistics: str = "stored",
         context_tau: float = 0.0,
+        curvature_combine: str = "sum",
     ) -> None:
         if select is None:  # a labelled coreset must represent its classes: random points
             select = "random" if replay is True else "descending"
@@ -272,6 +284,16 @@ class FROMPMethod:
             )
         if posterior not in _POSTERIORS:
             raise ValueError(f"posterior must be one of {_POSTERIORS}, got {posterior!r}")
+        if curvature_combine not in _CURVATURE_COMBINE:
+            raise ValueError(
+                f"curvature_combine must be one of {_CURVATURE_COMBINE}, got {curvature_combine!r}"
+            )
+        if curvature_combine != "sum" and posterior not in _OWN_CURVATURE:
+            raise ValueError(
+                f"curvature_combine={curvature_combine!r} combines the method's own "
+                f"curvature (posterior 'ggn' or 'kron'); posterior={posterior!r} takes Sigma "
+                "from the optimizer"
+            )
         if ivon_penalty not in _IVON_PENALTY:
             raise ValueError(f"ivon_penalty must be one of {_IVON_PENALTY}, got {ivon_penalty!r}")
         if curvature_examples is not None and curvature_examples < 1:
@@ -299,6 +321,7 @@ class FROMPMethod:
         )
         self.seed = int(seed)
         self.context_tau = float(context_tau)
+        self.curvature_combine = curvature_combine
         #: context_tau > 0: a frozen copy of the network at the last learn_task (the
         #: previous function on the new experience's inputs); a loaded state keeps its
         #: weights until the first context_penalty call gives it a network to copy
@@ -392,7 +415,15 @@ class FROMPMethod:
             raise RuntimeError("no task has been learnt yet")
         if self.posterior != "ggn":
             return to_flat(state, net, 1.0 / self.prior_precision)
-        return 1.0 / (to_flat(state, net, 0.0) + self.prior_precision)
+        return 1.0 / (to_flat(state, net, 0.0) / self._n_terms() + self.prior_precision)
+
+    def _n_terms(self) -> int:
+        """The divisor of the summed curvature: 1 (``curvature_combine="sum"``) or the
+        number of experiences learnt (``"mean"``)."""
+        if self.curvature_combine == "sum":
+            return 1
+        terms = self.kron_terms if self.posterior == "kron" else self.ggn_terms
+        return max(1, len(terms))
 
     def penalty(self, net: nn.Module) -> Tensor:
         """``R(w)`` on the memorable past (see :meth:`terms`)."""
@@ -670,19 +701,7 @@ class FROMPMethod:
         term = kron_curvature(view, batches, get_likelihood(self.likelihood))
         term = distributed.fold(term, lambda a, b: a + b)  # every rank's shard (in rank order)
         if scale != 1.0:
-            term = KronCurvature(
-                [
-                    KronBlock(
-                        b.A,
-                        b.B * scale,
-                        None if b.B_bias is None else b.B_bias * scale,
-                        None if b.n is None else round(b.n * scale),
-                    )
-                    for b in term.blocks
-                ],
-                term.names,
-                round(term.n * scale),
-            )
+            term = _scaled(term, scale)
         for key, old in self.kron_terms.items():
             if key == experience:
                 continue
@@ -706,6 +725,8 @@ class FROMPMethod:
             term = self.kron_terms[key]
             total = term if total is None else total + term
         assert total is not None
+        if (k := self._n_terms()) > 1:
+            total = _scaled(total, 1.0 / k)
         la = KronLaplace(view, self.likelihood, prior_precision=self.prior_precision)
         return la.use_curvature(total, total.n), view
 
@@ -756,6 +777,7 @@ class FROMPMethod:
             "replay_weight": self.replay_weight,
             "bn_statistics": self.bn_statistics,
             "context_tau": self.context_tau,
+            "curvature_combine": self.curvature_combine,
             "previous": (
                 {k: v.detach().clone() for k, v in self.previous.state_dict().items()}
                 if self.previous is not None
@@ -789,7 +811,9 @@ class FROMPMethod:
         mine["function"] = self.function
         reg = state.get("regularizer", {})
         for key, value in mine.items():
-            if key == "function":  # states before 0.4 kept the probabilities
+            if key == "curvature_combine":  # states before the setting summed
+                saved = state.get(key, "sum")
+            elif key == "function":  # states before 0.4 kept the probabilities
                 saved = state.get(key, reg.get(key, "probs"))
                 if "auto" in (saved, value):  # a choice not made yet matches either
                     continue
@@ -860,6 +884,26 @@ class FROMPMethod:
             self.generator.set_state(state["generator"])
         self.timings = list(state.get("timings", []))
         self.bn_buffers = dict(mv(state.get("bn_buffers", {})) or {})
+
+
+def _scaled(curv: KronCurvature, scale: float) -> KronCurvature:
+    """``scale`` times a Kronecker-factored curvature: each block's ``B`` factors (``A kron
+    B`` scales with ``B``; ``A`` is an average), the diagonals of the other parameters and
+    the example counts ``n``."""
+    return KronCurvature(
+        [
+            KronBlock(
+                b.A,
+                b.B * scale,
+                None if b.B_bias is None else b.B_bias * scale,
+                None if b.n is None else round(b.n * scale),
+            )
+            for b in curv.blocks
+        ],
+        curv.names,
+        round(curv.n * scale),
+        {k: v * scale for k, v in curv.diag.items()},
+    )
 
 
 def _frozen_copy(net: nn.Module) -> nn.Module:
