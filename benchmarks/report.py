@@ -119,6 +119,44 @@ def _flat(settings: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _kwarg_defaults(strategy: str) -> dict[str, Any]:
+    """The keyword defaults of ``strategy``'s class (its registry target; FROMP's include
+    its method's), or nothing when the name or class cannot be resolved."""
+    import importlib
+    import inspect
+
+    from fromp_bench.registry import STRATEGIES
+
+    spec = STRATEGIES.get(strategy)
+    if spec is None:
+        return {}
+    try:
+        module, _, attr = spec.target.partition(":")
+        params = inspect.signature(getattr(importlib.import_module(module), attr)).parameters
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return {}
+    out = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
+    out.update(spec.kwargs)  # the strategy's presets (e.g. fromp-l2's kernel)
+    return out
+
+
+def _fill_defaults(
+    strategy: str, flats: dict[str, dict[str, Any]], settings: list[dict[str, Any]]
+) -> None:
+    """A keyword argument set in some of a strategy's groups and absent from others took
+    the class's default there: fill it in, so that labels say ``curvature_combine=sum``
+    rather than ``None``."""
+    keys = {k for s in settings for k in (s.get("kwargs") or {})}
+    missing = {k for k in keys if any(k not in fl for fl in flats.values())}
+    if not missing:
+        return
+    defaults = _kwarg_defaults(strategy)
+    for fl in flats.values():
+        for k in missing:
+            if k not in fl and k in defaults:
+                fl[k] = defaults[k]
+
+
 def _labels(groups: dict[str, list[dict[str, Any]]]) -> dict[str, str]:
     """A row label per group: the strategy name, plus the settings that differ from the other
     groups of the same strategy (``fromp [tau=30]``), plus ``(n_train=..)``-style notes when
@@ -132,6 +170,7 @@ def _labels(groups: dict[str, list[dict[str, Any]]]) -> dict[str, str]:
             labels[keys[0]] = name
             continue
         flats = {k: _flat(groups[k][0].get("settings") or {}) for k in keys}
+        _fill_defaults(name, flats, [groups[k][0].get("settings") or {} for k in keys])
         protos = {k: {kk: v for kk, v in json.loads(k).items() if kk != "settings"} for k in keys}
         for k in keys:
             parts = []

@@ -146,3 +146,27 @@ def test_bad_settings_are_refused_before_any_work():
         FROMPMethod(curvature_combine="average")
     with pytest.raises(ValueError, match="posterior='vogn'"):
         FROMPMethod(curvature_combine="mean", posterior="vogn")
+
+
+def test_report_labels_an_absent_keyword_with_the_strategys_default():
+    """A run without ``curvature_combine`` in its settings summed (the default): the report
+    says so beside a run that set it, from the class's signature (FROMP's includes its
+    method's), a strategy's preset winning over the class default; a name the registry does
+    not know keeps ``None``."""
+    from fromp_bench.report import _labels, group_key
+
+    def run(strategy: str, **kw):
+        return {"strategy": strategy, "settings": {"lr": 1e-3, "kwargs": {"tau": 0.3, **kw}}}
+
+    runs = [run("fromp-coreset"), run("fromp-coreset", curvature_combine="mean")]
+    labels = _labels({group_key(r): [r] for r in runs})
+    assert sorted(labels.values()) == [
+        "fromp-coreset [curvature_combine=mean]",
+        "fromp-coreset [curvature_combine=sum]",
+    ]
+    runs = [run("fromp-kron"), run("fromp-kron", posterior="ggn")]  # preset: kron
+    labels = _labels({group_key(r): [r] for r in runs})
+    assert sorted(labels.values()) == ["fromp-kron [posterior=ggn]", "fromp-kron [posterior=kron]"]
+    runs = [run("no-such-strategy"), run("no-such-strategy", curvature_combine="mean")]
+    labels = _labels({group_key(r): [r] for r in runs})
+    assert "no-such-strategy [curvature_combine=None]" in labels.values()
