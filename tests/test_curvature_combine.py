@@ -52,21 +52,24 @@ def _method(combine: str, **kw) -> FROMPMethod:
                        curvature_combine=combine, **kw)  # fmt: skip
 
 
-def test_mean_posterior_and_kernels_after_tasks_one_two_three_equal_dense_references():
-    """``Sigma`` is ``1 / (mean_e diag(G_e) + delta)``, with each ``G_e`` the dense GGN at
-    the weights of the end of experience ``e``, and every stored logits kernel is
-    ``J_c Sigma J_c^T`` at the current weights; the sum's ``Sigma`` is checked beside it.
-    Dividing by the experiences before the new one (an off-by-one), dividing ``delta`` too,
-    or keeping the sum fails this."""
+@pytest.mark.parametrize(("combine", "exponent"), [("mean", 1.0), (0.5, 0.5)])
+def test_combined_posterior_and_kernels_after_tasks_one_two_three_equal_dense_references(
+    combine, exponent
+):
+    """``Sigma`` is ``1 / (E^(-a) sum_e diag(G_e) + delta)`` (``a = 1``: the mean), with
+    each ``G_e`` the dense GGN at the weights of the end of experience ``e``, and every
+    stored logits kernel is ``J_c Sigma J_c^T`` at the current weights; the sum's ``Sigma``
+    is checked beside it. Dividing by the experiences before the new one (an off-by-one),
+    dividing ``delta`` too, ignoring the exponent or keeping the sum fails this."""
     net, delta = _net(), 0.5
-    mean, total = _method("mean"), _method("sum")
+    mean, total = _method(combine), _method("sum")
     lik = CategoricalLikelihood()
     diags = []
     for t, (x, y) in enumerate(_tasks()):
         diags.append(torch.diagonal(dense_ggn(net, x, lik)))
         mean.learn_task(net, x, y, None)
         total.learn_task(net, x, y, None)
-        want = 1.0 / (torch.stack(diags).sum(0) / (t + 1) + delta)
+        want = 1.0 / (torch.stack(diags).sum(0) / (t + 1) ** exponent + delta)
         torch.testing.assert_close(mean.posterior_variance(net), want, rtol=1e-10, atol=0)
         want_sum = 1.0 / (torch.stack(diags).sum(0) + delta)
         torch.testing.assert_close(total.posterior_variance(net), want_sum, rtol=1e-10, atol=0)
@@ -134,6 +137,9 @@ def test_resume_continues_the_mean_and_refuses_a_change():
                                rtol=0, atol=0)  # fmt: skip
     with pytest.raises(ValueError, match="curvature_combine='mean'"):
         _method("sum").load_state_dict(state)
+    with pytest.raises(ValueError, match="curvature_combine='mean'"):
+        _method(0.5).load_state_dict(state)
+    _method(1.0).load_state_dict(state)  # the same exponent, named as a number
     old = dict(state)
     del old["curvature_combine"]  # a state saved before the setting: it summed
     _method("sum").load_state_dict(old)
@@ -142,8 +148,9 @@ def test_resume_continues_the_mean_and_refuses_a_change():
 
 
 def test_bad_settings_are_refused_before_any_work():
-    with pytest.raises(ValueError, match="curvature_combine must be one of"):
-        FROMPMethod(curvature_combine="average")
+    for bad in ("average", 1.5, -0.1, True, None):
+        with pytest.raises(ValueError, match="curvature_combine must be one of"):
+            FROMPMethod(curvature_combine=bad)
     with pytest.raises(ValueError, match="posterior='vogn'"):
         FROMPMethod(curvature_combine="mean", posterior="vogn")
 

@@ -185,14 +185,15 @@ class FROMPMethod:
             running statistics of the moment (they drift with the new task's batches). The
             running buffers are never written by the penalty.
         curvature_combine: how the experiences' curvatures form ``G`` (``posterior="ggn"``
-            or ``"kron"``): ``"sum"`` (default; the sequential Laplace posterior, ``G =
-            sum_e G_e``) or ``"mean"`` (``G = (1 / E) sum_e G_e`` over the ``E``
-            experiences learnt, a parameter absent from an experience counting 0 there).
-            With the sum, ``Sigma`` shrinks as experiences accumulate, so every memorable
-            set's kernel ``K_s`` shrinks with it and each set's penalty grows with the
-            number of experiences learnt (on top of the growing number of sets); with the
-            mean, ``Sigma`` keeps the scale of one experience's posterior, and a set's
-            penalty keeps its scale. Identical after the first experience.
+            or ``"kron"``): ``G = E^(-a) sum_e G_e`` over the ``E`` experiences learnt (a
+            parameter absent from an experience counting 0 there), with ``a = 0`` for
+            ``"sum"`` (default; the sequential Laplace posterior), ``a = 1`` for ``"mean"``,
+            or ``a`` given as a number in ``[0, 1]``. With the sum, ``Sigma`` shrinks as
+            experiences accumulate, so every memorable set's kernel ``K_s`` shrinks with
+            it and each set's penalty grows with the number of experiences learnt (on top
+            of the growing number of sets); with the mean, ``Sigma`` keeps the scale of one
+            experience's posterior, and a set's penalty keeps its scale; values between
+            move between the two. Identical after the first experience.
         context_tau: weight of a second function-space term, on the training mini-batch
             (the new experience's inputs as context points, as S-FSVI draws context points
             from the current task): :meth:`context_penalty` ``= 1/2 mean_b ||g(x_b; w)_S -
@@ -239,7 +240,7 @@ class FROMPMethod:
         replay_weight: float = 1.0,
         bn_statistics: str = "stored",
         context_tau: float = 0.0,
-        curvature_combine: str = "sum",
+        curvature_combine: str | float = "sum",
     ) -> None:
         if select is None:  # a labelled coreset must represent its classes: random points
             select = "random" if replay is True else "descending"
@@ -284,11 +285,7 @@ class FROMPMethod:
             )
         if posterior not in _POSTERIORS:
             raise ValueError(f"posterior must be one of {_POSTERIORS}, got {posterior!r}")
-        if curvature_combine not in _CURVATURE_COMBINE:
-            raise ValueError(
-                f"curvature_combine must be one of {_CURVATURE_COMBINE}, got {curvature_combine!r}"
-            )
-        if curvature_combine != "sum" and posterior not in _OWN_CURVATURE:
+        if _combine_exponent(curvature_combine) != 0 and posterior not in _OWN_CURVATURE:
             raise ValueError(
                 f"curvature_combine={curvature_combine!r} combines the method's own "
                 f"curvature (posterior 'ggn' or 'kron'); posterior={posterior!r} takes Sigma "
@@ -417,13 +414,14 @@ class FROMPMethod:
             return to_flat(state, net, 1.0 / self.prior_precision)
         return 1.0 / (to_flat(state, net, 0.0) / self._n_terms() + self.prior_precision)
 
-    def _n_terms(self) -> int:
-        """The divisor of the summed curvature: 1 (``curvature_combine="sum"``) or the
-        number of experiences learnt (``"mean"``)."""
-        if self.curvature_combine == "sum":
-            return 1
+    def _n_terms(self) -> float:
+        """The divisor ``E^a`` of the summed curvature (``E`` experiences learnt, ``a`` the
+        exponent of ``curvature_combine``: 1 for the sum)."""
+        exponent = _combine_exponent(self.curvature_combine)
+        if exponent == 0:
+            return 1.0
         terms = self.kron_terms if self.posterior == "kron" else self.ggn_terms
-        return max(1, len(terms))
+        return float(max(1, len(terms))) ** exponent
 
     def penalty(self, net: nn.Module) -> Tensor:
         """``R(w)`` on the memorable past (see :meth:`terms`)."""
@@ -725,7 +723,7 @@ class FROMPMethod:
             term = self.kron_terms[key]
             total = term if total is None else total + term
         assert total is not None
-        if (k := self._n_terms()) > 1:
+        if (k := self._n_terms()) != 1:
             total = _scaled(total, 1.0 / k)
         la = KronLaplace(view, self.likelihood, prior_precision=self.prior_precision)
         return la.use_curvature(total, total.n), view
@@ -813,6 +811,8 @@ class FROMPMethod:
         for key, value in mine.items():
             if key == "curvature_combine":  # states before the setting summed
                 saved = state.get(key, "sum")
+                if _combine_exponent(saved) == _combine_exponent(value):
+                    continue
             elif key == "function":  # states before 0.4 kept the probabilities
                 saved = state.get(key, reg.get(key, "probs"))
                 if "auto" in (saved, value):  # a choice not made yet matches either
@@ -884,6 +884,24 @@ class FROMPMethod:
             self.generator.set_state(state["generator"])
         self.timings = list(state.get("timings", []))
         self.bn_buffers = dict(mv(state.get("bn_buffers", {})) or {})
+
+
+def _combine_exponent(value: Any) -> float:
+    """The exponent ``a`` of ``curvature_combine`` (``G = E^(-a) sum_e G_e``): 0 for
+    ``"sum"``, 1 for ``"mean"``, a number in ``[0, 1]`` as given."""
+    if isinstance(value, str):
+        if value not in _CURVATURE_COMBINE:
+            raise ValueError(
+                f"curvature_combine must be one of {_CURVATURE_COMBINE} or a number in "
+                f"[0, 1], got {value!r}"
+            )
+        return 0.0 if value == "sum" else 1.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(
+            f"curvature_combine must be one of {_CURVATURE_COMBINE} or a number in [0, 1], "
+            f"got {value!r}"
+        )
+    return float(value)
 
 
 def _scaled(curv: KronCurvature, scale: float) -> KronCurvature:
