@@ -12,7 +12,9 @@ After every experience (task ``t``), with the model in eval mode:
 1. ``n_points`` memorable examples of the experience's training data are selected, the
    same number per class (``n_points // n_classes``), by ``tr Lambda`` (``select``);
 2. the diagonal GGN of the whole training set of the task (through its head) is added to
-   the running sum ``G``; the posterior variance is ``Sigma = 1 / (G + prior_precision)``;
+   the running sum ``G``; the posterior variance is ``Sigma = 1 / (G + prior_precision)``
+   (``curvature_combine``: ``G`` divided by ``E^a`` after ``E`` experiences, e.g. their
+   mean);
 3. targets ``m_s`` and kernels ``K_s`` of all memorable sets ``s <= t`` are (re)computed at
    the current weights and ``Sigma`` (as in the reference code, which regularises towards
    the latest solution) and factorised once.
