@@ -424,8 +424,17 @@ def test_permuted_coreset_is_fromp_with_s_fsvis_memory_replayed():
     assert core["kwargs"]["replay"] is True and core["kwargs"]["select"] == "random"
     assert core["kwargs"]["replay_weight"] > 1
     changed = {k for k in core["kwargs"] if core["kwargs"][k] != own["kwargs"].get(k)}
-    assert changed <= {"replay", "select", "replay_weight", "tau", "prior_precision"}, changed
+    assert changed <= {
+        "replay",
+        "select",
+        "replay_weight",
+        "tau",
+        "prior_precision",
+        "curvature_combine",
+    }, changed
     assert core["kwargs"]["prior_precision"] == 1e-4
+    assert core["kwargs"]["curvature_combine"] == 0.5 and core["kwargs"]["tau"] == 0.7
+    assert own["kwargs"].get("curvature_combine", "sum") == "sum"
     for key in ("function", "jitter", "grad_clip_norm"):
         assert core["kwargs"][key] == own["kwargs"][key], key
     assert core["kwargs"]["function"] == "logits"
