@@ -412,11 +412,11 @@ class FROMPMethod:
             raise RuntimeError("no task has been learnt yet")
         if self.posterior != "ggn":
             return to_flat(state, net, 1.0 / self.prior_precision)
-        return 1.0 / (to_flat(state, net, 0.0) / self._n_terms() + self.prior_precision)
+        return 1.0 / (to_flat(state, net, 0.0) / self._curvature_divisor() + self.prior_precision)
 
-    def _n_terms(self) -> float:
-        """The divisor ``E^a`` of the summed curvature (``E`` experiences learnt, ``a`` the
-        exponent of ``curvature_combine``: 1 for the sum)."""
+    def _curvature_divisor(self) -> float:
+        """``E^a``, what the summed curvature is divided by: ``E`` the experiences learnt,
+        ``a`` the exponent of ``curvature_combine`` (the divisor is 1 for the sum)."""
         exponent = _combine_exponent(self.curvature_combine)
         if exponent == 0:
             return 1.0
@@ -723,7 +723,7 @@ class FROMPMethod:
             term = self.kron_terms[key]
             total = term if total is None else total + term
         assert total is not None
-        if (k := self._n_terms()) != 1:
+        if (k := self._curvature_divisor()) != 1:
             total = _scaled(total, 1.0 / k)
         la = KronLaplace(view, self.likelihood, prior_precision=self.prior_precision)
         return la.use_curvature(total, total.n), view
