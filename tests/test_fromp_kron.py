@@ -187,3 +187,24 @@ def test_kron_refuses_layers_it_cannot_factor_and_grown_layers():
         net[2].weight[:2] = old.weight
     with pytest.raises(ValueError, match="layers changed since experience 0"):
         method.learn_task(net, x, torch.randint(0, 3, (6,)), None)
+
+
+def test_scaled_twice_equals_the_curvature_added_to_itself():
+    """``c.scaled(2) == c + c`` (a second route: ``__add__``), on a model with a batch-norm
+    layer so that the non-KFAC diagonals are scaled too; ``scaled(0.5)`` halves ``B``."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 2))
+    net = net.to(F64).eval()
+    x = torch.randn(6, 3, dtype=F64)
+    c = kron_curvature(net, [(x, None)], CategoricalLikelihood(), diag_layers=[net[1]])
+    assert c.diag, "the batch-norm parameters should have diagonal terms"
+    two, added = c.scaled(2.0), c + c
+    assert two.n == added.n == 2 * c.n
+    for a, b in zip(two.blocks, added.blocks):
+        torch.testing.assert_close(a.A, b.A)
+        torch.testing.assert_close(a.B, b.B)
+        torch.testing.assert_close(a.B_bias, b.B_bias)
+        assert a.n == b.n
+    for k in c.diag:
+        torch.testing.assert_close(two.diag[k], added.diag[k])
+    torch.testing.assert_close(c.scaled(0.5).blocks[0].B, c.blocks[0].B / 2)

@@ -51,7 +51,7 @@ from fromp.continual.named_state import (
 from fromp.continual.regularizer import _FUNCTIONS, FROMPRegularizer, FunctionKernel
 from fromp.curvature.diagonal import diag_ggn, diag_ggn_linear
 from fromp.curvature.jacobian import flat_params, num_params
-from fromp.curvature.kron import KronBlock, KronCurvature, kron_curvature
+from fromp.curvature.kron import KronCurvature, kron_curvature
 from fromp.laplace.structures import KronLaplace
 from fromp.likelihood import get_likelihood
 from fromp.models import TaskView, is_multitask, with_task
@@ -699,7 +699,7 @@ class FROMPMethod:
         term = kron_curvature(view, batches, get_likelihood(self.likelihood))
         term = distributed.fold(term, lambda a, b: a + b)  # every rank's shard (in rank order)
         if scale != 1.0:
-            term = _scaled(term, scale)
+            term = term.scaled(scale)
         for key, old in self.kron_terms.items():
             if key == experience:
                 continue
@@ -724,7 +724,7 @@ class FROMPMethod:
             total = term if total is None else total + term
         assert total is not None
         if (k := self._curvature_divisor()) != 1:
-            total = _scaled(total, 1.0 / k)
+            total = total.scaled(1.0 / k)
         la = KronLaplace(view, self.likelihood, prior_precision=self.prior_precision)
         return la.use_curvature(total, total.n), view
 
@@ -889,39 +889,15 @@ class FROMPMethod:
 def _combine_exponent(value: Any) -> float:
     """The exponent ``a`` of ``curvature_combine`` (``G = E^(-a) sum_e G_e``): 0 for
     ``"sum"``, 1 for ``"mean"``, a number in ``[0, 1]`` as given."""
-    if isinstance(value, str):
-        if value not in _CURVATURE_COMBINE:
-            raise ValueError(
-                f"curvature_combine must be one of {_CURVATURE_COMBINE} or a number in "
-                f"[0, 1], got {value!r}"
-            )
-        return 0.0 if value == "sum" else 1.0
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+    if isinstance(value, str) and value in _CURVATURE_COMBINE:
+        return float(_CURVATURE_COMBINE.index(value))  # "sum": 0, "mean": 1
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (number and 0 <= value <= 1):
         raise ValueError(
             f"curvature_combine must be one of {_CURVATURE_COMBINE} or a number in [0, 1], "
             f"got {value!r}"
         )
     return float(value)
-
-
-def _scaled(curv: KronCurvature, scale: float) -> KronCurvature:
-    """``scale`` times a Kronecker-factored curvature: each block's ``B`` factors (``A kron
-    B`` scales with ``B``; ``A`` is an average), the diagonals of the other parameters and
-    the example counts ``n``."""
-    return KronCurvature(
-        [
-            KronBlock(
-                b.A,
-                b.B * scale,
-                None if b.B_bias is None else b.B_bias * scale,
-                None if b.n is None else round(b.n * scale),
-            )
-            for b in curv.blocks
-        ],
-        curv.names,
-        round(curv.n * scale),
-        {k: v * scale for k, v in curv.diag.items()},
-    )
 
 
 def _frozen_copy(net: nn.Module) -> nn.Module:

@@ -169,6 +169,22 @@ class KronCurvature:
         diag = {k: v + other.diag[k] for k, v in self.diag.items()}
         return KronCurvature(blocks, self.names, self.n + other.n, diag)
 
+    def scaled(self, factor: float) -> KronCurvature:
+        """``factor`` times this curvature (e.g. a subsample rescaled to its data set's
+        size): each block's ``B`` sums (``A kron B`` scales with ``B``; ``A`` is an average),
+        the diagonals of the other parameters and the example counts ``n``."""
+        blocks = [
+            KronBlock(
+                b.A,
+                b.B * factor,
+                None if b.B_bias is None else b.B_bias * factor,
+                None if b.n is None else round(b.n * factor),
+            )
+            for b in self.blocks
+        ]
+        diag = {k: v * factor for k, v in self.diag.items()}
+        return KronCurvature(blocks, self.names, round(self.n * factor), diag)
+
     def state_dict(self) -> dict:
         return {
             "A": [b.A for b in self.blocks],
