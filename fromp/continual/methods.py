@@ -50,7 +50,7 @@ from fromp.continual.named_state import (
 )
 from fromp.continual.regularizer import _FUNCTIONS, FROMPRegularizer, FunctionKernel
 from fromp.curvature.diagonal import diag_ggn, diag_ggn_linear
-from fromp.curvature.jacobian import flat_params, num_params
+from fromp.curvature.jacobian import default_memory_budget, flat_params, num_params
 from fromp.curvature.kron import KronCurvature, kron_curvature
 from fromp.laplace.structures import KronLaplace
 from fromp.likelihood import get_likelihood
@@ -205,7 +205,13 @@ class FROMPMethod:
             many-class head it keeps the old classes' outputs on the new inputs, which the
             memorable points alone do not (class-incremental split MNIST: see
             ``docs/results-details.md``). 0 (default): off, no copy kept.
-        chunk_size: examples per Jacobian chunk for the GGN and kernels.
+        chunk_size: examples per Jacobian chunk for the kernels and the memorable points
+            (memory ``chunk_size * C * P`` numbers). The diagonal GGN takes its chunks from
+            the device's memory budget instead
+            (:func:`fromp.curvature.jacobian.default_memory_budget`, set with
+            ``set_default_memory_budget``): its layer capture holds activations, not
+            ``[chunk, C, P]`` Jacobians, so larger chunks fit and each of its ``C`` backward
+            passes runs on a full batch.
         likelihood: the likelihood's name (``"categorical"``: softmax heads), for the
             memorability scores, the GGN and the kernels' ``p = inverse_link(f)``.
         seed: seeds the generator for ``select="random"`` and ``curvature_examples``.
@@ -743,13 +749,15 @@ class FROMPMethod:
         return kernel
 
     def _diag_ggn(self, head: nn.Module, x: Tensor, device: torch.device) -> Tensor:
-        """Exact diagonal GGN of ``x``: the batched linear-layer formula for MLPs, per-example
-        Jacobians (:func:`fromp.curvature.diag_ggn`) otherwise."""
+        """Exact diagonal GGN of ``x``: the batched linear-layer formula for MLPs, layer
+        capture (:func:`fromp.curvature.diag_ggn`) otherwise, in chunks set by the device's
+        memory budget (not ``chunk_size``, the kernels' Jacobian chunk)."""
         batches = ((x[s : s + 1024].to(device),) for s in range(0, len(x), 1024))
         try:
             g = diag_ggn_linear(head, batches, self.likelihood)
         except ValueError:
-            g = diag_ggn(head, x.to(device), self.likelihood, chunk_size=self.chunk_size)
+            budget = default_memory_budget(device)
+            g = diag_ggn(head, x.to(device), self.likelihood, memory_budget=budget)
         distributed.all_reduce_sum([g])  # the sum over every rank's shard
         return g
 
