@@ -87,6 +87,8 @@ class FROMPPlugin(SupervisedPlugin):
         self._weighted: Tensor | None = None
         self._warned = False
         self._checks_left = 0
+        #: the experience brings new classes to one head shared with earlier experiences
+        self._new_classes_one_head = False
 
     def __setattr__(self, name: str, value: Any) -> None:
         # settings and state live on the method: plugin.x = v sets method.x
@@ -156,6 +158,7 @@ class FROMPPlugin(SupervisedPlugin):
     def before_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
         self._checks_left = 20  # steps of this experience whose penalty is compared
         self._last_penalty = None
+        self._new_classes_one_head = _new_classes_on_one_head(strategy.experience)
         # a resumed run: the saved copy of the previous network into the (adapted) model
         self.method.attach_previous(unwrap(strategy.model))
 
@@ -215,7 +218,14 @@ class FROMPPlugin(SupervisedPlugin):
             warnings.warn(
                 f"FROMP: tau * R = {w:.3g} is {w / max(abs(data), 1e-8):.0f}x the loss "
                 f"without it ({data:.3g}); the penalty dominates training: lower tau "
-                f"(now {self.tau:g}) or raise prior_precision / jitter",
+                f"(now {self.tau:g}) or raise prior_precision / jitter"
+                + (
+                    "; new classes on a head shared with earlier experiences: without the "
+                    "old classes' labels FROMP stays far below Replay there, replay=True "
+                    "keeps the memorable points as a labelled coreset (docs/avalanche.md)"
+                    if self._new_classes_one_head and not self.method.replay
+                    else ""
+                ),
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -344,6 +354,16 @@ class FROMPPenaltyMetric(GenericPluginMetric[float, Mean]):
 
     def __str__(self) -> str:
         return "FROMP_Penalty_Epoch"
+
+
+def _new_classes_on_one_head(experience: Any) -> bool:
+    """Whether ``experience`` (Avalanche's, with its classes timeline) brings classes that
+    no earlier experience had, on task label 0 as the earlier ones (one head shared by all:
+    class-incremental). False when the stream does not say."""
+    previous = set(getattr(experience, "previous_classes", None) or [])
+    now = set(getattr(experience, "classes_in_this_experience", None) or [])
+    labels = set(getattr(experience, "task_labels", None) or [0])
+    return bool(previous) and bool(now - previous) and labels == {0}
 
 
 def _add_penalty_metric(evaluator: Any) -> None:

@@ -313,3 +313,43 @@ def test_ewc_strategy_trained_twice_on_an_experience_keeps_one_anchor():
     assert float(s.plugins[0].method.penalty(net)) == pytest.approx(once, abs=1e-12)
     s.train(exps[1])
     assert len(s.plugins[0].method.anchors) == 2
+
+
+@pytest.mark.parametrize("replay", [False, True])
+def test_dominance_warning_names_the_coreset_when_new_classes_share_one_head(replay):
+    """Class-incremental (Avalanche's default labels, one head): the one-line warning adds
+    that without labels FROMP stays below Replay there and names replay=True, unless the
+    memorable points are replayed already."""
+    bm = _bench(task_labels=False, n=120)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(784, 16), nn.ReLU(), nn.Linear(16, 6))
+    strategy = FROMP(
+        model=net,
+        optimizer=torch.optim.Adam(net.parameters(), 1e-2),
+        train_mb_size=16,
+        train_epochs=1,
+        evaluator=None,
+        tau=1e6,
+        n_points=4,
+        replay=replay,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for exp in list(bm.train_stream)[:2]:
+            strategy.train(exp)
+    dominated = [str(w.message) for w in caught if "dominates" in str(w.message)]
+    assert len(dominated) == 1 and "\n" not in dominated[0]
+    assert ("replay=True keeps the memorable points" in dominated[0]) is (not replay)
+
+
+def test_new_classes_on_one_head_reads_the_experience():
+    from types import SimpleNamespace as E
+
+    from fromp_avalanche.fromp import _new_classes_on_one_head as new
+
+    assert new(E(previous_classes=[0, 1], classes_in_this_experience=[2, 3], task_labels=[0]))
+    # the first experience, a domain-incremental one (same classes), another task label
+    assert not new(E(previous_classes=[], classes_in_this_experience=[0, 1], task_labels=[0]))
+    assert not new(E(previous_classes=[0, 1], classes_in_this_experience=[0, 1], task_labels=[0]))
+    assert not new(E(previous_classes=[0, 1], classes_in_this_experience=[2, 3], task_labels=[1]))
+    assert not new(E())  # a stream without a classes timeline
