@@ -73,3 +73,27 @@ def test_class_incremental_cases_end_to_end(tmp_path, mnist_root):
         assert case["mean_accuracy"] == pytest.approx(sum(rows[-1]) / 5)
     assert len(cases["ci/fromp-recipe"]["fromp_phase_seconds"]) == 5  # one per experience
     assert "fromp_phase_seconds" not in cases["ci/naive"]
+
+
+def test_a_run_whose_weights_diverged_is_refused_not_scored():
+    """An experience that leaves non-finite weights stops the case before its evaluation."""
+
+    class Diverging:
+        def __init__(self) -> None:
+            self.plugins: list = []
+            self.loss = torch.tensor(0.5)
+            self.model = torch.nn.Linear(2, 2)
+            self.evaluated = 0
+
+        def train(self, exp) -> None:
+            with torch.no_grad():
+                self.model.weight[0, 0] = float("nan")
+
+        def eval(self, stream):
+            self.evaluated += 1
+            return {"Top1_Acc_Exp/eval_phase/test_stream/Exp000": 0.1}
+
+    strategy = Diverging()
+    with pytest.raises(RuntimeError, match=r"experience 0: weights weight are not finite"):
+        user_scenarios._run_stream(strategy, [0], [0], torch.device("cpu"))
+    assert strategy.evaluated == 0

@@ -115,7 +115,12 @@ def _accuracies(res: dict[str, Any]) -> list[float]:
 
 def _run_stream(strategy, train_stream, test_stream, device: torch.device) -> dict[str, Any]:
     """Train on each experience, evaluate on the whole test stream after each; seconds of
-    each experience's ``train`` (synchronised), FROMP's phase timings when it has them."""
+    each experience's ``train`` (synchronised), FROMP's phase timings when it has them. A
+    run whose loss or weights are not finite after an experience is refused
+    (:func:`~fromp_bench.studies.avalanche_models.check_trained`), so the case is recorded
+    as an error, never with an accuracy."""
+    from fromp_bench.studies.avalanche_models import check_trained
+
     rows, train_s = [], []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -125,6 +130,7 @@ def _run_stream(strategy, train_stream, test_stream, device: torch.device) -> di
             strategy.train(exp)
             _sync(device)
             train_s.append(time.perf_counter() - t0)
+            check_trained(strategy, f"experience {len(train_s) - 1}")
             rows.append(_accuracies(strategy.eval(test_stream)))
     plugin = next((p for p in strategy.plugins if hasattr(p, "method")), None)
     out: dict[str, Any] = {
