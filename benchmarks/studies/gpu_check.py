@@ -209,11 +209,6 @@ def _cleanup(dev: torch.device, collect: bool = False) -> None:
         torch.cuda.empty_cache()
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def guarded(fn: Callable[[], dict[str, Any] | None], dev: torch.device, seconds: float) -> dict:
     """Run ``fn`` under a time limit, timed (synchronised) with its peak memory.
 
@@ -229,7 +224,7 @@ def guarded(fn: Callable[[], dict[str, Any] | None], dev: torch.device, seconds:
     try:
         with time_limit(seconds):
             extra = fn() or {}
-            _sync(dev)
+            harness.sync(dev)
     except CaseTimeout as err:
         out = {"status": "timeout", "reason": str(err)}
     except Exception as err:
@@ -646,10 +641,10 @@ def ivon_adam_case(dev: torch.device, sizes: Sizes, warmup: int = 5) -> dict[str
     times: dict[str, list[float]] = {"adam": [], "ivon": []}
     for i in range(warmup + sizes.ivon_steps):
         for name, step in (("adam", adam_step), ("ivon", ivon_step)):
-            _sync(dev)
+            harness.sync(dev)
             t0 = time.perf_counter()
             step()
-            _sync(dev)
+            harness.sync(dev)
             if i >= warmup:
                 times[name].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -759,10 +754,10 @@ def dist_worker(result: Path, device: str, model_name: str, n: int, fit_batch: i
     structures = ("diag", "kron")
 
     def fit(structure: str, xs: Tensor, ys: Tensor) -> tuple[Any, float]:
-        _sync(dev)
+        harness.sync(dev)
         t0 = time.perf_counter()
         la = Laplace(model, "classification", "all", structure).fit(batches(xs, ys, fit_batch))
-        _sync(dev)
+        harness.sync(dev)
         return la, time.perf_counter() - t0
 
     ref: dict[str, tuple[Tensor, float, float]] = {}

@@ -128,6 +128,14 @@ def environment(device: str | torch.device | None = None) -> dict[str, Any]:
     return env
 
 
+def sync(device: str | torch.device) -> None:
+    """Wait for the work queued on ``device`` (CUDA runs kernels asynchronously, so a time
+    read without it is the time to queue the work); nothing on the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def prepare_out(path: str | os.PathLike) -> Path:
     """Check, before any work, that the record can be written at ``path``; returns it.
 

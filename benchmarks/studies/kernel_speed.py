@@ -102,11 +102,6 @@ class _RssSampler:
         return self.peak - self.base
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def reference_jacobians(view: nn.Module, x: Tensor) -> Tensor:
     """``J [N, C, P]`` by one forward pass per example and one ``autograd.grad`` per class."""
     params = [p for p in view.parameters() if p.requires_grad]
@@ -150,7 +145,7 @@ def measure(task: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
     sampler = _RssSampler() if device.type != "cuda" else None
-    _sync(device)
+    harness.sync(device)
     t0, c0 = time.perf_counter(), time.process_time()
     extra: dict[str, Any] = {}
     if what == "fromp_jacobian":
@@ -167,7 +162,7 @@ def measure(task: dict[str, Any]) -> dict[str, Any]:
         jac = reference_jacobians(view, x)
     else:
         raise ValueError(f"unknown measurement {what!r}")
-    _sync(device)
+    harness.sync(device)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     # on a shared CPU machine wall time depends on other load: single-threaded CPU runs are
     # compared on process CPU time, GPU runs on wall time

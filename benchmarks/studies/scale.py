@@ -107,11 +107,6 @@ def _inputs(shape: tuple[int, ...], n: int, c: int, device: torch.device):
     return x.to(device), y.to(device)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _laplace_torch_fit(net: nn.Module, x, y, batch: int) -> torch.Tensor:
     from laplace import DiagLaplace
     from torch.utils.data import DataLoader, TensorDataset
@@ -135,7 +130,7 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     out: dict[str, Any] = {}
-    _sync(device)
+    harness.sync(device)
     t0, c0 = time.perf_counter(), time.process_time()
     if spec["case"] == "laplace":
         from fromp import laplace
@@ -158,7 +153,7 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
         la = Laplace(net, "classification", "all", spec["structure"], prior_precision=1.0)
         la.fit([(xf[i : i + 16], yf[i : i + 16]) for i in range(0, m, 16)])
         kw = {} if spec.get("memory_budget") is None else {"memory_budget": spec["memory_budget"]}
-        _sync(device)
+        harness.sync(device)
         out["fit_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         out["fit_s"] = time.perf_counter() - t0
         out["predictive"] = []
@@ -168,7 +163,7 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
             t1 = time.perf_counter()
             with torch.no_grad():
                 p = la(x[:k], **kw)
-            _sync(device)
+            harness.sync(device)
             row = {"n": k, "pred_s": time.perf_counter() - t1,
                    "pred_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                    "prob_sum_mean": float(p.sum(1).mean())}  # fmt: skip
@@ -204,7 +199,7 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
         out["max_abs_diff_over_max"] = float((ours - theirs).abs().max()) / scale
     else:
         raise ValueError(f"unknown case {spec['case']!r}")
-    _sync(device)
+    harness.sync(device)
     out["wall_s"] = time.perf_counter() - t0
     out["cpu_s"] = time.process_time() - c0
     out["base_rss_mb"] = base

@@ -78,11 +78,6 @@ BN_MODELS = ("slimresnet18", "resnet18")
 BN_CONFIGS = ("naive", "fromp-defaults")
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _evaluator():
     from avalanche.evaluation.metrics import accuracy_metrics
     from avalanche.training.plugins import EvaluationPlugin
@@ -125,10 +120,10 @@ def _run_stream(strategy, train_stream, test_stream, device: torch.device) -> di
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for exp in train_stream:
-            _sync(device)
+            harness.sync(device)
             t0 = time.perf_counter()
             strategy.train(exp)
-            _sync(device)
+            harness.sync(device)
             train_s.append(time.perf_counter() - t0)
             check_trained(strategy, f"experience {len(train_s) - 1}")
             rows.append(_accuracies(strategy.eval(test_stream)))
@@ -299,10 +294,10 @@ def _timed(fn, device: torch.device, reps: int) -> float:
     fn()
     times = []
     for _ in range(reps):
-        _sync(device)
+        harness.sync(device)
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        harness.sync(device)
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
 
