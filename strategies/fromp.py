@@ -87,8 +87,6 @@ class FROMPPlugin(SupervisedPlugin):
         self._weighted: Tensor | None = None
         self._warned = False
         self._checks_left = 0
-        #: the experience brings new classes to one head shared with earlier experiences
-        self._new_classes_one_head = False
 
     def __setattr__(self, name: str, value: Any) -> None:
         # settings and state live on the method: plugin.x = v sets method.x
@@ -158,7 +156,6 @@ class FROMPPlugin(SupervisedPlugin):
     def before_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
         self._checks_left = 20  # steps of this experience whose penalty is compared
         self._last_penalty = None
-        self._new_classes_one_head = _new_classes_on_one_head(strategy.experience)
         # a resumed run: the saved copy of the previous network into the (adapted) model
         self.method.attach_previous(unwrap(strategy.model))
 
@@ -175,7 +172,9 @@ class FROMPPlugin(SupervisedPlugin):
             if penalised:
                 self._last_penalty = pen.detach()
                 fromp_term = self.tau * pen.to(strategy.loss.dtype)
-                self._check_dominance(fromp_term, strategy.loss)
+                self._check_dominance(
+                    fromp_term, strategy.loss, getattr(strategy, "experience", None)
+                )
                 weighted = fromp_term if weighted is None else fromp_term + weighted
         if weighted is not None:
             strategy.loss = strategy.loss + weighted
@@ -206,15 +205,18 @@ class FROMPPlugin(SupervisedPlugin):
             strategy.loss = strategy.loss - self._weighted
             self._weighted = None
 
-    def _check_dominance(self, weighted: Tensor, loss: Tensor) -> None:
+    def _check_dominance(self, weighted: Tensor, loss: Tensor, experience: Any) -> None:
         """Warn (once) when ``tau * R`` exceeds ``dominance_ratio`` times the loss without
-        it; compared in the first steps of each experience only (a host sync each)."""
+        it; compared in the first steps of each experience only (a host sync each). When
+        ``experience`` brings new classes to a shared head and nothing is replayed, the
+        warning also names ``replay=True``."""
         if self._warned or self._checks_left <= 0:
             return
         self._checks_left -= 1
         w, data = float(weighted.detach()), float(loss.detach())
         if w > self.dominance_ratio * max(abs(data), 1e-8):
             self._warned = True
+            coreset = not self.method.replay and _new_classes_on_one_head(experience)
             warnings.warn(
                 f"FROMP: tau * R = {w:.3g} is {w / max(abs(data), 1e-8):.0f}x the loss "
                 f"without it ({data:.3g}); the penalty dominates training: lower tau "
@@ -223,7 +225,7 @@ class FROMPPlugin(SupervisedPlugin):
                     "; new classes on a head shared with earlier experiences: without the "
                     "old classes' labels FROMP stays far below Replay there, replay=True "
                     "keeps the memorable points as a labelled coreset (docs/avalanche.md)"
-                    if self._new_classes_one_head and not self.method.replay
+                    if coreset
                     else ""
                 ),
                 RuntimeWarning,

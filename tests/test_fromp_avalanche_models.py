@@ -192,25 +192,33 @@ def test_avalanche_argument_order_and_defaults():
     assert (s.train_mb_size, s.eval_mb_size) == (ref.train_mb_size, ref.eval_mb_size)
 
 
-def test_penalty_metric_and_loss_without_it_in_the_loggers(tmp_path):
+def _dominated(evaluator, train_epochs: int, **kwargs):
+    """``(benchmark, FROMP)``: one 6-way head on a class-incremental stream (Avalanche's
+    default labels) with ``tau = 1e6``, so that the penalty dominates from experience 2."""
     bm = _bench(task_labels=False, n=120)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Flatten(), nn.Linear(784, 16), nn.ReLU(), nn.Linear(16, 6))
+    strategy = FROMP(
+        model=net,
+        optimizer=torch.optim.Adam(net.parameters(), 1e-2),
+        train_mb_size=16,
+        train_epochs=train_epochs,
+        evaluator=evaluator,
+        tau=1e6,
+        n_points=4,
+        **kwargs,
+    )
+    return bm, strategy
+
+
+def test_penalty_metric_and_loss_without_it_in_the_loggers(tmp_path):
     text = tmp_path / "log.txt"
     with open(text, "w") as fh:
         ev = EvaluationPlugin(
             loss_metrics(epoch=True),
             loggers=[CSVLogger(str(tmp_path / "csv")), TextLogger(fh)],
         )
-        strategy = FROMP(
-            model=net,
-            optimizer=torch.optim.Adam(net.parameters(), 1e-2),
-            train_mb_size=16,
-            train_epochs=2,
-            evaluator=ev,
-            tau=1e6,
-            n_points=4,
-        )
+        bm, strategy = _dominated(ev, train_epochs=2)
         assert sum(isinstance(m, FROMPPenaltyMetric) for m in ev.metrics) == 1
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -320,19 +328,7 @@ def test_dominance_warning_names_the_coreset_when_new_classes_share_one_head(rep
     """Class-incremental (Avalanche's default labels, one head): the one-line warning adds
     that without labels FROMP stays below Replay there and names replay=True, unless the
     memorable points are replayed already."""
-    bm = _bench(task_labels=False, n=120)
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Flatten(), nn.Linear(784, 16), nn.ReLU(), nn.Linear(16, 6))
-    strategy = FROMP(
-        model=net,
-        optimizer=torch.optim.Adam(net.parameters(), 1e-2),
-        train_mb_size=16,
-        train_epochs=1,
-        evaluator=None,
-        tau=1e6,
-        n_points=4,
-        replay=replay,
-    )
+    bm, strategy = _dominated(None, train_epochs=1, replay=replay)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for exp in list(bm.train_stream)[:2]:
