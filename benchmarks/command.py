@@ -63,6 +63,7 @@ _TRAINING_KEYS = (
     "train_mb_size",
     "optimizer",
     "lr_schedule",
+    "lr_warmup",
     "optimizer_state",
 )
 _OPT_PREFIX = "opt."  # --set opt.beta2=0.999: a keyword argument of the optimizer
@@ -89,7 +90,7 @@ def _put(out: dict[str, Any], key: str, value: Any) -> None:
 def _parse_set(items: list[str]) -> dict[str, Any]:
     """``key=value`` pairs; values are Python literals when they parse as one, else strings.
     Keys ``lr``, ``train_epochs``, ``train_mb_size``, ``optimizer``, ``lr_schedule``,
-    ``optimizer_state`` set training settings;
+    ``lr_warmup``, ``optimizer_state`` set training settings;
     ``opt.NAME`` a keyword argument of the optimizer (e.g. ``opt.beta2=0.999`` for IVON); any
     other key is a keyword argument of the strategy class."""
     out: dict[str, Any] = {"kwargs": {}}

@@ -226,24 +226,42 @@ class _RestoreOptimizer(SupervisedPlugin):
 
 
 class _CosineLR(SupervisedPlugin):
-    r"""A cosine step size within each experience, restarted at the next one:
-    :math:`\eta_t = \tfrac12 \eta (1 + \cos(\pi t / T))` at iteration ``t`` of the
-    experience, with ``T`` = epochs x mini-batches per epoch (counted when the experience's
-    first epoch starts) and ``eta`` the run's ``lr``. Set before every iteration, in every
-    parameter group, so a resumed optimizer (whose state holds the last step size) follows the
-    schedule too; the plugin keeps no state of its own."""
+    r"""A step size set before every iteration of each experience, restarted at the next:
+    a cosine :math:`\eta_t = \tfrac12 \eta (1 + \cos(\pi t / T))` at iteration ``t`` of the
+    experience (``cosine=True``) or the constant :math:`\eta`, after an optional linear
+    warm-up over the first :math:`W = \max(1, \lfloor w T \rfloor)` iterations
+    (``warmup`` :math:`= w > 0`): :math:`\eta_t = \eta (t + 1) / W` for :math:`t < W`,
+    then the cosine over the remaining :math:`T - W`, :math:`\tfrac12 \eta (1 + \cos(\pi
+    (t - W) / (T - W)))`. ``T`` = epochs x mini-batches per epoch (counted when the
+    experience's first epoch starts) and ``eta`` the run's ``lr``. Set in every parameter
+    group, so a resumed optimizer (whose state holds the last step size) follows the
+    schedule too; the plugin keeps no state of its own.
 
-    def __init__(self, lr: float) -> None:
+    The warm-up keeps the first steps on a new task small while Adam's second-moment
+    estimate still holds the previous task's converged (small) gradients, whose steps
+    ``m / sqrt(v)`` would otherwise start at many times the step size."""
+
+    def __init__(self, lr: float, warmup: float = 0.0, cosine: bool = True) -> None:
         super().__init__()
         self.lr, self.total = float(lr), 1
+        self.warmup, self.cosine = float(warmup), bool(cosine)
 
     def before_training_epoch(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
         if strategy.clock.train_exp_epochs == 0:
             self.total = max(1, len(strategy.dataloader) * int(strategy.train_epochs))
 
+    def step_size(self, t: int) -> float:
+        """The step size at iteration ``t`` of an experience of :attr:`total` iterations."""
+        t = min(t, self.total)
+        w = max(1, int(self.warmup * self.total)) if self.warmup > 0 else 0
+        if t < w:
+            return self.lr * (t + 1) / w
+        if not self.cosine:
+            return self.lr
+        return 0.5 * self.lr * (1.0 + math.cos(math.pi * (t - w) / max(1, self.total - w)))
+
     def before_training_iteration(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
-        t = min(strategy.clock.train_exp_iterations, self.total)
-        lr = 0.5 * self.lr * (1.0 + math.cos(math.pi * t / self.total))
+        lr = self.step_size(strategy.clock.train_exp_iterations)
         for group in strategy.optimizer.param_groups:
             group["lr"] = lr
 
@@ -251,14 +269,18 @@ class _CosineLR(SupervisedPlugin):
 LR_SCHEDULES = ("constant", "cosine")
 
 
-def lr_schedule_plugins(schedule: str, lr: float) -> list[SupervisedPlugin]:
-    """The runner's plugins for ``lr_schedule`` (:data:`LR_SCHEDULES`): none for
-    ``"constant"``, :class:`_CosineLR` for ``"cosine"``."""
-    if schedule == "constant":
+def lr_schedule_plugins(schedule: str, lr: float, warmup: float = 0.0) -> list[SupervisedPlugin]:
+    """The runner's plugins for ``lr_schedule`` (:data:`LR_SCHEDULES`) and ``lr_warmup`` (the
+    share ``w`` of each experience's iterations, ``0 <= w < 1``, over which the step size
+    rises linearly to ``lr``): none for ``"constant"`` without warm-up, else
+    :class:`_CosineLR`."""
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {schedule!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int | float) or not 0 <= warmup < 1:
+        raise ValueError(f"lr_warmup must be a number in [0, 1), got {warmup!r}")
+    if schedule == "constant" and warmup == 0:
         return []
-    if schedule == "cosine":
-        return [_CosineLR(lr)]
-    raise ValueError(f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {schedule!r}")
+    return [_CosineLR(lr, warmup=warmup, cosine=schedule == "cosine")]
 
 
 class _ResetOptimizerState(SupervisedPlugin):

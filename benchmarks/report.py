@@ -110,9 +110,10 @@ def group_key(run: dict[str, Any]) -> str:
 
 
 def _flat(settings: dict[str, Any]) -> dict[str, Any]:
-    # a run without lr_schedule / optimizer_state (the keys are absent unless set, so earlier
-    # runs keep their settings ids) ran the constant step size and kept the optimizer's state
-    out: dict[str, Any] = {"lr_schedule": "constant", "optimizer_state": "keep"}
+    # a run without lr_schedule / lr_warmup / optimizer_state (the keys are absent unless set,
+    # so earlier runs keep their settings ids) ran the constant step size without warm-up and
+    # kept the optimizer's state
+    out: dict[str, Any] = {"lr_schedule": "constant", "lr_warmup": 0, "optimizer_state": "keep"}
     out.update({k: v for k, v in settings.items() if k not in ("kwargs", "optimizer_kwargs")})
     out.update(settings.get("kwargs") or {})
     out.update({f"opt.{k}": v for k, v in (settings.get("optimizer_kwargs") or {}).items()})

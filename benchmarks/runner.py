@@ -118,7 +118,9 @@ class RunConfig:
         device: torch device string.
         overrides: settings that win over all defaults (``lr``, ``train_epochs``,
             ``train_mb_size``, ``optimizer``, ``lr_schedule`` (``"constant"``, the default,
-            or ``"cosine"`` within each experience), ``optimizer_state`` (``"keep"``, the
+            or ``"cosine"`` within each experience), ``lr_warmup`` (the share of each
+            experience's iterations over which the step size rises linearly to ``lr``; 0,
+            the default, none), ``optimizer_state`` (``"keep"``, the
             default, or ``"reset"`` before each experience), and ``kwargs`` for the strategy
             class).
         n_train, n_test: keep this many train / test examples per task (quick runs).
@@ -327,7 +329,9 @@ def validate_settings(
         if not _is_int(v) or v < 1:
             raise SettingsError(f"{key} ({flag}) must be an integer >= 1, got {v!r}")
     try:  # the plugins' own checks, one message each
-        lr_schedule_plugins(settings.get("lr_schedule", "constant"), 1.0)
+        lr_schedule_plugins(
+            settings.get("lr_schedule", "constant"), 1.0, settings.get("lr_warmup", 0.0)
+        )
         optimizer_state_plugins(settings.get("optimizer_state", "keep"), settings["optimizer"])
     except ValueError as err:
         raise SettingsError(str(err)) from err
@@ -655,7 +659,11 @@ def run(
             _Guard(),
             progress,
             restore,
-            *lr_schedule_plugins(settings.get("lr_schedule", "constant"), float(settings["lr"])),
+            *lr_schedule_plugins(
+                settings.get("lr_schedule", "constant"),
+                float(settings["lr"]),
+                settings.get("lr_warmup", 0.0),
+            ),
             *optimizer_state_plugins(
                 settings.get("optimizer_state", "keep"), str(settings["optimizer"])
             ),

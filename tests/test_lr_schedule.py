@@ -1,5 +1,6 @@
-"""The runner's ``lr_schedule``: a cosine step size within each experience, restarted at the
-next, that survives a resumed run and refuses unknown names before any work."""
+"""The runner's ``lr_schedule`` and ``lr_warmup``: a cosine (or constant) step size within each
+experience after an optional linear warm-up, restarted at the next, that survives a resumed
+run and refuses unknown names and impossible warm-ups before any work."""
 
 from __future__ import annotations
 
@@ -60,10 +61,54 @@ def test_cosine_within_each_experience_restarted_at_the_next():
     assert rec.seen[1][0] == pytest.approx(0.4) and rec.seen[1][-1] < 0.4 * 0.07
 
 
+def _train_two(plugin: SupervisedPlugin) -> list[list[float]]:
+    """The step sizes of every iteration of two experiences (10 and 6 iterations)."""
+    bench = tensors_benchmark(
+        [_experience(40, 0), _experience(24, 1)], [_experience(8, 2)] * 2, task_labels=[0, 0]
+    )
+    model = nn.Linear(6, 3)
+    rec = _Record()
+    strategy = Naive(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.4),
+        criterion=nn.CrossEntropyLoss(),
+        train_mb_size=8,
+        train_epochs=2,
+        plugins=[plugin, rec],
+        evaluator=EvaluationPlugin(loggers=[]),
+    )
+    for exp in bench.train_stream:
+        strategy.train(exp)
+    return rec.seen
+
+
+def test_warmup_rises_linearly_then_follows_the_cosine_over_the_rest():
+    seen = _train_two(_CosineLR(0.4, warmup=0.25))
+    # 10 iterations: W = floor(2.5) = 2 warm-up steps, then the cosine over the other 8
+    want = [0.2, 0.4] + [0.2 * (1 + math.cos(math.pi * s / 8)) for s in range(8)]
+    assert seen[0] == pytest.approx(want, rel=1e-12, abs=1e-15)
+    # 6 iterations: W = max(1, floor(1.5)) = 1 (the full step size at once), cosine over 5
+    want = [0.4] + [0.2 * (1 + math.cos(math.pi * s / 5)) for s in range(5)]
+    assert seen[1] == pytest.approx(want, rel=1e-12, abs=1e-15)
+
+
+def test_warmup_with_the_constant_schedule_then_stays_at_lr():
+    (plugin,) = lr_schedule_plugins("constant", 0.4, 0.3)
+    seen = _train_two(plugin)
+    assert seen[0] == pytest.approx([0.4 / 3, 0.8 / 3] + [0.4] * 8, rel=1e-12)
+    assert seen[1] == pytest.approx([0.4] * 6, rel=1e-12)
+
+
+@pytest.mark.parametrize("bad", [1.0, -0.1, "0.1", True, float("nan")])
+def test_impossible_warmups_are_refused(bad):
+    with pytest.raises(ValueError, match=r"lr_warmup must be a number in \[0, 1\)"):
+        lr_schedule_plugins("cosine", 1e-3, bad)
+
+
 def test_constant_adds_no_plugin_and_unknown_names_are_refused():
     assert lr_schedule_plugins("constant", 1e-3) == []
     (plugin,) = lr_schedule_plugins("cosine", 1e-3)
-    assert isinstance(plugin, _CosineLR) and plugin.lr == 1e-3
+    assert isinstance(plugin, _CosineLR) and plugin.lr == 1e-3 and plugin.warmup == 0
     with pytest.raises(ValueError, match="lr_schedule must be one of constant, cosine"):
         lr_schedule_plugins("linear", 1e-3)
 
@@ -86,6 +131,24 @@ def test_runner_applies_it_and_a_resumed_run_follows_it(tmp_path):
     resumed = run(_cfg(tmp_path / "b", resume=True))
     assert resumed["accuracy_matrix"] == cosine["accuracy_matrix"]
     assert resumed["per_task"] == cosine["per_task"]
+
+
+def test_runner_applies_the_warmup_and_a_resumed_run_follows_it(tmp_path):
+    over = {"train_epochs": 2, "train_mb_size": 32, "lr_schedule": "cosine", "lr_warmup": 0.2}
+    warm = run(_cfg(tmp_path / "w", overrides=over))
+    assert warm["settings"]["lr_warmup"] == 0.2
+    cosine = run(_cfg(tmp_path / "c"))
+    assert "lr_warmup" not in cosine["settings"]  # earlier runs keep their settings ids
+    assert warm["accuracy_matrix"] != cosine["accuracy_matrix"]
+    assert not run(_cfg(tmp_path / "r", overrides=over, stop_after=2))["complete"]
+    resumed = run(_cfg(tmp_path / "r", overrides=over, resume=True))
+    assert resumed["accuracy_matrix"] == warm["accuracy_matrix"]
+
+
+def test_runner_refuses_an_impossible_warmup_before_loading_data(tmp_path):
+    cfg = _cfg(tmp_path, overrides={"lr_warmup": 1.5}, data_root=str(tmp_path / "none"))
+    with pytest.raises(SettingsError, match="lr_warmup must be a number in"):
+        run(cfg)
 
 
 def test_runner_refuses_an_unknown_schedule_before_loading_data(tmp_path):
