@@ -391,11 +391,16 @@ _FROMP_OWN: dict[str, Settings] = {
 # 0-4 after seed 0: prior precision 1e-3 95.48 %, the mean of the tasks' GGNs
 # (curvature_combine="mean", tau = 1) 95.49 %, G = E^(-1/2) sum_e G_e (curvature_combine=0.5,
 # tau = 0.7; tau = 0.5 gave 95.33 % on seed 0) 95.50 %, against 95.49 % for the sum at tau =
-# 0.3, so the entry takes the last (test: 95.75 +- 0.10 % against 95.76 +- 0.03 %).
+# 0.3, so the entry takes the last (test: 95.75 +- 0.10 % against 95.76 +- 0.03 %). Then a
+# linear warm-up of the step size over the first 5 % of each task's iterations (lr_warmup;
+# warmup/; seed 0: 0.05 / 0.1 gave 95.63 / 95.52 %) over seeds 0-4: 95.55 % validation
+# against 95.50 %, the highest of the five-seed points, so the entry takes it (test: 95.79 +-
+# 0.06 % against 95.75 +- 0.10 %; the tenth task is learnt to 94.95 % instead of 94.62 %).
 _FROMP_CORESET["permuted-mnist"] = _with(
     _FROMP_OWN["permuted-mnist"],
     lr=2e-3,
     lr_schedule="cosine",
+    lr_warmup=0.05,
     kwargs={
         "replay": True,
         "select": "random",

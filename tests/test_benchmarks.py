@@ -419,7 +419,8 @@ def test_permuted_coreset_is_fromp_with_s_fsvis_memory_replayed():
     for key in ("optimizer", "train_epochs", "train_mb_size"):
         assert core[key] == own[key], key
     assert own.get("lr_schedule", "constant") == "constant"
-    assert core["lr_schedule"] == "cosine" and core["lr"] == 2e-3
+    assert core["lr_schedule"] == "cosine" and core["lr"] == 2e-3 and core["lr_warmup"] == 0.05
+    assert own.get("lr_warmup", 0) == 0
     assert core["kwargs"]["n_points"] == own["kwargs"]["n_points"] == 200
     assert core["kwargs"]["replay"] is True and core["kwargs"]["select"] == "random"
     assert core["kwargs"]["replay_weight"] > 1
