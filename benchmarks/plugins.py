@@ -225,7 +225,7 @@ class _RestoreOptimizer(SupervisedPlugin):
             self.pending = None
 
 
-class _CosineLR(SupervisedPlugin):
+class _StepSchedule(SupervisedPlugin):
     r"""A step size set before every iteration of each experience, restarted at the next:
     a cosine :math:`\eta_t = \tfrac12 \eta (1 + \cos(\pi t / T))` at iteration ``t`` of the
     experience (``cosine=True``) or the constant :math:`\eta`, after an optional linear
@@ -273,14 +273,14 @@ def lr_schedule_plugins(schedule: str, lr: float, warmup: float = 0.0) -> list[S
     """The runner's plugins for ``lr_schedule`` (:data:`LR_SCHEDULES`) and ``lr_warmup`` (the
     share ``w`` of each experience's iterations, ``0 <= w < 1``, over which the step size
     rises linearly to ``lr``): none for ``"constant"`` without warm-up, else
-    :class:`_CosineLR`."""
+    :class:`_StepSchedule`."""
     if schedule not in LR_SCHEDULES:
         raise ValueError(f"lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {schedule!r}")
     if isinstance(warmup, bool) or not isinstance(warmup, int | float) or not 0 <= warmup < 1:
         raise ValueError(f"lr_warmup must be a number in [0, 1), got {warmup!r}")
     if schedule == "constant" and warmup == 0:
         return []
-    return [_CosineLR(lr, warmup=warmup, cosine=schedule == "cosine")]
+    return [_StepSchedule(lr, warmup=warmup, cosine=schedule == "cosine")]
 
 
 class _ResetOptimizerState(SupervisedPlugin):
@@ -320,7 +320,7 @@ def optimizer_state_plugins(mode: str, optimizer: str) -> list[SupervisedPlugin]
     raise ValueError(f"optimizer_state must be one of {', '.join(OPTIMIZER_STATES)}, got {mode!r}")
 
 
-_OWN = (_Collector, _Guard, _Progress, _RestoreOptimizer, _CosineLR, _ResetOptimizerState)
+_OWN = (_Collector, _Guard, _Progress, _RestoreOptimizer, _StepSchedule, _ResetOptimizerState)
 
 
 def method_plugins(strategy: Any) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from avalanche.core import SupervisedPlugin
 from avalanche.training import Naive
 from avalanche.training.plugins import EvaluationPlugin
 from conftest import quick_run_config
-from fromp_bench.plugins import _CosineLR, lr_schedule_plugins
+from fromp_bench.plugins import _StepSchedule, lr_schedule_plugins
 from fromp_bench.runner import SettingsError, run
 from torch import nn
 
@@ -49,7 +49,7 @@ def test_cosine_within_each_experience_restarted_at_the_next():
         criterion=nn.CrossEntropyLoss(),
         train_mb_size=8,
         train_epochs=2,
-        plugins=[_CosineLR(0.4), rec],
+        plugins=[_StepSchedule(0.4), rec],
         evaluator=EvaluationPlugin(loggers=[]),
     )
     for exp in bench.train_stream:
@@ -83,7 +83,7 @@ def _train_two(plugin: SupervisedPlugin) -> list[list[float]]:
 
 
 def test_warmup_rises_linearly_then_follows_the_cosine_over_the_rest():
-    seen = _train_two(_CosineLR(0.4, warmup=0.25))
+    seen = _train_two(_StepSchedule(0.4, warmup=0.25))
     # 10 iterations: W = floor(2.5) = 2 warm-up steps, then the cosine over the other 8
     want = [0.2, 0.4] + [0.2 * (1 + math.cos(math.pi * s / 8)) for s in range(8)]
     assert seen[0] == pytest.approx(want, rel=1e-12, abs=1e-15)
@@ -108,7 +108,7 @@ def test_impossible_warmups_are_refused(bad):
 def test_constant_adds_no_plugin_and_unknown_names_are_refused():
     assert lr_schedule_plugins("constant", 1e-3) == []
     (plugin,) = lr_schedule_plugins("cosine", 1e-3)
-    assert isinstance(plugin, _CosineLR) and plugin.lr == 1e-3 and plugin.warmup == 0
+    assert isinstance(plugin, _StepSchedule) and plugin.lr == 1e-3 and plugin.warmup == 0
     with pytest.raises(ValueError, match="lr_schedule must be one of constant, cosine"):
         lr_schedule_plugins("linear", 1e-3)
 

@@ -12,9 +12,9 @@ from avalanche.training import Naive
 from avalanche.training.plugins import EvaluationPlugin
 from conftest import quick_run_config
 from fromp_bench.plugins import (
-    _CosineLR,
     _ResetOptimizerState,
     _RestoreOptimizer,
+    _StepSchedule,
     optimizer_state_plugins,
 )
 from fromp_bench.runner import SettingsError, run
@@ -119,7 +119,7 @@ def test_reset_comes_after_a_restored_state_and_keeps_the_cosine_step():
     model(torch.randn(4, 6)).sum().backward()
     opt.step()
     restore.pending = opt.state_dict()
-    rec, _ = _train([restore, _CosineLR(0.05), _ResetOptimizerState()])
+    rec, _ = _train([restore, _StepSchedule(0.05), _ResetOptimizerState()])
     assert [s for s, _ in rec.first] == [0.0, 0.0, 0.0]
     assert rec.lr[0] == pytest.approx(0.05) and rec.lr[9] < 0.05 * 0.03
 
