@@ -24,6 +24,7 @@ __all__ = [
     "TaskView",
     "is_multitask",
     "takes_task_labels",
+    "uncompiled",
     "with_task",
 ]
 
@@ -155,6 +156,18 @@ class LeNet5(MultiHeadModel):
             nn.ReLU(),
         )
         self._make_heads(84, n_heads, head_size)
+
+
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The module inside ``torch.compile``'s wrapper (``model._orig_mod``), else ``model``.
+
+    The compiled module and the original share their parameters (names without the
+    ``_orig_mod.`` prefix here); curvature, Jacobian and Fisher passes run eagerly on the
+    original, since a compiled backward cannot be differentiated again (``create_graph``)
+    nor run per example under ``torch.func``."""
+    while isinstance(getattr(model, "_orig_mod", None), nn.Module):
+        model = model._orig_mod
+    return model
 
 
 def takes_task_labels(model: nn.Module) -> bool:

@@ -95,3 +95,17 @@ def test_naive_strategy_trains_on_split_digits():
     for t in range(2):
         acc = (net(seq[t].test_x, task=t).argmax(1) == seq[t].test_y).float().mean()
         assert acc > 0.9, f"task {t}: accuracy {acc:.2f}"
+
+
+def test_uncompiled_returns_the_module_torch_compile_wraps():
+    from fromp.models import uncompiled
+
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    compiled = torch.compile(net)
+    assert compiled is not net
+    assert uncompiled(compiled) is net
+    assert uncompiled(net) is net
+    # the parameters are shared: the names lose the wrapper's prefix only
+    assert [n for n, _ in uncompiled(compiled).named_parameters()] == [
+        n.removeprefix("_orig_mod.") for n, _ in compiled.named_parameters()
+    ]
