@@ -663,3 +663,36 @@ def test_vogn_closure_of_any_model_finds_ggn_and_ef_by_brute_force():
                 rows.append(torch.einsum("cp,cd,dp->p", jac, hess, jac))
         h = torch.stack(rows).mean(0)
         torch.testing.assert_close(_hess(opt), (1 - 0.999) * h, rtol=1e-9, atol=1e-14)
+
+
+def test_vogn_group_prior_precision_edited_mid_run_is_the_prior_of_the_next_step():
+    """A VOGN group's ``prior_precision`` edited between steps becomes the prior precision
+    of that group's parameters: the next step is that of a VOGN whose state holds it (bit
+    for bit), and not the step without the edit."""
+    xd = X.double()
+    model = _mlp().double()
+    body, head = list(model[0].parameters()), list(model[2].parameters())
+    opt = VOGN([{"params": body}, {"params": head}], model=model, lr=0.05, ess=16,
+               prior_precision=2.0)  # fmt: skip
+    for _ in range(2):
+        opt.step(lambda: _mean_loss_backward(opt, model, xd))
+    saved = copy.deepcopy(opt.state_dict())
+    twins = []
+    for delta_head in (7.0, 2.0):
+        m = _mlp().double()
+        m.load_state_dict(model.state_dict())
+        o = VOGN([{"params": list(m[0].parameters())}, {"params": list(m[2].parameters())}],
+                 model=m, lr=0.05, ess=16)  # fmt: skip
+        state = copy.deepcopy(saved)
+        for i in (2, 3):  # the head's weight and bias
+            state["state"][i]["prior_precision"].fill_(delta_head)
+        o.load_state_dict(state)
+        twins.append((o, m))
+    opt.param_groups[1]["prior_precision"] = 7.0
+    for o, m in [(opt, model), *twins]:
+        torch.manual_seed(5)
+        o.step(lambda o=o, m=m: _mean_loss_backward(o, m, xd))
+    (fresh, m_fresh), (_, m_unedited) = twins
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), m_fresh.parameters()))
+    assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), m_unedited.parameters()))
+    torch.testing.assert_close(opt.prior().precision, fresh.prior().precision, rtol=0, atol=0)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fromp._checks import check_positive, check_prior_precision, check_vogn_hyper
+from fromp._checks import check_positive, check_prior_precision
 
 __all__ = [
     "IVON_OPT_ONLY",
@@ -25,6 +25,8 @@ __all__ = [
     "check_groups",
     "check_ivon_hyper",
     "check_param_state",
+    "check_vogn_groups",
+    "check_vogn_hyper",
     "ivon_opt_spelling",
 ]
 
@@ -40,6 +42,13 @@ IVON_OPT_ONLY = ("weight_decay", "beta1", "beta2")
 
 def _finite(value: object) -> bool:
     return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+
+
+def _check_step_lr(lr: object, where: str) -> None:
+    """A step size read at a step: finite and ``>= 0`` (a scheduler may bring it to 0; the
+    constructors ask for ``> 0``)."""
+    if not _finite(lr) or not lr >= 0:  # type: ignore[operator]
+        raise ValueError(f"{where}lr must be a finite float >= 0, got {lr!r}")
 
 
 def check_betas(betas: object, where: str = "") -> tuple[float, float]:
@@ -107,9 +116,7 @@ def check_ivon_hyper(group: dict[str, Any], where: str = "") -> None:
     missing = (keys | {"mc_samples", "antithetic", "rescale_lr", "debias", "sync"}) - set(group)
     if missing:
         raise ValueError(f"{where}IVON parameter group is missing {sorted(missing)}")
-    lr = group["lr"]
-    if not _finite(lr) or not lr >= 0:
-        raise ValueError(f"{where}lr must be a finite float >= 0, got {lr!r}")
+    _check_step_lr(group["lr"], where)
     try:
         check_positive(group["ess"], "ess")
         check_positive(group["hess_init"], "hess_init")
@@ -136,6 +143,61 @@ def check_ivon_hyper(group: dict[str, Any], where: str = "") -> None:
             raise ValueError(f"{where}{name} must be a bool, got {group[name]!r}")
     if group["sync"] is not None and not isinstance(group["sync"], bool):
         raise ValueError(f"{where}sync must be None, True or False, got {group['sync']!r}")
+
+
+def check_vogn_groups(groups: list[Any]) -> list[dict[str, Any]]:
+    """Parameter groups for :class:`fromp.optim.VOGN`: dicts with ``"params"`` and optionally
+    ``"lr"`` and ``"prior_precision"`` (a float for the group's slice of ``delta``); the keys
+    that act on the whole posterior (one draw, one KL weight, one ``s`` schedule) must be the
+    constructor's."""
+    out = []
+    for i, g in enumerate(groups):
+        if not isinstance(g, dict) or "params" not in g:
+            raise ValueError(
+                f"params_or_model[{i}] must be a parameter group dict with 'params' (or pass "
+                f"tensors only), got {type(g).__name__}"
+            )
+        unknown = set(g) - {"params", "lr", "prior_precision"}
+        if unknown & set(_SHARED["VOGN"]):
+            key = sorted(unknown & set(_SHARED["VOGN"]))[0]
+            raise ValueError(
+                f"params_or_model[{i}][{key!r}]: VOGN keeps one {key} for all parameter groups; "
+                f"pass it to the constructor"
+            )
+        if unknown:
+            raise ValueError(
+                f"params_or_model[{i}] has unknown keys {sorted(unknown)}; a VOGN parameter "
+                "group takes 'params', 'lr' and 'prior_precision'"
+            )
+        if "lr" in g:
+            check_positive(g["lr"], f"params_or_model[{i}]['lr']")
+        params = g["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        out.append({**g, "params": params})
+    return out
+
+
+def check_vogn_hyper(group: dict[str, Any], where: str = "") -> None:
+    """The hyperparameters of a VOGN parameter group, read at every step or loaded from a
+    state dict (``ValueError`` naming the argument): ``lr`` finite and ``>= 0``, ``betas``
+    two floats in ``[0, 1)``, ``mc_samples`` an int ``>= 0``, ``kl_weight`` finite and
+    positive, ``bias_correction`` a bool, ``prior_precision`` None or finite and positive."""
+    missing = {"lr", "betas", "mc_samples", "kl_weight", "bias_correction"} - set(group)
+    if missing:
+        raise ValueError(f"{where}VOGN parameter group is missing {sorted(missing)}")
+    _check_step_lr(group["lr"], where)
+    try:
+        check_positive(group["kl_weight"], "kl_weight")
+        if group.get("prior_precision") is not None:
+            check_prior_precision(group["prior_precision"])
+    except ValueError as err:
+        raise ValueError(f"{where}{err}") from None
+    check_betas(group["betas"], where)
+    mc = group["mc_samples"]
+    if isinstance(mc, bool) or not isinstance(mc, int) or mc < 0:
+        raise ValueError(f"{where}mc_samples must be an int >= 0, got {mc!r}")
+    if not isinstance(group["bias_correction"], bool):
+        raise ValueError(f"{where}bias_correction must be a bool, got {group['bias_correction']!r}")
 
 
 def _as_tuple(value: Any) -> tuple[Any, ...]:

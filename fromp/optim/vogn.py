@@ -70,12 +70,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fromp._checks import (
-    check_chunk_size,
-    check_positive,
-    check_prior_precision,
-    check_vogn_groups,
-)
+from fromp._checks import check_chunk_size, check_positive, check_prior_precision
 from fromp.distributed import is_distributed, mean_over_ranks
 from fromp.likelihood import Likelihood
 from fromp.optim._contract import (
@@ -86,6 +81,7 @@ from fromp.optim._contract import (
     check_ess,
     check_groups,
     check_param_state,
+    check_vogn_groups,
 )
 from fromp.optim._stats import (
     GradStats,
@@ -170,8 +166,10 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
             tensors or groups, pass ``model=`` for the closure API (else only the two-phase
             and :meth:`update` APIs, or a closure that calls :meth:`set_curvature`). The
             flat ``[P]`` state follows the groups' order. ``lr`` is read from
-            ``param_groups`` at every step, so learning-rate schedulers work; ``betas``,
-            ``mc_samples``, ``kl_weight`` and ``bias_correction`` are one per optimizer.
+            ``param_groups`` at every step, so learning-rate schedulers work; a group's
+            ``prior_precision`` edited between steps becomes the prior precision of its
+            parameters from the next step on; ``betas``, ``mc_samples``, ``kl_weight`` and
+            ``bias_correction`` are one per optimizer.
         lr: step size ``alpha``.
         betas: ``(beta1, beta2)`` decays of ``m`` and ``s``.
         ess: ``N``, the effective sample size (usually the training-set size; IVON's name);
@@ -313,6 +311,8 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
             float(prior_precision) if isinstance(prior_precision, int | float) else 1.0
         )
         self._pending_curv: Tensor | None = None
+        # each group's prior_precision as last applied to its parameters' state
+        self._group_priors = [g["prior_precision"] for g in self.param_groups]
         self._pending_n: int | None = None
         self._paused = 0  # inside extra_term(): model calls are not examples
         self._sampled = False
@@ -516,8 +516,24 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
     # ---------------------------------------------------------------- parameters
     def _sync_device(self) -> None:
         """Follow the parameters when the model was moved after construction, parameters
-        were added (their state starts at their first step) or ``self.state`` was reset."""
+        were added (their state starts at their first step), ``self.state`` was reset or a
+        group's ``prior_precision`` was edited (:meth:`_apply_group_priors`)."""
+        self._apply_group_priors()
         self._flat()
+
+    def _apply_group_priors(self) -> None:
+        """A group's ``prior_precision`` edited since the last step (by hand, a scheduler)
+        becomes ``delta`` of its parameters' state (the prior mean stays); groups added
+        since start with their own value (:meth:`_fresh`)."""
+        applied = self._group_priors
+        for i, group in enumerate(self.param_groups):
+            d = group.get("prior_precision")
+            if i < len(applied) and d is not None and d != applied[i]:
+                for p in group["params"]:
+                    if "prior_precision" in self.state[p]:
+                        self.state[p]["prior_precision"].fill_(float(d))
+                self._cache = None  # gather the flat copies again
+        self._group_priors = [g.get("prior_precision") for g in self.param_groups]
 
     @torch.no_grad()
     def _write(self, vec: Tensor) -> None:
@@ -753,7 +769,7 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
                 "construct VOGN(model) or VOGN(param_groups, model=model) (or let the "
                 "closure call set_curvature(h))"
             )
-        n_ex = outputs.n_examples
+        n_ex = outputs.batch_size
         if layers is not None and len(outputs.calls) == 1 and not outputs.skipped:
             h = layers.squared_grads_of_mean_loss()
         if layers is not None:
@@ -838,6 +854,7 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
             check_prior_precision(d, sizes={"numel": len(d)}, name=name)
         super().load_state_dict(state_dict)
         self._own_state_copies()
+        self._group_priors = [g.get("prior_precision") for g in self.param_groups]
         self._cache = None
         self._version += 1
         self.load_mean()
