@@ -696,3 +696,21 @@ def test_vogn_group_prior_precision_edited_mid_run_is_the_prior_of_the_next_step
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), m_fresh.parameters()))
     assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), m_unedited.parameters()))
     torch.testing.assert_close(opt.prior().precision, fresh.prior().precision, rtol=0, atol=0)
+
+
+def test_vogn_groups_in_another_order_than_the_model_find_the_same_curvature():
+    """Groups listed head first (the flat state in group order, the model's calls in its
+    own order): the closure's per-example curvature is put in the groups' order, so the
+    steps are those of ``VOGN(model)`` (no draws: ``mc_samples=0``)."""
+    xd = X.double()
+    m_a, m_b = _mlp().double(), _mlp().double()
+    o_a = VOGN(m_a, lr=0.05, ess=16, mc_samples=0)
+    groups = [{"params": list(m_b[2].parameters())}, {"params": list(m_b[0].parameters())}]
+    o_b = VOGN(groups, model=m_b, lr=0.05, ess=16, mc_samples=0)
+    for _ in range(2):
+        o_a.step(lambda: _mean_loss_backward(o_a, m_a, xd))
+        o_b.step(lambda: _mean_loss_backward(o_b, m_b, xd))
+    for a, b in zip(m_a.parameters(), m_b.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-15)
+    for p, q in zip(m_a.parameters(), m_b.parameters(), strict=True):
+        torch.testing.assert_close(o_a.state[p]["hess"], o_b.state[q]["hess"], rtol=1e-13, atol=0)

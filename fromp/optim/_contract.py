@@ -28,6 +28,7 @@ __all__ = [
     "check_vogn_groups",
     "check_vogn_hyper",
     "ivon_opt_spelling",
+    "param_views",
 ]
 
 #: Hyperparameters that act on the whole posterior: equal in every group.
@@ -234,6 +235,12 @@ def check_closure_result(kind: str, value: Any, params: Sequence[Tensor]) -> Non
             "gradient at the sampled weights); the weights and the optimizer state are "
             "unchanged"
         )
+
+
+def param_views(flat: Tensor, params: Sequence[Tensor]) -> list[Tensor]:
+    """``flat`` ``[sum of the numels]`` as views shaped like ``params``, in their order
+    (every flat vector of the optimizers follows its parameters' order)."""
+    return [v.view_as(p) for v, p in zip(flat.split([p.numel() for p in params]), params)]
 
 
 def _as_vector(value: float | Tensor, like: Tensor, name: str) -> Tensor:

@@ -94,6 +94,7 @@ from fromp.optim._contract import (
     check_ivon_hyper,
     check_param_state,
     ivon_opt_spelling,
+    param_views,
 )
 from fromp.optim.ivon_posterior import IVONPosterior
 
@@ -387,12 +388,8 @@ class IVON(IVONPosterior, GroupHyperparameters, torch.optim.Optimizer):
     def _flat(work: dict[str, Any], name: str, params: list[Tensor]) -> None:
         p0 = params[0]
         flat = torch.empty(sum(p.numel() for p in params), dtype=p0.dtype, device=p0.device)
-        views, i = [], 0
-        for p in params:
-            views.append(flat[i : i + p.numel()].view_as(p))
-            i += p.numel()
         work[name] = flat
-        work[name + "_v"] = views
+        work[name + "_v"] = param_views(flat, params)
 
     def _den_key(self, group: dict[str, Any]) -> tuple[Any, ...]:
         """What ``den`` depends on besides ``h``: it is recomputed when this changes."""
@@ -739,11 +736,7 @@ class IVON(IVONPosterior, GroupHyperparameters, torch.optim.Optimizer):
         """A flat group vector as per-parameter views (the group is found by its size)."""
         for group in self.param_groups:
             if sum(p.numel() for p in group["params"]) == flat.numel():
-                views, i = [], 0
-                for p in group["params"]:
-                    views.append(flat[i : i + p.numel()].view_as(p))
-                    i += p.numel()
-                return views
+                return param_views(flat, group["params"])
         raise ValueError("a mirror draw that fits no parameter group")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

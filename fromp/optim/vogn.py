@@ -82,6 +82,7 @@ from fromp.optim._contract import (
     check_groups,
     check_param_state,
     check_vogn_groups,
+    param_views,
 )
 from fromp.optim._stats import (
     GradStats,
@@ -295,16 +296,12 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
         # the constructor's configuration (not state): what self.state[p] starts with, at
         # construction and again after a reset of self.state (torch's meaning)
         self._s_from_zero = hess_init is None  # s^ bias-corrected; no "hess_init" in the state
-        self._initial: dict[Tensor, dict[str, Tensor]] = {}
-        i = 0
-        for p in self.params:
-            k = p.numel()
-            self._initial[p] = {
-                "prior_mean": mu0[i : i + k].view_as(p),
-                "prior_precision": delta[i : i + k].view_as(p),
-                "hess": s0[i : i + k].view_as(p),
-            }
-            i += k
+        params = self.params
+        views = zip(*(param_views(t, params) for t in (mu0, delta, s0)))
+        self._initial: dict[Tensor, dict[str, Tensor]] = {
+            p: {"prior_mean": m0, "prior_precision": d, "hess": s}
+            for p, (m0, d, s) in zip(params, views)
+        }
         # what a parameter added later starts with (a float given to the constructor)
         self._s0_scalar = float(hess_init) if isinstance(hess_init, int | float) else 0.0
         self._delta_scalar = (
@@ -410,11 +407,7 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
             st["step"] = c["step"]
 
     def _views(self, flat: Tensor) -> list[Tensor]:
-        out, i = [], 0
-        for p in self.params:
-            out.append(flat[i : i + p.numel()].view_as(p))
-            i += p.numel()
-        return out
+        return param_views(flat, self.params)
 
     # ---------------------------------------------------------------- hyper-parameters
     @property
@@ -537,11 +530,8 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
 
     @torch.no_grad()
     def _write(self, vec: Tensor) -> None:
-        i = 0
-        for p in self.params:
-            k = p.numel()
-            p.copy_(vec[i : i + k].view_as(p))
-            i += k
+        params = self.params
+        torch._foreach_copy_(params, param_views(vec, params))
 
     def _read_grad(self) -> Tensor:
         parts = []
@@ -747,10 +737,7 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
             return named
         if {id(p) for p in trainable} != {id(p) for p in params} or len(trainable) != len(params):
             raise ValueError("model's trainable parameters must be exactly the optimizer's")
-        parts, i = {}, 0
-        for p in trainable:
-            parts[id(p)] = named[i : i + p.numel()]
-            i += p.numel()
+        parts = dict(zip(map(id, trainable), named.split([p.numel() for p in trainable])))
         return torch.cat([parts[id(p)] for p in params])
 
     def _curvature_of(
@@ -800,11 +787,12 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
         self._pending_curv = None
         model = self.model
         layers = None if model is None else LayerCapture(model, retain_grad=True)
+        trainable = [] if model is None else [id(p) for p in model.parameters() if p.requires_grad]
         fast = (
             layers is not None
             and layers.supported
             and self.curvature == "ef"
-            and [p for p in model.parameters() if p.requires_grad] == self.params  # type: ignore[union-attr]
+            and trainable == [id(p) for p in self.params]  # same order: no reordering of h
         )
         for _ in range(draws):
             outputs = None if model is None else OutputCapture(model, lambda: self._paused > 0)
