@@ -218,6 +218,20 @@ def test_an_ivon_opt_state_dict_is_refused():
     _unchanged(opt, net, snap)
 
 
+def test_a_state_dict_saved_before_sync_and_debias_loads_with_what_that_optimizer_did():
+    """Groups saved without ``sync`` and ``debias`` come from an IVON that always averaged
+    over the processes and debiased: they load as ``sync=True``, ``debias=True``."""
+    net = loops.model()
+    opt = IVON(net.parameters(), lr=0.1, ess=64)
+    _train_step(opt, net)
+    saved = copy.deepcopy(opt.state_dict())
+    for group in saved["param_groups"]:
+        del group["sync"], group["debias"]
+    other = IVON(loops.model().parameters(), lr=0.1, ess=64, sync=False, debias=False)
+    other.load_state_dict(saved)
+    assert other.param_groups[0]["sync"] is True and other.param_groups[0]["debias"] is True
+
+
 # ----------------------------------------------------------------------------- sampled_params
 def test_the_prediction_block_leaves_the_next_step_as_it_was():
     """``sampled_params()`` (ivon-opt's default ``train=False``) between the training blocks

@@ -46,10 +46,12 @@ Typical use::
         opt.step()
 
 or ``opt.step(closure)`` with a closure that zeroes the gradients, computes the loss and
-calls ``backward()``: the optimizer draws, and evaluates the closure once per draw. These
-are the loops of the official implementation, ivon-opt 0.1.3, whose documented arguments
-IVON accepts or refuses with what to write instead (``docs/library.md`` has the mapping):
-with the same draws both give the same weights. A deterministic term ``r(m)`` of the
+calls ``backward()``: the optimizer draws, and evaluates the closure once per draw (VOGN's
+protocol; a closure that draws itself, as ivon-opt's do, is refused). The loop above and
+the prediction loop (``with opt.sampled_params(): model(x)``, no gradient kept) are those of
+the official implementation, ivon-opt 0.1.3, whose documented arguments IVON accepts or
+refuses with what to write instead (``docs/library.md`` has the mapping): with the same
+draws both give the same weights. A deterministic term ``r(m)`` of the
 objective, evaluated at the mean (e.g. FROMP's regulariser of the mean function), enters
 through :meth:`IVON.add_gradient` between the draws and :meth:`IVON.step`: its gradient is
 added to ``g^`` only.
@@ -106,8 +108,9 @@ DEFAULT_WEIGHT_DECAY = 1e-4
 #: IVON's default ``(beta1, beta2)``: the paper's momenta of the gradient and of the Hessian
 #: estimate (Shen et al., 2024).
 DEFAULT_BETAS: tuple[float, float] = (0.9, 0.99999)
-#: keys a parameter group saved before ``sync`` and ``debias`` existed lacks: their defaults
-_NEW_KEYS = {"sync": None, "debias": True}
+#: keys a parameter group saved before ``sync`` and ``debias`` existed lacks, with what such
+#: an optimizer did: it always averaged over the processes and always debiased
+_NEW_KEYS = {"sync": True, "debias": True}
 
 
 def _refuse_positional(extra: tuple[Any, ...]) -> None:
@@ -742,7 +745,8 @@ class IVON(IVONPosterior, GroupHyperparameters, torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Inverse of :meth:`state_dict`, refused before any change when it does not fit
         (the parameters themselves, i.e. the mean, are the model's: load them with the
-        model). Groups saved without ``sync`` or ``debias`` get their defaults. An
+        model). Groups saved without ``sync`` or ``debias`` (before they existed) get what
+        that optimizer did: ``sync=True``, ``debias=True``. An
         ivon-opt state dict is refused: it has no step count (ivon-opt restarts its bias
         correction after a load), so no run continues from it as it would have."""
         groups = [dict(g) for g in state_dict.get("param_groups", [])]
