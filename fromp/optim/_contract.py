@@ -313,6 +313,35 @@ class GroupHyperparameters:
         steps = [int(self.state[p].get("step", 0)) for p in self.params if p in self.state]
         return max(steps, default=0)
 
+    def _fresh(self, p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
+        """The state ``p`` starts with (without ``"step"``)."""
+        raise NotImplementedError
+
+    def _state_changed(self) -> None:
+        """Called when :meth:`_states` created or moved a parameter's state."""
+        raise NotImplementedError
+
+    def _states(self) -> list[dict[str, Any]]:
+        """``self.state[p]`` of every parameter in group order, created where missing (a
+        parameter added after construction, e.g. a new head, or a reset of ``self.state``,
+        which restarts it) by :meth:`_fresh` at the current step count; tensors follow the
+        parameter's device and dtype."""
+        t, out = None, []
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state[p]
+                if "hess" not in st:
+                    t = self._step_count() if t is None else t
+                    st.update(self._fresh(p, group), step=t)
+                    self._state_changed()
+                elif st["hess"].device != p.device or st["hess"].dtype != p.dtype:
+                    for k, v in list(st.items()):
+                        if isinstance(v, Tensor):
+                            st[k] = v.to(device=p.device, dtype=p.dtype)
+                    self._state_changed()
+                out.append(st)
+        return out
+
     def _own_state_copies(self) -> list[dict[str, Any]]:
         """After torch's ``load_state_dict`` (which may share the caller's tensors): every
         tensor of ``self.state[p]`` a detached copy on ``p``'s device and dtype, the step

@@ -285,12 +285,21 @@ class IVON(IVONPosterior, GroupHyperparameters, torch.optim.Optimizer):
             for p in group["params"]:
                 yield group, p
 
-    @staticmethod
-    def _fresh(p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
-        return {
+    def _fresh(self, p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
+        """The state a parameter starts with (:meth:`_states`): ``momentum`` 0, ``hess``
+        ``hess_init`` and, in a group whose parameters have a prior from :meth:`set_prior`,
+        the group's prior ``N(0, 1 / delta)``."""
+        st = {
             "momentum": torch.zeros_like(p, memory_format=torch.preserve_format).detach(),
             "hess": torch.full_like(p, group["hess_init"]).detach(),
         }
+        if any("prior_precision" in self.state[q] for q in group["params"] if q is not p):
+            st["prior_mean"] = torch.zeros_like(p).detach()
+            st["prior_precision"] = torch.full_like(p, group["prior_precision"]).detach()
+        return st
+
+    def _state_changed(self) -> None:
+        self._version += 1
 
     @property
     def antithetic(self) -> bool:
@@ -306,32 +315,6 @@ class IVON(IVONPosterior, GroupHyperparameters, torch.optim.Optimizer):
         value = check_positive(value, "ess")
         for group in self.param_groups:
             group["ess"] = value
-
-    def _states(self) -> list[dict[str, Any]]:
-        """``self.state[p]`` of every parameter in group order, created where missing (a
-        parameter added after construction, e.g. a new head, or a state reset):
-        ``momentum`` 0, ``hess`` ``hess_init``, the current step count and, in a group
-        whose parameters have a prior from :meth:`set_prior`, the group's prior ``N(0, 1 /
-        delta)``. Tensors follow the parameter's device and dtype."""
-        t = None
-        states = []
-        for group, p in self._pairs():
-            st = self.state[p]
-            if "hess" not in st:
-                t = self._step_count() if t is None else t
-                st.update(self._fresh(p, group), step=t)
-                others = [self.state[q] for q in group["params"] if q is not p]
-                if any("prior_precision" in o for o in others):
-                    st["prior_mean"] = torch.zeros_like(p).detach()
-                    st["prior_precision"] = torch.full_like(p, group["prior_precision"]).detach()
-                self._version += 1
-            elif st["hess"].device != p.device or st["hess"].dtype != p.dtype:
-                for k, v in st.items():
-                    if isinstance(v, Tensor):
-                        st[k] = v.to(device=p.device, dtype=p.dtype)
-                self._version += 1
-            states.append(st)
-        return states
 
     @staticmethod
     def _delta(group: dict[str, Any], st: dict[str, Tensor]) -> Tensor | float:

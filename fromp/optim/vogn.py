@@ -345,26 +345,8 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
             st["hess_init"] = s0.detach().to(p).clone()
         return st
 
-    def _states(self) -> list[dict[str, Any]]:
-        """``self.state[p]`` of every parameter in group order, created where missing (a
-        parameter added after construction, e.g. a new head, or a reset of ``self.state``,
-        which restarts it: :meth:`_fresh`, at the current step count); tensors follow the
-        parameter's device and dtype."""
-        t, out = None, []
-        for group in self.param_groups:
-            for p in group["params"]:
-                st = self.state[p]
-                if "hess" not in st:
-                    t = self._step_count() if t is None else t
-                    st.update(self._fresh(p, group), step=t)
-                    self._cache = None
-                elif st["mean"].device != p.device or st["mean"].dtype != p.dtype:
-                    for k, v in list(st.items()):
-                        if isinstance(v, Tensor):
-                            st[k] = v.to(device=p.device, dtype=p.dtype)
-                    self._cache = None
-                out.append(st)
-        return out
+    def _state_changed(self) -> None:
+        self._cache = None  # gather the flat copies again
 
     def _flat(self) -> dict[str, Any]:
         """Private flat ``[P]`` copies of :attr:`state` (``"mu"``, ``"m"``, ``"s"``,
