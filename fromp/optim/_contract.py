@@ -90,9 +90,10 @@ def ivon_opt_spelling(found: Mapping[str, Any], ess: Any, betas: Any, group: boo
         todo.append(f"{put('betas', f'({b[0]!r}, {b[1]!r})')} (torch's (beta1, beta2))")
     wrote = ", ".join(put(k, repr(v)) for k, v in found.items())
     if group:
-        keys = ", ".join(f"'{k}'" for k in found)
-        return (f"{wrote}: ivon-opt's group keys; fromp.IVON's groups hold "
-                f"{' and '.join(todo)}: set those and delete {keys}")  # fmt: skip
+        keys = " and ".join(f"'{k}'" for k in found)
+        what = "an ivon-opt key" if len(found) == 1 else "ivon-opt's keys"
+        return (f"{wrote}: {what}; fromp.IVON's groups hold {' and '.join(todo)}: set "
+                f"{'it' if len(todo) == 1 else 'them'} and delete {keys}")  # fmt: skip
     return f"IVON({wrote}): ivon-opt's spelling; fromp.IVON takes {' and '.join(todo)}"
 
 
