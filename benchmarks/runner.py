@@ -382,7 +382,7 @@ def _check_optimizer_kwargs(name: str, extra: Mapping[str, Any]) -> None:
     """``--set opt.NAME=value``: a keyword argument of the optimizer, of the kind of its
     default (a tuple default, e.g. Adam's ``betas``, needs a tuple of as many numbers)."""
     params = inspect.signature(_optimizer_class(name).__init__).parameters
-    owned = {"self", "params", "params_or_model", "model", "lr", "ess", "train_set_size"}
+    owned = {"self", "params", "params_or_model", "model", "lr", "ess"}
     var = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
     open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     for key, value in extra.items():
@@ -509,10 +509,9 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
 
 
 def ivon_kwargs(extra: Mapping[str, Any], n_train: int) -> dict[str, Any]:
-    """IVON's keyword arguments with the names of fromp 0.4 that settings and ``--set opt.``
-    may still use, in IVON's current ones (the same optimizer, without a
-    ``DeprecationWarning`` in every run): ``beta1`` / ``beta2`` as ``betas = (beta1, beta2)``
-    (each defaulting to its entry of :data:`fromp.optim.ivon.DEFAULT_BETAS`) and
+    """IVON's keyword arguments with ivon-opt's names, which settings and ``--set opt.`` may
+    still use, in IVON's (IVON refuses ivon-opt's): ``beta1`` / ``beta2`` as ``betas =
+    (beta1, beta2)`` (each defaulting to its entry of :data:`fromp.optim.ivon.DEFAULT_BETAS`) and
     ``weight_decay`` as ``prior_precision = weight_decay * n_train`` (``n_train``: the ``ess``
     IVON is built with). Settings ids are unchanged: the settings keep their names, only the
     call is translated.
@@ -552,7 +551,9 @@ def _make_optimizer(
     if name == "ivon":
         from fromp.optim import IVON
 
-        return IVON(model.parameters(), lr=lr, ess=n_train, **ivon_kwargs(extra, n_train))
+        # several processes: the ranks average IVON's statistics (sync=True) unless set
+        kwargs = {"sync": True, **ivon_kwargs(extra, n_train)}
+        return IVON(model.parameters(), lr=lr, ess=n_train, **kwargs)
     raise ValueError(f"optimizer must be 'adam', 'sgd', 'vogn' or 'ivon', got {name!r}")
 
 

@@ -76,7 +76,7 @@ class IVONPlugin(PosteriorOptimizerPlugin):
         self.set_ess = bool(set_ess)
 
     # checkpoints: PosteriorOptimizerPlugin's state_dict / load_state_dict (the optimizer's
-    # torch state dict under "ivon"; a 0.3 checkpoint through IVON.load_ivon_state)
+    # torch state dict under "ivon")
 
     def _discard_draw(self, strategy: Any) -> None:
         opt = self._opt(strategy)

@@ -88,7 +88,7 @@ def minibatch_curvature(
             method=opt.method,
             need_grad=False,
         )
-        part = stats.curv * stats.n
+        part = stats.curv * stats.batch_size
         total = part if total is None else total + part
     assert total is not None
     return total / len(x)

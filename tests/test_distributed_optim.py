@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fromp import IVON, VOGN, distributed
+from fromp.optim import per_example_grad_stats
 
 WORLD = 2
 D = torch.float64
@@ -65,9 +66,24 @@ def _vogn_run(rows, curvature: str, seed_of_step) -> dict:
     }
 
 
-def _ivon_run(rows, seed_of_step, batch_size) -> dict:
+def _vogn_two_phase_run(rows, seed_of_step) -> dict:
+    """The two-phase step (Avalanche's loop): ``h`` and the rank's count ``M_r`` given to
+    ``set_curvature``."""
     model = _mlp()
-    opt = IVON(model.parameters(), lr=0.1, ess=16, hess_init=0.3, mc_samples=2)
+    opt = VOGN(model, lr=0.05, ess=16, prior_precision=2.0)
+    for t in range(STEPS):
+        torch.manual_seed(seed_of_step(t))
+        opt.sample_params()
+        _closure(opt, model, rows)()
+        h = per_example_grad_stats(model, X[rows], Y[rows], "categorical").curv
+        opt.set_curvature(h, batch_size=rows.stop - rows.start)
+        opt.step()
+    return {"mean": _flat(model)}
+
+
+def _ivon_run(rows, seed_of_step, batch_size, sync=True) -> dict:
+    model = _mlp()
+    opt = IVON(model.parameters(), lr=0.1, ess=16, hess_init=0.3, mc_samples=2, sync=sync)
     for t in range(STEPS):
         torch.manual_seed(seed_of_step(t))
         opt.step(_closure(opt, model, rows), batch_size=batch_size)
@@ -83,8 +99,20 @@ def _everything(rank: int) -> dict:
         "vogn_ggn": _vogn_run(rows, "ggn", lambda t: 10 + t),
         "ivon": _ivon_run(rows, lambda t: 20 + t, n),
         "ivon_own_seed": _ivon_run(rows, lambda t: 100 * rank + t, n),
+        "ivon_no_sync": _ivon_run(rows, lambda t: 20 + t, n, sync=False),
+        "ivon_sync_unset": _refusal(lambda: _ivon_run(rows, lambda t: 20 + t, n, sync=None)),
+        "vogn_two_phase": _vogn_two_phase_run(rows, lambda t: 10 + t),
         "ranks": (distributed.world_size(), distributed.rank()),
     }
+
+
+def _refusal(run) -> str:
+    """The message of the error ``run()`` raises (empty when it runs)."""
+    try:
+        run()
+    except ValueError as err:
+        return str(err)
+    return ""
 
 
 def _worker(rank: int, init_file: str, out_dir: str) -> None:
@@ -144,6 +172,22 @@ def test_ivon_on_two_ranks_with_one_seed_equals_one_process_on_the_global_batch(
     assert not torch.allclose(equal, one["hess"], rtol=1e-6)
 
 
+def test_vogn_two_phase_step_weighs_the_ranks_by_their_counts(ranks):
+    one = _vogn_two_phase_run(slice(0, 16), lambda t: 10 + t)
+    for r in ranks:
+        _close(r["vogn_two_phase"]["mean"], one["mean"])
+
+
+def test_ivon_without_sync_steps_each_rank_on_its_own(ranks):
+    """``sync=False`` (ivon-opt's default): each rank is one process on its own shard;
+    ``sync`` unset is refused under several processes, naming both choices."""
+    for r, rows in zip(ranks, SHARDS):
+        alone = _ivon_run(rows, lambda t: 20 + t, None)
+        _close(r["ivon_no_sync"]["mean"], alone["mean"])
+        _close(r["ivon_no_sync"]["hess"], alone["hess"])
+        assert "sync=True" in r["ivon_sync_unset"] and "sync=False" in r["ivon_sync_unset"]
+
+
 def test_ivon_with_a_seed_per_rank_makes_one_update_on_every_rank(ranks):
     a, b = ranks[0]["ivon_own_seed"], ranks[1]["ivon_own_seed"]
     torch.testing.assert_close(a["mean"], b["mean"], rtol=0, atol=0)
@@ -159,3 +203,6 @@ def test_without_torch_distributed_nothing_changes():
     a = _ivon_run(slice(0, 16), lambda t: 20 + t, None)
     b = _ivon_run(slice(0, 16), lambda t: 20 + t, 16)
     torch.testing.assert_close(a["mean"], b["mean"], rtol=0, atol=0)
+    for sync in (None, False):  # sync has no effect in one process
+        c = _ivon_run(slice(0, 16), lambda t: 20 + t, None, sync=sync)
+        torch.testing.assert_close(a["mean"], c["mean"], rtol=0, atol=0)

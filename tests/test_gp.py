@@ -338,8 +338,15 @@ def test_gp_at_a_vogn_iterate_matches_dense():
     model = tiny_mlp(c=3)
     x, y = torch.randn(12, 4, dtype=F64), torch.randint(0, 3, (12,))
     opt = VOGN(model, lr=0.05, ess=12, prior_precision=2.0, mc_samples=1)
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
     for _ in range(5):
-        opt.step(x, y)
+        opt.step(closure)
     opt.load_mean()
     q = opt.posterior()
     gp = dnn2gp(model, q, "categorical")

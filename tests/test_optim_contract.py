@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fromp import IVON, VOGN
-from fromp.optim.vogn import LayerCapture
+from fromp.optim.vogn import LayerCapture, per_example_grad_stats
 
 X = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))
 Y = torch.randint(0, 3, (16,), generator=torch.Generator().manual_seed(1))
@@ -196,8 +196,9 @@ def test_vogn_bad_group_hyperparameters_refused_naming_them(key, value):
     snap = _snapshot(opt, model)
     old = opt.param_groups[0][key]
     opt.param_groups[0][key] = value
+    zeros = torch.zeros(sum(p.numel() for p in opt.params))
     with pytest.raises(ValueError, match=key):
-        opt.step(X, Y)
+        opt.update(zeros, zeros)
     with pytest.raises(ValueError, match=key):
         _step(opt, model)
     opt.param_groups[0][key] = old
@@ -375,16 +376,22 @@ def test_ivon_group_ess_zero_is_a_clear_error():
 
 # ----------------------------------------------------------------------------- VOGN closures
 def test_vogn_closure_finds_the_per_example_curvature_itself():
-    """step(closure) of a mean loss, without set_curvature: the same update as the
-    standalone step(x, y) (whose squared per-example gradients are checked against loops
-    over examples in test_vogn.py), and the same h as a brute-force loop."""
+    """step(closure) of a mean loss, without set_curvature: the same update as a closure
+    that sets the curvature of per_example_grad_stats (whose squared per-example gradients
+    are checked against loops over examples in test_vogn.py), and the same h as a
+    brute-force loop."""
     m1, m2 = _mlp().double(), _mlp().double()
     xd = X.double()
     o1 = VOGN(m1, lr=0.05, ess=16)
     o2 = VOGN(m2, lr=0.05, ess=16)
+
+    def given():
+        o1.set_curvature(per_example_grad_stats(m1, xd, Y, "categorical").curv)
+        return _mean_loss_backward(o1, m1, xd)
+
     for _ in range(3):
         torch.manual_seed(3)
-        o1.step(xd, Y)
+        o1.step(given)
         torch.manual_seed(3)
 
         def closure():
@@ -448,26 +455,16 @@ def test_vogn_closure_without_backward_or_returning_none_refused():
 
 
 # ----------------------------------------------------------------------------- vocabulary
-def test_one_name_for_the_data_size_and_the_old_one_deprecated():
-    """``ess`` in both constructors; ``train_set_size=`` (VOGN's old name) still works in
-    both with a DeprecationWarning, and gives the same optimizer."""
+def test_one_name_for_the_data_size():
+    """``ess`` in both constructors (``train_set_size`` is gone)."""
     for make in (_ivon, _vogn):
         model = _mlp()
         new = make(model, ess=16)
         assert new.ess == 16
-    with pytest.warns(DeprecationWarning, match="ess"):
-        old = VOGN(_mlp(), lr=0.05, train_set_size=16)
-    assert old.ess == 16
-    with pytest.warns(DeprecationWarning, match="VOGN.ess"):
-        assert old.train_set_size == 16
-    with pytest.warns(DeprecationWarning):
-        old.train_set_size = 20
-    assert old.ess == 20
-    with pytest.warns(DeprecationWarning, match="ess"):
-        ivon_old = IVON(_mlp().parameters(), lr=0.1, train_set_size=16)
-    assert ivon_old.ess == 16
-    with pytest.raises(ValueError, match="not both"), pytest.warns(DeprecationWarning):
-        VOGN(_mlp(), ess=10, train_set_size=16)
+    with pytest.raises(TypeError, match="train_set_size"):
+        VOGN(_mlp(), lr=0.05, train_set_size=16)
+    with pytest.raises(TypeError, match="train_set_size"):
+        IVON(_mlp().parameters(), lr=0.1, train_set_size=16)
     with pytest.raises(ValueError, match="ess is required"):
         IVON(_mlp().parameters(), lr=0.1)
     with pytest.raises(ValueError, match="ess"):
@@ -622,65 +619,9 @@ def _run_ivon(steps=3, groups=False, **kw):
     return [p.detach().clone() for p in model.parameters()], opt
 
 
-def test_ivon_deprecated_weight_decay_and_beta_names_warn_and_give_the_same_numbers():
-    """``weight_decay`` is ``delta / N``: ``IVON(weight_decay=w, ess=N)`` is
-    ``IVON(prior_precision=w * N, ess=N)``, bit for bit (checked against the prior written
-    out, ``w N``); ``beta1`` / ``beta2`` are ``betas``; a group's ``weight_decay`` uses the
-    group's ``ess``."""
-    w, n = 0.01, 16
-    new, _ = _run_ivon(lr=0.1, ess=n, prior_precision=w * n, betas=(0.8, 0.99))
-    with pytest.warns(DeprecationWarning, match=r"prior_precision = weight_decay \* ess"):
-        old, opt_old = _run_ivon(lr=0.1, ess=n, weight_decay=w, beta1=0.8, beta2=0.99)
-    assert all(torch.equal(a, b) for a, b in zip(new, old))
-    p = sum(t.numel() for t in new)
-    torch.testing.assert_close(opt_old.prior().precision, torch.full((p,), w * n))
-    with pytest.warns(DeprecationWarning, match="betas"):
-        IVON(_mlp().parameters(), lr=0.1, ess=n, beta2=0.9)
-    with pytest.raises(ValueError, match="not both"), pytest.warns(DeprecationWarning):
-        IVON(_mlp().parameters(), lr=0.1, ess=n, weight_decay=w, prior_precision=1.0)
-    g_new, _ = _run_ivon(lr=0.1, ess=n, groups={"prior_precision": 0.5 * 32, "ess": 32})
-    with pytest.warns(DeprecationWarning, match="parameter groups"):
-        g_old, _ = _run_ivon(lr=0.1, ess=n, groups={"weight_decay": 0.5, "ess": 32})
-    assert all(torch.equal(a, b) for a, b in zip(g_new, g_old))
-    with pytest.raises(ValueError, match="weight_decay"):  # refused naming what was written
-        IVON(_mlp().parameters(), lr=0.1, ess=n, weight_decay=-1.0)
-
-
 def test_ivon_default_prior_is_the_papers_weight_decay():
     _, opt = _run_ivon(steps=0, lr=0.1, ess=50)
     assert opt.param_groups[0]["prior_precision"] == pytest.approx(1e-4 * 50)
-
-
-def test_vogn_deprecated_forms_warn_and_give_the_same_numbers():
-    """``init_precision`` is ``hess_init``; ``step(x, y, regularizer=fn)`` is
-    ``step(closure)`` with ``fn()`` inside ``extra_term()``: the same weights and state."""
-    xd = X.double()
-
-    def reg(model):
-        return 1e-2 * sum(p.pow(2).sum() for p in model.parameters()) + 1e-3 * model(xd[:3]).sum()
-
-    m_new, m_old = _mlp().double(), _mlp().double()
-    o_new = VOGN(m_new, lr=0.05, ess=16, hess_init=1e-2)
-    with pytest.warns(DeprecationWarning, match="hess_init"):
-        o_old = VOGN(m_old, lr=0.05, ess=16, init_precision=1e-2)
-    for _ in range(3):
-        torch.manual_seed(2)
-
-        def closure():
-            o_new.zero_grad()
-            loss = F.cross_entropy(m_new(xd), Y)
-            with o_new.extra_term():
-                loss = loss + reg(m_new)
-            loss.backward()
-            return loss
-
-        o_new.step(closure)
-        torch.manual_seed(2)
-        with pytest.warns(DeprecationWarning, match="step"):
-            o_old.step(xd, Y, regularizer=lambda: reg(m_old))
-    for a, b in zip(m_new.parameters(), m_old.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
-    torch.testing.assert_close(_hess(o_new), _hess(o_old), rtol=1e-12, atol=0)
 
 
 def test_vogn_closure_of_any_model_finds_ggn_and_ef_by_brute_force():
@@ -722,3 +663,54 @@ def test_vogn_closure_of_any_model_finds_ggn_and_ef_by_brute_force():
                 rows.append(torch.einsum("cp,cd,dp->p", jac, hess, jac))
         h = torch.stack(rows).mean(0)
         torch.testing.assert_close(_hess(opt), (1 - 0.999) * h, rtol=1e-9, atol=1e-14)
+
+
+def test_vogn_group_prior_precision_edited_mid_run_is_the_prior_of_the_next_step():
+    """A VOGN group's ``prior_precision`` edited between steps becomes the prior precision
+    of that group's parameters: the next step is that of a VOGN whose state holds it (bit
+    for bit), and not the step without the edit."""
+    xd = X.double()
+    model = _mlp().double()
+    body, head = list(model[0].parameters()), list(model[2].parameters())
+    opt = VOGN([{"params": body}, {"params": head}], model=model, lr=0.05, ess=16,
+               prior_precision=2.0)  # fmt: skip
+    for _ in range(2):
+        opt.step(lambda: _mean_loss_backward(opt, model, xd))
+    saved = copy.deepcopy(opt.state_dict())
+    twins = []
+    for delta_head in (7.0, 2.0):
+        m = _mlp().double()
+        m.load_state_dict(model.state_dict())
+        o = VOGN([{"params": list(m[0].parameters())}, {"params": list(m[2].parameters())}],
+                 model=m, lr=0.05, ess=16)  # fmt: skip
+        state = copy.deepcopy(saved)
+        for i in (2, 3):  # the head's weight and bias
+            state["state"][i]["prior_precision"].fill_(delta_head)
+        o.load_state_dict(state)
+        twins.append((o, m))
+    opt.param_groups[1]["prior_precision"] = 7.0
+    for o, m in [(opt, model), *twins]:
+        torch.manual_seed(5)
+        o.step(lambda o=o, m=m: _mean_loss_backward(o, m, xd))
+    (fresh, m_fresh), (_, m_unedited) = twins
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), m_fresh.parameters()))
+    assert not all(torch.equal(a, b) for a, b in zip(model.parameters(), m_unedited.parameters()))
+    torch.testing.assert_close(opt.prior().precision, fresh.prior().precision, rtol=0, atol=0)
+
+
+def test_vogn_groups_in_another_order_than_the_model_find_the_same_curvature():
+    """Groups listed head first (the flat state in group order, the model's calls in its
+    own order): the closure's per-example curvature is put in the groups' order, so the
+    steps are those of ``VOGN(model)`` (no draws: ``mc_samples=0``)."""
+    xd = X.double()
+    m_a, m_b = _mlp().double(), _mlp().double()
+    o_a = VOGN(m_a, lr=0.05, ess=16, mc_samples=0)
+    groups = [{"params": list(m_b[2].parameters())}, {"params": list(m_b[0].parameters())}]
+    o_b = VOGN(groups, model=m_b, lr=0.05, ess=16, mc_samples=0)
+    for _ in range(2):
+        o_a.step(lambda: _mean_loss_backward(o_a, m_a, xd))
+        o_b.step(lambda: _mean_loss_backward(o_b, m_b, xd))
+    for a, b in zip(m_a.parameters(), m_b.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-15)
+    for p, q in zip(m_a.parameters(), m_b.parameters(), strict=True):
+        torch.testing.assert_close(o_a.state[p]["hess"], o_b.state[q]["hess"], rtol=1e-13, atol=0)

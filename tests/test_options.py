@@ -89,8 +89,14 @@ def test_vogn_step_averages_several_posterior_samples():
     opt, ref = VOGN(net, **kw), VOGN(ref_net, **kw)
     mu0 = ref.posterior().mean.clone()
 
+    def closure():
+        opt.zero_grad()
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        return loss
+
     torch.manual_seed(11)
-    loss = opt.step(x, y)
+    loss = opt.step(closure)
 
     torch.manual_seed(11)
     gs, hs, losses, ws = [], [], [], []

@@ -115,14 +115,14 @@ def test_vogn_hyperparameters_never_nan_and_refusals_change_nothing(lr, beta1, b
     assume(not (0 < kl_weight < 1e-30))
     model = _mlp()
     opt = VOGN(model, lr=0.05, ess=12, hess_init=1e-2)
-    opt.step(X, Y)
+    opt.step(_closure(opt, model))
     opt.param_groups[0].update(lr=lr, betas=(beta1, beta2), kl_weight=kl_weight)
     valid = (
         math.isfinite(lr) and lr >= 0
         and 0 <= beta1 < 1 and 0 <= beta2 < 1
         and math.isfinite(kl_weight) and kl_weight > 0
     )  # fmt: skip
-    _check_step(opt, model, valid, lambda: opt.step(X, Y))
+    _check_step(opt, model, valid, lambda: opt.step(_closure(opt, model)))
 
 
 @SETTINGS
@@ -149,12 +149,12 @@ def test_vogn_kl_weight_that_overflows_the_precision_is_refused():
     refused naming kl_weight, the weights and the state unchanged."""
     model = _mlp()
     opt = VOGN(model, lr=0.05, ess=12, hess_init=1e-2)
-    opt.step(X, Y)
+    opt.step(_closure(opt, model))
     before = [p.detach().clone() for p in model.parameters()]
     state = copy.deepcopy(opt.state_dict())
     opt.param_groups[0].update(kl_weight=1.3e-58)
     with pytest.raises(ValueError, match=r"kl_weight=1\.3e-58 makes the posterior precision"):
-        opt.step(X, Y)
+        opt.step(_closure(opt, model))
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     after = opt.state_dict()
     assert all(

@@ -1,9 +1,7 @@
-"""The runner builds IVON from settings written with fromp 0.4's names (``beta2``,
-``weight_decay``) under IVON's current names: the same optimizer, no DeprecationWarning."""
+"""The runner builds IVON from settings written with ivon-opt's names (``beta2``,
+``weight_decay``) under IVON's names: the same optimizer."""
 
 from __future__ import annotations
-
-import warnings
 
 import pytest
 import torch
@@ -18,20 +16,25 @@ def _groups(opt: torch.optim.Optimizer) -> list[dict]:
     return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
 
 
-def test_registry_settings_build_the_deprecated_names_optimizer_without_a_warning():
+def test_registry_settings_build_ivon_with_its_names():
+    """The registry's ivon-opt names become IVON's (which refuses them, giving the same
+    conversion); several processes average IVON's statistics (sync=True)."""
     extra = settings_for("ivon", "split-mnist")["optimizer_kwargs"]
     assert {"beta2", "weight_decay"} <= set(extra)  # the registry keeps the old names
     net = nn.Linear(3, 2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", DeprecationWarning)
-        new = _make_optimizer("ivon", net, 0.2, 1200, extra)
-    with pytest.warns(DeprecationWarning):
-        old = IVON(net.parameters(), lr=0.2, ess=1200, **extra)
-    assert _groups(new) == _groups(old)
+    new = _make_optimizer("ivon", net, 0.2, 1200, extra)
+    with pytest.raises(ValueError, match=r"prior_precision=0\.12"):
+        IVON(net.parameters(), lr=0.2, ess=1200, **extra)
+    rest = {k: v for k, v in extra.items() if k not in ("beta1", "beta2", "weight_decay")}
+    want = IVON(
+        net.parameters(), lr=0.2, ess=1200, prior_precision=1e-4 * 1200,
+        betas=(extra.get("beta1", 0.9), extra["beta2"]), sync=True, **rest,
+    )  # fmt: skip
+    assert _groups(new) == _groups(want)
     # weight_decay 1e-4 at ess 1200: prior precision 0.12; beta2 0.99999 with beta1 0.9
     (g,) = _groups(new)
     assert g["prior_precision"] == pytest.approx(0.12, rel=1e-12)
-    assert tuple(g["betas"]) == (0.9, 0.99999)
+    assert tuple(g["betas"]) == (0.9, 0.99999) and g["sync"] is True
 
 
 def test_current_names_pass_through_and_mixed_names_are_refused():

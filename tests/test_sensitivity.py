@@ -32,7 +32,7 @@ def _posterior(kind: str, net: nn.Module, x: torch.Tensor, y: torch.Tensor):
         return fromp.laplace_full(net, x, "categorical", prior_precision=0.5)
     opt = IVON(net.parameters(), lr=0.05, ess=len(x), hess_init=0.3, betas=(0.9, 0.9))
     for _ in range(3):
-        with opt.sampled_params():
+        with opt.sampled_params(train=True):
             opt.zero_grad()
             nn.functional.cross_entropy(net(x), y).backward()
         opt.step()

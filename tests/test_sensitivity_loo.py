@@ -248,7 +248,7 @@ def test_loo_tracker_ivon_last_layer_against_dense():
     net = _mlp().double()
     opt = IVON(net.parameters(), lr=0.1, ess=60, hess_init=0.5)
     for _ in range(5):
-        with opt.sampled_params():
+        with opt.sampled_params(train=True):
             opt.zero_grad()
             nn.functional.cross_entropy(net(x), y).backward()
         opt.step()

@@ -43,6 +43,23 @@ def _linear(d: int) -> nn.Module:
     return nn.Linear(d, 1, bias=False).to(D)
 
 
+def _closure(opt, x, y, extra=None):
+    """``opt.step``'s closure on the mini-batch ``(x, y)``: the mean of the optimizer's
+    per-example loss over ``opt.model(x)``, ``extra()`` (a regulariser) inside
+    :meth:`VOGN.extra_term`."""
+
+    def closure():
+        opt.zero_grad()
+        loss = opt.loss_fn(opt.model(x), y).mean()
+        if extra is not None:
+            with opt.extra_term():
+                loss = loss + extra()
+        loss.backward()
+        return loss
+
+    return closure
+
+
 @pytest.mark.parametrize("tau", [1.0, 2.0])
 def test_ogn_ggn_recovers_exact_posterior_of_linear_regression(tau):
     x, y = _blr()
@@ -58,7 +75,7 @@ def test_ogn_ggn_recovers_exact_posterior_of_linear_regression(tau):
         curvature="ggn",
     )
     for _ in range(500):
-        opt.step(x, y)
+        opt.step(_closure(opt, x, y))
     q = opt.posterior()
     # Deterministic full-batch iteration: converged to machine precision.
     torch.testing.assert_close(q.mean, mean, atol=1e-9, rtol=0)
@@ -82,7 +99,7 @@ def test_vogn_ggn_linear_regression_mean_and_precision():
     )
     avg = torch.zeros(3, dtype=D)
     for i in range(500):
-        opt.step(x, y)
+        opt.step(_closure(opt, x, y))
         if i >= 250:
             avg += opt.posterior().mean / 250
     q = opt.posterior()
@@ -106,7 +123,7 @@ def test_ogn_squared_gradients_fixed_point():
         likelihood=GaussianLikelihood(sigma),
     )
     for _ in range(600):
-        opt.step(x, y)
+        opt.step(_closure(opt, x, y))
     q = opt.posterior()
     torch.testing.assert_close(q.mean, mean, atol=1e-9, rtol=0)
     sq = torch.stack([(xi * (xi @ mean - yi) / sigma**2) ** 2 for xi, yi in zip(x, y)])
@@ -270,10 +287,10 @@ def test_one_step_formula_and_regulariser_only_in_gradient():
         return 0.5 * ((w - target) ** 2).sum() / 100
 
     g, sq, _ = _brute_stats(net, x, y, lik)
-    loss0 = lik.nll(net(x), y).mean().detach()
+    loss0 = (lik.nll(net(x), y).mean() + reg()).detach()  # the closure's loss
     n, delta, lr, (b1, b2) = 40, 0.5, 0.01, (0.8, 0.7)
     opt = OGN(net, lr=lr, betas=(b1, b2), ess=n, prior_precision=delta)
-    loss = opt.step(x, y, regularizer=reg)
+    loss = opt.step(_closure(opt, x, y, reg))
     torch.testing.assert_close(loss, loss0, atol=1e-12, rtol=0)
     dt = delta / n
     g_tot = g + (mu - target) / 100 + dt * mu
@@ -325,7 +342,7 @@ def test_a_reset_of_state_restarts_vogn_and_the_round_trip_is_exact():
     kw = dict(lr=0.01, ess=100, hess_init=1e-3, prior_precision=0.1)
     opt = VOGN(net, **kw)
     for _ in range(3):
-        opt.step(x, y)
+        opt.step(_closure(opt, x, y))
     saved = copy.deepcopy(opt.state_dict())
     assert set(saved) == {"state", "param_groups"}
     assert saved["param_groups"][0]["ess"] == 100
@@ -370,7 +387,7 @@ def test_batchnorm_cnn_trains_and_updates_running_stats():
 
     before = loss_at_mean()
     for _ in range(30):
-        assert torch.isfinite(opt.step(x, y))
+        assert torch.isfinite(opt.step(_closure(opt, x, y)))
     assert not torch.equal(bn.running_mean, mean0)
     assert net.training and bn.training  # modes restored
     q = opt.posterior()
@@ -419,7 +436,7 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="curvature"):
         VOGN(net, curvature="hessian")
     with pytest.raises(ValueError, match="ess is not set"):
-        VOGN(net).step(torch.randn(3, 2, dtype=D), torch.zeros(3, dtype=torch.long))
+        VOGN(net).step(_closure(VOGN(net), torch.randn(3, 2, dtype=D), torch.zeros(3, dtype=D)))
     prior = DiagonalGaussian(torch.ones(2, dtype=D), torch.full((2,), 3.0, dtype=D))
     opt = VOGN(net, prior_mean=prior, ess=5)
     torch.testing.assert_close(opt.posterior().precision, prior.precision)
@@ -557,22 +574,23 @@ def test_step_that_raises_restores_the_mean_weights():
     net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
     opt = VOGN(net, lr=0.1, ess=10, prior_precision=1.0, hess_init=1.0)
     x, y = torch.randn(5, 3, dtype=D), torch.randint(0, 2, (5,))
-    opt.step(x, y)
+    opt.step(_closure(opt, x, y))
     mu = opt.posterior().mean
 
     def failing():
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
-        opt.step(x, y, regularizer=failing)
+        opt.step(_closure(opt, x, y, failing))
     got = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     torch.testing.assert_close(got, mu, rtol=0, atol=0)
 
 
-def test_closure_step_matches_batch_step_and_restores_the_mean():
+def test_closure_that_sets_the_curvature_matches_and_restores_the_mean():
     """``step(closure)`` (the ``torch.optim.Optimizer.step(closure=None)`` signature): with
-    ``mc_samples=2`` the same update as ``step(x, y)`` from the same draws; a closure that
-    does not set the curvature, or raises, leaves the mean in the parameters."""
+    ``mc_samples=2``, a closure that gives the curvature by :meth:`VOGN.set_curvature` makes
+    the update of one whose curvature VOGN finds itself, from the same draws; a closure that
+    cannot give it, or raises, leaves the mean in the parameters."""
     lik = CategoricalLikelihood()
     x, y = torch.randn(7, 3, dtype=D), torch.randint(0, 2, (7,))
 
@@ -585,7 +603,7 @@ def test_closure_step_matches_batch_step_and_restores_the_mean():
 
     _, opt_a = make()
     torch.manual_seed(5)
-    loss_a = opt_a.step(x, y)
+    loss_a = opt_a.step(_closure(opt_a, x, y))
 
     net_b, opt_b = make()
 
@@ -611,8 +629,8 @@ def test_closure_step_matches_batch_step_and_restores_the_mean():
     def failing():
         raise RuntimeError("boom")
 
-    # a closure without set_curvature: VOGN(model) finds h by itself (checked against
-    # step(x, y) in test_optim_contract.py); over bare parameters it cannot
+    # a closure without set_curvature: VOGN(model) finds h by itself (above); over bare
+    # parameters it cannot
     bare = VOGN(list(net_b.parameters()), lr=0.1, ess=20)
     with pytest.raises(ValueError, match=r"VOGN\(param_groups, model=model\)"):
         bare.step(no_curvature)
@@ -622,9 +640,7 @@ def test_closure_step_matches_batch_step_and_restores_the_mean():
         opt_b.step(failing)
     got = torch.cat([p.detach().reshape(-1) for p in net_b.parameters()])
     torch.testing.assert_close(got, mu, rtol=0, atol=0)
-    with pytest.raises(TypeError, match="batch x"):
-        opt_b.step(closure, y)
-    with pytest.raises(TypeError, match="a closure or nothing"):
+    with pytest.raises(TypeError, match="takes a closure"):
         opt_b.step("x")
 
 
@@ -635,7 +651,7 @@ def test_a_non_finite_loss_is_refused_and_changes_nothing():
     model = nn.Linear(3, 2)
     opt = VOGN(model, lr=0.1, ess=20, prior_precision=1.0)
     x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
-    opt.step(x, y)
+    opt.step(_closure(opt, x, y))
     before = [p.detach().clone() for p in model.parameters()]
     state = copy.deepcopy(opt.state_dict()["state"])
     p = sum(q.numel() for q in model.parameters())
@@ -650,7 +666,7 @@ def test_a_non_finite_loss_is_refused_and_changes_nothing():
         assert after[i]["step"] == st["step"]
         for k in ("mean", "momentum", "hess"):
             assert torch.equal(after[i][k], st[k]), k
-    opt.step(x, y)  # training goes on
+    opt.step(_closure(opt, x, y))  # training goes on
     assert all(torch.isfinite(q).all() for q in model.parameters())
 
 
@@ -721,8 +737,7 @@ def test_parameter_groups_step_sizes_prior_precisions_and_schedulers():
 def test_torch_per_parameter_state_holds_the_posterior():
     """``opt.state[p]`` is VOGN's state (torch's per-parameter convention), tensors of its
     own shaped like ``p`` (no views of a shared flat buffer): mean, momentum, ``s``, prior
-    and step follow every step, :meth:`set_prior` and a load; the deprecated
-    ``vogn_state`` is the flat picture of it."""
+    and step follow every step, :meth:`set_prior` and a load."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
     opt = VOGN(net, lr=0.1, ess=20, prior_precision=3.0)
@@ -754,17 +769,13 @@ def test_torch_per_parameter_state_holds_the_posterior():
     p0 = next(net.parameters())
     assert torch.equal(opt.state[p0]["prior_precision"], q.precision[: p0.numel()].view_as(p0))
     assert opt.state[p0]["step"] == 0 and opt.state[p0]["momentum"].abs().max() == 0
-    with pytest.warns(DeprecationWarning, match="vogn_state"):
-        flat = opt.vogn_state
-    assert torch.equal(flat["prior_precision"], q.precision) and flat["step"] == 0
-    assert torch.equal(flat["mu"], q.mean) and flat["train_set_size"] == 20
     saved = copy.deepcopy(opt.state_dict())
     other = VOGN(net, lr=0.1, ess=20)
     other.load_state_dict(saved)
     assert other.state[p0]["step"] == 0
     assert torch.equal(other.state[p0]["prior_precision"], q.precision[: p0.numel()].view_as(p0))
     opt.state.clear()  # torch's meaning: the state restarts (the constructor's prior)
-    opt.step(x, y)
+    opt.step(_closure(opt, x, y))
     assert opt.state[p0]["step"] == 1
     assert torch.equal(opt.prior().precision, torch.full_like(q.precision, 3.0))
 
@@ -776,7 +787,7 @@ def _assert_same_next_step(opt, other, x, y, seed):
         assert torch.equal(a, b)
     for o in (opt, other):
         torch.manual_seed(seed)
-        o.step(x, y)
+        o.step(_closure(o, x, y))
     assert torch.equal(opt.posterior().mean, other.posterior().mean)
     assert torch.equal(opt.posterior().precision, other.posterior().precision)
 
@@ -883,55 +894,6 @@ def test_vogn_and_ivon_train_avalanche_multitask_mlp_over_three_experiences():
                 torch.testing.assert_close(h, want, rtol=1e-4, atol=1e-10)
 
 
-def _old_flat_state(opt) -> dict:
-    """fromp 0.5's state dict of ``opt``: torch's groups (no ``"ess"``), an empty
-    ``"state"`` and the flat ``"vogn"`` entry, written out by hand from ``opt.state``."""
-    sd = copy.deepcopy(opt.state_dict())
-    groups = [{k: v for k, v in g.items() if k != "ess"} for g in sd["param_groups"]]
-    flat = {
-        new: _flat_state(opt, old).clone()
-        for old, new in (
-            ("mean", "mu"),
-            ("momentum", "m"),
-            ("hess", "s"),
-            ("prior_mean", "prior_mean"),
-            ("prior_precision", "prior_precision"),
-        )
-    }
-    p0 = opt.params[0]
-    flat["init_s"] = _flat_state(opt, "hess_init").clone() if "hess_init" in opt.state[p0] else None
-    flat["step"] = opt.state[p0]["step"]
-    flat["train_set_size"] = opt.ess
-    return {"state": {}, "param_groups": groups, "vogn": flat}
-
-
-@pytest.mark.parametrize("hess_init", [None, 0.05])
-def test_an_old_flat_state_dict_loads_and_continues_exactly(hess_init):
-    """A state dict of fromp 0.3 (the flat ``"vogn"`` entry) converts into torch's
-    per-parameter state: the run continues bit for bit, ``ess`` included; a bad one is
-    refused naming the entry, before any change."""
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
-    x, y = torch.randn(8, 3, dtype=D), torch.randint(0, 2, (8,))
-    opt = VOGN(net, lr=0.1, ess=20, prior_precision=3.0, hess_init=hess_init, mc_samples=1)
-    for _ in range(3):
-        opt.step(x, y)
-    opt.set_prior(reset=False)
-    opt.step(x, y)
-    old = _old_flat_state(opt)
-    net2 = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
-    opt2 = VOGN(net2, lr=0.5, ess=1, hess_init=hess_init)
-    bad = copy.deepcopy(old)
-    bad["vogn"]["s"] = bad["vogn"]["s"][:-1]
-    with pytest.raises(ValueError, match="'s'"):
-        opt2.load_state_dict(bad)
-    assert opt2.ess == 1 and opt2.state[opt2.params[0]]["step"] == 0
-    opt2.load_state_dict(old)
-    assert opt2.ess == 20 and opt2.param_groups[0]["lr"] == 0.1
-    assert torch.equal(opt.prior().precision, opt2.prior().precision)
-    _assert_same_next_step(opt, opt2, x, y, seed=4)
-
-
 def test_a_parameter_added_later_gets_its_state_at_its_first_step():
     """A parameter added after construction (a new head) has no state until the next step,
     which gives it mean its value, no momentum, ``s`` at ``hess_init``, the group's prior
@@ -961,30 +923,3 @@ def test_a_parameter_added_later_gets_its_state_at_its_first_step():
     # the body's state was kept: its momentum continues from step 1 (g = 0 now)
     want_m = 0.9 * kept["momentum"] + 0.1 * (3.0 / 20) * kept["mean"]
     torch.testing.assert_close(opt.state[body.weight]["momentum"], want_m, rtol=1e-12, atol=1e-15)
-
-
-def test_plugin_loads_a_checkpoint_with_the_old_flat_vogn_entry():
-    """A VOGNPlugin checkpoint of fromp 0.5 (its ``"vogn"`` the optimizer's flat entry) loads
-    through ``load_vogn_state``; a new one holds torch's state dict and round-trips."""
-    from fromp_avalanche.vogn import VOGNPlugin
-
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
-    x, y = torch.randn(8, 3, dtype=D), torch.randint(0, 2, (8,))
-    opt = VOGN(net, lr=0.1, ess=20, prior_precision=3.0)
-    for _ in range(2):
-        opt.step(x, y)
-    q = opt.posterior()
-    old = {"vogn": _old_flat_state(opt)["vogn"], "posteriors": [q.state_dict()], "task_count": 1}
-    net2 = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
-    opt2 = VOGN(net2, lr=0.1, ess=1)
-    plugin = VOGNPlugin(opt2)
-    plugin.load_state_dict(old)
-    assert opt2.ess == 20 and plugin.task_count == 1
-    torch.testing.assert_close(plugin.posteriors[0].mean, q.mean, rtol=0, atol=0)
-    _assert_same_next_step(opt, opt2, x, y, seed=2)
-    new = plugin.state_dict()
-    assert set(new["vogn"]) == {"state", "param_groups"}
-    opt3 = VOGN(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D), lr=0.1)
-    VOGNPlugin(opt3).load_state_dict(new)
-    _assert_same_next_step(opt2, opt3, x, y, seed=3)

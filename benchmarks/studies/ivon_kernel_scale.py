@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> None:
         lr=args.lr,
         ess=n,
         hess_init=args.hess_init,
-        beta2=args.beta2,
-        weight_decay=args.weight_decay,
+        betas=(0.9, args.beta2),
+        prior_precision=args.weight_decay * n,
         clip_radius=args.clip_radius,
     )
     t0 = time.perf_counter()

@@ -66,7 +66,7 @@ def run_one(kind: str, optim: str, data, args) -> dict:
     else:
         opt = IVON(
             model.parameters(), lr=args.ivon_lr, ess=n, hess_init=args.hess_init,
-            weight_decay=args.wd,
+            prior_precision=args.wd * n,
         )  # fmt: skip
     trackers = {"loo": LOOTracker()}
     if optim == "ivon":
@@ -94,7 +94,7 @@ def run_one(kind: str, optim: str, data, args) -> dict:
                     part.observe(y[b])
                     nn.functional.cross_entropy(out, y[b]).backward()
                 else:
-                    with opt.sampled_params():
+                    with opt.sampled_params(train=True):
                         opt.zero_grad()
                         out = model(x[b])
                         free.observe(y[b])

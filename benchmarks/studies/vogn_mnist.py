@@ -118,7 +118,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         net.train()
         total = 0.0
         for idx in _batches(n, args.batch_size, g):
-            total += float(opt.step(xtr[idx], ytr[idx])) * len(idx)
+
+            def closure(idx=idx):
+                opt.zero_grad()
+                loss = F.cross_entropy(net(xtr[idx]), ytr[idx])
+                loss.backward()
+                return loss
+
+            total += float(opt.step(closure)) * len(idx)
         print(f"vogn epoch {epoch + 1}: train nll at samples {total / n:.4f}", flush=True)
     vogn_time = time.perf_counter() - t0
     net.eval()

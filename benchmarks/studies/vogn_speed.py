@@ -5,13 +5,13 @@ Timings per model, batch of 128, interleaved step by step, median, minimum and m
 ``--steps`` steps after warm-up:
 
 * ``adam``: ``zero_grad``, forward, mean cross-entropy, ``backward``, ``Adam.step``;
-* ``vogn``: the standalone ``VOGN.step(x, y)`` (sampling, exact per-example squared
-  gradients by ``vmap(grad)``, the update);
+* ``vogn``: ``VOGN.step(closure)`` (sampling, the closure's forward, mean cross-entropy
+  and backward, exact per-example squared gradients of its model call, the update);
 * ``vogn_two_phase``: the Avalanche path of :class:`fromp_avalanche.vogn.VOGNPlugin`
   (sampling, forward with the layer inputs recorded, squared per-example gradients from a
   partial backward of the data loss, the ordinary backward, ``VOGN.step()``);
-* ``ivon``: ``with IVON.sampled_params(): zero_grad, forward, cross-entropy, backward``,
-  then ``IVON.step()`` (only with ``--ivon``);
+* ``ivon``: ``with IVON.sampled_params(train=True):`` ``zero_grad``, forward,
+  cross-entropy, ``backward``, then ``IVON.step()`` (only with ``--ivon``);
 * ``ivon_antithetic``: the same with ``IVON(antithetic=True)``, whose steps alternate
   between a fresh normal draw and its mirror (no random numbers): its cost per step is the
   mean, so its ratio to Adam is a ratio of means (``ratio_ivon_antithetic_adam_mean``);
@@ -92,8 +92,14 @@ def bench(
         method=method,
     )
 
+    def closure():
+        vogn.zero_grad()
+        loss = loss_fn(net_v(x), y)
+        loss.backward()
+        return loss
+
     def vogn_step():
-        vogn.step(x, y)
+        vogn.step(closure)
 
     torch.manual_seed(0)
     net_2, _, _ = make()

@@ -8,44 +8,48 @@ names the argument; the weights and the optimizer state are left as they were.""
 from __future__ import annotations
 
 import math
-import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from fromp._checks import (
-    check_class_targets,
-    check_positive,
-    check_prior_precision,
-    check_vogn_hyper,
-)
-from fromp.likelihood import Likelihood, get_likelihood
+from fromp._checks import check_positive, check_prior_precision
 
 __all__ = [
+    "IVON_OPT_ONLY",
     "GroupHyperparameters",
     "check_betas",
     "check_closure_result",
     "check_ess",
     "check_groups",
     "check_ivon_hyper",
-    "check_ivon_state",
     "check_param_state",
-    "check_targets",
-    "check_vogn_state",
-    "deprecated_alias",
-    "ess_alias",
-    "renamed_kwarg",
+    "check_vogn_groups",
+    "check_vogn_hyper",
+    "ivon_opt_spelling",
+    "param_views",
 ]
 
 #: Hyperparameters that act on the whole posterior: equal in every group.
-_SHARED = {"IVON": ("mc_samples", "antithetic"),
+_SHARED = {"IVON": ("mc_samples", "antithetic", "sync"),
            "VOGN": ("betas", "mc_samples", "kl_weight", "bias_correction")}  # fmt: skip
+
+#: ivon-opt 0.1.3's names of quantities fromp.IVON names otherwise (one name per quantity):
+#: ``weight_decay`` is ``prior_precision / ess``, ``(beta1, beta2)`` is ``betas``. Refused,
+#: as arguments and as parameter-group keys, by :func:`ivon_opt_spelling`'s message.
+IVON_OPT_ONLY = ("weight_decay", "beta1", "beta2")
 
 
 def _finite(value: object) -> bool:
     return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
+
+
+def _check_step_lr(lr: object, where: str) -> None:
+    """A step size read at a step: finite and ``>= 0`` (a scheduler may bring it to 0; the
+    constructors ask for ``> 0``)."""
+    if not _finite(lr) or not lr >= 0:  # type: ignore[operator]
+        raise ValueError(f"{where}lr must be a finite float >= 0, got {lr!r}")
 
 
 def check_betas(betas: object, where: str = "") -> tuple[float, float]:
@@ -60,6 +64,39 @@ def check_betas(betas: object, where: str = "") -> tuple[float, float]:
     return (float(betas[0]), float(betas[1]))
 
 
+def ivon_opt_spelling(found: Mapping[str, Any], ess: Any, betas: Any, group: bool) -> str:
+    """The message refusing ivon-opt's spellings in ``found`` (keys of
+    :data:`IVON_OPT_ONLY` with their values), as constructor arguments or (``group``) as
+    keys of a parameter group, with what to write instead, converted:
+    ``prior_precision = weight_decay * ess`` (``ess`` the constructor's or the group's) and
+    ``betas = (beta1, beta2)`` (a missing one from ``betas``)."""
+
+    def put(key: str, value: str) -> str:
+        return f"'{key}' = {value}" if group else f"{key}={value}"
+
+    todo = []
+    if "weight_decay" in found:
+        wd = found["weight_decay"]
+        ok = all(not isinstance(v, bool) and isinstance(v, int | float) for v in (wd, ess))
+        value = repr(float(wd) * float(ess)) if ok else "weight_decay * ess"
+        todo.append(
+            f"{put('prior_precision', value)} (the whole prior precision, weight_decay * ess "
+            f"= {wd!r} * {ess!r}; ivon-opt's weight_decay is prior_precision / ess)"
+        )
+    if "beta1" in found or "beta2" in found:
+        ok = isinstance(betas, tuple | list) and len(betas) == 2
+        old = tuple(betas) if ok else (0.9, 0.99999)
+        b = (found.get("beta1", old[0]), found.get("beta2", old[1]))
+        todo.append(f"{put('betas', f'({b[0]!r}, {b[1]!r})')} (torch's (beta1, beta2))")
+    wrote = ", ".join(put(k, repr(v)) for k, v in found.items())
+    if group:
+        keys = " and ".join(f"'{k}'" for k in found)
+        what = "an ivon-opt key" if len(found) == 1 else "ivon-opt's keys"
+        return (f"{wrote}: {what}; fromp.IVON's groups hold {' and '.join(todo)}: set "
+                f"{'it' if len(todo) == 1 else 'them'} and delete {keys}")  # fmt: skip
+    return f"IVON({wrote}): ivon-opt's spelling; fromp.IVON takes {' and '.join(todo)}"
+
+
 _SCALE_MAX = float(torch.finfo(torch.float32).max)
 
 
@@ -68,21 +105,26 @@ def check_ivon_hyper(group: dict[str, Any], where: str = "") -> None:
     a loaded state (a scheduler or an edit of ``param_groups`` may have changed them):
     ``lr`` finite and ``>= 0`` (``> 0`` at construction, checked there), ``ess`` and
     ``hess_init`` finite and positive, ``betas`` two floats in ``[0, 1)``,
-    ``prior_precision`` finite and ``>= 0``, ``clip_radius`` None or positive,
-    ``mc_samples`` an int ``>= 1``, ``antithetic`` and ``rescale_lr`` bools. ``where``
-    prefixes the message (e.g. ``"IVON.step(): param_groups[1]: "``)."""
+    ``prior_precision`` finite and ``>= 0``, ``clip_radius`` None or positive (``inf``: no
+    clipping), ``mc_samples`` an int ``>= 1``, ``antithetic``, ``debias`` and
+    ``rescale_lr`` bools, ``sync`` None or a bool; ivon-opt's keys (``weight_decay``,
+    ``beta1``, ``beta2``) refused with fromp's, converted. ``where`` prefixes the message
+    (e.g. ``"IVON.step(): param_groups[1]: "``)."""
+    spelt = {k: group[k] for k in IVON_OPT_ONLY if k in group}
+    if spelt:
+        msg = ivon_opt_spelling(spelt, group.get("ess"), group.get("betas"), group=True)
+        raise ValueError(where + msg)
     keys = {"lr", "ess", "hess_init", "betas", "prior_precision", "clip_radius"}
-    missing = (keys | {"mc_samples", "antithetic", "rescale_lr"}) - set(group)
+    missing = (keys | {"mc_samples", "antithetic", "rescale_lr", "debias", "sync"}) - set(group)
     if missing:
         raise ValueError(f"{where}IVON parameter group is missing {sorted(missing)}")
-    lr = group["lr"]
-    if not _finite(lr) or not lr >= 0:
-        raise ValueError(f"{where}lr must be a finite float >= 0, got {lr!r}")
+    _check_step_lr(group["lr"], where)
     try:
         check_positive(group["ess"], "ess")
         check_positive(group["hess_init"], "hess_init")
-        if group["clip_radius"] is not None:
-            check_positive(group["clip_radius"], "clip_radius")
+        radius = group["clip_radius"]
+        if radius is not None and radius != math.inf:
+            check_positive(radius, "clip_radius")
     except ValueError as err:
         raise ValueError(f"{where}{err}") from None
     if float(group["ess"]) ** -0.5 > _SCALE_MAX:
@@ -98,9 +140,66 @@ def check_ivon_hyper(group: dict[str, Any], where: str = "") -> None:
     mc = group["mc_samples"]
     if isinstance(mc, bool) or not isinstance(mc, int) or mc < 1:
         raise ValueError(f"{where}mc_samples must be an int >= 1, got {mc!r}")
-    for name in ("antithetic", "rescale_lr"):
+    for name in ("antithetic", "debias", "rescale_lr"):
         if not isinstance(group[name], bool):
             raise ValueError(f"{where}{name} must be a bool, got {group[name]!r}")
+    if group["sync"] is not None and not isinstance(group["sync"], bool):
+        raise ValueError(f"{where}sync must be None, True or False, got {group['sync']!r}")
+
+
+def check_vogn_groups(groups: list[Any]) -> list[dict[str, Any]]:
+    """Parameter groups for :class:`fromp.optim.VOGN`: dicts with ``"params"`` and optionally
+    ``"lr"`` and ``"prior_precision"`` (a float for the group's slice of ``delta``); the keys
+    that act on the whole posterior (one draw, one KL weight, one ``s`` schedule) must be the
+    constructor's."""
+    out = []
+    for i, g in enumerate(groups):
+        if not isinstance(g, dict) or "params" not in g:
+            raise ValueError(
+                f"params_or_model[{i}] must be a parameter group dict with 'params' (or pass "
+                f"tensors only), got {type(g).__name__}"
+            )
+        unknown = set(g) - {"params", "lr", "prior_precision"}
+        if unknown & set(_SHARED["VOGN"]):
+            key = sorted(unknown & set(_SHARED["VOGN"]))[0]
+            raise ValueError(
+                f"params_or_model[{i}][{key!r}]: VOGN keeps one {key} for all parameter groups; "
+                f"pass it to the constructor"
+            )
+        if unknown:
+            raise ValueError(
+                f"params_or_model[{i}] has unknown keys {sorted(unknown)}; a VOGN parameter "
+                "group takes 'params', 'lr' and 'prior_precision'"
+            )
+        if "lr" in g:
+            check_positive(g["lr"], f"params_or_model[{i}]['lr']")
+        params = g["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        out.append({**g, "params": params})
+    return out
+
+
+def check_vogn_hyper(group: dict[str, Any], where: str = "") -> None:
+    """The hyperparameters of a VOGN parameter group, read at every step or loaded from a
+    state dict (``ValueError`` naming the argument): ``lr`` finite and ``>= 0``, ``betas``
+    two floats in ``[0, 1)``, ``mc_samples`` an int ``>= 0``, ``kl_weight`` finite and
+    positive, ``bias_correction`` a bool, ``prior_precision`` None or finite and positive."""
+    missing = {"lr", "betas", "mc_samples", "kl_weight", "bias_correction"} - set(group)
+    if missing:
+        raise ValueError(f"{where}VOGN parameter group is missing {sorted(missing)}")
+    _check_step_lr(group["lr"], where)
+    try:
+        check_positive(group["kl_weight"], "kl_weight")
+        if group.get("prior_precision") is not None:
+            check_prior_precision(group["prior_precision"])
+    except ValueError as err:
+        raise ValueError(f"{where}{err}") from None
+    check_betas(group["betas"], where)
+    mc = group["mc_samples"]
+    if isinstance(mc, bool) or not isinstance(mc, int) or mc < 0:
+        raise ValueError(f"{where}mc_samples must be an int >= 0, got {mc!r}")
+    if not isinstance(group["bias_correction"], bool):
+        raise ValueError(f"{where}bias_correction must be a bool, got {group['bias_correction']!r}")
 
 
 def _as_tuple(value: Any) -> tuple[Any, ...]:
@@ -139,75 +238,10 @@ def check_closure_result(kind: str, value: Any, params: Sequence[Tensor]) -> Non
         )
 
 
-def check_targets(opt: Any, net: nn.Module, x: Tensor, y: Tensor) -> None:
-    """Labels of a classification likelihood (``opt.likelihood``) in the range of the
-    model's outputs, refused naming ``y``; the output count is found once per model by a
-    one-example forward pass in eval mode (no batch-norm update, no dropout draw)."""
-    if not isinstance(opt.likelihood, str | Likelihood):
-        return  # a callable loss: its own targets
-    lik = get_likelihood(opt.likelihood)
-    if lik.name == "gaussian":
-        return
-    cache = opt.__dict__.setdefault("_n_outputs", {})
-    n_out = cache.get(id(net))
-    if n_out is None:
-        was_training = net.training
-        net.eval()
-        try:
-            with torch.no_grad():
-                n_out = cache[id(net)] = int(net(x[:1]).shape[-1])
-        finally:
-            net.train(was_training)
-    check_class_targets(y, n_out, lik, "y")
-
-
-def check_vogn_state(vogn: Any, size: int) -> None:
-    """A flat ``"vogn"`` state entry of fromp 0.5 (``[P]`` tensors) that fits a VOGN over
-    ``size`` (``P``) numbers."""
-    if not isinstance(vogn, dict):
-        raise ValueError(f"vogn state must be a dict, got {type(vogn).__name__}")
-    keys = ("mu", "s", "m", "step", "prior_mean", "prior_precision", "init_s", "train_set_size")
-    missing = set(keys) - set(vogn)
-    if missing:
-        raise ValueError(f"vogn state is missing {sorted(missing)}")
-    for key in ("mu", "s", "m", "prior_mean", "prior_precision"):
-        v = vogn[key]
-        if not isinstance(v, Tensor) or v.shape != (size,):
-            raise ValueError(f"vogn state's {key!r} must be a [P]=[{size}] tensor")
-        if not bool(torch.isfinite(v).all()):
-            raise ValueError(f"vogn state's {key!r} has non-finite entries (NaN or inf)")
-    init_s = vogn["init_s"]
-    if init_s is not None and (not isinstance(init_s, Tensor) or init_s.shape != (size,)):
-        raise ValueError(f"vogn state's 'init_s' must be None or a [P]=[{size}] tensor")
-    check_prior_precision(
-        vogn["prior_precision"], sizes={"P": size}, name="vogn state's 'prior_precision'"
-    )
-    n = vogn["train_set_size"]
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int | float) or not n > 0):
-        raise ValueError(f"vogn state's train_set_size (ess) must be a positive number, got {n!r}")
-
-
-def check_ivon_state(ivon: Any, params: Sequence[Tensor], groups: Sequence[dict[str, Any]]) -> None:
-    """An ``"ivon"`` state entry that fits an IVON over ``params`` in ``groups``."""
-    if not isinstance(ivon, dict) or "params" not in ivon or "step" not in ivon:
-        raise ValueError("ivon state must be a dict with 'step' and 'params'")
-    if len(ivon["params"]) != len(params):
-        raise ValueError(
-            f"ivon state has {len(ivon['params'])} parameters, optimizer has {len(params)}"
-        )
-    for p, st in zip(params, ivon["params"]):
-        if not isinstance(st, dict) or "hess" not in st or "momentum" not in st:
-            raise ValueError("ivon state must hold 'momentum' and 'hess' per parameter")
-        if st["hess"].shape != p.shape:
-            raise ValueError(f"ivon state shape {tuple(st['hess'].shape)} != {tuple(p.shape)}")
-        if not bool(torch.isfinite(st["hess"]).all() & torch.isfinite(st["momentum"]).all()):
-            raise ValueError("ivon state has non-finite entries (NaN or inf)")
-    mirror = ivon.get("mirror")
-    if mirror is not None:
-        sizes = [sum(p.numel() for p in g["params"]) for g in groups]
-        if [z.numel() for z in mirror] != sizes:
-            got = [z.numel() for z in mirror]
-            raise ValueError(f"ivon state's mirror draw has sizes {got}, expected {sizes}")
+def param_views(flat: Tensor, params: Sequence[Tensor]) -> list[Tensor]:
+    """``flat`` ``[sum of the numels]`` as views shaped like ``params``, in their order
+    (every flat vector of the optimizers follows its parameters' order)."""
+    return [v.view_as(p) for v, p in zip(flat.split([p.numel() for p in params]), params)]
 
 
 def _as_vector(value: float | Tensor, like: Tensor, name: str) -> Tensor:
@@ -225,51 +259,6 @@ def check_ess(n: object) -> float:
     if isinstance(n, bool) or not isinstance(n, int | float) or not n > 0 or not math.isfinite(n):
         raise ValueError(f"ess must be a positive number (the training-set size), got {n!r}")
     return n
-
-
-def ess_alias(ess: float | None, train_set_size: float | None, who: str) -> float | None:
-    """``ess``, or the deprecated ``train_set_size=`` (with a ``DeprecationWarning``)."""
-    if train_set_size is None:
-        return ess
-    warnings.warn(f"{who}(train_set_size=...) is deprecated: use {who}(ess=...)",
-                  DeprecationWarning, stacklevel=3)  # fmt: skip
-    if ess is not None and ess != train_set_size:
-        raise ValueError(f"pass ess or train_set_size (a deprecated synonym), not both: "
-                         f"got {ess!r} and {train_set_size!r}")  # fmt: skip
-    return train_set_size
-
-
-def deprecated_alias(old: str, new: str, who: str) -> property:
-    """A property ``old`` that reads and writes ``new`` with a ``DeprecationWarning``."""
-
-    def get(self: Any) -> Any:
-        warnings.warn(f"{who}.{old} is deprecated: use {who}.{new}", DeprecationWarning,
-                      stacklevel=2)  # fmt: skip
-        return getattr(self, new)
-
-    def put(self: Any, value: Any) -> None:
-        warnings.warn(f"{who}.{old} is deprecated: use {who}.{new}", DeprecationWarning,
-                      stacklevel=2)  # fmt: skip
-        setattr(self, new, value)
-
-    return property(get, put, doc=f"Deprecated synonym of :attr:`{new}`.")
-
-
-def renamed_kwarg(
-    new: Any, old: Any, old_name: str, new_name: str, who: str, how: str = "", stacklevel: int = 3
-) -> Any:
-    """The value of a constructor argument renamed from ``old_name`` to ``new_name``: ``new``,
-    or the deprecated ``old`` (not None: a ``DeprecationWarning`` naming the new argument,
-    ``how`` says how to convert, e.g. ``"prior_precision = weight_decay * ess"``); both
-    given is a ``ValueError``. Call it with the old value already converted."""
-    if old is None:
-        return new
-    hint = f" ({how})" if how else ""
-    warnings.warn(f"{who}({old_name}=...) is deprecated: use {who}({new_name}=...){hint}",
-                  DeprecationWarning, stacklevel=stacklevel)  # fmt: skip
-    if new is not None:
-        raise ValueError(f"{who}: pass {new_name} or the deprecated {old_name}, not both")
-    return old
 
 
 def check_param_state(
@@ -304,9 +293,11 @@ def check_param_state(
 
 class GroupHyperparameters:
     """What :class:`~fromp.optim.IVON` and :class:`~fromp.optim.VOGN` read from their
-    ``param_groups`` alike: the parameters in group order and the global ``mc_samples``."""
+    ``param_groups`` and torch's ``self.state`` alike: the parameters in group order, the
+    global ``mc_samples``, the step count."""
 
     param_groups: list[dict[str, Any]]
+    state: dict[Tensor, dict[str, Any]]
 
     @property
     def params(self) -> list[Tensor]:
@@ -317,3 +308,52 @@ class GroupHyperparameters:
     def mc_samples(self) -> int:
         """Weight draws per ``step(closure)`` (one for all groups)."""
         return int(self.param_groups[0]["mc_samples"])
+
+    def _step_count(self) -> int:
+        """``t``, the steps since the start (or the last reset of the state or the prior)."""
+        steps = [int(self.state[p].get("step", 0)) for p in self.params if p in self.state]
+        return max(steps, default=0)
+
+    def _fresh(self, p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
+        """The state ``p`` starts with (without ``"step"``)."""
+        raise NotImplementedError
+
+    def _state_changed(self) -> None:
+        """Called when :meth:`_states` created or moved a parameter's state."""
+        raise NotImplementedError
+
+    def _states(self) -> list[dict[str, Any]]:
+        """``self.state[p]`` of every parameter in group order, created where missing (a
+        parameter added after construction, e.g. a new head, or a reset of ``self.state``,
+        which restarts it) by :meth:`_fresh` at the current step count; tensors follow the
+        parameter's device and dtype."""
+        t, out = None, []
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state[p]
+                if "hess" not in st:
+                    t = self._step_count() if t is None else t
+                    st.update(self._fresh(p, group), step=t)
+                    self._state_changed()
+                elif st["hess"].device != p.device or st["hess"].dtype != p.dtype:
+                    for k, v in list(st.items()):
+                        if isinstance(v, Tensor):
+                            st[k] = v.to(device=p.device, dtype=p.dtype)
+                    self._state_changed()
+                out.append(st)
+        return out
+
+    def _own_state_copies(self) -> list[dict[str, Any]]:
+        """After torch's ``load_state_dict`` (which may share the caller's tensors): every
+        tensor of ``self.state[p]`` a detached copy on ``p``'s device and dtype, the step
+        count an int; returns the states in group order."""
+        states = []
+        for p in self.params:
+            st = self.state[p]
+            for k, v in list(st.items()):
+                if isinstance(v, Tensor):
+                    st[k] = v.detach().to(p).clone()
+                elif k == "step":
+                    st[k] = int(v)
+            states.append(st)
+        return states

@@ -55,11 +55,11 @@ class GradStats:
         loss: mean per-example loss (scalar tensor).
         grad: ``(1/M) sum_i g_i`` ``[P]`` (None when not requested).
         curv: ``(1/M) sum_i h_i`` ``[P]`` (squared gradients or GGN diagonal).
-        n: ``M``.
+        batch_size: ``M``, the examples of the mini-batch.
     """
 
-    def __init__(self, loss: Tensor, grad: Tensor | None, curv: Tensor, n: int) -> None:
-        self.loss, self.grad, self.curv, self.n = loss, grad, curv, n
+    def __init__(self, loss: Tensor, grad: Tensor | None, curv: Tensor, batch_size: int) -> None:
+        self.loss, self.grad, self.curv, self.batch_size = loss, grad, curv, batch_size
 
 
 _DROPOUT = (nn.modules.dropout._DropoutNd,)
@@ -460,7 +460,7 @@ class OutputCapture:
             self._handle = None
 
     @property
-    def n_examples(self) -> int:
+    def batch_size(self) -> int:
         """``M``: the rows of the recorded calls that the loss reached."""
         return sum(len(f) for _, _, f in self.calls if f.grad is not None)
 
@@ -483,7 +483,7 @@ class OutputCapture:
             grads = [r.detach() for r in output_grads]
         else:
             calls = [(a, k, f) for a, k, f in self.calls if f.grad is not None]
-            m = self.n_examples
+            m = self.batch_size
             grads = [f.grad.detach() * m for _, _, f in calls]
         if not calls:
             return None

@@ -22,7 +22,8 @@ The third term of the ``h`` update (a Riemannian-gradient correction) keeps ``h 
 positive whatever the sign of ``h^``. With ``rescale_lr`` (the default) the step size is
 ``alpha = lr * (h0 + d)`` so that ``lr`` has the scale of an SGD learning rate at
 initialisation (``h = h0``); ``clip_radius`` clips each coordinate of the preconditioned
-step ``(gb + d m) / (h + d)`` to ``[-clip_radius, clip_radius]``.
+step ``(gb + d m) / (h + d)`` to ``[-clip_radius, clip_radius]``; ``debias=False`` drops the
+bias correction (``gb = g``).
 
 The posterior is ``q = N(m, diag(1 / (N h + delta)))``: :meth:`IVON.posterior` returns
 it as a :class:`~fromp.posterior.DiagonalGaussian`, so that ``fromp.dnn2gp(model,
@@ -45,7 +46,12 @@ Typical use::
         opt.step()
 
 or ``opt.step(closure)`` with a closure that zeroes the gradients, computes the loss and
-calls ``backward()``: it is evaluated once per draw. A deterministic term ``r(m)`` of the
+calls ``backward()``: the optimizer draws, and evaluates the closure once per draw (VOGN's
+protocol; a closure that draws itself, as ivon-opt's do, is refused). The loop above and
+the prediction loop (``with opt.sampled_params(): model(x)``, no gradient kept) are those of
+the official implementation, ivon-opt 0.1.3, whose documented arguments IVON accepts or
+refuses with what to write instead (``docs/library.md`` has the mapping): with the same
+draws both give the same weights. A deterministic term ``r(m)`` of the
 objective, evaluated at the mean (e.g. FROMP's regulariser of the mean function), enters
 through :meth:`IVON.add_gradient` between the draws and :meth:`IVON.step`: its gradient is
 added to ``g^`` only.
@@ -58,10 +64,10 @@ z^2``, free of the ``g(m) z / sigma`` term that dominates the variance of indepe
 Half of the draws need no random numbers, which on a CPU is most of IVON's cost over Adam's
 (``benchmarks/results/ivon_speed.json``). Independent draws, as in the paper, are the default.
 
-Like VOGN's, the state (momentum ``g``, Hessian estimate ``h``, step count, prior) is kept
-outside ``self.state``, indexed by the position of the parameter in the parameter groups, so
-that Avalanche's optimizer resets do not erase the posterior; :meth:`IVON.state_dict`
-carries it.
+Like VOGN's, the state (momentum ``g``, Hessian estimate ``h``, step count, prior) is torch's
+``self.state[p]``, so :meth:`IVON.state_dict` carries it; the hyperparameters are read from
+``param_groups`` at every step, so schedulers and edits of a group apply from the next
+step.
 
 References:
     Y. Shen, N. Daheim, B. Cong, P. Nickl, G. M. Marconi, C. Bazan, R. Yokota, I. Gurevych,
@@ -71,9 +77,7 @@ References:
 
 from __future__ import annotations
 
-import copy
 import math
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -82,18 +86,17 @@ import torch
 from torch import Tensor, nn
 
 from fromp._checks import check_positive
-from fromp.distributed import is_distributed, mean_over_ranks
+from fromp.distributed import is_distributed, mean_over_ranks, world_size
 from fromp.optim._contract import (
+    IVON_OPT_ONLY,
     GroupHyperparameters,
-    check_betas,
     check_closure_result,
     check_ess,
     check_groups,
     check_ivon_hyper,
-    check_ivon_state,
     check_param_state,
-    ess_alias,
-    renamed_kwarg,
+    ivon_opt_spelling,
+    param_views,
 )
 from fromp.optim.ivon_posterior import IVONPosterior
 
@@ -105,78 +108,83 @@ DEFAULT_WEIGHT_DECAY = 1e-4
 #: IVON's default ``(beta1, beta2)``: the paper's momenta of the gradient and of the Hessian
 #: estimate (Shen et al., 2024).
 DEFAULT_BETAS: tuple[float, float] = (0.9, 0.99999)
-_WD_HOW = "prior_precision = weight_decay * ess"
+#: keys a parameter group saved before ``sync`` and ``debias`` existed lacks, with what such
+#: an optimizer did: it always averaged over the processes and always debiased
+_NEW_KEYS = {"sync": True, "debias": True}
 
 
-def _old_weight_decay(weight_decay: object, ess: float) -> float:
-    """The deprecated ``weight_decay`` (``delta / N``) as ``prior_precision = weight_decay *
-    ess`` (checked first, so that the message names the argument the user wrote)."""
-    if isinstance(weight_decay, bool) or not isinstance(weight_decay, int | float):
-        raise ValueError(f"weight_decay must be a float >= 0, got {weight_decay!r}")
-    if not (weight_decay >= 0 and math.isfinite(weight_decay)):
-        raise ValueError(f"weight_decay must be a finite float >= 0, got {weight_decay!r}")
-    return float(weight_decay) * ess
+def _refuse_positional(extra: tuple[Any, ...]) -> None:
+    """ivon-opt's arguments after ``hess_init`` given by position: refused, naming each with
+    fromp's keyword (fromp has no ``beta1``, ``beta2`` or ``weight_decay`` to put there)."""
+    names = ("beta1", "beta2", "weight_decay", "mc_samples", "hess_approx", "clip_radius",
+             "sync", "debias", "rescale_lr")  # fmt: skip
+    given = ", ".join(f"{n}={v!r}" for n, v in zip(names, extra))
+    raise TypeError(
+        f"IVON takes params, lr, ess and hess_init by position (as ivon-opt does); pass the "
+        f"rest by keyword: got {given} by position (ivon-opt's order); write "
+        "betas=(beta1, beta2) and prior_precision=weight_decay * ess, and the others under "
+        "their own names"
+    )
 
 
-def _betas(
-    betas: tuple[float, float] | None, beta1: float | None, beta2: float | None
-) -> tuple[float, float]:
-    """``betas``, or the deprecated ``beta1=`` / ``beta2=`` (each defaulting to the paper's
-    ``0.9`` / ``0.99999``)."""
-    old = None
-    if beta1 is not None or beta2 is not None:
-        old = (
-            DEFAULT_BETAS[0] if beta1 is None else beta1,
-            DEFAULT_BETAS[1] if beta2 is None else beta2,
+def _refuse_hess_approx(hess_approx: object) -> None:
+    """ivon-opt's ``hess_approx``: ``"price"`` (the reparameterisation estimate, what IVON
+    computes) is accepted, ``"gradsq"`` refused (``ess`` times the squared mini-batch
+    gradient is no estimate of the Hessian of the mean loss: it grows with ``ess / M`` for a
+    mini-batch of ``M``)."""
+    if hess_approx == "price":
+        return
+    if hess_approx == "gradsq":
+        raise ValueError(
+            "IVON(hess_approx='gradsq') is not supported: ess times the squared mini-batch "
+            "gradient is not an estimate of the Hessian of the mean loss (it grows with "
+            "ess / batch size); leave hess_approx out (IVON's estimate is ivon-opt's "
+            "'price'), or use fromp.VOGN(curvature='ef') for squared per-example gradients"
         )
-    how = "betas = (beta1, beta2)"
-    betas = renamed_kwarg(betas, old, "beta1/beta2", "betas", "IVON", how, stacklevel=4)
-    return check_betas(DEFAULT_BETAS if betas is None else betas)
-
-
-def _old_group(group: dict[str, Any], ess: float) -> dict[str, Any]:
-    """A parameter group with the 0.4 keys (``weight_decay``, ``beta1``, ``beta2``) in the new
-    ones, with a ``DeprecationWarning``; ``weight_decay`` times the group's ``ess`` (the
-    constructor's when the group has none)."""
-    if not {"weight_decay", "beta1", "beta2"} & set(group):
-        return group
-    warnings.warn("IVON parameter groups take 'prior_precision' (= weight_decay * ess) and "
-                  "'betas' (= (beta1, beta2)); 'weight_decay', 'beta1' and 'beta2' are "
-                  "deprecated", DeprecationWarning, stacklevel=4)  # fmt: skip
-    group = dict(group)
-    if "weight_decay" in group:
-        n = check_ess(group.get("ess", ess))
-        group["prior_precision"] = _old_weight_decay(group.pop("weight_decay"), n)
-    if "beta1" in group or "beta2" in group:
-        b1, b2 = group.pop("beta1", DEFAULT_BETAS[0]), group.pop("beta2", DEFAULT_BETAS[1])
-        group["betas"] = check_betas((b1, b2))
-    return group
+    raise ValueError(f"hess_approx must be 'price' (ivon-opt's default), got {hess_approx!r}")
 
 
 class IVON(IVONPosterior, GroupHyperparameters, torch.optim.Optimizer):
     r"""Improved Variational Online Newton; see the module docstring for the update.
 
+    The arguments are those of the official implementation, ivon-opt 0.1.3, in its order,
+    with fromp's names for two quantities: ``prior_precision`` (ivon-opt's ``weight_decay``
+    is ``prior_precision / ess``) and ``betas`` (ivon-opt's ``beta1``, ``beta2``); those
+    spellings, at construction or in a parameter group, are refused with the value to write.
+
     Args:
         params: an iterable of tensors or of parameter-group dicts (each group may override
-            every hyperparameter below except ``mc_samples`` and ``antithetic``, which are
-            global).
+            every hyperparameter below except ``mc_samples``, ``antithetic`` and ``sync``,
+            which are global).
         lr: learning rate (scaled by ``hess_init + prior_precision / ess`` when
             ``rescale_lr``).
         ess: effective sample size ``N`` (usually the training-set size; VOGN's name too);
             sets the posterior scale ``sigma^2 = 1 / (N h + delta)``.
-            ``train_set_size=`` is its deprecated synonym.
-        prior_precision: ``delta >= 0``, the whole precision of the prior ``N(0, 1 /
-            delta)`` on the weights (VOGN's name and meaning); the update uses ``delta / N``
-            (the IVON paper's weight decay). None: ``1e-4 * ess`` (the paper's default weight
-            decay 1e-4). ``h + delta / N`` must stay positive: with ``delta = 0``,
-            ``hess_init > 0`` keeps it so. ``weight_decay=`` (``delta / N``) is deprecated:
-            ``prior_precision = weight_decay * ess`` (converted with the ``ess`` given here).
         hess_init: initial Hessian estimate ``h0 > 0`` (VOGN's name for its initial
             curvature too).
         betas: ``(beta1, beta2)``, the decays of the momentum of the gradient and of the
             Hessian estimate (default ``(0.9, 0.99999)``; torch's and VOGN's form, which LR
-            schedulers that cycle the momentum edit). ``beta1=`` / ``beta2=`` are deprecated.
+            schedulers that cycle the momentum edit).
+        prior_precision: ``delta >= 0``, the whole precision of the prior ``N(0, 1 /
+            delta)`` on the weights (VOGN's name and meaning); the update uses ``delta / N``
+            (the IVON paper's and ivon-opt's weight decay). None: ``1e-4 * ess`` (their
+            default weight decay 1e-4). ``h + delta / N`` must stay positive: with ``delta =
+            0``, ``hess_init > 0`` keeps it so.
         mc_samples: draws per step when stepping with a closure (``>= 1``).
+        hess_approx: ``"price"``, the reparameterisation estimate ``h^`` (ivon-opt's default
+            and the only one IVON computes; ivon-opt's ``"gradsq"`` is refused).
+        clip_radius: clip each coordinate of the preconditioned step (None or ``inf``: no
+            clipping).
+        sync: under ``torch.distributed`` with several processes, True averages ``g^`` and
+            ``h^`` over the processes before each update (weighted by ``step(batch_size=)``),
+            so every process makes the same update; False lets each process update on its
+            own (ivon-opt's default; with ``DistributedDataParallel`` the gradients are
+            averaged already, the Hessian estimates are not). None (default): refused at the
+            first step of a run with several processes, which must choose; no effect in one
+            process.
+        debias: divide the momentum by ``1 - beta1^t`` (Adam's bias correction; ivon-opt's
+            default).
+        rescale_lr: ``alpha = lr * (hess_init + prior_precision / ess)``.
         antithetic: draw in mirrored pairs: every second draw is ``-z`` of the draw before
             it (within a step when ``mc_samples`` is even, else across consecutive steps),
             instead of a fresh ``z``. Each draw is still ``N(m, sigma^2)``, so ``g^`` and
@@ -184,18 +192,18 @@ class IVON(IVONPosterior, GroupHyperparameters, torch.optim.Optimizer):
             loss the pair's ``h^`` is ``a z^2`` whatever the gradient at ``m``, against ``a
             z^2 + g(m) z / sigma`` for independent draws), and half of the draws need no
             random numbers (on a CPU the normal fill is most of IVON's cost over Adam).
-        clip_radius: clip each coordinate of the preconditioned step (None: no clipping).
-        rescale_lr: ``alpha = lr * (hess_init + prior_precision / ess)``.
+        weight_decay, beta1, beta2: ivon-opt's spellings, refused with fromp's
+            (``prior_precision = weight_decay * ess``, ``betas = (beta1, beta2)``) and the
+            value to write.
 
     Memory: the state (``g``, ``h``) and eight work buffers, flat, ``10 P`` numbers for ``P``
     parameters (``13 P`` after :meth:`set_prior`), against Adam's ``2 P``: for a torchvision
     ResNet-18 (11.7 M parameters, float32) about 470 MB. Every operation of a step is one
     pass over a flat vector (the draw 2 and a normal fill, the restore 2, the update 13).
 
-    Attributes:
-        ivon_state: ``{"step": t, "params": [per-parameter dict]}`` with ``"momentum"``
-            ``g``, ``"hess"`` ``h`` and, after :meth:`set_prior`, ``"prior_mean"`` and
-            ``"prior_precision"`` (shapes of the parameter), in parameter-group order.
+    The state is torch's ``self.state[p]``: ``"step"``, ``"momentum"`` ``g``, ``"hess"``
+    ``h`` and, after :meth:`set_prior`, ``"prior_mean"`` and ``"prior_precision"`` (shapes
+    of the parameter).
     """
 
     def __init__(
@@ -203,51 +211,54 @@ class IVON(IVONPosterior, GroupHyperparameters, torch.optim.Optimizer):
         params: Iterable[Tensor] | Iterable[dict[str, Any]],
         lr: float,
         ess: float | None = None,
-        *,
-        prior_precision: float | None = None,
         hess_init: float = 1.0,
-        betas: tuple[float, float] | None = None,
+        *ivon_opt_positional: Any,
+        betas: tuple[float, float] = DEFAULT_BETAS,
+        prior_precision: float | None = None,
         mc_samples: int = 1,
+        hess_approx: str = "price",
         clip_radius: float | None = None,
+        sync: bool | None = None,
+        debias: bool = True,
         rescale_lr: bool = True,
         antithetic: bool = False,
         weight_decay: float | None = None,
         beta1: float | None = None,
         beta2: float | None = None,
-        train_set_size: float | None = None,
     ) -> None:
-        ess = ess_alias(ess, train_set_size, "IVON")
+        if ivon_opt_positional:
+            _refuse_positional(ivon_opt_positional)
         if ess is None:
             raise ValueError("ess is required: IVON(params, lr, ess=N), N the training-set size")
         ess = check_ess(ess)
+        spelt = {k: v for k, v in zip(IVON_OPT_ONLY, (weight_decay, beta1, beta2)) if v is not None}
+        if spelt:
+            raise ValueError(ivon_opt_spelling(spelt, ess, betas, group=False))
+        _refuse_hess_approx(hess_approx)
         if isinstance(params, nn.Module):
             raise ValueError("params must be an iterable of tensors (model.parameters())")
-        if weight_decay is not None:
-            weight_decay = _old_weight_decay(weight_decay, ess)
-        prior_precision = renamed_kwarg(prior_precision, weight_decay, "weight_decay",
-                                        "prior_precision", "IVON", _WD_HOW)  # fmt: skip
         if prior_precision is None:
             prior_precision = DEFAULT_WEIGHT_DECAY * ess
-        betas = _betas(betas, beta1, beta2)
         defaults = dict(
             lr=lr,
             ess=ess,
             prior_precision=prior_precision,
             hess_init=hess_init,
-            betas=betas,
+            betas=tuple(betas) if isinstance(betas, list) else betas,
             mc_samples=mc_samples,
             clip_radius=clip_radius,
-            rescale_lr=bool(rescale_lr),
+            sync=sync,
+            debias=debias,
+            rescale_lr=rescale_lr,
             antithetic=antithetic,
         )
         check_positive(lr, "lr")
         check_ivon_hyper(defaults)
-        params = [_old_group(g, ess) if isinstance(g, dict) else g for g in params]
         super().__init__(params, defaults)
-        for group in self.param_groups:
+        for i, group in enumerate(self.param_groups):
             check_positive(group["lr"], "lr")
-            check_ivon_hyper(group)
-            for name in ("mc_samples", "antithetic"):
+            check_ivon_hyper(group, f"IVON(): param_groups[{i}]: ")
+            for name in ("mc_samples", "antithetic", "sync"):
                 if group[name] != defaults[name]:
                     raise ValueError(f"{name} is global: do not set it per parameter group")
             for p in group["params"]:
@@ -263,38 +274,32 @@ class IVON(IVONPosterior, GroupHyperparameters, torch.optim.Optimizer):
         self._version = 0  # bumped when the prior or the loaded state changes
         self._drawn = False  # the parameters hold theta, the mean is in the work buffers
         self._n_acc = 0  # draws accumulated for the next step
+        self._in_closure = False  # step(closure) holds a draw while the closure runs
         # antithetic: the z of the last fresh draw, per group, while its mirror is unused
         self._mirror: list[Tensor] | None = None
         self._states()  # self.state[p] for every parameter, as torch's optimizers keep it
 
     # ------------------------------------------------------------------ bookkeeping
-    @property
-    def ivon_state(self) -> dict[str, Any]:
-        """Deprecated: ``{"step": t, "params": [self.state[p] for p in params]}``, a view of
-        :attr:`state` (the per-parameter state is torch's ``self.state[p]``)."""
-        warnings.warn(
-            "IVON.ivon_state is deprecated: the state is torch's, IVON.state[p] ('step', "
-            "'momentum', 'hess', ...)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return {"step": self._step_count(), "params": self._states()}
-
-    def _step_count(self) -> int:
-        """``t``, the steps since the start (or the last :meth:`set_prior` with a reset)."""
-        return max((int(st.get("step", 0)) for st in self.state.values()), default=0)
-
     def _pairs(self) -> Iterator[tuple[dict[str, Any], Tensor]]:
         for group in self.param_groups:
             for p in group["params"]:
                 yield group, p
 
-    @staticmethod
-    def _fresh(p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
-        return {
+    def _fresh(self, p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
+        """The state a parameter starts with (:meth:`_states`): ``momentum`` 0, ``hess``
+        ``hess_init`` and, in a group whose parameters have a prior from :meth:`set_prior`,
+        the group's prior ``N(0, 1 / delta)``."""
+        st = {
             "momentum": torch.zeros_like(p, memory_format=torch.preserve_format).detach(),
             "hess": torch.full_like(p, group["hess_init"]).detach(),
         }
+        if any("prior_precision" in self.state[q] for q in group["params"] if q is not p):
+            st["prior_mean"] = torch.zeros_like(p).detach()
+            st["prior_precision"] = torch.full_like(p, group["prior_precision"]).detach()
+        return st
+
+    def _state_changed(self) -> None:
+        self._version += 1
 
     @property
     def antithetic(self) -> bool:
@@ -310,32 +315,6 @@ class IVON(IVONPosterior, GroupHyperparameters, torch.optim.Optimizer):
         value = check_positive(value, "ess")
         for group in self.param_groups:
             group["ess"] = value
-
-    def _states(self) -> list[dict[str, Any]]:
-        """``self.state[p]`` of every parameter in group order, created where missing (a
-        parameter added after construction, e.g. a new head, or a state reset):
-        ``momentum`` 0, ``hess`` ``hess_init``, the current step count and, in a group
-        whose parameters have a prior from :meth:`set_prior`, the group's prior ``N(0, 1 /
-        delta)``. Tensors follow the parameter's device and dtype."""
-        t = None
-        states = []
-        for group, p in self._pairs():
-            st = self.state[p]
-            if "hess" not in st:
-                t = self._step_count() if t is None else t
-                st.update(self._fresh(p, group), step=t)
-                others = [self.state[q] for q in group["params"] if q is not p]
-                if any("prior_precision" in o for o in others):
-                    st["prior_mean"] = torch.zeros_like(p).detach()
-                    st["prior_precision"] = torch.full_like(p, group["prior_precision"]).detach()
-                self._version += 1
-            elif st["hess"].device != p.device or st["hess"].dtype != p.dtype:
-                for k, v in st.items():
-                    if isinstance(v, Tensor):
-                        st[k] = v.to(device=p.device, dtype=p.dtype)
-                self._version += 1
-            states.append(st)
-        return states
 
     @staticmethod
     def _delta(group: dict[str, Any], st: dict[str, Tensor]) -> Tensor | float:
@@ -395,12 +374,8 @@ class IVON(IVONPosterior, GroupHyperparameters, torch.optim.Optimizer):
     def _flat(work: dict[str, Any], name: str, params: list[Tensor]) -> None:
         p0 = params[0]
         flat = torch.empty(sum(p.numel() for p in params), dtype=p0.dtype, device=p0.device)
-        views, i = [], 0
-        for p in params:
-            views.append(flat[i : i + p.numel()].view_as(p))
-            i += p.numel()
         work[name] = flat
-        work[name + "_v"] = views
+        work[name + "_v"] = param_views(flat, params)
 
     def _den_key(self, group: dict[str, Any]) -> tuple[Any, ...]:
         """What ``den`` depends on besides ``h``: it is recomputed when this changes."""
@@ -460,6 +435,13 @@ class IVON(IVONPosterior, GroupHyperparameters, torch.optim.Optimizer):
         :meth:`sampled_params`).
 
         Memory: ten flat buffers of the size of the parameters, kept between steps."""
+        if self._drawn and self._in_closure:
+            raise RuntimeError(
+                "IVON.step(closure) draws the weights itself and runs the closure at each of "
+                "its mc_samples draws: the closure must not draw (ivon-opt's closures hold "
+                "`with optimizer.sampled_params(train=True):`); remove that `with` from the "
+                "closure, or run the `with` blocks and then call step() without a closure"
+            )
         if self._drawn:
             raise RuntimeError("IVON.draw(): the parameters already hold a draw; restore() first")
         check_groups(self.param_groups, "IVON.draw()")
@@ -562,12 +544,13 @@ class IVON(IVONPosterior, GroupHyperparameters, torch.optim.Optimizer):
 
     @contextmanager
     def sampled_params(
-        self, train: bool = True, generator: torch.Generator | None = None
+        self, train: bool = False, generator: torch.Generator | None = None
     ) -> Iterator[None]:
         """Hold a draw ``theta ~ q`` in the parameters inside the ``with`` block; the mean is
-        restored on exit, also when the block raises. With ``train``, a block that exits
-        normally contributes its ``.grad`` (at ``theta``) to the next :meth:`step`; zero the
-        gradients inside the block before ``backward()``."""
+        restored on exit, also when the block raises. With ``train=True`` (training), a block
+        that exits normally contributes its ``.grad`` (at ``theta``) to the next
+        :meth:`step`; zero the gradients inside the block before ``backward()``. Without
+        (prediction, ivon-opt's default), the block leaves the next step as it was."""
         self.draw(generator)
         ok = False
         try:
@@ -585,21 +568,31 @@ class IVON(IVONPosterior, GroupHyperparameters, torch.optim.Optimizer):
 
         With ``closure`` (zeroes the gradients, computes the mean loss, calls
         ``backward()``, returns the loss: the protocol VOGN shares): ``mc_samples`` draws,
-        each evaluated inside :meth:`sampled_params`; returns the mean loss. Without:
-        averages the draws accumulated since the last step (at least one
-        :meth:`sampled_params` block with ``train=True``).
+        each evaluated inside :meth:`sampled_params`; returns the mean loss. The closure
+        does not draw (ivon-opt's closures enter ``sampled_params(train=True)`` themselves:
+        refused, naming the difference). Without: averages the draws accumulated since the
+        last step (at least one :meth:`sampled_params` block with ``train=True``).
 
-        Several processes (``torch.distributed`` initialised, more than one rank): the
-        averaged ``g^``, ``h^`` (and :meth:`add_gradient`'s term) of this rank, means over
-        its ``batch_size`` examples, become the means over all ranks' examples,
+        Several processes (``torch.distributed`` initialised, more than one rank), with
+        ``sync=True``: the averaged ``g^``, ``h^`` (and :meth:`add_gradient`'s term) of this
+        rank, means over its ``batch_size`` examples, become the means over all ranks' examples,
         ``sum_r M_r g^_r / sum_r M_r`` (:func:`fromp.distributed.mean_over_ranks`;
         ``batch_size=None`` weighs the ranks equally, right when they have equal batches),
         before the update, so every rank makes the same update. Each rank's ``h^`` comes
         from its own draw: seed each rank differently (``torch.manual_seed(seed +
         fromp.distributed.rank())``, as in IVON's multi-GPU runs) and the ``h^`` of the
         ranks average like ``world_size`` Monte Carlo samples; with one seed on every rank
-        the draws are equal and the step is exactly one process's on the global batch."""
+        the draws are equal and the step is exactly one process's on the global batch. With
+        ``sync=False`` each rank updates on its own statistics (ivon-opt's default)."""
         check_groups(self.param_groups, "IVON.step()")
+        sync = self.param_groups[0]["sync"]
+        if sync is None and is_distributed():
+            raise ValueError(
+                f"IVON.step(): torch.distributed runs {world_size()} processes and IVON was "
+                "built without sync: pass IVON(..., sync=True) to average the gradient and "
+                "Hessian estimates over the processes (weighted by step(batch_size=...)), or "
+                "sync=False to let each process update on its own (ivon-opt's default)"
+            )
         loss = None
         if closure is not None:
             if self._n_acc:
@@ -610,7 +603,11 @@ class IVON(IVONPosterior, GroupHyperparameters, torch.optim.Optimizer):
                     with self.sampled_params(train=True), torch.enable_grad():
                         for p in self.params:  # a closure that never calls backward(): None
                             p.grad = None
-                        value = closure()
+                        self._in_closure = True
+                        try:
+                            value = closure()
+                        finally:
+                            self._in_closure = False
                         check_closure_result("IVON", value, self.params)
                     total = total + torch.as_tensor(value).detach()
             except BaseException:
@@ -625,7 +622,7 @@ class IVON(IVONPosterior, GroupHyperparameters, torch.optim.Optimizer):
                 "backward() inside `with opt.sampled_params(train=True):`, or pass a closure"
             )
         work = self._group_work()
-        if is_distributed():
+        if sync and is_distributed():
             bufs = []
             for _, w, _ in work:
                 self._fold_pending(w)  # h^ of this rank's draw, before the average
@@ -663,7 +660,7 @@ class IVON(IVONPosterior, GroupHyperparameters, torch.optim.Optimizer):
             params = group["params"]
             b1, b2 = group["betas"]
             wd = group["prior_precision"] / group["ess"]  # delta / N
-            bc1 = 1 - b1**t
+            bc1 = 1 - b1**t if group["debias"] else 1.0
             ga, ha, buf, hess, mom = w["ga"], w["ha"], w["buf"], w["hess"], w["mom"]
             den, rsd, c = w["den"], w["rsd"], w["c"]
             if n_draws > 1:
@@ -693,7 +690,7 @@ class IVON(IVONPosterior, GroupHyperparameters, torch.optim.Optimizer):
                 buf.addcdiv_(ga, den, value=bc1)
             elif wd:
                 torch._foreach_addcdiv_(w["buf_v"], params, w["den_v"], value=wd * bc1)
-            if group["clip_radius"] is not None:
+            if group["clip_radius"] is not None and math.isfinite(group["clip_radius"]):
                 buf.clamp_(-group["clip_radius"] * bc1, group["clip_radius"] * bc1)
             alpha = group["lr"]
             if group["rescale_lr"]:
@@ -725,33 +722,31 @@ class IVON(IVONPosterior, GroupHyperparameters, torch.optim.Optimizer):
         """A flat group vector as per-parameter views (the group is found by its size)."""
         for group in self.param_groups:
             if sum(p.numel() for p in group["params"]) == flat.numel():
-                views, i = [], 0
-                for p in group["params"]:
-                    views.append(flat[i : i + p.numel()].view_as(p))
-                    i += p.numel()
-                return views
+                return param_views(flat, group["params"])
         raise ValueError("a mirror draw that fits no parameter group")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Inverse of :meth:`state_dict`, refused before any change when it does not fit
         (the parameters themselves, i.e. the mean, are the model's: load them with the
-        model). A state dict of fromp 0.4 (``"ivon"`` beside an empty ``"state"``) loads
-        too."""
-        state_dict = dict(state_dict)
-        old = state_dict.pop("ivon", None)
-        if old is not None:
-            check_ivon_state(old, self.params, self.param_groups)
-            state_dict["state"] = self._from_old(old)
+        model). Groups saved without ``sync`` or ``debias`` (before they existed) get what
+        that optimizer did: ``sync=True``, ``debias=True``. An
+        ivon-opt state dict is refused: it has no step count (ivon-opt restarts its bias
+        correction after a load), so no run continues from it as it would have."""
+        groups = [dict(g) for g in state_dict.get("param_groups", [])]
+        if any("hess" in g for g in groups) or "count" in state_dict.get("state", {}):
+            raise ValueError(
+                "IVON.load_state_dict: this is an ivon-opt state dict (its groups hold "
+                "'momentum' and 'hess'); it records no step count, which the momentum's bias "
+                "correction needs, so fromp.IVON cannot continue it: load the model's weights "
+                "and start fromp.IVON from them, or finish the run with ivon-opt"
+            )
+        state_dict = {**state_dict, "param_groups": [{**_NEW_KEYS, **g} for g in groups]}
         # refuse before anything is replaced: torch's load overwrites the groups
-        check_groups(state_dict.get("param_groups", []), "IVON.load_state_dict")
+        check_groups(state_dict["param_groups"], "IVON.load_state_dict")
         check_param_state(state_dict.get("state", {}), self.params, ("momentum", "hess"), "IVON")
         super().load_state_dict(state_dict)
         mirror = []
-        for p in self.params:  # own copies: torch's load may share the caller's tensors
-            st = self.state[p]
-            for k, v in list(st.items()):
-                if isinstance(v, Tensor):
-                    st[k] = v.detach().to(p).clone()
+        for st in self._own_state_copies():
             if "mirror" in st:
                 mirror.append(st.pop("mirror"))
         self._mirror = None
@@ -763,22 +758,3 @@ class IVON(IVONPosterior, GroupHyperparameters, torch.optim.Optimizer):
                 i += k
         self._n_acc = 0
         self._version += 1
-
-    def _from_old(self, ivon: dict[str, Any]) -> dict[int, dict[str, Any]]:
-        """The 0.4 ``"ivon"`` entry (``{"step", "params": [...], "mirror"}``) as torch's
-        per-index state."""
-        state = {i: {**st, "step": int(ivon["step"])} for i, st in enumerate(ivon["params"])}
-        if ivon.get("mirror") is not None:
-            views = [v for z in ivon["mirror"] for v in self._split(z)]
-            for i, v in enumerate(views):
-                state[i]["mirror"] = v
-        return state
-
-    def load_ivon_state(self, ivon: dict[str, Any]) -> None:
-        """Load the posterior state alone: torch's ``state_dict()["state"]`` or the 0.4
-        ``state_dict()["ivon"]`` (the hyperparameters are left as they are)."""
-        groups = copy.deepcopy(super().state_dict()["param_groups"])
-        if "params" in ivon and "step" in ivon:
-            self.load_state_dict({"ivon": ivon, "state": {}, "param_groups": groups})
-        else:
-            self.load_state_dict({"state": ivon, "param_groups": groups})

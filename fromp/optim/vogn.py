@@ -44,21 +44,25 @@ Typical use::
 
     opt = VOGN(model, lr=1e-3, ess=len(train_x), prior_precision=100.0, kl_weight=0.02)
     for x, y in loader:
-        loss = opt.step(x, y)            # samples w ~ q, per-example stats, update
+
+        def closure():
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)  # the mean over the mini-batch
+            loss.backward()
+            return loss
+
+        loss = opt.step(closure)  # w ~ q, the per-example curvature of model(x), update
     q = opt.posterior()                  # DiagonalGaussian over the flat parameters
     probs = predict_mc(model, q, x_test, n_samples=20)
 
 Batch norm: its affine parameters get a posterior like any other parameter. The per-example
 pass runs the batch-norm layers in ``eval()`` mode (:mod:`fromp.optim._stats`); when the
-model is in training mode, :meth:`VOGN.step` first runs one no-grad training-mode forward
-pass of the mini-batch at the first sampled weights to update the running statistics.
+closure calls the model in training mode, that call updates the running statistics.
 """
 
 from __future__ import annotations
 
-import copy
 import math
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -66,12 +70,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fromp._checks import (
-    check_chunk_size,
-    check_positive,
-    check_prior_precision,
-    check_vogn_groups,
-)
+from fromp._checks import check_chunk_size, check_positive, check_prior_precision
 from fromp.distributed import is_distributed, mean_over_ranks
 from fromp.likelihood import Likelihood
 from fromp.optim._contract import (
@@ -82,18 +81,14 @@ from fromp.optim._contract import (
     check_ess,
     check_groups,
     check_param_state,
-    check_targets,
-    check_vogn_state,
-    deprecated_alias,
-    ess_alias,
-    renamed_kwarg,
+    check_vogn_groups,
+    param_views,
 )
 from fromp.optim._stats import (
     GradStats,
     LayerCapture,
     LossFn,
     OutputCapture,
-    _has_bn,
     _loss_fn,
     per_example_grad_stats,
 )
@@ -132,8 +127,7 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
     new head) gets its state at its first step, and a reset of ``self.state`` (Avalanche's
     ``make_optimizer(reset_optimizer_state=True)``) restarts VOGN as if built on the current
     weights (:class:`fromp_avalanche.vogn.VOGNPlugin` loads a resumed run's state again
-    after it). ``vogn_state`` (the flat form of fromp 0.5) is a deprecated read-only view.
-    After every step the parameters hold ``mu``.
+    after it). After every step the parameters hold ``mu``.
 
     Two ways to step:
 
@@ -158,8 +152,7 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
       recorded outputs (any model, ``"ef"`` or ``"ggn"``). The loss must be the mean of
       per-example losses over the rows of the model's outputs; multi-head calls
       (``with_task(net, t)(x_t)`` per task, Avalanche's ``model(x, task_labels)``) count
-      all their rows. The deprecated ``step(x, y, regularizer=fn, model=m)`` is this with
-      ``loss_fn(m(x), y)`` and ``fn()`` in :meth:`extra_term`.
+      all their rows.
     * **Two-phase** (training loops that call ``loss.backward(); optimizer.step()``, such as
       Avalanche's; see :class:`fromp_avalanche.vogn.VOGNPlugin`): ``opt.sample_params()`` before
       the forward pass, ``opt.set_curvature(h)`` after the backward pass with the per-example
@@ -174,20 +167,21 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
             tensors or groups, pass ``model=`` for the closure API (else only the two-phase
             and :meth:`update` APIs, or a closure that calls :meth:`set_curvature`). The
             flat ``[P]`` state follows the groups' order. ``lr`` is read from
-            ``param_groups`` at every step, so learning-rate schedulers work; ``betas``,
-            ``mc_samples``, ``kl_weight`` and ``bias_correction`` are one per optimizer.
+            ``param_groups`` at every step, so learning-rate schedulers work; a group's
+            ``prior_precision`` edited between steps becomes the prior precision of its
+            parameters from the next step on; ``betas``, ``mc_samples``, ``kl_weight`` and
+            ``bias_correction`` are one per optimizer.
         lr: step size ``alpha``.
         betas: ``(beta1, beta2)`` decays of ``m`` and ``s``.
         ess: ``N``, the effective sample size (usually the training-set size; IVON's name);
             may be None until the first step (the Avalanche plugin sets it for every
-            experience). ``train_set_size=`` is its deprecated synonym.
+            experience).
         prior_precision: ``delta``, a float or ``[P]`` tensor (default 1.0): the precision
             of the prior on the weights (IVON's ``weight_decay`` is ``delta / N``).
         prior_mean: ``mu_0`` ``[P]`` (default zeros) or a :class:`DiagonalGaussian` prior,
             whose precision is then ``delta`` too (``prior_precision`` must then be None).
         hess_init: initial curvature ``s`` (float or ``[P]``; torchsso's convention; IVON's
-            name for its initial Hessian estimate); None: 0. ``init_precision=`` is its
-            deprecated synonym.
+            name for its initial Hessian estimate); None: 0.
         mc_samples: draws per step; 0 gives OGN (no sampling, ``w = mu``).
         kl_weight: the weight of the KL term (tempering; ``tau`` in Osawa et al.).
         likelihood: the per-example loss: a :class:`Likelihood`, its name, or a callable
@@ -196,7 +190,8 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
             per-example GGN diagonal; costs a Jacobian per example).
         bias_correction: Adam-style bias correction (see the module docstring).
         chunk_size: examples per vectorised per-example call (bounds memory).
-        method: how per-example squared gradients are computed, see
+        method: how the separate per-example pass of
+            :class:`fromp_avalanche.vogn.VOGNPlugin` computes the squared gradients, see
             :func:`per_example_grad_stats` (``"auto"``, ``"hooks"`` or ``"vmap"``).
         model: with parameter groups, the module the closure calls (its trainable
             parameters must be exactly the groups').
@@ -223,11 +218,7 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
         chunk_size: int | None = None,
         method: str = "auto",
         model: nn.Module | None = None,
-        init_precision: float | Tensor | None = None,
-        train_set_size: float | None = None,
     ) -> None:
-        ess = ess_alias(ess, train_set_size, "VOGN")
-        hess_init = renamed_kwarg(hess_init, init_precision, "init_precision", "hess_init", "VOGN")
         if isinstance(params_or_model, nn.Module):
             if model is not None and model is not params_or_model:
                 raise ValueError("model= is for parameter groups: VOGN(model) has its model")
@@ -305,22 +296,20 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
         # the constructor's configuration (not state): what self.state[p] starts with, at
         # construction and again after a reset of self.state (torch's meaning)
         self._s_from_zero = hess_init is None  # s^ bias-corrected; no "hess_init" in the state
-        self._initial: dict[Tensor, dict[str, Tensor]] = {}
-        i = 0
-        for p in self.params:
-            k = p.numel()
-            self._initial[p] = {
-                "prior_mean": mu0[i : i + k].view_as(p),
-                "prior_precision": delta[i : i + k].view_as(p),
-                "hess": s0[i : i + k].view_as(p),
-            }
-            i += k
+        params = self.params
+        views = zip(*(param_views(t, params) for t in (mu0, delta, s0)))
+        self._initial: dict[Tensor, dict[str, Tensor]] = {
+            p: {"prior_mean": m0, "prior_precision": d, "hess": s}
+            for p, (m0, d, s) in zip(params, views)
+        }
         # what a parameter added later starts with (a float given to the constructor)
         self._s0_scalar = float(hess_init) if isinstance(hess_init, int | float) else 0.0
         self._delta_scalar = (
             float(prior_precision) if isinstance(prior_precision, int | float) else 1.0
         )
         self._pending_curv: Tensor | None = None
+        # each group's prior_precision as last applied to its parameters' state
+        self._group_priors = [g["prior_precision"] for g in self.param_groups]
         self._pending_n: int | None = None
         self._paused = 0  # inside extra_term(): model calls are not examples
         self._sampled = False
@@ -333,29 +322,6 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
         self._states()  # self.state[p] for every parameter, as torch's optimizers keep it
 
     # ---------------------------------------------------------------- state
-    @property
-    def vogn_state(self) -> dict[str, Any]:
-        """Deprecated: the state as flat ``[P]`` copies built from :attr:`state` (``"mu"``,
-        ``"s"``, ``"m"``, ``"step"``, ``"prior_mean"``, ``"prior_precision"``, ``"init_s"``,
-        ``"train_set_size"``); editing them changes nothing. The state is torch's
-        ``VOGN.state[p]``."""
-        warnings.warn(
-            "VOGN.vogn_state is deprecated: the state is torch's, VOGN.state[p] ('mean', "
-            "'momentum', 'hess', 'prior_mean', 'prior_precision', 'step')",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        st = self._flat()
-        out = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in st.items()}
-        del out["src"]
-        out["train_set_size"] = self.ess
-        return out
-
-    def _step_count(self) -> int:
-        """``t``, the steps since the start (or the last reset of the state)."""
-        steps = [int(self.state[p].get("step", 0)) for p in self.params if p in self.state]
-        return max(steps, default=0)
-
     def _fresh(self, p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
         """The state a parameter starts with: mean its current value, no momentum, ``s`` and
         the prior from the constructor (a parameter added later: ``s`` at ``hess_init``, 0
@@ -379,26 +345,8 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
             st["hess_init"] = s0.detach().to(p).clone()
         return st
 
-    def _states(self) -> list[dict[str, Any]]:
-        """``self.state[p]`` of every parameter in group order, created where missing (a
-        parameter added after construction, e.g. a new head, or a reset of ``self.state``,
-        which restarts it: :meth:`_fresh`, at the current step count); tensors follow the
-        parameter's device and dtype."""
-        t, out = None, []
-        for group in self.param_groups:
-            for p in group["params"]:
-                st = self.state[p]
-                if "hess" not in st:
-                    t = self._step_count() if t is None else t
-                    st.update(self._fresh(p, group), step=t)
-                    self._cache = None
-                elif st["mean"].device != p.device or st["mean"].dtype != p.dtype:
-                    for k, v in list(st.items()):
-                        if isinstance(v, Tensor):
-                            st[k] = v.to(device=p.device, dtype=p.dtype)
-                    self._cache = None
-                out.append(st)
-        return out
+    def _state_changed(self) -> None:
+        self._cache = None  # gather the flat copies again
 
     def _flat(self) -> dict[str, Any]:
         """Private flat ``[P]`` copies of :attr:`state` (``"mu"``, ``"m"``, ``"s"``,
@@ -441,11 +389,7 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
             st["step"] = c["step"]
 
     def _views(self, flat: Tensor) -> list[Tensor]:
-        out, i = [], 0
-        for p in self.params:
-            out.append(flat[i : i + p.numel()].view_as(p))
-            i += p.numel()
-        return out
+        return param_views(flat, self.params)
 
     # ---------------------------------------------------------------- hyper-parameters
     @property
@@ -462,8 +406,6 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
         n = check_ess(n)
         for group in self.param_groups:
             group["ess"] = n
-
-    train_set_size = deprecated_alias("train_set_size", "ess", "VOGN")
 
     def _n(self) -> float:
         n = self.ess
@@ -549,16 +491,29 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
     # ---------------------------------------------------------------- parameters
     def _sync_device(self) -> None:
         """Follow the parameters when the model was moved after construction, parameters
-        were added (their state starts at their first step) or ``self.state`` was reset."""
+        were added (their state starts at their first step), ``self.state`` was reset or a
+        group's ``prior_precision`` was edited (:meth:`_apply_group_priors`)."""
+        self._apply_group_priors()
         self._flat()
+
+    def _apply_group_priors(self) -> None:
+        """A group's ``prior_precision`` edited since the last step (by hand, a scheduler)
+        becomes ``delta`` of its parameters' state (the prior mean stays); groups added
+        since start with their own value (:meth:`_fresh`)."""
+        applied = self._group_priors
+        for i, group in enumerate(self.param_groups):
+            d = group.get("prior_precision")
+            if i < len(applied) and d is not None and d != applied[i]:
+                for p in group["params"]:
+                    if "prior_precision" in self.state[p]:
+                        self.state[p]["prior_precision"].fill_(float(d))
+                self._cache = None  # gather the flat copies again
+        self._group_priors = [g.get("prior_precision") for g in self.param_groups]
 
     @torch.no_grad()
     def _write(self, vec: Tensor) -> None:
-        i = 0
-        for p in self.params:
-            k = p.numel()
-            p.copy_(vec[i : i + k].view_as(p))
-            i += k
+        params = self.params
+        torch._foreach_copy_(params, param_views(vec, params))
 
     def _read_grad(self) -> Tensor:
         parts = []
@@ -628,16 +583,17 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
 
     # ---------------------------------------------------------------- updates
     @torch.no_grad()
-    def update(self, grad: Tensor, curv: Tensor, n_examples: int | None = None) -> None:
+    def update(self, grad: Tensor, curv: Tensor, batch_size: int | None = None) -> None:
         """One VOGN update from ``g`` ``[P]`` (mean data gradient plus any extra terms, no
         prior term) and ``h`` ``[P]`` (mean per-example curvature); writes ``mu`` into the
         parameters.
 
         Under ``torch.distributed`` (more than one process), ``g`` and ``h`` are this rank's
-        means over its ``n_examples`` examples, and are replaced by the means over all
-        ranks' examples, ``sum_r M_r g_r / sum_r M_r`` (:func:`fromp.distributed.
-        mean_over_ranks`; ``n_examples=None`` weighs the ranks equally, right when every
-        rank has the same batch size), before the update: every rank then makes the same
+        means over its ``batch_size`` examples ``M_r``, and are replaced by the means over
+        all ranks' examples, ``sum_r M_r g_r / sum_r M_r`` (:func:`fromp.distributed.
+        mean_over_ranks`; ``batch_size=None`` weighs the ranks equally, right when every
+        rank has the same batch size; :meth:`step` with a closure counts ``M_r`` itself),
+        before the update: every rank then makes the same
         update, the one of a single process on the global batch."""
         check_groups(self.param_groups, "VOGN.update()")
         self._check_precision_scale("VOGN.update()")
@@ -649,7 +605,7 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
                 raise ValueError(f"{name} must have shape [P]=[{mu.numel()}], got {tuple(v.shape)}")
         if is_distributed():
             grad, curv = grad.clone(), curv.clone()
-            mean_over_ranks([grad, curv], 1.0 if n_examples is None else n_examples)
+            mean_over_ranks([grad, curv], 1.0 if batch_size is None else batch_size)
         # one host sync per step; refuse before any state changes (a NaN loss would
         # otherwise be written into the mean, the momentum and the curvature estimate)
         if not bool(torch.isfinite(grad).all() & torch.isfinite(curv).all()):
@@ -693,23 +649,18 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
             self._lr_cache = (key, vec)
         return self._lr_cache[1]
 
-    def set_curvature(self, curv: Tensor, n_examples: int | None = None) -> None:
-        """Store ``h`` ``[P]`` (a mean over ``n_examples`` examples: the weight of this rank
+    def set_curvature(self, curv: Tensor, batch_size: int | None = None) -> None:
+        """Store ``h`` ``[P]`` (a mean over ``batch_size`` examples: the weight of this rank
         under ``torch.distributed``, see :meth:`update`) for the next argument-less
         :meth:`step` (the two-phase loop of :class:`fromp_avalanche.vogn.VOGNPlugin`). A closure
         passed to :meth:`step` need not call it: VOGN finds ``h`` itself."""
         self._pending_curv = curv.detach()
-        self._pending_n = n_examples
+        self._pending_n = batch_size
 
     def step(  # type: ignore[override]
-        self,
-        closure: Tensor | Callable[[], Tensor] | None = None,
-        y: Tensor | None = None,
-        *,
-        regularizer: Callable[[], Tensor] | None = None,
-        model: nn.Module | None = None,
+        self, closure: Callable[[], Tensor] | None = None
     ) -> Tensor | None:
-        """One VOGN step; compatible with :meth:`torch.optim.Optimizer.step` ``(closure=None)``.
+        """One VOGN step, :meth:`torch.optim.Optimizer.step` ``(closure=None)``.
 
         * ``step(closure)`` (the closure protocol IVON shares): for each of
           ``max(mc_samples, 1)`` draws held in the parameters (:meth:`sampled_params`),
@@ -717,45 +668,31 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
           (``VOGN(model)``, or ``model=`` with parameter groups), calls ``backward()`` and
           returns the loss. ``g`` is read from ``.grad``; ``h`` VOGN finds itself from the
           model calls the closure made (layer capture, or per-example Jacobians, see
-          :meth:`_step_closure`); calls of the model inside :meth:`extra_term` (a
-          regulariser) enter ``g`` only. Returns the mean loss over the draws.
-        * ``step(x, y, regularizer=None, model=None)`` (deprecated, a
-          ``DeprecationWarning``; removed in the next minor version): the same step on the
-          mini-batch ``(x, y)`` with the optimizer's likelihood, ``regularizer()`` entering
-          ``g`` only.
-        * ``step()``: two-phase step (``g`` from ``.grad``, ``h`` from :meth:`set_curvature`).
+          :meth:`_step_closure`), and with it the rows ``M`` of the mini-batch (the weight
+          of this rank under ``torch.distributed``, :meth:`update`); calls of the model
+          inside :meth:`extra_term` (a regulariser) enter ``g`` only. Returns the mean loss
+          over the draws.
+        * ``step()``: two-phase step (``g`` from ``.grad``, ``h`` and ``M`` from
+          :meth:`set_curvature`).
 
         The parameters hold ``mu`` afterwards, also when a draw raises.
         """
         check_groups(self.param_groups, "VOGN.step()")
         self._check_precision_scale("VOGN.step()")
-        if isinstance(closure, Tensor):
-            warnings.warn(
-                "VOGN.step(x, y, regularizer=, model=) is deprecated: use step(closure), a "
-                "closure that computes the mean loss of model(x), any extra term inside "
-                "`with opt.extra_term():`, calls backward() and returns the loss",
-                DeprecationWarning,
-                stacklevel=3,  # past torch's step wrapper
-            )
-            return self._step_batch(closure, y, regularizer=regularizer, model=model)
-        if y is not None or regularizer is not None or model is not None:
-            raise TypeError(
-                "VOGN.step: y, regularizer and model go with a batch x (step(x, y)), "
-                f"got x of type {type(closure).__name__}"
-            )
         if closure is None:
             if self._pending_curv is None:
                 raise ValueError(
-                    "VOGN.step() without a batch needs the curvature of the mini-batch: call "
-                    "set_curvature(h) after the backward pass (VOGNPlugin does this), pass a "
-                    "closure that does, or use step(x, y)"
+                    "VOGN.step() without a closure needs the curvature of the mini-batch: call "
+                    "set_curvature(h) after the backward pass (VOGNPlugin does this), or pass "
+                    "a closure"
                 )
             curv, self._pending_curv = self._pending_curv, None
             self.update(self._read_grad(), curv, self._pending_n)
             return None
         if not callable(closure):
             raise TypeError(
-                "VOGN.step takes a batch (x, y), a closure or nothing, got "
+                "VOGN.step takes a closure (zero the gradients, compute the mean loss of "
+                "model(x), call backward(), return the loss) or nothing, got "
                 f"{type(closure).__name__}"
             )
         return self._step_closure(closure)
@@ -782,10 +719,7 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
             return named
         if {id(p) for p in trainable} != {id(p) for p in params} or len(trainable) != len(params):
             raise ValueError("model's trainable parameters must be exactly the optimizer's")
-        parts, i = {}, 0
-        for p in trainable:
-            parts[id(p)] = named[i : i + p.numel()]
-            i += p.numel()
+        parts = dict(zip(map(id, trainable), named.split([p.numel() for p in trainable])))
         return torch.cat([parts[id(p)] for p in params])
 
     def _curvature_of(
@@ -804,7 +738,7 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
                 "construct VOGN(model) or VOGN(param_groups, model=model) (or let the "
                 "closure call set_curvature(h))"
             )
-        n_ex = outputs.n_examples
+        n_ex = outputs.batch_size
         if layers is not None and len(outputs.calls) == 1 and not outputs.skipped:
             h = layers.squared_grads_of_mean_loss()
         if layers is not None:
@@ -835,11 +769,12 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
         self._pending_curv = None
         model = self.model
         layers = None if model is None else LayerCapture(model, retain_grad=True)
+        trainable = [] if model is None else [id(p) for p in model.parameters() if p.requires_grad]
         fast = (
             layers is not None
             and layers.supported
             and self.curvature == "ef"
-            and [p for p in model.parameters() if p.requires_grad] == self.params  # type: ignore[union-attr]
+            and trainable == [id(p) for p in self.params]  # same order: no reordering of h
         )
         for _ in range(draws):
             outputs = None if model is None else OutputCapture(model, lambda: self._paused > 0)
@@ -862,65 +797,6 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
         self.update(g_acc, h_acc, n_ex)
         return loss_acc / draws
 
-    def _step_batch(
-        self,
-        x: Tensor,
-        y: Tensor | None,
-        *,
-        regularizer: Callable[[], Tensor] | None,
-        model: nn.Module | None,
-    ) -> Tensor:
-        if y is None:
-            raise ValueError("y is required with x")
-        net = model if model is not None else self.model
-        if net is None:
-            raise ValueError("step(x, y) needs the model: construct VOGN with the model")
-        check_targets(self, net, x, y)
-        draws = max(self.mc_samples, 1)
-        g_acc = h_acc = loss_acc = None
-        for d in range(draws):
-            with self.sampled_params():
-                if d == 0 and net.training and _has_bn(net):
-                    with torch.no_grad():
-                        net(x)  # update the batch-norm running statistics at w
-                stats = per_example_grad_stats(
-                    net,
-                    x,
-                    y,
-                    self.likelihood,
-                    curvature=self.curvature,
-                    chunk_size=self.chunk_size,
-                    method=self.method,
-                )
-                g = stats.grad
-                assert g is not None
-                if regularizer is not None:
-                    g = g + self._regularizer_grad(regularizer)
-            g_acc = g if g_acc is None else g_acc + g
-            h_acc = stats.curv if h_acc is None else h_acc + stats.curv
-            loss_acc = stats.loss if loss_acc is None else loss_acc + stats.loss
-        assert g_acc is not None and h_acc is not None and loss_acc is not None
-        if draws > 1:
-            g_acc, h_acc = g_acc.div_(draws), h_acc.div_(draws)
-        self.update(g_acc, h_acc)
-        return loss_acc / draws
-
-    def _regularizer_grad(self, regularizer: Callable[[], Tensor]) -> Tensor:
-        """``d regularizer() / dw`` ``[P]`` at the parameters' current values (``.grad`` is
-        left cleared)."""
-        for p in self.params:
-            p.grad = None
-        try:
-            with torch.enable_grad():
-                reg = regularizer()
-                if reg.ndim != 0:
-                    raise ValueError(f"regularizer must return a scalar, got {reg.shape}")
-                reg.backward()
-            return self._read_grad()
-        finally:
-            for p in self.params:
-                p.grad = None
-
     # ---------------------------------------------------------------- (de)serialisation
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state dict: ``"state"`` (per parameter index: ``"mean"``
@@ -933,17 +809,7 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Inverse of :meth:`state_dict`, refused before any change when it does not fit;
-        writes ``mu`` into the parameters. A state dict of fromp 0.3 (the flat ``"vogn"``
-        entry beside an empty ``"state"``) loads too."""
-        state_dict = dict(state_dict)
-        old = state_dict.pop("vogn", None)
-        if old is not None:
-            check_vogn_state(old, sum(p.numel() for p in self.params))
-            state_dict["state"] = self._from_old(old)
-            groups = [dict(g) for g in state_dict.get("param_groups", [])]
-            for g in groups:
-                g["ess"] = old["train_set_size"]
-            state_dict["param_groups"] = groups
+        writes ``mu`` into the parameters."""
         # refuse before anything is replaced: torch's load overwrites the groups
         groups = state_dict.get("param_groups", [])
         check_groups(groups, "VOGN.load_state_dict")
@@ -957,42 +823,11 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
             name = f"VOGN state[{i}]['prior_precision']"
             check_prior_precision(d, sizes={"numel": len(d)}, name=name)
         super().load_state_dict(state_dict)
-        for p in self.params:  # own copies: torch's load may share the caller's tensors
-            st = self.state[p]
-            for k, v in list(st.items()):
-                if isinstance(v, Tensor):
-                    st[k] = v.detach().to(p).clone()
-                elif k == "step":
-                    st[k] = int(v)
+        self._own_state_copies()
+        self._group_priors = [g.get("prior_precision") for g in self.param_groups]
         self._cache = None
         self._version += 1
         self.load_mean()
-
-    def _from_old(self, vogn: dict[str, Any]) -> dict[int, dict[str, Any]]:
-        """The 0.3 flat ``"vogn"`` entry as torch's per-index state."""
-        state: dict[int, dict[str, Any]] = {}
-        i = 0
-        for j, p in enumerate(self.params):
-            k = p.numel()
-            st: dict[str, Any] = {
-                name: vogn[key][i : i + k].reshape(p.shape).clone() for name, key in _VIEWS
-            }
-            if vogn.get("init_s") is not None:
-                st["hess_init"] = vogn["init_s"][i : i + k].reshape(p.shape).clone()
-            st["step"] = int(vogn["step"])
-            state[j] = st
-            i += k
-        return state
-
-    def load_vogn_state(self, vogn: dict[str, Any]) -> None:
-        """Load the posterior state alone: torch's ``state_dict()["state"]`` or the 0.5
-        flat ``state_dict()["vogn"]`` (the hyperparameters are left as they are, but for
-        ``ess`` of the 0.3 form)."""
-        groups = copy.deepcopy(super().state_dict()["param_groups"])
-        if isinstance(vogn, dict) and "mu" in vogn:
-            self.load_state_dict({"vogn": vogn, "state": {}, "param_groups": groups})
-        else:
-            self.load_state_dict({"state": vogn, "param_groups": groups})
 
 
 class OGN(VOGN):
