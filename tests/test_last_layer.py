@@ -58,7 +58,7 @@ class _Pair(nn.Module):
         (nn.Sequential(nn.Tanh()), None, "has none"),
         (nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)), 0, "that layer's output"),
         (nn.Sequential(nn.Linear(4, 3)), nn.Linear(3, 3), "is not called"),
-        (_Pair(), None, r"must return a \[N, C\] tensor, got tuple"),
+        (_Pair(), None, r"must return a \[N, C\] tensor of outputs, got a tuple"),
     ],
     ids=["softmax", "no-linear", "inner-layer", "not-called", "tuple"],
 )

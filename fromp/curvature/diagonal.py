@@ -19,9 +19,10 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import Tensor, nn
 
-from fromp._checks import check_batch, device_dtype
+from fromp._checks import check_batch, check_model_output, device_dtype
 from fromp.curvature.capture import DEFAULT_MEMORY_BUDGET, ColumnFn, sum_squared_column_grads
 from fromp.likelihood import Likelihood, get_likelihood
+from fromp.models import uncompiled
 
 __all__ = ["DataArg", "diag_ef", "diag_fisher", "diag_ggn", "diag_ggn_linear", "iter_batches"]
 
@@ -146,6 +147,7 @@ def diag_ggn(
             chunk_size=chunk_size, memory_budget=memory_budget, method=method,
         )  # fmt: skip
     lik = get_likelihood(likelihood)
+    model = uncompiled(model)
     device_dtype(model)
     batches = ((x, None) for x, _ in iter_batches(data))
     return sum_squared_column_grads(
@@ -171,6 +173,7 @@ def diag_ef(
     shape ``[P]``; needs targets. One backward pass per chunk (``V_n`` = the nll gradient
     in ``f``, see :func:`diag_ggn` for the routes, memory and arguments)."""
     lik = get_likelihood(likelihood)
+    model = uncompiled(model)
     device_dtype(model)
     batches = ((x, y.unsqueeze(0)) for x, y in iter_batches(data, need_targets=True))
     return sum_squared_column_grads(
@@ -202,13 +205,14 @@ def diag_fisher(
     if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
         raise ValueError(f"n_samples must be >= 1, got {n_samples}")
     lik = get_likelihood(likelihood)
+    model = uncompiled(model)
     device, _ = device_dtype(model)
 
     def batches():
         for x, _ in iter_batches(data):
             x = x.to(device)
             with torch.no_grad():
-                f = model(x)
+                f = check_model_output(model(x))
             ys = torch.stack([lik.sample(f, generator=generator) for _ in range(n_samples)])
             yield x, ys
 
@@ -235,6 +239,7 @@ def diag_ggn_linear(
         ValueError: a trainable parameter outside an ``nn.Linear`` layer, or a layer applied
             more than once per forward pass.
     """
+    model = uncompiled(model)
     linear = {id(p) for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters()}
     for name, p in model.named_parameters():
         if p.requires_grad and id(p) not in linear:

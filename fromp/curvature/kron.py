@@ -42,9 +42,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from fromp._checks import check_model_output
 from fromp.curvature.capture import LayerMap, capture_calls
 from fromp.curvature.layer_rules import rule_for, squared_grad_sums, supported_layer
 from fromp.likelihood import Likelihood
+from fromp.models import uncompiled
 
 __all__ = [
     "KronBlock",
@@ -90,7 +92,11 @@ def kron_split(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
     for m, plist in layer_map.layers().items():
         if supported_layer(m) and rule_for(m).kfac:
             if not m.weight.requires_grad:
-                raise ValueError(f"hessian_structure='kron': {m} has a frozen weight and a bias")
+                raise ValueError(
+                    f"hessian_structure='kron': parameter {plist[0][0]!r} trains while its "
+                    f"layer's weight is frozen (a frozen weight and a trainable bias); KFAC "
+                    "needs the weight: freeze the bias too, or use hessian_structure='diag'"
+                )
             kron.append(m)
         elif supported_layer(m):
             diag.append(m)
@@ -214,6 +220,7 @@ def kron_curvature(
     """
     if fisher not in ("ggn", "ef"):
         raise ValueError(f"fisher must be 'ggn' or 'ef', got {fisher!r}")
+    run = uncompiled(model)  # forward passes eagerly; names as ``model`` gives them
     if layers is None:
         layers, diag_layers = kron_split(model)
     diag_layers = list(diag_layers or [])
@@ -228,9 +235,7 @@ def kron_curvature(
     n, n_used = 0, [0] * len(layers)
     for x, y in batches:
         with torch.enable_grad(), capture_calls(layers + diag_layers) as all_calls:
-            f = model(x)
-        if f.ndim != 2:
-            raise ValueError(f"model output must be [N, C], got {tuple(f.shape)}")
+            f = check_model_output(run(x))
         if outputs is not None:
             outputs.append(f.detach())
         kron_ids = {id(m) for m in layers}

@@ -21,7 +21,8 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from fromp._checks import check_batch
+from fromp._checks import check_batch, check_model_output
+from fromp.curvature.capture import LayerMap
 from fromp.curvature.hooks import forward_hooks
 from fromp.likelihood import Likelihood, get_likelihood
 from fromp.models import uncompiled
@@ -98,9 +99,8 @@ def last_layer_forward(
                              "model's forward pass")  # fmt: skip
         raise ValueError(f"model must end in an nn.Linear layer; {type(model).__name__} calls none")
     if check:
-        if not isinstance(f, Tensor) or f.ndim != 2:
-            what = type(f).__name__ if not isinstance(f, Tensor) else f"shape {tuple(f.shape)}"
-            raise ValueError(f"model must return a [N, C] tensor, got {what}")
+        check_model_output(f)
+        _refuse_tied(model, rec.head)
         if not bool(torch.isfinite(f).all()):
             raise ValueError("model outputs are not finite (NaN or inf): check its weights")
         if rec.out.shape != f.shape or not torch.equal(rec.out, f):
@@ -114,6 +114,23 @@ def last_layer_forward(
                 f"posterior needs a linear head); {type(model).__name__} transforms it further"
             )
     return f, rec.phi.reshape(len(x), -1), rec.head  # type: ignore[return-value]
+
+
+def _refuse_tied(model: nn.Module, head: nn.Module) -> None:
+    """``ValueError`` when a trainable parameter of the output layer is registered in another
+    layer too (tied weights): the last-layer posterior holds the features fixed, which a
+    tied weight moves as well."""
+    layer_map = LayerMap.of(model)
+    name_of = {id(p): n for n, p in layer_map.named.items()}
+    for attr, p in head.named_parameters(recurse=False):
+        name = name_of.get(id(p))
+        if name is not None and layer_map.shared(name):
+            others = [layer_map.module_names[m] for m, _ in layer_map.owners[name] if m is not head]
+            raise ValueError(
+                f"the output layer's {attr} (parameter {name!r}) is tied to layer(s) {others}: "
+                "a last-layer posterior holds the features fixed, but a tied weight moves "
+                "them too; use subset_of_weights='all' (or untie the weight)"
+            )
 
 
 def last_layer_features(

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev
 
+from fromp._checks import check_model_output
 from fromp.curvature.capture import LayerCall, LayerMap, capture_calls
 from fromp.curvature.jacobian import flatten_leading, over_examples, unflatten
 from fromp.curvature.layer_rules import per_example_layer_grads, rule_for, supported_layer
@@ -102,7 +103,7 @@ class _CaptureStructure:
         n = len(xr)
         params = {k: v.detach().requires_grad_(True) for k, v in gp._params.items()}
         with torch.enable_grad(), capture_calls(list(self.layers.values())) as calls:
-            out = functional_call(gp.model, (params, gp._buffers), (xr,))
+            out = check_model_output(functional_call(gp.model, (params, gp._buffers), (xr,)))
         seen: dict[str, LayerCall] = {}
         for call in calls:
             name = self._name_of[id(call.module)]

@@ -31,12 +31,13 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, jacrev, vmap
 
-from fromp._checks import check_batch, check_chunk_size, check_tensor
+from fromp._checks import check_batch, check_chunk_size, check_model_output, check_tensor
 from fromp.curvature.capture import LayerCall, LayerMap, capture_calls
 from fromp.curvature.hooks import forward_hooks
 from fromp.curvature.jacobian import over_examples
 from fromp.curvature.layer_rules import is_batch_norm, squared_grad_sums, supported_layer
 from fromp.likelihood import Likelihood, get_likelihood
+from fromp.models import uncompiled
 
 __all__ = ["GradStats", "LayerCapture", "LossFn", "OutputCapture", "per_example_grad_stats"]
 
@@ -141,7 +142,7 @@ def _ef_stats_hooks(
     params = list(named.values()) if need_grad else []
     for s in range(0, len(x), step):
         with torch.enable_grad(), capture_calls(layers) as calls:
-            f = model(x[s : s + step])
+            f = check_model_output(model(x[s : s + step]))
             losses = nll(f, y[s : s + step])
         if losses.shape != (len(f),):
             raise ValueError(f"loss must return per-example values [B], got {tuple(losses.shape)}")
@@ -302,6 +303,7 @@ def per_example_grad_stats(
     lik = get_likelihood(loss) if isinstance(loss, str | Likelihood) else None
     nll = _loss_fn(loss)
 
+    model = uncompiled(model)  # the module inside torch.compile's wrapper
     params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     if not params:
         raise ValueError("model has no trainable parameters")
@@ -323,9 +325,7 @@ def per_example_grad_stats(
 
     def out1(p: dict[str, Tensor], xi: Tensor) -> Tensor:
         f = functional_call(model, (p, buffers), (xi.unsqueeze(0),))
-        if f.ndim != 2:
-            raise ValueError(f"model output must have shape [M, C], got {tuple(f.shape)}")
-        return f.squeeze(0)
+        return check_model_output(f, " for one example").squeeze(0)
 
     if curvature == "ef":
 
@@ -480,10 +480,11 @@ class OutputCapture:
         lik = None if likelihood is None else get_likelihood(likelihood)
         if curvature == "ggn" and lik is None:
             raise ValueError("curvature='ggn' needs a Likelihood (or its name) as the loss")
-        params = {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
-        buffers = dict(self.model.named_buffers())
+        model = uncompiled(self.model)  # per-example passes run eagerly
+        params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+        buffers = dict(model.named_buffers())
         h = {n: torch.zeros_like(p) for n, p in params.items()}
-        with _bn_eval(self.model, _stochastic):
+        with _bn_eval(model, _stochastic):
             for j, (args, kwargs, f) in enumerate(calls):
                 if fs is not None:
                     f = fs[j]
@@ -495,7 +496,7 @@ class OutputCapture:
                 else:
                     assert lik is not None
                     vec = lik.sqrt_hessian(f.detach())  # [B, C, K]: L_i
-                one = _squared_projection(self.model, buffers, len(args), list(kwargs), batched)
+                one = _squared_projection(model, buffers, len(args), list(kwargs), batched)
                 fn = over_examples(one, (None, 0, *[0 if bt else None for bt in batched]))
                 step = b if chunk_size is None else chunk_size
                 for s in range(0, b, step):
