@@ -468,8 +468,8 @@ class KronLaplace(_KronMixin, BaseLaplace):
                 continue
             rule = rule_for(m)
             u = rule.input_rows(calls[id(m)].a)  # [N, L, in']
-            g = rule.output_rows(torch.cat(grads.pop(id(m))))  # [C N, L, out]
-            g = g.view(c_out, len(x), *g.shape[1:]).permute(1, 0, 3, 2)  # [N, C, out, L]
+            g = rule.output_rows(torch.stack(grads.pop(id(m)), 1).flatten(0, 1))  # [N C, L, out]
+            g = g.view(len(x), c_out, *g.shape[1:]).transpose(2, 3)  # [N, C, out, L]
             qa, qb = self._eig.qa[i], self._eig.qb[i]
             n_pos, o, d_in = u.shape[1], g.shape[2], u.shape[2]
             if factored and n_pos == 1:
