@@ -205,7 +205,7 @@ class CapturePlan:
         a parameter cannot be captured; ``"auto"`` falls back per parameter."""
         if method not in ("auto", "capture", "jacobian"):
             raise ValueError(f"method must be 'auto', 'capture' or 'jacobian', got {method!r}")
-        model = uncompiled(model)
+        run = uncompiled(model)  # probe passes eagerly; names as ``model`` gives them
         layer_map = LayerMap.of(model)
         named = layer_map.named
         if not named:
@@ -226,7 +226,7 @@ class CapturePlan:
         if candidates:
             mods = list(candidates)
             with torch.enable_grad(), capture_calls(mods) as calls:
-                f = check_model_output(model(x0))
+                f = check_model_output(run(x0))
             counts: dict[nn.Module, int] = {}
             for c in calls:
                 counts[c.module] = counts.get(c.module, 0) + 1
@@ -258,7 +258,7 @@ class CapturePlan:
             n_out = f.shape[1]
         else:
             with torch.no_grad():
-                n_out = check_model_output(model(x0)).shape[1]
+                n_out = check_model_output(run(x0)).shape[1]
         plan.fallback = [n for n in plan.names if n not in plan.captured_params]
         if method == "capture" and plan.fallback:
             first = plan.fallback[0]
@@ -349,7 +349,6 @@ whose per-example gradients are squared and summed."""
 def fallback_jacobian(model: nn.Module, names: list[str], x: Tensor) -> Tensor:
     """Per-example Jacobians ``[B, C, P_fb]`` of the outputs with respect to the fallback
     parameters ``names`` only (the others are the module's own)."""
-    model = uncompiled(model)
     params = dict(model.named_parameters())
     sub = {n: params[n].detach() for n in names}
     buffers = dict(model.named_buffers())

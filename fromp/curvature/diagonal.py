@@ -147,7 +147,6 @@ def diag_ggn(
             chunk_size=chunk_size, memory_budget=memory_budget, method=method,
         )  # fmt: skip
     lik = get_likelihood(likelihood)
-    model = uncompiled(model)
     device_dtype(model)
     batches = ((x, None) for x, _ in iter_batches(data))
     return sum_squared_column_grads(
@@ -173,7 +172,6 @@ def diag_ef(
     shape ``[P]``; needs targets. One backward pass per chunk (``V_n`` = the nll gradient
     in ``f``, see :func:`diag_ggn` for the routes, memory and arguments)."""
     lik = get_likelihood(likelihood)
-    model = uncompiled(model)
     device_dtype(model)
     batches = ((x, y.unsqueeze(0)) for x, y in iter_batches(data, need_targets=True))
     return sum_squared_column_grads(
@@ -205,7 +203,7 @@ def diag_fisher(
     if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
         raise ValueError(f"n_samples must be >= 1, got {n_samples}")
     lik = get_likelihood(likelihood)
-    model = uncompiled(model)
+    model = uncompiled(model)  # the labels' forward pass runs eagerly too
     device, _ = device_dtype(model)
 
     def batches():
@@ -239,7 +237,6 @@ def diag_ggn_linear(
         ValueError: a trainable parameter outside an ``nn.Linear`` layer, or a layer applied
             more than once per forward pass.
     """
-    model = uncompiled(model)
     linear = {id(p) for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters()}
     for name, p in model.named_parameters():
         if p.requires_grad and id(p) not in linear:

@@ -104,7 +104,6 @@ def ggn_vp(model: nn.Module, x: DataArg, likelihood: str | Likelihood, v: Tensor
         ``[P]`` in the model's dtype.
     """
     lik = get_likelihood(likelihood)
-    model = uncompiled(model)
     device, dtype = device_dtype(model)
     p_total = num_params(model)
     check_vector(v, p_total, "v")
