@@ -57,7 +57,10 @@ from torch import Tensor, nn
 __all__ = [
     "BATCH_NORM",
     "DEFAULT_MEMORY_BUDGET",
+    "ConvRule",
     "LayerRule",
+    "LinearRule",
+    "NormRule",
     "input_rows",
     "is_batch_norm",
     "output_rows",

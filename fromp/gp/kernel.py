@@ -4,10 +4,12 @@ layer structure of the Jacobian (:class:`_CaptureStructure`), used by :class:`fr
 Each layer captured by :mod:`fromp.curvature.capture` (its input ``a`` and the output gradients
 ``g_c = df_c / dz`` of one forward and ``C`` backward passes per chunk) contributes to the
 kernel without per-example Jacobians of the whole network: outer-product layers through
-``sum_o g_co(x) g_do(x') [sum_j s_oj u_j(x) u_j(x')]``, convolutions with several output
-positions through whitened Jacobian columns per block of output channels and one Gram GEMM,
-other layers through their own small per-example Jacobians. :class:`_Gram` accumulates the
-blocks, :class:`_Marginal` the per-example ``[C, C]`` variances.
+``sum_o g_co(x) g_do(x') [sum_j s_oj u_j(x) u_j(x')]``, those with several positions
+(convolutions, a ``Linear`` on sequences) through whitened Jacobian columns per block of
+output channels and one Gram GEMM, other layers through their own small per-example
+Jacobians; the rows ``u`` and ``g`` and the per-example gradients are the layer's rule's
+(:mod:`fromp.curvature.layer_rules`). :class:`_Gram` accumulates the blocks,
+:class:`_Marginal` the per-example ``[C, C]`` variances.
 """
 
 from __future__ import annotations
@@ -59,14 +61,15 @@ class _CaptureStructure:
     ``g_c = df_c / dz`` (one forward pass and ``C`` backward passes per chunk),
 
     * *outer* layers (``Linear`` on ``[N, in]`` inputs, convolutions with one output position,
-      ``u = unfold(a)``): ``J_c = g_c u^T``, so their kernel term is
+      ``u`` the layer's input rows): ``J_c = g_c u^T``, so their kernel term is
       ``sum_o g_co(x) g_do(x') [sum_j s_oj u_j(x) u_j(x') + s^b_o]``: one ``[n m, J] @ [J, O]``
       product per block, independent of ``C``;
-    * convolutions with ``L > 1`` output positions: whitened Jacobian columns of a block of
-      output channels at a time, ``[C o, L] @ [L, J]`` per example, then one Gram GEMM per
-      block (:func:`_positions_into`); unfolded columns that are zero for every example dropped;
-    * *dense* layers (norm layers, sequence ``Linear``): the layer's per-example Jacobians
-      ``[n, C, P_layer]`` (small) and their Gram product;
+    * outer-product layers with ``L > 1`` positions (convolutions, ``Linear`` on sequences):
+      whitened Jacobian columns of a block of output channels at a time, ``[C o, L] @ [L,
+      J]`` per example, then one Gram GEMM per block (:func:`_positions_into`); input
+      columns that are zero for every example dropped;
+    * *dense* layers (norm layers, and a layer whose weight is frozen): the layer's
+      per-example Jacobians ``[n, C, P_layer]`` (small) and their Gram product;
     * parameters of other layers: per-example Jacobians (``vmap(jacrev)``) of those alone.
 
     Features per example are ``O(C * activations)`` numbers instead of ``C * P``."""
