@@ -154,6 +154,22 @@ def check_class_targets(y: Tensor, n_outputs: int, likelihood: Any, name: str = 
         raise ValueError(f"{name} holds label {bad}, outside {what}")
 
 
+def check_model_output(f: object, where: str = "") -> Tensor:
+    """``f`` unchanged when it is a model's ``[N, C]`` output tensor, else ``ValueError``
+    saying what the model returned (a tuple or dict, as Hugging Face-style models return,
+    or a tensor of another shape) and what to write instead; ``where`` (e.g. ``" for one
+    example"``) ends the message."""
+    if not isinstance(f, Tensor):
+        raise ValueError(
+            f"model must return a [N, C] tensor of outputs, got a {type(f).__name__}{where}: "
+            "wrap it in an nn.Module whose forward returns the logits (e.g. model(x)[0] or "
+            'model(x)["logits"])'
+        )
+    if f.ndim != 2:
+        raise ValueError(f"model output must have shape [N, C], got {tuple(f.shape)}{where}")
+    return f
+
+
 def not_on_meta(model: nn.Module) -> None:
     """``ValueError`` naming the first parameter or buffer of ``model`` on the ``meta`` device
     (a model built without its weights' values)."""

@@ -436,7 +436,7 @@ def test_structured_kernel_range_pairs_and_chunks_match_dense(
     gp = _check_structured_against_dense(model, x1, x2, diagonal_outputs, **opts)
     if make is _PaddedTaps:  # the zero-column path is exercised for every conv
         lay = gp._structured.features(x1, slice(0, 7))[0]
-        assert [lay[k][0] for k in "abc"] == ["conv", "outer", "outer"]
+        assert [lay[k][0] for k in "abc"] == ["positions", "outer", "outer"]
         for k, kept in (("a", 2 * 1), ("b", 3 * 4), ("c", 4 * 1)):
             idx = gp_mod._nonzero_columns(lay[k][1], lay[k][1])
             assert idx is not None and len(idx) == kept

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev
 
-from fromp._checks import check_chunk_size
+from fromp._checks import check_chunk_size, check_model_output
 from fromp.curvature.hooks import forward_hooks
 from fromp.curvature.jacobian import over_examples
 from fromp.curvature.layer_rules import (
@@ -43,6 +43,7 @@ from fromp.curvature.layer_rules import (
     squared_grad_sums,
     supported_layer,
 )
+from fromp.models import uncompiled
 
 __all__ = [
     "DEFAULT_MEMORY_BUDGET",
@@ -92,7 +93,9 @@ class LayerMap:
     @classmethod
     def of(cls, model: nn.Module) -> LayerMap:
         """The map of ``model``, cached while its trainable parameters stay the same objects
-        (a parameter frozen or replaced makes a new map)."""
+        (a parameter frozen or replaced makes a new map). A compiled model's layers are its
+        original module's (the same objects), named as the model names them (with the
+        wrapper's ``_orig_mod.`` prefix)."""
         named = {n: p for n, p in model.named_parameters() if p.requires_grad}
         sig = tuple(id(p) for p in named.values())
         hit = _LAYER_MAPS.get(model)
@@ -202,6 +205,7 @@ class CapturePlan:
         a parameter cannot be captured; ``"auto"`` falls back per parameter."""
         if method not in ("auto", "capture", "jacobian"):
             raise ValueError(f"method must be 'auto', 'capture' or 'jacobian', got {method!r}")
+        run = uncompiled(model)  # probe passes eagerly; names as ``model`` gives them
         layer_map = LayerMap.of(model)
         named = layer_map.named
         if not named:
@@ -222,9 +226,7 @@ class CapturePlan:
         if candidates:
             mods = list(candidates)
             with torch.enable_grad(), capture_calls(mods) as calls:
-                f = model(x0)
-            if f.ndim != 2:
-                raise ValueError(f"model output must have shape [N, C], got {tuple(f.shape)}")
+                f = check_model_output(run(x0))
             counts: dict[nn.Module, int] = {}
             for c in calls:
                 counts[c.module] = counts.get(c.module, 0) + 1
@@ -256,7 +258,7 @@ class CapturePlan:
             n_out = f.shape[1]
         else:
             with torch.no_grad():
-                n_out = model(x0).shape[1]
+                n_out = check_model_output(run(x0)).shape[1]
         plan.fallback = [n for n in plan.names if n not in plan.captured_params]
         if method == "capture" and plan.fallback:
             first = plan.fallback[0]
@@ -396,6 +398,7 @@ def sum_squared_column_grads(
     if isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget < 1:
         raise ValueError(f"memory_budget must be a positive int (bytes), got {memory_budget!r}")
     chunk_size = check_chunk_size(chunk_size)
+    model = uncompiled(model)
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if not named:
         raise ValueError("model has no trainable parameters")
@@ -407,7 +410,7 @@ def sum_squared_column_grads(
         x = x.to(device)
         if plan is None:
             with torch.no_grad():
-                f0 = model(x[:2])
+                f0 = check_model_output(model(x[:2]))
             n_k = columns(f0, None if extra is None else extra[:, :2]).shape[-1]
             plan = CapturePlan.build(model, x[:2], n_columns=n_k, method=method)
         step = chunk_size or plan.chunk_size(memory_budget)

@@ -19,9 +19,10 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import Tensor, nn
 
-from fromp._checks import check_batch, device_dtype
+from fromp._checks import check_batch, check_model_output, device_dtype
 from fromp.curvature.capture import DEFAULT_MEMORY_BUDGET, ColumnFn, sum_squared_column_grads
 from fromp.likelihood import Likelihood, get_likelihood
+from fromp.models import uncompiled
 
 __all__ = ["DataArg", "diag_ef", "diag_fisher", "diag_ggn", "diag_ggn_linear", "iter_batches"]
 
@@ -202,13 +203,14 @@ def diag_fisher(
     if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
         raise ValueError(f"n_samples must be >= 1, got {n_samples}")
     lik = get_likelihood(likelihood)
+    model = uncompiled(model)  # the labels' forward pass runs eagerly too
     device, _ = device_dtype(model)
 
     def batches():
         for x, _ in iter_batches(data):
             x = x.to(device)
             with torch.no_grad():
-                f = model(x)
+                f = check_model_output(model(x))
             ys = torch.stack([lik.sample(f, generator=generator) for _ in range(n_samples)])
             yield x, ys
 

@@ -21,7 +21,7 @@ from torch.func import functional_call, vmap
 from torch.func import jvp as func_jvp
 from torch.func import vjp as func_vjp
 
-from fromp._checks import check_vector, device_dtype
+from fromp._checks import check_model_output, check_vector, device_dtype
 from fromp.curvature.diagonal import DataArg, iter_batches
 from fromp.curvature.jacobian import (
     iter_jacobians,
@@ -32,6 +32,7 @@ from fromp.curvature.jacobian import (
     vjp_sum,
 )
 from fromp.likelihood import Likelihood, get_likelihood
+from fromp.models import uncompiled
 
 __all__ = ["ggn", "ggn_matmat", "ggn_vp"]
 
@@ -64,6 +65,7 @@ def ggn(
     Raises:
         ValueError: if ``P > max_params`` or the inputs are not finite.
     """
+    model = uncompiled(model)
     p_total = num_params(model)
     if p_total > max_params:
         raise ValueError(
@@ -77,7 +79,7 @@ def ggn(
     for x, _ in iter_batches(data):
         x = x.to(device)
         with torch.no_grad():
-            f = model(x)
+            f = check_model_output(model(x))
         sqrt_lam = lik.sqrt_hessian(f)  # N, C, K
         for rows, jac in iter_jacobians(model, x, chunk_size=chunk_size):
             ltj = torch.einsum("nck,ncp->nkp", sqrt_lam[rows], jac).reshape(-1, p_total)
@@ -122,6 +124,7 @@ def ggn_matmat(
     for several directions at once, over a list of input batches): per batch
     one forward-mode pass per column (vectorised) and one reverse-mode pullback per column
     (vectorised); ``J`` and ``G`` are never formed."""
+    model = uncompiled(model)
     params = trainable_params(model)
     buffers = dict(model.named_buffers())
     tangents = unflatten(model, v.T.to(next(iter(params.values())).dtype))  # [m, ...] each
@@ -132,7 +135,7 @@ def ggn_matmat(
             return functional_call(model, (p, buffers), (x,))
 
         f, pullback = func_vjp(fwd, params)
-        lam = likelihood.hessian(f.detach())  # [N, C, C]
+        lam = likelihood.hessian(check_model_output(f).detach())  # [N, C, C]
         jv = vmap(lambda t, fwd=fwd: func_jvp(fwd, (params,), (t,))[1])(tangents)  # [m, N, C]
         u = torch.einsum("ncd,mnd->mnc", lam, jv)
         (g,) = vmap(pullback)(u)

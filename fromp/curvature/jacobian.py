@@ -22,8 +22,9 @@ from torch import Tensor, nn
 from torch.func import functional_call, jacrev, vjp, vmap
 from torch.func import jvp as _jvp
 
-from fromp._checks import check_batch, check_chunk_size
+from fromp._checks import check_batch, check_chunk_size, check_model_output
 from fromp.curvature.hooks import forward_hooks
+from fromp.models import uncompiled
 
 __all__ = [
     "CPU_MEMORY_BUDGET",
@@ -129,11 +130,7 @@ def single_output_fn(model: nn.Module) -> Callable[[dict[str, Tensor], Tensor], 
 
     def f(params: dict[str, Tensor], xi: Tensor) -> Tensor:
         out = functional_call(model, (params, buffers), (xi.unsqueeze(0),))
-        if out.ndim != 2:
-            raise ValueError(
-                f"model output must have shape [N, C], got {tuple(out.shape)} for one example"
-            )
-        return out.squeeze(0)
+        return check_model_output(out, " for one example").squeeze(0)
 
     return f
 
@@ -147,6 +144,7 @@ def iter_jacobians(
     ``jacrev`` intermediates of ``chunk_size`` examples; consumers that reduce over examples
     (GGN diagonals, kernels) stay memory-bounded for any ``N``.
     """
+    model = uncompiled(model)
     _check_model_input(model, x)
     params = trainable_params(model)
     jac_fn = over_examples(jacrev(single_output_fn(model)), (None, 0))
@@ -183,7 +181,7 @@ def _batch_fn(model: nn.Module, x: Tensor) -> Callable[[dict[str, Tensor]], Tens
     buffers = dict(model.named_buffers())
 
     def f(params: dict[str, Tensor]) -> Tensor:
-        return functional_call(model, (params, buffers), (x,))
+        return check_model_output(functional_call(model, (params, buffers), (x,)))
 
     return f
 
@@ -193,6 +191,7 @@ def jvp(model: nn.Module, x: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
 
     One forward-mode pass; ``J`` is never formed.
     """
+    model = uncompiled(model)
     _check_model_input(model, x)
     params = trainable_params(model)
     tangents = unflatten(model, v.to(next(iter(params.values())).dtype))
@@ -202,6 +201,7 @@ def jvp(model: nn.Module, x: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
 def vjp_sum(model: nn.Module, x: Tensor, u: Tensor) -> Tensor:
     """Vector-Jacobian product summed over examples: ``sum_n J(x_n)^T u_n`` ``[P]`` for
     ``u [N, C]``. One reverse-mode pass; ``J`` is never formed."""
+    model = uncompiled(model)
     _check_model_input(model, x)
     out, pullback = vjp(_batch_fn(model, x), trainable_params(model))
     if u.shape != out.shape:
@@ -226,6 +226,7 @@ def per_example_grads(
 
     Exact for any architecture, convolutions with weight sharing included.
     """
+    model = uncompiled(model)
     _check_model_input(model, x)
     if len(y) != len(x):
         raise ValueError(f"y must have N={len(x)} entries, got {len(y)}")
@@ -336,10 +337,11 @@ def forward_numel(model: nn.Module, x0: Tensor) -> tuple[int, int, int]:
                 spatial = out[0, 0].numel() if out.ndim > 2 else 1
                 unfold[0] = max(unfold[0], spatial * m.weight[0].numel())
 
+    model = uncompiled(model)
     leaves = [m for m in model.modules() if not list(m.children())]
     with forward_hooks(leaves, hook), torch.no_grad():
         out = model(x0)
     if not isinstance(out, Tensor):
-        raise ValueError(f"model output must be a tensor, got {type(out).__name__}")
+        check_model_output(out)
     sizes.append(out.numel())
     return sum(sizes), unfold[0], out.shape[-1]

@@ -40,12 +40,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fromp._checks import check_model_output
 from fromp.curvature.capture import LayerMap, capture_calls
-from fromp.curvature.layer_rules import conv_geometry, squared_grad_sums, supported_layer
+from fromp.curvature.layer_rules import rule_for, squared_grad_sums, supported_layer
 from fromp.likelihood import Likelihood
+from fromp.models import uncompiled
 
 __all__ = [
     "KronBlock",
@@ -54,7 +55,6 @@ __all__ = [
     "kron_curvature_tasks",
     "kron_layers",
     "kron_split",
-    "unfold_input",
 ]
 
 
@@ -90,9 +90,13 @@ def kron_split(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
             )
     kron, diag = [], []
     for m, plist in layer_map.layers().items():
-        if type(m) in (nn.Linear, nn.Conv2d) and getattr(m, "groups", 1) == 1:
+        if supported_layer(m) and rule_for(m).kfac:
             if not m.weight.requires_grad:
-                raise ValueError(f"hessian_structure='kron': {m} has a frozen weight and a bias")
+                raise ValueError(
+                    f"hessian_structure='kron': parameter {plist[0][0]!r} trains while its "
+                    f"layer's weight is frozen (a frozen weight and a trainable bias); KFAC "
+                    "needs the weight: freeze the bias too, or use hessian_structure='diag'"
+                )
             kron.append(m)
         elif supported_layer(m):
             diag.append(m)
@@ -106,23 +110,6 @@ def kron_split(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
     if not kron:
         raise ValueError("model has no trainable nn.Linear or nn.Conv2d parameters")
     return kron, diag
-
-
-def unfold_input(m: nn.Module, a: Tensor) -> Tensor:
-    """The layer input as rows ``u_nl``: ``[N, L, in']`` (``Linear`` on ``[N, ..., in]``:
-    every leading position is a row; ``Conv2d``: unfolded patches, ``in' = in k_h k_w``)."""
-    if isinstance(m, nn.Linear):
-        return a.reshape(a.shape[0], -1, a.shape[-1])
-    a, _, geo = conv_geometry(m, a, a)
-    u = F.unfold(a, geo["kernel"], dilation=geo["dil"], stride=geo["stride"])  # [N, in k k, L]
-    return u.transpose(1, 2)
-
-
-def _rows_out(m: nn.Module, g: Tensor) -> Tensor:
-    """Output gradients as ``[N, L, out]``."""
-    if isinstance(m, nn.Linear):
-        return g.reshape(g.shape[0], -1, g.shape[-1])
-    return g.flatten(2).transpose(1, 2)
 
 
 @dataclass
@@ -233,6 +220,7 @@ def kron_curvature(
     """
     if fisher not in ("ggn", "ef"):
         raise ValueError(f"fisher must be 'ggn' or 'ef', got {fisher!r}")
+    run = uncompiled(model)  # forward passes eagerly; names as ``model`` gives them
     if layers is None:
         layers, diag_layers = kron_split(model)
     diag_layers = list(diag_layers or [])
@@ -247,9 +235,7 @@ def kron_curvature(
     n, n_used = 0, [0] * len(layers)
     for x, y in batches:
         with torch.enable_grad(), capture_calls(layers + diag_layers) as all_calls:
-            f = model(x)
-        if f.ndim != 2:
-            raise ValueError(f"model output must be [N, C], got {tuple(f.shape)}")
+            f = check_model_output(run(x))
         if outputs is not None:
             outputs.append(f.detach())
         kron_ids = {id(m) for m in layers}
@@ -285,7 +271,7 @@ def kron_curvature(
                     d_grads[j].append(g.detach())
             for i, g in zip(used, gs[: len(calls)]):
                 m = layers[i]
-                g = _rows_out(m, g.detach())  # [B, L, out]
+                g = rule_for(m).output_rows(g.detach())  # [B, L, out]
                 g2 = g.reshape(-1, g.shape[-1])  # (n, l) rows
                 if b_sum[i] is None:
                     b_sum[i] = g2.new_zeros(g2.shape[1], g2.shape[1])
@@ -301,7 +287,7 @@ def kron_curvature(
                     if name is not None:
                         diag[name] += t.detach()
         for i, c in zip(used, calls):
-            u = unfold_input(layers[i], c.a).detach()  # [B, L, in']
+            u = rule_for(layers[i]).input_rows(c.a).detach()  # [B, L, in']
             u2 = u.reshape(-1, u.shape[-1])
             if a_sum[i] is None:
                 a_sum[i] = u2.new_zeros(u2.shape[1], u2.shape[1])

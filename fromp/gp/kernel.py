@@ -4,10 +4,12 @@ layer structure of the Jacobian (:class:`_CaptureStructure`), used by :class:`fr
 Each layer captured by :mod:`fromp.curvature.capture` (its input ``a`` and the output gradients
 ``g_c = df_c / dz`` of one forward and ``C`` backward passes per chunk) contributes to the
 kernel without per-example Jacobians of the whole network: outer-product layers through
-``sum_o g_co(x) g_do(x') [sum_j s_oj u_j(x) u_j(x')]``, convolutions with several output
-positions through whitened Jacobian columns per block of output channels and one Gram GEMM,
-other layers through their own small per-example Jacobians. :class:`_Gram` accumulates the
-blocks, :class:`_Marginal` the per-example ``[C, C]`` variances.
+``sum_o g_co(x) g_do(x') [sum_j s_oj u_j(x) u_j(x')]``, those with several positions
+(convolutions, a ``Linear`` on sequences) through whitened Jacobian columns per block of
+output channels and one Gram GEMM, other layers through their own small per-example
+Jacobians; the rows ``u`` and ``g`` and the per-example gradients are the layer's rule's
+(:mod:`fromp.curvature.layer_rules`). :class:`_Gram` accumulates the blocks,
+:class:`_Marginal` the per-example ``[C, C]`` variances.
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ import itertools
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev
 
+from fromp._checks import check_model_output
 from fromp.curvature.capture import LayerCall, LayerMap, capture_calls
 from fromp.curvature.jacobian import flatten_leading, over_examples, unflatten
-from fromp.curvature.layer_rules import conv_geometry, norm_per_example, supported_layer
+from fromp.curvature.layer_rules import per_example_layer_grads, rule_for, supported_layer
 
 __all__: list[str] = []
 
@@ -59,14 +61,15 @@ class _CaptureStructure:
     ``g_c = df_c / dz`` (one forward pass and ``C`` backward passes per chunk),
 
     * *outer* layers (``Linear`` on ``[N, in]`` inputs, convolutions with one output position,
-      ``u = unfold(a)``): ``J_c = g_c u^T``, so their kernel term is
+      ``u`` the layer's input rows): ``J_c = g_c u^T``, so their kernel term is
       ``sum_o g_co(x) g_do(x') [sum_j s_oj u_j(x) u_j(x') + s^b_o]``: one ``[n m, J] @ [J, O]``
       product per block, independent of ``C``;
-    * convolutions with ``L > 1`` output positions: whitened Jacobian columns of a block of
-      output channels at a time, ``[C o, L] @ [L, J]`` per example, then one Gram GEMM per
-      block (:func:`_conv_into`); unfolded columns that are zero for every example dropped;
-    * *dense* layers (norm layers, sequence ``Linear``): the layer's per-example Jacobians
-      ``[n, C, P_layer]`` (small) and their Gram product;
+    * outer-product layers with ``L > 1`` positions (convolutions, ``Linear`` on sequences):
+      whitened Jacobian columns of a block of output channels at a time, ``[C o, L] @ [L,
+      J]`` per example, then one Gram GEMM per block (:func:`_positions_into`); input
+      columns that are zero for every example dropped;
+    * *dense* layers (norm layers, and a layer whose weight is frozen): the layer's
+      per-example Jacobians ``[n, C, P_layer]`` (small) and their Gram product;
     * parameters of other layers: per-example Jacobians (``vmap(jacrev)``) of those alone.
 
     Features per example are ``O(C * activations)`` numbers instead of ``C * P``."""
@@ -103,7 +106,7 @@ class _CaptureStructure:
         n = len(xr)
         params = {k: v.detach().requires_grad_(True) for k, v in gp._params.items()}
         with torch.enable_grad(), capture_calls(list(self.layers.values())) as calls:
-            out = functional_call(gp.model, (params, gp._buffers), (xr,))
+            out = check_model_output(functional_call(gp.model, (params, gp._buffers), (xr,)))
         seen: dict[str, LayerCall] = {}
         for call in calls:
             name = self._name_of[id(call.module)]
@@ -122,7 +125,7 @@ class _CaptureStructure:
         for (name, call), g in zip(seen.items(), grads):
             if g is None:  # a layer that does not reach the outputs
                 g = torch.zeros(c, *call.z.shape, dtype=gp._dtype, device=gp._device)
-            feats[name] = _layer_features(call.module, call.a, g.detach())
+            feats[name] = _layer_features(call.module, call.a, g.detach(), self.var[name])
         a_other = None
         if self.other:
             other = {k: gp._params[k] for k in self.other}
@@ -156,8 +159,8 @@ class _CaptureStructure:
             m = self.layers[name]
             if ft1[0] == "outer":
                 _outer_into(acc, ft1, ft1 if same else ft2, self.var[name], budget)
-            elif ft1[0] == "conv":
-                _conv_into(acc, m, ft1, ft1 if same else ft2, self.std[name], budget)
+            elif ft1[0] == "positions":
+                _positions_into(acc, m, ft1, ft1 if same else ft2, self.std[name], budget)
             else:
                 j1 = _dense_jacobian(m, ft1, self.std[name])
                 acc.add_rows(j1, j1 if same else _dense_jacobian(m, ft2, self.std[name]))
@@ -188,8 +191,8 @@ class _CaptureStructure:
                 if "bias" in self.var[name]:
                     t = t + self.var[name]["bias"]
                 acc.out += torch.einsum("cno,no,dno->ncd", g, t, g)
-            elif ft[0] == "conv":
-                _conv_into(acc, m, ft, ft, self.std[name], budget)
+            elif ft[0] == "positions":
+                _positions_into(acc, m, ft, ft, self.std[name], budget)
             else:
                 j = _dense_jacobian(m, ft, self.std[name])
                 acc.add_rows(j, j)
@@ -274,7 +277,7 @@ class _Gram:
 
 class _Marginal:
     """Accumulator of per-example blocks ``sum_layers A_i A_i^T`` ``[n, C, C]``, with the
-    interface of :class:`_Gram` that :func:`_conv_into` uses (rows example-major)."""
+    interface of :class:`_Gram` that :func:`_positions_into` uses (rows example-major)."""
 
     diag = False
     same = True
@@ -400,7 +403,7 @@ def _outer_into(acc: _Gram, ft1: tuple, ft2: tuple, var: dict[str, Tensor], budg
                 out[rr, :, q, :] += res.view(ri, c, mc, c)
 
 
-def _conv_into(
+def _positions_into(
     acc: _Gram | _Marginal,
     m: nn.Module,
     ft1: tuple,
@@ -408,8 +411,9 @@ def _conv_into(
     std: dict[str, Tensor],
     budget: int,
 ) -> None:
-    """Add ``A1 A2^T`` of a convolution with ``L > 1`` output positions, ``A`` its whitened
-    per-example Jacobians, formed from ``u [n G, L, J/G]`` and ``g [n G, C O/G, L]`` by one
+    """Add ``A1 A2^T`` of an outer-product layer with ``L > 1`` positions (a convolution, a
+    ``Linear`` on sequences), ``A`` its whitened per-example Jacobians ``sum_l g_l u_l^T``,
+    formed from ``u [n G, L, J/G]`` and ``g [n G, C O/G, L]`` by one
     batched ``[C o, L] @ [L, J/G]`` product per example for a block of ``o`` output channels
     at a time (``o`` chosen so that the ``[n, C, o J/G]`` block of each side stays within
     ``budget`` bytes), never the whole ``[n, C, P_layer]``. Unfolded columns that are zero
@@ -418,7 +422,7 @@ def _conv_into(
     to form ``A``."""
     _, u1, gg1, n, c = ft1
     _, u2, gg2, mm, _ = ft2
-    grp = m.groups
+    grp = rule_for(m).groups
     pos, jg = u1.shape[1:]
     og = gg1.shape[1] // c
     sw = std["weight"].reshape(grp, og, jg)
@@ -463,52 +467,36 @@ def _conv_into(
         acc.add_rows(b1, b2)
 
 
-def _layer_features(m: nn.Module, a: Tensor, g: Tensor) -> tuple:
-    """Compact per-example features of one captured layer call: ``("outer", u [n, G, J],
-    g [C, n, O])`` or ``("dense", ...)`` (see :class:`_CaptureStructure`)."""
-    c, n = g.shape[:2]
-    if isinstance(m, nn.Linear):
-        if a.ndim == 2:
-            return ("outer", a.unsqueeze(1), g)
+def _layer_features(m: nn.Module, a: Tensor, g: Tensor, var: dict[str, Tensor]) -> tuple:
+    """Compact per-example features of one captured layer call with output gradients ``g
+    [C, n, ...]`` (see :class:`_CaptureStructure`; ``var``: the layer's trainable parameters'
+    variances): an outer-product layer with a trainable weight gives ``("outer", u [n, G,
+    J/G], g [C, n, O])`` at one position, ``("positions", u [n G, L, J/G], g [n G, C O/G,
+    L], n, C)`` at ``L > 1`` (:meth:`~fromp.curvature.layer_rules.LayerRule.input_rows` and
+    ``output_rows``); any other layer, or one whose weight is frozen, ``("dense", a, g)``."""
+    rule = rule_for(m)
+    if not (rule.outer and "weight" in var):
         return ("dense", a, g)
-    if isinstance(m, nn.Conv1d | nn.Conv2d):
-        ap, g2d, geo = conv_geometry(m, a, g.reshape(c * n, *g.shape[2:]))
-        u = F.unfold(ap, geo["kernel"], dilation=geo["dil"], stride=geo["stride"])  # n, J, L
-        grp, pos = m.groups, u.shape[-1]
-        if pos == 1:
-            return ("outer", u.reshape(n, grp, -1), g.reshape(c, n, -1))
-        u = u.reshape(n * grp, -1, pos).transpose(1, 2)  # n G, L, J/G
-        gg = g2d.reshape(c, n, grp, -1, pos).permute(1, 2, 0, 3, 4).reshape(n * grp, -1, pos)
-        return ("conv", u, gg, n, c)
-    return ("dense", a, g)
+    c, n = g.shape[:2]
+    u = rule.input_rows(a)  # n, L, J
+    grp, pos = rule.groups, u.shape[1]
+    if pos == 1:
+        return ("outer", u.reshape(n, grp, -1), g.reshape(c, n, -1))
+    u = u.transpose(1, 2).reshape(n * grp, -1, pos).transpose(1, 2)  # n G, L, J/G
+    rows = rule.output_rows(g.reshape(c * n, *g.shape[2:]))  # C n, L, O
+    gg = rows.view(c, n, pos, grp, -1).permute(1, 3, 0, 4, 2).reshape(n * grp, -1, pos)
+    return ("positions", u, gg, n, c)
 
 
 def _dense_jacobian(m: nn.Module, ft: tuple, std: dict[str, Tensor]) -> Tensor:
-    """Whitened per-example Jacobians ``[n, C, P_layer]`` of one dense layer (parameters in
-    ``named_parameters`` order of the layer)."""
-    kind = ft[0]
-    parts: dict[str, Tensor] = {}
-    if kind == "conv":
-        _, u, gg, n, c = ft
-        grp = m.groups
-        jw = torch.bmm(gg, u).view(n, grp, c, -1, u.shape[-1])  # n, G, C, O/G, J/G
-        parts["weight"] = jw.permute(0, 2, 1, 3, 4).reshape(n, c, -1)
-        if "bias" in std:
-            parts["bias"] = gg.view(n, grp, c, -1, gg.shape[-1]).sum(-1).permute(0, 2, 1, 3)
-            parts["bias"] = parts["bias"].reshape(n, c, -1)
-    else:
-        _, a, g = ft
-        c, n = g.shape[:2]
-        if isinstance(m, nn.Linear):
-            a3, g4 = a.reshape(n, -1, a.shape[-1]), g.reshape(c, n, -1, g.shape[-1])
-            parts["weight"] = torch.einsum("cnto,nti->ncoi", g4, a3).reshape(n, c, -1)
-            if "bias" in std:
-                parts["bias"] = g4.sum(2).transpose(0, 1)
-        else:
-            w_per, b_per = norm_per_example(m, a, g)  # [C, n, ...]
-            if "weight" in std:
-                parts["weight"] = w_per.transpose(0, 1).reshape(n, c, -1)
-            if "bias" in std:
-                parts["bias"] = b_per.transpose(0, 1).reshape(n, c, -1)
+    """Whitened per-example Jacobians ``[n, C, P_layer]`` of one dense layer (its trainable
+    parameters in ``named_parameters`` order of the layer) from its rule's per-example
+    gradients."""
+    _, a, g = ft
+    c, n = g.shape[:2]
+    parts = per_example_layer_grads(m, a, g, tuple(std))  # [C, n, *shape]
     order = [pn for pn, p in m.named_parameters(recurse=False) if pn in std]
-    return torch.cat([parts[pn] * std[pn].reshape(-1) for pn in order], dim=-1)
+    return torch.cat(
+        [parts[pn].transpose(0, 1).reshape(n, c, -1) * std[pn].reshape(-1) for pn in order],
+        dim=-1,
+    )

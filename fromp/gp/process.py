@@ -25,7 +25,13 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jacrev
 
-from fromp._checks import check_batch, check_chunk_size, not_on_meta, require_eval
+from fromp._checks import (
+    check_batch,
+    check_chunk_size,
+    check_model_output,
+    not_on_meta,
+    require_eval,
+)
 from fromp.curvature.jacobian import (
     flatten_leading,
     forward_numel,
@@ -47,6 +53,7 @@ from fromp.likelihood import (
     randn_like_on,
 )
 from fromp.link import probit_scale
+from fromp.models import uncompiled
 from fromp.posterior import DiagonalGaussian, GaussianPosterior
 
 __all__ = ["GP", "dnn2gp", "predictive_from"]
@@ -97,6 +104,7 @@ class GP:
                 "posterior must be a GaussianPosterior (DiagonalGaussian or FullGaussian), got "
                 f"{type(posterior).__name__}"
             )
+        model = uncompiled(model)  # the module inside torch.compile's wrapper
         require_eval(model)
         not_on_meta(model)
         p_total = num_params(model)
@@ -161,10 +169,9 @@ class GP:
             a, _, _ = forward_numel(self.model, x[:1])
             step = rows_per_chunk(2 * a * self._elt, self.memory_budget)
         with torch.no_grad():
-            out = torch.cat([functional_call(self.model, (self._params, self._buffers), (x[r],))
-                             for r in row_chunks(len(x), step)])  # fmt: skip
-        if out.ndim != 2:
-            raise ValueError(f"model output must have shape [N, C], got {tuple(out.shape)}")
+            outs = [functional_call(self.model, (self._params, self._buffers), (x[r],))
+                    for r in row_chunks(len(x), step)]  # fmt: skip
+        out = torch.cat([check_model_output(o) for o in outs])
         self._n_out = out.shape[1]
         return out
 

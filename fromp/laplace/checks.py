@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from fromp._checks import check_batch, check_prior_precision, not_on_meta, require_eval
-from fromp.curvature.hooks import forward_hooks
+from fromp.curvature.last_layer import last_linear
 
 __all__ = [
     "at_fit",
@@ -160,20 +160,6 @@ def _n_outputs(model: nn.Module, x: Tensor) -> int | None:
     return f.shape[1]
 
 
-def _last_linear(model: nn.Module, x: Tensor) -> tuple[str, nn.Module] | None:
-    """The last ``nn.Linear`` called in a forward pass of ``x`` and its name."""
-    seen: list[nn.Module] = []
-    hook = lambda m, i, o: seen.append(m)  # noqa: E731
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    device = next(p for p in model.parameters()).device
-    with forward_hooks(linears, hook), torch.no_grad():
-        model(x[:1].to(device))
-    if not seen:
-        return None
-    layer = seen[-1]
-    return next(n for n, m in model.named_modules() if m is layer), layer
-
-
 def _check_targets_of(la: Any, batches: list[Any], argument: str) -> None:
     """Every batch's inputs (finite, non-empty) and targets (for the likelihood)."""
     c = None
@@ -208,7 +194,7 @@ def at_fit(la: Any, data: Any) -> Any:
     x0, _ = _xy(la, batches[0])
     if la.subset_of_weights == "last_layer" and getattr(la, "layer", None) is None:
         if isinstance(x0, Tensor) and len(x0) > 0:
-            found = _last_linear(model, x0)
+            found = last_linear(model, x0)
             if found is not None:
                 name, layer = found
                 sizes = [p.numel() for p in layer.parameters(recurse=False) if p.requires_grad]

@@ -8,34 +8,21 @@ network. The posterior maths is that of :mod:`fromp.laplace.structures`.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from fromp.curvature.kron import KronBlock, KronCurvature
-from fromp.curvature.last_layer import last_layer_features
+from fromp.curvature.last_layer import (
+    augment_features,
+    last_layer_features,
+    last_layer_forward,
+    last_layer_ggn,
+)
 from fromp.laplace.base import BaseLaplace
 from fromp.laplace.structures import _DiagMaths, _FullMaths, _KronMixin
 
 __all__ = ["DiagLLLaplace", "FullLLLaplace", "KronLLLaplace"]
-
-
-class _Features:
-    """Records the input of a layer (the last-layer features ``phi``)."""
-
-    def __init__(self, layer: nn.Module) -> None:
-        self.layer, self.phi = layer, None
-
-    def __enter__(self) -> _Features:
-        self.handle = self.layer.register_forward_hook(self._hook)
-        return self
-
-    def _hook(self, m: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
-        self.phi = inputs[0].detach()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.handle.remove()
 
 
 class _LastLayer:
@@ -66,13 +53,10 @@ class _LastLayer:
             _, layer = last_layer_features(self.model, x)  # refuses a non-linear head
             self._use_layer(next(n for n, m in self.model.named_modules() if m is layer), layer)
         elif not getattr(self, "_layer_checked", False):
-            with _Features(self.layer) as feats, torch.no_grad():
-                f = self.model(x)
-            out = self.layer(feats.phi) if feats.phi is not None else None
-            if out is None or out.shape != f.shape or not torch.allclose(out, f):
-                raise ValueError(f"last_layer_name={self.layer_name!r}: that layer's output is "
-                                 "not the model's output (a last-layer Laplace needs the "
-                                 "model to end in it)")  # fmt: skip
+            try:
+                last_layer_forward(self.model, x, self.layer)
+            except ValueError as err:
+                raise ValueError(f"last_layer_name={self.layer_name!r}: {err}") from None
             self._layer_checked = True
 
     def _prepare_names(self, names: list[str]) -> None:
@@ -91,9 +75,8 @@ class _LastLayer:
 
     def _phi(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """``(f(x) [N, C], phi(x) [N, D])``: the outputs and the last layer's input."""
-        with _Features(self.layer) as feats, torch.no_grad():
-            f = self.model(x)
-        return f, feats.phi.reshape(len(x), -1)
+        f, phi, _ = last_layer_forward(self.model, x, self.layer, check=False)
+        return f, phi
 
     def _feature_batches(self, batches) -> Iterable[tuple[Tensor, Tensor]]:
         """``(f, phi)`` per batch; ``f`` is kept in ``_outputs`` for the fit's data term."""
@@ -109,9 +92,7 @@ class _LastLayer:
 
     def _tilde(self, phi: Tensor) -> Tensor:
         """``[phi, 1]`` ``[N, D']`` (``D' = D + 1`` with a trainable bias)."""
-        if not self._bias:
-            return phi
-        return torch.cat([phi, torch.ones(len(phi), 1, dtype=phi.dtype, device=phi.device)], 1)
+        return augment_features(phi, self._bias)
 
     def _to_flat(self, m: Tensor) -> Tensor:
         """``[..., C, D']`` (internal ``[W | b]``) to the flat parameter order
@@ -179,11 +160,9 @@ class FullLLLaplace(_LastLayer, _FullMaths, BaseLaplace):
     def _curvature(self, batches):
         h = 0.0
         for f, phi in self._feature_batches(batches):
-            t = self._tilde(phi)
-            h = h + torch.einsum("nce,nd,nf->cdef", self._lambda(f), t, t)
-        c, d = h.shape[0], h.shape[1]
-        h = h.reshape(c * d, c * d)
-        perm = self._perm(c, d)
+            h = h + last_layer_ggn(self._tilde(phi), f, self._lik)  # [C D', C D'] internal
+        c = self.layer.out_features
+        perm = self._perm(c, h.shape[0] // c)
         return h[perm][:, perm]
 
     def _perm(self, c: int, d: int) -> Tensor:

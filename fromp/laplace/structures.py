@@ -27,14 +27,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 import fromp.laplace.checks as checks
 from fromp.curvature.capture import LayerMap, capture_calls
 from fromp.curvature.diagonal import diag_ggn
 from fromp.curvature.ggn import ggn
-from fromp.curvature.kron import KronCurvature, KronEigen, kron_curvature, unfold_input
-from fromp.curvature.layer_rules import per_example_layer_grads
+from fromp.curvature.kron import KronCurvature, KronEigen, kron_curvature
+from fromp.curvature.layer_rules import per_example_layer_grads, rule_for
 from fromp.laplace.base import BaseLaplace
 from fromp.posterior import DiagonalGaussian, FullGaussian
 
@@ -466,11 +466,10 @@ class KronLaplace(_KronMixin, BaseLaplace):
                 if has_bias:
                     yield i, "b", f.new_zeros(len(x), c_out, o)
                 continue
-            u = unfold_input(m, calls[id(m)].a)  # [N, L, in']
-            g = torch.stack(grads.pop(id(m)), 1)  # [N, C, out, ...]
-            g = g.reshape(g.shape[0], c_out, g.shape[2], -1) if isinstance(m, nn.Conv2d) else \
-                g.reshape(g.shape[0], c_out, -1, g.shape[-1]).transpose(2, 3)  # fmt: skip
-            # g: [N, C, out, L]
+            rule = rule_for(m)
+            u = rule.input_rows(calls[id(m)].a)  # [N, L, in']
+            g = rule.output_rows(torch.stack(grads.pop(id(m)), 1).flatten(0, 1))  # [N C, L, out]
+            g = g.view(len(x), c_out, *g.shape[1:]).transpose(2, 3)  # [N, C, out, L]
             qa, qb = self._eig.qa[i], self._eig.qb[i]
             n_pos, o, d_in = u.shape[1], g.shape[2], u.shape[2]
             if factored and n_pos == 1:

@@ -32,8 +32,13 @@ from fromp._checks import (
     check_tensor,
     warn_renamed,
 )
-from fromp.curvature.hooks import forward_hooks
-from fromp.curvature.last_layer import augment_features, last_layer_features, last_layer_ggn
+from fromp.curvature.last_layer import (
+    LastLinearRecord,
+    augment_features,
+    last_layer_features,
+    last_layer_ggn,
+    record_last_linear,
+)
 from fromp.likelihood import CategoricalLikelihood, Likelihood, get_likelihood
 from fromp.memory.sensitivity import (
     MemoryPerturbation,
@@ -392,7 +397,7 @@ class LOOTracker:
         self.max_examples = max_examples
         self.seed = seed
         self.history: list[dict[str, Any]] = []
-        self._pending: tuple[nn.Linear, Tensor] | None = None  # the last Linear call
+        self._record: LastLinearRecord | None = None  # inside recording(): the last Linear
         self._recorded: list[tuple[Tensor, Tensor]] = []  # (phi, y) of observed passes
         self._head: nn.Linear | None = None
 
@@ -402,36 +407,28 @@ class LOOTracker:
         block (a hook on each ``nn.Linear``: the last one called in a pass is the head);
         pair each pass with its targets by :meth:`observe`. Hooks are removed on exit."""
 
-        def hook(mod: nn.Module, inp: tuple[Tensor, ...], out: Tensor) -> None:
-            self._pending = (mod, inp[0])  # type: ignore[assignment]
-
-        linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-        if not linears:
-            raise ValueError(
-                f"model must end in an nn.Linear layer; {type(model).__name__} has none"
-            )
         try:
-            with forward_hooks(linears, hook):
+            with record_last_linear(model) as self._record:
                 yield self
         finally:
-            self._pending = None
+            self._record = None
 
     def observe(self, y: Tensor) -> None:
         """Pair the forward pass just made inside :meth:`recording` with its targets
         ``y`` ``[B]`` (the features are stored detached: ``B x D`` numbers per pass)."""
-        if self._pending is None:
+        rec = self._record
+        if rec is None or rec.head is None or rec.phi is None:
             raise RuntimeError(
                 "observe(y) needs a forward pass of the model inside tracker.recording(model)"
             )
-        head, phi = self._pending
-        phi = phi.detach().reshape(len(phi), -1)
+        head, phi = rec.head, rec.phi.detach().reshape(len(rec.phi), -1)
         if len(phi) != len(y):
             raise ValueError(f"y must have the batch's {len(phi)} targets, got {len(y)}")
         if self._head is not None and head is not self._head:
             raise ValueError("the output layer changed between recorded forward passes")
         self._head = head
         self._recorded.append((phi, y.detach()))
-        self._pending = None
+        rec.clear()
 
     def _delta(self, optimizer: Any, n: int) -> tuple[float, str]:
         if self.prior_precision is not None:

@@ -24,28 +24,24 @@ stays active in training mode (independent masks per example).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, jacrev, vmap
 
-from fromp._checks import check_batch, check_chunk_size, check_tensor
-from fromp.curvature.capture import (
-    LayerCall,
-    LayerMap,
-    capture_calls,
-    squared_grad_sums,
-    supported_layer,
-)
+from fromp._checks import check_batch, check_chunk_size, check_model_output, check_tensor
+from fromp.curvature.capture import LayerCall, LayerMap, capture_calls
+from fromp.curvature.hooks import forward_hooks
 from fromp.curvature.jacobian import over_examples
+from fromp.curvature.layer_rules import is_batch_norm, squared_grad_sums, supported_layer
 from fromp.likelihood import Likelihood, get_likelihood
+from fromp.models import uncompiled
 
 __all__ = ["GradStats", "LayerCapture", "LossFn", "OutputCapture", "per_example_grad_stats"]
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
-_BN = (nn.modules.batchnorm._BatchNorm,)
 
 
 class GradStats:
@@ -62,14 +58,19 @@ class GradStats:
         self.loss, self.grad, self.curv, self.batch_size = loss, grad, curv, batch_size
 
 
-_DROPOUT = (nn.modules.dropout._DropoutNd,)
+def _stochastic(m: nn.Module) -> bool:
+    """Batch norm (batch statistics) or dropout (random masks): a layer whose training mode
+    a recorded pass cannot replay per example."""
+    return is_batch_norm(m) or isinstance(m, nn.modules.dropout._DropoutNd)
 
 
 @contextmanager
-def _bn_eval(model: nn.Module, kinds: tuple[type, ...] = _BN) -> Iterator[None]:
-    """Temporarily put the batch-norm layers (or the layers of ``kinds``) of ``model`` in
-    eval mode."""
-    changed = [m for m in model.modules() if isinstance(m, kinds) and m.training]
+def _bn_eval(
+    model: nn.Module, kinds: Callable[[nn.Module], bool] = is_batch_norm
+) -> Iterator[None]:
+    """Temporarily put the batch-norm layers (or the layers passing ``kinds``) of ``model``
+    in eval mode."""
+    changed = [m for m in model.modules() if kinds(m) and m.training]
     for m in changed:
         m.eval()
     try:
@@ -80,7 +81,7 @@ def _bn_eval(model: nn.Module, kinds: tuple[type, ...] = _BN) -> Iterator[None]:
 
 
 def _has_bn(model: nn.Module) -> bool:
-    return any(isinstance(m, _BN) for m in model.modules())
+    return any(is_batch_norm(m) for m in model.modules())
 
 
 def _loss_fn(loss: Likelihood | LossFn | str) -> LossFn:
@@ -98,16 +99,7 @@ def _hook_supported(layer_map: LayerMap) -> bool:
     per-example pass runs it in eval mode."""
     if any(layer_map.shared(n) for n in layer_map.named):
         return False
-    for m in layer_map.layers():
-        if type(m) in _BN_TYPES:
-            if m.running_mean is None or m.running_var is None:
-                return False
-        elif not supported_layer(m):
-            return False
-    return True
-
-
-_BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+    return all(supported_layer(m, assume_eval=True) for m in layer_map.layers())
 
 
 def _layout(model: nn.Module) -> tuple[bool, LayerMap]:
@@ -150,7 +142,7 @@ def _ef_stats_hooks(
     params = list(named.values()) if need_grad else []
     for s in range(0, len(x), step):
         with torch.enable_grad(), capture_calls(layers) as calls:
-            f = model(x[s : s + step])
+            f = check_model_output(model(x[s : s + step]))
             losses = nll(f, y[s : s + step])
         if losses.shape != (len(f),):
             raise ValueError(f"loss must return per-example values [B], got {tuple(losses.shape)}")
@@ -182,18 +174,17 @@ class LayerCapture:
         self.model = model
         self.retain_grad = retain_grad
         self._outs: list[Tensor] = []
-        self._handles: list[Any] = []
         ok, layer_map = _layout(model)
         self._named, self._name_of = layer_map.named, layer_map.name_of()
         self._layers = list(layer_map.layers())
-        bn_train = any(isinstance(m, _BN) and m.training for m in model.modules())
+        bn_train = any(is_batch_norm(m) and m.training for m in model.modules())
         self.supported = ok and not bn_train
         self.calls: list[LayerCall] = []
-        self._ctx: Any = None
+        self._stack: ExitStack | None = None
 
     def __enter__(self) -> LayerCapture:
-        self._ctx = capture_calls(self._layers)
-        self.calls = self._ctx.__enter__()
+        stack = ExitStack()
+        self.calls = stack.enter_context(capture_calls(self._layers))
         self._outs = []
         if self.retain_grad:  # after capture's hooks: sees the output the network uses
 
@@ -202,16 +193,14 @@ class LayerCapture:
                     output.retain_grad()
                 self._outs.append(output)
 
-            self._handles = [m.register_forward_hook(keep) for m in self._layers]
+            stack.enter_context(forward_hooks(self._layers, keep))
+        self._stack = stack
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-        if self._ctx is not None:
-            self._ctx.__exit__(None, None, None)
-            self._ctx = None
+        if self._stack is not None:
+            self._stack.close()
+            self._stack = None
 
     def squared_grads_of_mean_loss(self) -> Tensor | None:
         """``(1/M) sum_i g_i^2`` ``[P]`` after a ``backward()`` of the **mean** of ``M``
@@ -314,6 +303,7 @@ def per_example_grad_stats(
     lik = get_likelihood(loss) if isinstance(loss, str | Likelihood) else None
     nll = _loss_fn(loss)
 
+    model = uncompiled(model)  # the module inside torch.compile's wrapper
     params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     if not params:
         raise ValueError("model has no trainable parameters")
@@ -335,9 +325,7 @@ def per_example_grad_stats(
 
     def out1(p: dict[str, Tensor], xi: Tensor) -> Tensor:
         f = functional_call(model, (p, buffers), (xi.unsqueeze(0),))
-        if f.ndim != 2:
-            raise ValueError(f"model output must have shape [M, C], got {tuple(f.shape)}")
-        return f.squeeze(0)
+        return check_model_output(f, " for one example").squeeze(0)
 
     if curvature == "ef":
 
@@ -438,7 +426,7 @@ class OutputCapture:
         self.paused = paused
         self.calls: list[tuple[tuple[Any, ...], dict[str, Any], Tensor]] = []
         self.skipped = 0  # calls made while paused (not examples)
-        self._handle: Any = None
+        self._stack: ExitStack | None = None
 
     def __enter__(self) -> OutputCapture:
         self.calls, self.skipped = [], 0
@@ -451,13 +439,14 @@ class OutputCapture:
                 out.retain_grad()
                 self.calls.append((args, kwargs, out))
 
-        self._handle = self.model.register_forward_hook(keep, with_kwargs=True)
+        self._stack = ExitStack()
+        self._stack.enter_context(forward_hooks([self.model], keep, with_kwargs=True))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        if self._stack is not None:
+            self._stack.close()
+            self._stack = None
 
     @property
     def batch_size(self) -> int:
@@ -491,10 +480,11 @@ class OutputCapture:
         lik = None if likelihood is None else get_likelihood(likelihood)
         if curvature == "ggn" and lik is None:
             raise ValueError("curvature='ggn' needs a Likelihood (or its name) as the loss")
-        params = {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
-        buffers = dict(self.model.named_buffers())
+        model = uncompiled(self.model)  # per-example passes run eagerly
+        params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+        buffers = dict(model.named_buffers())
         h = {n: torch.zeros_like(p) for n, p in params.items()}
-        with _bn_eval(self.model, _BN + _DROPOUT):
+        with _bn_eval(model, _stochastic):
             for j, (args, kwargs, f) in enumerate(calls):
                 if fs is not None:
                     f = fs[j]
@@ -506,7 +496,7 @@ class OutputCapture:
                 else:
                     assert lik is not None
                     vec = lik.sqrt_hessian(f.detach())  # [B, C, K]: L_i
-                one = _squared_projection(self.model, buffers, len(args), list(kwargs), batched)
+                one = _squared_projection(model, buffers, len(args), list(kwargs), batched)
                 fn = over_examples(one, (None, 0, *[0 if bt else None for bt in batched]))
                 step = b if chunk_size is None else chunk_size
                 for s in range(0, b, step):
