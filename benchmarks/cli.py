@@ -262,6 +262,15 @@ def _bayesian_net_state(state: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
+def class_names(seq: TaskSequence, task: Any, labels: torch.Tensor) -> list[int]:
+    """The original class of each of a task's labels: a multi-head task's labels are
+    positions in its ``classes`` (split MNIST's task 2: 0, 1 for the digits 2, 3); a
+    single-head task's labels are the classes already (class-incremental: the digits)."""
+    if seq.multi_head and task.classes:
+        return [int(task.classes[int(c)]) for c in labels]
+    return [int(c) for c in labels]
+
+
 def _task(seq: TaskSequence, task: int, cfg: dict[str, Any] | None = None):
     """Task ``task`` of ``seq``; refused when out of range or not trained by the checkpoint."""
     if not 0 <= task < len(seq):
@@ -425,32 +434,32 @@ def memorable_main(argv: list[str] | None = None) -> int:
                 model, task.train_x, task.train_y, n_per_class=args.n_per_class, order=args.order
             )
             scores = memorability_scores(model, task.train_x[idx])
+        labels = task.train_y[idx]
+        payload = {  # built (and the classes named) before the memory map's work
+            "checkpoint": str(args.checkpoint),
+            "benchmark": cfg["benchmark"],
+            "task": args.task,
+            "order": args.order,
+            "indices": idx.tolist(),
+            "labels": labels.tolist(),
+            "classes": class_names(seq, task, labels),
+            "scores": scores.tolist(),
+        }
+        classes = sorted(set(labels.tolist()))
+        grid = np.stack(
+            [
+                np.stack([to_image(task.train_x[i], seq.input_shape) for i in idx[labels == c]])
+                for c in classes
+            ]
+        )
+        names = [f"class {c}" for c in class_names(seq, task, torch.tensor(classes))]
         map_args = _map_inputs(args, model, task, idx, (net, seq, cfg)) if args.map else None
     except _ERRORS as err:
         print(f"fromp-memorable: error: {err}", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    labels = task.train_y[idx]
-    payload = {
-        "checkpoint": str(args.checkpoint),
-        "benchmark": cfg["benchmark"],
-        "task": args.task,
-        "order": args.order,
-        "indices": idx.tolist(),
-        "labels": labels.tolist(),
-        "classes": [task.classes[int(c)] for c in labels] if task.classes else labels.tolist(),
-        "scores": scores.tolist(),
-    }
     (out / "memorable.json").write_text(json.dumps(payload, indent=2) + "\n")
-    classes = sorted(set(labels.tolist()))
-    grid = np.stack(
-        [
-            np.stack([to_image(task.train_x[i], seq.input_shape) for i in idx[labels == c]])
-            for c in classes
-        ]
-    )
-    names = [f"class {task.classes[c] if task.classes else c}" for c in classes]
     image_grid(grid, names, out / "memorable.png", f"{args.order} tr Λ, task {args.task + 1}")
     print(f"{len(idx)} memorable examples -> {out / 'memorable.json'}, {out / 'memorable.png'}")
     if map_args is not None:
