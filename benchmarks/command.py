@@ -163,9 +163,11 @@ def settings_id(
 ) -> str:
     """``""`` for a strategy's default settings on the benchmark's full data; otherwise
     ``"s"`` and 8 hex digits of a SHA-256 of the resolved settings and the protocol
-    (``n_train``, ``n_test``, ``valid_fraction``, ``valid_seed``). It is part of the run's
-    file names, so that runs of other settings never replace each other, while the same
-    (strategy, settings, seed) replaces itself."""
+    (``n_train``, ``n_test``, ``valid_fraction``, ``valid_seed``, and ``world_size`` for a
+    data-parallel run of more than one process: it trains otherwise, so it is another
+    setting; runs of one process keep the ids they had). It is part of the run's file names,
+    so that runs of other settings never replace each other, while the same (strategy,
+    settings, seed) replaces itself."""
     import hashlib
 
     bench, spec = get_benchmark(benchmark), get_strategy(strategy)
@@ -423,6 +425,8 @@ def run_benchmark(
     grid = grid or [{}]
     protocol = {"n_train": n_train, "n_test": n_test, "valid_fraction": valid_fraction,
                 "valid_seed": valid_seed}  # fmt: skip
+    if distributed.world_size() > 1:  # its own label: never replaces a run of other processes
+        protocol["world_size"] = distributed.world_size()
     jobs = plan(benchmark, strategies, dict(overrides or {}), grid, device, protocol)
     base = out / benchmark
     results = []
@@ -468,7 +472,7 @@ def _run_one(benchmark: str, name: str, merged: dict[str, Any], seed: int, label
 
     data_root, device, n_train, n_test, resume, stop_after, progress, *rest = args
     ckpt = base / "checkpoints" / f"{label}.pt"
-    if resume and not ckpt.exists():
+    if resume and not ckpt.exists() and distributed.rank() == 0:  # said once, by rank 0
         others = sorted(f.name for f in ckpt.parent.glob(f"{name}-*seed{seed}.pt"))
         if others:
             print(f"fromp-bench: no checkpoint of these settings ({ckpt.name}); {name} seed "

@@ -91,8 +91,9 @@ def env_record(device: str) -> dict[str, Any]:
 
 def group_key(run: dict[str, Any]) -> str:
     """What must be identical for two runs to be seeds of one experiment: the benchmark,
-    strategy, resolved settings, subsample sizes, validation split, data fingerprint and the
-    code that made them (runs of two code versions are never averaged)."""
+    strategy, resolved settings, subsample sizes, validation split, number of processes
+    (data-parallel runs), data fingerprint and the code that made them (runs of two code
+    versions are never averaged)."""
     cfg = run.get("config", {})
     data = run.get("data") or {}
     key = {
@@ -103,6 +104,7 @@ def group_key(run: dict[str, Any]) -> str:
         "n_test": cfg.get("n_test"),
         "valid_fraction": cfg.get("valid_fraction"),
         "valid_seed": cfg.get("valid_seed", 0),
+        "world_size": (run.get("distributed") or {}).get("world_size", 1),
         "data": (data.get("fingerprint") or {}).get("hash"),
         "code": (run.get("code") or {}).get("source_hash"),
     }

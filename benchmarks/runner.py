@@ -819,6 +819,8 @@ def _ckpt_key(
     out["settings"] = _jsonable(settings)
     out["data_root"] = data["root"]
     out["data"] = {"hash": data["fingerprint"]["hash"]}
+    if distributed.world_size() > 1:  # a run of R processes resumes only with R processes
+        out["world_size"] = distributed.world_size()
     return out
 
 
