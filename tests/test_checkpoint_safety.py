@@ -470,3 +470,16 @@ def test_avalanche_ewc_resumes_exactly_from_a_plain_checkpoint(tmp_path):
     resumed = run(RunConfig("split-digits", "ewc-avalanche", checkpoint=str(path), resume=True,
                             **kw))  # fmt: skip
     assert resumed["accuracy_matrix"] == straight["accuracy_matrix"]
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_report_only_refuses_a_pickled_run_record(kind, tmp_path, capsys):
+    """``--report-only`` (and a run adding to the folder) reads ``runs/*.json`` as JSON only:
+    a crafted pickle there is refused in one line naming it, and nothing of it runs."""
+    marker = tmp_path / "marker"
+    record = tmp_path / "split-digits" / "runs" / "naive-seed0.json"
+    record.parent.mkdir(parents=True)
+    _save_raw(record, {"strategy": Payload(marker)}, kind)
+    assert main(["split-digits", "--report-only", "--out", str(tmp_path)]) == 2
+    _one_line(capsys, str(record), "not a run result")
+    assert not marker.exists()
