@@ -22,7 +22,6 @@ from fromp_bench.data import (
     DataNotFoundError,
     resolve_data_root,
 )
-from fromp_bench.plugins import MIN_FREE_BYTES as MIN_FREE_BYTES  # moved, kept here too
 from fromp_bench.plugins import (
     UsageError,
     check_out,

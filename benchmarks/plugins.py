@@ -527,14 +527,10 @@ _CHECKPOINT_ENTRIES = {"config": Mapping, "done": int, "model": Mapping, "plugin
 def _check_content(
     path: Path, state: Mapping[str, Any], steps: int, n_tasks: int, model: Any, valid: bool
 ) -> None:
-    """The entries of a checkpoint whose checksum matched, before anything is restored from
-    it: every entry present and of its type, ``0 <= done <= steps`` (the run's training
-    steps), ``done`` rows of ``n_tasks`` accuracies (and as many validation rows with a
-    validation split, none without), one timing entry per step done, the model's weights of
-    the model's names and shapes (:func:`fromp_avalanche.checkpoint._check_weights`) and the
-    RNG states of Python, NumPy and torch. :class:`CheckpointError` names the path and the
-    first entry that is wrong (a buggy writer or a hand edit would otherwise resume into a
-    matrix of the wrong length reported as complete)."""
+    """A checksummed checkpoint's entries, before anything is restored: each present and of
+    its type, ``0 <= done <= steps``, ``done`` rows of ``n_tasks`` accuracies (as many
+    validation rows with a split, none without) and timing entries, the model's weight names
+    and shapes, the RNG states; :class:`CheckpointError` names the path and the entry."""
     from fromp_avalanche.checkpoint import _check_weights
 
     hint = "delete it or drop --resume"

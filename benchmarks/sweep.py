@@ -1,28 +1,22 @@
 """``fromp-bench sweep``: a grid of (benchmark, strategy, settings, seed) as Ray Tune trials.
 
-Every trial is one :func:`fromp_bench.runner.run` and writes what a plain run writes: its
-checkpoint after every experience to ``<out>/<benchmark>/checkpoints/<run>.pt`` (checksummed,
-read with ``weights_only=True``) and its result to ``runs/<run>.json`` when it ends. After each
-experience it reports the mean test (and validation) accuracy over the tasks seen so far to
-Tune, so a trial that fails (a lost node, a killed worker) is retried from its last finished
-experience (``--max-failures``). When all trials are done, the results are aggregated
-exactly as the plain runner does: ``results.json``, ``report.md``, ``accuracy.png`` beside
-``runs/``; Tune's own files go to ``<out>/<benchmark>/ray/sweep[-k]/``, one new folder per
-invocation.
+Every trial is one :func:`fromp_bench.runner.run` writing what a plain run writes (its
+checkpoint after every experience, ``checkpoints/<run>.pt``, and its result, ``runs/<run>.json``)
+and reporting to Tune after every experience, so a failed trial is retried from its last
+finished experience (``--max-failures``). The results are then aggregated as the plain runner
+does; Tune's own files go to a new ``<out>/<benchmark>/ray/sweep[-k]/`` at every invocation.
 
-``--resume`` continues from fromp's own files, never from Tune's: Tune's saved state
-(``tuner.pkl``, ``experiment_state-*.json``) is pickled code, which would run on loading, so
-it is never read. A (strategy, settings, seed) whose ``runs/`` record is a complete run is
-reported as it is and not run again; the others run in a new Tune experiment, each resuming
-from its checkpoint when there is one (checked before Ray starts: checksum, no code; then,
-by the runner, the settings, the data and the code that wrote it).
+``--resume`` continues from these files, never from Tune's saved state (``tuner.pkl``,
+``experiment_state-*.json`` are pickled code, which would run on loading): a trial whose
+record is a complete run is reported from it; the others run in a new Tune experiment, each
+resuming from its checkpoint (checksum and no code checked before Ray starts; settings, data
+and code by the runner).
 
-Ray is an optional dependency (``pip install 'fromp[ray]'``); without it this command says
-so and the plain runner is unaffected. By default a local Ray instance is started
-(``--num-cpus`` caps it); ``--address`` joins a running cluster (``auto``, ``ray://host:10001``;
-``--out`` then on storage every node reaches). Each trial asks for ``--cpus-per-trial`` CPUs
-(its torch thread count) and ``--gpus-per-trial`` GPUs (fractions share a GPU between
-trials)::
+Ray is an optional dependency (``pip install 'fromp[ray]'``). By default a local Ray instance
+is started (``--num-cpus`` caps it); ``--address`` joins a cluster (``auto``,
+``ray://host:10001``; ``--out`` on storage every node reaches). Each trial asks for
+``--cpus-per-trial`` CPUs (its torch threads) and ``--gpus-per-trial`` GPUs (fractions share
+a GPU)::
 
     fromp-bench sweep split-mnist --strategies fromp,ewc --seeds 5 --cpus-per-trial 1
     fromp-bench sweep split-mnist --strategies fromp --grid tau=10,30 --valid-fraction 0.1 \\
@@ -140,12 +134,8 @@ def _finished(base: Path, wanted: list[tuple[dict[str, Any], int]]) -> dict[str,
         record = base / "runs" / f"{label}.json"
         if record.is_file():
             res = _read_run(record)
-            if (res["strategy"], res["seed"]) != (job["strategy"], seed):
-                raise UsageError(
-                    f"{record}: holds {res['strategy']} seed {res['seed']}, not "
-                    f"{job['strategy']} seed {seed}; move it out of runs/"
-                )
-            if res["complete"] and not res.get("failed"):
+            mine = (res["strategy"], res["seed"]) == (job["strategy"], seed)
+            if mine and res["complete"] and not res.get("failed"):
                 done[label] = res
                 continue
         ckpt = base / "checkpoints" / f"{label}.pt"
