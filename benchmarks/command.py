@@ -36,6 +36,7 @@ from fromp_bench.registry import (
     get_benchmark,
     get_strategy,
 )
+from fromp_bench.report import command_line
 from fromp_bench.runner import (
     CheckpointError,
     RunConfig,
@@ -457,7 +458,7 @@ def run_benchmark(
             benchmark,
             base,
             earlier + results,
-            command=" ".join(["fromp-bench", *sys.argv[1:]]),
+            command=command_line(["fromp-bench", *sys.argv[1:]]),
             total_time_s=time.perf_counter() - started,
             select_on=select_on,
         )
@@ -467,7 +468,7 @@ def _run_one(benchmark: str, name: str, merged: dict[str, Any], seed: int, label
              base: Path, *args: Any) -> dict[str, Any]:  # fmt: skip
     """One run (``args``: the rest of :class:`RunConfig`'s fields after ``overrides``, the
     checkpoint path excepted), its result saved as ``base/runs/<label>.json``."""
-    from fromp_bench.report import save_json
+    from fromp_bench.report import portable, save_json
 
     data_root, device, n_train, n_test, resume, stop_after, progress, *rest = args
     ckpt = base / "checkpoints" / f"{label}.pt"
@@ -479,7 +480,7 @@ def _run_one(benchmark: str, name: str, merged: dict[str, Any], seed: int, label
                   f"{', '.join(others[:3])})", file=sys.stderr, flush=True)  # fmt: skip
     cfg = RunConfig(benchmark, name, seed, data_root, device, merged, n_train, n_test,
                     str(ckpt), resume, stop_after, progress, *rest)  # fmt: skip
-    res = run(cfg)
+    res = portable(run(cfg), base)
     if distributed.rank() == 0:  # under torchrun only rank 0 writes
         save_json(base / "runs" / f"{label}.json", res)
     return res
@@ -597,7 +598,7 @@ def report_only(benchmark: str, out: Path, select_on: str | None = None) -> dict
     results = [_read_run(f) for f in files]
     check_report_files(base)
     return write_report(
-        benchmark, base, results, command="report of " + str(base / "runs"), select_on=select_on
+        benchmark, base, results, command=f"report of OUT/{benchmark}/runs", select_on=select_on
     )
 
 

@@ -321,24 +321,9 @@ def _checked(args: argparse.Namespace) -> tuple[torch.device, tuple[Timing, ...]
     return dev, timings, names
 
 
-def _placeholders(argv: list[str]) -> list[str]:
-    """``argv`` with the output folder and data root written ``OUT`` and ``DATA`` (a record
-    names no path of the machine that made it)."""
-    names = {"--out": "OUT", "--data-root": "DATA"}
-    out = []
-    for i, a in enumerate(argv):
-        flag, eq, _ = a.partition("=")
-        if eq and flag in names:
-            a = f"{flag}={names[flag]}"
-        elif i and argv[i - 1] in names:
-            a = names[argv[i - 1]]
-        out.append(a)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     from fromp_bench.data import resolve_data_root
-    from fromp_bench.report import code_record, env_record, save_json
+    from fromp_bench.report import code_record, command_line, env_record, save_json
 
     args = parse(argv)
     start = time.monotonic()
@@ -351,10 +336,10 @@ def main(argv: list[str] | None = None) -> int:
     slug = re.sub(r"[^a-z0-9]+", "-", env_record(str(dev))["device_name"].lower()).strip("-")
     stem = f"{date}-{slug if dev.type == 'cuda' else 'cpu'}" + ("-quick" if args.quick else "")
     json_path, md_path = args.out / f"{stem}.json", args.out / f"{stem}.md"
-    shown = _placeholders(list(sys.argv[1:] if argv is None else argv))
+    shown = list(sys.argv[1:] if argv is None else argv)
     record: dict[str, Any] = {
         "schema": SCHEMA,
-        "command": shlex.join(["python", "-m", "fromp_bench.gpu_check", *shown]),
+        "command": command_line(["python", "-m", "fromp_bench.gpu_check", *shown]),
         "date": date,
         "environment": env_record(str(dev)),
         "cuda": torch.version.cuda,

@@ -12,12 +12,14 @@ from fromp_bench.registry import BenchmarkSpec
 
 __all__ = [
     "aggregate",
+    "command_line",
     "group_key",
     "image_grid",
     "log_norm",
     "markdown_report",
     "plot_accuracy",
     "plot_kernel",
+    "portable",
     "save_json",
     "select",
     "to_image",
@@ -406,6 +408,43 @@ def _timing_table(agg: dict[str, dict[str, Any]]) -> list[str]:
             f"| {ratio} |"
         )
     return lines
+
+
+#: Command-line options whose value is a path of the machine, and what a record writes instead.
+PATH_OPTIONS = {"--out": "OUT", "--data-root": "DATA", "--data": "DATA"}
+
+
+def command_line(words: Sequence[str]) -> str:
+    """``words`` (a command and its arguments) as one line for a record, the output folder and
+    the data root written ``OUT`` and ``DATA`` (a record names no path of the machine)."""
+    import shlex
+
+    out = []
+    for i, w in enumerate(words):
+        flag, eq, _ = w.partition("=")
+        if eq and flag in PATH_OPTIONS:
+            w = f"{flag}={PATH_OPTIONS[flag]}"
+        elif i and words[i - 1] in PATH_OPTIONS:
+            w = PATH_OPTIONS[words[i - 1]]
+        out.append(w)
+    return shlex.join(out)
+
+
+def portable(run: dict[str, Any], base: Path) -> dict[str, Any]:
+    """A run result as its record holds it: the checkpoint's path relative to the output
+    folder ``base`` (``checkpoints/<run>.pt``), the data root written ``DATA`` (the data are
+    identified by ``data.fingerprint``); no path of the machine that ran it."""
+    cfg, data = dict(run.get("config") or {}), dict(run.get("data") or {})
+    if cfg.get("checkpoint"):
+        ckpt = Path(cfg["checkpoint"])
+        inside = ckpt.resolve().is_relative_to(base.resolve())
+        cfg["checkpoint"] = str(ckpt.resolve().relative_to(base.resolve()) if inside else ckpt.name)
+    for d, key in ((cfg, "data_root"), (data, "root")):
+        if d.get(key) is not None:
+            d[key] = "DATA"
+    out = dict(run)
+    out.update({k: v for k, v in (("config", cfg), ("data", data)) if k in run})
+    return out
 
 
 def save_json(path: Path, payload: Any) -> None:

@@ -55,6 +55,7 @@ from fromp_bench.command import (
 )
 from fromp_bench.plugins import _read_checkpoint, check_writable_run_dirs, out_lock
 from fromp_bench.registry import get_benchmark
+from fromp_bench.report import command_line
 from fromp_bench.runner import RunConfig, data_root_of, run
 
 __all__ = ["sweep", "sweep_main"]
@@ -77,7 +78,7 @@ def _trial(config: dict[str, Any]) -> None:
     """One Ray Tune trial: a runner run with the plain run's checkpoint and result files,
     reporting every experience; resumed from its checkpoint when the sweep is resumed or
     Tune retries it (Tune's checkpoint only marks that an experience was reported)."""
-    from fromp_bench.report import save_json
+    from fromp_bench.report import portable, save_json
     from ray import tune
 
     torch.set_num_threads(int(config["threads"]))
@@ -116,7 +117,7 @@ def _trial(config: dict[str, Any]) -> None:
             raise RuntimeError(f"planned crash after task {crash}")
 
     try:
-        result = run(cfg, report)
+        result = portable(run(cfg, report), base)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     save_json(base / "runs" / f"{_label(job, seed)}.json", result)
@@ -234,7 +235,7 @@ def sweep(
             benchmark,
             base,
             _earlier_runs(base, labels) + ordered,
-            command=" ".join(["fromp-bench", "sweep", *sys.argv[2:]]),
+            command=command_line(["fromp-bench", "sweep", *sys.argv[2:]]),
             total_time_s=time.perf_counter() - started,
             select_on=options.get("select_on"),
             engine={"ray": ray.__version__, "address": address or "local"},

@@ -22,7 +22,6 @@ import json
 import math
 import os
 import platform
-import shlex
 import sys
 import tempfile
 from collections.abc import Iterable, Sequence
@@ -103,9 +102,12 @@ def set_threads(n: int | None) -> None:
 
 
 def command(module: str, argv: Sequence[str] | None) -> str:
-    """The command line that reproduces the study (``argv`` None: this process's)."""
+    """The command line that reproduces the study (``argv`` None: this process's), its
+    output and data paths written ``OUT`` and ``DATA``."""
+    from fromp_bench.report import command_line
+
     args = list(sys.argv[1:] if argv is None else argv)
-    return shlex.join(["python", "-m", module_name(module), *args])
+    return command_line(["python", "-m", module_name(module), *args])
 
 
 def environment(device: str | torch.device | None = None) -> dict[str, Any]:

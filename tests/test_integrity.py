@@ -17,7 +17,7 @@ from fromp_bench import data as D
 from fromp_bench.__main__ import main
 from fromp_bench.cli import gp_main, memorable_main
 from fromp_bench.plugins import _write_checkpoint
-from fromp_bench.report import aggregate
+from fromp_bench.report import aggregate, command_line
 from fromp_bench.runner import (
     CheckpointError,
     RunConfig,
@@ -189,8 +189,19 @@ def test_resume_refuses_another_data_root(tmp_path, capsys):
     assert "data_root" in err and "data hash" in err
     (run_file,) = (tmp_path / "out" / "split-mnist" / "runs").glob("naive-*seed0.json")
     payload = json.loads(run_file.read_text())
-    assert payload["data"]["root"] == str(a.resolve())
     assert len(payload["data"]["fingerprint"]["tasks"]) == 5
+    # the records name no path of the machine: the data root is DATA (the data are identified
+    # by their fingerprint), the checkpoint relative to the output folder, the command's paths
+    # OUT and DATA (before, the absolute paths, e.g. /work/... and /tmp/..., were recorded)
+    assert payload["data"]["root"] == payload["config"]["data_root"] == "DATA"
+    assert payload["config"]["checkpoint"] == f"checkpoints/{run_file.stem}.pt"
+    results = (tmp_path / "out" / "split-mnist" / "results.json").read_text()
+    assert str(tmp_path) not in run_file.read_text() + results
+    words = ["fromp-bench", "split-mnist", "--out", str(tmp_path), f"--data-root={a}", "--seeds"]
+    assert (
+        command_line([*words, "2"])
+        == "fromp-bench split-mnist --out OUT --data-root=DATA --seeds 2"
+    )
 
 
 def test_resume_refuses_changed_data_under_the_same_root(tmp_path, capsys):
