@@ -35,8 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from fromp_avalanche.checkpoint import CheckpointError as _BaseCheckpointError
-from fromp_avalanche.checkpoint import read_checked
+from fromp_avalanche.checkpoint import CheckpointError, read_checked
 from fromp_bench.data import CorruptDataError, DataNotFoundError, TaskSequence
 from fromp_bench.plugins import check_out
 from fromp_bench.registry import STRATEGIES, UnknownNameError, get_benchmark
@@ -48,10 +47,6 @@ from fromp.models import with_task
 __all__ = ["gp_main", "load_trained", "load_user_model", "memorable_main", "write_memory_map"]
 
 warnings.filterwarnings("ignore", message="no QP solver found")
-
-
-class CheckpointError(_BaseCheckpointError):
-    """A file that is not a usable ``fromp-bench`` checkpoint."""
 
 
 # Errors reported as one line with exit status 2.
@@ -76,10 +71,7 @@ def load_trained(
     from fromp_bench.runner import load_sequence
 
     path = Path(path)
-    try:  # checksum verified, read with weights_only=True: a checkpoint never runs code
-        state = read_checked(path)
-    except _BaseCheckpointError as err:
-        raise CheckpointError(str(err)) from err
+    state = read_checked(path)  # checksum verified, weights only: a checkpoint never runs code
     if not isinstance(state, dict) or "model" not in state or "config" not in state:
         raise CheckpointError(f"{path} is not a fromp-bench checkpoint (no model/config)")
     if not isinstance(state["config"], dict) or not isinstance(state["config"].get("benchmark"),
@@ -176,10 +168,7 @@ def load_user_model(
                               "not a torch.nn.Module")  # fmt: skip
     if weights is not None:
         path = Path(weights)
-        try:
-            state = read_checked(path, checksum=False, what="--weights")
-        except _BaseCheckpointError as err:
-            raise CheckpointError(str(err)) from err
+        state = read_checked(path, checksum=False, what="--weights")
         if isinstance(state, dict) and isinstance(state.get("state_dict", state.get("model")),
                                                   dict):  # fmt: skip
             state = state.get("state_dict", state.get("model"))

@@ -160,6 +160,8 @@ def missing_data(benchmark: str, root: Path) -> str | None:
 
 def timing_case(t: Timing, strategy: str, device: str, root: Path, seconds: float) -> dict:
     """``strategy`` on ``t.benchmark`` through the runner (``python -m fromp_bench``), seed 0."""
+    from fromp_bench.report import command_line
+
     why = missing_data(t.benchmark, root)
     if why:
         return {"status": "skipped", "reason": why}
@@ -167,11 +169,7 @@ def timing_case(t: Timing, strategy: str, device: str, root: Path, seconds: floa
         cmd = [sys.executable, "-m", "fromp_bench", t.benchmark, "--strategies", strategy,
                "--seeds", "1", "--device", device, "--out", tmp, "--no-progress",
                "--data-root", str(root), *t.args]  # fmt: skip
-        where = {tmp: "OUT", str(root): "DATA"}
-        out: dict[str, Any] = {
-            "command": shlex.join(["python", *[where.get(c, c) for c in cmd[1:]]]),
-            "benchmark": t.benchmark,
-        }
+        out: dict[str, Any] = {"command": command_line(["python", *cmd[1:]])}
         res = run_command(cmd, seconds)
         base = Path(tmp) / t.benchmark
         if res["timed_out"]:

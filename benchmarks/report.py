@@ -434,16 +434,14 @@ def portable(run: dict[str, Any], base: Path) -> dict[str, Any]:
     """A run result as its record holds it: the checkpoint's path relative to the output
     folder ``base`` (``checkpoints/<run>.pt``), the data root written ``DATA`` (the data are
     identified by ``data.fingerprint``); no path of the machine that ran it."""
-    cfg, data = dict(run.get("config") or {}), dict(run.get("data") or {})
-    if cfg.get("checkpoint"):
-        ckpt = Path(cfg["checkpoint"])
-        inside = ckpt.resolve().is_relative_to(base.resolve())
-        cfg["checkpoint"] = str(ckpt.resolve().relative_to(base.resolve()) if inside else ckpt.name)
-    for d, key in ((cfg, "data_root"), (data, "root")):
+    out = {**run, "config": dict(run.get("config") or {}), "data": dict(run.get("data") or {})}
+    if out["config"].get("checkpoint"):
+        path, base = Path(out["config"]["checkpoint"]).resolve(), base.resolve()
+        rel = path.relative_to(base) if path.is_relative_to(base) else Path(path.name)
+        out["config"]["checkpoint"] = str(rel)
+    for d, key in ((out["config"], "data_root"), (out["data"], "root")):
         if d.get(key) is not None:
             d[key] = "DATA"
-    out = dict(run)
-    out.update({k: v for k, v in (("config", cfg), ("data", data)) if k in run})
     return out
 
 

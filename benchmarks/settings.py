@@ -295,13 +295,9 @@ _VCL_CORESET: dict[str, Settings] = {
 # 2 shared CPU cores allowed for 5 seeds of every strategy (S-FSVI trains for many more).
 # Pixels standardised as Avalanche's SplitMNIST does (fromp_bench.data.split_mnist_ci).
 # FROMP selected on validation accuracy (10 % held out, mean of seeds 0-4, fromp-coreset;
-# benchmarks/results/split-mnist-ci-validation/), in two rounds. On raw pixels: the penalty on
-# the logits (function="logits", tau = 0.1 / 1) with the context term (context_tau = 0 / 0.1 /
-# 0.3) gave 90.22 / 90.14 / 90.48 and 89.89 / 90.20 / 90.28 %; the probabilities' penalty (tau
-# = 0.003) 89.79 %; with the probabilities tau = 1 stops the new classes from being learnt on
-# this 10-way head. On standardised pixels, with tau = 0.1 and context_tau = 0.3, the
-# coreset's weight replay_weight = 1 / 3 / 10 / 30 / 100 gave 91.46 / 92.34 / 92.68 / 92.92 /
-# 92.35 % (docs/results-details.md).
+# benchmarks/results/split-mnist-ci-validation/; every candidate in docs/results-details.md,
+# "Class-incremental split MNIST"): the penalty on the logits, tau = 0.1 with the context
+# term context_tau = 0.3, on standardised pixels, the coreset's weight replay_weight = 30.
 CI_MEMORY = 200
 CI_EPOCHS = 2
 _CI: Settings = {"optimizer": "adam", "lr": 1e-3, "train_epochs": CI_EPOCHS, "train_mb_size": 128}
