@@ -23,15 +23,15 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-# On a machine with a CUDA GPU: the CUDA tests and GPU measurements (about 9 minutes on an
-# H100; --budget bounds it) -> benchmarks/results/gpu/<date>-<device>.json and .md.
+# On a machine with a CUDA GPU: the CUDA tests and the runner's training times of Naive,
+# FROMP and EWC (--budget bounds it) -> benchmarks/results/gpu/<date>-<device>.json and .md.
 gpu-check: $(STAMP)
-	$(BIN)/python -m fromp_bench.studies.gpu_check --out benchmarks/results/gpu
+	$(BIN)/python -m fromp_bench.gpu_check --out benchmarks/results/gpu
 
 # For a GPU machine without a package index: wheels, MNIST and a wandb stand-in into
 # .gpu-bundle/ (ignored by git), and the one command to run there (docs/gpu.md).
 gpu-bundle: $(STAMP)
-	$(BIN)/python -m fromp_bench.studies.gpu_bundle
+	$(BIN)/python -m studies.gpu_bundle
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -35,8 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from fromp_avalanche.checkpoint import CheckpointError as _BaseCheckpointError
-from fromp_avalanche.checkpoint import read_checked
+from fromp_avalanche.checkpoint import CheckpointError, read_checked
 from fromp_bench.data import CorruptDataError, DataNotFoundError, TaskSequence
 from fromp_bench.plugins import check_out
 from fromp_bench.registry import STRATEGIES, UnknownNameError, get_benchmark
@@ -48,10 +47,6 @@ from fromp.models import with_task
 __all__ = ["gp_main", "load_trained", "load_user_model", "memorable_main", "write_memory_map"]
 
 warnings.filterwarnings("ignore", message="no QP solver found")
-
-
-class CheckpointError(_BaseCheckpointError):
-    """A file that is not a usable ``fromp-bench`` checkpoint."""
 
 
 # Errors reported as one line with exit status 2.
@@ -76,10 +71,7 @@ def load_trained(
     from fromp_bench.runner import load_sequence
 
     path = Path(path)
-    try:  # checksum verified, read with weights_only=True: a checkpoint never runs code
-        state = read_checked(path)
-    except _BaseCheckpointError as err:
-        raise CheckpointError(str(err)) from err
+    state = read_checked(path)  # checksum verified, weights only: a checkpoint never runs code
     if not isinstance(state, dict) or "model" not in state or "config" not in state:
         raise CheckpointError(f"{path} is not a fromp-bench checkpoint (no model/config)")
     if not isinstance(state["config"], dict) or not isinstance(state["config"].get("benchmark"),
@@ -176,10 +168,7 @@ def load_user_model(
                               "not a torch.nn.Module")  # fmt: skip
     if weights is not None:
         path = Path(weights)
-        try:
-            state = read_checked(path, checksum=False, what="--weights")
-        except _BaseCheckpointError as err:
-            raise CheckpointError(str(err)) from err
+        state = read_checked(path, checksum=False, what="--weights")
         if isinstance(state, dict) and isinstance(state.get("state_dict", state.get("model")),
                                                   dict):  # fmt: skip
             state = state.get("state_dict", state.get("model"))
@@ -260,6 +249,15 @@ def _bayesian_net_state(state: dict[str, Any]) -> dict[str, Any] | None:
         if isinstance(net, dict) and any(str(k).endswith("weight_mu") for k in net):
             return net
     return None
+
+
+def class_names(seq: TaskSequence, task: Any, labels: torch.Tensor) -> list[int]:
+    """The original class of each of a task's labels: a multi-head task's labels are
+    positions in its ``classes`` (split MNIST's task 2: 0, 1 for the digits 2, 3); a
+    single-head task's labels are the classes already (class-incremental: the digits)."""
+    if seq.multi_head and task.classes:
+        return [int(task.classes[int(c)]) for c in labels]
+    return [int(c) for c in labels]
 
 
 def _task(seq: TaskSequence, task: int, cfg: dict[str, Any] | None = None):
@@ -425,32 +423,32 @@ def memorable_main(argv: list[str] | None = None) -> int:
                 model, task.train_x, task.train_y, n_per_class=args.n_per_class, order=args.order
             )
             scores = memorability_scores(model, task.train_x[idx])
+        labels = task.train_y[idx]
+        payload = {  # built (and the classes named) before the memory map's work
+            "checkpoint": str(args.checkpoint),
+            "benchmark": cfg["benchmark"],
+            "task": args.task,
+            "order": args.order,
+            "indices": idx.tolist(),
+            "labels": labels.tolist(),
+            "classes": class_names(seq, task, labels),
+            "scores": scores.tolist(),
+        }
+        classes = sorted(set(labels.tolist()))
+        grid = np.stack(
+            [
+                np.stack([to_image(task.train_x[i], seq.input_shape) for i in idx[labels == c]])
+                for c in classes
+            ]
+        )
+        names = [f"class {c}" for c in class_names(seq, task, torch.tensor(classes))]
         map_args = _map_inputs(args, model, task, idx, (net, seq, cfg)) if args.map else None
     except _ERRORS as err:
         print(f"fromp-memorable: error: {err}", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    labels = task.train_y[idx]
-    payload = {
-        "checkpoint": str(args.checkpoint),
-        "benchmark": cfg["benchmark"],
-        "task": args.task,
-        "order": args.order,
-        "indices": idx.tolist(),
-        "labels": labels.tolist(),
-        "classes": [task.classes[int(c)] for c in labels] if task.classes else labels.tolist(),
-        "scores": scores.tolist(),
-    }
     (out / "memorable.json").write_text(json.dumps(payload, indent=2) + "\n")
-    classes = sorted(set(labels.tolist()))
-    grid = np.stack(
-        [
-            np.stack([to_image(task.train_x[i], seq.input_shape) for i in idx[labels == c]])
-            for c in classes
-        ]
-    )
-    names = [f"class {task.classes[c] if task.classes else c}" for c in classes]
     image_grid(grid, names, out / "memorable.png", f"{args.order} tr Λ, task {args.task + 1}")
     print(f"{len(idx)} memorable examples -> {out / 'memorable.json'}, {out / 'memorable.png'}")
     if map_args is not None:

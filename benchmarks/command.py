@@ -22,7 +22,6 @@ from fromp_bench.data import (
     DataNotFoundError,
     resolve_data_root,
 )
-from fromp_bench.plugins import MIN_FREE_BYTES as MIN_FREE_BYTES  # moved, kept here too
 from fromp_bench.plugins import (
     UsageError,
     check_out,
@@ -37,6 +36,7 @@ from fromp_bench.registry import (
     get_benchmark,
     get_strategy,
 )
+from fromp_bench.report import command_line
 from fromp_bench.runner import (
     CheckpointError,
     RunConfig,
@@ -163,9 +163,11 @@ def settings_id(
 ) -> str:
     """``""`` for a strategy's default settings on the benchmark's full data; otherwise
     ``"s"`` and 8 hex digits of a SHA-256 of the resolved settings and the protocol
-    (``n_train``, ``n_test``, ``valid_fraction``, ``valid_seed``). It is part of the run's
-    file names, so that runs of other settings never replace each other, while the same
-    (strategy, settings, seed) replaces itself."""
+    (``n_train``, ``n_test``, ``valid_fraction``, ``valid_seed``, and ``world_size`` for a
+    data-parallel run of more than one process: it trains otherwise, so it is another
+    setting; runs of one process keep the ids they had). It is part of the run's file names,
+    so that runs of other settings never replace each other, while the same (strategy,
+    settings, seed) replaces itself."""
     import hashlib
 
     bench, spec = get_benchmark(benchmark), get_strategy(strategy)
@@ -423,6 +425,8 @@ def run_benchmark(
     grid = grid or [{}]
     protocol = {"n_train": n_train, "n_test": n_test, "valid_fraction": valid_fraction,
                 "valid_seed": valid_seed}  # fmt: skip
+    if distributed.world_size() > 1:  # its own label: never replaces a run of other processes
+        protocol["world_size"] = distributed.world_size()
     jobs = plan(benchmark, strategies, dict(overrides or {}), grid, device, protocol)
     base = out / benchmark
     results = []
@@ -454,7 +458,7 @@ def run_benchmark(
             benchmark,
             base,
             earlier + results,
-            command=" ".join(["fromp-bench", *sys.argv[1:]]),
+            command=command_line(["fromp-bench", *sys.argv[1:]]),
             total_time_s=time.perf_counter() - started,
             select_on=select_on,
         )
@@ -464,11 +468,11 @@ def _run_one(benchmark: str, name: str, merged: dict[str, Any], seed: int, label
              base: Path, *args: Any) -> dict[str, Any]:  # fmt: skip
     """One run (``args``: the rest of :class:`RunConfig`'s fields after ``overrides``, the
     checkpoint path excepted), its result saved as ``base/runs/<label>.json``."""
-    from fromp_bench.report import save_json
+    from fromp_bench.report import portable, save_json
 
     data_root, device, n_train, n_test, resume, stop_after, progress, *rest = args
     ckpt = base / "checkpoints" / f"{label}.pt"
-    if resume and not ckpt.exists():
+    if resume and not ckpt.exists() and distributed.rank() == 0:  # said once, by rank 0
         others = sorted(f.name for f in ckpt.parent.glob(f"{name}-*seed{seed}.pt"))
         if others:
             print(f"fromp-bench: no checkpoint of these settings ({ckpt.name}); {name} seed "
@@ -476,7 +480,7 @@ def _run_one(benchmark: str, name: str, merged: dict[str, Any], seed: int, label
                   f"{', '.join(others[:3])})", file=sys.stderr, flush=True)  # fmt: skip
     cfg = RunConfig(benchmark, name, seed, data_root, device, merged, n_train, n_test,
                     str(ckpt), resume, stop_after, progress, *rest)  # fmt: skip
-    res = run(cfg)
+    res = portable(run(cfg), base)
     if distributed.rank() == 0:  # under torchrun only rank 0 writes
         save_json(base / "runs" / f"{label}.json", res)
     return res
@@ -594,7 +598,7 @@ def report_only(benchmark: str, out: Path, select_on: str | None = None) -> dict
     results = [_read_run(f) for f in files]
     check_report_files(base)
     return write_report(
-        benchmark, base, results, command="report of " + str(base / "runs"), select_on=select_on
+        benchmark, base, results, command=f"report of OUT/{benchmark}/runs", select_on=select_on
     )
 
 

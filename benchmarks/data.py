@@ -516,16 +516,6 @@ class TaskSequence:
             )
         return {"name": self.name, "tasks": tasks, "hash": whole.hexdigest()}
 
-    def smallest_class(self) -> tuple[int, int, int]:
-        """``(size, task, label)`` of the smallest class among all tasks' training sets."""
-        best = (len(self.tasks[0].train_y) + 1, 0, 0)
-        for t in self.tasks:
-            counts = torch.bincount(t.train_y)
-            for label, n in enumerate(counts.tolist()):
-                if 0 < n < best[0]:
-                    best = (n, t.task_id, label)
-        return best
-
 
 def split_tasks(
     x_train: Tensor,

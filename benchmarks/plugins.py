@@ -517,6 +517,59 @@ def _check_key(path: Path, state: Mapping[str, Any], key: Mapping[str, Any]) -> 
         )
 
 
+#: What a runner checkpoint holds, and the type of each entry.
+_CHECKPOINT_ENTRIES = {"config": Mapping, "done": int, "model": Mapping, "plugins": Mapping,
+                       "optimizer": Mapping, "rng": Mapping, "matrix": list,
+                       "valid_matrix": list, "metrics": Mapping, "timing": list,
+                       "elapsed": float}  # fmt: skip
+
+
+def _check_content(
+    path: Path, state: Mapping[str, Any], steps: int, n_tasks: int, model: Any, valid: bool
+) -> None:
+    """A checksummed checkpoint's entries, before anything is restored: each present and of
+    its type, ``0 <= done <= steps``, ``done`` rows of ``n_tasks`` accuracies (as many
+    validation rows with a split, none without) and timing entries, the model's weight names
+    and shapes, the RNG states; :class:`CheckpointError` names the path and the entry."""
+    from fromp_avalanche.checkpoint import _check_weights
+
+    hint = "delete it or drop --resume"
+    missing = [k for k in _CHECKPOINT_ENTRIES if k not in state]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} is missing keys {missing}; {hint}")
+    for key, kind in _CHECKPOINT_ENTRIES.items():
+        value = state[key]
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        ok = number if kind is float else isinstance(value, kind) and not isinstance(value, bool)
+        if not ok:
+            raise CheckpointError(f"checkpoint {path}: {key} is a {type(value).__name__}, "
+                                  f"expected a {kind.__name__}; {hint}")  # fmt: skip
+    done = state["done"]
+    if not 0 <= done <= steps:
+        raise CheckpointError(f"checkpoint {path}: done={done}, expected 0 <= done <= {steps} "
+                              f"(the run's training steps); {hint}")  # fmt: skip
+    rows = {"matrix": done, "valid_matrix": done if valid else 0, "timing": done}
+    for key, want in rows.items():
+        if len(state[key]) != want:
+            raise CheckpointError(f"checkpoint {path}: {key} has {len(state[key])} entries, "
+                                  f"expected {want} (done={done}); {hint}")  # fmt: skip
+    for key in ("matrix", "valid_matrix"):
+        for row in state[key]:
+            cells = isinstance(row, list) and len(row) == n_tasks
+            if not cells or not all(a is None or isinstance(a, float) for a in row):
+                raise CheckpointError(f"checkpoint {path}: a row of {key} is {_short(row)}, "
+                                      f"expected {n_tasks} accuracies or None; {hint}")  # fmt: skip
+    if not math.isfinite(state["elapsed"]) or state["elapsed"] < 0:
+        raise CheckpointError(f"checkpoint {path}: elapsed={state['elapsed']}; {hint}")
+    absent = [k for k in ("python", "numpy", "torch") if k not in state["rng"]]
+    if absent:
+        raise CheckpointError(f"checkpoint {path}: rng is missing {absent}; {hint}")
+    try:
+        _check_weights(model, state["model"], path)
+    except _BaseCheckpointError as err:
+        raise CheckpointError(f"{err}; {hint}") from None
+
+
 def _short(value: Any) -> str:
     if isinstance(value, Mapping) and "hash" in value:
         return f"data hash {value['hash']}"

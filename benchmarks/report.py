@@ -12,12 +12,14 @@ from fromp_bench.registry import BenchmarkSpec
 
 __all__ = [
     "aggregate",
+    "command_line",
     "group_key",
     "image_grid",
     "log_norm",
     "markdown_report",
     "plot_accuracy",
     "plot_kernel",
+    "portable",
     "save_json",
     "select",
     "to_image",
@@ -91,8 +93,9 @@ def env_record(device: str) -> dict[str, Any]:
 
 def group_key(run: dict[str, Any]) -> str:
     """What must be identical for two runs to be seeds of one experiment: the benchmark,
-    strategy, resolved settings, subsample sizes, validation split, data fingerprint and the
-    code that made them (runs of two code versions are never averaged)."""
+    strategy, resolved settings, subsample sizes, validation split, number of processes
+    (data-parallel runs), data fingerprint and the code that made them (runs of two code
+    versions are never averaged)."""
     cfg = run.get("config", {})
     data = run.get("data") or {}
     key = {
@@ -103,6 +106,7 @@ def group_key(run: dict[str, Any]) -> str:
         "n_test": cfg.get("n_test"),
         "valid_fraction": cfg.get("valid_fraction"),
         "valid_seed": cfg.get("valid_seed", 0),
+        "world_size": (run.get("distributed") or {}).get("world_size", 1),
         "data": (data.get("fingerprint") or {}).get("hash"),
         "code": (run.get("code") or {}).get("source_hash"),
     }
@@ -404,6 +408,41 @@ def _timing_table(agg: dict[str, dict[str, Any]]) -> list[str]:
             f"| {ratio} |"
         )
     return lines
+
+
+#: Command-line options whose value is a path of the machine, and what a record writes instead.
+PATH_OPTIONS = {"--out": "OUT", "--data-root": "DATA", "--data": "DATA"}
+
+
+def command_line(words: Sequence[str]) -> str:
+    """``words`` (a command and its arguments) as one line for a record, the output folder and
+    the data root written ``OUT`` and ``DATA`` (a record names no path of the machine)."""
+    import shlex
+
+    out = []
+    for i, w in enumerate(words):
+        flag, eq, _ = w.partition("=")
+        if eq and flag in PATH_OPTIONS:
+            w = f"{flag}={PATH_OPTIONS[flag]}"
+        elif i and words[i - 1] in PATH_OPTIONS:
+            w = PATH_OPTIONS[words[i - 1]]
+        out.append(w)
+    return shlex.join(out)
+
+
+def portable(run: dict[str, Any], base: Path) -> dict[str, Any]:
+    """A run result as its record holds it: the checkpoint's path relative to the output
+    folder ``base`` (``checkpoints/<run>.pt``), the data root written ``DATA`` (the data are
+    identified by ``data.fingerprint``); no path of the machine that ran it."""
+    out = {**run, "config": dict(run.get("config") or {}), "data": dict(run.get("data") or {})}
+    if out["config"].get("checkpoint"):
+        path, base = Path(out["config"]["checkpoint"]).resolve(), base.resolve()
+        rel = path.relative_to(base) if path.is_relative_to(base) else Path(path.name)
+        out["config"]["checkpoint"] = str(rel)
+    for d, key in ((out["config"], "data_root"), (out["data"], "root")):
+        if d.get(key) is not None:
+            d[key] = "DATA"
+    return out
 
 
 def save_json(path: Path, payload: Any) -> None:

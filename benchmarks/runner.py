@@ -58,6 +58,7 @@ from fromp_bench.plugins import (
     CHECKPOINT_VERSION,
     CheckpointError,
     NonFiniteError,
+    _check_content,
     _check_key,
     _Collector,
     _DataParallel,
@@ -696,6 +697,8 @@ def run(
             resumed_from_code = old_code
             state["config"]["code"] = key["code"]
         _check_key(ckpt, state, key)
+        n_steps = 1 if strat.joint else n_tasks
+        _check_content(ckpt, state, n_steps, n_tasks, model, valid_stream is not None)
         model.load_state_dict(state["model"])
         _load_plugin_states(strategy, state["plugins"], ckpt, cfg.device)
         restore.pending = state["optimizer"]
@@ -817,6 +820,8 @@ def _ckpt_key(
     out["settings"] = _jsonable(settings)
     out["data_root"] = data["root"]
     out["data"] = {"hash": data["fingerprint"]["hash"]}
+    if distributed.world_size() > 1:  # a run of R processes resumes only with R processes
+        out["world_size"] = distributed.world_size()
     return out
 
 

@@ -156,26 +156,12 @@ _IVON: dict[str, Settings] = {
 # ``h`` stays near ``h0`` and the kernel is about ``sigma^2 J J^T`` with ``sigma^2 = 1 / (N
 # h0)``, 1e4 times smaller than the Laplace kernel; ``tau`` absorbs the scale.
 #
-# Selected on validation accuracy (10 % of each task's training examples held out, seed 0,
-# full benchmark; benchmarks/results/ivon_split-mnist.json, key "fromp-ivon_mean_grid_seed0"):
-# lr 0.05 with tau = 1e-4 / 1e-3 / 1e-2 / 3e-2 / 1e-1: 96.41 / 98.65 / 98.70 / 98.67 / 98.65 %;
-# lr 0.1 with tau = 3e-3 / 1e-2 / 3e-2: 98.92 / 99.04 / 98.92 %; lr 0.2, tau = 1e-2: 98.92 %;
-# lr 0.1, tau = 1e-2 with h0 = 0.03 / 0.3: 98.83 / 98.93 %, with jitter 1e-4: 98.92 %, with
-# clip_radius 1: 99.00 %, with ivon_continual: 98.18 %; lr 0.15, tau = 3e-3 / 1e-2 / 3e-2:
-# 99.10 / 99.20 / 99.18 %; beta2 0.9999 or 0.999 (h following the data): 82-98.8 %. With twice
-# FROMP's 15 epochs: lr 0.1, tau 1e-2: 98.74 %; lr 0.05, tau 1e-2 / 2e-2 / 3e-2: 99.20 / 99.18 /
-# 99.15 %; lr 0.03 and 50 epochs: 99.08 %; lr 0.05, tau 1e-2, 45 epochs: 99.25 %. The settings
-# within 0.1 points of the best were compared on validation over seeds 0-2 ("fromp-ivon_tie_
-# break_valid_seeds0-2"): 45 epochs 99.19 %, 30 epochs 99.08-99.09 %, lr 0.15 with 15 epochs
-# 99.06 % (tau 1e-2) and 97.91 % (3e-2). So lr 0.05, tau 1e-2, 45 epochs (three times FROMP's
-# epochs): seeds 0-2 give 99.24 +- 0.02 % test accuracy (FROMP with Adam, 15 epochs: 99.35 +-
-# 0.09 %; lr 0.15 with 15 epochs: 99.04 +- 0.22 %); seeds 0-4 (3-4 run after the selection):
-# 99.20 +- 0.06 % against FROMP's 99.41 +- 0.10 %, worse on all five. h0 at the same mean step
-# (lr, clip_radius and 1/tau scaled with h0), seed 0, after the selection: h0 = 0.03 / 0.05 /
-# 0.1 / 0.3 / 1 gave 98.53 / 98.83 / 99.25 / 97.41 / 93.39 % ("fromp-ivon_h0_scan_seed0").
-# Evaluated at the sampled weights instead (``ivon_penalty="sample"``, the earlier form), the
-# regulariser carries the sampling noise of the memorable functions (its value about ``M C /
-# 2``) and the best was 97.98 % (tau = 1e-5, lr 0.05): larger tau made the task-2 head collapse.
+# Selected on validation accuracy (10 % of each task's training examples held out; grid of
+# lr, tau, epochs and h0, then a tie-break over seeds 0-2; benchmarks/results/ivon_split-mnist.json,
+# keys "fromp-ivon_mean_grid_seed0", "fromp-ivon_tie_break_valid_seeds0-2"; every number in
+# docs/results-details.md, "IVON and the memory-perturbation equation"): lr 0.05, tau 1e-2,
+# 45 epochs (three times FROMP's), the regulariser at IVON's mean (at the sampled weights it
+# carries the memorable functions' sampling noise: 97.98 % at best).
 # jitter 1e-2, no gradient-norm clipping (it stalls the non-adaptive IVON step on new tasks)
 # but IVON's per-coordinate ``clip_radius = 0.1``.
 _FROMP_IVON: dict[str, Settings] = {
@@ -309,13 +295,9 @@ _VCL_CORESET: dict[str, Settings] = {
 # 2 shared CPU cores allowed for 5 seeds of every strategy (S-FSVI trains for many more).
 # Pixels standardised as Avalanche's SplitMNIST does (fromp_bench.data.split_mnist_ci).
 # FROMP selected on validation accuracy (10 % held out, mean of seeds 0-4, fromp-coreset;
-# benchmarks/results/split-mnist-ci-validation/), in two rounds. On raw pixels: the penalty on
-# the logits (function="logits", tau = 0.1 / 1) with the context term (context_tau = 0 / 0.1 /
-# 0.3) gave 90.22 / 90.14 / 90.48 and 89.89 / 90.20 / 90.28 %; the probabilities' penalty (tau
-# = 0.003) 89.79 %; with the probabilities tau = 1 stops the new classes from being learnt on
-# this 10-way head. On standardised pixels, with tau = 0.1 and context_tau = 0.3, the
-# coreset's weight replay_weight = 1 / 3 / 10 / 30 / 100 gave 91.46 / 92.34 / 92.68 / 92.92 /
-# 92.35 % (docs/results-details.md).
+# benchmarks/results/split-mnist-ci-validation/; every candidate in docs/results-details.md,
+# "Class-incremental split MNIST"): the penalty on the logits, tau = 0.1 with the context
+# term context_tau = 0.3, on standardised pixels, the coreset's weight replay_weight = 30.
 CI_MEMORY = 200
 CI_EPOCHS = 2
 _CI: Settings = {"optimizer": "adam", "lr": 1e-3, "train_epochs": CI_EPOCHS, "train_mb_size": 128}
@@ -375,27 +357,11 @@ _FROMP_OWN: dict[str, Settings] = {
 
 # FROMP with its memorable set as a labelled coreset on permuted MNIST (fromp-coreset;
 # benchmarks/results/permuted-mnist-coreset/): S-FSVI's memory for "pmnist" (200 coreset
-# points per task, "n_coreset_inputs_per_task" in benchmarking/data_loaders/mnist_and_cifar.py
-# of timrudner/S-FSVI; its published 95.76 % keeps that coreset, 84.06 % without), the
-# points drawn at random per class, everything else as fromp's. Selected on seed 0's
-# validation split (10 % held out), against fromp's 95.13 %: with replay_weight = 3, tau = 0.1
-# / 0.2 / 0.3 / 0.5 gave 95.00 / 95.23 / 95.39 / 95.09 %; at tau = 0.3 replay_weight = 1 / 3
-# / 10 gave 95.33 / 95.39 / 95.09 %, and the memorable points (largest Lambda) instead of
-# random ones 94.83 %; tau = 0.1 with replay_weight = 1 95.28 %.
-# Then, around that point on the same split (permuted-mnist-coreset/penalty/, optimiser/): the
-# joint kernel 95.30 %, prior precision 1e-4 95.46 %; with 1e-4, a cosine step size within each
-# task (lr_schedule="cosine") at lr 0.001 / 0.002 95.28 / 95.48 %, lr 0.0005 95.20 %, jitter
-# 1e-3 95.27 %. Over seeds 0-4 the cosine schedule at lr 0.002 gave 95.49 % validation
-# against 95.36 % for the constant lr 0.001 (both with prior precision 1e-4), so the entry
-# keeps it. Around it (around-cosine/, curvature-mean/, curvature-exponent/), run on seeds
-# 0-4 after seed 0: prior precision 1e-3 95.48 %, the mean of the tasks' GGNs
-# (curvature_combine="mean", tau = 1) 95.49 %, G = E^(-1/2) sum_e G_e (curvature_combine=0.5,
-# tau = 0.7; tau = 0.5 gave 95.33 % on seed 0) 95.50 %, against 95.49 % for the sum at tau =
-# 0.3, so the entry takes the last (test: 95.75 +- 0.10 % against 95.76 +- 0.03 %). Then a
-# linear warm-up of the step size over the first 5 % of each task's iterations (lr_warmup;
-# warmup/; seed 0: 0.05 / 0.1 gave 95.63 / 95.52 %) over seeds 0-4: 95.55 % validation
-# against 95.50 %, the highest of the five-seed points, so the entry takes it (test: 95.79 +-
-# 0.06 % against 95.75 +- 0.10 %; the tenth task is learnt to 94.95 % instead of 94.62 %).
+# points per task, drawn at random per class; its published 95.76 % keeps that coreset, 84.06 %
+# without), everything else as fromp's. Selected on validation (10 % held out; seed 0, then
+# seeds 0-4 around the best; every candidate and number in docs/results-details.md, permuted
+# MNIST): replay_weight 3, tau 0.7 with curvature_combine=0.5, prior precision 1e-4, a cosine
+# step size from lr 0.002 after a linear warm-up over the first 5 % of each task's iterations.
 _FROMP_CORESET["permuted-mnist"] = _with(
     _FROMP_OWN["permuted-mnist"],
     lr=2e-3,

@@ -1,18 +1,22 @@
 """``fromp-bench sweep``: a grid of (benchmark, strategy, settings, seed) as Ray Tune trials.
 
-Every trial is one :func:`fromp_bench.runner.run`; after each experience it reports the mean
-test (and validation) accuracy over the tasks seen so far to Tune, with the runner's
-checkpoint as a Tune checkpoint, so a trial that fails (a lost node, a killed worker) is
-retried from its last finished experience (``--max-failures``). When all trials are done, the
-results are aggregated exactly as the plain runner does: ``<out>/<benchmark>/results.json``,
-``report.md``, ``accuracy.png`` and ``runs/*.json``; Tune's own files go to
-``<out>/<benchmark>/ray/``.
+Every trial is one :func:`fromp_bench.runner.run` writing what a plain run writes (its
+checkpoint after every experience, ``checkpoints/<run>.pt``, and its result, ``runs/<run>.json``)
+and reporting to Tune after every experience, so a failed trial is retried from its last
+finished experience (``--max-failures``). The results are then aggregated as the plain runner
+does; Tune's own files go to a new ``<out>/<benchmark>/ray/sweep[-k]/`` at every invocation.
 
-Ray is an optional dependency (``pip install 'fromp[ray]'``); without it this command says
-so and the plain runner is unaffected. By default a local Ray instance is started
-(``--num-cpus`` caps it); ``--address`` joins a running cluster (``auto``, ``ray://host:10001``).
-Each trial asks for ``--cpus-per-trial`` CPUs (its torch thread count) and
-``--gpus-per-trial`` GPUs (fractions share a GPU between trials)::
+``--resume`` continues from these files, never from Tune's saved state (``tuner.pkl``,
+``experiment_state-*.json`` are pickled code, which would run on loading): a trial whose
+record is a complete run is reported from it; the others run in a new Tune experiment, each
+resuming from its checkpoint (checksum and no code checked before Ray starts; settings, data
+and code by the runner).
+
+Ray is an optional dependency (``pip install 'fromp[ray]'``). By default a local Ray instance
+is started (``--num-cpus`` caps it); ``--address`` joins a cluster (``auto``,
+``ray://host:10001``; ``--out`` on storage every node reaches). Each trial asks for
+``--cpus-per-trial`` CPUs (its torch threads) and ``--gpus-per-trial`` GPUs (fractions share
+a GPU)::
 
     fromp-bench sweep split-mnist --strategies fromp,ewc --seeds 5 --cpus-per-trial 1
     fromp-bench sweep split-mnist --strategies fromp --grid tau=10,30 --valid-fraction 0.1 \\
@@ -37,6 +41,8 @@ import torch
 from fromp_bench.command import (
     USER_ERRORS,
     UsageError,
+    _earlier_runs,
+    _read_run,
     build_parser,
     check_args,
     check_data,
@@ -47,12 +53,12 @@ from fromp_bench.command import (
     run_options,
     write_report,
 )
+from fromp_bench.plugins import _read_checkpoint, check_writable_run_dirs, out_lock
 from fromp_bench.registry import get_benchmark
+from fromp_bench.report import command_line
 from fromp_bench.runner import RunConfig, data_root_of, run
 
 __all__ = ["sweep", "sweep_main"]
-
-_CKPT = "run.pt"
 
 
 def failure_reason(error: Any, limit: int = 300) -> str:
@@ -64,35 +70,24 @@ def failure_reason(error: Any, limit: int = 300) -> str:
     return " ".join(text.split())[:limit]
 
 
-def _job_seed(config: dict[str, Any]) -> tuple[dict[str, Any], int]:
-    """A trial's job and seed (``config["trial"]``; sweeps written before 0.4 kept them as
-    ``config["job"]`` and ``config["seed"]``)."""
-    pair = config.get("trial") or config
-    return pair["job"], int(pair["seed"])
-
-
-def _key(job: dict[str, Any], seed: int) -> tuple[str, str, int]:
-    """A trial's identity across invocations: (strategy, settings tag, seed)."""
-    return job["strategy"], job["tag"], int(seed)
+def _label(job: dict[str, Any], seed: int) -> str:
+    return run_name(job["strategy"], job["tag"], seed)
 
 
 def _trial(config: dict[str, Any]) -> None:
-    """One Ray Tune trial: a runner run that reports (and checkpoints) every experience and
-    resumes from Tune's checkpoint when the trial is retried."""
+    """One Ray Tune trial: a runner run with the plain run's checkpoint and result files,
+    reporting every experience; resumed from its checkpoint when the sweep is resumed or
+    Tune retries it (Tune's checkpoint only marks that an experience was reported)."""
+    from fromp_bench.report import portable, save_json
     from ray import tune
 
     torch.set_num_threads(int(config["threads"]))
-    job, seed = _job_seed(config)
+    job, seed = config["trial"]["job"], int(config["trial"]["seed"])
+    base = Path(config["base"])
     root = config.get("work_root")
     if root:
         Path(root).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="fromp-trial-", dir=root or None))
-    ckpt = work / _CKPT
-    restored = tune.get_checkpoint()
-    if restored is not None:
-        with restored.as_directory() as d:
-            for name in (_CKPT, _CKPT + ".sha256"):  # the checkpoint and its checksum
-                shutil.copy(Path(d) / name, work / name)
     cfg = RunConfig(
         config["benchmark"],
         job["strategy"],
@@ -102,17 +97,19 @@ def _trial(config: dict[str, Any]) -> None:
         job["overrides"],
         config["n_train"],
         config["n_test"],
-        str(ckpt),
-        restored is not None,
+        str(base / "checkpoints" / f"{_label(job, seed)}.pt"),
+        bool(config["resume"]) or tune.get_checkpoint() is not None,
         None,
         False,
         config["valid_fraction"],
         config["valid_seed"],
+        bool(config["allow_code_change"]),
     )
     crash = config.get("crash_once_after")  # tests: fail once to exercise the retry
 
     def report(info: dict[str, Any]) -> None:
         metrics = {k: v for k, v in info.items() if k != "checkpoint" and v is not None}
+        (work / "progress.json").write_text(json.dumps({"tasks_done": info["tasks_done"]}))
         tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(str(work)))
         marker = Path(str(config.get("crash_marker")))
         if crash is not None and info["tasks_done"] == crash and not marker.exists():
@@ -120,11 +117,39 @@ def _trial(config: dict[str, Any]) -> None:
             raise RuntimeError(f"planned crash after task {crash}")
 
     try:
-        result = run(cfg, report)
+        result = portable(run(cfg, report), base)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    final = {"tasks_done": len(result["accuracy_matrix"]), "result_json": json.dumps(result)}
-    tune.report(final)
+    save_json(base / "runs" / f"{_label(job, seed)}.json", result)
+    tune.report({"tasks_done": len(result["accuracy_matrix"]), "result_json": json.dumps(result)})
+
+
+def _finished(base: Path, wanted: list[tuple[dict[str, Any], int]]) -> dict[str, dict[str, Any]]:
+    """``--resume``: the complete run results in ``runs/`` of the wanted trials (by label;
+    JSON, checked to be a run of that strategy and seed), and, before Ray starts, every
+    checkpoint of the others read as the runner reads it (checksum, no code; a bad one is
+    refused in one line naming it)."""
+    done = {}
+    for job, seed in wanted:
+        label = _label(job, seed)
+        record = base / "runs" / f"{label}.json"
+        if record.is_file():
+            res = _read_run(record)
+            mine = (res["strategy"], res["seed"]) == (job["strategy"], seed)
+            if mine and res["complete"] and not res.get("failed"):
+                done[label] = res
+                continue
+        ckpt = base / "checkpoints" / f"{label}.pt"
+        if ckpt.exists():
+            _read_checkpoint(ckpt)
+    return done
+
+
+def _experiment_name(storage: Path) -> str:
+    """The first of ``sweep``, ``sweep-1``, ... not under ``storage``: every invocation's Tune
+    files go to a new folder (Tune never finds, let alone loads, an earlier state)."""
+    names = ["sweep", *(f"sweep-{k}" for k in range(1, 10_000))]
+    return next(n for n in names if not (storage / n).exists())
 
 
 def sweep(
@@ -144,14 +169,16 @@ def sweep(
 
     ``options`` are those of :func:`fromp_bench.command.run_benchmark` (``seeds``, ``out``,
     ``data_root``, ``device``, ``overrides``, ``grid``, ``n_train``, ``n_test``,
-    ``valid_fraction``, ``valid_seed``, ``select_on``; ``resume`` restores an interrupted
-    sweep). Returns the payload of ``results.json``. Settings are validated (and, on a local
-    Ray instance, the data checked) before Ray starts.
+    ``valid_fraction``, ``valid_seed``, ``select_on``, ``allow_code_change``; ``resume``
+    continues an interrupted sweep from its run records and checkpoints). Returns the payload
+    of ``results.json``. Settings are validated, the output checked and (on a local Ray
+    instance) the data checked before Ray starts.
     """
     seeds, out = options["seeds"], Path(options["out"])
     data_root, device = options.get("data_root"), options.get("device", "cpu")
     n_train, n_test = options.get("n_train"), options.get("n_test")
     valid_fraction, valid_seed = options.get("valid_fraction"), options.get("valid_seed", 0)
+    resume = bool(options.get("resume"))
     try:
         import ray
         from ray import tune
@@ -167,33 +194,74 @@ def sweep(
                 "valid_seed": valid_seed}  # fmt: skip
     jobs = plan(benchmark, strategies, overrides, grid, device if not address else "cpu",
                 protocol)  # fmt: skip
-    if address is None:
-        check_data(benchmark, jobs, data_root, n_train, n_test, valid_fraction, valid_seed)
-    bench = get_benchmark(benchmark)
-    root = data_root_of(bench, data_root)
     base = out.resolve() / benchmark
-    job_list = [
-        {"index": i, "strategy": name, "overrides": merged, "tag": tag}
-        for i, (name, merged, tag) in enumerate(jobs)
-    ]
+    job_list = [{"strategy": name, "overrides": merged, "tag": tag} for name, merged, tag in jobs]
     wanted = [(job, int(seed)) for job in job_list for seed in seeds]  # report order
+    with out_lock(base):
+        check_writable_run_dirs(base)
+        if address is None:
+            check_data(benchmark, jobs, data_root, n_train, n_test, valid_fraction, valid_seed)
+        finished = _finished(base, wanted) if resume else {}
+        todo = [(job, seed) for job, seed in wanted if _label(job, seed) not in finished]
+        started = time.perf_counter()
+        results = finished
+        if todo:
+            space = {
+                "benchmark": benchmark,
+                "base": str(base),
+                "data_root": data_root_of(get_benchmark(benchmark), data_root),
+                "device": device,
+                "n_train": n_train,
+                "n_test": n_test,
+                "valid_fraction": valid_fraction,
+                "valid_seed": valid_seed,
+                "resume": resume,
+                "allow_code_change": bool(options.get("allow_code_change")),
+                "threads": max(1, int(cpus_per_trial)),
+                "trial": tune.grid_search([{"job": j, "seed": s} for j, s in todo]),
+                **(test_hooks or {}),
+            }
+            resources = {"cpu": cpus_per_trial, "gpu": gpus_per_trial}
+            limits = {"max_concurrent": max_concurrent, "max_failures": max_failures}
+            ran = _run_trials(space, resources, base, address, num_cpus, limits)
+            results = {**finished, **ran}
+        ordered = []
+        for job, seed in wanted:
+            res = results[_label(job, seed)]
+            print(describe(res, job["tag"]), flush=True)
+            ordered.append(res)
+        labels = {_label(job, seed) for job, seed in wanted}
+        return write_report(
+            benchmark,
+            base,
+            _earlier_runs(base, labels) + ordered,
+            command=command_line(["fromp-bench", "sweep", *sys.argv[2:]]),
+            total_time_s=time.perf_counter() - started,
+            select_on=options.get("select_on"),
+            engine={"ray": ray.__version__, "address": address or "local"},
+        )
+
+
+def _run_trials(
+    space: dict[str, Any],
+    resources: dict[str, float],
+    base: Path,
+    address: str | None,
+    num_cpus: int | None,
+    limits: dict[str, Any],
+) -> dict[str, dict[str, Any]]:
+    """The trials of ``space`` in a new Tune experiment under ``base/ray`` (``limits``:
+    ``max_concurrent``, ``max_failures``); their results by label (a trial that errored
+    beyond its retries becomes a failed run, saved to ``runs/``)."""
+    import ray
+    from fromp_bench.report import save_json
+    from ray import tune
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # a local sweep's trial directories live under one root that is removed at the end,
     # also after an interruption (Ray may kill a trial before its own clean-up runs)
     work_root = tempfile.mkdtemp(prefix="fromp-sweep-") if address is None else None
-    space = {
-        "benchmark": benchmark,
-        "data_root": root,
-        "device": device,
-        "n_train": n_train,
-        "n_test": n_test,
-        "valid_fraction": valid_fraction,
-        "valid_seed": valid_seed,
-        "threads": max(1, int(cpus_per_trial)),
-        "work_root": work_root,
-        **(test_hooks or {}),
-    }
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    started = time.perf_counter()
+    space["work_root"] = work_root
     ray.init(
         address=address,
         num_cpus=num_cpus if address is None else None,
@@ -202,90 +270,52 @@ def sweep(
         ignore_reinit_error=True,
     )
     # SIGTERM (a job scheduler, kill) ends the sweep as Ctrl-C does: Ray is shut down and the
-    # trials' temporary directories removed; the Tune state stays for --resume. Installed
-    # after ray.init, which sets a handler of its own that exits without either.
+    # trials' temporary directories removed; the records and checkpoints stay for --resume.
+    # Installed after ray.init, which sets a handler of its own that exits without either.
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
     try:
-        trainable = tune.with_resources(_trial, {"cpu": cpus_per_trial, "gpu": gpus_per_trial})
         storage = base / "ray"
-        earlier = sorted(storage.glob("sweep*")) if storage.is_dir() else []
-        trials: list[Any] = []
-        if options.get("resume"):  # finish the earlier experiments first
-            for path in earlier:
-                if tune.Tuner.can_restore(str(path)):
-                    restored = tune.Tuner.restore(str(path), trainable, resume_errored=True)
-                    trials.extend(restored.fit())
-        done = {_key(*_job_seed(r.config)) for r in trials}
-        missing = [(job, seed) for job, seed in wanted if _key(job, seed) not in done]
-        if missing:  # new strategies, settings or seeds: a further experiment runs only them
-            name = f"sweep-{len(earlier)}" if options.get("resume") and earlier else "sweep"
-            space["trial"] = tune.grid_search([{"job": j, "seed": s} for j, s in missing])
-            tuner = tune.Tuner(
-                trainable,
-                param_space=space,
-                tune_config=tune.TuneConfig(max_concurrent_trials=max_concurrent),
-                run_config=tune.RunConfig(
-                    name=name,
-                    storage_path=str(storage),
-                    failure_config=tune.FailureConfig(max_failures=max_failures),
-                    verbose=0,
-                ),
-            )
-            trials.extend(tuner.fit())
-        order = {_key(job, seed): i for i, (job, seed) in enumerate(wanted)}
-        results = _collect(trials, benchmark, base, order)
+        tuner = tune.Tuner(
+            tune.with_resources(_trial, resources),
+            param_space=space,
+            tune_config=tune.TuneConfig(max_concurrent_trials=limits["max_concurrent"]),
+            run_config=tune.RunConfig(
+                name=_experiment_name(storage),
+                storage_path=str(storage),
+                failure_config=tune.FailureConfig(max_failures=limits["max_failures"]),
+                verbose=0,
+            ),
+        )
+        trials = list(tuner.fit())
     finally:
         ray.shutdown()
         if work_root is not None:
             shutil.rmtree(work_root, ignore_errors=True)
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
-    return write_report(
-        benchmark,
-        base,
-        results,
-        command=" ".join(["fromp-bench", "sweep", *sys.argv[2:]]),
-        total_time_s=time.perf_counter() - started,
-        select_on=options.get("select_on"),
-        engine={"ray": ray.__version__, "address": address or "local"},
-    )
-
-
-def _collect(
-    trials: list[Any], benchmark: str, base: Path, order: dict[tuple[str, str, int], int]
-) -> list[dict[str, Any]]:
-    """The run results of all trials in the plan's order (job, then seed; trials of earlier
-    invocations outside the plan after them), saved to ``runs/``; a trial that errored beyond
-    its retries becomes a failed run."""
-    from fromp_bench.report import save_json
-
-    rows = []
+    out = {}
     for r in trials:
-        job, seed = _job_seed(r.config)
+        job, seed = r.config["trial"]["job"], int(r.config["trial"]["seed"])
         metrics = r.metrics or {}
         if "result_json" in metrics:
             res = json.loads(metrics["result_json"])
         else:
-            reason = failure_reason(r.error)
             res = {
-                "benchmark": benchmark,
+                "benchmark": space["benchmark"],
                 "strategy": job["strategy"],
                 "seed": seed,
                 "complete": False,
-                "failed": {"task": int(metrics.get("tasks_done", 0)) + 1, "reason": reason},
+                "failed": {
+                    "task": int(metrics.get("tasks_done", 0)) + 1,
+                    "reason": failure_reason(r.error),
+                },
                 "accuracy_matrix": [],
                 "settings": None,
             }
-        rows.append(
-            ((order.get(_key(job, seed), len(order)), job["strategy"], seed), job["tag"], res)
-        )
-    results = []
-    for _, tag, res in sorted(rows, key=lambda x: x[0]):
-        save_json(base / "runs" / f"{run_name(res['strategy'], tag, res['seed'])}.json", res)
-        print(describe(res, tag), flush=True)
-        results.append(res)
-    return results
+            save_json(base / "runs" / f"{_label(job, seed)}.json", res)
+        out[_label(job, seed)] = res
+    return out
 
 
 def sweep_main(argv: list[str] | None = None) -> int:
@@ -313,7 +343,7 @@ def sweep_main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(
             f"\nfromp-bench sweep: interrupted; run the same command with --resume to continue "
-            f"(Tune state in {out / args.benchmark / 'ray'})",
+            f"(run records and checkpoints in {out / args.benchmark})",
             file=sys.stderr,
         )
         return 130

@@ -36,9 +36,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import io
 import os
 import pickle
 import random
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -118,7 +120,6 @@ def write_checked(path: str | os.PathLike, state: Any) -> None:
     in ``path.sha256``: each file's bytes go to a temporary file, are flushed to disk and then
     renamed over the target, so a crash leaves the previous pair whole. The state is checked
     to load with ``weights_only=True`` before anything is written."""
-    import io
 
     path = Path(path)
     buf = io.BytesIO()
@@ -165,9 +166,11 @@ def read_checked(
 
     Refused with :class:`CheckpointError`, one line naming the file (and ``hint``, e.g. what
     to do): a missing file or a directory, an empty file, a missing or mismatched
-    ``.sha256`` (``checksum=True``), a file that needs code to load (its pickle names
-    functions or classes beyond tensors and plain containers; nothing of it is run), and a
-    truncated or unreadable one. ``unchecked``: what to do about a missing checksum (said
+    ``.sha256`` (``checksum=True``), a file that needs code to load (its pickle, in torch's
+    zip or legacy format or a plain pickle, names functions or classes beyond tensors and
+    plain containers: they are named, read from the opcodes, and nothing of it is run), and a
+    truncated or unreadable one (never with torch's advice to load with
+    ``weights_only=False``). ``unchecked``: what to do about a missing checksum (said
     in that message instead of ``hint``).
     """
     path = Path(path)
@@ -187,7 +190,8 @@ def read_checked(
             raise CheckpointError(f"{what} {path} does not match its checksum {sums.name} (a "
                                   f"damaged or truncated file){tail}")  # fmt: skip
     try:
-        with torch.serialization.safe_globals(_numpy_rng_globals()):
+        with torch.serialization.safe_globals(_numpy_rng_globals()), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")  # refused next
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # pickle, zip and EOF errors come in many types
         code = _code_needed(path)
@@ -198,21 +202,105 @@ def read_checked(
                 f"this version (rerun the job, or save the state again){tail}"
             ) from err
         raise CheckpointError(
-            f"{what} {path} cannot be read ({type(err).__name__}: {_first_line(err)}){tail}"
+            f"{what} {path} cannot be read ({type(err).__name__}: {_load_reason(err)}){tail}"
         ) from err
 
 
+def _load_reason(err: BaseException) -> str:
+    """The reason of a failed load in one line, without torch's advice to load with
+    ``weights_only=False`` (which would run the file's code): of a weights-only refusal only
+    the unpickler's own finding is kept."""
+    text = str(err)
+    if "Weights only load failed" in text:
+        lines = [ln.strip() for ln in text.splitlines()[1:] if ln.strip()]
+        kept = [ln for ln in lines if "weights_only" not in ln and "torch.load" not in ln]
+        text = " ".join(kept) or "a weights-only load refused it"
+    return _first_line(err if not text else RuntimeError(text))
+
+
+#: Opcodes that push a string (a module or a name for ``STACK_GLOBAL``).
+_STRING_OPS = {"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "SHORT_BINUNICODE",
+               "BINUNICODE", "BINUNICODE8"}  # fmt: skip
+#: A legacy ``torch.save`` file is five pickles back to back (magic number, protocol, system
+#: information, the object, the storage keys), then raw storage bytes.
+_LEGACY_PICKLES = 5
+
+
+def _pickle_globals(data: bytes) -> list[str]:
+    """The ``module.name`` of every function or class the pickles in ``data`` import
+    (``GLOBAL``, ``INST``, ``STACK_GLOBAL``), in order, read from the opcodes with
+    :mod:`pickletools`; nothing is run. ``data`` holds up to five pickles back to back (a
+    plain pickle, or a legacy, non-zip ``torch.save`` file); the scan stops at the first bytes
+    that are not a pickle (a legacy file's raw storages)."""
+    import pickletools
+
+    names: list[str] = []
+    stream = io.BytesIO(data)
+    for _ in range(_LEGACY_PICKLES):
+        start = stream.tell()
+        if start >= len(data):
+            break
+        memo: dict[int, Any] = {}
+        pushed: list[Any] = []  # the strings pushed so far (names of STACK_GLOBAL)
+        try:
+            for op, arg, _pos in pickletools.genops(stream):
+                name = op.name
+                if name in _STRING_OPS:
+                    pushed.append(arg if isinstance(arg, str) else None)
+                elif name in ("GLOBAL", "INST"):
+                    names.append(_global_name(*str(arg).split(" ", 1)))
+                elif name == "STACK_GLOBAL" and len(pushed) >= 2:
+                    module, attr = pushed[-2], pushed[-1]
+                    ok = isinstance(module, str) and isinstance(attr, str)
+                    names.append(_global_name(module, attr) if ok else "<computed name>")
+                elif name == "MEMOIZE":
+                    memo[len(memo)] = pushed[-1] if pushed else None
+                elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                    memo[int(arg)] = pushed[-1] if pushed else None
+                elif name in ("GET", "BINGET", "LONG_BINGET"):
+                    pushed.append(memo.get(int(arg)))
+        except Exception:  # not (or no longer) a pickle: raw bytes after the pickles
+            break
+        if stream.tell() == start:
+            break
+    return names
+
+
+def _global_name(module: str, name: str = "") -> str:
+    """``module.name`` as unpickling would import it (Python 2 names, which protocols 0-2
+    write, mapped as :mod:`pickle` maps them: ``__builtin__.exec`` is ``builtins.exec``)."""
+    import _compat_pickle
+
+    module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+    return f"{_compat_pickle.IMPORT_MAPPING.get(module, module)}.{name}"
+
+
+def _archive_pickles(path: Path) -> list[bytes]:
+    """The pickles of a file: a zip ``torch.save`` file's ``data.pkl``, else the file."""
+    import zipfile
+
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as z:
+            return [z.read(n) for n in z.namelist() if n.endswith("data.pkl")]
+    return [path.read_bytes()]
+
+
 def _code_needed(path: Path) -> list[str]:
-    """The functions and classes a file's pickle names beyond those :func:`read_checked`
-    allows (read from the pickle's opcodes; nothing is run); [] when it names none or cannot
-    be scanned."""
+    """The functions and classes a file's pickles name beyond those :func:`read_checked`
+    allows (torch's weights-only set and NumPy's RNG array), zip, legacy ``torch.save`` or
+    plain pickle alike (read from the opcodes by :func:`_pickle_globals`; nothing is run);
+    [] when it names none or cannot be scanned."""
+    from torch import _weights_only_unpickler as weights_only
+
     allowed = {f"{g.__module__}.{g.__qualname__}" for g in _numpy_rng_globals()}
     allowed |= {"numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct"}
+    allowed |= set(weights_only._get_allowed_globals())
     try:
-        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-    except Exception:  # not a zip / pickle at all: reported as unreadable
+        names = [n for data in _archive_pickles(path) for n in _pickle_globals(data)]
+    except (OSError, ValueError):  # a damaged zip: reported as unreadable
         return []
-    return [n for n in names if n not in allowed and not n.startswith("numpy.dtypes.")]
+    out = [n for n in names if n not in allowed and not n.startswith("numpy.dtypes.")]
+    return list(dict.fromkeys(out))
 
 
 # ----------------------------------------------------------------------- strategies

@@ -328,27 +328,6 @@ def test_opt_prefix_sets_optimizer_keyword_arguments():
     assert s["optimizer_kwargs"]["weight_decay"] == 1e-4  # from fromp_bench/settings.py
 
 
-def test_speed_benchmark_ratios_come_from_its_own_timings(tmp_path):
-    from fromp_bench.studies import vogn_speed
-
-    out = tmp_path / "speed.json"
-    vogn_speed.main(["--ivon", "--steps", "3", "--models", "mlp", "--out", str(out)])
-    r = json.loads(out.read_text())["models"]["mlp"]
-    assert r["num_params"] == 269_322  # the FROMP split-MNIST MLP, every head
-    for key in ("adam", "vogn", "ivon", "ivon_antithetic", "normal"):
-        assert 0 < r[key + "_min"] <= r[key]
-    assert r["ratio_ivon_adam_mean"] == pytest.approx(r["ivon_mean"] / r["adam_mean"])
-    assert r["ratio_ivon_antithetic_adam_mean"] == pytest.approx(
-        r["ivon_antithetic_mean"] / r["adam_mean"]
-    )
-    assert r["ratio_normal_floor"] == pytest.approx(
-        (r["adam_mean"] + r["normal_mean"]) / r["adam_mean"]
-    )
-    assert r["ratio_normal_floor_antithetic"] == pytest.approx(
-        (r["adam_mean"] + r["normal_mean"] / 2) / r["adam_mean"]
-    )
-
-
 # ----------------------------------------------------------------- class-incremental split
 
 
@@ -531,34 +510,3 @@ def test_each_run_seed_draws_its_own_memory(monkeypatch):
     assert strategy_kwargs(torch.nn.Linear, {"in_features": 2}, 3) == {"in_features": 2}
     assert strategy_kwargs(VCL, {"coreset_size": 2}, 3) == {"coreset_size": 2}
     assert strategy_kwargs(FROMPMethod, {}, 3) == {"seed": 3}
-
-
-def test_one_head_defaults_study_records_every_task_after_each(tmp_path):
-    """The defaults study on fake MNIST files: an accuracy matrix of every task after each
-    of 3 tasks per configuration, FROMP built with the configuration's arguments only."""
-    from fromp_bench.studies import one_head_defaults as study
-    from test_integrity import write_mnist
-
-    write_mnist(tmp_path, n_train=400, n_test=50)
-    out = tmp_path / "rec.json"
-    args = ["--data-root", str(tmp_path), "--out", str(out), "--n-tasks", "3"]
-    args += ["--n-train", "300", "--n-test", "30", "--epochs", "1"]
-    study.main([*args, "--configs", "naive", "fromp-logits-tau1", "fromp-defaults", "fromp-probs"])
-    rec = json.loads(out.read_text())
-    assert rec["protocol"]["n_tasks"] == 3 and rec["protocol"]["epochs"] == 1
-    names = ["naive", "fromp-logits-tau1", "fromp-defaults", "fromp-probs"]
-    assert [r["name"] for r in rec["runs"]] == names
-    assert rec["runs"][1]["fromp_kwargs"] == {"function": "logits", "tau": 1.0}
-    # the strategy was built with them: the logits, tau = 1 and the default 40 points
-    assert rec["runs"][1]["applied"] == {"function": "logits", "tau": 1.0, "n_points": 40}
-    assert rec["runs"][0]["applied"] is None
-    # the default chooses the logits on this one head that every task fills
-    assert rec["runs"][2]["applied"] == {"function": "logits", "tau": 10.0, "n_points": 40}
-    assert rec["runs"][3]["applied"] == {"function": "probs", "tau": 10.0, "n_points": 40}
-    for r in rec["runs"]:
-        m = r["accuracy_matrix"]
-        assert [len(row) for row in m] == [3, 3, 3]
-        assert all(0 <= a <= 100 for row in m for a in row)
-        assert r["mean_accuracy"] == pytest.approx((m[2][0] + m[2][1] + m[2][2]) / 3)
-    with pytest.raises(SystemExit):
-        study.main([*args[:-2], "--epochs", "0"])

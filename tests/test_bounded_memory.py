@@ -266,17 +266,3 @@ def test_default_budget_cuda_is_half_the_free_memory_up_to_4_gib():
     free, _ = torch.cuda.mem_get_info()
     expected = min(4 * 1024**3, free // 2)
     assert abs(default_memory_budget("cuda") - expected) <= 0.1 * free
-
-
-def test_scale_study_runs_the_laplace_predictive_case():
-    """fromp_bench.studies.scale's ``laplace_predictive`` case: one fit, then the predictive
-    on each ``n`` in ascending order, probabilities summing to one."""
-    from fromp_bench.studies.scale import run_case
-
-    spec = {"model": "mlp", "device": "cpu", "threads": 1, "lt_batch": 4, "gp_chunk": 4,
-            "case": "laplace_predictive", "n": 5, "ns": [5, 2], "structure": "kron",
-            "pred_fit": 16, "memory_budget": 1 << 20}  # fmt: skip
-    out = run_case(spec)
-    assert [r["n"] for r in out["predictive"]] == [2, 5]
-    assert all(abs(r["prob_sum_mean"] - 1) < 1e-5 for r in out["predictive"])
-    assert out["predictive"][-1]["pred_peak_rss_mb"] >= out["fit_rss_mb"] > 0

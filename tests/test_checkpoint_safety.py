@@ -1,10 +1,12 @@
 """No entry point runs code from a checkpoint, and every checkpoint is whole or refused.
 
-A crafted checkpoint whose pickle calls ``exec`` (writing a marker file) is given to every
-loader: ``fromp-bench --resume``, ``fromp-memorable``, ``fromp-gp`` (a checkpoint and
-``--weights``), the runner's reader and ``fromp_avalanche.checkpoint.load_checkpoint``. Each must
-refuse it in one line naming the file, and the marker must not exist afterwards (before,
-all but ``--weights`` read with ``weights_only=False`` and ran it). Then the integrity of
+A crafted checkpoint whose pickle calls ``exec`` (writing a marker file), in torch's zip
+format, its legacy (non-zip) format and as a plain pickle, is given to every loader:
+``fromp-bench --resume``, ``fromp-memorable``, ``fromp-gp`` (a checkpoint and ``--weights``),
+the runner's reader and ``fromp_avalanche.checkpoint.load_checkpoint`` (the sweep and
+``--report-only`` in tests/test_sweep.py and below). Each must refuse it in one line naming the
+file and the global it calls, never repeating torch's advice to load with
+``weights_only=False``, and the marker must not exist afterwards. Then the integrity of
 ``fromp_avalanche.checkpoint``: a checksum written beside the file, a flipped byte, a missing
 checksum, a truncated file and missing keys refused with the path, and a checkpoint of
 another method refused before the strategy's model or optimizer is changed."""
@@ -14,6 +16,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import io
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -53,11 +56,18 @@ class Payload:
         return (exec, (f"open({str(self.marker)!r}, 'w').write('ran')",))
 
 
-def _save_raw(path: Path, state: object) -> None:
-    """``torch.save`` with a matching ``.sha256`` (the checksum proves the file whole, not
-    safe: the refusal must come from reading without code)."""
+FORMATS = ("zip", "legacy", "pickle")
+
+
+def _save_raw(path: Path, state: object, kind: str = "zip") -> None:
+    """``torch.save`` (``kind``: its zip or its legacy format) or ``pickle.dump``, with a
+    matching ``.sha256`` (the checksum proves the file whole, not safe: the refusal must come
+    from reading without code)."""
     buf = io.BytesIO()
-    torch.save(state, buf)
+    if kind == "pickle":
+        pickle.dump(state, buf)
+    else:
+        torch.save(state, buf, _use_new_zipfile_serialization=kind == "zip")
     path.write_bytes(buf.getvalue())
     path.with_name(path.name + ".sha256").write_text(hashlib.sha256(buf.getvalue()).hexdigest())
 
@@ -67,6 +77,7 @@ def _one_line(capsys, *needles: str) -> str:
     for needle in needles:
         assert needle in err, err
     assert "\n" not in err and "Traceback" not in err, err
+    assert "weights_only" not in err, err  # never torch's advice to load with code
     return err
 
 
@@ -80,47 +91,82 @@ def bench_checkpoint(tmp_path_factory):
     return out, ckpt
 
 
-def _evil_copy(ckpt: Path, dest: Path, marker: Path) -> Path:
+def _evil_copy(ckpt: Path, dest: Path, marker: Path, kind: str = "zip") -> Path:
     state = torch.load(ckpt, weights_only=True)
     state["extra"] = Payload(marker)
-    _save_raw(dest, state)
+    _save_raw(dest, state, kind)
     return dest
 
 
-def test_the_payload_runs_under_full_pickle(tmp_path):
-    """The crafted file is a real threat: full pickle runs it (so the tests below that it
-    does not run are meaningful)."""
+@pytest.mark.parametrize("kind", FORMATS)
+def test_the_payload_runs_under_full_pickle(kind, tmp_path):
+    """The crafted file is a real threat in every format: full pickle runs it (so the tests
+    below that it does not run are meaningful)."""
     marker = tmp_path / "marker"
-    _save_raw(tmp_path / "x.pt", {"model": {}, "extra": Payload(marker)})
-    torch.load(tmp_path / "x.pt", weights_only=False)
+    _save_raw(tmp_path / "x.pt", {"model": {}, "extra": Payload(marker)}, kind)
+    if kind == "pickle":
+        pickle.loads((tmp_path / "x.pt").read_bytes())
+    else:
+        torch.load(tmp_path / "x.pt", weights_only=False)
     assert marker.read_text() == "ran"
 
 
+@pytest.mark.parametrize("kind", FORMATS)
+def test_the_reader_names_what_every_format_calls(kind, tmp_path):
+    """Before: a legacy-format or plain pickle was refused with torch's advice cut
+    mid-sentence ("Re-running torch.load with weights_only set to False"), naming nothing."""
+    marker = tmp_path / "marker"
+    _save_raw(tmp_path / "x.pt", {"a": torch.ones(2), "b": Payload(marker)}, kind)
+    with pytest.raises(StrategyCheckpointError) as err:
+        read_checked(tmp_path / "x.pt")
+    text = str(err.value)
+    # (a plain pickle of a tensor also calls torch.storage._load_from_bytes, itself code)
+    assert "needs code to load (" in text and "builtins.exec" in text, text
+    assert "weights_only" not in text, text
+    assert "\n" not in text and not marker.exists()
+
+
+def test_legacy_and_plain_files_without_code_load_or_are_named_unreadable(tmp_path):
+    """The scan allows what a weights-only load allows: a legacy-format file of tensors and
+    plain containers loads; a plain pickle torch cannot read is refused as unreadable, without
+    torch's advice."""
+    state = {"a": torch.arange(3.0), "b": [1, (2, "x")]}
+    _save_raw(tmp_path / "legacy.pt", state, "legacy")
+    got = read_checked(tmp_path / "legacy.pt")
+    assert torch.equal(got["a"], state["a"]) and got["b"] == [1, (2, "x")]
+    _save_raw(tmp_path / "plain.pt", {"a": 1}, "pickle")
+    with pytest.raises(StrategyCheckpointError, match="cannot be read") as err:
+        read_checked(tmp_path / "plain.pt")
+    assert "weights_only" not in str(err.value) and "needs code" not in str(err.value)
+
+
+@pytest.mark.parametrize("kind", FORMATS)
 @pytest.mark.parametrize("tool", ["memorable", "gp"])
-def test_clis_refuse_a_checkpoint_that_needs_code(tool, bench_checkpoint, tmp_path, capsys):
+def test_clis_refuse_a_checkpoint_that_needs_code(tool, kind, bench_checkpoint, tmp_path, capsys):
     _, ckpt = bench_checkpoint
     marker = tmp_path / "marker"
-    evil = _evil_copy(ckpt, tmp_path / "evil.pt", marker)
+    evil = _evil_copy(ckpt, tmp_path / "evil.pt", marker, kind)
     run = memorable_main if tool == "memorable" else gp_main
     assert run([str(evil), "--task", "0", "--out", str(tmp_path / "o")]) == 2
     _one_line(capsys, str(evil), "needs code to load", "builtins.exec", "re-create it")
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("kind", FORMATS)
 @pytest.mark.parametrize("tool", ["memorable", "gp"])
-def test_clis_refuse_weights_that_need_code(tool, tmp_path, monkeypatch, capsys):
+def test_clis_refuse_weights_that_need_code(tool, kind, tmp_path, monkeypatch, capsys):
     (tmp_path / "usernet_evil.py").write_text(
         "import torch\ndef make():\n    return torch.nn.Sequential(torch.nn.Flatten(), "
         "torch.nn.Linear(64, 2))\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     marker = tmp_path / "marker"
-    torch.save({"0.weight": Payload(marker)}, tmp_path / "w.pt")
+    _save_raw(tmp_path / "w.pt", {"0.weight": Payload(marker)}, kind)
     run = memorable_main if tool == "memorable" else gp_main
     argv = ["--model", "usernet_evil:make", "--weights", str(tmp_path / "w.pt"),
             "--benchmark", "split-digits", "--out", str(tmp_path / "o")]  # fmt: skip
     assert run(argv) == 2
-    _one_line(capsys, str(tmp_path / "w.pt"), "needs code to load")
+    _one_line(capsys, str(tmp_path / "w.pt"), "needs code to load", "builtins.exec")
     assert not marker.exists()
 
 
@@ -154,15 +200,18 @@ def test_resume_refuses_a_checkpoint_that_needs_code(tmp_path, capsys):
     argv = ["split-digits", "--strategies", "naive", *QUICK, "--out", str(out)]
     assert main([*argv, "--stop-after", "1"]) == 0
     (ckpt,) = (out / "split-digits" / "checkpoints").glob("naive*.pt")
-    marker = tmp_path / "marker"
-    _evil_copy(ckpt, ckpt, marker)
-    capsys.readouterr()
-    assert main([*argv, "--resume"]) == 2
-    _one_line(capsys, str(ckpt), "needs code to load", "delete it or drop --resume")
-    assert not marker.exists()
-    with pytest.raises(CheckpointError, match="needs code to load"):
-        _read_checkpoint(ckpt)
-    assert not marker.exists()
+    good = torch.load(ckpt, weights_only=True)
+    for kind in FORMATS:
+        marker = tmp_path / f"marker-{kind}"
+        _save_raw(ckpt, {**good, "extra": Payload(marker)}, kind)
+        capsys.readouterr()
+        assert main([*argv, "--resume"]) == 2
+        _one_line(capsys, str(ckpt), "needs code to load", "builtins.exec",
+                  "delete it or drop --resume")  # fmt: skip
+        assert not marker.exists()
+        with pytest.raises(CheckpointError, match="needs code to load"):
+            _read_checkpoint(ckpt)
+        assert not marker.exists()
 
 
 def test_old_plain_checkpoints_still_load(bench_checkpoint, tmp_path):
@@ -241,15 +290,19 @@ def _weights(strategy):
     return {k: v.detach().clone() for k, v in strategy.model.state_dict().items()}
 
 
-def test_strategy_checkpoint_refuses_code(saved, tmp_path):
+@pytest.mark.parametrize("kind", FORMATS)
+@pytest.mark.parametrize("checksum", [True, False])
+def test_strategy_checkpoint_refuses_code(kind, checksum, saved, tmp_path):
     stream, paths = saved
     marker = tmp_path / "marker"
     evil = tmp_path / "evil.pt"
     state = torch.load(paths["ewc"], weights_only=True)
     state["plugins"][0]["state"]["anchors"] = Payload(marker)
-    _save_raw(evil, state)
-    with pytest.raises(StrategyCheckpointError, match=f"checkpoint {evil} needs code to load"):
-        load_checkpoint(_strategy("ewc"), evil, stream)
+    _save_raw(evil, state, kind)
+    want = rf"checkpoint {evil} needs code to load \(.*builtins\.exec"
+    with pytest.raises(StrategyCheckpointError, match=want) as err:
+        load_checkpoint(_strategy("ewc"), evil, stream, checksum=checksum)
+    assert "weights_only" not in str(err.value)
     assert not marker.exists()
 
 
@@ -417,3 +470,16 @@ def test_avalanche_ewc_resumes_exactly_from_a_plain_checkpoint(tmp_path):
     resumed = run(RunConfig("split-digits", "ewc-avalanche", checkpoint=str(path), resume=True,
                             **kw))  # fmt: skip
     assert resumed["accuracy_matrix"] == straight["accuracy_matrix"]
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_report_only_refuses_a_pickled_run_record(kind, tmp_path, capsys):
+    """``--report-only`` (and a run adding to the folder) reads ``runs/*.json`` as JSON only:
+    a crafted pickle there is refused in one line naming it, and nothing of it runs."""
+    marker = tmp_path / "marker"
+    record = tmp_path / "split-digits" / "runs" / "naive-seed0.json"
+    record.parent.mkdir(parents=True)
+    _save_raw(record, {"strategy": Payload(marker)}, kind)
+    assert main(["split-digits", "--report-only", "--out", str(tmp_path)]) == 2
+    _one_line(capsys, str(record), "not a run result")
+    assert not marker.exists()

@@ -60,6 +60,28 @@ def test_memorable_cli(checkpoint, tmp_path, capsys):
     assert (tmp_path / "memorable.png").stat().st_size > 1000
 
 
+@pytest.fixture(scope="module")
+def ci_checkpoint(tmp_path_factory):
+    """A class-incremental run (one head over the digits, labels the digits), two tasks."""
+    path = tmp_path_factory.mktemp("ci") / "naive.pt"
+    run(RunConfig("split-digits-ci", "naive", overrides={"train_epochs": 1}, n_train=60,
+                  n_test=20, checkpoint=str(path), progress=False, stop_after=2))  # fmt: skip
+    return path
+
+
+def test_memorable_cli_names_the_classes_of_a_class_incremental_task(ci_checkpoint, tmp_path):
+    """Before: every task but the first crashed after its work (IndexError: the labels, the
+    digits 2 and 3 already, were used as positions in the task's two classes), and nothing
+    was written, also after a whole --map."""
+    out = tmp_path / "m1"
+    argv = [str(ci_checkpoint), "--task", "1", "--n-per-class", "3", "--out", str(out)]
+    assert memorable_main(argv) == 0
+    payload = json.loads((out / "memorable.json").read_text())
+    assert payload["labels"] == payload["classes"]  # one head: the labels are the digits
+    assert sorted(payload["classes"]) == [2, 2, 2, 3, 3, 3]
+    assert (out / "memorable.png").stat().st_size > 1000
+
+
 def test_gp_cli(checkpoint, tmp_path):
     argv = [str(checkpoint), "--task", "1", "--n", "20", "--n-fit", "100", "--out", str(tmp_path)]
     assert gp_main([*argv, "--prior-precision", "3.0"]) == 0

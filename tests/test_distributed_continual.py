@@ -176,10 +176,10 @@ def test_ewc_over_two_ranks_equals_one_process(fisher, mode):
 
 
 # ----------------------------------------------------------------------- the runner
-def _bench(out, nproc: int | None) -> dict:
+def _bench(out, nproc: int | None, *extra: str) -> tuple[dict, str]:
     """``fromp-bench`` on the built-in Split-Digits (2 tasks, tiny), plain (``nproc=None``)
     or launched by ``torch.distributed.run`` with ``nproc`` gloo processes; the JSON of
-    every run that rank 0 wrote."""
+    every run file in ``out`` (by file name) and the command's standard error."""
     import json
     import os
     import subprocess
@@ -188,7 +188,7 @@ def _bench(out, nproc: int | None) -> dict:
 
     args = ["-m", "fromp_bench", "split-digits", "--strategies", "ewc,fromp", "--epochs", "1",
             "--batch-size", "8", "--n-train", "80", "--n-test", "20", "--stop-after", "2",
-            "--out", str(out), "--no-progress"]  # fmt: skip
+            "--out", str(out), "--no-progress", *extra]  # fmt: skip
     if nproc is not None:
         args = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                 *args]  # fmt: skip
@@ -200,18 +200,41 @@ def _bench(out, nproc: int | None) -> dict:
     assert done.returncode == 0, done.stderr[-3000:]
     base = Path(out) / "split-digits"
     assert (base / "results.json").exists()
-    runs = {f.stem.split("-")[0]: json.loads(f.read_text()) for f in (base / "runs").glob("*.json")}
-    assert set(runs) == {"ewc", "fromp"}
-    return runs
+    runs = {f.stem: json.loads(f.read_text()) for f in (base / "runs").glob("*.json")}
+    return runs, done.stderr
+
+
+def _by_strategy(runs: dict) -> dict:
+    assert len({r["strategy"] for r in runs.values()}) == len(runs) == 2, sorted(runs)
+    return {r["strategy"]: r for r in runs.values()}
 
 
 def test_runner_under_torchrun_rank_zero_writes_and_one_process_is_unchanged(tmp_path):
     """``torchrun --nproc_per_node=1`` gives the plain run's numbers exactly; with 2 gloo
     processes rank 0 writes the results (one file per run), which hold the same settings,
-    data and task sizes, and train both tasks to finite accuracies."""
-    plain = _bench(tmp_path / "plain", None)
-    one = _bench(tmp_path / "one", 1)
-    two = _bench(tmp_path / "two", 2)
+    data and task sizes, and train both tasks to finite accuracies. The two-process run of
+    the same command into the same folder, with ``--resume``, is a run of its own (the
+    world size in its settings id): it starts anew, says so once per run, and replaces
+    neither the plain run's result nor its checkpoint (before, it shared their label and
+    silently replaced them)."""
+    import json
+
+    from fromp_bench.report import group_key
+
+    plain_runs, _ = _bench(tmp_path / "plain", None)
+    plain = _by_strategy(plain_runs)
+    one = _by_strategy(_bench(tmp_path / "one", 1)[0])
+    base = tmp_path / "plain" / "split-digits"
+    before = {f.name: f.read_bytes() for f in (base / "checkpoints").glob("*.pt")}
+    both, err = _bench(tmp_path / "plain", 2, "--resume")
+    assert err.count("no checkpoint of these settings") == 2, err  # once per run, rank 0
+    for stem, run in plain_runs.items():
+        assert both[stem] == run  # the plain results are kept as they were
+    two = _by_strategy({k: v for k, v in both.items() if k not in plain_runs})
+    after = {f.name: f.read_bytes() for f in (base / "checkpoints").glob("*.pt")}
+    assert {k: after[k] for k in before} == before and len(after) == 2 * len(before)
+    assert len(json.loads((base / "results.json").read_text())["runs"]) == 4
+    assert len({group_key(r) for r in both.values()}) == 4  # never seeds of one setting
     for name in ("ewc", "fromp"):
         assert one[name]["accuracy_matrix"] == plain[name]["accuracy_matrix"]
         assert one[name]["per_task"] == plain[name]["per_task"]

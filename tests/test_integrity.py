@@ -17,7 +17,7 @@ from fromp_bench import data as D
 from fromp_bench.__main__ import main
 from fromp_bench.cli import gp_main, memorable_main
 from fromp_bench.plugins import _write_checkpoint
-from fromp_bench.report import aggregate
+from fromp_bench.report import aggregate, command_line
 from fromp_bench.runner import (
     CheckpointError,
     RunConfig,
@@ -189,8 +189,19 @@ def test_resume_refuses_another_data_root(tmp_path, capsys):
     assert "data_root" in err and "data hash" in err
     (run_file,) = (tmp_path / "out" / "split-mnist" / "runs").glob("naive-*seed0.json")
     payload = json.loads(run_file.read_text())
-    assert payload["data"]["root"] == str(a.resolve())
     assert len(payload["data"]["fingerprint"]["tasks"]) == 5
+    # the records name no path of the machine: the data root is DATA (the data are identified
+    # by their fingerprint), the checkpoint relative to the output folder, the command's paths
+    # OUT and DATA (before, the absolute paths, e.g. /work/... and /tmp/..., were recorded)
+    assert payload["data"]["root"] == payload["config"]["data_root"] == "DATA"
+    assert payload["config"]["checkpoint"] == f"checkpoints/{run_file.stem}.pt"
+    results = (tmp_path / "out" / "split-mnist" / "results.json").read_text()
+    assert str(tmp_path) not in run_file.read_text() + results
+    words = ["fromp-bench", "split-mnist", "--out", str(tmp_path), f"--data-root={a}", "--seeds"]
+    assert (
+        command_line([*words, "2"])
+        == "fromp-bench split-mnist --out OUT --data-root=DATA --seeds 2"
+    )
 
 
 def test_resume_refuses_changed_data_under_the_same_root(tmp_path, capsys):
@@ -237,6 +248,65 @@ def test_corrupt_checkpoint_is_one_line(content, tmp_path, capsys):
     assert main([*argv, "--resume"]) == 2
     err = _one_line_error(capsys, str(ckpt))
     assert "empty" in err or "does not match its checksum" in err
+
+
+def _del(key):
+    def edit(s):
+        del s[key]
+
+    return edit
+
+
+def _del_weight(s):
+    del s["model"][next(iter(s["model"]))]
+
+
+def _reshape_weight(s):
+    name = next(iter(s["model"]))
+    s["model"][name] = torch.zeros(3, 3)
+
+
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        (lambda s: s.update(done=-1), "done=-1, expected 0 <= done <= 5"),
+        (lambda s: s.update(done=99), "done=99, expected 0 <= done <= 5"),
+        (lambda s: s.update(done=True), "done is a bool"),
+        (lambda s: s.update(done=3), "matrix has 2 entries, expected 3 (done=3)"),
+        (lambda s: s.update(matrix=s["matrix"][:1]), "matrix has 1 entries, expected 2"),
+        (lambda s: s.update(timing=[]), "timing has 0 entries, expected 2"),
+        (lambda s: s["matrix"][0].append(50.0), "a row of matrix is"),
+        (lambda s: s["matrix"][1].__setitem__(0, "x"), "a row of matrix is"),
+        (lambda s: s.update(valid_matrix=[[1.0]]), "valid_matrix has 1 entries, expected 0"),
+        (lambda s: s.update(elapsed=float("nan")), "elapsed=nan"),
+        (_del("rng"), "is missing keys ['rng']"),
+        (lambda s: s["rng"].pop("numpy"), "rng is missing ['numpy']"),
+        (_del("matrix"), "is missing keys ['matrix']"),
+        (lambda s: s.update(plugins=[]), "plugins is a list, expected a Mapping"),
+        (_del_weight, "does not fit the strategy's model: missing"),
+        (_reshape_weight, "has shape (3, 3)"),
+    ],
+)  # fmt: skip
+def test_resume_checks_the_content_of_a_checksummed_checkpoint(edit, needle, tmp_path, capsys):
+    """Before: a checkpoint whose checksum matched was trusted: done=-1 resumed into a
+    10-row matrix reported complete, done=99 stayed incomplete forever, a missing rng entry
+    or model tensor ended in a traceback. Each is refused in one line naming the file and
+    the entry, and nothing is trained or written."""
+    from fromp_avalanche.checkpoint import read_checked, write_checked
+
+    argv = ["split-digits", "--strategies", "naive", *QUICK, "--out", str(tmp_path)]
+    assert main([*argv, "--stop-after", "2"]) == 0
+    (ckpt,) = (tmp_path / "split-digits" / "checkpoints").glob("naive*.pt")
+    state = read_checked(ckpt)
+    edit(state)
+    write_checked(ckpt, state)  # the checksum matches the edited content
+    before = {f: f.read_bytes() for f in (tmp_path / "split-digits").rglob("*") if f.is_file()}
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 2
+    err = _one_line_error(capsys, f"checkpoint {ckpt}")
+    assert needle in err and "delete it or drop --resume" in err, err
+    after = {f: f.read_bytes() for f in (tmp_path / "split-digits").rglob("*") if f.is_file()}
+    assert after == before
 
 
 def test_ctrl_c_says_how_to_resume(tmp_path, capsys, monkeypatch):

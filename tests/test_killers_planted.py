@@ -1,4 +1,4 @@
-"""Tests written for the planted bugs a first run of ``fromp_bench.studies.planted_bugs`` did
+"""Tests written for the planted bugs a first run of ``studies.planted_bugs`` did
 not catch with the tests it named: each checks one behaviour against the dense float64
 references of :mod:`fromp.testing` (plain autograd), without real data."""
 

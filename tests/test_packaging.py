@@ -84,3 +84,25 @@ def test_a_users_own_strategies_and_benchmarks_modules_do_not_shadow_ours(tmp_pa
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "ok"
+
+
+def test_the_studies_are_not_installed_and_no_test_imports_one():
+    """The product is the library, the strategies, the runner and its tools: the one-off
+    studies live in the top-level ``studies/`` folder, outside every installed package, and
+    the project's tests (``make test``) import none of them (their own tests are in
+    ``studies/tests``, not collected)."""
+    import ast
+
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]
+    assert not any("studies" in p for p in tool["setuptools"]["packages"])
+    assert not (ROOT / "benchmarks" / "studies").exists()
+    assert "studies" not in tool["pytest"]["ini_options"]["testpaths"]
+    importing = []
+    for f in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            importing += [f"{f.name}: {n}" for n in names if n.split(".")[0] == "studies"
+                          or n.startswith("fromp_bench.studies")]  # fmt: skip
+    assert not importing, importing

@@ -145,3 +145,103 @@ def test_sigterm_shuts_ray_down_and_removes_the_trials_temporary_files(tmp_path)
     assert not alive, [c.cmdline()[:3] for c in alive]
     assert not leftover
     assert (tmp_path / "out" / "split-digits" / "ray" / "sweep").is_dir()
+
+
+class _Payload:
+    """Pickles as a call of ``exec`` that writes ``marker`` (what a crafted file would do)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({str(self.marker)!r}, 'w').write('ran')",))
+
+
+def _plant(base, marker) -> list:
+    """Crafted pickles wherever Tune keeps state under the sweep's folder (``tuner.pkl``, a
+    ``CLOUDPICKLE_FALLBACK`` blob in ``experiment_state-*.json``, a trial's ``params.pkl``
+    and checkpoint), in the folder the next invocation would have used too."""
+    import io
+    import pickle
+
+    import torch
+
+    blob = pickle.dumps(_Payload(marker))
+    files = []
+    for exp in ("sweep", "sweep-1"):
+        d = base / "ray" / exp
+        (d / "trial_0" / "checkpoint_000000").mkdir(parents=True)
+        state = {"trial_data": [[{"_type": "CLOUDPICKLE_FALLBACK", "value": blob.hex()}]]}
+        trial = d / "trial_0"
+        files += [d / "tuner.pkl", d / "experiment_state-2026-11-28_00-00-00.json",
+                  trial / "params.pkl", trial / "checkpoint_000000" / "run.pt"]  # fmt: skip
+        files[-4].write_bytes(blob)
+        files[-3].write_text(json.dumps(state))
+        files[-2].write_bytes(blob)
+        buf = io.BytesIO()
+        torch.save({"model": _Payload(marker)}, buf)
+        files[-1].write_bytes(buf.getvalue())
+    (base / "ray" / "tuner.pkl").write_bytes(blob)
+    return files
+
+
+@pytest.mark.slow
+def test_resume_never_loads_tunes_state_and_refuses_crafted_records(tmp_path, capsys):
+    """Before: ``sweep --resume`` restored Ray Tune's state from ``--out`` (``tuner.pkl``,
+    ``experiment_state-*.json``), which unpickled a crafted file and ran its code. Now the
+    sweep reads only its own records: a crafted checkpoint or run record is refused in one
+    line before Ray starts, and Tune's files, crafted, are never read (the sweep resumes and
+    finishes beside them); no marker file appears."""
+    import hashlib
+    import io
+    import pickle
+
+    import torch
+    from fromp_bench.command import plan, run_name
+
+    out, marker = tmp_path / "out", tmp_path / "marker"
+    base = out / "split-digits"
+    argv = ["sweep", "split-digits", "--strategies", "naive", "--epochs", "1", "--n-train",
+            "40", "--n-test", "20", "--num-cpus", "1", "--no-progress", "--out", str(out),
+            "--resume"]  # fmt: skip
+    protocol = {"n_train": 40, "n_test": 20, "valid_fraction": None, "valid_seed": 0}
+    ((_, _, tag),) = plan("split-digits", ["naive"], {"train_epochs": 1}, [{}], "cpu", protocol)
+    label = run_name("naive", tag, 0)
+    planted = _plant(base, marker)
+    # a crafted checkpoint (checksum matching) of the trial: refused before Ray starts
+    ckpt = base / "checkpoints" / f"{label}.pt"
+    ckpt.parent.mkdir(parents=True)
+    for kind in ("zip", "legacy", "pickle"):
+        buf = io.BytesIO()
+        if kind == "pickle":
+            pickle.dump({"model": _Payload(marker)}, buf)
+        else:
+            torch.save(
+                {"model": _Payload(marker)}, buf, _use_new_zipfile_serialization=kind == "zip"
+            )
+        ckpt.write_bytes(buf.getvalue())
+        (ckpt.parent / f"{label}.pt.sha256").write_text(hashlib.sha256(buf.getvalue()).hexdigest())
+        capsys.readouterr()
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert str(ckpt) in err and "needs code to load" in err and "\n" not in err, err
+        assert not marker.exists()
+    ckpt.unlink()
+    # a run record that is a pickle, not JSON: refused naming it
+    record = base / "runs" / f"{label}.json"
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_bytes(pickle.dumps(_Payload(marker)))
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert str(record) in err and "not a run result" in err and "\n" not in err, err
+    record.unlink()
+    # with only Tune's crafted files left, the sweep runs to its end beside them
+    assert main(argv) == 0
+    assert not marker.exists()
+    assert all(f.read_bytes() for f in planted)  # untouched, and never loaded
+    assert json.loads(record.read_text())["complete"]
+    assert (base / "ray" / "sweep-2").is_dir()  # a new folder for this invocation's Tune files
+    # resumed again: the finished trial is reported from its record, Ray is not started
+    before = record.read_text()
+    assert main(argv) == 0 and record.read_text() == before
+    assert not (base / "ray" / "sweep-3").exists() and not marker.exists()
