@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 from fromp_avalanche.models import unwrap
-from fromp_avalanche.template import MethodStrategy, PosteriorOptimizerPlugin, require_optimizer_on
+from fromp_avalanche.posterior import PosteriorOptimizerPlugin
+from fromp_avalanche.template import MethodStrategy, require_optimizer_on
 from torch import nn
 
 from fromp._checks import check_positive
@@ -76,7 +77,7 @@ class IVONPlugin(PosteriorOptimizerPlugin):
         self.set_ess = bool(set_ess)
 
     # checkpoints: PosteriorOptimizerPlugin's state_dict / load_state_dict (the optimizer's
-    # torch state dict under "ivon"; a 0.3 checkpoint through IVON.load_ivon_state)
+    # torch state dict under "ivon")
 
     def _discard_draw(self, strategy: Any) -> None:
         opt = self._opt(strategy)
@@ -115,7 +116,7 @@ class IVONPlugin(PosteriorOptimizerPlugin):
         net = unwrap(strategy.model)
         q = opt.posterior(net)
         prior = q if self.prior_scale == 1.0 else q.with_precision(q.precision * self.prior_scale)
-        self._end_experience(q, lambda: opt.set_prior(prior, model=net, reset=True))
+        self._end_experience(strategy, q, lambda: opt.set_prior(prior, model=net, reset=True))
 
 
 class IVONStrategy(MethodStrategy):

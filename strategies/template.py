@@ -1,27 +1,47 @@
 """The Avalanche template every strategy of :mod:`fromp_avalanche` is built on, and what the
-plugins that drive a posterior-keeping optimizer (VOGN, IVON) share."""
+plugins read from an Avalanche experience for a continual method's protocol."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from avalanche.training.plugins import SupervisedPlugin
 from avalanche.training.plugins.evaluation import default_evaluator
 from avalanche.training.templates import SupervisedTemplate
 from torch import nn
 
 from fromp.models import is_multitask, with_task
-from fromp.posterior import DiagonalGaussian
 
 __all__ = [
     "MethodStrategy",
-    "PosteriorOptimizerPlugin",
     "check_labels_fit",
+    "experience_facts",
+    "one_task_label",
     "require_optimizer_on",
 ]
+
+
+def experience_facts(strategy: Any) -> dict[str, Any]:
+    """What a continual method's ``begin_task`` takes from the strategy's experience: its
+    task label (None when it has several), key (``current_experience``), size (``ess``)
+    and classes."""
+    exp = strategy.experience
+    labels = list(getattr(exp, "task_labels", None) or [0])
+    return {
+        "task": int(labels[0]) if len(labels) == 1 else None,
+        "experience": int(exp.current_experience),
+        "ess": len(exp.dataset),
+        "classes": [int(c) for c in getattr(exp, "classes_in_this_experience", None) or []],
+    }
+
+
+def one_task_label(task_labels: Any) -> int:
+    """The one task label of an experience's ``[N]`` labels (``ValueError`` otherwise)."""
+    tasks = task_labels.unique()
+    if len(tasks) != 1:
+        raise ValueError(f"an experience must hold one task label, got {tasks.tolist()}")
+    return int(tasks[0])
 
 
 class MethodStrategy(SupervisedTemplate):
@@ -160,100 +180,3 @@ def require_optimizer_on(model: nn.Module, optimizer: Any, cls: type) -> None:
     opt_ids = {id(p) for p in optimizer.params}
     if opt_ids != {id(p) for p in model.parameters() if p.requires_grad}:
         raise ValueError("optimizer must hold exactly the model's trainable parameters")
-
-
-class PosteriorOptimizerPlugin(SupervisedPlugin):
-    """What the plugins driving a posterior-keeping optimizer (:class:`fromp_avalanche.vogn.
-    VOGNPlugin`, :class:`fromp_avalanche.ivon.IVONPlugin`) share: the optimizer check, the
-    per-experience posteriors and the task counter, continual prior updates and checkpoints.
-
-    The optimizer keeps its state in torch's ``optimizer.state``, which Avalanche resets the
-    first time a strategy trains (``make_optimizer(reset_optimizer_state=True)``): a loaded
-    checkpoint is therefore loaded again at the start of the next experience
-    (:meth:`before_training_exp`; a subclass that overrides it calls ``super()``).
-
-    Subclasses set ``optimizer_class`` (e.g. :class:`fromp.optim.VOGN`) and ``state_key``
-    (``"vogn"``: the key of the optimizer's state dict in the plugin's, and
-    ``load_<state_key>_state`` for a checkpoint whose entry is an older optimizer's own form).
-
-    Args:
-        optimizer: the strategy's optimizer (also found as ``strategy.optimizer`` in the
-            hooks; given here so that :meth:`state_dict` works before training).
-        continual: at the end of each experience make the posterior the next prior.
-    """
-
-    optimizer_class: type
-    state_key: str
-
-    def __init__(self, optimizer: Any = None, *, continual: bool = True) -> None:
-        super().__init__()
-        self.optimizer = optimizer
-        self.continual = bool(continual)
-        self.posteriors: list[DiagonalGaussian] = []
-        self.task_count = 0
-        self._resume: dict[str, Any] | None = None  # a loaded optimizer state, applied again
-
-    def _opt(self, strategy: Any) -> Any:
-        opt = strategy.optimizer
-        if not isinstance(opt, self.optimizer_class):
-            raise TypeError(
-                f"{type(self).__name__} needs a fromp.optim.{self.optimizer_class.__name__} "
-                f"optimizer, got {type(opt)}"
-            )
-        self.optimizer = opt
-        return opt
-
-    def _end_experience(self, q: DiagonalGaussian, set_prior: Callable[[], Any]) -> None:
-        """Keep the experience's posterior ``q``; with ``continual``, ``set_prior()`` makes it
-        the next prior."""
-        self.posteriors.append(q)
-        self.task_count += 1
-        if self.continual:
-            set_prior()
-
-    def state_dict(self) -> dict[str, Any]:
-        """The optimizer's state dict (torch's: its per-parameter state and hyperparameters)
-        under ``state_key``, the per-experience posteriors and the task counter (copies)."""
-        if self.optimizer is None:
-            raise ValueError(
-                f"{type(self).__name__} has no optimizer yet: pass optimizer= or train first"
-            )
-        return {
-            self.state_key: copy.deepcopy(self.optimizer.state_dict()),
-            "posteriors": [
-                {k: v.clone() for k, v in q.state_dict().items()} for q in self.posteriors
-            ],
-            "task_count": self.task_count,
-            "continual": self.continual,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Inverse of :meth:`state_dict` (also a checkpoint whose optimizer entry is the
-        optimizer's older own form, through ``load_<state_key>_state``). The optimizer state
-        is loaded now and again at the start of the next experience."""
-        if self.optimizer is None:
-            raise ValueError(
-                f"{type(self).__name__} has no optimizer: construct it with optimizer="
-            )
-        self._resume = state[self.state_key]
-        self._apply_resume()
-        self.posteriors = [DiagonalGaussian.from_state_dict(d) for d in state["posteriors"]]
-        self.task_count = int(state["task_count"])
-        self.continual = bool(state.get("continual", self.continual))
-
-    def _apply_resume(self) -> None:
-        """Load the optimizer state of the last :meth:`load_state_dict` (a copy of it)."""
-        if self._resume is None or self.optimizer is None:
-            return
-        saved = copy.deepcopy(self._resume)
-        if isinstance(saved, dict) and "param_groups" in saved:  # torch's state dict
-            self.optimizer.load_state_dict(saved)
-        else:
-            getattr(self.optimizer, f"load_{self.state_key}_state")(saved)
-
-    def before_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
-        """After Avalanche's first reset of ``optimizer.state``: the loaded state again."""
-        if self._resume is not None:
-            self._opt(strategy)
-            self._apply_resume()
-            self._resume = None

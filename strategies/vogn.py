@@ -47,7 +47,8 @@ from typing import Any
 
 import torch
 from fromp_avalanche.models import unwrap
-from fromp_avalanche.template import MethodStrategy, PosteriorOptimizerPlugin, require_optimizer_on
+from fromp_avalanche.posterior import PosteriorOptimizerPlugin
+from fromp_avalanche.template import MethodStrategy, require_optimizer_on
 from torch import Tensor, nn
 
 from fromp.models import is_multitask, with_task
@@ -206,7 +207,7 @@ class VOGNPlugin(PosteriorOptimizerPlugin):
         opt = self._opt(strategy)
         opt.load_mean()
         q = opt.posterior()
-        self._end_experience(q, lambda: opt.set_prior(q, reset=True))
+        self._end_experience(strategy, q, lambda: opt.set_prior(q, reset=True))
 
     # -------------------------------------------------------------- checkpoints
     # state_dict / load_state_dict: PosteriorOptimizerPlugin's ("vogn": the optimizer's

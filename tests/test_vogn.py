@@ -963,9 +963,10 @@ def test_a_parameter_added_later_gets_its_state_at_its_first_step():
     torch.testing.assert_close(opt.state[body.weight]["momentum"], want_m, rtol=1e-12, atol=1e-15)
 
 
-def test_plugin_loads_a_checkpoint_with_the_old_flat_vogn_entry():
-    """A VOGNPlugin checkpoint of fromp 0.5 (its ``"vogn"`` the optimizer's flat entry) loads
-    through ``load_vogn_state``; a new one holds torch's state dict and round-trips."""
+def test_plugin_refuses_the_old_flat_vogn_entry_and_round_trips_its_own():
+    """A VOGNPlugin checkpoint of fromp 0.5 (its ``"vogn"`` the optimizer's flat entry, no
+    experience keys) is refused naming what it lacks; a new one holds torch's state dict
+    and round-trips."""
     from fromp_avalanche.vogn import VOGNPlugin
 
     torch.manual_seed(0)
@@ -979,12 +980,15 @@ def test_plugin_loads_a_checkpoint_with_the_old_flat_vogn_entry():
     net2 = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
     opt2 = VOGN(net2, lr=0.1, ess=1)
     plugin = VOGNPlugin(opt2)
-    plugin.load_state_dict(old)
-    assert opt2.ess == 20 and plugin.task_count == 1
-    torch.testing.assert_close(plugin.posteriors[0].mean, q.mean, rtol=0, atol=0)
-    _assert_same_next_step(opt, opt2, x, y, seed=2)
+    with pytest.raises(ValueError, match=r"missing keys \['experiences', 'continual'\]"):
+        plugin.load_state_dict(old)
+    plugin.optimizer = opt
+    plugin.posteriors, plugin.experiences, plugin.task_count = [q], [0], 1
     new = plugin.state_dict()
-    assert set(new["vogn"]) == {"state", "param_groups"}
+    assert set(new["vogn"]) == {"state", "param_groups"} and new["experiences"] == [0]
     opt3 = VOGN(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D), lr=0.1)
-    VOGNPlugin(opt3).load_state_dict(new)
-    _assert_same_next_step(opt2, opt3, x, y, seed=3)
+    back = VOGNPlugin(opt3)
+    back.load_state_dict(new)
+    assert back.task_count == 1 and back.experiences == [0]
+    torch.testing.assert_close(back.posteriors[0].mean, q.mean, rtol=0, atol=0)
+    _assert_same_next_step(opt, opt3, x, y, seed=3)
