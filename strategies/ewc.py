@@ -38,10 +38,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from avalanche.training.plugins import SupervisedPlugin
-from fromp_avalanche.benchmarks import experience_tensors
-from fromp_avalanche.models import unwrap
-from fromp_avalanche.template import MethodStrategy, experience_facts, one_task_label
+from fromp_avalanche.protocol import MethodPlugin
+from fromp_avalanche.template import MethodStrategy
 from torch import nn
 
 from fromp import distributed
@@ -51,41 +49,16 @@ from fromp.likelihood import Likelihood
 __all__ = ["EWC", "EWCPlugin", "ewc_penalty"]
 
 
-class EWCPlugin(SupervisedPlugin):
-    """EWC as an Avalanche plugin over :attr:`method`, a
-    :class:`fromp.continual.ewc.EWCMethod` built from the keyword arguments (pass
-    ``batch_size=`` the strategy's ``train_mb_size`` for Avalanche's scale; the :class:`EWC`
-    strategy does): ``before_training_exp`` calls its ``begin_task``, ``before_backward``
-    adds its ``loss_terms``, ``after_training_exp`` calls its ``learn_task`` with the
-    experience's data, task label and ``current_experience`` as key."""
+class EWCPlugin(MethodPlugin):
+    """EWC as an Avalanche plugin: :class:`~fromp_avalanche.protocol.MethodPlugin` over
+    :attr:`method`, a :class:`fromp.continual.ewc.EWCMethod` built from the keyword
+    arguments (pass ``batch_size=`` the strategy's ``train_mb_size`` for Avalanche's scale;
+    the :class:`EWC` strategy does); the Fisher is taken with the training transforms."""
+
+    eval_transforms = False
 
     def __init__(self, ewc_lambda: float | None = None, **kwargs: Any) -> None:
-        super().__init__()
-        self.method = EWCMethod(ewc_lambda, **kwargs)
-
-    def before_training_exp(self, strategy: Any, **kwargs: Any) -> None:
-        self.method.begin_task(unwrap(strategy.model), **experience_facts(strategy))
-
-    def before_backward(self, strategy: Any, **kwargs: Any) -> None:
-        net, loss = unwrap(strategy.model), strategy.loss
-        out, task = strategy.mb_output, strategy.mb_task_id
-        strategy.loss = loss + self.method.loss_terms(net, strategy.mb_x, out, task=task, loss=loss)
-
-    def after_training_exp(self, strategy: Any, **kwargs: Any) -> None:
-        exp = strategy.experience
-        x, y, t = experience_tensors(exp.dataset, eval_transforms=False)
-        net, key = unwrap(strategy.model), int(exp.current_experience)
-        self.method.learn_task(net, x, y, one_task_label(t), optimizer=strategy.optimizer,
-                               experience=key)  # fmt: skip
-
-    def state_dict(self) -> dict:
-        """The method's state (:meth:`fromp.continual.ewc.EWCMethod.state_dict`)."""
-        return self.method.state_dict()
-
-    def load_state_dict(self, state: dict, *, device: Any = None) -> None:
-        """Restore :meth:`state_dict` (on ``device``, else on the network's at its first
-        step)."""
-        self.method.load_state_dict(state, device=device)
+        super().__init__(EWCMethod(ewc_lambda, **kwargs))
 
 
 class EWC(MethodStrategy):

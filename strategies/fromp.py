@@ -9,18 +9,16 @@ so a plain PyTorch loop over the method runs the same algorithm.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from avalanche.core import SupervisedPlugin
 from avalanche.evaluation import GenericPluginMetric
 from avalanche.evaluation.metrics import Mean
 from avalanche.models import IncrementalClassifier
 from fromp_avalanche.benchmarks import experience_tensors
-from fromp_avalanche.models import unwrap
-from fromp_avalanche.template import MethodStrategy, experience_facts, one_task_label
+from fromp_avalanche.protocol import MethodPlugin
+from fromp_avalanche.template import MethodStrategy, method_parameters, show_signature
 from torch import Tensor, nn
 
 from fromp.continual.methods import FROMPMethod
@@ -28,35 +26,25 @@ from fromp.continual.methods import FROMPMethod
 __all__ = ["FROMP", "FROMPPenaltyMetric", "FROMPPlugin", "experience_tensors"]
 
 
-class FROMPPlugin(SupervisedPlugin):
-    """FROMP as an Avalanche plugin over :attr:`method`, a
-    :class:`fromp.continual.methods.FROMPMethod` built from the keyword arguments (its
-    own; ``curvature_examples`` defaults to 1,000 there).
-
-    ``before_training_exp``: :meth:`~FROMPMethod.begin_task`; ``before_backward``: the
-    loss gets :meth:`~FROMPMethod.loss_terms`; ``before_update``:
-    :meth:`~FROMPMethod.before_update`; ``after_training_exp``:
-    :meth:`~FROMPMethod.learn_task` with the experience's data, its task label, the
-    strategy's optimizer and ``current_experience`` as key. What the loggers see: the
-    penalty and context terms are taken out of ``strategy.loss`` (as a constant) after the
-    backward pass, so Avalanche's loss metrics record the loss without them (the coreset's
-    loss stays: it is part of the data term); :class:`FROMPPenaltyMetric` records ``tau R``.
-    """
+class FROMPPlugin(MethodPlugin):
+    """FROMP as an Avalanche plugin: :class:`~fromp_avalanche.protocol.MethodPlugin` over
+    :attr:`method`, a :class:`fromp.continual.methods.FROMPMethod` built from the keyword
+    arguments (its own). ``begin_task`` also learns whether the head grows with the classes
+    (Avalanche's ``IncrementalClassifier``). What the loggers see: the penalty and context
+    terms are taken out of ``strategy.loss`` (as a constant) after the backward pass, so
+    Avalanche's loss metrics record the loss without them (the coreset's loss stays: it is
+    part of the data term); :class:`FROMPPenaltyMetric` records ``tau R``."""
 
     def __init__(self, tau: float = 10.0, n_points: int = 40, **kwargs: Any) -> None:
-        super().__init__()
-        self.method = FROMPMethod(tau, n_points, **kwargs)
+        super().__init__(FROMPMethod(tau, n_points, **kwargs))
         self._added: list[Tensor | None] = []
 
-    def before_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
-        net = unwrap(strategy.model)
-        grows = any(isinstance(m, IncrementalClassifier) for m in net.modules())
-        self.method.begin_task(net, **experience_facts(strategy), growing_head=grows)
+    def facts(self, strategy: Any) -> dict[str, Any]:
+        grows = any(isinstance(m, IncrementalClassifier) for m in strategy.model.modules())
+        return {**super().facts(strategy), "growing_head": grows}
 
     def before_backward(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
-        net, loss, out = unwrap(strategy.model), strategy.loss, strategy.mb_output
-        task = strategy.mb_task_id
-        strategy.loss = loss + self.method.loss_terms(net, strategy.mb_x, out, task=task, loss=loss)
+        super().before_backward(strategy)
         self._added = [self.method.last_terms.get(k) for k in ("penalty", "context")]
 
     def after_backward(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
@@ -64,26 +52,6 @@ class FROMPPlugin(SupervisedPlugin):
             if term is not None:
                 strategy.loss = strategy.loss - term
         self._added = []
-
-    def before_update(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
-        self.method.before_update(unwrap(strategy.model), strategy.optimizer)
-
-    def after_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
-        exp = strategy.experience
-        x, y, t = experience_tensors(exp.dataset)
-        key = int(exp.current_experience)
-        net, opt = unwrap(strategy.model), strategy.optimizer
-        self.method.learn_task(net, x, y, one_task_label(t), optimizer=opt, experience=key)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The method's state (:meth:`fromp.continual.methods.FROMPMethod.state_dict`)."""
-        return self.method.state_dict()
-
-    def load_state_dict(
-        self, state: dict[str, Any], *, device: torch.device | str | None = None
-    ) -> None:
-        """Restore :meth:`state_dict`, tensors moved to ``device`` when given."""
-        self.method.load_state_dict(state, device=device)
 
 
 class _DeviceMean(Mean):
@@ -181,19 +149,5 @@ class FROMP(MethodStrategy):
             metrics.append(FROMPPenaltyMetric())
 
 
-#: FROMPMethod's keyword arguments by name (the one place they are written)
-_METHOD_PARAMS: dict[str, inspect.Parameter] = {
-    n: p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
-    for n, p in inspect.signature(FROMPMethod.__init__).parameters.items()
-    if n != "self"
-}
-#: FROMP's own __init__ (Avalanche's template wraps it): its signature for ``help`` and for
-#: Avalanche's mapping of positional arguments: model, optimizer, criterion, FROMPMethod's
-#: arguments, vogn_continual, ivon_continual and Avalanche's template arguments
-_INIT = getattr(FROMP.__init__, "__wrapped__", FROMP.__init__)
-_OWN = inspect.signature(_INIT).parameters
-_INIT.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-    [_OWN[n] for n in ("self", "model", "optimizer", "criterion")]
-    + list(_METHOD_PARAMS.values())
-    + [_OWN[n] for n in ("vogn_continual", "ivon_continual", "kwargs")]
-)
+_METHOD_PARAMS = method_parameters(FROMPMethod)
+show_signature(FROMP, _METHOD_PARAMS, after=("vogn_continual", "ivon_continual"))

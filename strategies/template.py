@@ -1,8 +1,8 @@
-"""The Avalanche template every strategy of :mod:`fromp_avalanche` is built on, and what the
-plugins read from an Avalanche experience for a continual method's protocol."""
+"""The Avalanche template every strategy of :mod:`fromp_avalanche` is built on."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,52 +16,17 @@ from fromp.models import is_multitask, with_task
 __all__ = [
     "MethodStrategy",
     "check_labels_fit",
-    "experience_facts",
-    "one_task_label",
+    "method_parameters",
     "require_optimizer_on",
+    "show_signature",
 ]
 
 
-def experience_facts(strategy: Any) -> dict[str, Any]:
-    """What a continual method's ``begin_task`` takes from the strategy's experience: its
-    task label (None when it has several), key (``current_experience``), size (``ess``)
-    and classes."""
-    exp = strategy.experience
-    labels = list(getattr(exp, "task_labels", None) or [0])
-    return {
-        "task": int(labels[0]) if len(labels) == 1 else None,
-        "experience": int(exp.current_experience),
-        "ess": len(exp.dataset),
-        "classes": [int(c) for c in getattr(exp, "classes_in_this_experience", None) or []],
-    }
-
-
-def one_task_label(task_labels: Any) -> int:
-    """The one task label of an experience's ``[N]`` labels (``ValueError`` otherwise)."""
-    tasks = task_labels.unique()
-    if len(tasks) != 1:
-        raise ValueError(f"an experience must hold one task label, got {tasks.tolist()}")
-    return int(tasks[0])
-
-
 class MethodStrategy(SupervisedTemplate):
-    """Avalanche's ``SupervisedTemplate`` with a method's plugins in front of the user's.
-
-    The method's plugins (e.g. :class:`fromp_avalanche.fromp.FROMPPlugin`) run before those in
-    ``plugins``; ``self.plugin`` is the first of them. The keyword arguments are Avalanche's,
-    with the defaults every strategy here uses.
-
-    Args:
-        method_plugins: the method's plugins, in hook order.
-        model: the Avalanche model (a multi-head :mod:`fromp` model wrapped by
-            :func:`fromp_avalanche.models.as_avalanche_model`).
-        optimizer: its optimizer.
-        criterion: the training loss (default ``nn.CrossEntropyLoss()``).
-        train_mb_size, train_epochs, eval_mb_size, device, plugins, evaluator, eval_every:
-            as in Avalanche, with its defaults (mini-batches of 1 for training and
-            evaluation: pass e.g. ``train_mb_size=128``).
-        **base_kwargs: further ``SupervisedTemplate`` arguments.
-    """
+    """Avalanche's ``SupervisedTemplate`` with a method's plugins (``method_plugins``, in hook
+    order; ``self.plugin`` is the first) in front of the user's ``plugins``. The other
+    keyword arguments are Avalanche's, with its defaults (``criterion``: cross-entropy;
+    mini-batches of 1 for training and evaluation: pass e.g. ``train_mb_size=128``)."""
 
     def __init__(
         self,
@@ -82,41 +47,27 @@ class MethodStrategy(SupervisedTemplate):
         if not method_plugins:
             raise ValueError("method_plugins must hold at least the method's plugin")
         self.plugin = method_plugins[0]
-        super().__init__(
-            model=model,
-            optimizer=optimizer,
-            criterion=nn.CrossEntropyLoss() if criterion is None else criterion,
-            train_mb_size=train_mb_size,
-            train_epochs=train_epochs,
-            eval_mb_size=eval_mb_size,
-            device=device,
-            plugins=[*method_plugins, *(plugins or [])],
-            evaluator=evaluator,
-            eval_every=eval_every,
-            **base_kwargs,
-        )
+        criterion = nn.CrossEntropyLoss() if criterion is None else criterion
+        super().__init__(model=model, optimizer=optimizer, criterion=criterion,
+                         train_mb_size=train_mb_size, train_epochs=train_epochs,
+                         eval_mb_size=eval_mb_size, device=device,
+                         plugins=[*method_plugins, *(plugins or [])], evaluator=evaluator,
+                         eval_every=eval_every, **base_kwargs)  # fmt: skip
 
     def _before_training_exp(self, **kwargs: Any) -> None:
         super()._before_training_exp(**kwargs)
         check_labels_fit(self.model, self.experience, self.device)
 
     def _adapt_model(self, model: nn.Module | None) -> nn.Module:
-        """The adaptation itself (Avalanche's); a strategy that adds parameters of its own
-        when the model grows (VCL's twin) extends this, so that the optimizer refresh in
-        :meth:`model_adaptation` sees them."""
+        """Avalanche's adaptation; a strategy with parameters of its own that grow with the
+        model (VCL's twin) extends this, before the optimizer refresh sees them."""
         return super().model_adaptation(model)
 
     def model_adaptation(self, model: nn.Module | None = None) -> nn.Module:
-        """Avalanche's model adaptation (heads added or grown for the experience), with the
-        optimizer following the model: before the first adaptation the optimizer's
-        parameters are mapped to their names (Avalanche's first ``make_optimizer``), and
-        after every adaptation a parameter that grew (``IncrementalClassifier``) replaces
-        its old tensor in the optimizer and a new one (a new head) is added to it.
-
-        Avalanche itself refreshes the optimizer only before training an experience; a
-        model adapted outside it (a checkpoint restored after heads grew, evaluation on a
-        stream with new tasks) would otherwise train with an optimizer that holds the old
-        head's tensors."""
+        """Avalanche's model adaptation with the optimizer following the model after every
+        adaptation (Avalanche refreshes it only before training): a grown parameter replaces
+        its old tensor in the optimizer, a new one (a new head) is added, also when the
+        model adapts outside training (a restored checkpoint, evaluation on new tasks)."""
         own = model is None or model is self.model
         if own and getattr(self, "optimized_param_id", True) is None:
             self.make_optimizer(reset_optimizer_state=True)
@@ -137,21 +88,17 @@ def check_labels_fit(model: nn.Module, experience: Any, device: Any = "cpu") -> 
     dataset = experience.dataset
     if len(dataset) == 0:
         return
-    # at least two examples: a model that squeezes its features (x.squeeze(), e.g.
-    # Avalanche's MTSimpleCNN) drops the batch dimension of a batch of one
+    # two examples: a model that squeezes (MTSimpleCNN) drops the batch dimension of one
     items = [dataset[i] for i in range(min(2, len(dataset)))]
     x = torch.stack([it[0] for it in items]).to(device)
     task = int(items[0][2]) if len(items[0]) > 2 else 0
     was_training = model.training
     model.eval()
     dev = torch.device(device)
-    # a Bayesian model samples weights in its forward: the check must not move the RNG that
-    # training draws from, or the run would differ from one without the check
-    cuda = (
-        [dev.index if dev.index is not None else torch.cuda.current_device()]
-        if dev.type == "cuda"
-        else []
-    )
+    # a Bayesian model samples in its forward: the check must not move training's RNG
+    cuda = []
+    if dev.type == "cuda":
+        cuda = [dev.index if dev.index is not None else torch.cuda.current_device()]
     try:
         with torch.random.fork_rng(devices=cuda), torch.no_grad():
             out = with_task(model, task if is_multitask(model) else None)(x)
@@ -180,3 +127,24 @@ def require_optimizer_on(model: nn.Module, optimizer: Any, cls: type) -> None:
     opt_ids = {id(p) for p in optimizer.params}
     if opt_ids != {id(p) for p in model.parameters() if p.requires_grad}:
         raise ValueError("optimizer must hold exactly the model's trainable parameters")
+
+
+def method_parameters(method: type, *skip: str) -> dict[str, inspect.Parameter]:
+    """The constructor arguments of a method class but ``self`` and ``skip``, keyword-only:
+    the strategy's own (written once, on the method)."""
+    params = inspect.signature(method.__init__).parameters.items()
+    kind = inspect.Parameter.KEYWORD_ONLY
+    return {n: p.replace(kind=kind) for n, p in params if n not in ("self", *skip)}
+
+
+def show_signature(
+    strategy: type, params: dict[str, inspect.Parameter], after: Sequence[str] = ()
+) -> None:
+    """Give ``strategy.__init__`` the signature ``model, optimizer, criterion``, ``params``,
+    ``after``, ``**kwargs``: for ``help`` and Avalanche's mapping of positional arguments."""
+    init = getattr(strategy.__init__, "__wrapped__", strategy.__init__)
+    own = inspect.signature(init).parameters
+    first = [own[n] for n in ("self", "model", "optimizer", "criterion")]
+    init.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [*first, *params.values(), *(own[n] for n in (*after, "kwargs"))]
+    )

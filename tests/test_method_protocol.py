@@ -292,7 +292,9 @@ def test_vcl_plain_loop_equals_the_strategy(float64):
                 loss.backward()
                 method.before_update(bnet, opt)
                 opt.step()
+        assert opt.state  # Adam's moments of the experience ...
         method.learn_task(bnet, x, y, t, optimizer=opt, experience=e)
+        assert not opt.state  # ... cleared: a fresh Adam per task, as the reference code
         plain.done()
 
     torch.manual_seed(5)
@@ -311,6 +313,23 @@ def test_vcl_plain_loop_equals_the_strategy(float64):
         strategy.train(exp, shuffle=False)
     _same(plain, aval)
     assert strategy.method.task_count == 3 and strategy.method.seen_heads == {0, 1, 2}
+
+
+def test_begin_tasks_experience_is_learn_tasks_default_key():
+    net, x, y = _trained_one_head()
+    methods = (
+        (FROMPMethod(n_points=4), net),
+        (EWCMethod(1.0, fisher="exact"), net),
+        (VCLMethod(nn.Linear(5, 4).double(), train_samples=1), None),
+    )
+    for method, model in methods:
+        model = method.net if model is None else model
+        for key in (5, 2, 5):  # 5 learnt again: counted once
+            method.begin_task(model, task=None, experience=key, ess=len(x))
+            method.learn_task(model, x, y, None)
+        assert method.experiences == [2, 5] and method.task_count == 2, type(method)
+        method.learn_task(model, x, y, None)  # no begin_task key now: a new one
+        assert method.experiences == [2, 5, 6]
 
 
 # ------------------------------------------------------------- weights by closed forms

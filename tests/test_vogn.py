@@ -12,14 +12,20 @@ import torch
 from avalanche.models.dynamic_optimizers import update_optimizer
 from avalanche.training.plugins import SupervisedPlugin
 from fromp_avalanche.models import as_avalanche_model
-from fromp_avalanche.vogn import VOGNStrategy, minibatch_curvature
+from fromp_avalanche.vogn import VOGNStrategy
 from fromp_bench.data import synthetic_split, to_avalanche
 from torch import nn
 
 from fromp import IVON, OGN, VOGN
 from fromp.likelihood import CategoricalLikelihood, GaussianLikelihood
 from fromp.models import MultiHeadMLP, with_task
-from fromp.optim.vogn import LayerCapture, per_example_grad_stats, predict_mc, predict_mean
+from fromp.optim.vogn import (
+    LayerCapture,
+    minibatch_curvature,
+    per_example_grad_stats,
+    predict_mc,
+    predict_mean,
+)
 from fromp.posterior import DiagonalGaussian
 
 D = torch.float64

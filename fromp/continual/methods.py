@@ -1,12 +1,14 @@
 """Continual-learning methods as plain objects for any PyTorch training loop.
 
-Each object holds one method's state and maths and knows nothing of Avalanche (the
-Avalanche plugins of :mod:`fromp_avalanche` only call it from their hooks):
+Each object holds one method's state and maths and knows nothing of Avalanche; all
+implement one protocol (:class:`fromp.continual.protocol.ContinualMethod`), which the
+Avalanche plugins of :mod:`fromp_avalanche` call from their hooks and nothing else:
 
-* :class:`FROMPMethod` (here): FROMP (Pan et al., NeurIPS 2020), per-experience memorable
-  sets, kernels and the running GGN sum; :meth:`FROMPMethod.penalty` is the loss term.
+* :class:`FROMPMethod` (here): FROMP (Pan et al., NeurIPS 2020), its whole training step,
+  per-experience memorable sets, kernels and the running GGN sum.
 * :class:`fromp.continual.ewc.EWCMethod`: EWC (Kirkpatrick et al., 2017) with a per-example Fisher
   diagonal keyed by parameter name.
+* :class:`fromp.continual.vcl.VCLMethod`: VCL (Nguyen et al., 2018), mean-field Gaussian.
 
 Models: a plain ``x -> logits`` module (one head), a :mod:`fromp` multi-head model
 (``model(x, task=t)``), or a module whose ``forward(x, task_labels)`` takes the task label
@@ -201,8 +203,9 @@ class FROMPMethod:
             up to the factor ``tau``, to which Adam is invariant.
         posterior: ``"ggn"``: ``Sigma = 1 / (G + prior_precision)`` with ``G`` the running
             sum of the exact diagonal GGN over tasks; ``"vogn"``: the optimizer is a
-            :class:`fromp.optim.VOGN` driven by :class:`fromp_avalanche.vogn.VOGNPlugin` and
-            ``Sigma`` is the variance of its posterior at the end of the task (no GGN pass;
+            :class:`fromp.optim.VOGN` (given to :meth:`learn_task` as ``optimizer``; driven
+            by :class:`fromp_avalanche.vogn.VOGNPlugin` in Avalanche) and ``Sigma`` is the
+            variance of its posterior at the end of the task (no GGN pass;
             the regulariser's gradient enters VOGN's mean gradient only, its curvature
             uses the data loss only); ``"ivon"``: the same with a
             :class:`fromp.optim.IVON` driven by :class:`fromp_avalanche.ivon.IVONPlugin`
@@ -220,8 +223,8 @@ class FROMPMethod:
         replay: also use the memorable set as a labelled coreset: :meth:`terms` returns,
             summed over the earlier tasks, the mean negative log-likelihood of each task's
             memorable points under their labels (through their heads; each set stands in for
-            its task's data term, see :meth:`FROMPRegularizer.replay_loss`), which the
-            Avalanche plugin adds to the loss (as S-FSVI and VCL use their coresets).
+            its task's data term, see :meth:`FROMPRegularizer.replay_loss`), which
+            :meth:`loss_terms` adds to the loss (as S-FSVI and VCL use their coresets).
             Useful when one head sees classes one experience at a time (class-incremental
             streams), where a penalty on the function alone does not teach the head to tell
             old classes from new ones.
@@ -443,8 +446,8 @@ class FROMPMethod:
         its ``C`` output units (so later experiences share the head's classes); else
         ``"probs"``: a multi-task network (a head per task), or one head with classes still
         to come. A head that grows with the classes seen (Avalanche's
-        ``IncrementalClassifier``) is filled by its first experience too: its caller passes
-        ``"probs"`` to :meth:`resolve_function` first (the Avalanche plugin does)."""
+        ``IncrementalClassifier``) is filled by its first experience too:
+        :meth:`begin_task` with ``growing_head=True`` keeps ``"probs"`` for it."""
         if is_multitask(net):
             return "probs"
         p = next(iter(net.parameters()), None)

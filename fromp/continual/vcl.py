@@ -472,16 +472,40 @@ class VCLMethod:
         self._check_data(x, y)
         self.coresets.append((self.head_of(task), x.cpu(), y.cpu()))
 
-    def split_coreset(self, x: Tensor, y: Tensor, task: int | None) -> tuple[Tensor, Tensor]:
-        """Select and keep the coreset of ``task`` from ``(x [N, ...], y [N])``; returns the
-        rest, the data to train on (everything when ``coreset_size`` is 0)."""
-        self._check_data(x, y)
+    def take_coreset(
+        self,
+        n: int,
+        rows: Callable[[Tensor | None], tuple[Tensor, Tensor]],
+        task: int | None,
+    ) -> Tensor:
+        """Select and keep the coreset of ``task`` among its ``n`` examples; returns its
+        indices ``[coreset_size]`` (none when ``coreset_size`` is 0). ``rows(idx)`` gives
+        the ``(x, y)`` of the examples ``idx`` (all of them for None) and is asked only for
+        what the selection needs: ``"kcenter"`` all the inputs, ``"random"`` the chosen
+        rows."""
         if self.coreset_size == 0:
+            return torch.zeros(0, dtype=torch.long)
+        self.check_coreset_size(n)
+        if self.coreset_method == "kcenter":
+            x, y = rows(None)
+            idx = self.coreset_indices(n, x)
+            cx, cy = x[idx], y[idx]
+        else:
+            idx = self.coreset_indices(n)
+            cx, cy = rows(idx)
+        self.add_coreset(task, cx, cy)
+        return idx
+
+    def split_coreset(self, x: Tensor, y: Tensor, task: int | None) -> tuple[Tensor, Tensor]:
+        """Select and keep the coreset of ``task`` from ``(x [N, ...], y [N])``
+        (:meth:`take_coreset`); returns the rest, the data to train on (everything when
+        ``coreset_size`` is 0)."""
+        self._check_data(x, y)
+        idx = self.take_coreset(len(x), lambda i: (x, y) if i is None else (x[i], y[i]), task)
+        if len(idx) == 0:
             return x, y
-        idx = self.coreset_indices(len(x), x)
-        self.add_coreset(task, x[idx], y[idx])
         keep = torch.ones(len(x), dtype=torch.bool, device=x.device)
-        keep[idx] = False
+        keep[idx.to(x.device)] = False
         return x[keep], y[keep]
 
     def prepare_eval(
