@@ -16,6 +16,7 @@ from fromp import _compat
 from fromp.continual.ewc import EWCMethod
 from fromp.continual.memorable import memorability_scores, select_memorable
 from fromp.continual.methods import FROMPMethod
+from fromp.continual.protocol import ContinualMethod as ContinualMethod
 from fromp.continual.regularizer import FROMPRegularizer
 
 # VCL's method object beside FROMPMethod and EWCMethod, importable from the top (not in
@@ -159,10 +160,6 @@ def __getattr__(name: str) -> object:
     import importlib
     import warnings
 
-    if name == "FunctionalRegularizer":  # the former name of FROMPRegularizer
-        from fromp.continual.regularizer import _former_name
-
-        return _former_name(stacklevel=2)
     module = _compat.moved_module(name)  # `from fromp import kron`: a module that moved
     if module is not None:
         return module

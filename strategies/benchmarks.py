@@ -13,28 +13,18 @@ from avalanche.training.templates import SupervisedTemplate
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-__all__ = [
-    "ExperienceReplay",
-    "LwFStatePlugin",
-    "LwFStrategy",
-    "ReplayBufferPlugin",
-    "experience_tensors",
-]
+__all__ = ["ExperienceReplay", "LwFStatePlugin", "LwFStrategy", "ReplayBufferPlugin",
+           "experience_tensors"]  # fmt: skip
 
 
 def experience_tensors(
     dataset: Any, batch_size: int = 2048, *, eval_transforms: bool = True
 ) -> tuple[Tensor, Tensor, Tensor]:
     """All ``(x [N, ...], y [N], task_labels [N])`` of an Avalanche dataset (or any dataset of
-    ``(x, y[, t])`` tuples) as three tensors in dataset order; labels and task labels as
-    ``long``, task labels 0 when the dataset has none.
-
-    Args:
-        dataset: the dataset; its ``collate_fn`` is used when it has one.
-        batch_size: examples per loader batch.
-        eval_transforms: use the dataset's evaluation transforms (``dataset.eval()``) when
-            it has them; False keeps the dataset as it is (its training transforms).
-    """
+    ``(x, y[, t])`` tuples; its ``collate_fn`` used when it has one) as three tensors in
+    dataset order; labels and task labels ``long``, task labels 0 when it has none.
+    ``eval_transforms``: the dataset's evaluation transforms (``dataset.eval()``) when it has
+    them; False keeps it as it is (its training transforms)."""
     if eval_transforms and hasattr(dataset, "eval"):
         dataset = dataset.eval()
     collate = getattr(dataset, "collate_fn", None)
@@ -59,13 +49,8 @@ class ReplayBufferPlugin(ReplayPlugin):
         groups = {}
         for key, group in policy.buffer_groups.items():
             x, y, t = experience_tensors(group.buffer, eval_transforms=False)
-            groups[int(key)] = {
-                "x": x,
-                "y": y,
-                "t": t,
-                "weights": group._buffer_weights.clone(),
-                "max_size": int(group.max_size),
-            }
+            weights, size = group._buffer_weights.clone(), int(group.max_size)
+            groups[int(key)] = {"x": x, "y": y, "t": t, "weights": weights, "max_size": size}
         return {"num_exps": int(policy._num_exps), "groups": groups}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -96,22 +81,14 @@ class _PluginStrategy(SupervisedTemplate):
 
 
 class ExperienceReplay(_PluginStrategy):
-    """Avalanche's replay with a fixed memory per experience: a ``ReplayPlugin`` whose
-    buffer is an ``ExperienceBalancedBuffer(max_size=mem_per_experience * n_experiences,
-    adaptive_size=False, num_experiences=n_experiences)``, so that after ``t`` experiences it
-    holds ``mem_per_experience`` random examples of each (``t * mem_per_experience`` in all),
-    the memory FROMP's memorable sets take with ``n_points=mem_per_experience``. (Avalanche's
-    ``Replay(mem_size=m)`` splits ``m`` over the experiences seen so far instead, so it holds
-    more of the early experiences.) Every training mini-batch is joined by one of the same
-    size drawn from the buffer (``batch_size_mem``, default ``train_mb_size``).
-
-    Args: Avalanche's ``SupervisedTemplate`` keyword arguments (``model``, ``optimizer``,
-    ``criterion``, ...), and
-        mem_per_experience: examples kept of each experience (default 200: S-FSVI's
-            single-head split MNIST).
-        n_experiences: experiences of the stream the buffer is sized for.
-        batch_size_mem: replayed examples per mini-batch (None: ``train_mb_size``).
-    """
+    """Avalanche's replay with a fixed memory per experience: an
+    ``ExperienceBalancedBuffer(max_size=mem_per_experience * n_experiences,
+    adaptive_size=False)``, so that after ``t`` experiences it holds ``mem_per_experience``
+    random examples of each, the memory FROMP takes with ``n_points=mem_per_experience``
+    (Avalanche's ``Replay(mem_size=m)`` splits ``m`` over the experiences seen so far). Each
+    mini-batch is joined by ``batch_size_mem`` (None: ``train_mb_size``) buffer examples.
+    Default ``mem_per_experience``: 200 (S-FSVI's single-head split MNIST); the other
+    keyword arguments are Avalanche's ``SupervisedTemplate``'s."""
 
     def __init__(
         self,
@@ -128,12 +105,8 @@ class ExperienceReplay(_PluginStrategy):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         size = mem_per_experience * n_experiences
-        buffer = ExperienceBalancedBuffer(
-            max_size=size, adaptive_size=False, num_experiences=n_experiences
-        )
-        plugin = ReplayBufferPlugin(
-            mem_size=size, batch_size_mem=batch_size_mem, storage_policy=buffer
-        )
+        buffer = ExperienceBalancedBuffer(size, adaptive_size=False, num_experiences=n_experiences)
+        plugin = ReplayBufferPlugin(size, batch_size_mem=batch_size_mem, storage_policy=buffer)
         super().__init__(plugin, **kwargs)
         self.mem_per_experience = mem_per_experience
 

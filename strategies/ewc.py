@@ -38,11 +38,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from avalanche.training.plugins import SupervisedPlugin
-from fromp_avalanche.benchmarks import experience_tensors
-from fromp_avalanche.models import unwrap
+from fromp_avalanche.protocol import MethodPlugin
 from fromp_avalanche.template import MethodStrategy
-from torch import Tensor, nn
+from torch import nn
 
 from fromp import distributed
 from fromp.continual.ewc import EWCMethod, ewc_penalty
@@ -51,69 +49,16 @@ from fromp.likelihood import Likelihood
 __all__ = ["EWC", "EWCPlugin", "ewc_penalty"]
 
 
-class EWCPlugin(SupervisedPlugin):
-    """EWC as an Avalanche plugin: a thin driver of a :class:`fromp.continual.ewc.EWCMethod`
-    (see the module docstring for the maths).
+class EWCPlugin(MethodPlugin):
+    """EWC as an Avalanche plugin: :class:`~fromp_avalanche.protocol.MethodPlugin` over
+    :attr:`method`, a :class:`fromp.continual.ewc.EWCMethod` built from the keyword
+    arguments (pass ``batch_size=`` the strategy's ``train_mb_size`` for Avalanche's scale;
+    the :class:`EWC` strategy does); the Fisher is taken with the training transforms."""
 
-    ``before_backward`` adds the penalty; ``after_training_exp`` calls
-    :meth:`~fromp.continual.ewc.EWCMethod.learn_task` with the experience's data and task label
-    (the head of a multi-task model). The method's attributes (``anchors``,
-    ``importances``, ``task_count``, ...) are readable on the plugin.
+    eval_transforms = False
 
-    Args:
-        net: the network inside the strategy's model (its parameters are the model's).
-        ewc_lambda, **kwargs: those of :class:`fromp.continual.ewc.EWCMethod` (pass
-            ``batch_size=`` the strategy's ``train_mb_size`` for Avalanche's scale; the
-            :class:`EWC` strategy does).
-    """
-
-    def __init__(self, net: nn.Module, ewc_lambda: float | None = None, **kwargs: Any) -> None:
-        super().__init__()
-        self.net = net
-        self.method = EWCMethod(ewc_lambda, **kwargs)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # settings and state live on the method: plugin.x = v sets method.x
-        method = self.__dict__.get("method")
-        if method is not None and name not in ("net", "method") and hasattr(method, name):
-            setattr(method, name, value)
-        else:
-            super().__setattr__(name, value)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "method":
-            raise AttributeError(name)
-        return getattr(self.method, name)
-
-    def penalty(self) -> Tensor:
-        """The current penalty (scalar, differentiable in the network's parameters)."""
-        return self.method.penalty(self.net)
-
-    def fisher_diagonal(self, x: Tensor, y: Tensor, task: int | None) -> Tensor:
-        """Per-example-averaged Fisher diagonal ``[P]`` of ``(x, y)`` through head ``task``."""
-        return self.method.fisher_diagonal(self.net, x, y, task)
-
-    def before_backward(self, strategy: Any, **kwargs: Any) -> None:
-        if self.method.anchors and self.method.coefficient > 0:
-            strategy.loss += self.penalty()
-
-    def after_training_exp(self, strategy: Any, **kwargs: Any) -> None:
-        x, y, t = experience_tensors(strategy.experience.dataset, eval_transforms=False)
-        tasks = t.unique()
-        if len(tasks) != 1:
-            raise ValueError(f"an experience must hold one task label, got {tasks.tolist()}")
-        # keyed by the experience: training it again replaces its anchor and Fisher
-        experience = getattr(strategy.experience, "current_experience", None)
-        key = None if experience is None else int(experience)
-        self.method.learn_task(self.net, x, y, int(tasks[0]), experience=key)
-
-    def state_dict(self) -> dict:
-        """The method's state (:meth:`fromp.continual.ewc.EWCMethod.state_dict`)."""
-        return self.method.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` on the network's device."""
-        self.method.load_state_dict(state, self.net)
+    def __init__(self, ewc_lambda: float | None = None, **kwargs: Any) -> None:
+        super().__init__(EWCMethod(ewc_lambda, **kwargs))
 
 
 class EWC(MethodStrategy):
@@ -142,7 +87,6 @@ class EWC(MethodStrategy):
         if ewc_lambda is None and per_example_lambda is None:
             ewc_lambda = 100.0
         plugin = EWCPlugin(
-            unwrap(model),
             ewc_lambda,
             per_example_lambda=per_example_lambda,
             # under torch.distributed a rank's mini-batch is its share of the global one

@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 from fromp_avalanche.models import unwrap
-from fromp_avalanche.template import MethodStrategy, PosteriorOptimizerPlugin, require_optimizer_on
+from fromp_avalanche.posterior import PosteriorOptimizerPlugin
+from fromp_avalanche.template import MethodStrategy, require_optimizer_on
 from torch import nn
 
 from fromp._checks import check_positive
@@ -115,7 +116,7 @@ class IVONPlugin(PosteriorOptimizerPlugin):
         net = unwrap(strategy.model)
         q = opt.posterior(net)
         prior = q if self.prior_scale == 1.0 else q.with_precision(q.precision * self.prior_scale)
-        self._end_experience(q, lambda: opt.set_prior(prior, model=net, reset=True))
+        self._end_experience(strategy, q, lambda: opt.set_prior(prior, model=net, reset=True))
 
 
 class IVONStrategy(MethodStrategy):

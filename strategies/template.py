@@ -1,47 +1,32 @@
-"""The Avalanche template every strategy of :mod:`fromp_avalanche` is built on, and what the
-plugins that drive a posterior-keeping optimizer (VOGN, IVON) share."""
+"""The Avalanche template every strategy of :mod:`fromp_avalanche` is built on."""
 
 from __future__ import annotations
 
-import copy
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from avalanche.training.plugins import SupervisedPlugin
 from avalanche.training.plugins.evaluation import default_evaluator
 from avalanche.training.templates import SupervisedTemplate
 from torch import nn
 
 from fromp.models import is_multitask, with_task
-from fromp.posterior import DiagonalGaussian
 
 __all__ = [
     "MethodStrategy",
-    "PosteriorOptimizerPlugin",
     "check_labels_fit",
+    "method_parameters",
     "require_optimizer_on",
+    "show_signature",
 ]
 
 
 class MethodStrategy(SupervisedTemplate):
-    """Avalanche's ``SupervisedTemplate`` with a method's plugins in front of the user's.
-
-    The method's plugins (e.g. :class:`fromp_avalanche.fromp.FROMPPlugin`) run before those in
-    ``plugins``; ``self.plugin`` is the first of them. The keyword arguments are Avalanche's,
-    with the defaults every strategy here uses.
-
-    Args:
-        method_plugins: the method's plugins, in hook order.
-        model: the Avalanche model (a multi-head :mod:`fromp` model wrapped by
-            :func:`fromp_avalanche.models.as_avalanche_model`).
-        optimizer: its optimizer.
-        criterion: the training loss (default ``nn.CrossEntropyLoss()``).
-        train_mb_size, train_epochs, eval_mb_size, device, plugins, evaluator, eval_every:
-            as in Avalanche, with its defaults (mini-batches of 1 for training and
-            evaluation: pass e.g. ``train_mb_size=128``).
-        **base_kwargs: further ``SupervisedTemplate`` arguments.
-    """
+    """Avalanche's ``SupervisedTemplate`` with a method's plugins (``method_plugins``, in hook
+    order; ``self.plugin`` is the first) in front of the user's ``plugins``. The other
+    keyword arguments are Avalanche's, with its defaults (``criterion``: cross-entropy;
+    mini-batches of 1 for training and evaluation: pass e.g. ``train_mb_size=128``)."""
 
     def __init__(
         self,
@@ -62,41 +47,27 @@ class MethodStrategy(SupervisedTemplate):
         if not method_plugins:
             raise ValueError("method_plugins must hold at least the method's plugin")
         self.plugin = method_plugins[0]
-        super().__init__(
-            model=model,
-            optimizer=optimizer,
-            criterion=nn.CrossEntropyLoss() if criterion is None else criterion,
-            train_mb_size=train_mb_size,
-            train_epochs=train_epochs,
-            eval_mb_size=eval_mb_size,
-            device=device,
-            plugins=[*method_plugins, *(plugins or [])],
-            evaluator=evaluator,
-            eval_every=eval_every,
-            **base_kwargs,
-        )
+        criterion = nn.CrossEntropyLoss() if criterion is None else criterion
+        super().__init__(model=model, optimizer=optimizer, criterion=criterion,
+                         train_mb_size=train_mb_size, train_epochs=train_epochs,
+                         eval_mb_size=eval_mb_size, device=device,
+                         plugins=[*method_plugins, *(plugins or [])], evaluator=evaluator,
+                         eval_every=eval_every, **base_kwargs)  # fmt: skip
 
     def _before_training_exp(self, **kwargs: Any) -> None:
         super()._before_training_exp(**kwargs)
         check_labels_fit(self.model, self.experience, self.device)
 
     def _adapt_model(self, model: nn.Module | None) -> nn.Module:
-        """The adaptation itself (Avalanche's); a strategy that adds parameters of its own
-        when the model grows (VCL's twin) extends this, so that the optimizer refresh in
-        :meth:`model_adaptation` sees them."""
+        """Avalanche's adaptation; a strategy with parameters of its own that grow with the
+        model (VCL's twin) extends this, before the optimizer refresh sees them."""
         return super().model_adaptation(model)
 
     def model_adaptation(self, model: nn.Module | None = None) -> nn.Module:
-        """Avalanche's model adaptation (heads added or grown for the experience), with the
-        optimizer following the model: before the first adaptation the optimizer's
-        parameters are mapped to their names (Avalanche's first ``make_optimizer``), and
-        after every adaptation a parameter that grew (``IncrementalClassifier``) replaces
-        its old tensor in the optimizer and a new one (a new head) is added to it.
-
-        Avalanche itself refreshes the optimizer only before training an experience; a
-        model adapted outside it (a checkpoint restored after heads grew, evaluation on a
-        stream with new tasks) would otherwise train with an optimizer that holds the old
-        head's tensors."""
+        """Avalanche's model adaptation with the optimizer following the model after every
+        adaptation (Avalanche refreshes it only before training): a grown parameter replaces
+        its old tensor in the optimizer, a new one (a new head) is added, also when the
+        model adapts outside training (a restored checkpoint, evaluation on new tasks)."""
         own = model is None or model is self.model
         if own and getattr(self, "optimized_param_id", True) is None:
             self.make_optimizer(reset_optimizer_state=True)
@@ -117,21 +88,17 @@ def check_labels_fit(model: nn.Module, experience: Any, device: Any = "cpu") -> 
     dataset = experience.dataset
     if len(dataset) == 0:
         return
-    # at least two examples: a model that squeezes its features (x.squeeze(), e.g.
-    # Avalanche's MTSimpleCNN) drops the batch dimension of a batch of one
+    # two examples: a model that squeezes (MTSimpleCNN) drops the batch dimension of one
     items = [dataset[i] for i in range(min(2, len(dataset)))]
     x = torch.stack([it[0] for it in items]).to(device)
     task = int(items[0][2]) if len(items[0]) > 2 else 0
     was_training = model.training
     model.eval()
     dev = torch.device(device)
-    # a Bayesian model samples weights in its forward: the check must not move the RNG that
-    # training draws from, or the run would differ from one without the check
-    cuda = (
-        [dev.index if dev.index is not None else torch.cuda.current_device()]
-        if dev.type == "cuda"
-        else []
-    )
+    # a Bayesian model samples in its forward: the check must not move training's RNG
+    cuda = []
+    if dev.type == "cuda":
+        cuda = [dev.index if dev.index is not None else torch.cuda.current_device()]
     try:
         with torch.random.fork_rng(devices=cuda), torch.no_grad():
             out = with_task(model, task if is_multitask(model) else None)(x)
@@ -162,98 +129,22 @@ def require_optimizer_on(model: nn.Module, optimizer: Any, cls: type) -> None:
         raise ValueError("optimizer must hold exactly the model's trainable parameters")
 
 
-class PosteriorOptimizerPlugin(SupervisedPlugin):
-    """What the plugins driving a posterior-keeping optimizer (:class:`fromp_avalanche.vogn.
-    VOGNPlugin`, :class:`fromp_avalanche.ivon.IVONPlugin`) share: the optimizer check, the
-    per-experience posteriors and the task counter, continual prior updates and checkpoints.
+def method_parameters(method: type, *skip: str) -> dict[str, inspect.Parameter]:
+    """The constructor arguments of a method class but ``self`` and ``skip``, keyword-only:
+    the strategy's own (written once, on the method)."""
+    params = inspect.signature(method.__init__).parameters.items()
+    kind = inspect.Parameter.KEYWORD_ONLY
+    return {n: p.replace(kind=kind) for n, p in params if n not in ("self", *skip)}
 
-    The optimizer keeps its state in torch's ``optimizer.state``, which Avalanche resets the
-    first time a strategy trains (``make_optimizer(reset_optimizer_state=True)``): a loaded
-    checkpoint is therefore loaded again at the start of the next experience
-    (:meth:`before_training_exp`; a subclass that overrides it calls ``super()``).
 
-    Subclasses set ``optimizer_class`` (e.g. :class:`fromp.optim.VOGN`) and ``state_key``
-    (``"vogn"``: the key of the optimizer's state dict in the plugin's, and
-    ``load_<state_key>_state`` for a checkpoint whose entry is an older optimizer's own form).
-
-    Args:
-        optimizer: the strategy's optimizer (also found as ``strategy.optimizer`` in the
-            hooks; given here so that :meth:`state_dict` works before training).
-        continual: at the end of each experience make the posterior the next prior.
-    """
-
-    optimizer_class: type
-    state_key: str
-
-    def __init__(self, optimizer: Any = None, *, continual: bool = True) -> None:
-        super().__init__()
-        self.optimizer = optimizer
-        self.continual = bool(continual)
-        self.posteriors: list[DiagonalGaussian] = []
-        self.task_count = 0
-        self._resume: dict[str, Any] | None = None  # a loaded optimizer state, applied again
-
-    def _opt(self, strategy: Any) -> Any:
-        opt = strategy.optimizer
-        if not isinstance(opt, self.optimizer_class):
-            raise TypeError(
-                f"{type(self).__name__} needs a fromp.optim.{self.optimizer_class.__name__} "
-                f"optimizer, got {type(opt)}"
-            )
-        self.optimizer = opt
-        return opt
-
-    def _end_experience(self, q: DiagonalGaussian, set_prior: Callable[[], Any]) -> None:
-        """Keep the experience's posterior ``q``; with ``continual``, ``set_prior()`` makes it
-        the next prior."""
-        self.posteriors.append(q)
-        self.task_count += 1
-        if self.continual:
-            set_prior()
-
-    def state_dict(self) -> dict[str, Any]:
-        """The optimizer's state dict (torch's: its per-parameter state and hyperparameters)
-        under ``state_key``, the per-experience posteriors and the task counter (copies)."""
-        if self.optimizer is None:
-            raise ValueError(
-                f"{type(self).__name__} has no optimizer yet: pass optimizer= or train first"
-            )
-        return {
-            self.state_key: copy.deepcopy(self.optimizer.state_dict()),
-            "posteriors": [
-                {k: v.clone() for k, v in q.state_dict().items()} for q in self.posteriors
-            ],
-            "task_count": self.task_count,
-            "continual": self.continual,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Inverse of :meth:`state_dict` (also a checkpoint whose optimizer entry is the
-        optimizer's older own form, through ``load_<state_key>_state``). The optimizer state
-        is loaded now and again at the start of the next experience."""
-        if self.optimizer is None:
-            raise ValueError(
-                f"{type(self).__name__} has no optimizer: construct it with optimizer="
-            )
-        self._resume = state[self.state_key]
-        self._apply_resume()
-        self.posteriors = [DiagonalGaussian.from_state_dict(d) for d in state["posteriors"]]
-        self.task_count = int(state["task_count"])
-        self.continual = bool(state.get("continual", self.continual))
-
-    def _apply_resume(self) -> None:
-        """Load the optimizer state of the last :meth:`load_state_dict` (a copy of it)."""
-        if self._resume is None or self.optimizer is None:
-            return
-        saved = copy.deepcopy(self._resume)
-        if isinstance(saved, dict) and "param_groups" in saved:  # torch's state dict
-            self.optimizer.load_state_dict(saved)
-        else:
-            getattr(self.optimizer, f"load_{self.state_key}_state")(saved)
-
-    def before_training_exp(self, strategy: Any, *args: Any, **kwargs: Any) -> None:
-        """After Avalanche's first reset of ``optimizer.state``: the loaded state again."""
-        if self._resume is not None:
-            self._opt(strategy)
-            self._apply_resume()
-            self._resume = None
+def show_signature(
+    strategy: type, params: dict[str, inspect.Parameter], after: Sequence[str] = ()
+) -> None:
+    """Give ``strategy.__init__`` the signature ``model, optimizer, criterion``, ``params``,
+    ``after``, ``**kwargs``: for ``help`` and Avalanche's mapping of positional arguments."""
+    init = getattr(strategy.__init__, "__wrapped__", strategy.__init__)
+    own = inspect.signature(init).parameters
+    first = [own[n] for n in ("self", "model", "optimizer", "criterion")]
+    init.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [*first, *params.values(), *(own[n] for n in (*after, "kwargs"))]
+    )

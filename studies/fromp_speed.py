@@ -96,13 +96,13 @@ def measure(
             "mean_accuracy": sum(accs) / len(accs),
         }
         if name == "fromp":
-            out[name]["per_task_setup_s"] = strategy.plugin.timings
-            setup = sum(sum(t.values()) for t in strategy.plugin.timings)
+            out[name]["per_task_setup_s"] = strategy.plugin.method.timings
+            setup = sum(sum(t.values()) for t in strategy.plugin.method.timings)
             out[name]["setup_total_s"] = setup
     out["ratio_fromp_over_naive"] = out["fromp"]["train_wall_s"] / out["naive"]["train_wall_s"]
     # process CPU time is less sensitive to other jobs on a shared machine
     out["cpu_ratio_fromp_over_naive"] = out["fromp"]["train_cpu_s"] / out["naive"]["train_cpu_s"]
-    n_mem = [0, *[len(m.inputs) for m in strategy.plugin.regularizer.memories][:-1]]
+    n_mem = [0, *[len(m.inputs) for m in strategy.plugin.method.regularizer.memories][:-1]]
     cum = [sum(n_mem[: i + 1]) for i in range(len(n_mem))]
     # forward/backward examples per iteration relative to Naive: 1 + (memorable points) / B
     out["expected_compute_ratio"] = sum(1 + c / d["train_mb_size"] for c in cum) / len(cum)

@@ -66,7 +66,7 @@ def run_one(name: str, scenario: Any, epochs: int, seed: int) -> dict[str, Any]:
         # what the strategy was built with, read back from it (not from CONFIGS)
         applied = None if kw is None else {
             "function": strategy.plugin.method.function,
-            "tau": strategy.plugin.tau,
+            "tau": strategy.plugin.method.tau,
             "n_points": strategy.plugin.method.n_points,
         }  # fmt: skip
         for j, exp in enumerate(scenario.train_stream):

@@ -53,8 +53,8 @@ def test_defaults_follow_vcl():
     layer = BayesLinear(5, 2)
     assert torch.all(layer.weight_logvar == -6.0) and torch.all(layer.bias_logvar == -6.0)
     assert torch.all(layer.weight_prior_mu == 0.0) and torch.all(layer.weight_prior_var == 1.0)
-    with pytest.raises(ValueError, match="prior_var"):
-        BayesLinear(5, 2, prior_var=0.0)
+    with pytest.raises(ValueError, match="prior_precision"):
+        BayesLinear(5, 2, prior_precision=0.0)
 
 
 def _mc_moments(samples):
@@ -123,7 +123,7 @@ def test_elbo_optimum_is_exact_mean_and_mean_field_variances():
     pre-activation moments, so the optimum is deterministic: means = exact posterior mean,
     variances = 1 / diag(posterior precision)."""
     x, y, sigma, prior_var, mean, mf_var = _regression_problem()
-    layer = BayesLinear(3, 1, bias=False, prior_var=prior_var).double()
+    layer = BayesLinear(3, 1, bias=False, prior_precision=1 / prior_var).double()
     opt = torch.optim.LBFGS(
         layer.parameters(),
         lr=1,
@@ -152,7 +152,8 @@ def test_elbo_monte_carlo_training_reaches_the_optimum():
     (loose tolerance: MC noise and finite steps)."""
     torch.manual_seed(3)
     x, y, sigma, prior_var, mean, mf_var = _regression_problem()
-    layer = BayesLinear(3, 1, bias=False, prior_var=prior_var, init_logvar=-2.0).double()
+    layer = BayesLinear(3, 1, bias=False, prior_precision=1 / prior_var, init_logvar=-2.0)
+    layer = layer.double()
     opt = torch.optim.Adam(layer.parameters(), lr=0.02)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 if k < 1000 else 0.1)
     for _ in range(1500):
@@ -250,8 +251,8 @@ def test_twin_and_bayesian_layers_are_one_mean_field_implementation():
 
     torch.manual_seed(0)
     net = MultiHeadMLP(5, (4,), n_heads=1, head_size=3).double()
-    bnet = to_bayesian(net, prior_var=0.5, init_logvar=-2.0)
-    twin = MeanFieldTwin(net, prior_var=0.5, init_logvar=-2.0)
+    bnet = to_bayesian(net, prior_precision=2.0, init_logvar=-2.0)
+    twin = MeanFieldTwin(net, prior_precision=2.0, init_logvar=-2.0)
     with torch.no_grad():
         for (m, lv, _, _), (tm, tlv, _, _) in zip(bnet.gaussian_sites(), twin.gaussian_sites()):
             lv.uniform_(-3, -1)
@@ -278,12 +279,12 @@ def test_twin_and_bayesian_layers_are_one_mean_field_implementation():
         out = model.sample_logits(x, None, 2)
         assert out.shape == (2, 6, 3)
         torch.testing.assert_close(out[1], net(x))
-    bnet.reset_prior(0.0, 2.0)
+    bnet.reset_prior(0.0, prior_precision=0.5)  # the variance 1 / 0.5
     assert all(torch.all(s[3] == 2.0) and torch.all(s[2] == 0) for s in bnet.gaussian_sites())
 
 
 def test_bayesian_networks_take_their_deterministic_arguments():
-    net = BayesMultiHeadMLP(12, (8,), n_heads=3, head_size=2, prior_var=0.5, init_logvar=-3.0)
+    net = BayesMultiHeadMLP(12, (8,), n_heads=3, head_size=2, prior_precision=2.0, init_logvar=-3.0)
     assert net.n_heads == 3 and net.body[1].in_features == 12 and net.head_size == 2
     assert torch.all(net.heads[2].weight_prior_var == 0.5)
     assert torch.all(net.body[1].weight_logvar == -3.0)
@@ -291,7 +292,7 @@ def test_bayesian_networks_take_their_deterministic_arguments():
     cnn = BayesCifarCNN(1, n_heads=2, head_size=3, prior_mean=0.1)
     assert cnn.n_heads == 2 and torch.all(cnn.body[0].weight_prior_mu == 0.1)
     assert all(m.p == 0.0 for m in cnn.modules() if isinstance(m, nn.Dropout))
-    with pytest.raises(ValueError, match="prior_var"):
-        BayesMultiHeadMLP(4, (3,), prior_var=-1.0)
+    with pytest.raises(ValueError, match="prior_precision"):
+        BayesMultiHeadMLP(4, (3,), prior_precision=-1.0)
     with pytest.raises(ValueError, match="heads must be None"):
         BayesLinear(3, 2).kl([0])

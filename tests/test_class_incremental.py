@@ -143,7 +143,7 @@ def trained():
 
 def test_memorable_sets_cover_the_classes_seen_so_far(trained):
     strategy, net, _, snapshots, _, _ = trained
-    mems = strategy.plugin.regularizer.memories
+    mems = strategy.plugin.method.regularizer.memories
     assert len(mems) == N_EXP
     # after task 3 every set is regularised on the 6 classes seen, no masked unit left
     seen = torch.nonzero(net.classifier.active_units).squeeze(1).tolist()
@@ -164,14 +164,14 @@ def test_memorable_sets_cover_the_classes_seen_so_far(trained):
     upto = _train_memories_upto(2)
     active = torch.nonzero(snapshots[1].classifier.active_units).squeeze(1).tolist()
     assert active == [0, 1, 4, 5]
-    for m in upto.plugin.regularizer.memories:
+    for m in upto.plugin.method.regularizer.memories:
         assert m.units.tolist() == active
         assert m.chol.shape[0] == 4 and float((m.chol**2).sum(-1).min()) > 100 * m.jitter
 
 
 def test_penalty_matches_dense_float64_after_tasks_2_and_3(trained):
     strategy, _, probe, snapshots, _, _ = trained
-    tau = strategy.plugin.tau
+    tau = strategy.plugin.method.tau
     # the second step of experiences 2 and 3 (the weights have moved once since learn_task):
     # the loss handed to the backward pass is CE + tau * R with R computed densely here
     method = strategy.plugin.method
@@ -182,7 +182,7 @@ def test_penalty_matches_dense_float64_after_tasks_2_and_3(trained):
         # recomputed at learn_task of experience exp - 1
         at_task = snapshots[exp - 1]
         fresh = _train_memories_upto(exp)
-        method.regularizer.memories = fresh.plugin.regularizer.memories
+        method.regularizer.memories = fresh.plugin.method.regularizer.memories
         expected = step["ce"] + tau * float(_dense_penalty(step["net"], at_task, fresh))
         method.regularizer.memories = saved
         assert step["loss"] == pytest.approx(expected, rel=1e-6, abs=1e-9)
@@ -222,7 +222,7 @@ def test_replay_adds_the_memorable_points_loss_under_their_labels(weight):
     for exp in (1, 2):
         step = [s for s in probe.steps if s["exp"] == exp][1]
         upto = _train_memories_upto(exp, replay=True, replay_weight=weight)
-        mems = upto.plugin.regularizer.memories
+        mems = upto.plugin.method.regularizer.memories
         assert len(mems) == exp
         replay = sum(float(F.cross_entropy(step["net"](m.inputs), m.labels)) for m in mems)
         pen = float(method.tau) * float(_dense_penalty(step["net"], snapshots[exp - 1], upto))
@@ -254,8 +254,9 @@ def test_replay_weight_is_checked_saved_and_refused_on_mismatch():
     torch.testing.assert_close(same.terms(net)[1], method.terms(net)[1])
     with pytest.raises(ValueError, match="replay_weight"):
         FROMPMethod(n_points=6, replay=True).load_state_dict(state)
-    older = {k: v for k, v in state.items() if k != "replay_weight"}  # before the setting
-    FROMPMethod(n_points=6, replay=True, replay_weight=3.0).load_state_dict(older)
+    older = {k: v for k, v in state.items() if k != "replay_weight"}  # no older forms
+    with pytest.raises(ValueError, match=r"missing keys \['replay_weight'\]"):
+        FROMPMethod(n_points=6, replay=True, replay_weight=3.0).load_state_dict(older)
 
 
 def test_fixed_head_regularised_on_the_classes_trained_so_far():

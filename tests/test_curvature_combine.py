@@ -141,10 +141,9 @@ def test_resume_continues_the_mean_and_refuses_a_change():
         _method(0.5).load_state_dict(state)
     _method(1.0).load_state_dict(state)  # the same exponent, named as a number
     old = dict(state)
-    del old["curvature_combine"]  # a state saved before the setting: it summed
-    _method("sum").load_state_dict(old)
-    with pytest.raises(ValueError, match="curvature_combine='sum'"):
-        _method("mean").load_state_dict(old)
+    del old["curvature_combine"]  # no older forms: the key is required
+    with pytest.raises(ValueError, match=r"missing keys \['curvature_combine'\]"):
+        _method("sum").load_state_dict(old)
 
 
 def test_bad_settings_are_refused_before_any_work():

@@ -38,7 +38,7 @@ def test_plain_loop_fromp_method_learns_three_tasks():
     moved = method.penalty(model).detach()
     assert float(moved) > 1e-6
     # the saved state gives the same penalty in a fresh object
-    fresh = env["FROMPMethod"](tau=10.0, n_points=40)
+    fresh = env["FROMPMethod"](tau=10.0, n_points=40, grad_clip_norm=0.1)
     fresh.load_state_dict(env["state"])
     torch.testing.assert_close(fresh.penalty(model).detach(), moved)
 
@@ -124,3 +124,17 @@ def test_memory_perturbation_guide_example():
     summary = env["mp"].loo_summary()
     assert summary["loo_nll"] >= summary["train_nll"]
     assert env["mp"].sensitivity.shape == (150,)
+
+
+def test_the_runners_fromp_in_a_plain_loop_runs_as_written():
+    g = torch.Generator().manual_seed(0)
+    tasks = []
+    for _ in range(2):
+        x = torch.randn(300, 784, generator=g)
+        tasks.append((x, (x[:, 0] > 0).long()))
+    env = {"tasks": tasks}
+    torch.manual_seed(0)
+    exec(python_block("continual.md", "## The runner's FROMP in a plain PyTorch loop"), env)
+    method = env["method"]
+    assert method.task_count == 2 and len(method.regularizer) == 2
+    assert method.regularizer.num_points == 400 and float(method.last_penalty) > 0

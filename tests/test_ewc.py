@@ -12,6 +12,7 @@ from fromp_avalanche.models import as_avalanche_model
 from fromp_bench.data import synthetic_split, to_avalanche
 from fromp_bench.settings import SETTINGS
 
+from fromp.continual.ewc import EWCMethod
 from fromp.curvature.jacobian import flat_params
 from fromp.models import MultiHeadMLP
 
@@ -52,13 +53,13 @@ def test_fisher_matches_per_example_loop(task):
     net = _net()
     x = torch.rand(12, 6, dtype=torch.float64)
     y = torch.randint(0, 3, (12,))
-    plugin = EWCPlugin(net, 1.0, fisher="empirical", chunk_size=5)
+    method = EWCMethod(1.0, fisher="empirical", chunk_size=5)
     torch.testing.assert_close(
-        plugin.fisher_diagonal(x, y, task), _brute_force(net, x, y, task, "empirical")
+        method.fisher_diagonal(net, x, y, task), _brute_force(net, x, y, task, "empirical")
     )
     true_f = _brute_force(net, x, y, task, "true")
-    plugin.fisher = "exact"
-    torch.testing.assert_close(plugin.fisher_diagonal(x, y, task), true_f)
+    method.fisher = "exact"
+    torch.testing.assert_close(method.fisher_diagonal(net, x, y, task), true_f)
     # the other head's parameters get no importance
     other = net.heads[1 - task]
     offset = sum(p.numel() for n, p in net.named_parameters() if not n.startswith("heads"))
@@ -67,9 +68,9 @@ def test_fisher_matches_per_example_loop(task):
     assert torch.all(true_f[offset : offset + size] == 0)
     # sampled labels: unbiased Monte Carlo estimate of the true Fisher
     if task == 0:
-        plugin.fisher, plugin.fisher_samples = "sampled", 150
+        method.fisher, method.fisher_samples = "sampled", 150
         torch.manual_seed(1)
-        est = plugin.fisher_diagonal(x, y, task)
+        est = method.fisher_diagonal(net, x, y, task)
         assert (est - true_f).abs().max() < 0.25 * true_f.abs().max()
 
 
@@ -84,24 +85,24 @@ def test_penalty_value_and_online_accumulation():
         ewc_penalty(w, anchors, imps[:1], 1.0)
 
     net = _net()
-    plugin = EWCPlugin(net, 2.0, batch_size=4)
-    assert plugin.penalty() == 0
-    plugin.anchors = [flat_params(net).detach() + 0.1]
-    plugin.importances = [torch.full_like(plugin.anchors[0], 0.5)]
-    expected = 2.0 / 4 * (0.5 * 0.01 * plugin.anchors[0].numel())  # (lambda / B) sum F d^2
-    torch.testing.assert_close(plugin.penalty(), torch.tensor(expected, dtype=torch.float64))
-    old_scale = EWCPlugin(net, per_example_lambda=2.0, batch_size=4)  # (lambda' / 2) sum F d^2
-    old_scale.anchors, old_scale.importances = plugin.anchors, plugin.importances
-    want = 0.5 * 2.0 * (0.5 * 0.01 * plugin.anchors[0].numel())
-    torch.testing.assert_close(old_scale.penalty(), torch.tensor(want, dtype=torch.float64))
-    plugin.penalty().backward()  # differentiable in the live parameters
+    method = EWCMethod(2.0, batch_size=4)
+    assert method.penalty(net) == 0
+    method.anchors = [flat_params(net).detach() + 0.1]
+    method.importances = [torch.full_like(method.anchors[0], 0.5)]
+    expected = 2.0 / 4 * (0.5 * 0.01 * method.anchors[0].numel())  # (lambda / B) sum F d^2
+    torch.testing.assert_close(method.penalty(net), torch.tensor(expected, dtype=torch.float64))
+    old_scale = EWCMethod(per_example_lambda=2.0, batch_size=4)  # (lambda' / 2) sum F d^2
+    old_scale.anchors, old_scale.importances = method.anchors, method.importances
+    want = 0.5 * 2.0 * (0.5 * 0.01 * method.anchors[0].numel())
+    torch.testing.assert_close(old_scale.penalty(net), torch.tensor(want, dtype=torch.float64))
+    method.penalty(net).backward()  # differentiable in the live parameters
     assert net.body[1].weight.grad is not None
 
 
 @pytest.mark.parametrize("bad", [{"mode": "x"}, {"fisher": "x"}, {"decay_factor": 2.0}])
 def test_plugin_rejects_bad_arguments(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
-        EWCPlugin(_net(), 1.0, **bad)
+        EWCPlugin(1.0, **bad)
 
 
 def _strategy(net, **kw):
@@ -131,17 +132,18 @@ def test_strategy_on_synthetic_split_and_state_round_trip(mode):
     accs = [v for k, v in res.items() if k.startswith("Top1_Acc_Exp")]
     assert len(accs) == 2 and min(accs) > 0.6
     n_expected = 2 if mode == "separate" else 1
-    assert len(strat.plugin.anchors) == n_expected and strat.plugin.task_count == 2
+    m = strat.plugin.method
+    assert len(m.anchors) == n_expected and m.task_count == 2
     # importance of task 1 (head 1) is the per-example average; head 2 is untouched
-    assert all(torch.all(v >= 0) for v in strat.plugin.importances[-1].values())
+    assert all(torch.all(v >= 0) for v in m.importances[-1].values())
     state = strat.plugin.state_dict()
-    fresh = EWCPlugin(net, 50.0, batch_size=16, mode=mode, decay_factor=0.9)
+    fresh = EWCPlugin(50.0, batch_size=16, mode=mode, decay_factor=0.9)
     fresh.load_state_dict(state)
     with torch.no_grad():
         for p in net.parameters():
             p.add_(0.05)
-    torch.testing.assert_close(fresh.penalty(), strat.plugin.penalty())
-    assert fresh.penalty() > 0
+    torch.testing.assert_close(fresh.method.penalty(net), m.penalty(net))
+    assert fresh.method.penalty(net) > 0
     with pytest.raises(ValueError, match="missing"):
         fresh.load_state_dict({"anchors": []})
 
@@ -153,8 +155,8 @@ def test_single_head_strategy_runs():
     strat = _strategy(net, ewc_lambda=10.0, fisher="exact")
     for exp in scenario.train_stream:
         strat.train(exp)
-    assert len(strat.plugin.importances) == 2
-    assert sum(v.sum() for v in strat.plugin.importances[0].values()) > 0
+    assert len(strat.plugin.method.importances) == 2
+    assert sum(v.sum() for v in strat.plugin.method.importances[0].values()) > 0
 
 
 def test_defaults_follow_the_contract():
@@ -170,13 +172,15 @@ def _task_data(t: int, n: int = 10):
     )
 
 
-def _exp(x, y, t):
+def _exp(net, x, y, t):
+    """What the plugin's after_training_exp reads of a strategy."""
     from types import SimpleNamespace
 
     from torch.utils.data import TensorDataset
 
     ds = TensorDataset(x, y, torch.full((len(x),), t))
-    return SimpleNamespace(experience=SimpleNamespace(dataset=ds))
+    exp = SimpleNamespace(dataset=ds, current_experience=t)
+    return SimpleNamespace(model=net, optimizer=None, experience=exp)
 
 
 def test_fisher_of_task_t_goes_through_head_t():
@@ -185,18 +189,16 @@ def test_fisher_of_task_t_goes_through_head_t():
     task ``t``'s Fisher fails here."""
     torch.manual_seed(0)
     net = MultiHeadMLP(6, (5,), n_heads=3, head_size=3).double()
-    plugin = EWCPlugin(net, 1.0, fisher="exact")
+    plugin = EWCPlugin(1.0, fisher="exact")
     x, y = _task_data(2)
-    plugin.after_training_exp(_exp(x, y, 2))
+    plugin.after_training_exp(_exp(net, x, y, 2))
+    imp = plugin.method.importances[0]
     expected = _brute_force(net, x, y, 2, "true")
-    got = torch.cat([plugin.importances[0][n].reshape(-1) for n, _ in net.named_parameters()])
+    got = torch.cat([imp[n].reshape(-1) for n, _ in net.named_parameters()])
     torch.testing.assert_close(got, expected)
     for h in (0, 1):
-        assert all(
-            float(plugin.importances[0][f"heads.{h}.{k}"].abs().sum()) == 0
-            for k in "weight bias".split()
-        )
-    assert float(plugin.importances[0]["heads.2.weight"].abs().sum()) > 0
+        assert all(float(imp[f"heads.{h}.{k}"].abs().sum()) == 0 for k in "weight bias".split())
+    assert float(imp["heads.2.weight"].abs().sum()) > 0
 
 
 def test_online_decay_is_applied_once_per_new_task():
@@ -205,13 +207,14 @@ def test_online_decay_is_applied_once_per_new_task():
     torch.manual_seed(0)
     net = MultiHeadMLP(6, (5,), n_heads=3, head_size=3).double()
     gamma = 0.5
-    plugin = EWCPlugin(net, 1.0, mode="online", decay_factor=gamma, fisher="exact")
+    plugin = EWCPlugin(1.0, mode="online", decay_factor=gamma, fisher="exact")
+    m = plugin.method
     fishers = []
     for t in range(3):
         x, y = _task_data(t)
-        fishers.append(plugin.fisher_diagonal(x, y, t))
-        plugin.after_training_exp(_exp(x, y, t))
+        fishers.append(m.fisher_diagonal(net, x, y, t))
+        plugin.after_training_exp(_exp(net, x, y, t))
         expected = sum(gamma ** (t - s) * f for s, f in enumerate(fishers))
-        got = torch.cat([plugin.importances[0][n].reshape(-1) for n, _ in net.named_parameters()])
-        assert len(plugin.importances) == 1 and len(plugin.anchors) == 1
+        got = torch.cat([m.importances[0][n].reshape(-1) for n, _ in net.named_parameters()])
+        assert len(m.importances) == 1 and len(m.anchors) == 1
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=0)

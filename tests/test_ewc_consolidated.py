@@ -127,7 +127,7 @@ def test_state_dict_keeps_the_experience_keys():
     m = EWCMethod(ewc_lambda=2.0, fisher="exact")
     m.learn_task(net, x0, y0, 0, experience=4)
     m2 = EWCMethod(ewc_lambda=2.0, fisher="exact")
-    m2.load_state_dict(m.state_dict(), net)
+    m2.load_state_dict(m.state_dict())
     m2.learn_task(net, x0, y0, 0, experience=4)
     assert len(m2.anchors) == 1 and m2.experiences == [4]
 

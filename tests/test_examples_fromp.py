@@ -51,3 +51,11 @@ def test_memorable_bad_dataset(bad):
     mem = _load("memorable_mnist")
     with pytest.raises(ValueError, match="dataset must be"):
         mem.load(bad, None, 10, 0)
+
+
+def test_fromp_plain_loop_smoke():
+    pytest.importorskip("sklearn")
+    loop = _load("fromp_plain_loop")
+    summary = loop.main(["--epochs", "2", "--n-points", "6"])
+    assert summary["task_count"] == 5 and len(summary["final_accuracies"]) == 5
+    assert summary["mean_accuracy"] > 0.8

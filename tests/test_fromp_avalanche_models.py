@@ -61,12 +61,13 @@ def test_mtsimplecnn_trains_and_regularises_after_tasks_2_and_3():
     for i, exp in enumerate(bm.train_stream):
         strategy.train(exp)
         if i >= 1:
-            assert strategy.plugin.last_penalty > 0 and math.isfinite(strategy.plugin.last_penalty)
-            assert len(strategy.plugin.regularizer) == i + 1
+            penalty = float(strategy.plugin.method.last_penalty)
+            assert penalty > 0 and math.isfinite(penalty)
+            assert len(strategy.plugin.method.regularizer) == i + 1
             assert _optimizer_holds_model(strategy)
     # every set through its own head, on the units that head has switched on (its task's
     # classes; MultiHeadClassifier masks the others)
-    units = [m.units.tolist() for m in strategy.plugin.regularizer.memories]
+    units = [m.units.tolist() for m in strategy.plugin.method.regularizer.memories]
     assert units == [[2, 5], [0, 4], [1, 3]]
 
 
@@ -188,7 +189,7 @@ def test_avalanche_argument_order_and_defaults():
         warnings.simplefilter("ignore")
         s = FROMP(net, opt, crit, evaluator=None)  # Avalanche's legacy positional order
         ref = Naive(model=net, optimizer=opt, evaluator=None)
-    assert s._criterion is crit and s.plugin.tau == 10.0
+    assert s._criterion is crit and s.plugin.method.tau == 10.0
     assert (s.train_mb_size, s.eval_mb_size) == (ref.train_mb_size, ref.eval_mb_size)
 
 
@@ -338,14 +339,34 @@ def test_dominance_warning_names_the_coreset_when_new_classes_share_one_head(rep
     assert ("replay=True keeps the memorable points" in dominated[0]) is (not replay)
 
 
-def test_new_classes_on_one_head_reads_the_experience():
-    from types import SimpleNamespace as E
+def test_the_class_incremental_hint_follows_the_classes_begin_task_gives():
+    """The method itself knows which classes an experience brings to a head trained before
+    (begin_task's ``classes``): the warning names replay=True for new classes on a head
+    that holds others, not for the first experience, the same classes again, a new head or
+    with replay."""
+    from fromp import FROMPMethod
+    from fromp.models import MultiHeadMLP
 
-    from fromp_avalanche.fromp import _new_classes_on_one_head as new
+    def hint(method, net, **facts) -> bool:
+        method._warned = False
+        method.begin_task(net, **facts)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            method._check_dominance(torch.tensor(1e9), torch.tensor(1.0))
+        (w,) = [str(c.message) for c in caught]
+        return "replay=True keeps the memorable points" in w
 
-    assert new(E(previous_classes=[0, 1], classes_in_this_experience=[2, 3], task_labels=[0]))
-    # the first experience, a domain-incremental one (same classes), another task label
-    assert not new(E(previous_classes=[], classes_in_this_experience=[0, 1], task_labels=[0]))
-    assert not new(E(previous_classes=[0, 1], classes_in_this_experience=[0, 1], task_labels=[0]))
-    assert not new(E(previous_classes=[0, 1], classes_in_this_experience=[2, 3], task_labels=[1]))
-    assert not new(E())  # a stream without a classes timeline
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 4))
+    x = torch.randn(40, 4)
+    for replay in (False, True):
+        m = FROMPMethod(n_points=4, replay=replay)
+        assert not hint(m, net, task=0, classes=[0, 1])  # the first experience
+        m.learn_task(net, x, torch.arange(40) % 2, 0)
+        assert hint(m, net, task=0, classes=[2, 3]) is (not replay)
+        assert not hint(m, net, task=0, classes=[0, 1])  # the same classes again
+        assert not hint(m, net, task=0)  # the stream does not say
+    multi = MultiHeadMLP(4, (6,), n_heads=2, head_size=2)
+    m = FROMPMethod(n_points=4)
+    m.learn_task(multi, x, torch.arange(40) % 2, 0)
+    assert not hint(m, multi, task=1, classes=[0, 1])  # a new head

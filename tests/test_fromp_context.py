@@ -154,7 +154,7 @@ class _PenaltyProbe(LossProbe):
 
     def before_backward(self, strategy, **kwargs):
         super().before_backward(strategy, **kwargs)
-        self.steps[-1]["tau_r"] = strategy.plugin.last_weighted_penalty
+        self.steps[-1]["tau_r"] = float(strategy.plugin.method.last_terms.get("penalty", 0.0))
 
 
 @pytest.mark.parametrize("tau", [0.0, 1.0])

@@ -1,20 +1,20 @@
-"""FROMP regularises, with the right sign and weight: the plugin adds ``+tau * R(w)`` to the
-loss, a gradient step on it moves the old task's outputs back towards their stored values,
-and on a synthetic two-task stream the old task's predictions drift less than without it.
+"""FROMP regularises, with the right sign and weight: the method's loss terms are
+``+tau * R(w)``, a gradient step on it moves the old task's outputs back towards their stored
+values, and on a synthetic two-task stream the old task's predictions drift less than without
+it.
 Also the kernel of networks above the column-chunk size (every real run)."""
 
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
-from fromp_avalanche.fromp import FROMPPlugin
 from fromp_bench.data import synthetic_split
 from torch.func import functional_call
 
+from fromp.continual.methods import FROMPMethod
 from fromp.continual.regularizer import FROMPRegularizer
 from fromp.curvature.jacobian import flat_params, num_params, unflatten
 from fromp.models import MultiHeadMLP
@@ -27,38 +27,39 @@ def _two_tasks(seed: int = 0):
     return [(t.train_x.to(D), t.train_y, t.test_x.to(D), t.task_id) for t in seq]
 
 
-def _train(net, x, y, task, plugin=None, steps=150, lr=1e-2):
-    """Adam on the task's cross-entropy, through the plugin's hooks (loss, clipping)."""
+def _train(net, x, y, task, method=None, steps=150, lr=1e-2):
+    """Adam on the task's cross-entropy, with the method's training step (its loss terms,
+    its clipping)."""
     opt = torch.optim.Adam(net.parameters(), lr=lr)
     for _ in range(steps):
         opt.zero_grad()
-        loss = F.cross_entropy(net(x, task=task), y)
-        strategy = SimpleNamespace(loss=loss, model=net)
-        if plugin is not None:
-            plugin.before_backward(strategy)
-        strategy.loss.backward()
-        if plugin is not None:
-            plugin.before_update(strategy)
+        out = net(x, task=task)
+        loss = F.cross_entropy(out, y)
+        if method is not None:
+            loss = loss + method.loss_terms(net, x, out, task=task, loss=loss)
+        loss.backward()
+        if method is not None:
+            method.before_update(net, opt)
         opt.step()
 
 
-def test_plugin_adds_plus_tau_times_penalty_to_the_loss(make_net):
+def test_loss_terms_are_plus_tau_times_penalty(make_net):
     case = make_net("multihead")
     net = case.net
     x = case.inputs(12)
     y = torch.arange(12) % 3
     tau = 7.0
-    plugin = FROMPPlugin(tau=tau, n_points=6)
-    plugin.learn_task(net, x, y, 0)
+    method = FROMPMethod(tau=tau, n_points=6)
+    method.learn_task(net, x, y, 0)
     with torch.no_grad():
         for p in net.parameters():
             p.add_(0.2 * torch.randn_like(p))
-    pen = plugin.penalty(net).detach()
+    pen = method.penalty(net).detach()
     assert pen > 0
-    strategy = SimpleNamespace(loss=torch.tensor(1.5, dtype=D), model=net)
-    plugin.before_backward(strategy)
-    torch.testing.assert_close(strategy.loss.detach(), 1.5 + tau * pen, rtol=1e-12, atol=0)
-    assert plugin.last_penalty == pytest.approx(float(pen), rel=1e-12)
+    loss = torch.tensor(1.5, dtype=D)
+    terms = method.loss_terms(net, x, net(x, task=0), task=0, loss=loss)
+    torch.testing.assert_close((loss + terms).detach(), 1.5 + tau * pen, rtol=1e-12, atol=0)
+    assert float(method.last_penalty) == pytest.approx(float(pen), rel=1e-12)
 
 
 def test_penalty_gradient_step_moves_old_outputs_back(any_net):
@@ -108,9 +109,9 @@ def test_fromp_forgets_less_than_without_regulariser():
     drift = {}
     for tau in (0.0, 1.0):
         run = copy.deepcopy(net)
-        plugin = FROMPPlugin(tau=tau, n_points=20, prior_precision=1e-2, grad_clip_norm=1.0)
-        plugin.learn_task(run, x0, y0, 0)
-        _train(run, x1, y1, 1, plugin=plugin)
+        method = FROMPMethod(tau=tau, n_points=20, prior_precision=1e-2, grad_clip_norm=1.0)
+        method.learn_task(run, x0, y0, 0)
+        _train(run, x1, y1, 1, method=method)
         run.eval()
         with torch.no_grad():
             drift[tau] = float((torch.softmax(run(xt0, task=0), -1) - before).abs().mean())

@@ -154,10 +154,8 @@ def test_method_state_keeps_the_function_and_refuses_the_other():
     assert auto.function == "logits"
     torch.testing.assert_close(auto.penalty(net), m.penalty(net))
     old = {k: v for k, v in FROMPMethod(n_points=6).state_dict().items() if k != "function"}
-    old["regularizer"].pop("function")  # a state written before the option existed
-    with pytest.raises(ValueError, match="function='probs'"):
-        FROMPMethod(n_points=6, function="logits").load_state_dict(old)
-    FROMPMethod(n_points=6).load_state_dict(old)
+    with pytest.raises(ValueError, match=r"missing keys \['function'\]"):  # no older forms
+        FROMPMethod(n_points=6).load_state_dict(old)
 
 
 @pytest.mark.parametrize("bad", ["softmax", "", None, 1])

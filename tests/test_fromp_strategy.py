@@ -55,11 +55,12 @@ def test_runs_and_checkpoint_restores_identical_penalty(multi_head):
     for exp in list(scenario.train_stream)[:2]:
         strategy.train(exp)
     plugin = strategy.plugin
-    assert plugin.task_count == 2 and len(plugin.regularizer) == 2
-    assert plugin.regularizer.num_points == 16
-    assert [m.task for m in plugin.regularizer.memories] == ([0, 1] if multi_head else [0, 0])
-    assert plugin.last_penalty > 0  # the regulariser was active while learning task 2
-    assert set(plugin.timings[0]) == {"select_s", "curvature_s", "kernel_s"}
+    assert plugin.method.task_count == 2 and len(plugin.method.regularizer) == 2
+    assert plugin.method.regularizer.num_points == 16
+    tasks = [m.task for m in plugin.method.regularizer.memories]
+    assert tasks == ([0, 1] if multi_head else [None, None])  # one head: no task label
+    assert float(plugin.method.last_penalty) > 0  # the regulariser was active on task 2
+    assert set(plugin.method.timings[0]) == {"select_s", "curvature_s", "kernel_s"}
 
     # checkpoint -> fresh process-like objects -> identical method state
     state = plugin.state_dict()
@@ -70,12 +71,14 @@ def test_runs_and_checkpoint_restores_identical_penalty(multi_head):
     other = FROMPPlugin(tau=123.0, n_points=8, grad_clip_norm=1.0)
     with pytest.raises(ValueError, match=r"tau=1\.0"):
         other.load_state_dict(state)
-    assert other.tau == 123.0 and other.task_count == 0 and len(other.regularizer) == 0
+    assert other.method.tau == 123.0 and other.method.task_count == 0
+    assert len(other.method.regularizer) == 0
     fresh = FROMPPlugin(tau=1.0, n_points=8, grad_clip_norm=1.0)
     fresh.load_state_dict(state)
-    assert fresh.tau == 1.0 and fresh.n_points == 8 and fresh.task_count == 2
-    assert fresh.penalty(net).item() == plugin.penalty(net).item() > 0
-    torch.testing.assert_close(fresh.posterior_variance(), plugin.posterior_variance())
+    m, f = plugin.method, fresh.method
+    assert f.tau == 1.0 and f.n_points == 8 and f.task_count == 2
+    assert f.penalty(net).item() == m.penalty(net).item() > 0
+    torch.testing.assert_close(f.posterior_variance(net), m.posterior_variance(net))
 
     strategy.train(list(scenario.train_stream)[2])
     acc = _accuracies(strategy.eval(scenario.test_stream))
@@ -83,6 +86,7 @@ def test_runs_and_checkpoint_restores_identical_penalty(multi_head):
 
 
 def test_curvature_is_sum_of_task_ggns_and_identity_kernel():
+    from fromp.continual.named_state import to_flat
     from fromp.curvature.diagonal import diag_ggn
     from fromp.models import with_task
 
@@ -93,12 +97,10 @@ def test_curvature_is_sum_of_task_ggns_and_identity_kernel():
     strategy.train(scenario.train_stream[0])
     net.eval()
     g0 = diag_ggn(with_task(net, 0), seq[0].train_x, "categorical")
-    with pytest.deprecated_call():  # the old flat name still works, with a warning
-        torch.testing.assert_close(strategy.plugin.curvature, g0)
-    assert strategy.plugin.regularizer.memories[0].chol is None
-    torch.testing.assert_close(
-        strategy.plugin.posterior_variance(), 1 / (g0 + strategy.plugin.prior_precision)
-    )
+    m = strategy.plugin.method
+    torch.testing.assert_close(to_flat(m.ggn_sum, net, 0.0), g0)
+    assert m.regularizer.memories[0].chol is None
+    torch.testing.assert_close(m.posterior_variance(net), 1 / (g0 + m.prior_precision))
 
 
 def test_plugin_argument_errors():
@@ -188,14 +190,14 @@ def test_fromp_vogn_uses_vogn_posterior_and_checkpoints():
     scenario = to_avalanche(seq)
     strategy.train(scenario.train_stream[0])
     plugin = strategy.plugin
-    q_var = plugin.posterior_variance().clone()
+    q_var = plugin.method.posterior_variance(net).clone()
     # Sigma is VOGN's posterior variance at the end of task 1 (VOGN then made it the prior)
     torch.testing.assert_close(q_var, 1 / opt.prior().precision)
     strategy.train(scenario.train_stream[1])
-    assert len(plugin.regularizer) == 2 and plugin.last_penalty > 0
+    assert len(plugin.method.regularizer) == 2 and float(plugin.method.last_penalty) > 0
     fresh = FROMPPlugin(tau=1.0, n_points=4, posterior="vogn")
     fresh.load_state_dict(plugin.state_dict())
-    assert fresh.penalty(net).item() == plugin.penalty(net).item()
+    assert fresh.method.penalty(net).item() == plugin.method.penalty(net).item()
     with pytest.raises(TypeError, match="VOGN"):
         FROMP(
             model=as_avalanche_model(MultiHeadMLP(16, (8,), 2, 2)),
@@ -224,13 +226,13 @@ def test_sensitivity_selection_uses_the_task_posterior_after_tasks_1_to_3():
         x, y = seq[t].train_x, seq[t].train_y
         g = diag_ggn(head, x, "categorical")
         ggn_sum = g if ggn_sum is None else ggn_sum + g
-        q = DiagonalGaussian(flat_params(net), ggn_sum + strategy.plugin.prior_precision)
+        q = DiagonalGaussian(flat_params(net), ggn_sum + strategy.plugin.method.prior_precision)
         s = memory_perturbation(head, q, x, y).sensitivity
         want = []
         for c in (0, 1):
             members = torch.nonzero(y == c).squeeze(1)
             want += members[torch.argsort(s[members], descending=True)[:3]].tolist()
-        mem = strategy.plugin.regularizer.memories[t]
+        mem = strategy.plugin.method.regularizer.memories[t]
         assert mem.task == t
         torch.testing.assert_close(mem.inputs, x[want])
 
@@ -244,12 +246,12 @@ def test_training_the_same_experience_twice_is_idempotent():
     exp0 = to_avalanche(seq).train_stream[0]
     strategy.train(exp0)
     plugin = strategy.plugin
-    var_once = plugin.posterior_variance(net).clone()
-    inputs_once = plugin.regularizer.memories[0].inputs.clone()
+    var_once = plugin.method.posterior_variance(net).clone()
+    inputs_once = plugin.method.regularizer.memories[0].inputs.clone()
     strategy.train(exp0)
-    assert len(plugin.regularizer) == 1 and plugin.regularizer.num_points == 4
-    torch.testing.assert_close(plugin.posterior_variance(net), var_once, rtol=0, atol=0)
-    torch.testing.assert_close(plugin.regularizer.memories[0].inputs, inputs_once)
+    assert len(plugin.method.regularizer) == 1 and plugin.method.regularizer.num_points == 4
+    torch.testing.assert_close(plugin.method.posterior_variance(net), var_once, rtol=0, atol=0)
+    torch.testing.assert_close(plugin.method.regularizer.memories[0].inputs, inputs_once)
 
 
 def test_keyword_only_signature_and_positional_forms_in_its_order():
@@ -283,10 +285,11 @@ def test_keyword_only_signature_and_positional_forms_in_its_order():
             train_mb_size=7,
             evaluator=None,
         )
-    assert (s._criterion, s.plugin.tau, s.plugin.n_points, s.train_mb_size) == (crit, 2.0, 6, 7)
+    m = s.plugin.method
+    assert (s._criterion, m.tau, m.n_points, s.train_mb_size) == (crit, 2.0, 6, 7)
     # by position: the signature's order (criterion, then tau, n_points), with a warning
     with pytest.warns(PositionalArgumentsDeprecatedWarning):
         s = FROMP(net, opt, crit, 3.0, 8, evaluator=None)
-    assert (s._criterion, s.plugin.tau, s.plugin.n_points) == (crit, 3.0, 8)
+    assert (s._criterion, s.plugin.method.tau, s.plugin.method.n_points) == (crit, 3.0, 8)
     with pytest.raises(TypeError, match="model= and optimizer="):
         FROMP(model=net)

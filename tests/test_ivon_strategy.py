@@ -155,16 +155,17 @@ def test_fromp_ivon_kernel_uses_ivon_posterior_over_three_tasks():
     plugin = strategy.plugin
     strategy.train(scenario.train_stream[0])
     # Sigma is IVON's posterior variance 1 / (N (h + delta)) at the end of task 1
-    torch.testing.assert_close(plugin.posterior_variance(), opt.posterior(net).variance)
+    torch.testing.assert_close(plugin.method.posterior_variance(net), opt.posterior(net).variance)
     assert opt.prior(net).mean.abs().max() == 0  # ivon_continual=False: weight-decay prior
     for t in (1, 2):
         strategy.train(scenario.train_stream[t])
-        assert len(plugin.regularizer) == t + 1 and plugin.last_penalty > 0
-        torch.testing.assert_close(plugin.posterior_variance(), opt.posterior(net).variance)
+        assert len(plugin.method.regularizer) == t + 1 and float(plugin.method.last_penalty) > 0
+        variance = opt.posterior(net).variance
+        torch.testing.assert_close(plugin.method.posterior_variance(net), variance)
     assert not opt.sampled
     fresh = FROMPPlugin(tau=1.0, n_points=4, grad_clip_norm=1.0, posterior="ivon")
     fresh.load_state_dict(plugin.state_dict())
-    assert fresh.penalty(net).item() == plugin.penalty(net).item()
+    assert fresh.method.penalty(net).item() == plugin.method.penalty(net).item()
     with pytest.raises(TypeError, match="IVON"):
         FROMP(
             model=as_avalanche_model(MultiHeadMLP(16, (8,), 2, 2)),
@@ -190,9 +191,9 @@ class _GradientProbe(SupervisedPlugin):
         row = {"task": strategy.clock.train_exp_counter, "pen": None}
         # the state of a parameter is created at its first step (torch's convention)
         row["mom"] = [opt.state[p].get("momentum", torch.zeros_like(p)).clone() for p in opt.params]
-        if len(self.plugin.regularizer):
+        if len(self.plugin.method.regularizer):
             with torch.enable_grad():
-                pen = self.plugin.tau * self.plugin.penalty(strategy.model.net)
+                pen = self.plugin.method.tau * self.plugin.method.penalty(strategy.model.net)
                 row["pen"] = torch.autograd.grad(pen, opt.params, allow_unused=True)
         self.rows.append(row)
 
@@ -250,7 +251,7 @@ def test_fromp_ivon_penalty_gradient_at_the_mean_after_tasks_2_and_3(where):
         checked += 1
     tasks = {row["task"] for row in probe.rows if row["pen"] is not None}
     assert tasks == {1, 2} and checked >= 4
-    assert strategy.plugin.last_penalty > 0
+    assert float(strategy.plugin.method.last_penalty) > 0
     with pytest.raises(ValueError, match="ivon_penalty"):
         FROMPPlugin(posterior="ivon", ivon_penalty="draw")
 

@@ -308,11 +308,9 @@ def test_prob_jacobian_and_conv_kernel_match_dense():
         torch.testing.assert_close(k, torch.stack(_dense_kernels(gc, v, kernel)))
 
 
-def test_former_name_is_deprecated():
+def test_the_former_name_is_gone():
     import fromp
     import fromp.continual.regularizer as module
 
     for where in (fromp, module):
-        with pytest.warns(DeprecationWarning, match="FROMPRegularizer"):
-            assert where.FunctionalRegularizer is FROMPRegularizer
-    assert "FunctionalRegularizer" not in fromp.__all__
+        assert not hasattr(where, "FunctionalRegularizer")

@@ -69,10 +69,10 @@ def test_fromp_three_tasks_ggn_sum_heads_targets_and_kernels():
         _move(net, seed=100 + t)
         g_sum = g_sum + diag_ggn(with_task(net, t), x, "categorical")
         expected_idx.append(select_memorable(with_task(net, t), x, y, "categorical", 2))
-        plugin.learn_task(net, x, y, t)
+        plugin.method.learn_task(net, x, y, t)
         var = 1.0 / (g_sum + delta)
-        torch.testing.assert_close(plugin.posterior_variance(), var, rtol=1e-10, atol=0)
-        reg = plugin.regularizer
+        torch.testing.assert_close(plugin.method.posterior_variance(net), var, rtol=1e-10, atol=0)
+        reg = plugin.method.regularizer
         assert [m.task for m in reg.memories] == list(range(t + 1))
         for s, mem in enumerate(reg.memories):
             xs = stream[s][0][expected_idx[s]]
@@ -83,17 +83,17 @@ def test_fromp_three_tasks_ggn_sum_heads_targets_and_kernels():
             k = mem.chol @ mem.chol.transpose(-1, -2)
             k = k - mem.jitter * torch.eye(k.shape[-1], dtype=D)
             torch.testing.assert_close(k, _kernel(net, xs, s, var), rtol=1e-7, atol=1e-12)
-    assert plugin.task_count == 3
+    assert plugin.method.task_count == 3
     # the heads give different rankings, so the check above could tell them apart
     other = select_memorable(with_task(net, 0), stream[2][0], stream[2][1], "categorical", 2)
     assert not torch.equal(other, expected_idx[2])
 
 
 def _fake_strategy(net, x, y, t):
-    return SimpleNamespace(
-        experience=SimpleNamespace(dataset=TensorDataset(x, y, torch.full_like(y, t))),
-        model=net,
-    )
+    """What a plugin's after_training_exp reads of a strategy."""
+    ds = TensorDataset(x, y, torch.full_like(y, t))
+    exp = SimpleNamespace(dataset=ds, current_experience=t)
+    return SimpleNamespace(experience=exp, model=net, optimizer=None)
 
 
 @pytest.mark.parametrize("mode", ["separate", "online"])
@@ -104,7 +104,7 @@ def test_ewc_three_tasks_fisher_through_each_head_and_online_decay(mode):
     ``w*_3``."""
     stream, net = _stream(), _net()
     lam, gamma = 3.0, 0.6
-    plugin = EWCPlugin(net, per_example_lambda=lam, mode=mode, decay_factor=gamma, fisher="exact")
+    plugin = EWCPlugin(per_example_lambda=lam, mode=mode, decay_factor=gamma, fisher="exact")
     anchors, fishers = [], []
     for x, y, t in stream:
         _move(net, seed=200 + t)
@@ -119,7 +119,8 @@ def test_ewc_three_tasks_fisher_through_each_head_and_online_decay(mode):
         f_tilde = gamma**2 * fishers[0] + gamma * fishers[1] + fishers[2]
         want = (f_tilde * (w - anchors[2]) ** 2).sum()
     assert float(want) > 1e-3  # not vacuous
-    torch.testing.assert_close(plugin.penalty().detach(), 0.5 * lam * want, rtol=1e-10, atol=0)
+    got = plugin.method.penalty(net).detach()
+    torch.testing.assert_close(got, 0.5 * lam * want, rtol=1e-10, atol=0)
     # a head's Fisher is zero on the other heads' parameters: task 3's importance is not
     # task 1's (a Fisher through a fixed head would give the same support every task)
     head2 = torch.cat([p.reshape(-1) for p in net.heads[2].parameters()])
@@ -148,55 +149,57 @@ def test_fromp_nondefault_settings_survive_a_checkpoint():
     plugin = FROMPPlugin(tau=2.5, n_points=6, **kw)
     for x, y, t in stream[:2]:
         _move(net, seed=400 + t)
-        plugin.learn_task(net, x, y, t)
+        plugin.method.learn_task(net, x, y, t)
     state = copy.deepcopy(plugin.state_dict())
     with pytest.raises(ValueError, match="settings of the run"):
         FROMPPlugin().load_state_dict(state)  # built with the defaults: refused
     fresh = FROMPPlugin(tau=2.5, n_points=6, **kw)
     fresh.load_state_dict(state)
     keys = ("tau", "n_points", "kernel", "select", "prior_precision", "grad_clip_norm")
+    m, f = plugin.method, fresh.method
     for key in (*keys, "likelihood", "chunk_size"):
-        assert getattr(fresh, key) == getattr(plugin, key), key
-    assert fresh.regularizer.jitter == plugin.regularizer.jitter
-    assert fresh.curvature_examples == plugin.curvature_examples
+        assert getattr(f, key) == getattr(m, key), key
+    assert f.regularizer.jitter == m.regularizer.jitter
+    assert f.curvature_examples == m.curvature_examples
     net2 = copy.deepcopy(net)
     x, y, t = stream[2]
     _move(net, seed=500)
     _move(net2, seed=500)
-    plugin.learn_task(net, x, y, t)
-    fresh.learn_task(net2, x, y, t)
-    torch.testing.assert_close(fresh.posterior_variance(), plugin.posterior_variance())
-    for a, b in zip(plugin.regularizer.memories, fresh.regularizer.memories, strict=True):
+    plugin.method.learn_task(net, x, y, t)
+    f.learn_task(net2, x, y, t)
+    torch.testing.assert_close(f.posterior_variance(net2), m.posterior_variance(net))
+    for a, b in zip(m.regularizer.memories, f.regularizer.memories, strict=True):
         assert torch.equal(a.inputs, b.inputs) and a.task == b.task
         torch.testing.assert_close(a.chol, b.chol)
     _move(net, seed=600)
     _move(net2, seed=600)
-    assert fresh.penalty(net2).item() == pytest.approx(plugin.penalty(net).item(), rel=1e-12)
-    assert plugin.penalty(net).item() > 0
+    assert f.penalty(net2).item() == pytest.approx(m.penalty(net).item(), rel=1e-12)
+    assert plugin.method.penalty(net).item() > 0
 
 
 def test_ewc_nondefault_settings_survive_a_checkpoint():
     stream, net = _stream(), _net()
     kw = dict(mode="online", decay_factor=0.5, fisher="exact")
-    plugin = EWCPlugin(net, 4.0, **kw)
+    plugin = EWCPlugin(4.0, **kw)
     for x, y, t in stream[:2]:
         _move(net, seed=700 + t)
         plugin.after_training_exp(_fake_strategy(net, x, y, t))
-    fresh = EWCPlugin(net, 4.0, **kw)
+    fresh = EWCPlugin(4.0, **kw)
     fresh.load_state_dict(copy.deepcopy(plugin.state_dict()))
     x, y, t = stream[2]
     _move(net, seed=800)
     plugin.after_training_exp(_fake_strategy(net, x, y, t))
     fresh.after_training_exp(_fake_strategy(net, x, y, t))
     _move(net, seed=900)
-    assert fresh.penalty().item() == pytest.approx(plugin.penalty().item(), rel=1e-12)
-    assert plugin.penalty().item() > 0
+    want = plugin.method.penalty(net).item()
+    assert fresh.method.penalty(net).item() == pytest.approx(want, rel=1e-12)
+    assert plugin.method.penalty(net).item() > 0
     with pytest.raises(ValueError, match="mode"):
-        EWCPlugin(net, 4.0).load_state_dict(plugin.state_dict())
+        EWCPlugin(4.0).load_state_dict(plugin.state_dict())
     with pytest.raises(ValueError, match=r"decay_factor=0\.5"):
-        EWCPlugin(net, 4.0, **{**kw, "decay_factor": 0.9}).load_state_dict(plugin.state_dict())
+        EWCPlugin(4.0, **{**kw, "decay_factor": 0.9}).load_state_dict(plugin.state_dict())
     with pytest.raises(ValueError, match="fisher='exact'"):
-        EWCPlugin(net, 4.0, **{**kw, "fisher": "sampled"}).load_state_dict(plugin.state_dict())
+        EWCPlugin(4.0, **{**kw, "fisher": "sampled"}).load_state_dict(plugin.state_dict())
 
 
 def _add_head(net: MultiHeadMLP) -> None:
@@ -209,22 +212,24 @@ def test_fromp_and_ewc_state_survive_a_new_head():
     """State is keyed by parameter name: a head added after two tasks (a network grown per
     task) leaves the stored state valid; the new head starts at zero GGN / no EWC penalty."""
     stream, net = _stream(), _net(n_heads=2)
-    fromp = FROMPPlugin(tau=1.0, n_points=4, prior_precision=0.5)
-    ewc = EWCPlugin(net, 2.0, fisher="exact")
+    plugin = FROMPPlugin(tau=1.0, n_points=4, prior_precision=0.5)
+    fromp = plugin.method
+    ewc_plugin = EWCPlugin(2.0, fisher="exact")
+    ewc = ewc_plugin.method
     for x, y, t in stream[:2]:
         _move(net, seed=1000 + t)
         fromp.learn_task(net, x, y, t)
-        ewc.after_training_exp(_fake_strategy(net, x, y, t))
+        ewc_plugin.after_training_exp(_fake_strategy(net, x, y, t))
     g_before = {n: v.clone() for n, v in fromp.ggn_sum.items()}
-    ewc_before = ewc.penalty().item()
+    ewc_before = ewc.penalty(net).item()
     _add_head(net)
-    assert ewc.penalty().item() == pytest.approx(ewc_before, rel=1e-12)  # new head: no term
+    assert ewc.penalty(net).item() == pytest.approx(ewc_before, rel=1e-12)  # new head: no term
     var = fromp.posterior_variance(net)
     assert var.numel() == sum(p.numel() for p in net.parameters())
     assert torch.all(var[-sum(p.numel() for p in net.heads[2].parameters()) :] == 1 / 0.5)
     x, y, t = stream[2]
     fromp.learn_task(net, x, y, t)
-    ewc.after_training_exp(_fake_strategy(net, x, y, t))
+    ewc_plugin.after_training_exp(_fake_strategy(net, x, y, t))
     new = diag_ggn(with_task(net, 2), x, "categorical")
     from fromp.curvature.jacobian import unflatten
 
@@ -246,9 +251,9 @@ def test_strategy_package_exports_and_fromp_likelihood():
     net = _net()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     strategy = FROMP(model=net, optimizer=opt, evaluator=None, likelihood="bernoulli")
-    assert strategy.plugin.regularizer.likelihood.name == "bernoulli"
+    assert strategy.plugin.method.regularizer.likelihood.name == "bernoulli"
     ewc = fromp_avalanche.EWC(model=net, optimizer=opt, evaluator=None, likelihood="bernoulli")
-    assert ewc.plugin.likelihood.name == "bernoulli"
+    assert ewc.plugin.method.likelihood.name == "bernoulli"
 
 
 def test_learn_task_checks_its_inputs_first():
@@ -256,12 +261,12 @@ def test_learn_task_checks_its_inputs_first():
     x, y, _ = stream[0]
     plugin = FROMPPlugin(n_points=4)
     with pytest.raises(TypeError, match="x must be a Tensor"):
-        plugin.learn_task(net, x.tolist(), y, 0)
+        plugin.method.learn_task(net, x.tolist(), y, 0)
     bad = x.clone()
     bad[0, 0] = float("inf")
     with pytest.raises(ValueError, match="x has non-finite"):
-        plugin.learn_task(net, bad, y, 0)
-    vogn = FROMPPlugin(n_points=4, posterior="vogn")
-    with pytest.raises(ValueError, match=r"posterior_variance must have shape \[P\]"):
-        vogn.learn_task(net, x, y, 0, torch.ones(3, dtype=D))
-    assert plugin.task_count == 0 and vogn.task_count == 0
+        plugin.method.learn_task(net, bad, y, 0)
+    vogn = FROMPPlugin(n_points=4, posterior="vogn").method
+    with pytest.raises(TypeError, match=r"posterior='vogn' needs optimizer= a fromp\.optim\.VOGN"):
+        vogn.learn_task(net, x, y, 0, optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    assert plugin.method.task_count == 0 and vogn.task_count == 0

@@ -1,8 +1,7 @@
-"""One task counter, ``task_count``, on every continual method and plugin, and one
-bookkeeping of FROMP's and EWC's experience keys (:mod:`fromp.continual.experiences`):
-the keys and the counter after tasks 1, 2 and 3 with an experience learnt again, a state
-round trip, a state of an older version (``"tasks_done"``), and ``FROMPMethod.tasks_done``
-kept as a deprecated name."""
+"""One task counter, ``task_count``, on every continual method and optimizer plugin, with
+one meaning (the distinct experiences learnt), and one bookkeeping of the experience keys
+(:mod:`fromp.continual.experiences`): the keys and the counter after tasks 1, 2 and 3 with an
+experience learnt again, a state round trip, and no ``tasks_done`` name left."""
 
 from __future__ import annotations
 
@@ -82,7 +81,7 @@ def test_fromp_keys_and_counter_over_three_tasks_with_one_learnt_again():
         assert held() == [[0], [0, 1], [1, 2], [1, 2, 3]][step]
 
 
-def test_fromp_state_round_trip_and_older_state_and_deprecated_name():
+def test_fromp_state_round_trip_and_no_former_name():
     net = _net()
     m = FROMPMethod(n_points=6, kernel="identity")
     for step in range(3):
@@ -98,14 +97,9 @@ def test_fromp_state_round_trip_and_older_state_and_deprecated_name():
     back.learn_task(net, *_task(3), None)  # the next key continues after the loaded ones
     assert back.experiences == [0, 2, 1, 3] and back.task_count == 4
     old = {k: v for k, v in state.items() if k != "task_count"} | {"tasks_done": 3}
-    older = FROMPMethod(n_points=6, kernel="identity")
-    older.load_state_dict(old)  # a state saved before the rename
-    assert older.task_count == 3
-    with pytest.warns(DeprecationWarning, match="FROMPMethod.tasks_done is now task_count"):
-        assert older.tasks_done == 3
-    with pytest.warns(DeprecationWarning, match="FROMPMethod.tasks_done is now task_count"):
-        older.tasks_done = 5
-    assert older.task_count == 5
+    with pytest.raises(ValueError, match=r"missing keys \['task_count'\]"):
+        FROMPMethod(n_points=6, kernel="identity").load_state_dict(old)
+    assert not hasattr(m, "tasks_done")
 
 
 def test_fromp_bad_key_refused_before_any_change():
@@ -133,7 +127,7 @@ def test_ewc_keys_and_counter_over_three_tasks_with_one_learnt_again():
     kept = [anchors[1], anchors[2], anchors[3]]  # 0's first anchor replaced, in order
     assert len(m.anchors) == 3 and all(a is b for a, b in zip(m.anchors, kept))
     back = EWCMethod(ewc_lambda=1.0, fisher="exact")
-    back.load_state_dict(m.state_dict(), net)
+    back.load_state_dict(m.state_dict())
     assert back.task_count == 3 and back.experiences == [1, 0, 2]
     torch.testing.assert_close(back.penalty(net), m.penalty(net))
 
@@ -163,9 +157,34 @@ def test_every_method_counts_its_tasks_under_one_name():
         FROMPMethod(),
         EWCMethod(ewc_lambda=1.0),
         VCLMethod(_net()),
-        FROMPPlugin(),  # the method's counter, read through the plugin
-        EWCPlugin(_net(), ewc_lambda=1.0),
+        FROMPPlugin().method,
+        EWCPlugin(ewc_lambda=1.0).method,
         VOGNPlugin(),
         IVONPlugin(),
     ):
         assert obj.task_count == 0, type(obj).__name__
+
+
+def test_vcl_and_the_optimizer_plugins_count_distinct_experiences():
+    """An experience learnt again counts once in VCL and the optimizer plugins too (they
+    counted calls before): VCL's keys, and a VOGN strategy training experience 0 twice."""
+    from types import SimpleNamespace
+
+    m = VCLMethod(_net(), train_samples=1)
+    for key in (0, 1, 0):
+        m.begin_task(m.net, task=None, experience=key, ess=24)
+        m.learn_task(m.net, None, None, None)
+    assert m.task_count == 2 and m.experiences == [1, 0]
+
+    pytest.importorskip("avalanche")
+    from fromp_avalanche import VOGNPlugin
+
+    from fromp.posterior import DiagonalGaussian
+
+    plugin = VOGNPlugin()
+    for key in (0, 1, 0):
+        q = DiagonalGaussian(torch.full((3,), float(key)), torch.ones(3))
+        strategy = SimpleNamespace(experience=SimpleNamespace(current_experience=key))
+        plugin._end_experience(strategy, q, lambda: None)
+    assert plugin.task_count == 2 and plugin.experiences == [1, 0]
+    assert [float(q.mean[0]) for q in plugin.posteriors] == [1.0, 0.0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from avalanche.core import SupervisedPlugin
 from avalanche.evaluation.metrics import accuracy_metrics
 from avalanche.training.plugins import EvaluationPlugin
 from fromp_avalanche.models import as_avalanche_model
@@ -51,7 +52,7 @@ def test_vcl_multi_head_posterior_propagation_and_round_trip():
     strat.train(scenario.train_stream[0])
     opt_params = {id(p) for g in strat.optimizer.param_groups for p in g["params"]}
     assert opt_params == {id(p) for p in strat.model.parameters()}
-    assert strat.plugin.seen_heads == {0} and strat.plugin.task_count == 1
+    assert strat.plugin.method.seen_heads == {0} and strat.plugin.method.task_count == 1
     # the posterior became the prior for the body and head 0; head 2 keeps N(0, 1)
     assert bnet.kl([0]).abs() < 1e-5
     assert torch.all(bnet.heads[2].weight_prior_var == 1.0)
@@ -61,7 +62,7 @@ def test_vcl_multi_head_posterior_propagation_and_round_trip():
     )
     assert torch.all(bnet.heads[2].weight_logvar == -6.0)
     strat.train(scenario.train_stream[1])
-    assert strat.plugin.seen_heads == {0, 1}
+    assert strat.plugin.method.seen_heads == {0, 1}
     accs = _accs(strat.eval(scenario.test_stream[:2]))
     assert len(accs) == 2 and min(accs) > 0.7
 
@@ -70,7 +71,7 @@ def test_vcl_multi_head_posterior_propagation_and_round_trip():
     other = _strategy(MultiHeadMLP(16, (12,), n_heads=3, head_size=2))
     other.plugin.load_state_dict(state)
     assert _state_equal(other.net.state_dict(), bnet.state_dict())
-    assert other.plugin.seen_heads == {0, 1} and other.plugin.task_count == 2
+    assert other.plugin.method.seen_heads == {0, 1} and other.plugin.method.task_count == 2
     with pytest.raises(ValueError, match="missing"):
         other.plugin.load_state_dict({"net": state["net"]})
 
@@ -82,7 +83,7 @@ def test_vcl_loss_is_mc_nll_plus_kl_over_n():
     strat = _strategy(MultiHeadMLP(16, (8,), n_heads=2, head_size=2), train_epochs=1)
     seen = {}
 
-    class Probe(VCLPlugin.__mro__[1]):  # a SupervisedPlugin
+    class Probe(SupervisedPlugin):
         def after_backward(self, strategy, **kwargs):
             if "loss" not in seen:
                 logits = strategy._mc_logits.detach()
@@ -90,13 +91,13 @@ def test_vcl_loss_is_mc_nll_plus_kl_over_n():
                 nll = torch.nn.functional.cross_entropy(
                     logits.reshape(s * n, k), strategy.mb_y.repeat(s)
                 )
-                kl = strategy.net.kl([0]).detach() / strategy.plugin.n_train
+                kl = strategy.net.kl([0]).detach() / strategy.plugin.method.ess
                 seen["loss"], seen["ref"] = strategy.loss.detach(), nll + kl
 
     strat.plugins.append(Probe())
     strat.train(scenario.train_stream[0])
     torch.testing.assert_close(seen["loss"].reshape(()), seen["ref"])
-    assert strat.plugin.n_train == 30
+    assert strat.plugin.method.ess == 30
 
 
 def test_vcl_coreset_kept_out_and_posterior_restored_after_eval():
@@ -107,7 +108,7 @@ def test_vcl_coreset_kept_out_and_posterior_restored_after_eval():
     strat = _strategy(net, coreset_size=6, coreset_method="kcenter", coreset_epochs=3)
     trained_on = []
 
-    class Record(VCLPlugin.__mro__[1]):
+    class Record(SupervisedPlugin):
         def before_training_iteration(self, strategy, **kwargs):
             trained_on.append(
                 (strategy.clock.train_exp_counter, strategy.mb_x.reshape(len(strategy.mb_x), -1))
@@ -117,11 +118,11 @@ def test_vcl_coreset_kept_out_and_posterior_restored_after_eval():
     for exp in scenario.train_stream:
         strat.train(exp)
     plugin = strat.plugin
-    assert [h for h, _, _ in plugin.coresets] == [0, 1]
-    assert all(len(x) == 6 for _, x, _ in plugin.coresets)
-    assert plugin.n_train == 100 - 6  # the task's 100 examples minus its coreset
+    assert [h for h, _, _ in plugin.method.coresets] == [0, 1]
+    assert all(len(x) == 6 for _, x, _ in plugin.method.coresets)
+    assert plugin.method.ess == 100 - 6  # the task's 100 examples minus its coreset
     for t in (0, 1):
-        cx = plugin.coresets[t][1].reshape(6, -1)
+        cx = plugin.method.coresets[t][1].reshape(6, -1)
         tx = seq[t].train_x.reshape(len(seq[t].train_x), -1)
         # k-center picks the first example first, as the reference code
         assert torch.equal(cx[0], tx[0])
@@ -137,7 +138,7 @@ def test_vcl_coreset_kept_out_and_posterior_restored_after_eval():
     # the eval-time coreset training changes the posterior used for prediction
     snap = {}
 
-    class Peek(VCLPlugin.__mro__[1]):
+    class Peek(SupervisedPlugin):
         def before_eval_iteration(self, strategy, **kwargs):
             snap.setdefault(
                 strategy.experience.current_experience,
@@ -158,7 +159,7 @@ def test_vcl_single_head_random_coreset():
     assert strat.model is strat.net  # single head: no Avalanche multi-task wrapper
     for exp in scenario.train_stream:
         strat.train(exp)
-    assert [h for h, _, _ in strat.plugin.coresets] == [0, 0]
+    assert [h for h, _, _ in strat.plugin.method.coresets] == [0, 0]
     accs = _accs(strat.eval(scenario.test_stream))
     assert len(accs) == 2 and min(accs) > 0.6
 
@@ -205,7 +206,7 @@ def test_runner_resume_matches_uninterrupted_run(tmp_path):
     assert len(full["accuracy_matrix"]) == 5
 
 
-def test_the_strategy_takes_every_setting_of_the_method_and_prior_var_is_deprecated():
+def test_the_strategy_takes_every_setting_of_the_method():
     import inspect
 
     from fromp_avalanche.vcl import METHOD_SETTINGS
@@ -214,18 +215,10 @@ def test_the_strategy_takes_every_setting_of_the_method_and_prior_var_is_depreca
 
     params = inspect.signature(VCL).parameters
     assert set(METHOD_SETTINGS) == set(inspect.signature(VCLMethod).parameters) - {"net"}
-    assert set(METHOD_SETTINGS) <= set(params)
-    net = MultiHeadMLP(4, (3,), n_heads=2, head_size=2)
-    with pytest.warns(DeprecationWarning, match="prior_precision=1/prior_var") as rec:
-        strat = _strategy(net, prior_var=0.5)
-    ours = [w for w in rec if "prior_var" in str(w.message)]
-    assert len(ours) == 1 and str(ours[0].message).startswith("VCL(prior_var=...)")
-    assert strat.method.prior_precision == 2.0
-    assert torch.all(strat.net.heads[1].weight_prior_var == 0.5)
+    assert set(METHOD_SETTINGS) <= set(params) and "prior_var" not in params
     strat = _strategy(MultiHeadMLP(4, (3,), n_heads=2, head_size=2), prior_precision=4.0)
+    assert strat.method.prior_precision == 4.0
     assert torch.all(strat.net.heads[1].weight_prior_var == 0.25)
-    with pytest.raises(ValueError, match="not both"):
-        _strategy(MultiHeadMLP(4, (3,), n_heads=2, head_size=2), prior_precision=4.0, prior_var=1.0)
     model = MultiHeadMLP(4, (3,), n_heads=2, head_size=2)
     opt = torch.optim.SGD([{"params": [p]} for p in model.parameters()], lr=0.1)
     with pytest.raises(ValueError, match="single parameter group"):
@@ -244,15 +237,15 @@ def test_vcl_coreset_on_any_module_through_the_twin():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 10), nn.ReLU(), nn.Linear(10, 2))
     strat = _strategy(net, coreset_size=4, coreset_method="random", coreset_epochs=2, seed=0)
-    assert isinstance(strat.net, MeanFieldTwin) and type(strat.plugin).__name__ == "VCLTwinPlugin"
+    assert isinstance(strat.net, MeanFieldTwin) and type(strat.plugin) is VCLPlugin
     for exp in scenario.train_stream:
         strat.train(exp)
-    assert [h for h, _, _ in strat.plugin.coresets] == [0, 0]
-    assert strat.plugin.n_train == 56
+    assert [h for h, _, _ in strat.plugin.method.coresets] == [0, 0]
+    assert strat.plugin.method.ess == 56
     before = {k: v.clone() for k, v in strat.net.state_dict().items()}
     tuned = {}
 
-    class Peek(VCLPlugin.__mro__[1]):
+    class Peek(SupervisedPlugin):
         def before_eval_iteration(self, strategy, **kwargs):
             tuned.setdefault("w", strategy.net.state_dict()["model.2.weight"].clone())
 

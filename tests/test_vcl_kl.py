@@ -67,7 +67,7 @@ def test_bayes_multihead_kl_equals_per_parameter_sum_after_tasks_1_2_3(heads):
 def test_mean_field_twin_kl_equals_per_parameter_sum_after_tasks_1_2_3():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
-    twin = MeanFieldTwin(model, prior_var=0.7).double()
+    twin = MeanFieldTwin(model, prior_precision=1 / 0.7).double()
     calls = {"n": 0}
     flat = bayesian.gaussian_kl_flat
 
@@ -92,10 +92,8 @@ def test_mean_field_twin_kl_equals_per_parameter_sum_after_tasks_1_2_3():
         twin.set_prior_from_posterior()
 
 
-def test_the_twin_moved_to_bayesian_with_a_warning():
+def test_the_twin_lives_in_bayesian_only():
     import fromp.continual.vcl as vcl
 
-    with pytest.warns(DeprecationWarning, match="fromp.continual.bayesian.MeanFieldTwin"):
-        assert vcl.MeanFieldTwin is MeanFieldTwin
-    with pytest.warns(DeprecationWarning, match="gaussian_names"):
-        assert vcl.gaussian_names is bayesian.gaussian_names
+    for name in ("MeanFieldTwin", "gaussian_names"):  # one import path: no moved names
+        assert not hasattr(vcl, name)

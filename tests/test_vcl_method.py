@@ -1,7 +1,8 @@
 """VCLMethod in a plain loop (no Avalanche): the ELBO's KL against a dense float64 closed
 form, the posterior of task t as the prior of task t + 1 (after tasks 2 and 3, one head and
 task heads, fromp networks and any module), coresets, state round trip and refusals, the
-deprecated ``prior_var``; and the Avalanche strategy giving the plain loop's numbers."""
+one name for the prior, ``prior_precision``; and the Avalanche strategy giving the plain loop's
+numbers."""
 
 from __future__ import annotations
 
@@ -75,6 +76,12 @@ def _train(method: VCLMethod, x, y, task, steps=6, lr=0.05, bs=8):
     return losses
 
 
+def _kl_term(method: VCLMethod) -> torch.Tensor:
+    """The method's loss term ``KL(q || q_{t-1}) / N_t`` (the protocol's loss_terms)."""
+    x = torch.zeros(1, 1, dtype=D)
+    return method.loss_terms(method.net, x, x)
+
+
 def test_penalty_is_the_dense_kl_over_body_and_trained_heads_after_tasks_1_2_3():
     torch.manual_seed(0)
     method = VCLMethod(
@@ -86,16 +93,16 @@ def test_penalty_is_the_dense_kl_over_body_and_trained_heads_after_tasks_1_2_3()
     net = method.net
     assert isinstance(net, BayesMultiHeadModel)
     for t, (x, y) in enumerate(_tasks()):
-        method.begin_task(t, len(x))
+        method.begin_task(method.net, task=t, ess=len(x))
         _train(method, x, y, t)
         # body + heads 0..t (trained or being trained): head 3 never enters
         want = _dense_total(_bayes_parts(net, set(range(t + 1)))) / len(x)
-        got = method.penalty()
+        got = _kl_term(method)
         assert float(want) > 1e-3
         torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-10, atol=1e-12)
         # with every head, the value differs (the untrained head's KL is not zero)
         assert abs(float(_dense_total(_bayes_parts(net, {0, 1, 2, 3})) / len(x) - want)) > 1e-6
-        method.learn_task()
+        method.learn_task(method.net, None, None, None)
 
 
 @pytest.mark.parametrize("kind", ["task-heads", "one-head", "any-module"])
@@ -112,13 +119,13 @@ def test_plain_loop_posterior_of_task_t_is_the_prior_of_task_t_plus_1(kind):
     head = (lambda t: t) if kind == "task-heads" else (lambda t: 0)
     posterior = None
     for t, (x, y) in enumerate(_tasks()):
-        method.begin_task(t, len(x))
+        method.begin_task(method.net, task=t, ess=len(x))
         if t > 0:  # at the start of a task only its new head (if any) is off its prior
             new = _dense_total(_bayes_parts(method.net, {t})) if kind == "task-heads" else 0.0
             if kind == "task-heads":
                 new = new - _dense_total(_bayes_parts(method.net, set()))  # the body's: 0
             torch.testing.assert_close(
-                method.penalty(), torch.as_tensor(new, dtype=D) / len(x), rtol=1e-9, atol=1e-12
+                _kl_term(method), torch.as_tensor(new, dtype=D) / len(x), rtol=1e-9, atol=1e-12
             )
         method.ml_init(x, y, batch_size=8)  # task 1 only
         _train(method, x, y, t)
@@ -133,7 +140,7 @@ def test_plain_loop_posterior_of_task_t_is_the_prior_of_task_t_plus_1(kind):
             for h in range(t + 1, 3):
                 assert torch.all(method.net.heads[h].weight_prior_var == 0.25)
                 assert torch.all(method.net.heads[h].weight_prior_mu == 0.0)
-        method.learn_task()
+        method.learn_task(method.net, None, None, None)
         assert method.task_count == t + 1 and method.seen_heads == {head(s) for s in range(t + 1)}
         posterior = [(m.detach().clone(), lv.detach().exp()) for m, lv, _, _ in sites]
         # right after learn_task: the KL over what was learnt is zero
@@ -164,7 +171,7 @@ def test_coreset_selection_kcenter_and_random():
     for _ in range(2):
         r = VCLMethod(nn.Linear(5, 2), coreset_size=4, coreset_method="random", seed=7)
         a = r.coreset_indices(30)
-        r.learn_task()
+        r.learn_task(r.net, None, None, None)
         picks.append((a, r.coreset_indices(30)))
     assert torch.equal(picks[0][0], picks[1][0]) and torch.equal(picks[0][1], picks[1][1])
     assert not torch.equal(picks[0][0], picks[0][1])
@@ -185,9 +192,9 @@ def test_coreset_training_uses_the_task_head_and_restore_gives_the_propagated_po
     )
     for t, (x, y) in enumerate(_tasks(n_tasks=2)):
         x, y = m.split_coreset(x, y, t)
-        m.begin_task(t, len(x))
+        m.begin_task(m.net, task=t, ess=len(x))
         _train(m, x, y, t)
-        m.learn_task()
+        m.learn_task(m.net, None, None, None)
     propagated = {k: v.clone() for k, v in m.net.state_dict().items()}
     assert m.prepare_eval(1, epochs=3, lr=0.05, batch_size=2)
     now = m.net.state_dict()
@@ -220,9 +227,9 @@ def _trained(kind: str, tasks: int, **kw):
     m = VCLMethod(net, train_samples=2, seed=5, **kw)
     for t, (x, y) in enumerate(_tasks()[:tasks]):
         x, y = m.split_coreset(x, y, t)
-        m.begin_task(t, len(x))
+        m.begin_task(m.net, task=t, ess=len(x))
         _train(m, x, y, t)
-        m.learn_task()
+        m.learn_task(m.net, None, None, None)
     return m
 
 
@@ -243,7 +250,7 @@ def test_state_round_trip_resumes_exactly_and_other_settings_are_refused(kind):
     runs = []
     for m in (a, b):
         xs, ys = m.split_coreset(x, y, 2)
-        m.begin_task(2, len(xs))
+        m.begin_task(m.net, task=2, ess=len(xs))
         torch.manual_seed(11)
         runs.append(_train(m, xs, ys, 2))
     assert runs[0] == runs[1]
@@ -263,15 +270,15 @@ def test_state_round_trip_resumes_exactly_and_other_settings_are_refused(kind):
         b.load_state_dict({"net": state["net"]})
 
 
-def test_prior_var_is_deprecated_for_prior_precision():
-    with pytest.warns(DeprecationWarning, match="prior_precision=1/prior_var"):
-        m = VCLMethod(MultiHeadMLP(3, (2,), n_heads=1, head_size=2), prior_var=0.25)
+def test_prior_precision_is_the_one_name_of_the_prior():
+    import inspect
+
+    m = VCLMethod(MultiHeadMLP(3, (2,), n_heads=1, head_size=2), prior_precision=4.0)
     assert m.prior_precision == 4.0
     assert torch.all(m.net.heads[0].weight_prior_var == 0.25)
-    m2 = VCLMethod(MultiHeadMLP(3, (2,), n_heads=1, head_size=2), prior_precision=4.0)
-    assert torch.all(m2.net.heads[0].weight_prior_var == 0.25)
-    with pytest.raises(ValueError, match="not both"):
-        VCLMethod(nn.Linear(3, 2), prior_precision=2.0, prior_var=0.5)
+    assert "prior_var" not in inspect.signature(VCLMethod).parameters
+    with pytest.raises(TypeError, match="prior_var"):
+        VCLMethod(nn.Linear(3, 2), prior_var=0.5)  # type: ignore[call-arg]
     assert fromp.VCLMethod is VCLMethod
 
 
@@ -303,14 +310,18 @@ def test_bad_settings_are_refused_before_any_work(kwargs, name):
 def test_refusals_in_the_loop():
     m = VCLMethod(MultiHeadMLP(3, (2,), n_heads=2, head_size=2), train_samples=1)
     with pytest.raises(ValueError, match="begin_task"):
-        m.penalty()
-    with pytest.raises(ValueError, match="n_train"):
-        m.begin_task(0, 0)
+        _kl_term(m)
+    with pytest.raises(ValueError, match="ess"):
+        m.begin_task(m.net, task=0, ess=0)
+    with pytest.raises(ValueError, match="ess"):
+        m.begin_task(m.net, task=0)
     with pytest.raises(ValueError, match="task must be an int"):
-        m.begin_task(None, 5)
+        m.begin_task(m.net, task=None, ess=5)
     with pytest.raises(ValueError, match="task must be an int"):
-        m.begin_task(torch.tensor([0, 1]), 5)
-    assert m.n_train is None  # nothing set by the refused calls
+        m.begin_task(m.net, task=torch.tensor([0, 1]), ess=5)
+    with pytest.raises(ValueError, match=r"method\.net"):
+        m.begin_task(nn.Linear(3, 2), task=0, ess=5)
+    assert m.ess is None  # nothing set by the refused calls
     with pytest.raises(ValueError, match="y must be"):
         m.ml_init(
             torch.randn(4, 3), torch.zeros(3, dtype=torch.long), epochs=1, lr=0.1, batch_size=2
@@ -372,7 +383,7 @@ def test_the_strategy_gives_the_plain_loops_numbers():
     losses, step = [], 0
     for t, task in enumerate(seq):
         x, y = method.split_coreset(task.train_x, task.train_y, t)
-        method.begin_task(t, len(x))
+        method.begin_task(method.net, task=t, ess=len(x))
         method.ml_init(x, y, epochs=1, batch_size=bs)
         for _ in range(epochs):
             for s in range(0, len(x), bs):
@@ -383,8 +394,7 @@ def test_the_strategy_gives_the_plain_loops_numbers():
                 loss.backward()
                 opt.step()
                 losses.append(float(loss.detach()))
-        method.learn_task()
-        opt.state.clear()  # the strategy's fresh Adam state per task
+        method.learn_task(method.net, x, y, t, optimizer=opt)  # a fresh Adam state per task
 
     assert len(losses) == len(seeder.losses) == 3 * epochs * 3
     assert losses == seeder.losses

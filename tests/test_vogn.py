@@ -12,14 +12,20 @@ import torch
 from avalanche.models.dynamic_optimizers import update_optimizer
 from avalanche.training.plugins import SupervisedPlugin
 from fromp_avalanche.models import as_avalanche_model
-from fromp_avalanche.vogn import VOGNStrategy, minibatch_curvature
+from fromp_avalanche.vogn import VOGNStrategy
 from fromp_bench.data import synthetic_split, to_avalanche
 from torch import nn
 
 from fromp import IVON, OGN, VOGN
 from fromp.likelihood import CategoricalLikelihood, GaussianLikelihood
 from fromp.models import MultiHeadMLP, with_task
-from fromp.optim.vogn import LayerCapture, per_example_grad_stats, predict_mc, predict_mean
+from fromp.optim.vogn import (
+    LayerCapture,
+    minibatch_curvature,
+    per_example_grad_stats,
+    predict_mc,
+    predict_mean,
+)
 from fromp.posterior import DiagonalGaussian
 
 D = torch.float64
@@ -923,3 +929,33 @@ def test_a_parameter_added_later_gets_its_state_at_its_first_step():
     # the body's state was kept: its momentum continues from step 1 (g = 0 now)
     want_m = 0.9 * kept["momentum"] + 0.1 * (3.0 / 20) * kept["mean"]
     torch.testing.assert_close(opt.state[body.weight]["momentum"], want_m, rtol=1e-12, atol=1e-15)
+
+
+def test_plugin_refuses_a_state_without_its_keys_and_round_trips_its_own():
+    """A VOGNPlugin state without its experience keys (an older plugin's) is refused naming
+    what it lacks; a new one holds torch's state dict and round-trips."""
+    from fromp_avalanche.vogn import VOGNPlugin
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
+    x, y = torch.randn(8, 3, dtype=D), torch.randint(0, 2, (8,))
+    opt = VOGN(net, lr=0.1, ess=20, prior_precision=3.0)
+    for _ in range(2):
+        opt.step(_closure(opt, x, y))
+    q = opt.posterior()
+    old = {"vogn": opt.state_dict(), "posteriors": [q.state_dict()], "task_count": 1}
+    net2 = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D)
+    opt2 = VOGN(net2, lr=0.1, ess=1)
+    plugin = VOGNPlugin(opt2)
+    with pytest.raises(ValueError, match=r"missing keys \['experiences', 'continual'\]"):
+        plugin.load_state_dict(old)
+    plugin.optimizer = opt
+    plugin.posteriors, plugin.experiences, plugin.task_count = [q], [0], 1
+    new = plugin.state_dict()
+    assert set(new["vogn"]) == {"state", "param_groups"} and new["experiences"] == [0]
+    opt3 = VOGN(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(D), lr=0.1)
+    back = VOGNPlugin(opt3)
+    back.load_state_dict(new)
+    assert back.task_count == 1 and back.experiences == [0]
+    torch.testing.assert_close(back.posteriors[0].mean, q.mean, rtol=0, atol=0)
+    _assert_same_next_step(opt, opt3, x, y, seed=3)

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from fromp._checks import check_prior_precision
 from fromp.continual.named_state import fit_shape
 from fromp.models import CifarCNN, MultiHeadMLP, MultiHeadModel, is_multitask, with_task
 
@@ -121,11 +122,12 @@ class GaussianWeights(nn.Module):
             v0.copy_(lv.exp())
 
     @torch.no_grad()
-    def reset_prior(self, prior_mean: float = 0.0, prior_var: float = 1.0) -> None:
-        """Set the prior of every site back to ``N(prior_mean, prior_var)``."""
+    def reset_prior(self, prior_mean: float = 0.0, prior_precision: float = 1.0) -> None:
+        """Set the prior of every site back to ``N(prior_mean, 1 / prior_precision)``."""
+        variance = 1.0 / check_prior_precision(prior_precision)  # type: ignore[operator]
         for _, _, m0, v0 in self.gaussian_sites():
             m0.fill_(prior_mean)
-            v0.fill_(prior_var)
+            v0.fill_(variance)
 
 
 class MeanFieldNet(GaussianWeights):
@@ -170,7 +172,8 @@ class BayesLayer(GaussianWeights):
     Args:
         weight_shape: shape of the weight (``[out, ...]``; the bias is ``[out]``).
         bias: whether the layer has a bias.
-        prior_mean, prior_var: the prior ``N(prior_mean, prior_var)`` of every weight.
+        prior_mean, prior_precision: the prior ``N(prior_mean, 1 / prior_precision)`` of
+            every weight (the variance kept in the buffers ``*_prior_var``).
         init_logvar: initial posterior ``log sigma^2`` (VCL: -6).
     """
 
@@ -185,12 +188,11 @@ class BayesLayer(GaussianWeights):
         bias: bool = True,
         *,
         prior_mean: float = 0.0,
-        prior_var: float = 1.0,
+        prior_precision: float = 1.0,
         init_logvar: float = -6.0,
     ) -> None:
         super().__init__()
-        if prior_var <= 0:
-            raise ValueError(f"prior_var must be > 0, got {prior_var}")
+        prior_var = 1.0 / check_prior_precision(prior_precision)  # type: ignore[operator]
         self.init_logvar = float(init_logvar)
         self.use_mean = False  # forward with W = mu (no sampling) when True
         self.weight_mu = nn.Parameter(torch.empty(weight_shape))
@@ -285,8 +287,8 @@ class BayesLinear(BayesLayer):
     """Mean-field Gaussian ``nn.Linear``: ``[N, in] -> [N, out]``.
 
     Pre-activations ``a ~ N(x mu_W^T + mu_b, x^2 var_W^T + var_b)`` (local
-    reparameterisation). ``kw``: ``prior_mean``, ``prior_var`` (the prior
-    ``N(prior_mean, prior_var)`` on every weight), ``init_logvar`` (VCL: -6), as
+    reparameterisation). ``kw``: ``prior_mean``, ``prior_precision`` (the prior
+    ``N(prior_mean, 1 / prior_precision)`` on every weight), ``init_logvar`` (VCL: -6), as
     :class:`BayesLayer`.
     """
 
@@ -310,7 +312,7 @@ class BayesConv2d(BayesLayer):
 
     Pre-activations ``a ~ N(conv(x, mu_W) + mu_b, conv(x^2, var_W) + var_b)`` (local
     reparameterisation: independent across examples, output positions and channels).
-    ``kw``: ``prior_mean``, ``prior_var``, ``init_logvar`` as :class:`BayesLayer`.
+    ``kw``: ``prior_mean``, ``prior_precision``, ``init_logvar`` as :class:`BayesLayer`.
     """
 
     def __init__(
@@ -498,25 +500,25 @@ class BayesMultiHeadModel(MultiHeadModel, MeanFieldNet):
         return self(x, task, n_samples=n_samples).softmax(-1).mean(0)
 
 
-_LAYER_KW = ("prior_mean", "prior_var", "init_logvar")
+_LAYER_KW = ("prior_mean", "prior_precision", "init_logvar")
 
 
 def to_bayesian(
     net: MultiHeadModel,
     *,
     prior_mean: float = 0.0,
-    prior_var: float = 1.0,
+    prior_precision: float = 1.0,
     init_logvar: float = -6.0,
 ) -> BayesMultiHeadModel:
     """Convert a :class:`~fromp.models.MultiHeadModel` (e.g. ``MultiHeadMLP``,
     ``CifarCNN``) to a :class:`BayesMultiHeadModel`: each ``nn.Linear``/``nn.Conv2d`` becomes
     a Bayesian layer whose means are the original weights, log-variances ``init_logvar``
-    and prior ``N(prior_mean, prior_var)``. ``net`` is not modified."""
+    and prior ``N(prior_mean, 1 / prior_precision)``. ``net`` is not modified."""
     if isinstance(net, BayesMultiHeadModel):
         raise ValueError("net is already Bayesian")
     if not isinstance(net, MultiHeadModel):
         raise ValueError(f"net must be a fromp MultiHeadModel, got {type(net).__name__}")
-    kw = dict(prior_mean=prior_mean, prior_var=prior_var, init_logvar=init_logvar)
+    kw = dict(prior_mean=prior_mean, prior_precision=prior_precision, init_logvar=init_logvar)
     body = _convert(net.body, **kw)
     return BayesMultiHeadModel(body, _convert(net.heads, **kw))
 
@@ -529,7 +531,7 @@ def _layer_kw(kwargs: dict[str, Any]) -> dict[str, Any]:
 class BayesMultiHeadMLP(BayesMultiHeadModel):
     """Bayesian :class:`~fromp.models.MultiHeadMLP`: the same arguments (``in_features=784,
     hidden=(256, 256), n_heads=5, head_size=2``), architecture and parameter order, and the
-    keywords ``prior_mean``, ``prior_var``, ``init_logvar`` of :func:`to_bayesian`.
+    keywords ``prior_mean``, ``prior_precision``, ``init_logvar`` of :func:`to_bayesian`.
     Split MNIST (VCL): ``BayesMultiHeadMLP(784, (256, 256), n_heads=5, head_size=2)``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -556,13 +558,16 @@ _GAUSSIAN = (nn.Linear, nn.Conv2d)
 def gaussian_names(model: nn.Module) -> list[str]:
     """Names (as in ``model.named_parameters()``) of the trainable weights and biases of its
     ``nn.Linear`` and ``nn.Conv2d`` layers: the parameters a :class:`MeanFieldTwin` makes
-    Gaussian."""
+    Gaussian. A tensor shared by several layers (tied weights) is one Gaussian parameter,
+    under the name ``named_parameters()`` gives it (its first)."""
+    first = {id(p): n for n, p in model.named_parameters()}
     out = []
     for prefix, module in model.named_modules():
         if isinstance(module, _GAUSSIAN):
             for n, p in module.named_parameters(recurse=False):
-                if p.requires_grad:
-                    out.append(f"{prefix}.{n}" if prefix else n)
+                name = f"{prefix}.{n}" if prefix else n
+                if p.requires_grad and first.get(id(p)) == name:
+                    out.append(name)
     return out
 
 
@@ -583,14 +588,14 @@ class MeanFieldTwin(MeanFieldNet):
     log-variances: give them to the optimizer. Call :meth:`sync` after the module gained or
     grew parameters (an Avalanche dynamic module adapting to a new experience) and before
     building the optimizer: a parameter first seen (a new head) starts from the prior
-    ``N(0, prior_var)`` as its prior, its log-variance at ``init_logvar`` and its mean as the
+    ``N(0, 1 / prior_precision)``, its log-variance at ``init_logvar`` and its mean as the
     module initialised it; a parameter that grew (new output units) keeps its old prior and
     variance in its leading slice.
 
     Args:
         model: the user's module: ``x -> logits``, a :mod:`fromp` multi-head model, or
             ``forward(x, task_labels)`` (Avalanche ``MultiTaskModule``).
-        prior_var: variance of the initial prior ``N(0, prior_var)``.
+        prior_precision: precision of the initial prior ``N(0, 1 / prior_precision)``.
         init_logvar: initial ``log sigma^2`` of every Gaussian parameter.
 
     Example:
@@ -600,12 +605,12 @@ class MeanFieldTwin(MeanFieldNet):
         torch.Size([2, 5, 3])
     """
 
-    def __init__(self, model: nn.Module, *, prior_var: float = 1.0, init_logvar: float = -6.0):
+    def __init__(
+        self, model: nn.Module, *, prior_precision: float = 1.0, init_logvar: float = -6.0
+    ):
         super().__init__()
-        if not prior_var > 0:
-            raise ValueError(f"prior_var must be > 0, got {prior_var!r}")
         self.model = model
-        self.prior_var = float(prior_var)
+        self.prior_var = 1.0 / check_prior_precision(prior_precision)  # type: ignore[operator]
         self.init_logvar = float(init_logvar)
         self.logvars = nn.ParameterDict()
         self.prior_mean: dict[str, Tensor] = {}
@@ -624,7 +629,7 @@ class MeanFieldTwin(MeanFieldNet):
 
     def sync(self) -> bool:
         """Give every Gaussian parameter a log-variance and a prior of its shape (new ones:
-        ``init_logvar`` and ``N(0, prior_var)``; grown ones: padded). Returns whether
+        ``init_logvar`` and ``N(0, 1 / prior_precision)``; grown ones: padded). Returns whether
         anything changed."""
         changed = False
         params = dict(self.model.named_parameters())
@@ -733,11 +738,3 @@ class MeanFieldTwin(MeanFieldNet):
         self.prior_variance = {
             n: v.detach().to(device).clone() for n, v in state["prior_variance"].items()
         }
-
-    def method_state(self) -> dict:
-        """The former name of :meth:`prior_state`."""
-        return self.prior_state()
-
-    def load_method_state(self, state: dict) -> None:
-        """The former name of :meth:`load_prior_state`."""
-        self.load_prior_state(state)

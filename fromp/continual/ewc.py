@@ -33,18 +33,25 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from fromp import distributed
-from fromp._checks import check_batch, check_chunk_size, check_class_targets, device_dtype
+from fromp._checks import (
+    check_batch,
+    check_chunk_size,
+    check_class_targets,
+    device_dtype,
+    not_on_meta,
+)
 from fromp.continual.experiences import add_experience, experience_key, forget_experience
 from fromp.continual.methods import Named, by_name, fit_shape
 from fromp.curvature.diagonal import diag_ef, diag_fisher, diag_ggn
-from fromp.curvature.jacobian import unflatten
 from fromp.likelihood import Likelihood, get_likelihood
-from fromp.models import is_multitask, with_task
+from fromp.models import is_multitask, uncompiled, with_task
 
 __all__ = ["EWCMethod", "ewc_penalty"]
 
@@ -232,14 +239,18 @@ class EWCMethod:
     sums over every rank's (module docstring); ``max_examples`` then caps each rank at
     ``max_examples // world_size`` examples.
 
-    Example (a plain PyTorch loop)::
+    Example (a plain PyTorch loop, the continual-method protocol of
+    :class:`fromp.continual.protocol.ContinualMethod`)::
 
         method = EWCMethod(ewc_lambda=6400.0, batch_size=128)
         for task, (x, y) in enumerate(tasks):
+            method.begin_task(net, task=task, experience=task)
             for xb, yb in batches(x, y):
-                loss = F.cross_entropy(with_task(net, task)(xb), yb) + method.penalty(net)
+                out = with_task(net, task)(xb)
+                loss = F.cross_entropy(out, yb)
+                loss = loss + method.loss_terms(net, xb, out, task=task)
                 ...
-            method.learn_task(net, x, y, task)
+            method.learn_task(net, x, y, task, experience=task)
     """
 
     def __init__(
@@ -313,6 +324,9 @@ class EWCMethod:
         # that experience exactly when it is learnt again)
         self._online_base: Named | None = None
         self._consolidated: tuple[tuple, _Consolidated] | None = None
+        self.last_terms: dict[str, Tensor] = {}
+        self._experience: int | None = None  # begin_task's key, learn_task's default
+        self._live: tuple[nn.Module, Named] | None = None  # the step's parameters by name
 
     def _terms(self, net: nn.Module) -> _Consolidated:
         """The consolidated penalty of the stored terms, rebuilt when they change (a learnt
@@ -326,8 +340,11 @@ class EWCMethod:
                 f"anchors and importances must have equal lengths, got {len(self.anchors)} "
                 f"and {len(self.importances)}"
             )
-        anchors = [_named(net, a) for a in self.anchors]
-        importances = [_named(net, f) for f in self.importances]
+        device = device_dtype(net)[0]
+        anchors = [{n: v.to(device) for n, v in _named(net, a).items()} for a in self.anchors]
+        importances = [
+            {n: v.to(device) for n, v in _named(net, f).items()} for f in self.importances
+        ]
         terms = _Consolidated(anchors, importances)
         self._consolidated = (key, terms)
         return terms
@@ -337,7 +354,10 @@ class EWCMethod:
         ``(lambda / B) (sum_p S_p (w_p - a~_p)^2 + c)`` (module docstring), one pass over
         the parameters. Refuses a ``net`` that has none of the parameter names the anchors
         hold (a renamed model: the penalty would silently be 0)."""
-        w = _live(net)
+        return self._penalty(net, _live(net))
+
+    def _penalty(self, net: nn.Module, w: Named) -> Tensor:
+        """:meth:`penalty` of the trainable parameters ``w`` of ``net`` by name."""
         if not self.anchors:
             return next(iter(w.values())).new_zeros(())
         terms = self._terms(net)
@@ -350,6 +370,52 @@ class EWCMethod:
                 "prefixes are handled)"
             )
         return self.coefficient * terms.value(w)
+
+    # -------------------------------------------------------------- the protocol
+    def begin_task(
+        self,
+        net: nn.Module,
+        *,
+        task: int | None = None,
+        experience: int | None = None,
+        ess: int | None = None,
+        classes: Sequence[int] | None = None,
+        growing_head: bool = False,
+    ) -> None:
+        """Before training an experience (:class:`~fromp.continual.protocol.ContinualMethod`):
+        ``experience`` is :meth:`learn_task`'s default key; the step's parameters are read
+        from ``net`` again at the next :meth:`loss_terms` (after any growth). ``task``,
+        ``ess``, ``classes`` and ``growing_head`` are not used."""
+        del task, ess, classes, growing_head
+        self._experience = None if experience is None else experience_key([], experience)
+        self._live, self.last_terms = None, {}
+
+    def loss_terms(
+        self,
+        net: nn.Module,
+        x: Tensor,
+        output: Tensor,
+        *,
+        task: int | Tensor | None = None,
+        loss: Tensor | None = None,
+    ) -> Tensor:
+        """The weighted penalty :meth:`penalty` (0 before the first :meth:`learn_task` or
+        with ``lambda = 0``), in ``loss``'s dtype when given; ``net``'s parameters by name
+        are read once per experience (:meth:`begin_task`), not at every step. ``x``,
+        ``output`` and ``task`` are not used."""
+        del x, task
+        dtype = output.dtype if loss is None else loss.dtype
+        if not self.anchors or self.coefficient == 0:
+            self.last_terms = {}
+            return output.new_zeros((), dtype=dtype)
+        if self._live is None or self._live[0] is not net:
+            self._live = (net, _live(net))
+        value = self._penalty(net, self._live[1]).to(dtype)
+        self.last_terms = {"penalty": value.detach()}
+        return value
+
+    def before_update(self, net: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Nothing: EWC changes no gradient beyond its penalty's."""
 
     @property
     def coefficient(self) -> float:
@@ -396,16 +462,25 @@ class EWCMethod:
         y: Tensor,
         task: int | None,
         *,
+        optimizer: torch.optim.Optimizer | None = None,
         experience: int | None = None,
     ) -> None:
         """After training on task ``task`` with data ``x [N, ...]``, ``y [N]``: store the
         anchor ``w*`` and the Fisher (separate), or decay the running Fisher once and add
-        the new one (online).
+        the new one (online). A ``torch.compile``d ``net``: the Fisher is taken through the
+        module inside (:func:`fromp.models.uncompiled`).
 
         Args:
-            experience: a key for the experience (default: a new key per call). Learning a
-                key again replaces its anchor and Fisher instead of adding a second one.
+            optimizer: not used (the protocol's).
+            experience: a key for the experience (default: :meth:`begin_task`'s, else a new
+                key per call). Learning a key again replaces its anchor and Fisher instead of
+                adding a second one.
         """
+        del optimizer
+        net = uncompiled(net)
+        not_on_meta(net)
+        if experience is None:
+            experience = self._experience
         check_batch(x, "x")
         if not isinstance(y, Tensor) or len(y) != len(x):
             got = tuple(y.shape) if isinstance(y, Tensor) else type(y).__name__
@@ -430,6 +505,7 @@ class EWCMethod:
             check_class_targets(y, n_out, self.likelihood, "y")
         f = _named(net, self.fisher_diagonal(net, x.to(device), y.to(device), task))
         w = _named(net, _live(net))
+        self._to(device)  # a state loaded on another device
         self._sync_experiences()
         i = forget_experience(self.experiences, experience)
         if self.mode == "separate":
@@ -460,9 +536,22 @@ class EWCMethod:
             self.anchors = [w]
             self.importances = [{**decayed, **summed}]
         self.task_count = add_experience(self.experiences, experience)
+        self._experience, self._live = None, None
+
+    def _to(self, device: torch.device) -> None:
+        """The stored anchors, importances and online base on ``device``."""
+
+        def mv(d: Named) -> Named:
+            if all(v.device == device for v in d.values()):
+                return d  # kept as it is (the consolidated penalty's cache key)
+            return {n: v.to(device) for n, v in d.items()}
+
+        self.anchors = [mv(a) for a in self.anchors]
+        self.importances = [mv(f) for f in self.importances]
+        self._online_base = None if self._online_base is None else mv(self._online_base)
 
     def _sync_experiences(self) -> None:
-        """Experience keys for terms assigned by hand or loaded from older states."""
+        """Experience keys for terms assigned by hand (``method.anchors = [...]``)."""
         n = len(self.anchors) if self.mode == "separate" else self.task_count
         if len(self.experiences) != n:
             self.experiences = list(range(n))
@@ -490,41 +579,43 @@ class EWCMethod:
             **self._settings(),
         }
 
-    def load_state_dict(self, state: dict, net: nn.Module | None = None) -> None:
-        """Restore what :meth:`state_dict` returned, on ``net``'s device (flat ``[P]``
-        anchors and importances of older checkpoints are read in ``net``'s parameter
-        order). Refuses a state saved with other settings."""
-        missing = {"anchors", "importances", "task_count"} - set(state)
+    def load_state_dict(
+        self, state: dict[str, Any], *, device: torch.device | str | None = None
+    ) -> None:
+        """Restore what :meth:`state_dict` returned, tensors moved to ``device`` when given
+        (else they move to the network's device at the first step). Refuses a state that
+        lacks keys (all named) or was saved with other settings, before changing
+        anything."""
+        if not isinstance(state, dict):
+            raise ValueError(f"state must be a dict, got {type(state).__name__}")
+        keys = ("anchors", "importances", "task_count", "experiences", "online_base")
+        missing = [k for k in (*keys, *self._settings()) if k not in state]
         if missing:
-            raise ValueError(f"state is missing keys {sorted(missing)}")
-        for key, value in self._settings().items():  # keys absent in older checkpoints
-            if state.get(key, value) != value:
+            raise ValueError(
+                f"state is missing keys {missing}: not an EWCMethod.state_dict() of this version"
+            )
+        for key, value in self._settings().items():
+            if state[key] != value:
                 raise ValueError(
                     f"state was saved with {key}={state[key]!r}, method has {value!r}: "
                     "resume with the settings of the run"
                 )
 
         def load(items: list) -> list[Named]:
-            out = []
-            for d in items:
-                if isinstance(d, Tensor):
-                    if net is None:
-                        raise ValueError("net is required to read flat [P] anchors")
-                    d = unflatten(net, d)
-                dev = None if net is None else device_dtype(net)[0]
-                out.append({n: v.detach().clone().to(dev or v.device) for n, v in d.items()})
-            return out
+            return [
+                {n: v.detach().clone().to(device or v.device) for n, v in d.items()} for d in items
+            ]
 
         anchors = load(state["anchors"])
         importances = load(state["importances"])
         if len(anchors) != len(importances):
             raise ValueError(f"state has {len(anchors)} anchors and {len(importances)} importances")
-        base = state.get("online_base")
+        base = state["online_base"]
         self.anchors, self.importances = anchors, importances
         self.task_count = int(state["task_count"])
-        self.experiences = [int(k) for k in state.get("experiences", [])]
+        self.experiences = [int(k) for k in state["experiences"]]
         self._online_base = None if base is None else load([base])[0]
-        self._consolidated = None
+        self._consolidated, self._live = None, None
         self._sync_experiences()
 
 

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from fromp import distributed
-from fromp._checks import check_batch, check_tensor
+from fromp._checks import check_batch, check_tensor, not_on_meta
 from fromp.likelihood import Likelihood, get_likelihood
 from fromp.posterior import DiagonalGaussian
 
@@ -53,6 +53,7 @@ def memorability_scores(
         ``[N]`` scores on ``x``'s device, in the model's dtype.
     """
     check_batch(x, "x")
+    not_on_meta(model)
     if batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size}")
     lik = get_likelihood(likelihood)
@@ -122,6 +123,7 @@ def select_memorable(
             outputs, unknown ``order``, or a class with fewer than ``n_per_class`` examples.
     """
     check_batch(x, "x")
+    not_on_meta(model)
     check_tensor(y, "y", f"[N]=[{len(x)}]")
     if y.ndim != 1 or len(y) != len(x):
         raise ValueError(f"y must be a [N] tensor with N={len(x)} labels, got {tuple(y.shape)}")
@@ -231,6 +233,7 @@ def select_memorable_points(
     order = options.get("order", "descending")
     batch_size = options.get("batch_size", 1024)
     check_batch(x, "x")
+    not_on_meta(model)
     check_tensor(y, "y", f"[N]=[{len(x)}]")
     if y.ndim != 1 or len(y) != len(x):
         raise ValueError(f"y must be a [N] tensor with N={len(x)} labels, got {tuple(y.shape)}")

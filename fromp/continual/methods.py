@@ -1,12 +1,14 @@
 """Continual-learning methods as plain objects for any PyTorch training loop.
 
-Each object holds one method's state and maths and knows nothing of Avalanche (the
-Avalanche plugins of :mod:`fromp_avalanche` only call it from their hooks):
+Each object holds one method's state and maths and knows nothing of Avalanche; all
+implement one protocol (:class:`fromp.continual.protocol.ContinualMethod`), which the
+Avalanche plugins of :mod:`fromp_avalanche` call from their hooks and nothing else:
 
-* :class:`FROMPMethod` (here): FROMP (Pan et al., NeurIPS 2020), per-experience memorable
-  sets, kernels and the running GGN sum; :meth:`FROMPMethod.penalty` is the loss term.
+* :class:`FROMPMethod` (here): FROMP (Pan et al., NeurIPS 2020), its whole training step,
+  per-experience memorable sets, kernels and the running GGN sum.
 * :class:`fromp.continual.ewc.EWCMethod`: EWC (Kirkpatrick et al., 2017) with a per-example Fisher
   diagonal keyed by parameter name.
+* :class:`fromp.continual.vcl.VCLMethod`: VCL (Nguyen et al., 2018), mean-field Gaussian.
 
 Models: a plain ``x -> logits`` module (one head), a :mod:`fromp` multi-head model
 (``model(x, task=t)``), or a module whose ``forward(x, task_labels)`` takes the task label
@@ -21,20 +23,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from fromp import distributed
-from fromp._checks import (
-    check_batch,
-    check_prior_precision,
-    check_vector,
-    device_dtype,
-    warn_renamed,
-)
+from fromp._checks import check_batch, check_prior_precision, device_dtype, not_on_meta
 from fromp.continual.experiences import add_experience, experience_key, forget_experience
 from fromp.continual.memorable import _ORDERS as _SELECT
 from fromp.continual.memorable import global_classes, select_memorable_points
@@ -50,11 +47,13 @@ from fromp.continual.named_state import (
 )
 from fromp.continual.regularizer import _FUNCTIONS, FROMPRegularizer, FunctionKernel
 from fromp.curvature.diagonal import diag_ggn, diag_ggn_linear
-from fromp.curvature.jacobian import default_memory_budget, flat_params, num_params
+from fromp.curvature.jacobian import default_memory_budget, flat_params
 from fromp.curvature.kron import KronCurvature, kron_curvature
 from fromp.laplace.structures import KronLaplace
+from fromp.laplace.structures import LaplaceDiag as DiagLaplace
 from fromp.likelihood import get_likelihood
-from fromp.models import TaskView, is_multitask, with_task
+from fromp.models import TaskView, is_multitask, uncompiled, with_task
+from fromp.optim import IVON, VOGN
 from fromp.posterior import DiagonalGaussian
 
 __all__ = ["FROMPMethod", "Named", "by_name", "fit_shape", "to_flat"]
@@ -64,6 +63,38 @@ _OWN_CURVATURE = ("ggn", "kron")  # curvature computed by the method, not by an 
 _IVON_PENALTY = ("mean", "sample")
 _BN_STATISTICS = ("stored", "live", "batch")
 _CURVATURE_COMBINE = ("sum", "mean")
+#: the keys of FROMPMethod.state_dict(), all required by load_state_dict
+_STATE_KEYS = (
+    "tau",
+    "n_points",
+    "select",
+    "prior_precision",
+    "grad_clip_norm",
+    "posterior",
+    "ivon_penalty",
+    "curvature_examples",
+    "chunk_size",
+    "likelihood",
+    "kernel",
+    "function",
+    "jitter",
+    "replay",
+    "replay_weight",
+    "bn_statistics",
+    "context_tau",
+    "curvature_combine",
+    "previous",
+    "bn_buffers",
+    "ggn_sum",
+    "optimizer_variance",
+    "ggn_terms",
+    "kron_terms",
+    "experiences",
+    "regularizer",
+    "task_count",
+    "generator",
+    "timings",
+)
 #: the settings a state must have been saved with to be loaded (see load_state_dict)
 _SETTINGS = (
     "n_points",
@@ -84,29 +115,55 @@ _SETTINGS = (
 
 
 class FROMPMethod:
-    """FROMP's state and maths for any training loop (no Avalanche needed).
+    """FROMP's state and maths for any training loop (no Avalanche needed): the whole
+    training step and the work after each experience, through the continual-method
+    protocol (:class:`fromp.continual.protocol.ContinualMethod`).
 
     After each experience ``e`` (task label ``t``) :meth:`learn_task` selects ``n_points``
     memorable inputs (class-balanced, largest ``tr Lambda``), adds the experience's
     diagonal GGN ``G_e`` ``[P]`` (through head ``t``) to ``G = sum_e G_e``, and rebuilds the
     kernels ``K_s = (dp/dw) Sigma (dp/dw)^T`` ``[C, M, M]`` with
-    ``Sigma = 1 / (G + prior_precision)``; :meth:`penalty` is
-    ``R(w) = 1/2 sum_s r_s^T K_s^{-1} r_s``, ``r_s = p(X_s; w) - m_s``, to be added to the
-    loss as ``tau * R``. State is kept by parameter name, so a head added later (a new
-    task) starts from the prior and never shifts the others.
+    ``Sigma = 1 / (G + prior_precision)`` (the diagonal Laplace posterior,
+    :class:`fromp.laplace.structures.DiagLaplace`); :meth:`penalty` is
+    ``R(w) = 1/2 sum_s r_s^T K_s^{-1} r_s``, ``r_s = p(X_s; w) - m_s``. State is kept by
+    parameter name, so a head added later (a new task) starts from the prior and never
+    shifts the others.
+
+    A training step (:meth:`loss_terms`, then :meth:`before_update` between the backward
+    pass and the optimizer's step) is FROMP's whole step, the one the Avalanche strategy and
+    the benchmark runner take: the loss gets ``tau R`` (at IVON's mean instead, through
+    :meth:`before_update`, for ``posterior="ivon"`` with ``ivon_penalty="mean"``), the
+    coreset's loss (``replay=True``) and the context term (``context_tau > 0``, per task
+    label in the batch); the gradient is clipped at ``tau * grad_clip_norm``; in the first
+    steps of an experience a warning (once) says when ``tau R`` dominates the loss.
 
     Learning the same experience again (same ``experience`` key) *replaces* its GGN term
     and its memorable set: :meth:`learn_task` is idempotent per experience.
 
-    Example (a plain PyTorch loop)::
+    Example (a plain PyTorch loop: two experiences of a one-head classifier):
 
-        method = FROMPMethod(tau=10.0, n_points=40)
-        for task, (x, y) in enumerate(tasks):
-            for xb, yb in batches(x, y):
-                loss = F.cross_entropy(with_task(net, task)(xb), yb)
-                loss = loss + method.tau * method.penalty(net)
-                ...
-            method.learn_task(net, x, y, task)
+        >>> import torch
+        >>> import torch.nn.functional as F
+        >>> _ = torch.manual_seed(0)
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(),
+        ...                           torch.nn.Linear(16, 4))
+        >>> opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+        >>> method = FROMPMethod(tau=1.0, n_points=8, grad_clip_norm=10.0)
+        >>> labels = torch.arange(64) % 2
+        >>> stream = [(torch.randn(64, 4), labels), (torch.randn(64, 4), 2 + labels)]
+        >>> for e, (x, y) in enumerate(stream):
+        ...     method.begin_task(net, experience=e, classes=y.unique().tolist())
+        ...     for xb, yb in zip(x.split(16), y.split(16)):
+        ...         out = net(xb)
+        ...         loss = F.cross_entropy(out, yb)
+        ...         loss = loss + method.loss_terms(net, xb, out, loss=loss)
+        ...         opt.zero_grad()
+        ...         loss.backward()
+        ...         method.before_update(net, opt)  # clipping at tau * grad_clip_norm
+        ...         opt.step()
+        ...     times = method.learn_task(net, x, y, None, optimizer=opt, experience=e)
+        >>> method.task_count, len(method.regularizer), sorted(method.last_terms)
+        (2, 2, ['penalty'])
 
     Args:
         tau: weight of the functional regulariser in the loss.
@@ -140,12 +197,15 @@ class FROMPMethod:
             :mod:`fromp.memory.sensitivity`; ``Sigma`` is computed first, then the points).
         prior_precision: ``delta`` in ``Sigma = 1 / (G + delta)``.
         jitter: added to the kernels' diagonals before the Cholesky factorisation.
-        grad_clip_norm: clip the total gradient norm at ``tau * grad_clip_norm`` (None: no
-            clipping; ``grad_clip_norm`` when ``tau = 0``).
+        grad_clip_norm: :meth:`before_update` clips the total gradient norm at ``tau *
+            grad_clip_norm`` (None: no clipping; ``grad_clip_norm`` when ``tau = 0``): the
+            reference code's update ``grad CE / tau + grad R`` clipped at ``grad_clip_norm``,
+            up to the factor ``tau``, to which Adam is invariant.
         posterior: ``"ggn"``: ``Sigma = 1 / (G + prior_precision)`` with ``G`` the running
             sum of the exact diagonal GGN over tasks; ``"vogn"``: the optimizer is a
-            :class:`fromp.optim.VOGN` driven by :class:`fromp_avalanche.vogn.VOGNPlugin` and
-            ``Sigma`` is the variance of its posterior at the end of the task (no GGN pass;
+            :class:`fromp.optim.VOGN` (given to :meth:`learn_task` as ``optimizer``; driven
+            by :class:`fromp_avalanche.vogn.VOGNPlugin` in Avalanche) and ``Sigma`` is the
+            variance of its posterior at the end of the task (no GGN pass;
             the regulariser's gradient enters VOGN's mean gradient only, its curvature
             uses the data loss only); ``"ivon"``: the same with a
             :class:`fromp.optim.IVON` driven by :class:`fromp_avalanche.ivon.IVONPlugin`
@@ -163,8 +223,8 @@ class FROMPMethod:
         replay: also use the memorable set as a labelled coreset: :meth:`terms` returns,
             summed over the earlier tasks, the mean negative log-likelihood of each task's
             memorable points under their labels (through their heads; each set stands in for
-            its task's data term, see :meth:`FROMPRegularizer.replay_loss`), which the
-            Avalanche plugin adds to the loss (as S-FSVI and VCL use their coresets).
+            its task's data term, see :meth:`FROMPRegularizer.replay_loss`), which
+            :meth:`loss_terms` adds to the loss (as S-FSVI and VCL use their coresets).
             Useful when one head sees classes one experience at a time (class-incremental
             streams), where a penalty on the function alone does not teach the head to tell
             old classes from new ones.
@@ -299,8 +359,16 @@ class FROMPMethod:
             )
         if ivon_penalty not in _IVON_PENALTY:
             raise ValueError(f"ivon_penalty must be one of {_IVON_PENALTY}, got {ivon_penalty!r}")
-        if curvature_examples is not None and curvature_examples < 1:
-            raise ValueError(f"curvature_examples must be >= 1 or None, got {curvature_examples}")
+        if curvature_examples is not None and (
+            isinstance(curvature_examples, bool)
+            or not isinstance(curvature_examples, int)
+            or curvature_examples < 1
+        ):
+            raise ValueError(
+                f"curvature_examples must be an int >= 1 or None, got {curvature_examples!r}"
+            )
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be an int >= 0, got {seed!r}")
         self.tau = float(tau)
         self.n_points = n_points
         self.select = select
@@ -348,18 +416,17 @@ class FROMPMethod:
         self.experiences: list[int] = []
         # posterior="kron": per experience key, its KFAC GGN (through its head)
         self.kron_terms: dict[int, KronCurvature] = {}
+        # the training step (begin_task, loss_terms, before_update)
+        #: the detached weighted terms of the last step by name ("penalty": tau R,
+        #: "replay", "context"), for metrics; R itself is last_penalty
+        self.last_terms: dict[str, Tensor] = {}
+        self.last_penalty: Tensor | None = None
+        self._checks_left = 0  # steps of this experience whose penalty is still compared
+        self._warned = False
+        self._new_classes = False  # the experience brings classes to a head already trained
+        self._experience: int | None = None  # begin_task's key, learn_task's default
 
     # ---------------------------------------------------------------------- helpers
-    @property
-    def tasks_done(self) -> int:
-        """Deprecated name of :attr:`task_count` (a ``DeprecationWarning``)."""
-        warn_renamed("FROMPMethod.tasks_done", "task_count")
-        return self.task_count
-
-    @tasks_done.setter
-    def tasks_done(self, value: int) -> None:
-        warn_renamed("FROMPMethod.tasks_done", "task_count")
-        self.task_count = value
 
     @property
     def kernel(self) -> str:
@@ -379,8 +446,8 @@ class FROMPMethod:
         its ``C`` output units (so later experiences share the head's classes); else
         ``"probs"``: a multi-task network (a head per task), or one head with classes still
         to come. A head that grows with the classes seen (Avalanche's
-        ``IncrementalClassifier``) is filled by its first experience too: its caller passes
-        ``"probs"`` to :meth:`resolve_function` first (the Avalanche plugin does)."""
+        ``IncrementalClassifier``) is filled by its first experience too:
+        :meth:`begin_task` with ``growing_head=True`` keeps ``"probs"`` for it."""
         if is_multitask(net):
             return "probs"
         p = next(iter(net.parameters()), None)
@@ -403,22 +470,33 @@ class FROMPMethod:
                 f"change to {function!r}"
             )
 
-    def posterior_variance(self, net: nn.Module | None = None) -> Tensor:
-        """``Sigma`` ``[P]``: ``1 / (G + prior_precision)`` for ``posterior="ggn"`` (``G``
-        the running GGN sum); for ``"vogn"`` / ``"ivon"`` the variance of the optimizer's
-        posterior stored after the last task. In ``net``'s parameter order when given (a
-        parameter added since, e.g. a new head, gets the prior variance
-        ``1 / prior_precision``), else in the order the state was stored."""
+    def posterior_variance(self, net: nn.Module) -> Tensor:
+        """``Sigma`` ``[P]`` in ``net``'s trainable-parameter order: for ``posterior="ggn"``
+        the diagonal Laplace posterior ``1 / (G / E^a + prior_precision)`` of the running
+        GGN sum (:class:`fromp.laplace.structures.DiagLaplace`), for ``"kron"`` the marginal
+        variances of the Kronecker one (:class:`fromp.laplace.structures.KronLaplace`); for
+        ``"vogn"`` / ``"ivon"`` the variance of the optimizer's posterior stored after the
+        last task. A parameter added since (e.g. a new head) gets the prior variance
+        ``1 / prior_precision``."""
         if self.posterior == "kron":
-            if net is None:
-                raise ValueError("posterior='kron': posterior_variance needs the network")
             return self._kron_laplace(net)[0].posterior_variance.detach()
         state = self.ggn_sum if self.posterior == "ggn" else self.optimizer_variance
         if state is None:
             raise RuntimeError("no task has been learnt yet")
         if self.posterior != "ggn":
             return to_flat(state, net, 1.0 / self.prior_precision)
-        return 1.0 / (to_flat(state, net, 0.0) / self._curvature_divisor() + self.prior_precision)
+        return self._diag_laplace(net).posterior_variance.detach()
+
+    def _diag_laplace(self, net: nn.Module) -> DiagLaplace:
+        """The diagonal Laplace posterior ``Sigma = 1 / (G / E^a + prior_precision)`` of the
+        summed GGN at ``net``'s current weights (a parameter added since the last task: no
+        curvature, the prior), in ``net``'s trainable-parameter order."""
+        assert self.ggn_sum is not None
+        g = to_flat(self.ggn_sum, net, 0.0)
+        if (k := self._curvature_divisor()) != 1:
+            g = g / k
+        la = DiagLaplace(net, self.likelihood, prior_precision=self.prior_precision)
+        return la.use_curvature(g, 0)
 
     def _curvature_divisor(self) -> float:
         """``E^a``, what the summed curvature is divided by: ``E`` the experiences learnt,
@@ -465,6 +543,8 @@ class FROMPMethod:
         first :meth:`learn_task`, for a head with no trained units, or with
         ``context_tau=0``. Not multiplied by ``context_tau``."""
         zero = output.new_zeros(())
+        if self.previous is not None:  # one head: its units whatever the label
+            task = _head(self.previous, task)
         units = self.regularizer.classes_seen.get(task)
         if self.context_tau == 0 or not units:
             return zero
@@ -531,19 +611,206 @@ class FROMPMethod:
         finally:
             net.train(was_training)
 
+    # -------------------------------------------------------------- the training step
+    #: ``tau R`` above this multiple of the loss without it gets a warning (once)
+    dominance_ratio: float = 100.0
+    #: the first steps of each experience whose penalty is compared (a host read each)
+    dominance_steps: int = 20
+
+    def begin_task(
+        self,
+        net: nn.Module,
+        *,
+        task: int | None = None,
+        experience: int | None = None,
+        ess: int | None = None,
+        classes: Sequence[int] | None = None,
+        growing_head: bool = False,
+    ) -> None:
+        """Before training an experience (:class:`~fromp.continual.protocol.ContinualMethod`):
+        the dominance check restarts for its first steps; ``classes`` (the labels the
+        experience brings to head ``task``) beyond those the head was trained on, with
+        nothing replayed, add the class-incremental hint to its warning; a head that grows
+        with the classes (``growing_head``) makes ``function="auto"`` keep the
+        probabilities (its first experience fills it, yet classes still arrive); a state
+        loaded with :meth:`load_state_dict` gets its copy of the previous network from
+        ``net`` (:meth:`attach_previous`). ``experience`` is :meth:`learn_task`'s default
+        key. ``ess`` is not used (FROMP's posterior counts its examples itself)."""
+        del ess
+        task = _head(net, task)
+        if experience is not None:
+            experience = experience_key([], experience)
+        if growing_head and self._function_pending:
+            self.resolve_function("probs")
+        seen = set(self.regularizer.classes_seen.get(task, ()))
+        self._new_classes = bool(seen) and bool(set(classes or ()) - seen) and not self.replay
+        self._experience = experience
+        self._checks_left = self.dominance_steps
+        self.last_penalty, self.last_terms = None, {}
+        self.attach_previous(uncompiled(net))
+
+    def loss_terms(
+        self,
+        net: nn.Module,
+        x: Tensor,
+        output: Tensor,
+        *,
+        task: int | Tensor | None = None,
+        loss: Tensor | None = None,
+    ) -> Tensor:
+        """FROMP's extra loss on a training step, already weighted: ``tau R(w)`` (not for
+        IVON's penalty at the mean, which :meth:`before_update` adds to IVON's gradient),
+        the coreset's loss with ``replay=True`` (:meth:`terms`) and ``context_tau`` times
+        the context term on the mini-batch (:meth:`context_penalty`; per task label when
+        ``task`` is a ``[B]`` tensor of labels, each group weighted by its share of the
+        batch). 0 before the first :meth:`learn_task`.
+
+        Args:
+            net: the network being trained.
+            x: the mini-batch ``[B, ...]``.
+            output: the network's outputs on ``x`` from the step's forward pass ``[B, C]``
+                (the context term's; no second forward of ``net``).
+            task: the batch's task label (int, ``[B]`` tensor or None).
+            loss: the data loss of the step: the scale ``tau R`` is compared with in the
+                first steps of the experience (a warning, once, above
+                ``dominance_ratio`` times it; the only host reads of a step).
+
+        The weighted parts, detached, are in :attr:`last_terms` (``"penalty"``,
+        ``"replay"``, ``"context"``); ``R`` itself is :attr:`last_penalty`. A loop that logs
+        the loss without the penalty subtracts ``"penalty"`` and ``"context"`` (the
+        coreset's loss is part of the data term)."""
+        dtype = output.dtype if loss is None else loss.dtype
+        self.last_terms = {}
+        if len(self.regularizer) == 0:
+            return output.new_zeros((), dtype=dtype)
+        total: Tensor | None = None
+        context = self._context_term(net, output, x, task, dtype)
+        penalised = self.tau != 0 and not self._penalty_at_mean
+        if penalised or self.replay:
+            pen, rep = self.terms(net)
+            if rep is not None:  # the coreset's loss: part of the data term
+                total = rep.to(dtype)
+                self.last_terms["replay"] = total.detach()
+            if penalised:
+                self.last_penalty = pen.detach()
+                weighted = self.tau * pen.to(dtype)
+                self.last_terms["penalty"] = weighted.detach()
+                if loss is not None:
+                    self._check_dominance(weighted, loss if total is None else loss + total)
+                context = weighted if context is None else weighted + context
+        if context is not None:
+            total = context if total is None else total + context
+        return output.new_zeros((), dtype=dtype) if total is None else total
+
+    def _context_term(
+        self,
+        net: nn.Module,
+        output: Tensor,
+        x: Tensor,
+        task: int | Tensor | None,
+        dtype: torch.dtype | None = None,
+    ) -> Tensor | None:
+        """``context_tau`` times :meth:`context_penalty` on the mini-batch (None when
+        ``context_tau = 0``). A network with one head: the batch is one group whatever its
+        task labels (no host read). Several heads and ``[B]`` labels: one group per label
+        in the batch (read on the host, as the network's own multi-task forward does),
+        each weighted by its share of the batch."""
+        if self.context_tau == 0:
+            return None
+        if isinstance(task, Tensor) and task.ndim > 0 and is_multitask(net):
+            labels = task.unique()
+            if len(labels) == 1:
+                ctx = self.context_penalty(output, x, int(labels[0]))
+            else:
+                ctx = sum(
+                    self.context_penalty(output[task == t], x[task == t], int(t))
+                    * float((task == t).float().mean())
+                    for t in labels
+                )
+        else:
+            ctx = self.context_penalty(output, x, _head(net, task))
+        weighted = self.context_tau * ctx.to(output.dtype if dtype is None else dtype)
+        self.last_terms["context"] = weighted.detach()
+        return weighted
+
+    def _check_dominance(self, weighted: Tensor, loss: Tensor) -> None:
+        """Warn (once) when ``tau R`` exceeds ``dominance_ratio`` times the loss without
+        it; compared in the first ``dominance_steps`` steps of each experience only (a host
+        read each). When the experience brings new classes to a head trained before and
+        nothing is replayed (:meth:`begin_task`), the warning also names ``replay=True``."""
+        if self._warned or self._checks_left <= 0:
+            return
+        self._checks_left -= 1
+        w, data = float(weighted.detach()), float(loss.detach())
+        if w > self.dominance_ratio * max(abs(data), 1e-8):
+            self._warned = True
+            warnings.warn(
+                f"FROMP: tau * R = {w:.3g} is {w / max(abs(data), 1e-8):.0f}x the loss "
+                f"without it ({data:.3g}); the penalty dominates training: lower tau "
+                f"(now {self.tau:g}) or raise prior_precision / jitter"
+                + (
+                    "; new classes on a head shared with earlier experiences: without the "
+                    "old classes' labels FROMP stays far below Replay there, replay=True "
+                    "keeps the memorable points as a labelled coreset (docs/avalanche.md)"
+                    if self._new_classes
+                    else ""
+                ),
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    @property
+    def _penalty_at_mean(self) -> bool:
+        return self.posterior == "ivon" and self.ivon_penalty == "mean"
+
+    def before_update(self, net: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """After the backward pass, before ``optimizer.step()``: clip the gradient's total
+        norm at ``tau * grad_clip_norm`` (``grad_clip_norm`` when ``tau = 0``; nothing when
+        None); for IVON's penalty at the mean (``posterior="ivon"``, ``ivon_penalty="mean"``)
+        restore IVON's mean (its gradient estimate reads the data gradient at the draw,
+        after the clipping) and add ``tau grad R(m)`` to IVON's gradient estimate
+        (:meth:`fromp.optim.IVON.add_gradient`)."""
+        if self.grad_clip_norm is not None:
+            max_norm = self.grad_clip_norm * (self.tau if self.tau > 0 else 1.0)
+            torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm)
+        if self._penalty_at_mean and len(self.regularizer) and self.tau > 0:
+            opt = _require_optimizer(optimizer, "ivon")
+            if opt.sampled:
+                opt.restore(accumulate=True)
+            with torch.enable_grad():
+                pen = self.penalty(net)
+                grads = torch.autograd.grad(self.tau * pen, opt.params, allow_unused=True)
+            self.last_penalty = pen.detach()
+            self.last_terms["penalty"] = (self.tau * pen).detach()
+            opt.add_gradient(grads)
+
+    def _posterior_variance_of(self, net: nn.Module, optimizer: Any) -> Tensor | None:
+        """``posterior="vogn"`` / ``"ivon"``: the optimizer's posterior variance ``[P]`` at
+        the end of the experience, the network left at the posterior mean; None for the
+        method's own curvature."""
+        if self.posterior in _OWN_CURVATURE:
+            return None
+        opt = _require_optimizer(optimizer, self.posterior)
+        if self.posterior == "vogn":
+            opt.load_mean()  # the model holds the posterior mean
+            return opt.posterior().variance
+        if opt.sampled:
+            opt.restore(accumulate=False)  # the model holds the posterior mean
+        return opt.posterior(net).variance
+
     def learn_task(
         self,
         net: nn.Module,
         x: Tensor,
         y: Tensor,
         task: int | None,
-        posterior_variance: Tensor | None = None,
         *,
+        optimizer: torch.optim.Optimizer | None = None,
         experience: int | None = None,
     ) -> dict[str, float]:
         """Everything done after an experience: select its memorable points, add its GGN
-        (or, for ``posterior="vogn"`` or ``"ivon"``, store ``posterior_variance``), rebuild
-        the kernels.
+        (or, for ``posterior="vogn"`` or ``"ivon"``, take the posterior variance of
+        ``optimizer``), rebuild the kernels.
 
         Cost: the selection and the curvature are bounded per experience (one pass over
         ``x``, at most ``curvature_examples`` examples); the kernels grow with the
@@ -556,26 +823,31 @@ class FROMPMethod:
         (``benchmarks/results/task_time.json``, ``fromp_kernel_s``).
 
         Args:
-            net: the model (see the module docstring), in the state reached on the task.
+            net: the model (see the module docstring), in the state reached on the task (a
+                ``torch.compile``d model: its curvature, points and kernels are taken through
+                the module inside, :func:`fromp.models.uncompiled`).
             x: the experience's training inputs ``[N, ...]``.
             y: their labels ``[N]``, indices of the head's output units.
             task: the task label (head) of the experience; None for single-head models.
-            posterior_variance: ``[P]``, required iff ``posterior`` is ``"vogn"`` or
-                ``"ivon"``.
-            experience: a key for the experience (default: a new key per call). Learning
-                a key again replaces its GGN term and its memorable set instead of adding
-                them twice.
+            optimizer: for ``posterior="vogn"`` / ``"ivon"`` the :class:`fromp.optim.VOGN` /
+                :class:`fromp.optim.IVON` that trained the experience: its posterior's
+                variance is ``Sigma`` (the network is left at the posterior mean); not used
+                otherwise.
+            experience: a key for the experience (default: :meth:`begin_task`'s, else a new
+                key per call). Learning a key again replaces its GGN term and its memorable
+                set instead of adding them twice.
 
         Returns the wall times of the three steps (seconds)."""
+        net = uncompiled(net)
+        not_on_meta(net)
+        task = _head(net, task)
+        if experience is None:
+            experience = self._experience
         experience = experience_key(self.experiences, experience)
-        if (posterior_variance is None) != (self.posterior in _OWN_CURVATURE):
-            raise ValueError(
-                "posterior_variance must be given iff posterior is 'vogn' or 'ivon' (the "
-                f"optimizer's), got posterior={self.posterior!r}"
-            )
         check_batch(x, "x")
-        if posterior_variance is not None:
-            check_vector(posterior_variance, num_params(net), "posterior_variance", positive=True)
+        if self.posterior not in _OWN_CURVATURE:
+            _require_optimizer(optimizer, self.posterior)
+        posterior_variance = self._posterior_variance_of(net, optimizer)
         was_training = net.training
         net.eval()
         device, _ = device_dtype(net)
@@ -638,6 +910,7 @@ class FROMPMethod:
             net.train(was_training)
         if self.context_tau > 0:
             self.previous, self._previous_state = _frozen_copy(net), None
+        self._experience = None
         self.timings.append(times)
         return times
 
@@ -808,90 +1081,86 @@ class FROMPMethod:
         moved to ``device`` when given (load the checkpoint with ``map_location="cpu"``,
         then pass the model's device).
 
-        Refuses (``ValueError``, before anything is changed) a state saved with other
-        settings (``tau``, ``n_points``, ``kernel``, ``prior_precision``, ...; a key that an
-        older state lacks is not compared): resume with the settings of the run."""
+        Refuses (``ValueError``, before anything is changed) a state that is not a dict,
+        lacks keys of :meth:`state_dict` (all named in one line) or was saved with other
+        settings (``tau``, ``n_points``, ``kernel``, ``prior_precision``, ...): resume with
+        the settings of the run."""
+        if not isinstance(state, dict):
+            raise ValueError(f"state must be a dict, got {type(state).__name__}")
+        missing = [k for k in _STATE_KEYS if k not in state]
+        if missing:
+            raise ValueError(
+                f"state is missing keys {missing}: not a FROMPMethod.state_dict() of this version"
+            )
         mine = {"tau": self.tau, "grad_clip_norm": self.grad_clip_norm}
         mine.update({k: getattr(self, k) for k in _SETTINGS if k not in ("kernel", "jitter")})
         mine["kernel"], mine["jitter"] = self.kernel, self.regularizer.jitter
         mine["function"] = self.function
-        reg = state.get("regularizer", {})
         for key, value in mine.items():
-            if key == "curvature_combine":  # states before the setting summed
-                saved = state.get(key, "sum")
-                if _combine_exponent(saved) == _combine_exponent(value):
-                    continue
-            elif key == "function":  # states before 0.4 kept the probabilities
-                saved = state.get(key, reg.get(key, "probs"))
-                if "auto" in (saved, value):  # a choice not made yet matches either
-                    continue
-            else:
-                saved = state.get(
-                    key, reg.get(key, value) if key in ("kernel", "jitter") else value
-                )
-            if saved != value:
+            saved = state[key]
+            if key == "curvature_combine":
+                same = _combine_exponent(saved) == _combine_exponent(value)
+            else:  # a function="auto" not chosen yet matches either
+                same = saved == value or (key == "function" and "auto" in (saved, value))
+            if not same:
                 raise ValueError(
                     f"state was saved with {key}={saved!r}, method has {value!r}: resume "
                     "with the settings of the run"
                 )
 
         def mv(d: Named | None) -> Named | None:
-            if d is None or device is None or isinstance(d, Tensor):
-                return d if not isinstance(d, Tensor) or device is None else d.to(device)
+            if d is None or device is None:
+                return d
             return {n: v.to(device) for n, v in d.items()}
 
-        for key in (
-            "tau",
-            "n_points",
-            "select",
-            "prior_precision",
-            "grad_clip_norm",
-            "posterior",
-            "ivon_penalty",
-            "curvature_examples",
-            "chunk_size",
-            "likelihood",
-        ):
-            if key in state:
-                setattr(self, key, state[key])
-        # "tasks_done": the key of older states
-        self.task_count = state.get("task_count", state.get("tasks_done", self.task_count))
+        for key in ("chunk_size",):
+            setattr(self, key, state[key])
+        self.task_count = int(state["task_count"])
         self.ggn_sum, self.optimizer_variance = (
-            mv(state.get("ggn_sum")),
-            mv(state.get("optimizer_variance")),
+            mv(state["ggn_sum"]),
+            mv(state["optimizer_variance"]),
         )
-        if "curvature" in state:  # flat [P] state of older checkpoints
-            if self.posterior != "ggn":
-                self.optimizer_variance = mv(state["curvature"])
-            else:
-                self.ggn_sum = mv(state["curvature"])
         kept = self.regularizer.function
         self.regularizer.load_state_dict(state["regularizer"], device=device)
-        if state.get("function") == "auto":  # saved before its first task: nothing chosen
+        if state["function"] == "auto":  # saved before its first task: nothing chosen
             self.regularizer.function = kept
         else:
             self._function_pending = False
-        previous = state.get("previous")
         self.previous = None
-        self._previous_state = mv(previous)
-        n_mem = len(self.regularizer)
-        self.experiences = list(state.get("experiences", range(n_mem)))
-        if "ggn_terms" in state:
-            self.ggn_terms = {int(k): mv(v) for k, v in state["ggn_terms"].items()}
-        else:  # older checkpoints: the sum as one term under a key no experience has
-            self.ggn_terms = {} if self.ggn_sum is None else {-1: self.ggn_sum}
+        self._previous_state = mv(state["previous"])
+        self.experiences = [int(k) for k in state["experiences"]]
+        self.ggn_terms = {int(k): mv(v) for k, v in state["ggn_terms"].items()}  # type: ignore[misc]
         self.kron_terms = {}
-        for k, v in state.get("kron_terms", {}).items():
+        for k, v in state["kron_terms"].items():
             curv = KronCurvature.from_state_dict(v)
             if device is not None:
                 for b in curv.blocks:
                     b.A, b.B = b.A.to(device), b.B.to(device)
                     b.B_bias = None if b.B_bias is None else b.B_bias.to(device)
             self.kron_terms[int(k)] = curv
-        if "generator" in state:
-            self.generator.set_state(state["generator"])
-        self.timings = list(state.get("timings", []))
-        self.bn_buffers = dict(mv(state.get("bn_buffers", {})) or {})
+        self.generator.set_state(state["generator"])
+        self.timings = list(state["timings"])
+        self.bn_buffers = dict(mv(state["bn_buffers"]) or {})
+
+
+def _head(net: nn.Module, task: int | Tensor | None) -> int | None:
+    """The head ``task`` labels in ``net``: None for a network with one head (whatever the
+    label: every experience's state is then the one head's), else the int label."""
+    if not is_multitask(net):
+        return None
+    return None if task is None else int(task)
+
+
+def _require_optimizer(optimizer: Any, posterior: str) -> Any:
+    """``optimizer`` when it is the :mod:`fromp.optim` optimizer that ``posterior``
+    (``"vogn"`` or ``"ivon"``) takes its posterior from, else ``TypeError`` naming it."""
+    cls = {"vogn": VOGN, "ivon": IVON}[posterior]
+    if not isinstance(optimizer, cls):
+        raise TypeError(
+            f"posterior={posterior!r} needs optimizer= a fromp.optim.{cls.__name__} (its "
+            f"posterior is FROMP's), got {type(optimizer).__name__}"
+        )
+    return optimizer
 
 
 def _combine_exponent(value: Any) -> float:

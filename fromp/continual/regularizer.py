@@ -904,19 +904,3 @@ class FROMPRegularizer:
         """Move all stored tensors to ``device`` (in place); returns ``self``."""
         self.load_state_dict(self.state_dict(), device=device)
         return self
-
-
-def _former_name(stacklevel: int = 2) -> type[FROMPRegularizer]:
-    """``FunctionalRegularizer``, the former name of :class:`FROMPRegularizer` (deprecated)."""
-    warnings.warn(
-        "FunctionalRegularizer is deprecated: use FROMPRegularizer",
-        DeprecationWarning,
-        stacklevel=stacklevel + 1,
-    )
-    return FROMPRegularizer
-
-
-def __getattr__(name: str) -> object:
-    if name == "FunctionalRegularizer":
-        return _former_name(stacklevel=2)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

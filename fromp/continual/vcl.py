@@ -27,18 +27,21 @@ the reference code:
   propagated posterior as prior, used, and then discarded (:meth:`VCLMethod.prepare_eval`,
   :meth:`VCLMethod.restore`).
 
-A plain loop (no Avalanche)::
+A plain loop (no Avalanche; the continual-method protocol of
+:class:`fromp.continual.protocol.ContinualMethod` on the method's network ``method.net``)::
 
     method = VCLMethod(net, prior_precision=1.0, coreset_size=40, coreset_method="kcenter")
-    opt = torch.optim.Adam(method.parameters(), lr=1e-3)
+    bnet = method.net                                # the mean-field network trained
+    opt = torch.optim.Adam(bnet.parameters(), lr=1e-3)
     for task, (x, y) in enumerate(tasks):
         x, y = method.split_coreset(x, y, task)      # the coreset is kept out
-        method.begin_task(task, len(x))              # N_t and the head of the task
+        method.begin_task(bnet, task=task, ess=len(x))   # N_t and the head of the task
         method.ml_init(x, y, epochs=5, lr=1e-3, batch_size=256)   # task 1 only
         for xb, yb in batches(x, y):
-            loss = method.loss(xb, yb, task)         # the negative ELBO per example
+            nll, logits = method.nll(xb, yb, task)   # Monte Carlo cross-entropy
+            loss = nll + method.loss_terms(bnet, xb, logits, task=task)  # + KL / N_t
             opt.zero_grad(); loss.backward(); opt.step()
-        method.learn_task()                          # the posterior becomes the prior
+        method.learn_task(bnet, x, y, task, optimizer=opt)  # posterior -> prior, fresh Adam
     method.prepare_eval(0, epochs=5, lr=1e-3, batch_size=256)  # coreset fine-tuning
     log_p = method.predict_log_proba(x_test, 0)
     method.restore()
@@ -47,8 +50,7 @@ A plain loop (no Avalanche)::
 from __future__ import annotations
 
 import math
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -65,6 +67,7 @@ from fromp._checks import (
 from fromp.continual.bayesian import BayesLayer, MeanFieldNet, to_bayesian
 from fromp.continual.bayesian import MeanFieldTwin as _MeanFieldTwin
 from fromp.continual.coreset import select_coreset
+from fromp.continual.experiences import add_experience, experience_key, forget_experience
 from fromp.models import MultiHeadModel
 
 __all__ = ["VCLMethod"]
@@ -72,41 +75,6 @@ __all__ = ["VCLMethod"]
 _CORESET_METHODS = ("random", "kcenter")
 #: The settings saved with the state and compared on load.
 _STATE_SETTINGS = ("prior_precision", "init_logvar", "coreset_size", "coreset_method")
-
-#: Names that moved to :mod:`fromp.continual.bayesian` (the one mean-field implementation).
-_MOVED = ("MeanFieldTwin", "gaussian_names")
-
-
-def __getattr__(name: str) -> object:
-    if name in _MOVED:
-        from fromp.continual import bayesian
-
-        warnings.warn(
-            f"fromp.continual.vcl.{name} moved to fromp.continual.bayesian.{name}",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(bayesian, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def prior_variance(prior_precision: float, prior_var: float | None, where: str) -> float:
-    """The initial prior's variance from ``prior_precision`` (``1 / prior_precision``) or
-    the deprecated ``prior_var`` (used as given, with a ``DeprecationWarning``); refuses a
-    non-positive value and both names at once."""
-    if prior_var is None:
-        return 1.0 / check_prior_precision(prior_precision)  # type: ignore[operator]
-    if prior_precision != 1.0:
-        raise ValueError(
-            f"{where}: pass prior_precision or the deprecated prior_var, not both "
-            f"(got prior_precision={prior_precision!r}, prior_var={prior_var!r})"
-        )
-    warnings.warn(
-        f"{where}(prior_var=...) is deprecated: pass prior_precision=1/prior_var",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return check_positive(prior_var, "prior_var")
 
 
 def _count(value: object, name: str, low: int, optional: bool = False) -> int | None:
@@ -131,32 +99,33 @@ class VCLMethod:
     as means, re-drawn when ``mean_init_std`` is set); a
     :class:`fromp.continual.bayesian.MeanFieldNet` is used as it is; any other module gets a
     :class:`fromp.continual.bayesian.MeanFieldTwin` (its own parameters are the means). The
-    Bayesian network is :attr:`net`; train :meth:`parameters` with any optimizer.
+    Bayesian network is :attr:`net` (it holds the posterior and the priors): pass it to the
+    protocol's calls (:class:`fromp.continual.protocol.ContinualMethod`) and train its
+    parameters (:meth:`parameters`) with any optimizer.
 
     Args:
         net: the network (see above).
         prior_precision: ``delta``, the initial prior ``N(0, 1 / delta)`` on every Gaussian
             weight.
-        prior_var: deprecated, ``1 / prior_precision`` (a ``DeprecationWarning``).
         init_logvar: initial posterior ``log sigma^2``.
         mean_init_std: std of the truncated normal the means of a converted
             ``MultiHeadModel`` are re-drawn from (None keeps its weights).
         train_samples: Monte Carlo samples ``S`` of the expected log-likelihood.
         test_samples: Monte Carlo samples of the predictive.
         ml_init_epochs, ml_lr: epochs and Adam learning rate of the maximum-likelihood fit of
-            the means before task 1 (:meth:`ml_init`; None: given by the caller, e.g. the
-            strategy's ``train_epochs`` and its optimizer's ``lr``; 0 epochs: none).
+            the means before task 1 (:meth:`ml_init`; None: the caller's, e.g. the strategy's
+            ``train_epochs`` and its optimizer's ``lr``; 0 epochs: none).
         coreset_size: points per task kept aside (0: plain VCL).
         coreset_method: ``"random"`` | ``"kcenter"`` (required when ``coreset_size > 0``).
         coreset_epochs, coreset_mb_size, coreset_lr: epochs, mini-batch size and Adam learning
-            rate of the coreset training before prediction (None: given by the caller).
+            rate of the coreset training before prediction (None: the caller's).
         seed: seeds random coreset selection and the batches of the ML and coreset fits
             (None: drawn from torch's global generator, so a seeded run is reproducible).
 
     Attributes:
-        task_count: tasks learnt. seen_heads: heads trained so far. coresets: ``(head, x,
-        y)`` per task (on the CPU). n_train, current_head: ``N_t`` and the head of the task
-        being learnt (:meth:`begin_task`).
+        task_count: distinct experiences learnt. seen_heads: heads trained so far. coresets:
+        ``(head, x, y)`` per task (on the CPU). ess, current_head: ``N_t`` and the head of
+        the task being learnt (:meth:`begin_task`).
     """
 
     def __init__(
@@ -164,7 +133,6 @@ class VCLMethod:
         net: nn.Module,
         *,
         prior_precision: float = 1.0,
-        prior_var: float | None = None,
         init_logvar: float = -6.0,
         mean_init_std: float | None = 0.1,
         train_samples: int = 10,
@@ -180,7 +148,7 @@ class VCLMethod:
     ) -> None:
         if not isinstance(net, nn.Module):
             raise ValueError(f"net must be an nn.Module, got {type(net).__name__}")
-        variance = prior_variance(prior_precision, prior_var, "VCLMethod")
+        prior_precision = check_prior_precision(prior_precision)  # type: ignore[assignment]
         if isinstance(init_logvar, bool) or not isinstance(init_logvar, int | float):
             raise ValueError(f"init_logvar must be a finite float, got {init_logvar!r}")
         if not math.isfinite(init_logvar):
@@ -203,19 +171,21 @@ class VCLMethod:
         self.coreset_lr = _rate(coreset_lr, "coreset_lr")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an int or None, got {seed!r}")
-        self.prior_var = variance
-        self.prior_precision = 1.0 / variance if prior_var is not None else float(prior_precision)
+        self.prior_precision = float(prior_precision)
         self.init_logvar = float(init_logvar)
         self.net: MeanFieldNet = self._bayesian(net, mean_init_std)
         # drawn after the conversion (which initialises layers from the global generator)
         self.seed = int(torch.randint(0, 2**31 - 1, ()).item()) if seed is None else int(seed)
         # method state
         self.task_count = 0
+        self.experiences: list[int] = []  # the keys of the experiences learnt
         self.seen_heads: set[int] = set()
         self.coresets: list[tuple[int, Tensor, Tensor]] = []  # (head, x, y)
+        self.last_terms: dict[str, Tensor] = {}
         # the task being learnt
-        self.n_train: int | None = None
+        self.ess: int | None = None
         self.current_head = 0
+        self._experience: int | None = None  # begin_task's key, learn_task's default
         # the posterior before coreset training (restored by restore())
         self._snapshot: dict[str, Tensor] | None = None
         self._tuned_key: object = None
@@ -223,9 +193,10 @@ class VCLMethod:
     def _bayesian(self, net: nn.Module, mean_init_std: float | None) -> MeanFieldNet:
         if isinstance(net, MeanFieldNet):
             return net
+        kw = {"prior_precision": self.prior_precision, "init_logvar": self.init_logvar}
         if not isinstance(net, MultiHeadModel):
-            return _MeanFieldTwin(net, prior_var=self.prior_var, init_logvar=self.init_logvar)
-        bnet = to_bayesian(net, prior_var=self.prior_var, init_logvar=self.init_logvar)
+            return _MeanFieldTwin(net, **kw)
+        bnet = to_bayesian(net, **kw)
         if mean_init_std is not None:
             for layer in bnet.modules():
                 if isinstance(layer, BayesLayer):
@@ -300,30 +271,99 @@ class VCLMethod:
         s, n, k = logits.shape
         return F.cross_entropy(logits.reshape(s * n, k), y.repeat(s)), logits
 
-    def begin_task(self, task: int | None, n_train: int) -> None:
-        """Start learning ``task`` (its head) from ``n_train`` examples (``N_t``, the
-        coreset removed): the scale of the KL in :meth:`penalty`."""
-        n_train = _count(n_train, "n_train", 1)
-        self.current_head = self.head_of(task)
-        self.n_train = n_train
-
-    def penalty(self) -> Tensor:
-        """``KL(q || q_{t-1}) / N_t`` over the body and the heads trained so far plus the
-        current one (a scalar, differentiable in the means and log-variances)."""
-        if self.n_train is None:
-            raise ValueError("call begin_task(task, n_train) before penalty() or loss()")
-        return self.net.kl(self.kl_heads(self.current_head)) / self.n_train
-
     def loss(self, x: Tensor, y: Tensor, task: int | Tensor | None) -> Tensor:
-        """The negative ELBO per example on a mini-batch: :meth:`nll` + :meth:`penalty`."""
-        return self.nll(x, y, task)[0] + self.penalty()
+        """The negative ELBO per example on a mini-batch: :meth:`nll` +
+        :meth:`loss_terms` (``KL(q || q_{t-1}) / N_t``)."""
+        nll, logits = self.nll(x, y, task)
+        return nll + self.loss_terms(self.net, x, logits, task=task)
 
-    def learn_task(self) -> None:
+    # -- the protocol ------------------------------------------------------------------
+    def _check_net(self, net: nn.Module) -> None:
+        """``net`` must be the method's mean-field network (or an adapter whose ``net`` it
+        is): its posterior and priors are VCL's state."""
+        if net is not self.net and getattr(net, "net", None) is not self.net:
+            raise ValueError(
+                f"net must be the method's mean-field network method.net (a "
+                f"{type(self.net).__name__}), got a {type(net).__name__}"
+            )
+
+    def begin_task(
+        self,
+        net: nn.Module,
+        *,
+        task: int | None = None,
+        experience: int | None = None,
+        ess: int | None = None,
+        classes: Sequence[int] | None = None,
+        growing_head: bool = False,
+    ) -> None:
+        """Start learning ``task`` (its head) from ``ess`` examples (``N_t``, the coreset
+        removed; required): the scale of the KL in :meth:`loss_terms`. ``net`` is
+        :attr:`net`; ``experience`` is :meth:`learn_task`'s default key; ``classes`` and
+        ``growing_head`` are not used."""
+        del classes, growing_head
+        self._check_net(net)
+        if ess is None:
+            raise ValueError("ess (N_t, the task's training examples) is required by VCL")
+        ess = _count(ess, "ess", 1)
+        head = self.head_of(task)
+        key = None if experience is None else experience_key([], experience)
+        self.current_head, self.ess, self._experience = head, ess, key
+
+    def loss_terms(
+        self,
+        net: nn.Module,
+        x: Tensor,
+        output: Tensor,
+        *,
+        task: int | Tensor | None = None,
+        loss: Tensor | None = None,
+    ) -> Tensor:
+        """``KL(q || q_{t-1}) / N_t`` over the body and the heads trained so far plus the
+        current one (a scalar, differentiable in the means and log-variances): the ELBO's
+        weight term per example. ``x``, ``output``, ``task`` and ``loss`` are not used."""
+        del x, task
+        self._check_net(net)
+        if self.ess is None:
+            raise ValueError("call begin_task(net, task=..., ess=N_t) before loss_terms")
+        kl = self.net.kl(self.kl_heads(self.current_head)) / self.ess
+        if loss is not None:
+            kl = kl.to(loss.dtype)
+        elif output.is_floating_point():
+            kl = kl.to(output.dtype)
+        self.last_terms = {"kl": kl.detach()}
+        return kl
+
+    def before_update(self, net: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Nothing: VCL changes no gradient beyond its loss's."""
+
+    def learn_task(
+        self,
+        net: nn.Module,
+        x: Tensor | None,
+        y: Tensor | None,
+        task: int | None,
+        *,
+        optimizer: torch.optim.Optimizer | None = None,
+        experience: int | None = None,
+    ) -> None:
         """End of the task: its posterior becomes the prior (body and the heads trained so
-        far), its head counts as trained, the task counter moves on."""
+        far), its head counts as trained, and ``optimizer``'s state is cleared (a fresh Adam
+        per task, as in the reference code). ``x``, ``y`` (may be None) and ``task`` are not
+        used: the head is :meth:`begin_task`'s. ``experience``: the key (default:
+        :meth:`begin_task`'s, else a new one); ``task_count`` counts distinct keys."""
+        del x, y, task
+        self._check_net(net)
+        if experience is None:
+            experience = self._experience
+        key = experience_key(self.experiences, experience)
         self.net.set_prior_from_posterior(self.kl_heads(self.current_head))
         self.seen_heads.add(self.current_head)
-        self.task_count += 1
+        forget_experience(self.experiences, key)
+        self.task_count = add_experience(self.experiences, key)
+        self._experience = None
+        if optimizer is not None:
+            optimizer.state.clear()
 
     # -- the fits that own their optimizer -----------------------------------------------
     def _fit(
@@ -364,6 +404,12 @@ class VCLMethod:
         check_positive(lr, "lr")
         _count(batch_size, "batch_size", 1)
 
+    def needs_ml_init(self, epochs: int | None = None) -> bool:
+        """Whether :meth:`ml_init` has work to do: no task learnt yet and a positive number
+        of epochs (``ml_init_epochs``, else ``epochs``)."""
+        epochs = epochs if self.ml_init_epochs is None else self.ml_init_epochs
+        return self.task_count == 0 and bool(epochs)
+
     def ml_init(
         self,
         x: Tensor,
@@ -376,9 +422,10 @@ class VCLMethod:
     ) -> None:
         """Before task 1 (nothing afterwards): a maximum-likelihood fit of the posterior
         means on ``(x [N, ...], y [N])`` through the current head (:meth:`begin_task`),
-        ``epochs`` (default ``ml_init_epochs``) of Adam at ``lr`` (default ``ml_lr``)."""
-        epochs = self.ml_init_epochs if epochs is None else epochs
-        lr = self.ml_lr if lr is None else lr
+        ``ml_init_epochs`` of Adam at ``ml_lr``; ``epochs`` and ``lr`` are used where those
+        settings are None (e.g. the strategy's ``train_epochs`` and learning rate)."""
+        epochs = epochs if self.ml_init_epochs is None else self.ml_init_epochs
+        lr = lr if self.ml_lr is None else self.ml_lr
         self._check_data(x, y)
         self._check_fit(epochs, lr, batch_size)
         if self.task_count > 0 or epochs == 0:
@@ -425,16 +472,40 @@ class VCLMethod:
         self._check_data(x, y)
         self.coresets.append((self.head_of(task), x.cpu(), y.cpu()))
 
-    def split_coreset(self, x: Tensor, y: Tensor, task: int | None) -> tuple[Tensor, Tensor]:
-        """Select and keep the coreset of ``task`` from ``(x [N, ...], y [N])``; returns the
-        rest, the data to train on (everything when ``coreset_size`` is 0)."""
-        self._check_data(x, y)
+    def take_coreset(
+        self,
+        n: int,
+        rows: Callable[[Tensor | None], tuple[Tensor, Tensor]],
+        task: int | None,
+    ) -> Tensor:
+        """Select and keep the coreset of ``task`` among its ``n`` examples; returns its
+        indices ``[coreset_size]`` (none when ``coreset_size`` is 0). ``rows(idx)`` gives
+        the ``(x, y)`` of the examples ``idx`` (all of them for None) and is asked only for
+        what the selection needs: ``"kcenter"`` all the inputs, ``"random"`` the chosen
+        rows."""
         if self.coreset_size == 0:
+            return torch.zeros(0, dtype=torch.long)
+        self.check_coreset_size(n)
+        if self.coreset_method == "kcenter":
+            x, y = rows(None)
+            idx = self.coreset_indices(n, x)
+            cx, cy = x[idx], y[idx]
+        else:
+            idx = self.coreset_indices(n)
+            cx, cy = rows(idx)
+        self.add_coreset(task, cx, cy)
+        return idx
+
+    def split_coreset(self, x: Tensor, y: Tensor, task: int | None) -> tuple[Tensor, Tensor]:
+        """Select and keep the coreset of ``task`` from ``(x [N, ...], y [N])``
+        (:meth:`take_coreset`); returns the rest, the data to train on (everything when
+        ``coreset_size`` is 0)."""
+        self._check_data(x, y)
+        idx = self.take_coreset(len(x), lambda i: (x, y) if i is None else (x[i], y[i]), task)
+        if len(idx) == 0:
             return x, y
-        idx = self.coreset_indices(len(x), x)
-        self.add_coreset(task, x[idx], y[idx])
         keep = torch.ones(len(x), dtype=torch.bool, device=x.device)
-        keep[idx] = False
+        keep[idx.to(x.device)] = False
         return x[keep], y[keep]
 
     def prepare_eval(
@@ -448,8 +519,8 @@ class VCLMethod:
     ) -> bool:
         """Before predicting ``task``: train the posterior on the coreset (the task's with
         task heads, all of them with one head), the propagated posterior as prior, for
-        ``epochs`` (default ``coreset_epochs``) of Adam at ``lr`` (default ``coreset_lr``) in
-        mini-batches of ``batch_size`` (default ``coreset_mb_size``). The propagated
+        ``coreset_epochs`` of Adam at ``coreset_lr`` in mini-batches of ``coreset_mb_size``
+        (``epochs``, ``lr`` and ``batch_size`` where those settings are None). The propagated
         posterior is kept and comes back with :meth:`restore`. Nothing to do without
         coresets, for a task without one, or when the posterior is already tuned for it.
         Returns whether the posterior is tuned."""
@@ -459,9 +530,9 @@ class VCLMethod:
         key = head if self.multi_head else "all"
         if key == self._tuned_key:
             return True
-        epochs = self.coreset_epochs if epochs is None else epochs
-        lr = self.coreset_lr if lr is None else lr
-        batch_size = self.coreset_mb_size if batch_size is None else batch_size
+        epochs = epochs if self.coreset_epochs is None else self.coreset_epochs
+        lr = lr if self.coreset_lr is None else self.coreset_lr
+        batch_size = batch_size if self.coreset_mb_size is None else self.coreset_mb_size
         self._check_fit(epochs, lr, batch_size)
         self.restore()
         parts = [(x, y) for h, x, y in self.coresets if h == head]
@@ -500,35 +571,43 @@ class VCLMethod:
     def state_dict(self) -> dict:
         """All VCL state (on the CPU): the network (posterior, and prior where it is a
         buffer), the priors a :class:`~fromp.continual.bayesian.MeanFieldTwin` keeps, the
-        coresets, the trained heads, the task counter, the seed and the settings. The
-        propagated posterior is restored first."""
+        coresets, the trained heads, the task counter and experience keys, the seed and the
+        settings. The propagated posterior is restored first."""
         self.restore()
         return {
             "net": {k: v.detach().cpu().clone() for k, v in self.net.state_dict().items()},
             **self.net.prior_state(),
             "task_count": self.task_count,
+            "experiences": list(self.experiences),
             "seen_heads": sorted(self.seen_heads),
             "coresets": [(h, x.clone(), y.clone()) for h, x, y in self.coresets],
             "seed": self.seed,
             **self._settings(),
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` returned (into :attr:`net`, in place). Refuses a
-        state with missing keys or saved with other settings, before changing anything."""
+    def load_state_dict(
+        self, state: dict[str, Any], *, device: torch.device | str | None = None
+    ) -> None:
+        """Restore what :meth:`state_dict` returned (into :attr:`net`, in place, on its
+        device; ``device`` is not used). Refuses a state with missing keys (all named) or
+        saved with other settings, before changing anything."""
+        del device
         if not isinstance(state, dict):
             raise ValueError(f"state must be a dict, got {type(state).__name__}")
-        required = {"net", "task_count"}
-        required |= set(self.net.prior_state()) or {"seen_heads", "coresets"}
-        missing = required - set(state)
+        required = ["net", "task_count", "experiences", "seen_heads", "coresets", "seed"]
+        required += [*self.net.prior_state(), *_STATE_SETTINGS]
+        missing = [k for k in required if k not in state]
         if missing:
-            raise ValueError(f"state is missing keys {sorted(missing)}")
+            raise ValueError(
+                f"state is missing keys {missing}: not a VCLMethod.state_dict() of this version"
+            )
         check_saved_settings(state, self._settings())
         self._snapshot, self._tuned_key = None, None
         self.net.load_state_dict(state["net"])
         if "prior_mean" in state:
             self.net.load_prior_state(state)
         self.task_count = int(state["task_count"])
-        self.seen_heads = set(int(h) for h in state.get("seen_heads", []))
-        self.coresets = [(int(h), x.clone(), y.clone()) for h, x, y in state.get("coresets", [])]
-        self.seed = int(state.get("seed", self.seed))
+        self.experiences = [int(k) for k in state["experiences"]]
+        self.seen_heads = set(int(h) for h in state["seen_heads"])
+        self.coresets = [(int(h), x.clone(), y.clone()) for h, x, y in state["coresets"]]
+        self.seed = int(state["seed"])

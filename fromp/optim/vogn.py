@@ -101,9 +101,11 @@ __all__ = [
     "GradStats",
     "LayerCapture",
     "OutputCapture",
+    "minibatch_curvature",
     "per_example_grad_stats",
     "predict_mc",
     "predict_mean",
+    "recorded_curvature",
 ]
 
 
@@ -838,3 +840,63 @@ class OGN(VOGN):
             raise ValueError("OGN does not sample: mc_samples must be 0 (use VOGN)")
         kwargs["mc_samples"] = 0
         super().__init__(params_or_model, **kwargs)
+
+
+def minibatch_curvature(
+    model: nn.Module, x: Tensor, y: Tensor, task_labels: Tensor | None, opt: VOGN
+) -> Tensor:
+    """``h = (1/M) sum_i h_i`` ``[P]`` of the data loss on a mini-batch at the model's
+    current weights, examples grouped by task label (each group through its head,
+    :func:`fromp.models.with_task`): what a loop that does not call :meth:`VOGN.step` hands
+    to :meth:`VOGN.set_curvature`.
+
+    Args:
+        model: a fromp model or an Avalanche ``MultiTaskModule``; its parameters must be
+            those of ``opt`` in the same order.
+        x: ``[M, ...]``. y: ``[M]``. task_labels: ``[M]`` or None (single head).
+        opt: supplies the likelihood, the curvature type and the chunk size.
+    """
+    from fromp.models import is_multitask, with_task
+
+    multi = is_multitask(model)  # fromp multi-head models and Avalanche MultiTaskModules
+    if not multi or task_labels is None:
+        if multi:
+            raise ValueError("task_labels are required for a multi-head model")
+        groups = [(None, slice(None))]
+    else:
+        groups = [(int(t), task_labels == t) for t in torch.unique(task_labels)]
+    total = None
+    for t, rows in groups:
+        stats = per_example_grad_stats(
+            with_task(model, t),
+            x[rows],
+            y[rows],
+            opt.likelihood,
+            curvature=opt.curvature,
+            chunk_size=opt.chunk_size,
+            method=opt.method,
+            need_grad=False,
+        )
+        part = stats.curv * stats.batch_size
+        total = part if total is None else total + part
+    assert total is not None
+    return total / len(x)
+
+
+def recorded_curvature(outputs: OutputCapture, f: Tensor, y: Tensor, opt: VOGN) -> Tensor:
+    """``h`` of the data loss ``opt.loss_fn(f, y)`` at the output ``f`` of a forward call
+    ``outputs`` recorded (whatever else was back-propagated): per-example output gradients
+    of that loss, per-example Jacobians of the same call (its task labels, heads and
+    padding; :class:`fromp.optim._stats.OutputCapture`). Other calls of the model inside the
+    recording (e.g. on memorable points) are left out."""
+    outputs.calls = [c for c in outputs.calls if c[2] is f][:1]
+    if not outputs.calls:
+        raise ValueError("f is not the output of a recorded call")
+    fd = f.detach().requires_grad_(True)
+    with torch.enable_grad():
+        losses = opt.loss_fn(fd, y)
+        (r,) = torch.autograd.grad(losses.sum(), fd)
+    lik = opt.likelihood if opt.curvature == "ggn" else None
+    named = outputs.curvature(lik, opt.curvature, opt.chunk_size, output_grads=[r])  # at w
+    assert named is not None
+    return opt._named_to_flat(named) if opt.model is not None else named
