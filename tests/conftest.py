@@ -11,6 +11,9 @@ import torch
 
 matplotlib.use("Agg")
 
+#: scripts that write reference data (they need packages the tests do not have): not tests
+collect_ignore_glob = ["data/*.py"]
+
 
 def _has_mnist(root: Path) -> bool:
     raw = root / "MNIST" / "raw"
