@@ -41,7 +41,7 @@ memory ``chunk_size * C * P`` numbers, never ``P x P`` for a diagonal posterior)
 
 Example::
 
-    q = fromp.laplace(model, (x, y), "categorical", prior_precision=1.0)  # or opt.posterior()
+    q = fromp.fit_laplace(model, (x, y), "categorical", prior_precision=1.0)  # or opt.posterior()
     mp = memory_perturbation(model, q, x, y)
     mp.sensitivity          # [N]
     mp.loo_summary()        # {"loo_nll": ..., "loo_accuracy": ..., "train_nll": ...}
