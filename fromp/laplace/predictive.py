@@ -379,14 +379,29 @@ class LaplaceTorchAPI:
             if before_chunk is not None:
                 before_chunk()
             return fn(x)
-        outs = []
+        # the results are written into tensors allocated at the first chunk: a small result
+        # kept between the chunks' large buffers pins their freed memory (a peak growing with
+        # the number of inputs); a result differentiable in x is concatenated instead
+        outs: list[Any] = []
+        single = True
         for rows in row_chunks(len(x), step):
             if before_chunk is not None:
                 before_chunk()
-            outs.append(fn(x[rows]))
-        if isinstance(outs[0], Tensor):
-            return torch.cat(outs, dims[0])
-        return tuple(torch.cat(list(o), d) for o, d in zip(zip(*outs), dims))
+            got = fn(x[rows])
+            single = isinstance(got, Tensor)
+            parts = (got,) if single else got
+            for i, (part, d) in enumerate(zip(parts, dims)):
+                if len(outs) <= i:
+                    shape = list(part.shape)
+                    shape[d] = len(x)
+                    outs.append([] if part.requires_grad else part.new_empty(shape))
+                if isinstance(outs[i], list):
+                    outs[i].append(part)
+                else:
+                    outs[i].narrow(d, rows.start, rows.stop - rows.start).copy_(part)
+            del got, parts
+        outs = [torch.cat(o, d) if isinstance(o, list) else o for o, d in zip(outs, dims)]
+        return outs[0] if single else tuple(outs)
 
     def _kernel_chunked(self, x1: Tensor, x2: Tensor, memory_budget: int | None = None) -> Tensor:
         """``J(x1) Sigma J(x2)^T`` ``[N1, C, N2, C]`` by blocks of inputs (each structure's
