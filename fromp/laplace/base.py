@@ -62,26 +62,34 @@ __all__ = ["BaseLaplace", "LaplaceGP", "ParametricLaplace"]
 _ALIASES = {"classification": "categorical", "regression": "gaussian"}
 
 
-def _likelihood(
-    likelihood: str | Likelihood, sigma_noise: float | None
-) -> tuple[Likelihood, float]:
+def _checked_sigma(value: Any, regression: bool) -> float:
+    """``sigma_noise``: a positive finite number or one-element tensor (1 for
+    classification); the one check of the noise, at construction and in the setter."""
+    if isinstance(value, Tensor) and value.numel() == 1:
+        value = float(value.detach())
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not value > 0
+        or (not math.isfinite(value))
+    ):
+        raise ValueError(f"sigma_noise must be a positive finite number, got {value!r}")
+    if not regression and value != 1:
+        raise ValueError(
+            f"sigma_noise is for regression only (1 for classification), got {value!r}"
+        )
+    return float(value)
+
+
+def _likelihood(likelihood: str | Likelihood, sigma_noise: Any) -> tuple[Likelihood, float]:
     """The likelihood with unit noise (the curvature is kept free of ``s``) and ``s``."""
     likelihood = option(likelihood)
-    if isinstance(likelihood, str):
-        likelihood = _ALIASES.get(likelihood, likelihood)
-    lik = get_likelihood(likelihood)
-    if isinstance(lik, GaussianLikelihood):
-        s = lik.sigma if sigma_noise is None else sigma_noise
-        if isinstance(s, Tensor) and s.numel() == 1:
-            s = float(s.detach())
-        if not (isinstance(s, int | float) and s > 0 and math.isfinite(s)):
-            raise ValueError(f"sigma_noise must be a positive finite number, got {s!r}")
-        return GaussianLikelihood(1.0), float(s)
-    if isinstance(sigma_noise, Tensor) and sigma_noise.numel() == 1:
-        sigma_noise = float(sigma_noise.detach())
-    if sigma_noise not in (None, 1, 1.0):
-        raise ValueError(f"sigma_noise is for regression only, got {sigma_noise!r}")
-    return lik, 1.0
+    lik = get_likelihood(_ALIASES.get(likelihood, likelihood) if isinstance(likelihood, str)
+                         else likelihood)  # fmt: skip
+    regression = isinstance(lik, GaussianLikelihood)
+    s = _checked_sigma((lik.sigma if regression else 1.0) if sigma_noise is None else sigma_noise,
+                       regression)  # fmt: skip
+    return (GaussianLikelihood(1.0) if regression else lik), s
 
 
 def _checked_prior_mean(value: Any, like: Tensor | None) -> Tensor:
@@ -314,21 +322,7 @@ class BaseLaplace(PriorTuning, LaplaceTorchAPI):
 
     @sigma_noise.setter
     def sigma_noise(self, value: float | Tensor) -> None:
-        self._likelihood_check_sigma(value)
-        if not self.regression and float(value) != 1.0:
-            raise ValueError("sigma_noise is for regression only (1 for classification)")
-        self._sigma = float(value.detach() if isinstance(value, Tensor) else value)
-
-    @staticmethod
-    def _likelihood_check_sigma(value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, int | float | Tensor):
-            raise ValueError(f"sigma_noise must be a positive number, got {value!r}")
-        if isinstance(value, Tensor) and value.numel() != 1:
-            raise ValueError(f"sigma_noise must be a number or a one-element tensor, got shape "
-                             f"{tuple(value.shape)}")  # fmt: skip
-        value = value.detach() if isinstance(value, Tensor) else value
-        if not float(value) > 0 or not math.isfinite(float(value)):
-            raise ValueError(f"sigma_noise must be a positive finite number, got {value!r}")
+        self._sigma = _checked_sigma(value, self.regression)
 
     def _factor(self, sigma: Tensor | float | None = None) -> Tensor | float:
         """``1 / (s^2 T)``: the curvature's weight in the posterior precision."""
@@ -432,8 +426,10 @@ class ParametricLaplace(BaseLaplace):
             # order as a sequential fit(..., override=False) would, so that every rank holds
             # the posterior of one process on all the data
             curv, loss, n, n_out, targets, width = distributed.fold(
-                (curv, loss, n, n_out, targets, width), self._combine_shards
-            )
+                (curv, loss, n, n_out, targets, width),
+                lambda a, b: (self._add(a[0], b[0]), a[1] + b[1], a[2] + b[2], a[3] + b[3],
+                              a[4] and b[4], a[5] or b[5]),
+            )  # fmt: skip
         if override or self.H is None:
             self.H, self.n_data, self._n_targets = curv, 0, 0
             self.loss = loss if targets else None
@@ -445,11 +441,6 @@ class ParametricLaplace(BaseLaplace):
         self.n_outputs = width
         self._fitted()
         return self
-
-    def _combine_shards(self, a: tuple, b: tuple) -> tuple:
-        """Two processes' ``(curvature, loss, n, n_outputs, targets, width)`` as one."""
-        return (self._add(a[0], b[0]), a[1] + b[1], a[2] + b[2], a[3] + b[3], a[4] and b[4],
-                a[5] or b[5])  # fmt: skip
 
     def use_curvature(
         self, curvature: Any, n_data: int, loss: Tensor | float | None = None

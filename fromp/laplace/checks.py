@@ -11,7 +11,6 @@ One function per entry point, each called in one line at its top:
   dtype and shape, a model returning ``[N, C]``, and the targets for the likelihood
   (:meth:`fromp.likelihood.Likelihood.check_targets`: class indices in ``[0, C)``,
   Bernoulli labels in ``{0, 1}``, finite regression targets, no softmax over one output);
-  a last layer with no trainable parameter;
 * :func:`at_predict` (``la(x)``, ``predictive_samples``, ``functional_variance``, the
   GP): a fit, the model in eval mode and of the fitted size, a non-empty finite ``x`` whose
   squares do not overflow, finite outputs;
@@ -36,7 +35,6 @@ from torch import Tensor, nn
 from torch.utils.data import DistributedSampler
 
 from fromp._checks import check_batch, not_on_meta, require_eval
-from fromp.curvature.hooks import forward_hooks
 
 __all__ = [
     "at_fit",
@@ -192,20 +190,6 @@ def _n_outputs(la: Any, x: Tensor, argument: str) -> int:
     return f.shape[1]
 
 
-def _last_linear(model: nn.Module, x: Tensor) -> tuple[str, nn.Module] | None:
-    """The last ``nn.Linear`` called in a forward pass of ``x`` and its name."""
-    seen: list[nn.Module] = []
-    hook = lambda m, i, o: seen.append(m)  # noqa: E731
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    device = next(p for p in model.parameters()).device
-    with forward_hooks(linears, hook), torch.no_grad():
-        model(x[:1].to(device))
-    if not seen:
-        return None
-    layer = seen[-1]
-    return next(n for n, m in model.named_modules() if m is layer), layer
-
-
 def groups(la: Any, data: Any, argument: str) -> list[tuple[Any, list[Any]]]:
     """``data``'s batches (:func:`_batches`) as ``[(mapping or None, [(x, y), ...])]``
     (:func:`on_mapping`: one group per mapping batch, consecutive tensor batches in one
@@ -242,25 +226,12 @@ def groups(la: Any, data: Any, argument: str) -> list[tuple[Any, list[Any]]]:
 
 
 def at_fit(la: Any, data: Any) -> list[tuple[Any, list[Any]]]:
-    """``fit``: the model (:func:`check_model`, eval mode), the batches (:func:`groups`);
-    for a last layer, trainable parameters in it. Returns the groups."""
+    """``fit``: the model (:func:`check_model`, eval mode) and the batches
+    (:func:`groups`). Returns the groups."""
     model = la.model
     check_model(model)
     require_eval(model)
-    out = groups(la, data, "train_loader")
-    if la.subset_of_weights == "last_layer" and getattr(la, "layer", None) is None:
-        mapping, ((x0, _), *_) = out[0]
-        with on_mapping(model, mapping, la.dict_key_x):
-            found = _last_linear(model, x0)
-        if found is not None:
-            name, layer = found
-            if not any(p.requires_grad for p in layer.parameters(recurse=False)):
-                raise ValueError(
-                    f"subset_of_weights='last_layer': the last layer ({name or 'model'}) "
-                    "has no trainable parameters (requires_grad=False); unfreeze it or "
-                    "use subset_of_weights='all'"
-                )
-    return out
+    return groups(la, data, "train_loader")
 
 
 # ------------------------------------------------------------------------------ predict
@@ -396,7 +367,6 @@ def at_prior_search(
         )
     if val_loader is None:
         raise ValueError("method='gridsearch' needs val_loader (validation data (x, y))")
-    at_state_dict(la)
     out = groups(la, val_loader, "val_loader")
     if any(y is None for _, batches in out for _, y in batches):
         raise ValueError("val_loader batches must include targets (x, y)")

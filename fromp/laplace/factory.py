@@ -23,7 +23,8 @@ __all__ = ["Laplace", "laplace_classes"]
 
 def laplace_classes() -> dict[tuple[str, str], type[BaseLaplace]]:
     """``{(subset_of_weights, hessian_structure): class}`` over every subclass of
-    :class:`~fromp.laplace.base.BaseLaplace` that sets its own ``_key``."""
+    :class:`~fromp.laplace.base.BaseLaplace` that sets its own ``_key`` (the package imports
+    every structure's module before this one is used)."""
     found, todo = {}, [BaseLaplace]
     while todo:
         cls = todo.pop()

@@ -94,6 +94,10 @@ class LLLaplace(ParametricLaplace):
     def _use_layer(self, name: str, layer: nn.Module) -> None:
         self.layer_name, self.layer = name, layer
         self._named = self._layer_named()
+        if not self._named:
+            raise ValueError(f"subset_of_weights='last_layer': the last layer ({name or 'model'}) "
+                             "has no trainable parameters (requires_grad=False); unfreeze it or "
+                             "use subset_of_weights='all'")  # fmt: skip
         self._set_mean()
         self._init_prior()
 

@@ -161,12 +161,12 @@ def marglik_training(
         scheduler = scheduler_cls(optimizer, **(scheduler_kwargs or {}))
     hyper_optimizer = torch.optim.Adam(hypers, lr=lr_hyp)
 
-    def expand(delta: Tensor) -> Tensor:
-        if len(delta) == 1:
-            return delta.expand(int(sizes.sum()))
-        if len(delta) == int(sizes.sum()):
-            return delta
-        return torch.repeat_interleave(delta, sizes)
+    def expand(prior_precision: Tensor) -> Tensor:
+        if len(prior_precision) == 1:
+            return prior_precision.expand(int(sizes.sum()))
+        if len(prior_precision) == int(sizes.sum()):
+            return prior_precision
+        return torch.repeat_interleave(prior_precision, sizes)
 
     def sigma_now() -> float | Tensor:
         if not regression:

@@ -42,8 +42,6 @@ __all__ = [
     "optimize_prior_precision",
 ]
 
-_STRUCTURES = ("diag", "full")
-
 
 def _fitted(
     model: nn.Module,
@@ -60,7 +58,7 @@ def _fitted(
     """``fromp.Laplace(model, likelihood, "all", structure, ...)`` fitted on ``data``: the one
     engine behind the functions of this module (its checks included: eval mode, the model's
     dtype and device, the inputs and the targets for the likelihood, before any work)."""
-    if structure not in _STRUCTURES:
+    if structure not in ("diag", "full"):
         raise ValueError(f"hessian_structure must be 'diag' or 'full', got {structure!r}")
     la = Laplace(
         model, likelihood, "all", structure, prior_precision=prior_precision,
