@@ -146,7 +146,7 @@ def test_memorable_cli_memory_map(checkpoint, tmp_path):
     that posterior (``--posterior diag``: under the all-weights diagonal one), the test-set
     NLL and accuracy are reported beside the leave-one-out estimate."""
     from fromp import Laplace
-    from fromp.laplace.one_call import laplace
+    from fromp.laplace.one_call import fit_laplace
     from fromp.memory.sensitivity import memory_perturbation
 
     net, seq, _ = load_trained(checkpoint)
@@ -165,7 +165,7 @@ def test_memorable_cli_memory_map(checkpoint, tmp_path):
         assert payload["posterior"] == posterior and payload["n_fit"] == len(idx)
         x, y = seq[1].train_x[idx], seq[1].train_y[idx]
         if posterior == "diag":
-            q = laplace(model, (x, y), "categorical", 2.0)
+            q = fit_laplace(model, (x, y), "categorical", 2.0)
         else:
             q = Laplace(model, "classification", "last_layer", "full", prior_precision=2.0)
             q.fit((x, y))
