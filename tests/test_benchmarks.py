@@ -332,7 +332,8 @@ def test_opt_prefix_sets_optimizer_keyword_arguments():
 
 
 def test_class_incremental_sequence_has_global_labels_and_one_head():
-    from fromp_bench.data import class_incremental, synthetic_split
+    from _synthetic import synthetic_split
+    from fromp_bench.data import class_incremental
 
     split = synthetic_split(n_tasks=3, n_train=20, n_test=10)
     seq = class_incremental(split)
@@ -443,8 +444,9 @@ def test_class_incremental_digits_one_ten_way_head_and_every_method_in_the_table
 
 
 def test_experience_replay_keeps_its_memory_per_experience_and_restores_it():
+    from _synthetic import synthetic_split
     from fromp_avalanche.benchmarks import ExperienceReplay, experience_tensors
-    from fromp_bench.data import class_incremental, synthetic_split, to_avalanche
+    from fromp_bench.data import class_incremental, to_avalanche
 
     seq = class_incremental(synthetic_split(n_tasks=3, input_shape=(6,), n_train=30))
     scenario = to_avalanche(seq)

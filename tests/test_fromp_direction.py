@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from _synthetic import synthetic_split
 from fromp_avalanche.fromp import FROMPPlugin
-from fromp_bench.data import synthetic_split
 from torch.func import functional_call
 
 from fromp.continual.regularizer import FROMPRegularizer
