@@ -361,6 +361,20 @@ class Task:
     def n_classes(self) -> int:
         return len(self.classes)
 
+    def subset(
+        self, train: Tensor | slice = slice(None), test: Tensor | slice = slice(None)
+    ) -> Task:
+        """A copy keeping the training examples ``train`` and the test examples ``test``
+        (indices or a slice), the validation set and the rest as they are."""
+        return replace(
+            self,
+            train_x=self.train_x[train],
+            train_y=self.train_y[train],
+            test_x=self.test_x[test],
+            test_y=self.test_y[test],
+            classes=list(self.classes),
+        )
+
     def __post_init__(self) -> None:
         if (self.valid_x is None) != (self.valid_y is None):
             raise ValueError(f"task {self.task_id}: give both valid_x and valid_y or neither")
@@ -430,18 +444,7 @@ class TaskSequence:
         for t in self.tasks:
             itr = torch.randperm(len(t.train_x), generator=g)[:n_train]
             ite = torch.randperm(len(t.test_x), generator=g)[:n_test]
-            tasks.append(
-                Task(
-                    t.train_x[itr],
-                    t.train_y[itr],
-                    t.test_x[ite],
-                    t.test_y[ite],
-                    t.task_id,
-                    list(t.classes),
-                    t.valid_x,
-                    t.valid_y,
-                )
-            )
+            tasks.append(t.subset(itr, ite))
         return self._replace(tasks)
 
     def with_validation(self, fraction: float = VALID_FRACTION, seed: int = 0) -> TaskSequence:
@@ -469,18 +472,7 @@ class TaskSequence:
                 )
             perm = torch.randperm(len(t.train_x), generator=g)
             iv, itr = perm[:n_valid].sort().values, perm[n_valid:].sort().values
-            tasks.append(
-                Task(
-                    t.train_x[itr],
-                    t.train_y[itr],
-                    t.test_x,
-                    t.test_y,
-                    t.task_id,
-                    list(t.classes),
-                    t.train_x[iv],
-                    t.train_y[iv],
-                )
-            )
+            tasks.append(replace(t.subset(itr), valid_x=t.train_x[iv], valid_y=t.train_y[iv]))
         return self._replace(tasks)
 
     def fingerprint(self) -> dict[str, object]:
@@ -585,23 +577,10 @@ def class_incremental(seq: TaskSequence, name: str | None = None) -> TaskSequenc
         )
     tasks = []
     for t in seq:
-        lookup = torch.tensor(t.classes, dtype=torch.long)
-
-        def glob(y: Tensor | None, lookup: Tensor = lookup) -> Tensor | None:
-            return None if y is None else lookup[y]
-
-        tasks.append(
-            Task(
-                t.train_x,
-                glob(t.train_y),
-                t.test_x,
-                glob(t.test_y),
-                t.task_id,
-                list(t.classes),
-                t.valid_x,
-                glob(t.valid_y),
-            )
-        )
+        lookup = torch.tensor(t.classes, dtype=torch.long)  # task label -> global label
+        ys = {k: getattr(t, k) for k in ("train_y", "test_y", "valid_y")}
+        ys = {k: None if y is None else lookup[y] for k, y in ys.items()}
+        tasks.append(replace(t, classes=list(t.classes), **ys))
     return TaskSequence(name or f"{seq.name}-ci", tasks, False, seq.input_shape, len(classes))
 
 

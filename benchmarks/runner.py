@@ -458,18 +458,7 @@ def _shard(seq: TaskSequence) -> TaskSequence:
     tasks = []
     for t in seq:
         n = len(t.train_x) // world * world
-        tasks.append(
-            Task(
-                t.train_x[r:n:world],
-                t.train_y[r:n:world],
-                t.test_x,
-                t.test_y,
-                t.task_id,
-                list(t.classes),
-                t.valid_x,
-                t.valid_y,
-            )
-        )
+        tasks.append(t.subset(slice(r, n, world)))
     return TaskSequence(seq.name, tasks, seq.multi_head, seq.input_shape, seq.n_outputs)
 
 
