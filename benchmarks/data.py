@@ -56,6 +56,7 @@ __all__ = [
     "load_cifar100",
     "load_fashion_mnist",
     "load_mnist",
+    "permuted_digits",
     "permuted_mnist",
     "read_idx",
     "resolve_data_root",
@@ -617,6 +618,25 @@ def split_fashion_mnist(
     return TaskSequence("split-fashion-mnist", tasks, True, (1, 28, 28), 2)
 
 
+def _permuted(
+    name: str, data: tuple[Tensor, Tensor, Tensor, Tensor], n_tasks: int, seed: int
+) -> TaskSequence:
+    """``n_tasks`` tasks on ``data`` (``x_train, y_train, x_test, y_test``, labels ``0..9``)
+    flattened to ``[N, D]``, the first unpermuted, each later one a fixed random permutation
+    of the ``D`` features drawn from ``seed``; one shared 10-way head (domain-incremental)."""
+    if n_tasks < 1:
+        raise ValueError(f"n_tasks must be >= 1, got {n_tasks}")
+    xtr, ytr, xte, yte = data
+    xtr, xte = xtr.reshape(len(xtr), -1), xte.reshape(len(xte), -1)
+    d = xtr.shape[1]
+    rng = np.random.default_rng(seed)
+    tasks = []
+    for t in range(n_tasks):
+        perm = torch.arange(d) if t == 0 else torch.as_tensor(rng.permutation(d))
+        tasks.append(Task(xtr[:, perm], ytr.clone(), xte[:, perm], yte.clone(), t, list(range(10))))
+    return TaskSequence(name, tasks, False, (d,), 10)
+
+
 def permuted_mnist(
     data_root: str | os.PathLike[str] | None = None,
     *,
@@ -630,14 +650,7 @@ def permuted_mnist(
     """
     if n_tasks < 1:
         raise ValueError(f"n_tasks must be >= 1, got {n_tasks}")
-    xtr, ytr, xte, yte = load_mnist(data_root, download=download)
-    xtr, xte = xtr.reshape(len(xtr), -1), xte.reshape(len(xte), -1)
-    rng = np.random.default_rng(seed)
-    tasks = []
-    for t in range(n_tasks):
-        perm = torch.arange(784) if t == 0 else torch.as_tensor(rng.permutation(784))
-        tasks.append(Task(xtr[:, perm], ytr.clone(), xte[:, perm], yte.clone(), t, list(range(10))))
-    return TaskSequence("permuted-mnist", tasks, False, (784,), 10)
+    return _permuted("permuted-mnist", load_mnist(data_root, download=download), n_tasks, seed)
 
 
 def split_cifar(
@@ -652,12 +665,10 @@ def split_cifar(
     return TaskSequence("split-cifar", tasks, True, (3, 32, 32), 10)
 
 
-def split_digits(*, test_fraction: float = 0.25, seed: int = 0) -> TaskSequence:
-    """Split-Digits: scikit-learn's bundled 8x8 digits (1,797 images), 5 tasks of 2 classes.
-
-    Needs no download, so it is the built-in default when MNIST is not available. Pixels
-    are scaled to [0, 1]; the train/test split is stratified and fixed by ``seed``.
-    """
+def _digits(test_fraction: float, seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """scikit-learn's bundled 8x8 digits (1,797 images) as ``(x_train [N, 1, 8, 8], y_train,
+    x_test, y_test)``, pixels scaled to [0, 1], the test set a stratified ``test_fraction`` of
+    every class drawn from ``seed``."""
     from sklearn.datasets import load_digits
 
     d = load_digits()
@@ -669,8 +680,27 @@ def split_digits(*, test_fraction: float = 0.25, seed: int = 0) -> TaskSequence:
         idx = np.flatnonzero(d.target == c)
         test[rng.choice(idx, round(test_fraction * len(idx)), replace=False)] = True
     te = torch.as_tensor(test)
-    tasks = split_tasks(x[~te], y[~te], x[te], y[te], _pairs(10))
+    return x[~te], y[~te], x[te], y[te]
+
+
+def split_digits(*, test_fraction: float = 0.25, seed: int = 0) -> TaskSequence:
+    """Split-Digits: scikit-learn's bundled 8x8 digits (1,797 images), 5 tasks of 2 classes.
+
+    Needs no download, so it is the built-in default when MNIST is not available. Pixels
+    are scaled to [0, 1]; the train/test split is stratified and fixed by ``seed``.
+    """
+    tasks = split_tasks(*_digits(test_fraction, seed), _pairs(10))
     return TaskSequence("split-digits", tasks, True, (1, 8, 8), 2)
+
+
+def permuted_digits(
+    *, n_tasks: int = 5, test_fraction: float = 0.25, seed: int = 0
+) -> TaskSequence:
+    """Permuted-Digits, built in: :func:`split_digits`' images and split (1,347 training and
+    450 test images) as in permuted MNIST, ``n_tasks`` tasks of all 10 digits on one head, the
+    first unpermuted, each later one a fixed permutation of the 64 pixels (from ``seed``).
+    Fitting each new permutation overwrites the earlier ones: Naive forgets visibly."""
+    return _permuted("permuted-digits", _digits(test_fraction, seed), n_tasks, seed)
 
 
 def to_avalanche(seq: TaskSequence) -> CLScenario:
