@@ -106,3 +106,24 @@ def test_the_studies_are_not_installed_and_no_test_imports_one():
             importing += [f"{f.name}: {n}" for n in names if n.split(".")[0] == "studies"
                           or n.startswith("fromp_bench.studies")]  # fmt: skip
     assert not importing, importing
+
+
+def test_the_version_is_one_number_in_pyproject_the_package_and_the_changelog():
+    """``pyproject.toml``'s version, ``fromp.__version__`` and the version of the CHANGELOG's
+    first ``## `` heading (``## 0.4.0 (2026-11-28)``) are the same release."""
+    import re
+
+    import fromp
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    headings = [
+        line[3:] for line in (ROOT / "CHANGELOG.md").read_text().splitlines() if line[:3] == "## "
+    ]
+    assert headings, "CHANGELOG.md has no '## ' heading"
+    top = re.match(r"(\d+\.\d+\.\d+)\b", headings[0])
+    assert top, f"CHANGELOG.md's first heading {headings[0]!r} names no version"
+    assert project["version"] == fromp.__version__ == top.group(1), (
+        project["version"],
+        fromp.__version__,
+        headings[0],
+    )

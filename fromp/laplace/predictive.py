@@ -693,6 +693,6 @@ class LaplaceTorchAPI:
 
     def gp(self) -> Any:
         """The DNN2GP Gaussian process of the linearised network under this posterior:
-        mean ``f_w(x)``, kernel ``J(x) Sigma J(x')^T`` (:class:`fromp.gp.LaplaceGP`)."""
+        mean ``f_w(x)``, kernel ``J(x) Sigma J(x')^T`` (:class:`fromp.laplace.LaplaceGP`)."""
         self._require_fit()
         return LaplaceGP(self)

@@ -49,7 +49,6 @@ Example::
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -225,8 +224,7 @@ def memory_perturbation(
             ``"categorical"``. With a Laplace, an explicit likelihood that disagrees with
             its own (another kind, another noise) is refused.
         covariance: ``"diag"`` (``f + e * v``) or ``"full"`` (``f + V e``) for the
-            leave-one-out outputs (``"diagonal"``, the 0.3 spelling, is accepted with a
-            ``DeprecationWarning`` until 0.5).
+            leave-one-out outputs.
         correction: remove the example's own curvature first (module docstring):
             ``f + e v / (1 - lambda v)`` or ``f + V (I - Lambda V)^{-1} e``. The diagonal
             form is refused when ``1 - lambda_ik v_ik <= 0`` for some example (an approximate
@@ -234,14 +232,6 @@ def memory_perturbation(
             meaning there), naming how many.
         chunk_size: examples per Jacobian chunk.
     """
-    if covariance == "diagonal":
-        warnings.warn(
-            'memory_perturbation(covariance="diagonal") is now covariance="diag"; the old '
-            "spelling goes in fromp 0.5",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        covariance = "diag"
     if covariance not in _COVARIANCES:
         raise ValueError(f"covariance must be one of {_COVARIANCES}, got {covariance!r}")
     _check_examples(x, y)
