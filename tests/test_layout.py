@@ -101,7 +101,7 @@ LAYERS = [
     {"fromp.memory"},
     {"fromp.continual"},
     {"fromp"},
-    {"fromp.testing"},  # dense references for tests: nothing in fromp may import it
+    {"fromp.testing"},  # the public dense references: nothing in fromp may import it
 ]
 
 

@@ -151,12 +151,12 @@ def test_newton_step_loo_default_tolerance_reached_in_float32():
     q = fromp.fit_laplace_full(net, x, "categorical", prior_precision=1.0)
     # GGN curvature has rank <= C = 3, so GMRES is exact after C + 1 = 4 steps; a tolerance
     # float32 cannot reach would run to max_iter and raise
-    out = newton_step_loo(net, q, x, y, curvature="ggn", max_iter=5)
+    out = newton_step_loo(net, q, x, y, hess_approx="ggn", max_iter=5)
     assert out.dtype == torch.float32 and out.shape == (12, 3)
     with pytest.raises(RuntimeError, match="GMRES did not reach"):
-        newton_step_loo(net, q, x, y, curvature="ggn", max_iter=5, tol=1e-12)
+        newton_step_loo(net, q, x, y, hess_approx="ggn", max_iter=5, tol=1e-12)
     q64 = fromp.fit_laplace_full(net.double(), x.double(), "categorical", prior_precision=1.0)
-    ref = newton_step_loo(net, q64, x.double(), y, curvature="ggn")
+    ref = newton_step_loo(net, q64, x.double(), y, hess_approx="ggn")
     torch.testing.assert_close(out.double(), ref, rtol=1e-3, atol=1e-4)
     with pytest.raises(ValueError, match="tol must be > 0"):
         newton_step_loo(net, q64, x.double(), y, tol=0.0)

@@ -433,7 +433,7 @@ class GP:
 
 
 def predictive_from(
-    lik: Likelihood,
+    likelihood: Likelihood,
     sigma: float,
     mean: Any,
     variance: Any,
@@ -450,24 +450,24 @@ def predictive_from(
     if method == "mc" and (not isinstance(n_samples, int) or n_samples < 1):
         raise ValueError(f"n_samples must be a positive int, got {n_samples!r}")
     m = mean(x)
-    if isinstance(lik, GaussianLikelihood):
+    if isinstance(likelihood, GaussianLikelihood):
         v = variance(x)
         eye = torch.eye(m.shape[1], dtype=m.dtype, device=m.device)
         return m, v + sigma**2 * eye
-    if not isinstance(lik, CategoricalLikelihood | BernoulliLikelihood):
-        raise ValueError(f"predictive does not support likelihood {lik!r}")
+    if not isinstance(likelihood, CategoricalLikelihood | BernoulliLikelihood):
+        raise ValueError(f"predictive does not support likelihood {likelihood!r}")
     need_v = return_variance or method != "linear"
     v = variance(x) if need_v else None
     if method == "linear":
-        probs = lik.inverse_link(m)
+        probs = likelihood.inverse_link(m)
     elif method == "probit":
-        probs = lik.inverse_link(m * probit_scale(v))
+        probs = likelihood.inverse_link(m * probit_scale(v))
     else:
         evals, evecs = torch.linalg.eigh(v)
         root = evecs * evals.clamp_min(0).sqrt().unsqueeze(-2)  # N, C, C: v = root root^T
         eps = randn_like_on((n_samples, *m.shape), generator, m.dtype, m.device)
         f = m + torch.einsum("ncd,snd->snc", root, eps)
-        probs = lik.inverse_link(f.reshape(-1, m.shape[1])).reshape(f.shape).mean(0)
+        probs = likelihood.inverse_link(f.reshape(-1, m.shape[1])).reshape(f.shape).mean(0)
     return (probs, v) if return_variance else probs
 
 

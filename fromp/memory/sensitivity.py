@@ -184,17 +184,17 @@ def _laplace_likelihood(posterior: BaseLaplace, likelihood: str | Likelihood | N
     return own
 
 
-def check_loo_targets(y: Tensor, n_outputs: int, lik: Likelihood) -> None:
+def check_loo_targets(y: Tensor, n_outputs: int, likelihood: Likelihood) -> None:
     """Targets that fit the likelihood and a model of ``n_outputs`` outputs (class indices
     in range, ``{0, 1}`` for a Bernoulli, finite regression targets), and no softmax over a
     single output (whose probability is always 1: LOO NLL 0 and accuracy 100 %, meaningless);
     ``ValueError`` naming ``y`` or ``likelihood``."""
-    if isinstance(lik, CategoricalLikelihood) and n_outputs < 2:
+    if isinstance(likelihood, CategoricalLikelihood) and n_outputs < 2:
         raise ValueError(
             f"likelihood='categorical' needs a model with at least 2 outputs, got {n_outputs} "
             "(a softmax over one output is always 1): use 'bernoulli' or 'gaussian'"
         )
-    check_class_targets(y, n_outputs, lik, "y")
+    check_class_targets(y, n_outputs, likelihood, "y")
 
 
 def memory_perturbation(
@@ -292,7 +292,7 @@ def memory_perturbation(
     )
 
 
-_CURVATURES = ("hessian", "ggn")
+_HESS_APPROX = ("hessian", "ggn")
 
 
 def _gmres(apply: Any, b: Tensor, tol: float, max_iter: int) -> Tensor:
@@ -331,7 +331,7 @@ def newton_step_loo(
     y: Tensor,
     likelihood: str | Likelihood = "categorical",
     *,
-    curvature: str = "hessian",
+    hess_approx: str = "hessian",
     linearize: bool = False,
     tol: float | None = None,
     max_iter: int = 2000,
@@ -353,9 +353,9 @@ def newton_step_loo(
     quadratic; the step is the example's gradient under the posterior covariance with the
     example's own curvature removed.
 
-    ``curvature="hessian"`` removes the example's exact Hessian ``H_i = J_i^T Lambda_i J_i +
+    ``hess_approx="hessian"`` removes the example's exact Hessian ``H_i = J_i^T Lambda_i J_i +
     sum_c e_ic d^2 f_ic / dw^2`` (use with ``H`` the exact Hessian of ``L``, e.g.
-    ``FullGaussian(w*, torch.func.hessian(L)(w*))``); ``curvature="ggn"`` removes
+    ``FullGaussian(w*, torch.func.hessian(L)(w*))``); ``hess_approx="ggn"`` removes
     ``J_i^T Lambda_i J_i`` (use with a GGN posterior such as :func:`fromp.fit_laplace_full`; with
     ``linearize=True`` this is ``memory_perturbation(..., covariance="full",
     correction=True)``).
@@ -372,7 +372,7 @@ def newton_step_loo(
             (or GGN) of the training objective at its minimum ``posterior.mean``.
         x: ``[N, ...]`` the examples to leave out, one at a time. y: ``[N]`` targets.
         likelihood: its name or a :class:`~fromp.likelihood.Likelihood`.
-        curvature: ``"hessian"`` or ``"ggn"``, the example's curvature removed.
+        hess_approx: ``"hessian"`` or ``"ggn"``, the example's curvature removed.
         linearize: evaluate the linearised network instead of the network.
         tol: relative residual at which GMRES stops; default ``max(1e-10, 100 eps)`` of the
             posterior's dtype (``1e-10`` in float64, ``1.2e-5`` in float32, which a float32
@@ -382,8 +382,8 @@ def newton_step_loo(
     Returns:
         the estimated leave-one-out outputs ``[N, C]`` (and the steps ``[N, P]``).
     """
-    if curvature not in _CURVATURES:
-        raise ValueError(f"curvature must be one of {_CURVATURES}, got {curvature!r}")
+    if hess_approx not in _HESS_APPROX:
+        raise ValueError(f"hess_approx must be one of {_HESS_APPROX}, got {hess_approx!r}")
     if not isinstance(posterior, FullGaussian):
         raise ValueError("newton_step_loo needs a FullGaussian posterior")
     _check_examples(x, y)
@@ -426,12 +426,12 @@ def newton_step_loo(
             # J_i [C, P], once per example (the GGN products and the linearised outputs)
             jac = (
                 torch.func.jacrev(lambda w, xi=xi: out(w, xi))(w0)
-                if curvature == "ggn" or linearize
+                if hess_approx == "ggn" or linearize
                 else None
             )
         with torch.no_grad():
             f_i = out(w0, xi)
-        if curvature == "hessian":  # H_i v
+        if hess_approx == "hessian":  # H_i v
 
             def hvp(v: Tensor, nll_i: Any = nll_i) -> Tensor:
                 with torch.enable_grad():
