@@ -3,12 +3,14 @@ its structured kernel (``kernel``)."""
 
 from fromp.gp.process import (  # the names of the former module fromp.gp
     GP,
+    GPPredictive,
     Posterior,
     dnn2gp,
 )
 
 __all__ = [
     "GP",
+    "GPPredictive",
     "Posterior",
     "dnn2gp",
 ]
