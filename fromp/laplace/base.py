@@ -601,6 +601,5 @@ class ParametricLaplace(BaseLaplace):
         self.H = self._h_load(state["H"])
         self.loss = None if state["loss"] is None else state["loss"].to(self._mu)
         self.n_data, self.n_outputs = int(state["n_data"]), int(state["n_outputs"])
-        # fromp 0.3 states stored the number of targets N C as n_outputs
-        self._n_targets = int(state.get("n_targets", self.n_outputs))
+        self._n_targets = int(state["n_targets"])
         self._fitted()
