@@ -58,8 +58,6 @@ from fromp.posterior import DiagonalGaussian, GaussianPosterior
 
 __all__ = ["GP", "GPPredictive", "dnn2gp"]
 
-Posterior = GaussianPosterior
-
 
 def _check_chunk(chunk_size: int) -> int:
     return check_chunk_size(chunk_size, allow_none=False)
@@ -483,7 +481,7 @@ class GP(GPPredictive):
 
 def dnn2gp(
     model: nn.Module,
-    posterior: Posterior,
+    posterior: GaussianPosterior,
     likelihood: str | Likelihood,
     *,
     chunk_size: int | None = None,

@@ -57,7 +57,7 @@ from torch import Tensor, nn
 
 from fromp._checks import check_batch, check_class_targets, check_tensor
 from fromp.curvature.jacobian import num_params, unflatten
-from fromp.gp.process import GP, Posterior
+from fromp.gp.process import GP
 from fromp.laplace.base import BaseLaplace
 from fromp.likelihood import (
     CategoricalLikelihood,
@@ -65,7 +65,7 @@ from fromp.likelihood import (
     Likelihood,
     get_likelihood,
 )
-from fromp.posterior import FullGaussian
+from fromp.posterior import FullGaussian, GaussianPosterior
 
 __all__ = ["MemoryPerturbation", "memory_perturbation", "newton_step_loo", "prediction_variance"]
 
@@ -74,7 +74,7 @@ _COVARIANCES = ("diag", "full")
 
 def prediction_variance(
     model: nn.Module,
-    posterior: Posterior,
+    posterior: GaussianPosterior,
     x: Tensor,
     likelihood: str | Likelihood = "categorical",
     *,
@@ -199,7 +199,7 @@ def check_loo_targets(y: Tensor, n_outputs: int, likelihood: Likelihood) -> None
 
 def memory_perturbation(
     model: nn.Module,
-    posterior: Posterior,
+    posterior: GaussianPosterior,
     x: Tensor,
     y: Tensor,
     likelihood: str | Likelihood | None = None,
