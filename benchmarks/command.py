@@ -372,8 +372,8 @@ def check_data(
     benchmark: str,
     jobs: list[tuple[str, dict[str, Any], str]],
     data_root: str | None,
-    n_train: int | None,
-    n_test: int | None,
+    train_size: int | None,
+    test_size: int | None,
     valid_fraction: float | None,
     valid_seed: int,
 ) -> None:
@@ -381,7 +381,7 @@ def check_data(
     depend on it (memorable points per class, coreset size), before any training."""
     bench = get_benchmark(benchmark)
     try:
-        seq = load_sequence(bench, data_root, n_train, n_test, valid_fraction, valid_seed)
+        seq = load_sequence(bench, data_root, train_size, test_size, valid_fraction, valid_seed)
     except ValueError as err:
         if isinstance(err, USER_ERRORS):
             raise
@@ -404,8 +404,8 @@ def run_benchmark(
     device: str = "cpu",
     overrides: dict[str, Any] | None = None,
     grid: list[dict[str, Any]] | None = None,
-    n_train: int | None = None,
-    n_test: int | None = None,
+    train_size: int | None = None,
+    test_size: int | None = None,
     valid_fraction: float | None = None,
     valid_seed: int = 0,
     select_on: str | None = None,
@@ -423,7 +423,8 @@ def run_benchmark(
     init_distributed(device)  # under torchrun: join the process group; rank 0 writes
     main = distributed.rank() == 0
     grid = grid or [{}]
-    protocol = {"n_train": n_train, "n_test": n_test, "valid_fraction": valid_fraction,
+    # under the record's names (runner.RECORD_NAMES), as the settings ids have always hashed them
+    protocol = {"n_train": train_size, "n_test": test_size, "valid_fraction": valid_fraction,
                 "valid_seed": valid_seed}  # fmt: skip
     if distributed.world_size() > 1:  # its own label: never replaces a run of other processes
         protocol["world_size"] = distributed.world_size()
@@ -436,13 +437,13 @@ def run_benchmark(
     with lock:  # taken before the data checks: a second job is refused at once
         if main:
             check_writable_run_dirs(base)
-        check_data(benchmark, jobs, data_root, n_train, n_test, valid_fraction, valid_seed)
+        check_data(benchmark, jobs, data_root, train_size, test_size, valid_fraction, valid_seed)
         for name, merged, tag in jobs:
             for seed in seeds:
                 label = run_name(name, tag, seed)
                 labels.add(label)
                 res = _run_one(benchmark, name, merged, seed, label, base, data_root, device,
-                               n_train, n_test, resume, stop_after, progress, valid_fraction,
+                               train_size, test_size, resume, stop_after, progress, valid_fraction,
                                valid_seed, allow_code_change)  # fmt: skip
                 results.append(res)
                 if main:
@@ -470,7 +471,7 @@ def _run_one(benchmark: str, name: str, merged: dict[str, Any], seed: int, label
     checkpoint path excepted), its result saved as ``base/runs/<label>.json``."""
     from fromp_bench.report import portable, save_json
 
-    data_root, device, n_train, n_test, resume, stop_after, progress, *rest = args
+    data_root, device, train_size, test_size, resume, stop_after, progress, *rest = args
     ckpt = base / "checkpoints" / f"{label}.pt"
     if resume and not ckpt.exists() and distributed.rank() == 0:  # said once, by rank 0
         others = sorted(f.name for f in ckpt.parent.glob(f"{name}-*seed{seed}.pt"))
@@ -478,7 +479,7 @@ def _run_one(benchmark: str, name: str, merged: dict[str, Any], seed: int, label
             print(f"fromp-bench: no checkpoint of these settings ({ckpt.name}); {name} seed "
                   f"{seed} starts from the beginning (checkpoints of other settings, kept: "
                   f"{', '.join(others[:3])})", file=sys.stderr, flush=True)  # fmt: skip
-    cfg = RunConfig(benchmark, name, seed, data_root, device, merged, n_train, n_test,
+    cfg = RunConfig(benchmark, name, seed, data_root, device, merged, train_size, test_size,
                     str(ckpt), resume, stop_after, progress, *rest)  # fmt: skip
     res = portable(run(cfg), base)
     if distributed.rank() == 0:  # under torchrun only rank 0 writes
@@ -635,8 +636,8 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
         data_root=args.data_root,
         device=args.device,
         overrides=overrides,
-        n_train=args.n_train,
-        n_test=args.n_test,
+        train_size=args.n_train,
+        test_size=args.n_test,
         progress=not args.no_progress,
     )
     note = takeaway(payload["aggregate"])
@@ -695,8 +696,8 @@ def run_options(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "overrides": _overrides(args),
         "grid": parse_grid(args.grid),
-        "n_train": args.n_train,
-        "n_test": args.n_test,
+        "train_size": args.n_train,
+        "test_size": args.n_test,
         "valid_fraction": args.valid_fraction,
         "valid_seed": args.valid_seed,
         "select_on": args.select_on,

@@ -421,30 +421,31 @@ class TaskSequence:
         return TaskSequence(self.name, tasks, self.multi_head, self.input_shape, self.n_outputs)
 
     def subsample(
-        self, n_train: int | None, n_test: int | None, seed: int = 0, *, strict: bool = False
+        self, train_size: int | None, test_size: int | None, seed: int = 0, *, strict: bool = False
     ) -> TaskSequence:
-        """A copy keeping the first ``n_train`` / ``n_test`` examples of each task after a
-        seeded shuffle (for quick runs and tests; a task with fewer keeps all). Validation
+        """A copy keeping the first ``train_size`` / ``test_size`` examples of each task after
+        a seeded shuffle (for quick runs and tests; a task with fewer keeps all). Validation
         sets are kept whole. ``strict``: refuse a size above the smallest task's (what the
-        runner does, so that a run never records a subsample it did not take)."""
-        for name, n in (("n_train", n_train), ("n_test", n_test)):
+        runner does, so that a run never records a subsample it did not take; the message
+        names the command line's ``--n-train`` / ``--n-test``)."""
+        for name, n in (("train_size", train_size), ("test_size", test_size)):
             if n is not None and (not isinstance(n, int) or n < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {n!r}")
         smallest = {
-            "n_train": min(len(t.train_x) for t in self.tasks),
-            "n_test": min(len(t.test_x) for t in self.tasks),
+            "--n-train": min(len(t.train_x) for t in self.tasks),
+            "--n-test": min(len(t.test_x) for t in self.tasks),
         }
-        for name, n in (("n_train", n_train), ("n_test", n_test)):
-            if strict and n is not None and n > smallest[name]:
+        for flag, n in (("--n-train", train_size), ("--n-test", test_size)):
+            if strict and n is not None and n > smallest[flag]:
                 raise ValueError(
-                    f"--{name.replace('_', '-')} {n} is more than the smallest task of "
-                    f"{self.name} has ({smallest[name]}); use at most {smallest[name]} or drop it"
+                    f"{flag} {n} is more than the smallest task of {self.name} has "
+                    f"({smallest[flag]}); use at most {smallest[flag]} or drop it"
                 )
         g = torch.Generator().manual_seed(seed)
         tasks = []
         for t in self.tasks:
-            itr = torch.randperm(len(t.train_x), generator=g)[:n_train]
-            ite = torch.randperm(len(t.test_x), generator=g)[:n_test]
+            itr = torch.randperm(len(t.train_x), generator=g)[:train_size]
+            ite = torch.randperm(len(t.test_x), generator=g)[:test_size]
             tasks.append(t.subset(itr, ite))
         return self._replace(tasks)
 

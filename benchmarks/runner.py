@@ -124,7 +124,8 @@ class RunConfig:
             the default, none), ``optimizer_state`` (``"keep"``, the
             default, or ``"reset"`` before each experience), and ``kwargs`` for the strategy
             class).
-        n_train, n_test: keep this many train / test examples per task (quick runs).
+        train_size, test_size: keep this many train / test examples per task (quick runs;
+            ``--n-train`` / ``--n-test``, recorded as ``n_train`` / ``n_test``).
         checkpoint: file to checkpoint to after every experience (None: no checkpoints).
         resume: continue from ``checkpoint`` when it exists.
         stop_after: stop after this many experiences (for testing resumption).
@@ -141,8 +142,8 @@ class RunConfig:
     data_root: str | None = None
     device: str = "cpu"
     overrides: dict[str, Any] = field(default_factory=dict)
-    n_train: int | None = None
-    n_test: int | None = None
+    train_size: int | None = None
+    test_size: int | None = None
     checkpoint: str | None = None
     resume: bool = False
     stop_after: int | None = None
@@ -150,6 +151,17 @@ class RunConfig:
     valid_fraction: float | None = None
     valid_seed: int = 0
     allow_code_change: bool = False
+
+
+#: :class:`RunConfig` fields recorded under the command line's names (``--n-train``,
+#: ``--n-test``) in results, checkpoints and settings ids, as every committed record has them
+RECORD_NAMES = {"train_size": "n_train", "test_size": "n_test"}
+
+
+def config_record(cfg: RunConfig) -> dict[str, Any]:
+    """``cfg`` as the ``config`` of a run's record: its fields, the subsample sizes under
+    :data:`RECORD_NAMES`."""
+    return {RECORD_NAMES.get(k, k): v for k, v in asdict(cfg).items()}
 
 
 _SEQ_CACHE: dict[tuple[Any, ...], tuple[TaskSequence, dict[str, Any]]] = {}
@@ -165,25 +177,27 @@ def data_root_of(spec: BenchmarkSpec, data_root: str | os.PathLike[str] | None) 
 def load_sequence(
     spec: BenchmarkSpec,
     data_root: str | os.PathLike[str] | None,
-    n_train: int | None = None,
-    n_test: int | None = None,
+    train_size: int | None = None,
+    test_size: int | None = None,
     valid_fraction: float | None = None,
     valid_seed: int = 0,
 ) -> TaskSequence:
     """The benchmark's task sequence (cached per process): the validation split first (from
     the full training sets), then the optional per-task subsample of train and test."""
-    return _load_with_fingerprint(spec, data_root, n_train, n_test, valid_fraction, valid_seed)[0]
+    return _load_with_fingerprint(
+        spec, data_root, train_size, test_size, valid_fraction, valid_seed
+    )[0]
 
 
-def _load_with_fingerprint(spec, data_root, n_train, n_test, valid_fraction, valid_seed):
+def _load_with_fingerprint(spec, data_root, train_size, test_size, valid_fraction, valid_seed):
     root = data_root_of(spec, data_root)
-    key = (spec.name, root, n_train, n_test, valid_fraction, valid_seed)
+    key = (spec.name, root, train_size, test_size, valid_fraction, valid_seed)
     if key not in _SEQ_CACHE:
         seq = spec.load(data_root)
         if valid_fraction is not None:
             seq = seq.with_validation(valid_fraction, seed=valid_seed)
-        if n_train is not None or n_test is not None:
-            seq = seq.subsample(n_train, n_test, seed=0, strict=True)
+        if train_size is not None or test_size is not None:
+            seq = seq.subsample(train_size, test_size, seed=0, strict=True)
         _SEQ_CACHE[key] = (seq, seq.fingerprint())
     return _SEQ_CACHE[key]
 
@@ -499,12 +513,12 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
         raise CheckpointError(str(err)) from err
 
 
-def ivon_kwargs(extra: Mapping[str, Any], n_train: int) -> dict[str, Any]:
+def ivon_kwargs(extra: Mapping[str, Any], ess: int) -> dict[str, Any]:
     """IVON's keyword arguments with ivon-opt's names, which settings and ``--set opt.`` may
     still use, in IVON's (IVON refuses ivon-opt's): ``beta1`` / ``beta2`` as ``betas =
     (beta1, beta2)`` (each defaulting to its entry of :data:`fromp.optim.ivon.DEFAULT_BETAS`) and
-    ``weight_decay`` as ``prior_precision = weight_decay * n_train`` (``n_train``: the ``ess``
-    IVON is built with). Settings ids are unchanged: the settings keep their names, only the
+    ``weight_decay`` as ``prior_precision = weight_decay * ess`` (the ``ess`` IVON is built
+    with). Settings ids are unchanged: the settings keep their names, only the
     call is translated.
 
     Raises:
@@ -524,12 +538,12 @@ def ivon_kwargs(extra: Mapping[str, Any], n_train: int) -> dict[str, Any]:
         wd = out.pop("weight_decay")
         if not _is_number(wd) or not math.isfinite(wd) or wd < 0:
             raise SettingsError(f"opt.weight_decay must be a finite number >= 0, got {wd!r}")
-        out["prior_precision"] = float(wd) * n_train
+        out["prior_precision"] = float(wd) * ess
     return out
 
 
 def _make_optimizer(
-    name: str, model: nn.Module, lr: float, n_train: int, extra: Mapping[str, Any]
+    name: str, model: nn.Module, lr: float, ess: int, extra: Mapping[str, Any]
 ) -> torch.optim.Optimizer:
     if name == "adam":
         return torch.optim.Adam(model.parameters(), lr=lr, **extra)
@@ -538,13 +552,13 @@ def _make_optimizer(
     if name == "vogn":
         from fromp.optim import VOGN
 
-        return VOGN(model, lr=lr, ess=n_train, **extra)
+        return VOGN(model, lr=lr, ess=ess, **extra)
     if name == "ivon":
         from fromp.optim import IVON
 
         # several processes: the ranks average IVON's statistics (sync=True) unless set
-        kwargs = {"sync": True, **ivon_kwargs(extra, n_train)}
-        return IVON(model.parameters(), lr=lr, ess=n_train, **kwargs)
+        kwargs = {"sync": True, **ivon_kwargs(extra, ess)}
+        return IVON(model.parameters(), lr=lr, ess=ess, **kwargs)
     raise ValueError(f"optimizer must be 'adam', 'sgd', 'vogn' or 'ivon', got {name!r}")
 
 
@@ -612,7 +626,7 @@ def run(
             f"{world} processes (each takes train_mb_size / {world} examples a step)"
         )
     seq, fingerprint = _load_with_fingerprint(
-        bench, cfg.data_root, cfg.n_train, cfg.n_test, cfg.valid_fraction, cfg.valid_seed
+        bench, cfg.data_root, cfg.train_size, cfg.test_size, cfg.valid_fraction, cfg.valid_seed
     )
     check_sequence(seq, settings, cfg.strategy)
     data = {"root": data_root_of(bench, cfg.data_root), "fingerprint": fingerprint}
@@ -774,7 +788,7 @@ def run(
         "wall_time_s": elapsed,
         "timing": timing,
         "settings": settings,
-        "config": asdict(cfg),
+        "config": config_record(cfg),
         "data": data,
         "n_train_per_task": [len(t.train_x) for t in seq],
         "code": code,
@@ -806,7 +820,8 @@ def _ckpt_key(
 ) -> dict[str, Any]:
     keep = ("benchmark", "strategy", "seed", "overrides", "n_train", "n_test")
     keep += ("valid_fraction", "valid_seed")
-    out = {k: _jsonable(getattr(cfg, k)) for k in keep}
+    record = config_record(cfg)
+    out = {k: _jsonable(record[k]) for k in keep}
     out["settings"] = _jsonable(settings)
     out["data_root"] = data["root"]
     out["data"] = {"hash": data["fingerprint"]["hash"]}

@@ -95,8 +95,8 @@ def _trial(config: dict[str, Any]) -> None:
         config["data_root"],
         config["device"],
         job["overrides"],
-        config["n_train"],
-        config["n_test"],
+        config["train_size"],
+        config["test_size"],
         str(base / "checkpoints" / f"{_label(job, seed)}.pt"),
         bool(config["resume"]) or tune.get_checkpoint() is not None,
         None,
@@ -168,7 +168,7 @@ def sweep(
     """Run the grid as Ray Tune trials and write the same report as the plain runner.
 
     ``options`` are those of :func:`fromp_bench.command.run_benchmark` (``seeds``, ``out``,
-    ``data_root``, ``device``, ``overrides``, ``grid``, ``n_train``, ``n_test``,
+    ``data_root``, ``device``, ``overrides``, ``grid``, ``train_size``, ``test_size``,
     ``valid_fraction``, ``valid_seed``, ``select_on``, ``allow_code_change``; ``resume``
     continues an interrupted sweep from its run records and checkpoints). Returns the payload
     of ``results.json``. Settings are validated, the output checked and (on a local Ray
@@ -176,7 +176,7 @@ def sweep(
     """
     seeds, out = options["seeds"], Path(options["out"])
     data_root, device = options.get("data_root"), options.get("device", "cpu")
-    n_train, n_test = options.get("n_train"), options.get("n_test")
+    train_size, test_size = options.get("train_size"), options.get("test_size")
     valid_fraction, valid_seed = options.get("valid_fraction"), options.get("valid_seed", 0)
     resume = bool(options.get("resume"))
     try:
@@ -190,7 +190,8 @@ def sweep(
 
     grid = options.get("grid") or [{}]
     overrides = dict(options.get("overrides") or {})
-    protocol = {"n_train": n_train, "n_test": n_test, "valid_fraction": valid_fraction,
+    # under the record's names (runner.RECORD_NAMES), as the settings ids have always hashed them
+    protocol = {"n_train": train_size, "n_test": test_size, "valid_fraction": valid_fraction,
                 "valid_seed": valid_seed}  # fmt: skip
     jobs = plan(benchmark, strategies, overrides, grid, device if not address else "cpu",
                 protocol)  # fmt: skip
@@ -200,7 +201,9 @@ def sweep(
     with out_lock(base):
         check_writable_run_dirs(base)
         if address is None:
-            check_data(benchmark, jobs, data_root, n_train, n_test, valid_fraction, valid_seed)
+            check_data(
+                benchmark, jobs, data_root, train_size, test_size, valid_fraction, valid_seed
+            )
         finished = _finished(base, wanted) if resume else {}
         todo = [(job, seed) for job, seed in wanted if _label(job, seed) not in finished]
         started = time.perf_counter()
@@ -211,8 +214,8 @@ def sweep(
                 "base": str(base),
                 "data_root": data_root_of(get_benchmark(benchmark), data_root),
                 "device": device,
-                "n_train": n_train,
-                "n_test": n_test,
+                "train_size": train_size,
+                "test_size": test_size,
                 "valid_fraction": valid_fraction,
                 "valid_seed": valid_seed,
                 "resume": resume,

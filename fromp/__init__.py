@@ -9,18 +9,14 @@ runner in ``fromp_bench`` (the folder ``benchmarks/``).
 The public surface below is grouped by task; everything else lives in its module
 (``fromp.continual.bayesian`` for VCL's mean-field layers, ``fromp.continual.coreset``,
 ``fromp.curvature.kron`` for Kronecker factors, ``fromp.curvature.capture`` for layer capture, ...).
-See ``docs/glossary.md`` for the names and ``CHANGELOG.md`` for what moved.
+See ``docs/glossary.md`` for the names and ``CHANGELOG.md`` for what moved in each release.
 """
 
-from fromp import _compat
 from fromp.continual.ewc import EWCMethod
 from fromp.continual.memorable import memorability_scores, select_memorable
 from fromp.continual.methods import FROMPMethod
 from fromp.continual.protocol import ContinualMethod as ContinualMethod
 from fromp.continual.regularizer import FROMPRegularizer
-
-# VCL's method object beside FROMPMethod and EWCMethod, importable from the top (not in
-# __all__, which tests/test_layout.py holds to at most 45 names)
 from fromp.continual.vcl import VCLMethod
 from fromp.curvature.diagonal import diag_ef, diag_fisher, diag_ggn
 from fromp.curvature.ggn import ggn, ggn_vp
@@ -85,9 +81,7 @@ from fromp.memory.sensitivity import (
 from fromp.optim import IVON, OGN, VOGN
 from fromp.posterior import DiagonalGaussian, FullGaussian, GaussianPosterior
 
-__version__ = "0.3.0"
-
-_compat.install()
+__version__ = "0.4.0"
 
 __all__ = [  # noqa: RUF022 (grouped by task, sorted within each group)
     "__version__",
@@ -144,41 +138,3 @@ __all__ = [  # noqa: RUF022 (grouped by task, sorted within each group)
     "Likelihood",
     "get_likelihood",
 ]
-
-#: Names that left the top level in 0.3.0, and the module that has them.
-_MOVED = {
-    "prob_jacobian": "fromp.continual.regularizer",
-    "task_fn": "fromp.continual.regularizer",
-    "MemorableSet": "fromp.continual.regularizer",
-    "BayesCifarCNN": "fromp.continual.bayesian",
-    "BayesConv2d": "fromp.continual.bayesian",
-    "BayesLayer": "fromp.continual.bayesian",
-    "BayesLinear": "fromp.continual.bayesian",
-    "BayesMultiHeadMLP": "fromp.continual.bayesian",
-    "BayesMultiHeadModel": "fromp.continual.bayesian",
-    "gaussian_kl": "fromp.continual.bayesian",
-    "to_bayesian": "fromp.continual.bayesian",
-    "kcenter_coreset": "fromp.continual.coreset",
-    "random_coreset": "fromp.continual.coreset",
-    "select_coreset": "fromp.continual.coreset",
-    "trainable_params": "fromp.curvature.jacobian",
-    "jvp": "fromp.curvature.jacobian",
-    "vjp_sum": "fromp.curvature.jacobian",
-    "diag_ggn_linear": "fromp.curvature",
-}
-
-
-def __getattr__(name: str) -> object:
-    """Moved names still resolve, with a ``DeprecationWarning`` naming their module."""
-    import importlib
-    import warnings
-
-    module = _compat.moved_module(name)  # `from fromp import kron`: a module that moved
-    if module is not None:
-        return module
-    if name in _MOVED:
-        warnings.warn(
-            f"fromp.{name} moved to {_MOVED[name]}.{name}", DeprecationWarning, stacklevel=2
-        )
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import operator
-import warnings
 from typing import Any
 
 import torch
@@ -179,17 +178,6 @@ def not_on_meta(model: nn.Module) -> None:
                 f"model tensor {name} is on the meta device (no values): load the weights "
                 "first (model.to_empty(device=...) then load_state_dict)"
             )
-
-
-def warn_renamed(old: str, new: str, *, stacklevel: int = 3) -> None:
-    """The one ``DeprecationWarning`` for a renamed argument, option or attribute:
-    ``"{old} is now {new}; the old name goes in fromp 0.5"`` (``stacklevel=3``: the caller of
-    the function that calls this)."""
-    warnings.warn(
-        f"{old} is now {new}; the old name goes in fromp 0.5",
-        DeprecationWarning,
-        stacklevel=stacklevel,
-    )
 
 
 def check_saved_settings(state: dict[str, Any], settings: dict[str, Any]) -> None:

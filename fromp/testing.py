@@ -1,32 +1,31 @@
-"""Dense float64 references and small test networks, for checking ``fromp`` and code built on it.
+"""Dense float64 references, to check ``fromp`` and code built on it against plain autograd.
 
-Every reference here is written with plain autograd and explicit loops, independently of
-``fromp``'s own engines (layer capture, ``torch.func`` batching, Kronecker factors, the GP
-and Laplace classes): Jacobians through :func:`torch.autograd.functional.jacobian` of the
-batched forward pass with respect to one flat parameter vector, output Hessians of the
-negative log-likelihood through :func:`torch.autograd.functional.hessian`, GGNs, kernels,
-posterior covariances and predictives by dense ``[P, P]`` algebra, FROMP's regulariser and
-EWC's penalty from their formulas. They are meant for networks with at most a few hundred
-weights (they build ``P x P`` matrices).
+Each function here builds its object the slow, obvious way, independently of ``fromp``'s
+own engines (layer capture, ``torch.func`` batching, Kronecker factors, the GP and Laplace
+classes): the Jacobian by :func:`torch.autograd.functional.jacobian` of the batched forward
+pass in one flat weight vector, the output Hessians of the negative log-likelihood by
+:func:`torch.autograd.functional.hessian`, the GGN, the DNN2GP kernel, the Laplace posterior
+covariance and the linearised predictive by dense ``[P, P]`` algebra. They build ``P x P``
+matrices: for networks of at most a few thousand weights, in float64. Use them to check a
+fast path on your own model, as fromp's tests do::
+
+    >>> import torch, fromp
+    >>> from fromp.testing import dense_ggn
+    >>> _ = torch.manual_seed(0)
+    >>> net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    >>> net, x = net.double(), torch.randn(5, 3, dtype=torch.float64)
+    >>> likelihood = fromp.CategoricalLikelihood()
+    >>> g = fromp.ggn(net, x, likelihood)  # fromp's GGN, [P, P]
+    >>> torch.allclose(g, dense_ggn(net, x, likelihood))
+    True
 
 Shapes: ``N`` examples, ``C`` outputs, ``P`` trainable weights (in ``named_parameters()``
-order, the order of :func:`flat`).
-
-The networks (:func:`tiny_mlp`, :func:`tiny_cnn` with or without batch norm,
-:func:`multihead_mlp`, :func:`conv_zoo`) are float64 and take an optional ``seed``; with
-``seed=None`` they draw their weights from torch's global generator (as ``nn.Module``
-constructors do). :class:`NetCase` pairs a network with matching inputs; :data:`NETS` lists
-the kinds. :func:`toy_regression` and :func:`toy_classification` give small seeded data.
-:func:`count_aten_ops` counts the operations a step runs, :func:`timing_ratios` times two
-steps interleaved.
-
-Nothing in ``fromp`` imports this module; it is for tests.
+order, the order of :func:`flat` and of :func:`fromp.flat_params`). Nothing in ``fromp``
+imports this module.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -34,16 +33,6 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 __all__ = [
-    "HOST_SYNC_OPS",
-    "NETS",
-    "ConvZoo",
-    "NetCase",
-    "Scale",
-    "TinyCNN",
-    "conv_zoo",
-    "count_aten_ops",
-    "dense_ewc_penalty",
-    "dense_fromp_penalty",
     "dense_ggn",
     "dense_jacobian",
     "dense_kernel",
@@ -52,14 +41,7 @@ __all__ = [
     "dense_predictive",
     "flat",
     "forward_at",
-    "host_syncs",
-    "multihead_mlp",
     "split",
-    "timing_ratios",
-    "tiny_cnn",
-    "tiny_mlp",
-    "toy_classification",
-    "toy_regression",
 ]
 
 
@@ -95,13 +77,14 @@ def dense_jacobian(model: nn.Module, x: Tensor, w: Tensor | None = None) -> Tens
     return torch.autograd.functional.jacobian(lambda v: forward_at(model, v, x), w)
 
 
-def dense_nll_hessians(lik: Any, f: Tensor, y: Tensor) -> Tensor:
+def dense_nll_hessians(likelihood: Any, f: Tensor, y: Tensor) -> Tensor:
     """``Lambda_n = d^2 nll(f_n, y_n) / d f_n^2`` ``[N, C, C]``, one autograd Hessian per
-    example; ``lik`` is anything with ``nll(f [1, C], y [1, ...]) -> [1]``."""
+    example; ``likelihood`` is anything with ``nll(f [1, C], y [1, ...]) -> [1]`` (a
+    :class:`fromp.likelihood.Likelihood`, or one of your own)."""
     return torch.stack(
         [
             torch.autograd.functional.hessian(
-                lambda fi, yi=y[i : i + 1]: lik.nll(fi.unsqueeze(0), yi).sum(), f[i]
+                lambda fi, yi=y[i : i + 1]: likelihood.nll(fi.unsqueeze(0), yi).sum(), f[i]
             )
             for i in range(len(f))
         ]
@@ -109,18 +92,18 @@ def dense_nll_hessians(lik: Any, f: Tensor, y: Tensor) -> Tensor:
 
 
 def dense_ggn(
-    model: nn.Module, x: Tensor, lik: Any, w: Tensor | None = None, y: Tensor | None = None
+    model: nn.Module, x: Tensor, likelihood: Any, w: Tensor | None = None, y: Tensor | None = None
 ) -> Tensor:
     """The generalised Gauss-Newton ``G = sum_n J_n^T Lambda_n J_n`` ``[P, P]``, ``J_n
     [C, P]`` from :func:`dense_jacobian` and ``Lambda_n [C, C]`` from
-    :func:`dense_nll_hessians`. Targets ``y`` default to ``lik.sample(f)``: the Hessian does
+    :func:`dense_nll_hessians`. Targets ``y`` default to ``likelihood.sample(f)``: the Hessian does
     not depend on them for the Gaussian, Bernoulli and categorical likelihoods."""
     w = flat(model) if w is None else w
     jac = dense_jacobian(model, x, w)
     with torch.no_grad():
         f = forward_at(model, w, x)
-    y = lik.sample(f) if y is None else y
-    lam = dense_nll_hessians(lik, f, y)
+    y = likelihood.sample(f) if y is None else y
+    lam = dense_nll_hessians(likelihood, f, y)
     out = torch.zeros(w.numel(), w.numel(), dtype=w.dtype)
     for n in range(len(x)):
         out += jac[n].T @ lam[n] @ jac[n]
@@ -155,382 +138,3 @@ def dense_predictive(
         mean = forward_at(model, w, x)
     covs = torch.stack([jac[n] @ cov @ jac[n].T for n in range(len(x))])
     return mean, covs
-
-
-# ------------------------------------------------------------------------ continual methods
-def _inverse_link(link: str) -> Callable[[Tensor], Tensor]:
-    if link == "softmax":
-        return lambda f: torch.softmax(f, -1)
-    if link == "sigmoid":
-        return torch.sigmoid
-    if link == "identity":
-        return lambda f: f
-    raise ValueError(f"link must be 'softmax', 'sigmoid' or 'identity', got {link!r}")
-
-
-def dense_fromp_penalty(
-    model: nn.Module,
-    x: Tensor,
-    w_old: Tensor,
-    variance: Tensor,
-    w_new: Tensor,
-    *,
-    kernel: str = "per_class",
-    jitter: float = 0.0,
-    link: str = "softmax",
-) -> Tensor:
-    """FROMP's regulariser for one memorable set, from its formula.
-
-    ``p(w) = link(f_w(x))`` ``[M, C]``; targets ``m = p(w_old)``; ``G = dp(w_old)/dw``
-    ``[M, C, P]`` by autograd; ``Sigma = diag(variance)`` ``[P]``. ``"per_class"``: ``K_c =
-    G[:, c] Sigma G[:, c]^T + jitter I`` ``[M, M]`` and ``R = 1/2 sum_c r_c^T K_c^{-1} r_c``
-    with ``r_c = p_c(w_new) - m_c``; ``"joint"``: ``K [C M, C M]`` class-major (index ``(c,
-    m)``) and ``R = 1/2 r^T K^{-1} r``; ``"identity"``: ``R = 1/2 ||r||^2``. Dense inverses,
-    float64. Returns a scalar."""
-    inv = _inverse_link(link)
-    w_old, w_new, variance = w_old.double(), w_new.double(), variance.double()
-    g = torch.autograd.functional.jacobian(lambda v: inv(forward_at(model, v, x)), w_old)
-    with torch.no_grad():
-        r = inv(forward_at(model, w_new, x)) - inv(forward_at(model, w_old, x))
-    m, c = r.shape
-    if kernel == "identity":
-        return 0.5 * (r * r).sum()
-    if kernel == "per_class":
-        total = torch.zeros((), dtype=torch.float64)
-        for k in range(c):
-            gk = g[:, k, :]  # [M, P]
-            kk = gk @ torch.diag(variance) @ gk.T + jitter * torch.eye(m, dtype=torch.float64)
-            total = total + 0.5 * r[:, k] @ torch.linalg.inv(kk) @ r[:, k]
-        return total
-    if kernel == "joint":
-        gj = g.permute(1, 0, 2).reshape(c * m, -1)  # class-major rows (c, m)
-        kk = gj @ torch.diag(variance) @ gj.T + jitter * torch.eye(c * m, dtype=torch.float64)
-        rj = r.T.reshape(-1)
-        return 0.5 * rj @ torch.linalg.inv(kk) @ rj
-    raise ValueError(f"kernel must be 'per_class', 'joint' or 'identity', got {kernel!r}")
-
-
-def dense_ewc_penalty(
-    w: Tensor,
-    anchors: Sequence[Tensor],
-    importances: Sequence[Tensor],
-    ewc_lambda: float,
-    batch_size: int = 1,
-) -> Tensor:
-    """EWC's penalty on Avalanche's scale, ``(lambda / B) sum_t sum_p F_{t,p} (w_p -
-    w*_{t,p})^2`` (``F`` the per-example Fisher, ``B`` the mini-batch size), by an explicit
-    loop over tasks ``t`` and weights ``p`` (flat ``[P]`` vectors; a scalar). 0.3's scale
-    ``(lambda' / 2) sum F d^2`` is ``ewc_lambda = lambda'``, ``batch_size = 2``."""
-    total = torch.zeros((), dtype=torch.float64)
-    for a, f in zip(anchors, importances, strict=True):
-        for p in range(w.numel()):
-            total = total + float(f[p]) * (float(w[p]) - float(a[p])) ** 2
-    return ewc_lambda / batch_size * total
-
-
-# ------------------------------------------------------------------------------- networks
-@contextlib.contextmanager
-def _seeded(seed: int | None) -> Iterator[None]:
-    """Draw from a generator seeded with ``seed`` without touching the global state (None:
-    the global generator)."""
-    if seed is None:
-        yield
-        return
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield
-
-
-def tiny_mlp(d_in: int = 4, hidden: int = 5, c: int = 3, *, seed: int | None = None) -> nn.Module:
-    """``Linear(d_in, hidden) -> Tanh -> Linear(hidden, c)``, float64; input ``[N, d_in]``."""
-    with _seeded(seed):
-        return nn.Sequential(nn.Linear(d_in, hidden), nn.Tanh(), nn.Linear(hidden, c)).double()
-
-
-class TinyCNN(nn.Module):
-    """Conv (weight sharing) -> [BatchNorm (eval)] -> ReLU -> conv -> max-pool -> linear;
-    input ``[N, 1, 6, 6]``, output ``[N, c]``. With batch norm its statistics and affine
-    weights are randomised so that eval mode is not the identity. The weights of the convs
-    and the linear layer are drawn in the same order with or without batch norm."""
-
-    def __init__(self, c: int = 3, batch_norm: bool = True) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 2, 3, padding=1)
-        self.bn = nn.BatchNorm2d(2) if batch_norm else None
-        self.conv2 = nn.Conv2d(2, 2, 3)
-        self.fc = nn.Linear(2 * 2 * 2, c)
-        if self.bn is not None:
-            with torch.no_grad():
-                self.bn.running_mean.uniform_(-0.5, 0.5)
-                self.bn.running_var.uniform_(0.5, 2.0)
-                self.bn.weight.uniform_(0.5, 1.5)
-                self.bn.bias.uniform_(-0.5, 0.5)
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = self.conv1(x)
-        h = torch.relu(h if self.bn is None else self.bn(h))
-        h = torch.nn.functional.max_pool2d(torch.tanh(self.conv2(h)), 2)
-        return self.fc(h.flatten(1))
-
-
-def tiny_cnn(c: int = 3, *, batch_norm: bool = True, seed: int | None = None) -> nn.Module:
-    """:class:`TinyCNN` in float64; with batch norm in eval mode (it uses its running
-    statistics), without it in the default training mode (which changes nothing)."""
-    with _seeded(seed):
-        net = TinyCNN(c, batch_norm).double()
-    return net.eval() if batch_norm else net
-
-
-def multihead_mlp(
-    c: int = 3, n_heads: int = 3, d_in: int = 4, hidden: int = 5, *, seed: int | None = None
-) -> nn.Module:
-    """:class:`fromp.models.MultiHeadMLP` ``d_in -> hidden -> n_heads heads of c``, float64
-    (one head per task; see :func:`fromp.models.with_task`)."""
-    from fromp.models import MultiHeadMLP
-
-    with _seeded(seed):
-        return MultiHeadMLP(d_in, (hidden,), n_heads=n_heads, head_size=c).double()
-
-
-class Scale(nn.Module):
-    """``x * s`` per channel: a parametrised layer with no capture rule (``fromp``'s
-    engines must fall back to Jacobians for it)."""
-
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.s = nn.Parameter(torch.linspace(0.5, 1.5, n))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x * self.s.view(1, -1, *([1] * (x.ndim - 2)))
-
-
-class ConvZoo(nn.Module):
-    """Conv2d with stride/dilation/reflect padding, grouped conv with 'same' circular
-    padding, BatchNorm2d (eval), GroupNorm, a 1x1-output conv (Gram route), Conv1d with
-    stride, LayerNorm on a sequence, a sequence Linear, a Scale layer (fallback); input
-    ``[N, 2, 8, 8]``, output ``[N, c]``."""
-
-    def __init__(self, c: int = 3) -> None:
-        super().__init__()
-        self.c1 = nn.Conv2d(2, 4, 3, stride=2, dilation=1, padding=1, padding_mode="reflect")
-        self.bn = nn.BatchNorm2d(4)
-        self.c2 = nn.Conv2d(4, 4, 3, padding="same", dilation=2, groups=2, padding_mode="circular")
-        self.gn = nn.GroupNorm(2, 4)
-        self.scale = Scale(4)
-        self.c3 = nn.Conv2d(4, 6, 4, stride=2, bias=False)  # 4x4 -> 1x1 output
-        self.c1d = nn.Conv1d(1, 3, 3, stride=2, padding=1)  # on a 1-d view of the input
-        self.ln = nn.LayerNorm(3)
-        self.seq = nn.Linear(3, 2)
-        self.fc = nn.Linear(6 + 2, c)
-        with torch.no_grad():
-            self.bn.running_mean.uniform_(-0.5, 0.5)
-            self.bn.running_var.uniform_(0.5, 2.0)
-            for norm in (self.bn, self.gn, self.ln):
-                norm.weight.uniform_(0.5, 1.5)
-                norm.bias.uniform_(-0.5, 0.5)
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = torch.tanh(self.bn(self.c1(x)))  # B, 4, 4, 4
-        h = torch.relu(self.scale(self.gn(self.c2(h))))
-        h = torch.tanh(self.c3(h)).flatten(1)  # B, 6
-        s = self.c1d(x[:, :1].flatten(2)[..., :15])  # B, 3, 8
-        s = self.seq(torch.tanh(self.ln(s.transpose(1, 2)))).mean(1)  # B, 2
-        return self.fc(torch.cat([h, s], 1))
-
-
-def conv_zoo(c: int = 3, *, seed: int | None = None) -> nn.Module:
-    """:class:`ConvZoo` in float64 and eval mode."""
-    with _seeded(seed):
-        return ConvZoo(c).double().eval()
-
-
-def _mlp(c: int = 3) -> nn.Module:
-    return tiny_mlp(4, 5, c)
-
-
-def _cnn(c: int = 3) -> nn.Module:
-    return tiny_cnn(c, batch_norm=False)
-
-
-def _bn(c: int = 3) -> nn.Module:
-    return tiny_cnn(c, batch_norm=True)
-
-
-#: kind -> (factory(c) -> network, input shape of one example)
-NETS: dict[str, tuple[Callable[[int], nn.Module], tuple[int, ...]]] = {
-    "mlp": (_mlp, (4,)),
-    "cnn": (_cnn, (1, 6, 6)),
-    "multihead": (multihead_mlp, (4,)),
-    "bn": (_bn, (1, 6, 6)),
-}
-
-
-class NetCase:
-    """A test network with matching inputs: ``net``, ``inputs(n)``, ``kind`` and, for
-    multi-head networks, ``n_heads`` (``head(t)`` is the network seen through head ``t``).
-
-    ``NetCase(kind, c, seed)`` seeds torch's global generator with ``seed`` and builds
-    ``NETS[kind][0](c)``: equal calls give equal weights."""
-
-    def __init__(self, kind: str, c: int = 3, seed: int = 0) -> None:
-        if kind not in NETS:
-            raise ValueError(f"kind must be one of {sorted(NETS)}, got {kind!r}")
-        factory, self.input_shape = NETS[kind]
-        torch.manual_seed(seed)
-        self.kind, self.c, self.net = kind, c, factory(c)
-        self.n_heads = getattr(self.net, "n_heads", 1)
-
-    def inputs(self, n: int, seed: int = 1) -> Tensor:
-        """``n`` float64 standard-normal inputs ``[n, *input_shape]`` from ``seed``."""
-        g = torch.Generator().manual_seed(seed)
-        return torch.randn(n, *self.input_shape, generator=g, dtype=torch.float64)
-
-    def head(self, task: int | None = None) -> nn.Module:
-        from fromp.models import with_task
-
-        return with_task(self.net, task if self.n_heads > 1 else None)
-
-
-# ----------------------------------------------------------------------------------- data
-def toy_regression(
-    n: int = 20, d: int = 3, noise: float = 0.1, *, seed: int = 0
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``x [n, d]``, ``y [n, 1] = x w + noise * eps`` and the true ``w [d, 1]``, float64."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, d, generator=g, dtype=torch.float64)
-    w = torch.randn(d, 1, generator=g, dtype=torch.float64)
-    y = x @ w + noise * torch.randn(n, 1, generator=g, dtype=torch.float64)
-    return x, y, w
-
-
-def toy_classification(
-    n: int = 20, d: int = 4, c: int = 3, *, seed: int = 0
-) -> tuple[Tensor, Tensor]:
-    """``x [n, d]`` float64 and labels ``y [n]`` (int64 in ``[0, c)``) from a random linear
-    rule ``argmax(x W)``."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, d, generator=g, dtype=torch.float64)
-    w = torch.randn(d, c, generator=g, dtype=torch.float64)
-    return x, (x @ w).argmax(1)
-
-
-# ---------------------------------------------------------------------------- operations
-def count_aten_ops(fn: Callable[[], Any]) -> int:
-    """The number of aten operations ``fn()`` dispatches (forward and any backward it
-    runs), counted with a :class:`~torch.utils._python_dispatch.TorchDispatchMode`: the
-    deterministic form of "this step's cost does not grow with ``n``" (equal counts for
-    two sizes of the state it reads, e.g. the tasks learnt)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            Count.n += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        fn()
-    return Count.n
-
-
-#: aten operations that, on a CUDA device, make the host wait for the GPU: a value read
-#: back (``.item()``, ``float(t)``, ``bool(t)``: ``_local_scalar_dense``), a tensor made
-#: from host data (``torch.tensor``, ``t.new_tensor``: ``lift_fresh``, a blocking copy from
-#: pageable memory) and the operations whose output size depends on the data (``nonzero``,
-#: ``masked_select``, ``unique``; :func:`host_syncs` also names indexing with a boolean
-#: mask).
-HOST_SYNC_OPS = frozenset(
-    {
-        "_local_scalar_dense",
-        "lift_fresh",
-        "lift_fresh_copy",
-        "nonzero",
-        "masked_select",
-        "_unique",
-        "_unique2",
-        "unique_dim",
-        "unique_consecutive",
-        "equal",
-    }
-)
-
-
-def _bool_index(args: tuple) -> bool:
-    """Whether an ``aten.index`` / ``index_put`` call indexes with a boolean mask."""
-    indices = args[1] if len(args) > 1 else ()
-    return any(isinstance(i, Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices)
-
-
-def host_syncs(
-    fn: Callable[[], Any], within: Sequence[str] = (), out: list[str] | None = None
-) -> list[str]:
-    """The aten operations of ``fn()`` (forward and any backward it runs) that would make
-    the host wait for a CUDA device (:data:`HOST_SYNC_OPS`), in the order they ran: ``[]``
-    for a step that keeps the GPU's queue full. Recorded with a
-    :class:`~torch.utils._python_dispatch.TorchDispatchMode` on whatever device the tensors
-    are, so a CPU test catches a per-step sync that only a GPU would pay for.
-
-    ``within``: folder or file paths; when given, only the operations called with a frame
-    of one of them on the Python stack count, each as ``"op@file:line"`` of the innermost
-    such frame (the code under test, not the training loop around it). Operations that
-    autograd's engine runs in the backward have no Python stack: test those with ``fn``
-    calling ``backward()`` and no ``within``. ``out``: the list to append to (returned), so
-    that the caller can interleave its own marks, e.g. where each training step begins."""
-    import traceback
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    found: list[str] = [] if out is None else out
-    roots = tuple(str(w) for w in within)
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            name = func.overloadpacket.__name__
-            if name in ("index", "index_put", "index_put_") and _bool_index(args):
-                name = f"{name}(boolean mask)"  # a nonzero inside, on a GPU
-            if name in HOST_SYNC_OPS or name.endswith("(boolean mask)"):
-                if not roots:
-                    found.append(name)
-                else:
-                    ours = [
-                        f
-                        for f in traceback.extract_stack()
-                        if f.filename.startswith(roots) and f.filename != __file__
-                    ]
-                    if ours:
-                        where = ours[-1]
-                        found.append(f"{name}@{where.filename}:{where.lineno}")
-            return func(*args, **(kwargs or {}))
-
-    with Record():
-        fn()
-    return found
-
-
-def timing_ratios(
-    numerator: Callable[[], object],
-    denominator: Callable[[], object],
-    *,
-    repeats: int = 60,
-    attempts: int = 3,
-    below: float = 1.5,
-) -> list[float]:
-    """``min t(numerator()) / min t(denominator())`` over ``repeats`` interleaved timings
-    (so that a busy machine slows both series alike), one ratio per attempt; further
-    attempts (at most ``attempts``) only while the ratio is not ``below`` the bound, since
-    a busy machine may still slow one series in one attempt. Assert on ``min(ratios)``."""
-    import time
-
-    ratios: list[float] = []
-    for _ in range(attempts):
-        best = [float("inf"), float("inf")]
-        for _ in range(repeats):
-            for i, fn in enumerate((numerator, denominator)):
-                t0 = time.perf_counter()
-                fn()
-                best[i] = min(best[i], time.perf_counter() - t0)
-        ratios.append(best[0] / best[1])
-        if ratios[-1] < below:
-            break
-    return ratios

@@ -68,13 +68,18 @@ class ReplayBufferPlugin(ReplayPlugin):
             policy.buffer_groups[int(key)] = group
         policy._num_exps = int(state["num_exps"])
 
+    def after_training_exp(self, strategy: Any, **kwargs: Any) -> None:
+        """The buffer takes the experience just trained (Avalanche's ``ReplayPlugin`` does
+        this through the storage policy's deprecated ``update``, which calls ``post_adapt``)."""
+        self.storage_policy.post_adapt(strategy, strategy.experience)
+
 
 class _PluginStrategy(SupervisedTemplate):
     """Avalanche's supervised template with one method plugin first (cross-entropy when no
     criterion is given); the baselines below build their plugin and pass it here."""
 
     def __init__(
-        self, plugin: SupervisedPlugin, *, plugins: list[Any] | None = None, **kwargs: Any
+        self, *, plugin: SupervisedPlugin, plugins: list[Any] | None = None, **kwargs: Any
     ):
         kwargs["criterion"] = kwargs.get("criterion") or nn.CrossEntropyLoss()
         super().__init__(plugins=[plugin, *(plugins or [])], **kwargs)
@@ -107,7 +112,7 @@ class ExperienceReplay(_PluginStrategy):
         size = mem_per_experience * n_experiences
         buffer = ExperienceBalancedBuffer(size, adaptive_size=False, num_experiences=n_experiences)
         plugin = ReplayBufferPlugin(size, batch_size_mem=batch_size_mem, storage_policy=buffer)
-        super().__init__(plugin, **kwargs)
+        super().__init__(plugin=plugin, **kwargs)
         self.mem_per_experience = mem_per_experience
 
 
@@ -144,4 +149,4 @@ class LwFStrategy(_PluginStrategy):
 
     def __init__(self, *, alpha: float = 1.0, temperature: float = 2.0, **kwargs: Any) -> None:
         plugin = LwFStatePlugin(kwargs["model"], alpha=alpha, temperature=temperature)
-        super().__init__(plugin, **kwargs)
+        super().__init__(plugin=plugin, **kwargs)

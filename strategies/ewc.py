@@ -23,7 +23,7 @@ with ``w*_t`` the weights after task ``t``: ``ewc_lambda`` is Avalanche's (its p
 ``lambda sum_p I_p (w_p - w*_p)^2`` with ``I ~ F_bar / B``), so ``EWC(ewc_lambda=x)`` and
 ``avalanche.training.EWC(ewc_lambda=x)`` weigh their penalties alike, and with
 ``fisher="minibatch"`` they are the same penalty (tested). ``per_example_lambda=l`` keeps
-the scale of 0.4 and earlier, ``(l / 2) sum_p F_p (w_p - w*_p)^2`` (``l = 2 lambda / B``;
+the scale of 0.3, ``(l / 2) sum_p F_p (w_p - w*_p)^2`` (``l = 2 lambda / B``;
 because ``CE`` is the mean over the batch, this is the Laplace-approximation objective
 divided by ``N`` when ``l = N_t``).
 
@@ -66,7 +66,7 @@ class EWC(MethodStrategy):
     :class:`EWCPlugin`, and Avalanche's template arguments (``criterion``,
     ``train_mb_size``, ...) as in :class:`fromp_avalanche.template.MethodStrategy`.
     ``ewc_lambda`` (default 100) is on Avalanche's scale with ``B = train_mb_size``;
-    ``per_example_lambda`` the scale of 0.4 and earlier (give one of the two)."""
+    ``per_example_lambda`` the scale of 0.3 (give one of the two)."""
 
     def __init__(
         self,

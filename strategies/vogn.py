@@ -40,7 +40,7 @@ class VOGNPlugin(PosteriorOptimizerPlugin):
     experience's posterior the next prior. ``reuse_forward``: the squared per-example
     gradients from Avalanche's own forward pass (:class:`fromp.optim.vogn.LayerCapture`, one
     partial backward), else (or where not exact: batch norm in training mode, other layers,
-    a layer called twice, ``curvature="ggn"``) a separate pass."""
+    a layer called twice, ``hess_approx="ggn"``) a separate pass."""
 
     optimizer_class = VOGN
     state_key = "vogn"
@@ -83,7 +83,7 @@ class VOGNPlugin(PosteriorOptimizerPlugin):
         self._curv = None
         # the model's own call (Avalanche's model(x, task_labels): its heads, its padding)
         self._outputs = OutputCapture(strategy.model).__enter__()
-        if self.reuse_forward and opt.curvature == "ef":
+        if self.reuse_forward and opt.hess_approx == "ef":
             capture = LayerCapture(strategy.model)
             if capture.supported:
                 self._capture = capture.__enter__()

@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     newton_lin = newton_step_loo(net, post_hess, x[chosen], y[chosen], linearize=True)
     if args.posterior == "full":
         newton_ggn, step_ggn = newton_step_loo(
-            net, post, x[chosen], y[chosen], curvature="ggn", return_steps=True
+            net, post, x[chosen], y[chosen], hess_approx="ggn", return_steps=True
         )
     else:
         newton_ggn = torch.full_like(newton, float("nan"))

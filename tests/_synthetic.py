@@ -13,12 +13,13 @@ def synthetic_split(
     n_tasks: int = 3,
     classes_per_task: int = 2,
     input_shape: tuple[int, ...] = (1, 28, 28),
-    n_train: int = 64,
-    n_test: int = 32,
+    train_size: int = 64,
+    test_size: int = 32,
     multi_head: bool = True,
     seed: int = 0,
 ) -> TaskSequence:
-    """A small, learnable synthetic sequence in the format of the real ones.
+    """A small, learnable synthetic sequence in the format of the real ones: ``train_size`` /
+    ``test_size`` examples per task.
 
     Each class is a random prototype image plus noise, clipped to [0, 1].
     """
@@ -31,8 +32,8 @@ def synthetic_split(
         x = (protos[y] + 0.3 * torch.randn(n, *input_shape, generator=g)).clamp(0, 1)
         return x, y
 
-    xtr, ytr = draw(n_train * n_tasks)
-    xte, yte = draw(n_test * n_tasks)
+    xtr, ytr = draw(train_size * n_tasks)
+    xte, yte = draw(test_size * n_tasks)
     groups = [list(range(s, s + classes_per_task)) for s in range(0, n_classes, classes_per_task)]
     tasks = split_tasks(xtr, ytr, xte, yte, groups)
     return TaskSequence("synthetic", tasks, multi_head, tuple(input_shape), classes_per_task)

@@ -47,7 +47,7 @@ def _seed_and_threads():
 # Small float64 networks shared by the tests (one set, in ``fromp.testing``):
 # ``make_net(kind)`` returns a fresh network (seeded, so equal calls give equal weights);
 # ``any_net`` runs a test once per kind.
-from fromp.testing import NETS, NetCase  # noqa: E402
+from cases import NETS, NetCase  # noqa: E402
 
 
 @pytest.fixture
@@ -72,8 +72,8 @@ def quick_run_config(tmp_path: Path, overrides: dict, **kw):
         strategy="naive",
         seed=0,
         overrides=overrides,
-        n_train=96,
-        n_test=40,
+        train_size=96,
+        test_size=40,
         checkpoint=str(tmp_path / "run.pt"),
         progress=False,
     )

@@ -19,8 +19,8 @@ def _cfg(tmp_path, strategy="naive", **kw):
         strategy=strategy,
         seed=0,
         overrides=dict(QUICK),
-        n_train=120,
-        n_test=60,
+        train_size=120,
+        test_size=60,
         checkpoint=str(tmp_path / f"{strategy}.pt"),
         progress=False,
     )
@@ -307,7 +307,7 @@ def test_report_only_rebuilds_from_run_files(tmp_path, capsys):
 def test_validation_metrics_do_not_change_the_test_results(tmp_path):
     """Evaluating the validation sets (under a forked RNG) leaves the test results as they
     are: VCL samples at evaluation, so a shared RNG would change them."""
-    kw = dict(overrides={"train_epochs": 1}, n_train=60, n_test=30, progress=False)
+    kw = dict(overrides={"train_epochs": 1}, train_size=60, test_size=30, progress=False)
     seq_cfg = dict(benchmark="split-digits", strategy="vcl", valid_fraction=0.2)
     with_val = run(RunConfig(**seq_cfg, **kw))
     assert len(with_val["valid_accuracy_matrix"]) == 5
@@ -404,7 +404,7 @@ def test_class_incremental_sequence_has_global_labels_and_one_head():
     from _synthetic import synthetic_split
     from fromp_bench.data import class_incremental
 
-    split = synthetic_split(n_tasks=3, n_train=20, n_test=10)
+    split = synthetic_split(n_tasks=3, train_size=20, test_size=10)
     seq = class_incremental(split)
     assert (seq.multi_head, seq.n_outputs, len(seq)) == (False, 6, 3)
     for t, s in zip(seq, split):
@@ -517,7 +517,7 @@ def test_experience_replay_keeps_its_memory_per_experience_and_restores_it():
     from fromp_avalanche.benchmarks import ExperienceReplay, experience_tensors
     from fromp_bench.data import class_incremental, to_avalanche
 
-    seq = class_incremental(synthetic_split(n_tasks=3, input_shape=(6,), n_train=30))
+    seq = class_incremental(synthetic_split(n_tasks=3, input_shape=(6,), train_size=30))
     scenario = to_avalanche(seq)
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 6))
@@ -563,7 +563,7 @@ def test_each_run_seed_draws_its_own_memory(monkeypatch):
         return out
 
     monkeypatch.setattr(FROMPMethod, "learn_task", spy)
-    kw = dict(n_train=40, n_test=10, overrides={"train_epochs": 1}, progress=False)
+    kw = dict(train_size=40, test_size=10, overrides={"train_epochs": 1}, progress=False)
     for seed in (0, 1):
         run(RunConfig("split-digits-ci", "fromp-coreset", seed=seed, **kw))
     assert sorted(drawn) == [0, 1]  # the method got the run's seed

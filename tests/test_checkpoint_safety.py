@@ -461,7 +461,7 @@ def test_avalanche_ewc_resumes_exactly_from_a_plain_checkpoint(tmp_path):
     nothing allow-listed, and the resumed run equals an uninterrupted one."""
     from fromp_bench.runner import RunConfig, run
 
-    kw = dict(overrides={"train_epochs": 1}, n_train=40, n_test=20, progress=False)
+    kw = dict(overrides={"train_epochs": 1}, train_size=40, test_size=20, progress=False)
     straight = run(RunConfig("split-digits", "ewc-avalanche", **kw))
     path = tmp_path / "c.pt"
     run(RunConfig("split-digits", "ewc-avalanche", checkpoint=str(path), stop_after=2, **kw))

@@ -75,7 +75,7 @@ def test_split_cifar_runs_through_the_runner(cifar_root, strategy):
             strategy,
             data_root=str(cifar_root),
             overrides=overrides,
-            n_train=20,
+            train_size=20,
             stop_after=stop,
             progress=False,
         )

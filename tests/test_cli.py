@@ -22,8 +22,8 @@ def checkpoint(tmp_path_factory):
         "split-digits",
         "naive",
         overrides={"train_epochs": 3},
-        n_train=150,
-        n_test=50,
+        train_size=150,
+        test_size=50,
         checkpoint=str(path),
         progress=False,
     )
@@ -64,8 +64,8 @@ def test_memorable_cli(checkpoint, tmp_path, capsys):
 def ci_checkpoint(tmp_path_factory):
     """A class-incremental run (one head over the digits, labels the digits), two tasks."""
     path = tmp_path_factory.mktemp("ci") / "naive.pt"
-    run(RunConfig("split-digits-ci", "naive", overrides={"train_epochs": 1}, n_train=60,
-                  n_test=20, checkpoint=str(path), progress=False, stop_after=2))  # fmt: skip
+    run(RunConfig("split-digits-ci", "naive", overrides={"train_epochs": 1}, train_size=60,
+                  test_size=20, checkpoint=str(path), progress=False, stop_after=2))  # fmt: skip
     return path
 
 
@@ -113,8 +113,8 @@ def test_vcl_checkpoint_loads_posterior_means(tmp_path):
         "split-digits",
         "vcl",
         overrides={"train_epochs": 2},
-        n_train=60,
-        n_test=20,
+        train_size=60,
+        test_size=20,
         checkpoint=str(path),
         progress=False,
     )

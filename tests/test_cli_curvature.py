@@ -112,8 +112,8 @@ def checkpoints(tmp_path_factory):
     after its third task (tasks 3 and 4 never trained)."""
     root = tmp_path_factory.mktemp("ckpt")
     path = root / "naive.pt"
-    cfg = RunConfig("split-digits", "naive", overrides={"train_epochs": 3}, n_train=150,
-                    n_test=50, checkpoint=str(path), progress=False)  # fmt: skip
+    cfg = RunConfig("split-digits", "naive", overrides={"train_epochs": 3}, train_size=150,
+                    test_size=50, checkpoint=str(path), progress=False)  # fmt: skip
     run(cfg)
     state = torch.load(path, map_location="cpu", weights_only=True)
     state["config"]["strategy"], state["done"] = "fromp", 3

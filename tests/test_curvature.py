@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cases import tiny_cnn, tiny_mlp
 
 from fromp import ggn, ggn_vp
 from fromp.curvature.diagonal import diag_ef, diag_fisher, diag_ggn
@@ -14,7 +15,7 @@ from fromp.likelihood import (
     GaussianLikelihood,
 )
 from fromp.models import MultiHeadMLP, with_task
-from fromp.testing import dense_ggn, dense_jacobian, tiny_cnn, tiny_mlp
+from fromp.testing import dense_ggn, dense_jacobian
 
 CASES = {
     "mlp-categorical": (lambda: tiny_mlp(c=3), (4,), CategoricalLikelihood()),

@@ -206,7 +206,7 @@ def _entry_points(x: torch.Tensor, y: torch.Tensor) -> dict:
         "gp": gp,
         "grad_stats_hooks": lambda m: vars(per_example_grad_stats(m, x, y, LIK, method="hooks")),
         "grad_stats_vmap": lambda m: vars(per_example_grad_stats(m, x, y, LIK, method="vmap")),
-        "grad_stats_ggn": lambda m: vars(per_example_grad_stats(m, x, y, LIK, curvature="ggn")),
+        "grad_stats_ggn": lambda m: vars(per_example_grad_stats(m, x, y, LIK, hess_approx="ggn")),
     }
 
 

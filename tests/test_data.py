@@ -125,7 +125,7 @@ def test_split_tasks_relabels_and_rejects_empty():
 
 
 def test_synthetic_and_subsample():
-    seq = synthetic_split(n_tasks=3, n_train=40, n_test=10)
+    seq = synthetic_split(n_tasks=3, train_size=40, test_size=10)
     assert len(seq) == 3 and seq[0].train_x.shape == (40, 1, 28, 28)
     small = seq.subsample(8, 4, seed=1)
     assert [len(t.train_x) for t in small] == [8, 8, 8]

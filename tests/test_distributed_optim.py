@@ -56,7 +56,7 @@ def _closure(opt, model, rows):
 
 def _vogn_run(rows, curvature: str, seed_of_step) -> dict:
     model = _mlp()
-    opt = VOGN(model, lr=0.05, ess=16, prior_precision=2.0, curvature=curvature)
+    opt = VOGN(model, lr=0.05, ess=16, prior_precision=2.0, hess_approx=curvature)
     for t in range(STEPS):
         torch.manual_seed(seed_of_step(t))
         opt.step(_closure(opt, model, rows))

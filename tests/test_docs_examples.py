@@ -104,17 +104,6 @@ def test_laplace_torch_regression_example_raises_the_evidence():
     assert 0.1 < float(env["log_sigma"].detach().exp()) < 1.0
 
 
-def test_version_is_the_packages_and_the_changelogs():
-    import tomllib
-
-    import fromp
-
-    root = DOCS.parent
-    version = tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"]
-    assert fromp.__version__ == version
-    assert f"## {version} (" in (root / "CHANGELOG.md").read_text()
-
-
 def test_memory_perturbation_guide_example():
     model, train, _, _ = _classifier_and_loaders()
     xs, ys = zip(*train)

@@ -122,7 +122,7 @@ def _strategy(net, **kw):
 
 @pytest.mark.parametrize("mode", ["separate", "online"])
 def test_strategy_on_synthetic_split_and_state_round_trip(mode):
-    seq = synthetic_split(n_tasks=3, input_shape=(1, 4, 4), n_train=40, n_test=20)
+    seq = synthetic_split(n_tasks=3, input_shape=(1, 4, 4), train_size=40, test_size=20)
     scenario = to_avalanche(seq)
     torch.manual_seed(0)
     net = MultiHeadMLP(16, (12,), n_heads=3, head_size=2)
@@ -150,7 +150,9 @@ def test_strategy_on_synthetic_split_and_state_round_trip(mode):
 
 
 def test_single_head_strategy_runs():
-    seq = synthetic_split(n_tasks=2, input_shape=(8,), n_train=30, n_test=10, multi_head=False)
+    seq = synthetic_split(
+        n_tasks=2, input_shape=(8,), train_size=30, test_size=10, multi_head=False
+    )
     scenario = to_avalanche(seq)
     net = MultiHeadMLP(8, (6,), n_heads=1, head_size=2)
     strat = _strategy(net, ewc_lambda=10.0, fisher="exact")

@@ -82,7 +82,7 @@ def test_likelihoods_accept_only_the_documented_target_shapes(n, c, extra):
 def _cfg(path, **kw):
     from fromp_bench.runner import RunConfig
 
-    base = dict(overrides={"train_epochs": 1}, n_train=60, n_test=20, checkpoint=str(path),
+    base = dict(overrides={"train_epochs": 1}, train_size=60, test_size=20, checkpoint=str(path),
                 progress=False)  # fmt: skip
     base.update(kw)
     return RunConfig("split-digits", "naive", **base)

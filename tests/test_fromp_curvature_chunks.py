@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cases import tiny_cnn
 
 import fromp.continual.methods as methods
 from fromp import FROMPMethod
 from fromp.curvature import diagonal
 from fromp.curvature.jacobian import set_default_memory_budget
 from fromp.likelihood import CategoricalLikelihood
-from fromp.testing import dense_ggn, tiny_cnn
+from fromp.testing import dense_ggn
 
 F64 = torch.float64
 

@@ -23,7 +23,7 @@ D = torch.float64
 
 
 def _two_tasks(seed: int = 0):
-    seq = synthetic_split(n_tasks=2, input_shape=(8,), n_train=64, n_test=32, seed=seed)
+    seq = synthetic_split(n_tasks=2, input_shape=(8,), train_size=64, test_size=32, seed=seed)
     return [(t.train_x.to(D), t.train_y, t.test_x.to(D), t.task_id) for t in seq]
 
 

@@ -47,7 +47,7 @@ def _fromp(net, lr=1e-2, epochs=2, mb=32, **kw):
 @pytest.mark.parametrize("multi_head", [True, False])
 def test_runs_and_checkpoint_restores_identical_penalty(multi_head):
     seq = synthetic_split(
-        n_tasks=3, input_shape=(1, 6, 6), n_train=48, n_test=16, multi_head=multi_head
+        n_tasks=3, input_shape=(1, 6, 6), train_size=48, test_size=16, multi_head=multi_head
     )
     heads = 3 if multi_head else 1
     net = MultiHeadMLP(36, (16,), n_heads=heads, head_size=2)
@@ -91,7 +91,7 @@ def test_curvature_is_sum_of_task_ggns_and_identity_kernel():
     from fromp.curvature.diagonal import diag_ggn
     from fromp.models import with_task
 
-    seq = synthetic_split(n_tasks=2, input_shape=(1, 4, 4), n_train=20, n_test=8)
+    seq = synthetic_split(n_tasks=2, input_shape=(1, 4, 4), train_size=20, test_size=8)
     net = MultiHeadMLP(16, (8,), n_heads=2, head_size=2)
     strategy = _fromp(net, epochs=1, tau=1.0, n_points=4, kernel="identity")
     scenario = to_avalanche(seq)
@@ -174,7 +174,7 @@ def test_forgets_less_than_naive_on_real_permuted_mnist(mnist_root):
 def test_fromp_vogn_uses_vogn_posterior_and_checkpoints():
     from fromp.optim import VOGN
 
-    seq = synthetic_split(n_tasks=2, input_shape=(1, 4, 4), n_train=32, n_test=16)
+    seq = synthetic_split(n_tasks=2, input_shape=(1, 4, 4), train_size=32, test_size=16)
     net = MultiHeadMLP(16, (8,), n_heads=2, head_size=2)
     model = as_avalanche_model(net)
     opt = VOGN(model, lr=1e-2, ess=32, prior_precision=1e-2, mc_samples=1)
@@ -214,7 +214,7 @@ def test_sensitivity_selection_uses_the_task_posterior_after_tasks_1_to_3():
     from fromp.models import with_task
     from fromp.posterior import DiagonalGaussian
 
-    seq = synthetic_split(n_tasks=3, input_shape=(1, 4, 4), n_train=30, n_test=8)
+    seq = synthetic_split(n_tasks=3, input_shape=(1, 4, 4), train_size=30, test_size=8)
     torch.manual_seed(0)
     net = MultiHeadMLP(16, (8,), n_heads=3, head_size=2)
     strategy = _fromp(net, epochs=1, tau=1.0, n_points=6, select="sensitivity")
@@ -241,7 +241,7 @@ def test_sensitivity_selection_uses_the_task_posterior_after_tasks_1_to_3():
 def test_training_the_same_experience_twice_is_idempotent():
     """Training experience 0 again replaces its GGN term and memorable set: the GGN sum is
     not doubled and the memorable set not duplicated (weights kept fixed by lr=0)."""
-    seq = synthetic_split(n_tasks=2, input_shape=(1, 6, 6), n_train=32, n_test=8)
+    seq = synthetic_split(n_tasks=2, input_shape=(1, 6, 6), train_size=32, test_size=8)
     net = MultiHeadMLP(36, (8,), n_heads=2, head_size=2)
     strategy = _fromp(net, lr=0.0, epochs=1, tau=1.0, n_points=4)
     exp0 = to_avalanche(seq).train_stream[0]

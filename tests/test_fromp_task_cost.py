@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from cases import count_aten_ops, timing_ratios
 from torch import nn
 
 import fromp.continual.regularizer as regmod
@@ -19,7 +20,7 @@ from fromp.continual.methods import FROMPMethod
 from fromp.continual.regularizer import FROMPRegularizer
 from fromp.curvature.jacobian import num_params
 from fromp.models import MultiHeadMLP, with_task
-from fromp.testing import count_aten_ops, flat, forward_at, timing_ratios
+from fromp.testing import flat, forward_at
 
 D = torch.float64
 

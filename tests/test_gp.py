@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from cases import conv_zoo, tiny_cnn, tiny_mlp
 from torch import nn
 
 from fromp import DiagonalGaussian, FullGaussian, dnn2gp, fit_laplace, fit_laplace_full
@@ -18,15 +19,7 @@ from fromp.laplace.one_call import (
 )
 from fromp.likelihood import BernoulliLikelihood, CategoricalLikelihood, GaussianLikelihood
 from fromp.models import MultiHeadMLP, with_task
-from fromp.testing import (
-    conv_zoo,
-    dense_jacobian,
-    dense_kernel,
-    flat,
-    forward_at,
-    tiny_cnn,
-    tiny_mlp,
-)
+from fromp.testing import dense_jacobian, dense_kernel, flat, forward_at
 
 F64 = torch.float64
 

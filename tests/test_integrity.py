@@ -103,7 +103,9 @@ def test_nan_weights_after_a_task_fail_the_run_with_that_task(tmp_path, monkeypa
         return out
 
     monkeypatch.setattr(Naive, "train", poisoned)
-    cfg = RunConfig("split-digits", "naive", overrides={"train_epochs": 1}, n_train=40, n_test=20)
+    cfg = RunConfig(
+        "split-digits", "naive", overrides={"train_epochs": 1}, train_size=40, test_size=20
+    )
     cfg.progress = False
     res = run(cfg)
     assert not res["complete"] and res["failed"]["task"] == 2
@@ -322,8 +324,8 @@ def test_ctrl_c_says_how_to_resume(tmp_path, capsys, monkeypatch):
 def test_plugin_state_is_keyed_by_name_and_restored(tmp_path):
     """FROMP with non-default settings, stopped after 2 tasks and resumed: the plugin state
     is stored under the plugin's class name and the results equal an uninterrupted run."""
-    kw = dict(overrides={"train_epochs": 1, "kwargs": {"tau": 3.0, "n_points": 8}}, n_train=60)
-    kw.update(n_test=30, progress=False)
+    kw = dict(overrides={"train_epochs": 1, "kwargs": {"tau": 3.0, "n_points": 8}}, train_size=60)
+    kw.update(test_size=30, progress=False)
     full = run(RunConfig("split-digits", "fromp", checkpoint=str(tmp_path / "a.pt"), **kw))
     part = RunConfig("split-digits", "fromp", checkpoint=str(tmp_path / "b.pt"), **kw)
     part.stop_after = 2

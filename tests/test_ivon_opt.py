@@ -110,7 +110,7 @@ def test_ivon_opt_positional_order_beyond_hess_init_is_refused_naming_each():
 
 
 def test_hess_approx_gradsq_is_refused_naming_what_to_use():
-    with pytest.raises(ValueError, match=r"hess_approx='gradsq'.*curvature='ef'"):
+    with pytest.raises(ValueError, match=r"hess_approx='gradsq'.*hess_approx='ef'"):
         IVON(_params(), lr=0.1, ess=100, hess_approx="gradsq")
     with pytest.raises(ValueError, match="hess_approx must be 'price'"):
         IVON(_params(), lr=0.1, ess=100, hess_approx="exact")

@@ -60,7 +60,7 @@ class _Probe(SupervisedPlugin):
 
 def _setup(seed: int = 0, n_tasks: int = 3):
     torch.manual_seed(seed)
-    seq = synthetic_split(n_tasks=n_tasks, input_shape=(1, 4, 4), n_train=48, n_test=24)
+    seq = synthetic_split(n_tasks=n_tasks, input_shape=(1, 4, 4), train_size=48, test_size=24)
     net = MultiHeadMLP(16, (16,), n_heads=n_tasks, head_size=2)
     model = as_avalanche_model(net)
     opt = IVON(model.parameters(), lr=0.5, ess=1.0, hess_init=0.5, betas=(0.9, 0.99))
@@ -120,7 +120,7 @@ def test_continual_ivon_three_tasks_posterior_becomes_prior_and_resumes():
 
 
 def test_non_continual_keeps_weight_decay_prior_and_type_checks():
-    seq = synthetic_split(n_tasks=2, input_shape=(1, 4, 4), n_train=32, n_test=8)
+    seq = synthetic_split(n_tasks=2, input_shape=(1, 4, 4), train_size=32, test_size=8)
     net = MultiHeadMLP(16, (8,), n_heads=2, head_size=2)
     model = as_avalanche_model(net)
     opt = IVON(model.parameters(), lr=0.1, ess=1.0, prior_precision=1e-3)
@@ -139,7 +139,7 @@ def test_non_continual_keeps_weight_decay_prior_and_type_checks():
 
 def _fromp_ivon(ess: float, **kwargs):
     """Three synthetic tasks, a small multi-head MLP and FROMP on IVON (``kwargs``: FROMP's)."""
-    seq = synthetic_split(n_tasks=3, input_shape=(1, 4, 4), n_train=40, n_test=16)
+    seq = synthetic_split(n_tasks=3, input_shape=(1, 4, 4), train_size=40, test_size=16)
     torch.manual_seed(0)
     net = MultiHeadMLP(16, (8,), n_heads=3, head_size=2)
     model = as_avalanche_model(net)
@@ -275,8 +275,8 @@ def test_runner_strategies_run_and_resume(tmp_path, strategy, antithetic):
             overrides={"train_epochs": 1, "train_mb_size": 32, "kwargs": {}}
             | ({"kwargs": {"n_points": 10}} if strategy == "fromp-ivon" else {})
             | extra,
-            n_train=60,
-            n_test=30,
+            train_size=60,
+            test_size=30,
             checkpoint=str(path / "run.pt"),
             progress=False,
             **kw,
@@ -298,7 +298,7 @@ def test_tempered_prior_scales_each_posterior_after_tasks_1_and_2():
     second posterior's precision is built on the tempered first prior. Bad scales are refused
     by name."""
     torch.manual_seed(0)
-    seq = synthetic_split(n_tasks=3, input_shape=(1, 4, 4), n_train=48, n_test=24)
+    seq = synthetic_split(n_tasks=3, input_shape=(1, 4, 4), train_size=48, test_size=24)
     net = MultiHeadMLP(16, (16,), n_heads=3, head_size=2)
     model = as_avalanche_model(net)
     opt = IVON(model.parameters(), lr=0.5, ess=1.0, hess_init=0.5, betas=(0.9, 0.99))

@@ -12,13 +12,14 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from cases import tiny_mlp
 from torch import nn
 
 import fromp
 from fromp import DiagLaplace, FullLaplace, Laplace
 from fromp.laplace.laplace_gp import LaplaceGP
 from fromp.likelihood import CategoricalLikelihood, GaussianLikelihood
-from fromp.testing import dense_ggn, flat, tiny_mlp
+from fromp.testing import dense_ggn, flat
 
 F64 = torch.float64
 

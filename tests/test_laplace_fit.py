@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cases import tiny_cnn, tiny_mlp
 from torch import nn
 
 from fromp import DiagLaplace, FullLaplace, fit_laplace, fit_laplace_full
 from fromp.laplace.one_call import log_marginal_likelihood
 from fromp.likelihood import CategoricalLikelihood, GaussianLikelihood
-from fromp.testing import dense_ggn, flat, tiny_cnn, tiny_mlp
+from fromp.testing import dense_ggn, flat
 
 F64 = torch.float64
 
@@ -132,6 +133,9 @@ def test_posterior_gp_predictive_and_state_dict():
         FullLaplace(model, "categorical").load_state_dict(state)
     with pytest.raises(ValueError, match="fitted with"):
         DiagLaplace(model, GaussianLikelihood(1.0)).load_state_dict(state)
+    old = {k: v for k, v in state.items() if k != "n_targets"}  # a fromp 0.3 state
+    with pytest.raises(ValueError, match=r"missing \['n_targets'\].*0\.3"):
+        DiagLaplace(model, "categorical").load_state_dict(old)
 
 
 def test_fit_accumulates_and_errors():

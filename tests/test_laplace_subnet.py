@@ -267,7 +267,9 @@ def test_capture_columns_on_every_layer_kind_equal_autograds(chunk_size):
     Jacobians): the subnetwork's Jacobian columns equal autograd's dense Jacobian's, in the
     order of the indices, with chunks of 3 of the 7 examples too (a chunk boundary inside
     the batch), and the precision is the dense GGN's block."""
-    from fromp.testing import conv_zoo, dense_jacobian
+    from cases import conv_zoo
+
+    from fromp.testing import dense_jacobian
 
     torch.manual_seed(0)
     model = conv_zoo(3, seed=0).eval()

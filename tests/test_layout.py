@@ -2,15 +2,16 @@
 inside functions and type-only imports included); ``fromp`` never imports Avalanche or the
 other packages; ``fromp``'s subpackages depend on each other in one direction (a declared
 order of layers), no private name crosses a subpackage, at most 12 modules at the top of
-``fromp`` and 11 at the top of ``benchmarks/``; the module paths and names that moved still
-resolve, with a DeprecationWarning, to the same objects."""
+``fromp`` and 11 at the top of ``benchmarks/``; the 0.3 module paths and top-level names that
+moved are gone (no shim resolves them)."""
 
 from __future__ import annotations
 
 import ast
 import importlib
-import warnings
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 #: folder -> installed import name (pyproject.toml's package-dir)
@@ -91,7 +92,7 @@ def test_fromp_imports_no_avalanche_and_no_upper_layer():
 #: Laplace posteriors; the memory-perturbation and leave-one-out estimates; the continual
 #: methods; the package's front page.
 LAYERS = [
-    {"fromp._checks", "fromp._compat", "fromp.distributed", "fromp.likelihood", "fromp.link"},
+    {"fromp._checks", "fromp.distributed", "fromp.likelihood", "fromp.link"},
     {"fromp.models"},
     {"fromp.posterior", "fromp.curvature"},
     {"fromp.gp", "fromp.optim"},
@@ -100,7 +101,7 @@ LAYERS = [
     {"fromp.memory"},
     {"fromp.continual"},
     {"fromp"},
-    {"fromp.testing"},  # dense references for tests: nothing in fromp may import it
+    {"fromp.testing"},  # the public dense references: nothing in fromp may import it
 ]
 
 
@@ -152,56 +153,27 @@ def test_top_levels():
     assert len(top) <= 11, sorted(p.name for p in top)  # the runner's tools and the GPU check
 
 
-def test_public_surface_and_moved_names():
-    """About 40 names at the top of ``fromp``; the names that moved in 0.3.0 still resolve,
-    with a DeprecationWarning naming their module, to the same objects."""
+def test_public_surface_without_the_moved_names():
+    """About 40 names at the top of ``fromp``; the names and module paths that moved in 0.3 and
+    0.4 resolve only at their new place (no finder, no module ``__getattr__``)."""
+    import sys
+
     import fromp
-    from fromp.continual.bayesian import to_bayesian
-    from fromp.curvature.jacobian import vjp_sum
+    import fromp.gp
 
     assert 35 <= len(fromp.__all__) <= 46
     assert all(hasattr(fromp, n) for n in fromp.__all__)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert fromp.to_bayesian is to_bayesian and fromp.vjp_sum is vjp_sum
-    assert [str(w.message) for w in caught] == [
-        "fromp.to_bayesian moved to fromp.continual.bayesian.to_bayesian",
-        "fromp.vjp_sum moved to fromp.curvature.jacobian.vjp_sum",
-    ]
-    try:
-        fromp.no_such_name
-    except AttributeError as err:
-        assert "no_such_name" in str(err)
-    else:
-        raise AssertionError("an unknown name must raise AttributeError")
-
-
-def test_moved_module_paths_resolve_with_a_warning():
-    """Every 0.3 module path imports, warns once with its new path, and is the module at the
-    new path (so a monkeypatch through either name patches the same object)."""
-    import sys
-
-    from fromp._compat import MOVED_MODULES
-
-    for old, new in MOVED_MODULES.items():
+    for gone in ("to_bayesian", "vjp_sum", "kron", "no_such_name"):
+        with pytest.raises(AttributeError, match=gone):
+            getattr(fromp, gone)
+    with pytest.raises(AttributeError, match="LaplaceGP"):
+        fromp.gp.LaplaceGP
+    assert not hasattr(fromp, "__getattr__") and not hasattr(fromp.gp, "__getattr__")
+    assert not any(type(f).__module__.startswith("fromp") for f in sys.meta_path)
+    for old in ("fromp.jacobian", "fromp.kron", "fromp.loo", "fromp.baselaplace"):
         sys.modules.pop(old, None)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            mod = importlib.import_module(old)
-        assert mod is importlib.import_module(new), old
-        assert [str(w.message) for w in caught if w.category is DeprecationWarning] == [
-            f"{old} moved to {new}; the old path goes in fromp 0.5"
-        ], old
-        assert not (ROOT / (old.replace(".", "/") + ".py")).exists(), f"{old} left behind"
-    import fromp
-
-    sys.modules.pop("fromp.kron", None)
-    vars(fromp).pop("kron", None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        from fromp import kron  # a module imported as a name of the package
-    assert kron is importlib.import_module("fromp.curvature.kron")
-    assert any("fromp.kron moved to fromp.curvature.kron" in str(w.message) for w in caught)
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(old)
     # the packages that kept a module's name still have its public names
     from fromp.curvature import diag_ggn
     from fromp.gp import GP

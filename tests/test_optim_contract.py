@@ -564,7 +564,7 @@ def test_vogn_ggn_recovers_the_bayesian_linear_regression_posterior():
     (OGN), and when the same optimizer then draws 4 samples per step (``mc_samples`` edited
     in ``param_groups``) the mean stays there: the tail average within 2 %."""
     x, y, delta, mean, prec = _blr()
-    kw = dict(lr=0.1, ess=len(x), prior_precision=delta, likelihood="gaussian", curvature="ggn")
+    kw = dict(lr=0.1, ess=len(x), prior_precision=delta, likelihood="gaussian", hess_approx="ggn")
     model = _linear()
     opt = VOGN(model, mc_samples=0, **kw)
     _fit_blr(opt, model, x, y, 400)
@@ -644,7 +644,7 @@ def test_vogn_closure_of_any_model_finds_ggn_and_ef_by_brute_force():
         torch.manual_seed(0)
         model = Scaled().double()
         ref = copy.deepcopy(model)
-        opt = VOGN(model, lr=0.05, ess=16, mc_samples=0, curvature=curvature)
+        opt = VOGN(model, lr=0.05, ess=16, mc_samples=0, hess_approx=curvature)
         opt.step(lambda opt=opt, model=model: _mean_loss_backward(opt, model, xd))
         rows = []
         for i in range(len(xd)):

@@ -4,6 +4,7 @@ are extras for the strategies and the runner."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -106,3 +107,90 @@ def test_the_studies_are_not_installed_and_no_test_imports_one():
             importing += [f"{f.name}: {n}" for n in names if n.split(".")[0] == "studies"
                           or n.startswith("fromp_bench.studies")]  # fmt: skip
     assert not importing, importing
+
+
+def test_the_version_is_one_number_in_pyproject_the_package_and_the_changelog():
+    """``pyproject.toml``'s version, ``fromp.__version__`` and the version of the CHANGELOG's
+    first ``## `` heading (``## 0.4.0 (2026-11-28)``) are the same release."""
+    import re
+
+    import fromp
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    headings = [
+        line[3:] for line in (ROOT / "CHANGELOG.md").read_text().splitlines() if line[:3] == "## "
+    ]
+    assert headings, "CHANGELOG.md has no '## ' heading"
+    top = re.match(r"(\d+\.\d+\.\d+)\b", headings[0])
+    assert top, f"CHANGELOG.md's first heading {headings[0]!r} names no version"
+    assert project["version"] == fromp.__version__ == top.group(1), (
+        project["version"],
+        fromp.__version__,
+        headings[0],
+    )
+
+
+#: the installed packages' folders (pyproject.toml's package-dir)
+PACKAGE_FOLDERS = ("fromp", "strategies", "benchmarks")
+#: warnings that announce a future removal: 0.4.0 keeps no deprecated name (before 1.0 a name
+#: is renamed or removed in one release, listed in the CHANGELOG)
+DEPRECATION_WARNINGS = ("DeprecationWarning", "PendingDeprecationWarning", "FutureWarning")
+
+
+def shims(source: str) -> list[str]:
+    """What in a module's ``source`` keeps an old name alive: a deprecation warning class
+    named anywhere, a module-level ``__getattr__`` (a moved name resolved at run time) or an
+    import finder put on ``sys.meta_path``."""
+    tree = ast.parse(source)
+    found = [
+        f"line {node.lineno}: {node.id}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Name) and node.id in DEPRECATION_WARNINGS
+    ]
+    found += [
+        f"line {node.lineno}: module __getattr__"
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef) and node.name == "__getattr__"
+    ]
+    found += [
+        f"line {node.lineno}: sys.meta_path"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr == "meta_path"
+    ]
+    return found
+
+
+def test_the_shim_scan_finds_each_kind():
+    """The scan itself, on a planted module (so that the next test's empty result means
+    something)."""
+    source = """
+import sys, warnings
+def old(x):
+    warnings.warn("old is now new", DeprecationWarning, stacklevel=2)
+def __getattr__(name): ...
+sys.meta_path.insert(0, object())
+class C:
+    def __getattr__(self, name): ...
+"""
+    assert [s.split(": ")[1] for s in shims(source)] == [
+        "DeprecationWarning", "module __getattr__", "sys.meta_path"
+    ]  # fmt: skip
+
+
+def test_the_packages_hold_no_compatibility_shims():
+    """No deprecated alias in 0.4.0: no module of fromp, fromp_avalanche or fromp_bench warns
+    of a deprecation, resolves names through a module ``__getattr__`` or installs an import
+    finder (``fromp/_compat.py`` is gone); the test run also turns fromp's own
+    DeprecationWarnings into errors (pyproject.toml's ``filterwarnings``)."""
+    assert not (ROOT / "fromp" / "_compat.py").exists()
+    found = [
+        f"{f.relative_to(ROOT)}, {where}"
+        for folder in PACKAGE_FOLDERS
+        for f in sorted((ROOT / folder).rglob("*.py"))
+        for where in shims(f.read_text())
+    ]
+    assert not found, found
+    filters = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"][
+        "filterwarnings"
+    ]
+    assert "error::DeprecationWarning:fromp.*" in filters, filters

@@ -6,21 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cases import tiny_cnn, tiny_mlp
 from torch import nn
 
 import fromp
 from fromp.likelihood import get_likelihood
 from fromp.memory.sensitivity import memory_perturbation, newton_step_loo, prediction_variance
 from fromp.optim import IVON
-from fromp.testing import (
-    dense_jacobian,
-    dense_nll_hessians,
-    flat,
-    forward_at,
-    split,
-    tiny_cnn,
-    tiny_mlp,
-)
+from fromp.testing import dense_jacobian, dense_nll_hessians, flat, forward_at, split
 
 D = torch.float64
 
@@ -224,7 +217,7 @@ def test_newton_step_loo_against_dense(curvature, linearize):
     big_h = torch.autograd.functional.hessian(obj, w)
     q = fromp.FullGaussian(w, big_h)
     got, steps = newton_step_loo(
-        net, q, x, y, curvature=curvature, linearize=linearize, return_steps=True
+        net, q, x, y, hess_approx=curvature, linearize=linearize, return_steps=True
     )
     jac = dense_jacobian(net, x, w)
     f = forward_at(net, w, x).detach()
@@ -253,7 +246,7 @@ def test_newton_step_loo_against_dense(curvature, linearize):
     if curvature == "ggn" and linearize:  # the corrected memory-perturbation form
         q_ggn = fromp.fit_laplace_full(net, x, "categorical", prior_precision=delta)
         mp = memory_perturbation(net, q_ggn, x, y, covariance="full", correction=True)
-        got_ggn = newton_step_loo(net, q_ggn, x, y, curvature="ggn", linearize=True)
+        got_ggn = newton_step_loo(net, q_ggn, x, y, hess_approx="ggn", linearize=True)
         torch.testing.assert_close(got_ggn, mp.loo_logits, rtol=1e-7, atol=1e-9)
 
 
@@ -287,8 +280,8 @@ def test_newton_step_loo_bad_arguments():
     with pytest.raises(ValueError, match="FullGaussian"):
         newton_step_loo(net, fromp.DiagonalGaussian.isotropic(net, 1.0), x, y)
     q = fromp.fit_laplace_full(net, x, "categorical", prior_precision=1.0)
-    with pytest.raises(ValueError, match="curvature"):
-        newton_step_loo(net, q, x, y, curvature="fisher")
+    with pytest.raises(ValueError, match="hess_approx"):
+        newton_step_loo(net, q, x, y, hess_approx="fisher")
     small = fromp.FullGaussian(torch.zeros(3, dtype=D), torch.eye(3, dtype=D))
     with pytest.raises(ValueError, match="posterior must be over the model's P="):
         newton_step_loo(net, small, x, y)
@@ -302,7 +295,7 @@ def test_newton_step_loo_default_tolerance_is_reached_in_float32(monkeypatch):
 
     net, x, y, _, _ = _trained_tiny_mlp(1.0)
     q64 = fromp.fit_laplace_full(net, x, "categorical", prior_precision=1.0)
-    want = newton_step_loo(net, q64, x, y, curvature="ggn")
+    want = newton_step_loo(net, q64, x, y, hess_approx="ggn")
     net32 = net.float()
     q32 = fromp.FullGaussian(q64.mean.float(), q64.precision.float())
     steps = []
@@ -320,7 +313,7 @@ def test_newton_step_loo_default_tolerance_is_reached_in_float32(monkeypatch):
         return out
 
     monkeypatch.setattr(sens, "_gmres", counting)
-    got = newton_step_loo(net32, q32, x.float(), y, curvature="ggn")
+    got = newton_step_loo(net32, q32, x.float(), y, hess_approx="ggn")
     c = want.shape[1]
     assert max(steps) <= c + 1, steps
     torch.testing.assert_close(got.double(), want, rtol=1e-3, atol=1e-4)

@@ -121,21 +121,19 @@ def test_corrected_diagonal_form_refused_where_one_minus_lambda_v_is_not_positiv
     assert math.isfinite(full["loo_nll"]) and full["loo_nll"] < 100
 
 
-def test_diagonal_spelling_of_covariance_warns_and_equals_diag():
-    """``covariance="diagonal"`` (0.3) is ``"diag"`` with a DeprecationWarning, the same numbers;
-    an unknown form is refused naming the argument."""
+def test_unknown_covariance_form_is_refused_naming_the_argument():
+    """``covariance`` is ``"diag"`` or ``"full"``: 0.3's ``"diagonal"`` and any other form are
+    refused naming the argument."""
     torch.manual_seed(0)
     x, y = torch.randn(10, 3), torch.randint(0, 3, (10,))
     m = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3)).eval()
     la = Laplace(m, "classification", "all", "diag", prior_precision=1.0).fit([(x, y)])
     new = memory_perturbation(m, la, x, y, covariance="diag")
-    with pytest.warns(DeprecationWarning, match='covariance="diag"'):
-        old = memory_perturbation(m, la, x, y, covariance="diagonal")
-    assert torch.equal(old.loo_logits, new.loo_logits)
     full = memory_perturbation(m, la, x, y, covariance="full")
     assert not torch.allclose(full.loo_logits, new.loo_logits)  # the forms differ
-    with pytest.raises(ValueError, match="covariance must be one of"):
-        memory_perturbation(m, la, x, y, covariance="kron")
+    for bad in ("kron", "diagonal"):
+        with pytest.raises(ValueError, match="covariance must be one of"):
+            memory_perturbation(m, la, x, y, covariance=bad)
 
 
 def _clf(c=3):

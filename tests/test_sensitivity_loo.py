@@ -151,12 +151,12 @@ def test_newton_step_loo_default_tolerance_reached_in_float32():
     q = fromp.fit_laplace_full(net, x, "categorical", prior_precision=1.0)
     # GGN curvature has rank <= C = 3, so GMRES is exact after C + 1 = 4 steps; a tolerance
     # float32 cannot reach would run to max_iter and raise
-    out = newton_step_loo(net, q, x, y, curvature="ggn", max_iter=5)
+    out = newton_step_loo(net, q, x, y, hess_approx="ggn", max_iter=5)
     assert out.dtype == torch.float32 and out.shape == (12, 3)
     with pytest.raises(RuntimeError, match="GMRES did not reach"):
-        newton_step_loo(net, q, x, y, curvature="ggn", max_iter=5, tol=1e-12)
+        newton_step_loo(net, q, x, y, hess_approx="ggn", max_iter=5, tol=1e-12)
     q64 = fromp.fit_laplace_full(net.double(), x.double(), "categorical", prior_precision=1.0)
-    ref = newton_step_loo(net, q64, x.double(), y, curvature="ggn")
+    ref = newton_step_loo(net, q64, x.double(), y, hess_approx="ggn")
     torch.testing.assert_close(out.double(), ref, rtol=1e-3, atol=1e-4)
     with pytest.raises(ValueError, match="tol must be > 0"):
         newton_step_loo(net, q64, x.double(), y, tol=0.0)
@@ -280,14 +280,8 @@ def test_loo_tracker_ivon_last_layer_against_dense():
     assert rec_all["loo_nll"] > rec["loo_nll"]  # all weights vary: larger leave-one-out moves
     with pytest.raises(ValueError, match="subset_of_weights must be"):
         LOOTracker(subset_of_weights="head")
-    # 0.3's names: the same record, with a DeprecationWarning naming the new one
-    with pytest.warns(DeprecationWarning, match="subset_of_weights="):
-        old = LOOTracker(scope="all")
-    assert old.subset_of_weights == "all"
-    with pytest.warns(DeprecationWarning, match="subset_of_weights="):
-        assert LOOTracker(scope="last-layer").subset_of_weights == "last_layer"
-    with pytest.warns(DeprecationWarning, match="hessian_structure="):
-        assert LOOTracker(structure="kron").hessian_structure == "kron"
+    with pytest.raises(TypeError, match="scope"):  # 0.3's name, gone in 0.4
+        LOOTracker(scope="all")
 
 
 def test_loo_plugin_records_each_epoch_on_the_current_experience():
@@ -385,8 +379,8 @@ def test_kron_last_layer_loo_against_dense_kfac_posterior():
     )
     assert rec["loo_nll"] == pytest.approx(lik.nll(loo, y).mean().item(), rel=1e-9)
     assert rec["posterior"].startswith("last-layer kron")
-    with pytest.raises(ValueError, match="structure must be"):
-        LOOTracker(structure="diag")
+    with pytest.raises(ValueError, match="hessian_structure must be"):
+        LOOTracker(hessian_structure="diag")
 
 
 @pytest.mark.parametrize("structure", ["full", "kron"])
@@ -401,13 +395,13 @@ def test_recorded_training_passes_give_the_evaluation_pass_estimate(structure):
     x, y = _blobs()
     net = _mlp().eval()
     opt = torch.optim.Adam(net.parameters(), lr=0.05, weight_decay=0.01)
-    tracker = LOOTracker(structure=structure)
+    tracker = LOOTracker(hessian_structure=structure)
     with tracker.recording(net):
         for i in range(0, 60, 20):
             net(x[i : i + 20])
             tracker.observe(y[i : i + 20])
     free = tracker(net, optimizer=opt)
-    full = LOOTracker(structure=structure)(net, x, y, opt)
+    full = LOOTracker(hessian_structure=structure)(net, x, y, opt)
     assert free["features"] == "recorded training passes" and free["n"] == 60
     assert free["loo_nll"] == pytest.approx(full["loo_nll"], rel=1e-5)
     assert free["loo_accuracy"] == full["loo_accuracy"]

@@ -24,7 +24,9 @@ D = torch.float64
 
 
 def _stream(n_tasks: int = 3, n_train: int = 24, seed: int = 0):
-    seq = synthetic_split(n_tasks=n_tasks, input_shape=(6,), n_train=n_train, n_test=4, seed=seed)
+    seq = synthetic_split(
+        n_tasks=n_tasks, input_shape=(6,), train_size=n_train, test_size=4, seed=seed
+    )
     return [(t.train_x.to(D), t.train_y, t.task_id) for t in seq]
 
 

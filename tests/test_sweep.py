@@ -18,7 +18,7 @@ def test_local_sweep_matches_the_runner_and_resumes_a_crashed_trial(tmp_path, mo
     from fromp_bench.sweep import sweep
 
     marker = tmp_path / "crashed"
-    kw = dict(n_train=60, n_test=30, valid_fraction=0.2)
+    kw = dict(train_size=60, test_size=30, valid_fraction=0.2)
     payload = sweep(
         "split-digits",
         ["naive"],
@@ -80,7 +80,7 @@ def test_resume_runs_only_the_added_trials_and_keeps_the_finished_ones(tmp_path,
     own_tmp = Path(tempfile.mkdtemp(prefix="fs-"))
     monkeypatch.setattr(tempfile, "tempdir", str(own_tmp))
 
-    kw = dict(n_train=40, n_test=20, overrides={"train_epochs": 1}, num_cpus=2)
+    kw = dict(train_size=40, test_size=20, overrides={"train_epochs": 1}, num_cpus=2)
     out = tmp_path / "out"
     first = sweep("split-digits", ["naive"], seeds=[0], out=out, **kw)
     base = out / "split-digits"

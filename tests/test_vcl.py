@@ -40,7 +40,7 @@ def _state_equal(a: dict, b: dict) -> bool:
 
 
 def test_vcl_multi_head_posterior_propagation_and_round_trip():
-    seq = synthetic_split(n_tasks=3, input_shape=(1, 4, 4), n_train=100, n_test=20)
+    seq = synthetic_split(n_tasks=3, input_shape=(1, 4, 4), train_size=100, test_size=20)
     scenario = to_avalanche(seq)
     torch.manual_seed(0)
     net = MultiHeadMLP(16, (12,), n_heads=3, head_size=2)
@@ -78,7 +78,7 @@ def test_vcl_multi_head_posterior_propagation_and_round_trip():
 
 
 def test_vcl_loss_is_mc_nll_plus_kl_over_n():
-    seq = synthetic_split(n_tasks=2, input_shape=(1, 4, 4), n_train=30, n_test=10)
+    seq = synthetic_split(n_tasks=2, input_shape=(1, 4, 4), train_size=30, test_size=10)
     scenario = to_avalanche(seq)
     torch.manual_seed(0)
     strat = _strategy(MultiHeadMLP(16, (8,), n_heads=2, head_size=2), train_epochs=1)
@@ -102,7 +102,7 @@ def test_vcl_loss_is_mc_nll_plus_kl_over_n():
 
 
 def test_vcl_coreset_kept_out_and_posterior_restored_after_eval():
-    seq = synthetic_split(n_tasks=2, input_shape=(1, 4, 4), n_train=100, n_test=20)
+    seq = synthetic_split(n_tasks=2, input_shape=(1, 4, 4), train_size=100, test_size=20)
     scenario = to_avalanche(seq)
     torch.manual_seed(0)
     net = MultiHeadMLP(16, (12,), n_heads=2, head_size=2)
@@ -152,7 +152,9 @@ def test_vcl_coreset_kept_out_and_posterior_restored_after_eval():
 
 
 def test_vcl_single_head_random_coreset():
-    seq = synthetic_split(n_tasks=2, input_shape=(8,), n_train=100, n_test=20, multi_head=False)
+    seq = synthetic_split(
+        n_tasks=2, input_shape=(8,), train_size=100, test_size=20, multi_head=False
+    )
     scenario = to_avalanche(seq)
     torch.manual_seed(0)
     net = MultiHeadMLP(8, (10,), n_heads=1, head_size=2)
@@ -195,8 +197,8 @@ def test_runner_resume_matches_uninterrupted_run(tmp_path):
     kw = dict(
         seed=0,
         progress=False,
-        n_train=60,
-        n_test=30,
+        train_size=60,
+        test_size=30,
         overrides={"train_epochs": 2, "kwargs": {"coreset_epochs": 3, "test_samples": 5}},
     )
     full = run(RunConfig("split-digits", "vcl-coreset", **kw))
@@ -233,7 +235,9 @@ def test_vcl_coreset_on_any_module_through_the_twin():
 
     from fromp.continual.bayesian import MeanFieldTwin
 
-    seq = synthetic_split(n_tasks=2, input_shape=(8,), n_train=60, n_test=20, multi_head=False)
+    seq = synthetic_split(
+        n_tasks=2, input_shape=(8,), train_size=60, test_size=20, multi_head=False
+    )
     scenario = to_avalanche(seq)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 10), nn.ReLU(), nn.Linear(10, 2))

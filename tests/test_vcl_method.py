@@ -337,7 +337,7 @@ def test_the_strategy_gives_the_plain_loops_numbers():
     from fromp_avalanche.vcl import VCL
     from fromp_bench.data import to_avalanche
 
-    seq = synthetic_split(n_tasks=3, input_shape=(6,), n_train=20, n_test=10)
+    seq = synthetic_split(n_tasks=3, input_shape=(6,), train_size=20, test_size=10)
     settings = dict(
         train_samples=2,
         test_samples=3,

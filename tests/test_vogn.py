@@ -79,7 +79,7 @@ def test_ogn_ggn_recovers_exact_posterior_of_linear_regression(tau):
         prior_precision=delta,
         kl_weight=tau,
         likelihood=GaussianLikelihood(sigma),
-        curvature="ggn",
+        hess_approx="ggn",
     )
     for _ in range(500):
         opt.step(_closure(opt, x, y))
@@ -101,7 +101,7 @@ def test_vogn_ggn_linear_regression_mean_and_precision():
         ess=len(x),
         prior_precision=delta,
         likelihood=GaussianLikelihood(sigma),
-        curvature="ggn",
+        hess_approx="ggn",
         mc_samples=1,
     )
     avg = torch.zeros(3, dtype=D)
@@ -116,7 +116,7 @@ def test_vogn_ggn_linear_regression_mean_and_precision():
 
 
 def test_ogn_squared_gradients_fixed_point():
-    """curvature='ef': s converges to the mean squared per-example gradient at the exact
+    """hess_approx='ef': s converges to the mean squared per-example gradient at the exact
     posterior mean (brute-force loop), the mean to the exact posterior mean."""
     x, y = _blr()
     sigma, delta = 0.5, 1.0
@@ -260,8 +260,8 @@ def test_per_example_stats_match_brute_force(arch):
     g, sq, ggn = _brute_stats(net, x, y, lik)
     net.train()  # the per-example pass switches batch norm to eval mode by itself
     results = [
-        per_example_grad_stats(net, x, y, lik, curvature="ef", method="vmap", chunk_size=4),
-        per_example_grad_stats(net, x, y, lik, curvature="ef", method="auto", chunk_size=4),
+        per_example_grad_stats(net, x, y, lik, hess_approx="ef", method="vmap", chunk_size=4),
+        per_example_grad_stats(net, x, y, lik, hess_approx="ef", method="auto", chunk_size=4),
     ]
     if arch not in ("twice", "shared"):
         results.append(per_example_grad_stats(net, x, y, lik, method="hooks", chunk_size=5))
@@ -271,7 +271,7 @@ def test_per_example_stats_match_brute_force(arch):
         net.eval()
         torch.testing.assert_close(ef.loss, lik.nll(net(x), y).mean(), atol=1e-12, rtol=0)
         net.train()
-    gg = per_example_grad_stats(net, x, y, lik, curvature="ggn", chunk_size=5)
+    gg = per_example_grad_stats(net, x, y, lik, hess_approx="ggn", chunk_size=5)
     torch.testing.assert_close(gg.grad, g, atol=1e-12, rtol=1e-10)
     torch.testing.assert_close(gg.curv, ggn, atol=1e-12, rtol=1e-10)
     assert sq.abs().max() > 0 and ggn.abs().max() > 0
@@ -440,8 +440,8 @@ def test_bad_arguments():
         VOGN(net, prior_precision=torch.ones(3))
     with pytest.raises(ValueError, match="prior_precision"):
         VOGN(net, prior_mean=DiagonalGaussian.isotropic(net, 2.0), prior_precision=1.0)
-    with pytest.raises(ValueError, match="curvature"):
-        VOGN(net, curvature="hessian")
+    with pytest.raises(ValueError, match="hess_approx"):
+        VOGN(net, hess_approx="hessian")
     with pytest.raises(ValueError, match="ess is not set"):
         VOGN(net).step(_closure(VOGN(net), torch.randn(3, 2, dtype=D), torch.zeros(3, dtype=D)))
     prior = DiagonalGaussian(torch.ones(2, dtype=D), torch.full((2,), 3.0, dtype=D))
@@ -466,7 +466,7 @@ class _Probe(SupervisedPlugin):
 
 def _avalanche_setup(seed: int = 0):
     torch.manual_seed(seed)
-    seq = synthetic_split(n_tasks=2, input_shape=(1, 6, 6), n_train=100, n_test=10)
+    seq = synthetic_split(n_tasks=2, input_shape=(1, 6, 6), train_size=100, test_size=10)
     net = MultiHeadMLP(36, (16,), n_heads=2, head_size=2)
     model = as_avalanche_model(net)
     opt = VOGN(model, lr=2e-2, ess=1, hess_init=0.1, kl_weight=0.1)
@@ -556,7 +556,7 @@ class _CurvatureCheck(SupervisedPlugin):
 @pytest.mark.parametrize("reuse_forward", [True, False])
 def test_plugin_curvature_from_training_forward_is_exact(reuse_forward):
     torch.manual_seed(0)
-    seq = synthetic_split(n_tasks=2, input_shape=(1, 6, 6), n_train=40, n_test=10)
+    seq = synthetic_split(n_tasks=2, input_shape=(1, 6, 6), train_size=40, test_size=10)
     net = MultiHeadMLP(36, (8,), n_heads=2, head_size=2)
     model = as_avalanche_model(net)
     opt = VOGN(model, lr=1e-2, hess_init=0.1, kl_weight=0.1)

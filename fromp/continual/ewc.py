@@ -69,7 +69,7 @@ def ewc_penalty(
     ewc_lambda: float,
 ) -> Tensor:
     """``lambda sum_t sum_p F_{t,p} (w_p - w*_{t,p})^2`` (a scalar): Avalanche's EWC penalty
-    for importances ``F_t`` on its scale (module docstring; the 1/2 of 0.4 and earlier is gone:
+    for importances ``F_t`` on its scale (module docstring; the 1/2 of 0.3 is gone:
     halve ``ewc_lambda`` for the former value).
 
     ``w``, each anchor ``w*_t`` and each importance ``F_t`` are either flat ``[P]`` vectors
@@ -205,7 +205,7 @@ class EWCMethod:
         ``(lambda / B) sum_p F~_p (w_p - w*_{T-1,p})^2``, ``F~ <- gamma F~ + F_t``  (online)
 
     (``per_example_lambda=lambda'`` instead: ``lambda / B`` is ``lambda' / 2``, the scale of
-    0.4 and earlier). With ``fisher="minibatch"`` and ``B`` the training mini-batch size it
+    0.3). With ``fisher="minibatch"`` and ``B`` the training mini-batch size it
     is ``avalanche.training.EWC(ewc_lambda=lambda)``'s penalty.
 
     with ``w*_t`` the weights after task ``t``. Anchors and importances are dicts keyed by
@@ -232,7 +232,7 @@ class EWCMethod:
         likelihood: a :class:`fromp.likelihood.Likelihood` or its name.
         batch_size: ``B``, the mini-batch size Avalanche's importance would use (its
             ``train_mb_size``; the strategy passes its own).
-        per_example_lambda: ``lambda'``, the per-example scale of 0.4 and earlier: penalty
+        per_example_lambda: ``lambda'``, the per-example scale of 0.3: penalty
             ``(lambda' / 2) sum_p F_p (w_p - w*_p)^2`` whatever ``batch_size``.
 
     Under ``torch.distributed`` :meth:`learn_task` takes this rank's shard and the Fisher

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from fromp._checks import check_batch, check_model_output, device_dtype
-from fromp.curvature.capture import DEFAULT_MEMORY_BUDGET, ColumnFn, sum_squared_column_grads
+from fromp.curvature.capture import DEFAULT_MEMORY_BUDGET, sum_squared_column_grads
 from fromp.likelihood import Likelihood, get_likelihood
 from fromp.models import uncompiled
 
@@ -70,9 +71,18 @@ def iter_batches(
         raise ValueError("data is empty: expected at least one batch")
 
 
-def _nll_grad_columns(lik: Likelihood) -> ColumnFn:
-    """``V [B, C, S]``: gradients of the nll in ``f`` at the ``S`` label sets of ``extra``
-    ``[S, B, ...]``, scaled by ``1/sqrt(S)`` (so that squares average over the sets)."""
+def _squared_nll_grads(
+    model: nn.Module,
+    batches: Iterable[tuple[Tensor, Tensor]],
+    lik: Likelihood,
+    **route: Any,
+) -> Tensor:
+    """``sum_n (1/S) sum_s g_n(y_ns)^2`` ``[P]``, ``g_n(y) = grad nll(y | f(x_n))``, over
+    ``batches`` of ``(x [B, ...], ys [S, B, ...])``: the empirical Fisher's diagonal with the
+    observed labels (``S = 1``), the Monte Carlo Fisher's with ``S`` sampled label sets.
+    The columns ``V [B, C, S]`` (the nll's gradients in ``f``, scaled by ``1/sqrt(S)``) go
+    to :func:`~fromp.curvature.capture.sum_squared_column_grads` with ``route``
+    (``chunk_size``, ``memory_budget``, ``method``)."""
 
     def columns(f: Tensor, ys: Tensor) -> Tensor:
         cols = []
@@ -83,7 +93,7 @@ def _nll_grad_columns(lik: Likelihood) -> ColumnFn:
             cols.append(g)
         return torch.stack(cols, dim=-1) / math.sqrt(len(ys))
 
-    return columns
+    return sum_squared_column_grads(model, batches, columns, **route)
 
 
 def diag_ggn(
@@ -174,13 +184,8 @@ def diag_ef(
     lik = get_likelihood(likelihood)
     device_dtype(model)
     batches = ((x, y.unsqueeze(0)) for x, y in iter_batches(data, need_targets=True))
-    return sum_squared_column_grads(
-        model,
-        batches,
-        _nll_grad_columns(lik),
-        memory_budget=memory_budget,
-        chunk_size=chunk_size,
-        method=method,
+    return _squared_nll_grads(
+        model, batches, lik, chunk_size=chunk_size, memory_budget=memory_budget, method=method
     )
 
 
@@ -214,13 +219,8 @@ def diag_fisher(
             ys = torch.stack([lik.sample(f, generator=generator) for _ in range(n_samples)])
             yield x, ys
 
-    return sum_squared_column_grads(
-        model,
-        batches(),
-        _nll_grad_columns(lik),
-        memory_budget=memory_budget,
-        chunk_size=chunk_size,
-        method=method,
+    return _squared_nll_grads(
+        model, batches(), lik, chunk_size=chunk_size, memory_budget=memory_budget, method=method
     )
 
 

@@ -426,23 +426,24 @@ class KronEigen:
                 self.lbb.append(lbb.clamp_min(0))
                 self.qbb.append(qbb)
 
-    def weight_eigs(self, i: int, scale: Tensor | float, delta: Tensor) -> Tensor:
+    def weight_eigs(self, i: int, scale: Tensor | float, prior_precision: Tensor) -> Tensor:
         """``[out, in']``: eigenvalues ``b_i a_j scale + delta`` of layer ``i``'s weight
-        block of the posterior precision."""
-        return torch.outer(self.lb[i], self.la[i]) * scale + delta
+        block of the posterior precision (``delta`` the weight's ``prior_precision``)."""
+        return torch.outer(self.lb[i], self.la[i]) * scale + prior_precision
 
-    def bias_eigs(self, i: int, scale: Tensor | float, delta: Tensor) -> Tensor:
-        return self.lbb[i] * scale + delta
+    def bias_eigs(self, i: int, scale: Tensor | float, prior_precision: Tensor) -> Tensor:
+        """``[out]``: eigenvalues ``b_k scale + delta`` of layer ``i``'s bias block."""
+        return self.lbb[i] * scale + prior_precision
 
-    def logdet(self, scale: Tensor | float, deltas: list[Tensor]) -> Tensor:
-        """``log det(G scale + D)``; ``deltas``: one scalar per parameter tensor, in the order
-        of ``curv.names`` flattened."""
+    def logdet(self, scale: Tensor | float, prior_precisions: list[Tensor]) -> Tensor:
+        """``log det(G scale + D)``; ``prior_precisions``: ``delta``, one scalar per parameter
+        tensor, in the order of ``curv.names`` flattened."""
         total, k = 0.0, 0
         for i in range(len(self.la)):
-            total = total + self.weight_eigs(i, scale, deltas[k]).log().sum()
+            total = total + self.weight_eigs(i, scale, prior_precisions[k]).log().sum()
             k += 1
             if self.lbb[i] is not None:
-                total = total + self.bias_eigs(i, scale, deltas[k]).log().sum()
+                total = total + self.bias_eigs(i, scale, prior_precisions[k]).log().sum()
                 k += 1
         return total
 
@@ -453,16 +454,19 @@ class KronEigen:
     def unrotate_weight(self, i: int, r: Tensor) -> Tensor:
         return self.qb[i] @ r @ self.qa[i].T
 
-    def to_dense(self, scale: Tensor | float, deltas: list[Tensor]) -> list[Tensor]:
+    def to_dense(self, scale: Tensor | float, prior_precisions: list[Tensor]) -> list[Tensor]:
         """The dense precision of each parameter tensor (tests and small models only):
-        ``B (x) A scale + delta I`` for a weight, ``B_bias scale + delta I`` for a bias."""
+        ``B (x) A scale + delta I`` for a weight, ``B_bias scale + delta I`` for a bias
+        (``delta`` the tensor's entry of ``prior_precisions``)."""
         out, k = [], 0
         for blk in self.curv.blocks:
             w = torch.kron(blk.B, blk.A) * scale
-            out.append(w + deltas[k] * torch.eye(len(w), dtype=w.dtype, device=w.device))
+            out.append(w + prior_precisions[k] * torch.eye(len(w), dtype=w.dtype, device=w.device))
             k += 1
             if blk.B_bias is not None:
                 b = blk.B_bias * scale
-                out.append(b + deltas[k] * torch.eye(len(b), dtype=b.dtype, device=b.device))
+                out.append(
+                    b + prior_precisions[k] * torch.eye(len(b), dtype=b.dtype, device=b.device)
+                )
                 k += 1
         return out

@@ -56,16 +56,94 @@ from fromp.link import probit_scale
 from fromp.models import uncompiled
 from fromp.posterior import DiagonalGaussian, GaussianPosterior
 
-__all__ = ["GP", "dnn2gp", "predictive_from"]
-
-Posterior = GaussianPosterior
+__all__ = ["GP", "GPPredictive", "dnn2gp"]
 
 
 def _check_chunk(chunk_size: int) -> int:
     return check_chunk_size(chunk_size, allow_none=False)
 
 
-class GP:
+class GPPredictive:
+    """The predictive distribution of a Gaussian process over the outputs: :meth:`predictive`
+    from the process's ``mean(x)`` ``[N, C]``, ``variance(x, chunk_size=...)`` ``[N, C, C]``
+    and ``likelihood``, the one implementation for :class:`GP` and
+    :class:`fromp.laplace.LaplaceGP`. A subclass gives the Gaussian noise
+    (:meth:`_sigma_noise`) and may answer further ``method`` values itself
+    (:meth:`_own_predictive`)."""
+
+    likelihood: Likelihood
+
+    def mean(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def variance(self, x: Tensor, *, chunk_size: int | None = None) -> Tensor:
+        raise NotImplementedError
+
+    def _sigma_noise(self) -> float:
+        """``sigma`` of a Gaussian likelihood (1 for the others)."""
+        lik = self.likelihood
+        return lik.sigma if isinstance(lik, GaussianLikelihood) else 1.0
+
+    def _own_predictive(self, x: Tensor, method: str) -> Tensor | None:
+        """The predictive for a ``method`` the subclass answers itself, else None."""
+        return None
+
+    def predictive(
+        self,
+        x: Tensor,
+        method: str = "probit",
+        n_samples: int = 100,
+        *,
+        generator: torch.Generator | None = None,
+        chunk_size: int | None = None,
+        return_variance: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """The predictive distribution of ``y`` at ``x`` under the GP.
+
+        Classification (categorical / Bernoulli), returns probabilities ``[N, C]``, or
+        ``(probabilities [N, C], var f [N, C, C])`` with ``return_variance=True`` (the
+        marginal covariance of the latent ``f(x)``, :meth:`variance`):
+
+        * ``"probit"``: per-output probit approximation, ``softmax(m_c / sqrt(1 + pi/8
+          v_cc))`` (``sigmoid`` for Bernoulli), ``m = mean(x)``, ``v = variance(x)``;
+        * ``"mc"``: ``E[softmax(f)]`` with ``n_samples`` draws ``f ~ N(m, v)`` (full
+          ``C x C`` marginal covariance);
+        * ``"linear"``: the linearised network at the posterior mean, ``softmax(m)``
+          (variance ignored).
+
+        Gaussian likelihood: ``(m [N, C], v + sigma^2 I [N, C, C])``, exact for every method.
+        """
+        own = self._own_predictive(x, method)
+        if own is not None:
+            return own
+        if method not in ("probit", "mc", "linear"):
+            raise ValueError(f"method must be 'probit', 'mc' or 'linear', got {method!r}")
+        if method == "mc" and (not isinstance(n_samples, int) or n_samples < 1):
+            raise ValueError(f"n_samples must be a positive int, got {n_samples!r}")
+        likelihood = self.likelihood
+        m = self.mean(x)
+        if isinstance(likelihood, GaussianLikelihood):
+            v = self.variance(x, chunk_size=chunk_size)
+            eye = torch.eye(m.shape[1], dtype=m.dtype, device=m.device)
+            return m, v + self._sigma_noise() ** 2 * eye
+        if not isinstance(likelihood, CategoricalLikelihood | BernoulliLikelihood):
+            raise ValueError(f"predictive does not support likelihood {likelihood!r}")
+        need_v = return_variance or method != "linear"
+        v = self.variance(x, chunk_size=chunk_size) if need_v else None
+        if method == "linear":
+            probs = likelihood.inverse_link(m)
+        elif method == "probit":
+            probs = likelihood.inverse_link(m * probit_scale(v))
+        else:
+            evals, evecs = torch.linalg.eigh(v)
+            root = evecs * evals.clamp_min(0).sqrt().unsqueeze(-2)  # N, C, C: v = root root^T
+            eps = randn_like_on((n_samples, *m.shape), generator, m.dtype, m.device)
+            f = m + torch.einsum("ncd,snd->snc", root, eps)
+            probs = likelihood.inverse_link(f.reshape(-1, m.shape[1])).reshape(f.shape).mean(0)
+        return (probs, v) if return_variance else probs
+
+
+class GP(GPPredictive):
     """The DNN2GP Gaussian process of ``model`` linearised at ``posterior.mean``.
 
     Args:
@@ -400,80 +478,10 @@ class GP:
             del v
         return out
 
-    def predictive(
-        self,
-        x: Tensor,
-        method: str = "probit",
-        n_samples: int = 100,
-        *,
-        generator: torch.Generator | None = None,
-        chunk_size: int | None = None,
-        return_variance: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """The predictive distribution of ``y`` at ``x`` under the GP.
-
-        Classification (categorical / Bernoulli), returns probabilities ``[N, C]``, or
-        ``(probabilities [N, C], var f [N, C, C])`` with ``return_variance=True`` (the
-        marginal covariance of the latent ``f(x)``, :meth:`variance`):
-
-        * ``"probit"``: per-output probit approximation, ``softmax(m_c / sqrt(1 + pi/8
-          v_cc))`` (``sigmoid`` for Bernoulli), ``m = mean(x)``, ``v = variance(x)``;
-        * ``"mc"``: ``E[softmax(f)]`` with ``n_samples`` draws ``f ~ N(m, v)`` (full
-          ``C x C`` marginal covariance);
-        * ``"linear"``: the linearised network at the posterior mean, ``softmax(m)``
-          (variance ignored).
-
-        Gaussian likelihood: ``(m [N, C], v + sigma^2 I [N, C, C])``, exact for every method.
-        """
-        sigma = self.likelihood.sigma if isinstance(self.likelihood, GaussianLikelihood) else 1.0
-        return predictive_from(
-            self.likelihood, sigma, self.mean, lambda z: self.variance(z, chunk_size=chunk_size),
-            x, method, n_samples, generator, return_variance,
-        )  # fmt: skip
-
-
-def predictive_from(
-    lik: Likelihood,
-    sigma: float,
-    mean: Any,
-    variance: Any,
-    x: Tensor,
-    method: str,
-    n_samples: int,
-    generator: torch.Generator | None,
-    return_variance: bool,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """:meth:`GP.predictive` from a GP's ``mean(x)`` and ``variance(x)`` (shared by
-    :class:`GP` and :class:`LaplaceGP`); ``sigma``: the Gaussian noise."""
-    if method not in ("probit", "mc", "linear"):
-        raise ValueError(f"method must be 'probit', 'mc' or 'linear', got {method!r}")
-    if method == "mc" and (not isinstance(n_samples, int) or n_samples < 1):
-        raise ValueError(f"n_samples must be a positive int, got {n_samples!r}")
-    m = mean(x)
-    if isinstance(lik, GaussianLikelihood):
-        v = variance(x)
-        eye = torch.eye(m.shape[1], dtype=m.dtype, device=m.device)
-        return m, v + sigma**2 * eye
-    if not isinstance(lik, CategoricalLikelihood | BernoulliLikelihood):
-        raise ValueError(f"predictive does not support likelihood {lik!r}")
-    need_v = return_variance or method != "linear"
-    v = variance(x) if need_v else None
-    if method == "linear":
-        probs = lik.inverse_link(m)
-    elif method == "probit":
-        probs = lik.inverse_link(m * probit_scale(v))
-    else:
-        evals, evecs = torch.linalg.eigh(v)
-        root = evecs * evals.clamp_min(0).sqrt().unsqueeze(-2)  # N, C, C: v = root root^T
-        eps = randn_like_on((n_samples, *m.shape), generator, m.dtype, m.device)
-        f = m + torch.einsum("ncd,snd->snc", root, eps)
-        probs = lik.inverse_link(f.reshape(-1, m.shape[1])).reshape(f.shape).mean(0)
-    return (probs, v) if return_variance else probs
-
 
 def dnn2gp(
     model: nn.Module,
-    posterior: Posterior,
+    posterior: GaussianPosterior,
     likelihood: str | Likelihood,
     *,
     chunk_size: int | None = None,

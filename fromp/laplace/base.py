@@ -153,8 +153,16 @@ class BaseLaplace(PriorTuning, LaplaceTorchAPI):
 
     #: ``(subset_of_weights, hessian_structure)`` of the class :func:`Laplace` builds
     _key: tuple[str, str] | None = None
+    #: the ``hessian_structure``, set from ``_key`` (:meth:`__init_subclass__`)
     structure = ""
     subset_of_weights = "all"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A class that sets its own ``_key`` takes its ``structure`` from it: the pair is
+        written once, in ``_key``."""
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("_key") is not None:
+            cls.structure = cls._key[1]
 
     def __init__(
         self,
@@ -593,6 +601,5 @@ class ParametricLaplace(BaseLaplace):
         self.H = self._h_load(state["H"])
         self.loss = None if state["loss"] is None else state["loss"].to(self._mu)
         self.n_data, self.n_outputs = int(state["n_data"]), int(state["n_outputs"])
-        # fromp 0.3 states stored the number of targets N C as n_outputs
-        self._n_targets = int(state.get("n_targets", self.n_outputs))
+        self._n_targets = int(state["n_targets"])
         self._fitted()

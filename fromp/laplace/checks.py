@@ -312,9 +312,12 @@ def at_load(la: Any, state: Any) -> None:
     as this model has in the subset (both sizes named)."""
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict from state_dict(), got {type(state).__name__}")
-    missing = [k for k in ("parameter_names", "mean", "H") if k not in state]
+    missing = [k for k in ("parameter_names", "mean", "H", "n_targets") if k not in state]
     if missing:
-        raise ValueError(f"state is missing {missing}: expected a dict from state_dict()")
+        raise ValueError(
+            f"state is missing {missing}: expected a dict from state_dict() of fromp >= 0.4 "
+            "(a 0.3 state has no n_targets: fit again)"
+        )
     if la.subset_of_weights == "subnetwork":
         return  # the subnetwork's indices and tensors are compared by its own loader
     params = dict(la.model.named_parameters())

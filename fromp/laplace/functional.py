@@ -51,7 +51,6 @@ class FunctionalLaplace(BaseLaplace):
     """
 
     _key = ("all", "gp")
-    structure = "gp"
 
     def __init__(
         self,

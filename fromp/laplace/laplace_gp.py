@@ -9,18 +9,20 @@ import torch
 from torch import Tensor
 
 import fromp.laplace.checks as checks
-from fromp.gp.process import predictive_from
+from fromp.gp.process import GPPredictive
 from fromp.likelihood import Likelihood
 
 __all__ = ["LaplaceGP"]
 
 
-class LaplaceGP:
+class LaplaceGP(GPPredictive):
     """The GP of a fitted :class:`fromp.Laplace` (``la.gp()``, every structure; the one type
     ``gp()`` returns): :meth:`mean` ``f_w*(x)`` ``[N, C]``, :meth:`kernel` ``J(x1) Sigma
     J(x2)^T`` ``[N, C, M, C]``, :meth:`variance` ``[N, C, C]`` and :meth:`predictive`, with
     :class:`GP`'s signatures (the chunking arguments are the Laplace's own and are ignored
-    here). Every call runs the Laplace's predict checks
+    here). :meth:`predictive` is :class:`fromp.gp.GPPredictive`'s, with the Laplace's
+    ``sigma_noise`` (regression: ``(m, v + sigma_noise^2 I)``, the predictive of ``y``) and
+    ``method="bridge"``, the Laplace bridge. Every call runs the Laplace's predict checks
     (:func:`fromp.laplace.checks.at_predict`)."""
 
     def __init__(self, la: Any) -> None:
@@ -52,22 +54,9 @@ class LaplaceGP:
         x1 = x1.to(dev)
         return self.la._kernel_chunked(x1, x1 if x2 is None else x2.to(dev))
 
-    def predictive(
-        self,
-        x: Tensor,
-        method: str = "probit",
-        n_samples: int = 100,
-        *,
-        generator: torch.Generator | None = None,
-        chunk_size: int | None = None,
-        return_variance: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
-        """:meth:`GP.predictive` of the Laplace's GP (regression: ``(m, v + sigma_noise^2
-        I)``, the predictive of ``y``); ``method="bridge"``: the Laplace bridge
-        (``la(x, link_approx="bridge")``)."""
-        if method == "bridge":
-            return self.la(x, link_approx="bridge")
-        return predictive_from(
-            self.likelihood, self.la.sigma_noise, self.mean, self.variance, x, method,
-            n_samples, generator, return_variance,
-        )  # fmt: skip
+    def _sigma_noise(self) -> float:
+        return float(self.la.sigma_noise)
+
+    def _own_predictive(self, x: Tensor, method: str) -> Tensor | None:
+        """``method="bridge"``: the Laplace bridge (``la(x, link_approx="bridge")``)."""
+        return self.la(x, link_approx="bridge") if method == "bridge" else None

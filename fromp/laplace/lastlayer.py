@@ -142,7 +142,6 @@ class DiagLLLaplace(_DiagMaths, LLLaplace):
     """Last layer, diagonal: ``diag(G)[c, d] = sum_n Lambda_n[c, c] phi~_nd^2``."""
 
     _key = ("last_layer", "diag")
-    structure = "diag"
 
     def _curvature(self, batches):
         h = 0.0
@@ -169,7 +168,6 @@ class FullLLLaplace(_FullMaths, LLLaplace):
     """Last layer, full: ``G = sum_n Lambda_n (x) phi~_n phi~_n^T`` ``[P, P]``."""
 
     _key = ("last_layer", "full")
-    structure = "full"
 
     def _curvature(self, batches):
         h = 0.0
@@ -209,7 +207,6 @@ class KronLLLaplace(_KronMixin, LLLaplace):
     phi_n^T`` for the weight, the exact ``B`` for the bias (as :mod:`fromp.curvature.kron`)."""
 
     _key = ("last_layer", "kron")
-    structure = "kron"
 
     def _curvature(self, batches):
         a, b, n = 0.0, 0.0, 0

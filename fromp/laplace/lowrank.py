@@ -138,7 +138,6 @@ class LowRankLaplace(ParametricLaplace):
     """
 
     _key = ("all", "lowrank")
-    structure = "lowrank"
 
     def __init__(
         self,

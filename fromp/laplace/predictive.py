@@ -240,13 +240,13 @@ class LaplaceTorchAPI:
     @property
     def log_det_ratio(self) -> Tensor:
         """``log det(G / (s^2 T) + D) - log det D`` (in a form without cancellation; at
-        other values: :meth:`log_det_ratio_at`). A method in fromp 0.3."""
+        other values: :meth:`log_det_ratio_at`), laplace-torch's property."""
         return self.log_det_ratio_at()
 
     @property
     def scatter(self) -> Tensor:
-        """``(theta* - m0)^T D (theta* - m0)`` (at another ``delta``: :meth:`scatter_at`).
-        A method in fromp 0.3."""
+        """``(theta* - m0)^T D (theta* - m0)`` (at another ``delta``: :meth:`scatter_at`),
+        laplace-torch's property."""
         return self.scatter_at()
 
     @property
@@ -693,6 +693,6 @@ class LaplaceTorchAPI:
 
     def gp(self) -> Any:
         """The DNN2GP Gaussian process of the linearised network under this posterior:
-        mean ``f_w(x)``, kernel ``J(x) Sigma J(x')^T`` (:class:`fromp.gp.LaplaceGP`)."""
+        mean ``f_w(x)``, kernel ``J(x) Sigma J(x')^T`` (:class:`fromp.laplace.LaplaceGP`)."""
         self._require_fit()
         return LaplaceGP(self)

@@ -129,7 +129,6 @@ class DiagLaplace(_AllWeightsGP, _DiagMaths, ParametricLaplace):
     """
 
     _key = ("all", "diag")
-    structure = "diag"
 
     def _curvature(self, batches):
         return diag_ggn(self.model, [(x,) for x, _ in batches], self._lik,
@@ -207,7 +206,6 @@ class FullLaplace(_AllWeightsGP, _FullMaths, ParametricLaplace):
     models: ``P <= max_params``)."""
 
     _key = ("all", "full")
-    structure = "full"
 
     def _curvature(self, batches):
         g = ggn(self.model, [(x,) for x, _ in batches], self._lik,
@@ -460,7 +458,6 @@ class KronLaplace(_KronMixin, ParametricLaplace):
     of ``G / (s^2 T) + delta`` in the factors' eigenbases."""
 
     _key = ("all", "kron")
-    structure = "kron"
 
     def __init__(self, model: nn.Module, likelihood: Any, *, damping: bool = False,
                  **kwargs: Any) -> None:  # fmt: skip

@@ -399,7 +399,6 @@ class FullSubnetLaplace(_FullMaths, SubnetLaplace):
     """Subnetwork, ``hessian_structure="full"``: ``G_SS`` ``[S, S]``."""
 
     _key = ("subnetwork", "full")
-    structure = "full"
 
     def _curvature(self, batches):
         g = 0.0
@@ -417,7 +416,6 @@ class DiagSubnetLaplace(_DiagMaths, SubnetLaplace):
     """Subnetwork, ``hessian_structure="diag"``: ``diag(G_SS)`` ``[S]``."""
 
     _key = ("subnetwork", "diag")
-    structure = "diag"
 
     def _curvature(self, batches):
         h = 0.0

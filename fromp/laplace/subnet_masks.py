@@ -224,46 +224,63 @@ class LargestVarianceSWAGSubnetMask(ScoreBasedSubnetMask):
                                      self.swag_snapshot_freq, self.swag_lr)  # fmt: skip
 
 
-class ParamNameSubnetMask(SubnetMask):
-    """The parameter tensors named in ``parameter_names`` (``model.named_parameters()``)."""
+class _NamedTensorsMask(SubnetMask):
+    """Whole parameter tensors chosen by name: the names are checked and resolved by
+    :meth:`_chosen` (the parameters they name), the mask holds every entry of those."""
 
-    def __init__(self, model: nn.Module, parameter_names: list[str]) -> None:
+    #: the argument that names them, for the messages
+    _argument = ""
+
+    def __init__(self, model: nn.Module, names: list[str]) -> None:
         super().__init__(model)
-        self._parameter_names = list(parameter_names)
+        self._names = list(names)
+
+    def _chosen(self) -> list[Tensor]:
+        raise NotImplementedError
 
     def get_subnet_mask(self, train_loader: Any = None) -> Tensor:
-        names = dict(self.model.named_parameters())
-        if not self._parameter_names:
-            raise ValueError("parameter_names must not be empty")
-        missing = [n for n in self._parameter_names if n not in names]
+        if not self._names:
+            raise ValueError(f"{self._argument} must not be empty")
+        chosen = {id(p) for p in self._chosen()}
+        return torch.cat([torch.full((p.numel(),), id(p) in chosen, dtype=torch.bool)
+                          for p in self.model.parameters()])  # fmt: skip
+
+
+class ParamNameSubnetMask(_NamedTensorsMask):
+    """The parameter tensors named in ``parameter_names`` (``model.named_parameters()``)."""
+
+    _argument = "parameter_names"
+
+    def __init__(self, model: nn.Module, parameter_names: list[str]) -> None:
+        super().__init__(model, parameter_names)
+
+    def _chosen(self) -> list[Tensor]:
+        named = dict(self.model.named_parameters())
+        missing = [n for n in self._names if n not in named]
         if missing:
             raise ValueError(f"parameters {missing} do not exist in the model")
-        return torch.cat([torch.full((p.numel(),), n in self._parameter_names, dtype=torch.bool)
-                          for n, p in names.items()])  # fmt: skip
+        return [named[n] for n in self._names]
 
 
-class ModuleNameSubnetMask(SubnetMask):
+class ModuleNameSubnetMask(_NamedTensorsMask):
     """The parameters of the leaf modules named in ``module_names``
     (``model.named_modules()``)."""
 
-    def __init__(self, model: nn.Module, module_names: list[str]) -> None:
-        super().__init__(model)
-        self._module_names = list(module_names)
+    _argument = "module_names"
 
-    def get_subnet_mask(self, train_loader: Any = None) -> Tensor:
+    def __init__(self, model: nn.Module, module_names: list[str]) -> None:
+        super().__init__(model, module_names)
+
+    def _chosen(self) -> list[Tensor]:
         modules = dict(self.model.named_modules())
-        if not self._module_names:
-            raise ValueError("module_names must not be empty")
-        for name in self._module_names:
+        for name in self._names:
             if name not in modules:
                 raise ValueError(f"module {name!r} does not exist in the model")
             if list(modules[name].children()):
                 raise ValueError(f"module {name!r} has children (name a leaf module)")
             if not list(modules[name].parameters()):
                 raise ValueError(f"module {name!r} has no parameters")
-        chosen = {id(p) for n in self._module_names for p in modules[n].parameters()}
-        return torch.cat([torch.full((p.numel(),), id(p) in chosen, dtype=torch.bool)
-                          for p in self.model.parameters()])  # fmt: skip
+        return [p for n in self._names for p in modules[n].parameters()]
 
 
 class LastLayerSubnetMask(ModuleNameSubnetMask):
@@ -283,5 +300,5 @@ class LastLayerSubnetMask(ModuleNameSubnetMask):
             with torch.no_grad():
                 _, layer = last_layer_features(self.model, x[:1].to(dev))
             self.last_layer_name = next(n for n, m in self.model.named_modules() if m is layer)
-            self._module_names = [self.last_layer_name]
+            self._names = [self.last_layer_name]
         return super().get_subnet_mask(train_loader)

@@ -30,7 +30,6 @@ from fromp._checks import (
     check_chunk_size,
     check_prior_precision,
     check_tensor,
-    warn_renamed,
 )
 from fromp.curvature.last_layer import (
     LastLinearRecord,
@@ -350,8 +349,7 @@ class LOOTracker:
         prior_precision: ``delta`` of the last-layer Laplace (None: the optimizer's weight
             decay times ``N``; an error if there is none).
         subset_of_weights: ``"last_layer"`` or ``"all"``, for an optimizer's own posterior
-            (the names of :func:`fromp.Laplace`; 0.3's ``scope="last-layer"`` is accepted with
-            a ``DeprecationWarning`` until 0.5).
+            (the names of :func:`fromp.Laplace`).
         hessian_structure: the last-layer Laplace for Adam/SGD: ``"full"`` (exact GGN) or
             ``"kron"`` (KFAC, ``B (x) A``: cheap for wide features and many classes).
         max_examples: use at most this many training examples (None: all).
@@ -367,15 +365,7 @@ class LOOTracker:
         hessian_structure: str = "full",
         max_examples: int | None = None,
         seed: int = 0,
-        scope: str | None = None,
-        structure: str | None = None,
     ) -> None:
-        if scope is not None:  # 0.3's names
-            warn_renamed("LOOTracker(scope=...)", "subset_of_weights=")
-            subset_of_weights = {"last-layer": "last_layer"}.get(scope, scope)
-        if structure is not None:
-            warn_renamed("LOOTracker(structure=...)", "hessian_structure=")
-            hessian_structure = structure
         if subset_of_weights not in ("last_layer", "all"):
             raise ValueError(
                 f"subset_of_weights must be 'last_layer' or 'all', got {subset_of_weights!r}"

@@ -49,7 +49,6 @@ Example::
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +57,7 @@ from torch import Tensor, nn
 
 from fromp._checks import check_batch, check_class_targets, check_tensor
 from fromp.curvature.jacobian import num_params, unflatten
-from fromp.gp.process import GP, Posterior
+from fromp.gp.process import GP
 from fromp.laplace.base import BaseLaplace
 from fromp.likelihood import (
     CategoricalLikelihood,
@@ -66,7 +65,7 @@ from fromp.likelihood import (
     Likelihood,
     get_likelihood,
 )
-from fromp.posterior import FullGaussian
+from fromp.posterior import FullGaussian, GaussianPosterior
 
 __all__ = ["MemoryPerturbation", "memory_perturbation", "newton_step_loo", "prediction_variance"]
 
@@ -75,7 +74,7 @@ _COVARIANCES = ("diag", "full")
 
 def prediction_variance(
     model: nn.Module,
-    posterior: Posterior,
+    posterior: GaussianPosterior,
     x: Tensor,
     likelihood: str | Likelihood = "categorical",
     *,
@@ -185,22 +184,22 @@ def _laplace_likelihood(posterior: BaseLaplace, likelihood: str | Likelihood | N
     return own
 
 
-def check_loo_targets(y: Tensor, n_outputs: int, lik: Likelihood) -> None:
+def check_loo_targets(y: Tensor, n_outputs: int, likelihood: Likelihood) -> None:
     """Targets that fit the likelihood and a model of ``n_outputs`` outputs (class indices
     in range, ``{0, 1}`` for a Bernoulli, finite regression targets), and no softmax over a
     single output (whose probability is always 1: LOO NLL 0 and accuracy 100 %, meaningless);
     ``ValueError`` naming ``y`` or ``likelihood``."""
-    if isinstance(lik, CategoricalLikelihood) and n_outputs < 2:
+    if isinstance(likelihood, CategoricalLikelihood) and n_outputs < 2:
         raise ValueError(
             f"likelihood='categorical' needs a model with at least 2 outputs, got {n_outputs} "
             "(a softmax over one output is always 1): use 'bernoulli' or 'gaussian'"
         )
-    check_class_targets(y, n_outputs, lik, "y")
+    check_class_targets(y, n_outputs, likelihood, "y")
 
 
 def memory_perturbation(
     model: nn.Module,
-    posterior: Posterior,
+    posterior: GaussianPosterior,
     x: Tensor,
     y: Tensor,
     likelihood: str | Likelihood | None = None,
@@ -225,8 +224,7 @@ def memory_perturbation(
             ``"categorical"``. With a Laplace, an explicit likelihood that disagrees with
             its own (another kind, another noise) is refused.
         covariance: ``"diag"`` (``f + e * v``) or ``"full"`` (``f + V e``) for the
-            leave-one-out outputs (``"diagonal"``, the 0.3 spelling, is accepted with a
-            ``DeprecationWarning`` until 0.5).
+            leave-one-out outputs.
         correction: remove the example's own curvature first (module docstring):
             ``f + e v / (1 - lambda v)`` or ``f + V (I - Lambda V)^{-1} e``. The diagonal
             form is refused when ``1 - lambda_ik v_ik <= 0`` for some example (an approximate
@@ -234,14 +232,6 @@ def memory_perturbation(
             meaning there), naming how many.
         chunk_size: examples per Jacobian chunk.
     """
-    if covariance == "diagonal":
-        warnings.warn(
-            'memory_perturbation(covariance="diagonal") is now covariance="diag"; the old '
-            "spelling goes in fromp 0.5",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        covariance = "diag"
     if covariance not in _COVARIANCES:
         raise ValueError(f"covariance must be one of {_COVARIANCES}, got {covariance!r}")
     _check_examples(x, y)
@@ -302,7 +292,7 @@ def memory_perturbation(
     )
 
 
-_CURVATURES = ("hessian", "ggn")
+_HESS_APPROX = ("hessian", "ggn")
 
 
 def _gmres(apply: Any, b: Tensor, tol: float, max_iter: int) -> Tensor:
@@ -341,7 +331,7 @@ def newton_step_loo(
     y: Tensor,
     likelihood: str | Likelihood = "categorical",
     *,
-    curvature: str = "hessian",
+    hess_approx: str = "hessian",
     linearize: bool = False,
     tol: float | None = None,
     max_iter: int = 2000,
@@ -363,9 +353,9 @@ def newton_step_loo(
     quadratic; the step is the example's gradient under the posterior covariance with the
     example's own curvature removed.
 
-    ``curvature="hessian"`` removes the example's exact Hessian ``H_i = J_i^T Lambda_i J_i +
+    ``hess_approx="hessian"`` removes the example's exact Hessian ``H_i = J_i^T Lambda_i J_i +
     sum_c e_ic d^2 f_ic / dw^2`` (use with ``H`` the exact Hessian of ``L``, e.g.
-    ``FullGaussian(w*, torch.func.hessian(L)(w*))``); ``curvature="ggn"`` removes
+    ``FullGaussian(w*, torch.func.hessian(L)(w*))``); ``hess_approx="ggn"`` removes
     ``J_i^T Lambda_i J_i`` (use with a GGN posterior such as :func:`fromp.fit_laplace_full`; with
     ``linearize=True`` this is ``memory_perturbation(..., covariance="full",
     correction=True)``).
@@ -382,7 +372,7 @@ def newton_step_loo(
             (or GGN) of the training objective at its minimum ``posterior.mean``.
         x: ``[N, ...]`` the examples to leave out, one at a time. y: ``[N]`` targets.
         likelihood: its name or a :class:`~fromp.likelihood.Likelihood`.
-        curvature: ``"hessian"`` or ``"ggn"``, the example's curvature removed.
+        hess_approx: ``"hessian"`` or ``"ggn"``, the example's curvature removed.
         linearize: evaluate the linearised network instead of the network.
         tol: relative residual at which GMRES stops; default ``max(1e-10, 100 eps)`` of the
             posterior's dtype (``1e-10`` in float64, ``1.2e-5`` in float32, which a float32
@@ -392,8 +382,8 @@ def newton_step_loo(
     Returns:
         the estimated leave-one-out outputs ``[N, C]`` (and the steps ``[N, P]``).
     """
-    if curvature not in _CURVATURES:
-        raise ValueError(f"curvature must be one of {_CURVATURES}, got {curvature!r}")
+    if hess_approx not in _HESS_APPROX:
+        raise ValueError(f"hess_approx must be one of {_HESS_APPROX}, got {hess_approx!r}")
     if not isinstance(posterior, FullGaussian):
         raise ValueError("newton_step_loo needs a FullGaussian posterior")
     _check_examples(x, y)
@@ -436,12 +426,12 @@ def newton_step_loo(
             # J_i [C, P], once per example (the GGN products and the linearised outputs)
             jac = (
                 torch.func.jacrev(lambda w, xi=xi: out(w, xi))(w0)
-                if curvature == "ggn" or linearize
+                if hess_approx == "ggn" or linearize
                 else None
             )
         with torch.no_grad():
             f_i = out(w0, xi)
-        if curvature == "hessian":  # H_i v
+        if hess_approx == "hessian":  # H_i v
 
             def hvp(v: Tensor, nll_i: Any = nll_i) -> Tensor:
                 with torch.enable_grad():

@@ -1,8 +1,8 @@
 r"""The per-example statistics engine behind :class:`~fromp.optim.VOGN`.
 
 :func:`per_example_grad_stats` returns the mean gradient ``g = (1/M) sum_i g_i`` and the mean
-per-example curvature ``h = (1/M) sum_i h_i`` (``h_i = g_i^2``, ``curvature="ef"``, or the
-per-example GGN diagonal ``diag(J_i^T Lambda_i J_i)``, ``curvature="ggn"``) of a mini-batch,
+per-example curvature ``h = (1/M) sum_i h_i`` (``h_i = g_i^2``, ``hess_approx="ef"``, or the
+per-example GGN diagonal ``diag(J_i^T Lambda_i J_i)``, ``hess_approx="ggn"``) of a mini-batch,
 all ``[P]`` in ``named_parameters()`` order (trainable only).
 
 Per-example quantities are exact for any architecture (convolutions with weight sharing
@@ -244,7 +244,7 @@ def per_example_grad_stats(
     y: Tensor,
     loss: Likelihood | LossFn | str = "categorical",
     *,
-    curvature: str = "ef",
+    hess_approx: str = "ef",
     chunk_size: int | None = None,
     method: str = "auto",
     need_grad: bool = True,
@@ -254,16 +254,16 @@ def per_example_grad_stats(
     For ``g_i = d loss(f(x_i), y_i) / dw`` (``[P]``, ``w`` the trainable parameters):
 
     * ``grad = (1/M) sum_i g_i``,
-    * ``curv = (1/M) sum_i g_i ** 2`` for ``curvature="ef"``, or
+    * ``curv = (1/M) sum_i g_i ** 2`` for ``hess_approx="ef"``, or
       ``(1/M) sum_i diag(J_i^T Lambda_i J_i) = (1/M) sum_i sum_k (L_i^T J_i)_k ** 2`` for
-      ``curvature="ggn"`` (``J_i [C, P]`` the output Jacobian, ``Lambda_i = L_i L_i^T`` the
+      ``hess_approx="ggn"`` (``J_i [C, P]`` the output Jacobian, ``Lambda_i = L_i L_i^T`` the
       likelihood's output Hessian; needs ``loss`` to be a :class:`Likelihood`).
 
     Two exact implementations (``method``):
 
     * ``"vmap"``: ``vmap(grad_and_value)`` (``vmap(jacrev)`` for the GGN) over examples, any
       architecture; forms the per-example gradients ``[chunk, P]``.
-    * ``"hooks"`` (``curvature="ef"`` only): one forward and one backward of the summed loss
+    * ``"hooks"`` (``hess_approx="ef"`` only): one forward and one backward of the summed loss
       record each layer's input ``a_i`` and output gradient ``d_i``; for a linear layer
       ``sum_i g_i^2 = (d^2)^T (a^2)`` without forming per-example gradients, for a
       convolution (weight sharing) the per-example gradients are formed for that layer only
@@ -280,26 +280,26 @@ def per_example_grad_stats(
         model: maps ``[M, ...] -> [M, C]`` (fix a head with :func:`fromp.models.with_task`).
         x: ``[M, ...]`` inputs. y: ``[M]`` (or ``[M, C]``) targets.
         loss: per-example loss ``(f [B, C], y [B]) -> [B]`` or a likelihood (its ``nll``).
-        curvature: ``"ef"`` or ``"ggn"``.
+        hess_approx: ``"ef"`` or ``"ggn"``.
         chunk_size: examples per vectorised call (None: the whole batch).
         method: ``"auto"``, ``"hooks"`` or ``"vmap"`` (above).
         need_grad: False skips the mean gradient where that saves work (hook path); the
             returned ``grad`` is then None.
     """
-    if curvature not in ("ef", "ggn"):
-        raise ValueError(f"curvature must be 'ef' or 'ggn', got {curvature!r}")
+    if hess_approx not in ("ef", "ggn"):
+        raise ValueError(f"hess_approx must be 'ef' or 'ggn', got {hess_approx!r}")
     if method not in ("auto", "vmap", "hooks"):
         raise ValueError(f"method must be 'auto', 'vmap' or 'hooks', got {method!r}")
-    if method == "hooks" and curvature != "ef":
-        raise ValueError("method='hooks' supports curvature='ef' only")
+    if method == "hooks" and hess_approx != "ef":
+        raise ValueError("method='hooks' supports hess_approx='ef' only")
     check_batch(x, "x")
     check_tensor(y, "y", f"[M]=[{len(x)}]")
     if len(y) != len(x):
         raise ValueError(f"y must have M={len(x)} entries, got {len(y)}")
     chunk_size = check_chunk_size(chunk_size)
     step = len(x) if chunk_size is None else chunk_size
-    if curvature == "ggn" and not isinstance(loss, str | Likelihood):
-        raise ValueError("curvature='ggn' needs loss to be a Likelihood (or its name)")
+    if hess_approx == "ggn" and not isinstance(loss, str | Likelihood):
+        raise ValueError("hess_approx='ggn' needs loss to be a Likelihood (or its name)")
     lik = get_likelihood(loss) if isinstance(loss, str | Likelihood) else None
     nll = _loss_fn(loss)
 
@@ -307,7 +307,7 @@ def per_example_grad_stats(
     params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     if not params:
         raise ValueError("model has no trainable parameters")
-    if curvature == "ef" and method != "vmap":
+    if hess_approx == "ef" and method != "vmap":
         supported = _layout(model)[0]
         if method == "hooks" and not supported:
             raise ValueError(
@@ -327,7 +327,7 @@ def per_example_grad_stats(
         f = functional_call(model, (p, buffers), (xi.unsqueeze(0),))
         return check_model_output(f, " for one example").squeeze(0)
 
-    if curvature == "ef":
+    if hess_approx == "ef":
 
         def single(p: dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
             return nll(out1(p, xi).unsqueeze(0), yi.unsqueeze(0)).sum()
@@ -360,7 +360,7 @@ def per_example_grad_stats(
     with _bn_eval(model):
         for s in range(0, len(x), step):
             xs, ys = x[s : s + step], y[s : s + step]
-            if curvature == "ef":
+            if hess_approx == "ef":
                 g, val = fn(params, xs, ys)
                 h = {n: t.pow(2).sum(0) for n, t in g.items()}
             else:
@@ -456,12 +456,12 @@ class OutputCapture:
     def curvature(
         self,
         likelihood: Likelihood | str | None,
-        curvature: str,
+        hess_approx: str,
         chunk_size: int | None,
         output_grads: list[Tensor] | None = None,
     ) -> Tensor | None:
         """``h = (1/M) sum_i h_i`` ``[P]`` (see the class docstring); None when no recorded
-        output was reached by the backward pass. ``curvature="ggn"`` needs ``likelihood``.
+        output was reached by the backward pass. ``hess_approx="ggn"`` needs ``likelihood``.
 
         ``output_grads``: the per-example output gradients ``r_i = d l_i / d f_i`` of the
         first ``len(output_grads)`` recorded calls, given (e.g. of the data loss alone,
@@ -478,8 +478,8 @@ class OutputCapture:
             return None
         fs = [f for _, _, f in self.calls][: len(calls)] if output_grads is not None else None
         lik = None if likelihood is None else get_likelihood(likelihood)
-        if curvature == "ggn" and lik is None:
-            raise ValueError("curvature='ggn' needs a Likelihood (or its name) as the loss")
+        if hess_approx == "ggn" and lik is None:
+            raise ValueError("hess_approx='ggn' needs a Likelihood (or its name) as the loss")
         model = uncompiled(self.model)  # per-example passes run eagerly
         params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
         buffers = dict(model.named_buffers())
@@ -491,7 +491,7 @@ class OutputCapture:
                 b = len(f)
                 leaves = [*args, *kwargs.values()]
                 batched = [isinstance(t, Tensor) and t.ndim > 0 and len(t) == b for t in leaves]
-                if curvature == "ef":
+                if hess_approx == "ef":
                     vec = grads[j].unsqueeze(-1)  # [B, C, 1]: r_i
                 else:
                     assert lik is not None

@@ -139,7 +139,7 @@ def _refuse_hess_approx(hess_approx: object) -> None:
             "IVON(hess_approx='gradsq') is not supported: ess times the squared mini-batch "
             "gradient is not an estimate of the Hessian of the mean loss (it grows with "
             "ess / batch size); leave hess_approx out (IVON's estimate is ivon-opt's "
-            "'price'), or use fromp.VOGN(curvature='ef') for squared per-example gradients"
+            "'price'), or use fromp.VOGN(hess_approx='ef') for squared per-example gradients"
         )
     raise ValueError(f"hess_approx must be 'price' (ivon-opt's default), got {hess_approx!r}")
 

@@ -9,9 +9,9 @@ regulariser weight only). With the data term written as a mean over examples, ev
 1. draws ``w ~ q`` (``mc_samples`` draws; ``mc_samples = 0`` is OGN: ``w = mu``),
 2. computes on a mini-batch of ``M`` examples, at ``w``, the mean gradient
    ``g = (1/M) sum_i g_i`` and a per-example curvature ``h = (1/M) sum_i h_i`` with
-   ``g_i = d nll(f(x_i; w), y_i) / dw`` and either ``h_i = g_i^2`` (``curvature="ef"``, the
+   ``g_i = d nll(f(x_i; w), y_i) / dw`` and either ``h_i = g_i^2`` (``hess_approx="ef"``, the
    squared per-example gradients of VOGN) or the exact diagonal of the per-example GGN
-   ``h_i = diag(J_i^T Lambda_i J_i)`` (``curvature="ggn"``), averaged over the draws,
+   ``h_i = diag(J_i^T Lambda_i J_i)`` (``hess_approx="ggn"``), averaged over the draws,
 3. updates (Adam's convention: ``beta`` is the decay)::
 
        delta~ = kl_weight * delta / N
@@ -149,7 +149,7 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
 
       For each draw ``w ~ q`` held in the parameters the optimizer runs the closure and
       finds the per-example curvature of the model calls it made itself (no
-      ``set_curvature``): from the layer inputs and output gradients (``curvature="ef"``,
+      ``set_curvature``): from the layer inputs and output gradients (``hess_approx="ef"``,
       layers of :mod:`fromp.curvature.capture`) or from per-example Jacobians at the
       recorded outputs (any model, ``"ef"`` or ``"ggn"``). The loss must be the mean of
       per-example losses over the rows of the model's outputs; multi-head calls
@@ -187,8 +187,8 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
         mc_samples: draws per step; 0 gives OGN (no sampling, ``w = mu``).
         kl_weight: the weight of the KL term (tempering; ``tau`` in Osawa et al.).
         likelihood: the per-example loss: a :class:`Likelihood`, its name, or a callable
-            ``(f [B, C], y [B]) -> [B]`` (``curvature="ef"`` only).
-        curvature: ``"ef"`` (squared per-example gradients, VOGN) or ``"ggn"`` (exact
+            ``(f [B, C], y [B]) -> [B]`` (``hess_approx="ef"`` only).
+        hess_approx: ``"ef"`` (squared per-example gradients, VOGN) or ``"ggn"`` (exact
             per-example GGN diagonal; costs a Jacobian per example).
         bias_correction: Adam-style bias correction (see the module docstring).
         chunk_size: examples per vectorised per-example call (bounds memory).
@@ -215,7 +215,7 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
         mc_samples: int = 1,
         kl_weight: float = 1.0,
         likelihood: Likelihood | LossFn | str = "categorical",
-        curvature: str = "ef",
+        hess_approx: str = "ef",
         bias_correction: bool = True,
         chunk_size: int | None = None,
         method: str = "auto",
@@ -241,8 +241,8 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
         if not (isinstance(mc_samples, int) and mc_samples >= 0):
             raise ValueError(f"mc_samples must be an int >= 0, got {mc_samples!r}")
         check_positive(kl_weight, "kl_weight")
-        if curvature not in ("ef", "ggn"):
-            raise ValueError(f"curvature must be 'ef' or 'ggn', got {curvature!r}")
+        if hess_approx not in ("ef", "ggn"):
+            raise ValueError(f"hess_approx must be 'ef' or 'ggn', got {hess_approx!r}")
         chunk_size = check_chunk_size(chunk_size)
         if method not in ("auto", "vmap", "hooks"):
             raise ValueError(f"method must be 'auto', 'vmap' or 'hooks', got {method!r}")
@@ -260,7 +260,7 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.likelihood = likelihood
         self.loss_fn: LossFn = _loss_fn(likelihood)  # per-example loss (f, y) -> [B]
-        self.curvature = curvature
+        self.hess_approx = hess_approx
         self.chunk_size = chunk_size
         self.method = method
 
@@ -747,9 +747,9 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
             layers.calls, layers._outs = [], []
         if h is None:
             lik = self.likelihood if isinstance(self.likelihood, str | Likelihood) else None
-            if self.curvature == "ggn" and lik is None:
-                raise ValueError("VOGN: curvature='ggn' needs likelihood to be a Likelihood")
-            named = outputs.curvature(lik, self.curvature, self.chunk_size)
+            if self.hess_approx == "ggn" and lik is None:
+                raise ValueError("VOGN: hess_approx='ggn' needs likelihood to be a Likelihood")
+            named = outputs.curvature(lik, self.hess_approx, self.chunk_size)
             if named is None:
                 raise ValueError(
                     "VOGN.step(closure): the loss reached no call of the model (the closure "
@@ -762,7 +762,7 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
         """``max(mc_samples, 1)`` draws; at each, the closure's gradient ``g`` and the
         per-example curvature ``h`` of the model calls it made (outside
         :meth:`extra_term`): from the layer inputs and output gradients when every layer is
-        one :mod:`fromp.curvature.capture` handles, called once (``curvature="ef"``), else
+        one :mod:`fromp.curvature.capture` handles, called once (``hess_approx="ef"``), else
         from the per-example Jacobians at the recorded calls (:class:`~fromp.optim._stats.
         OutputCapture`), or the ``h`` the closure gave to :meth:`set_curvature`."""
         draws = max(self.mc_samples, 1)
@@ -775,7 +775,7 @@ class VOGN(GroupHyperparameters, torch.optim.Optimizer):
         fast = (
             layers is not None
             and layers.supported
-            and self.curvature == "ef"
+            and self.hess_approx == "ef"
             and trainable == [id(p) for p in self.params]  # same order: no reordering of h
         )
         for _ in range(draws):
@@ -872,7 +872,7 @@ def minibatch_curvature(
             x[rows],
             y[rows],
             opt.likelihood,
-            curvature=opt.curvature,
+            hess_approx=opt.hess_approx,
             chunk_size=opt.chunk_size,
             method=opt.method,
             need_grad=False,
@@ -896,7 +896,7 @@ def recorded_curvature(outputs: OutputCapture, f: Tensor, y: Tensor, opt: VOGN) 
     with torch.enable_grad():
         losses = opt.loss_fn(fd, y)
         (r,) = torch.autograd.grad(losses.sum(), fd)
-    lik = opt.likelihood if opt.curvature == "ggn" else None
-    named = outputs.curvature(lik, opt.curvature, opt.chunk_size, output_grads=[r])  # at w
+    lik = opt.likelihood if opt.hess_approx == "ggn" else None
+    named = outputs.curvature(lik, opt.hess_approx, opt.chunk_size, output_grads=[r])  # at w
     assert named is not None
     return opt._named_to_flat(named) if opt.model is not None else named
