@@ -12,7 +12,7 @@ import torch
 matplotlib.use("Agg")
 
 #: scripts that write reference data (they need packages the tests do not have): not tests
-collect_ignore_glob = ["data/*.py"]
+collect_ignore_glob = ["*/data/*.py"]
 
 
 def _has_mnist(root: Path) -> bool:

@@ -1,0 +1,436 @@
+"""VCLMethod in a plain loop (no Avalanche): the ELBO's KL against a dense float64 closed
+form, the posterior of task t as the prior of task t + 1 (after tasks 2 and 3, one head and
+task heads, fromp networks and any module), coresets, state round trip and refusals, the
+one name for the prior, ``prior_precision``; and the Avalanche strategy giving the plain loop's
+numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fromp
+from fromp.continual.bayesian import BayesMultiHeadModel, MeanFieldTwin
+from fromp.continual.coreset import kcenter_coreset
+from fromp.continual.vcl import VCLMethod
+from fromp.models import MultiHeadMLP
+
+D = torch.float64
+
+
+def _tasks(n_tasks=3, n=24, d=5, seed=0, dtype=D):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for t in range(n_tasks):
+        x = torch.randn(n, d, generator=g, dtype=dtype) + t
+        y = (x[:, 0] + x[:, 1] > 2 * t).long()
+        out.append((x, y))
+    return out
+
+
+def _dense_kl(mu, var, mu0, var0) -> torch.Tensor:
+    """``KL(N(mu, S) || N(mu0, S0))`` of dense ``[P, P]`` covariances in float64:
+    ``0.5 (tr(S0^-1 S) + (mu0 - mu)^T S0^-1 (mu0 - mu) - P + log det S0 - log det S)``."""
+    mu, var, mu0, var0 = (t.detach().reshape(-1).to(D) for t in (mu, var, mu0, var0))
+    s, s0 = torch.diag(var), torch.diag(var0)
+    s0_inv = torch.linalg.inv(s0)
+    d = mu0 - mu
+    return 0.5 * (
+        torch.trace(s0_inv @ s) + d @ s0_inv @ d - len(mu) + torch.logdet(s0) - torch.logdet(s)
+    )
+
+
+def _bayes_parts(net: BayesMultiHeadModel, heads) -> list[tuple]:
+    """``(mu, var, mu0, var0)`` by parameter name, read from the state dict: the body's and
+    the given heads' layers."""
+    sd = dict(net.named_parameters()) | dict(net.named_buffers())
+    out = []
+    for name in sd:
+        if not name.endswith("_mu") or "prior" in name:
+            continue
+        if name.startswith("heads.") and int(name.split(".")[1]) not in heads:
+            continue
+        base = name.removesuffix("_mu")
+        out.append(
+            (sd[name], sd[base + "_logvar"].exp(), sd[base + "_prior_mu"], sd[base + "_prior_var"])
+        )
+    return out
+
+
+def _dense_total(parts) -> torch.Tensor:
+    mu, var, mu0, var0 = (torch.cat([p[i].detach().reshape(-1) for p in parts]) for i in range(4))
+    return _dense_kl(mu, var, mu0, var0)
+
+
+def _train(method: VCLMethod, x, y, task, steps=6, lr=0.05, bs=8):
+    opt = torch.optim.Adam(method.parameters(), lr=lr)
+    losses = []
+    for k in range(steps):
+        i = torch.arange(k * bs, (k + 1) * bs) % len(x)
+        loss = method.loss(x[i], y[i], task)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _kl_term(method: VCLMethod) -> torch.Tensor:
+    """The method's loss term ``KL(q || q_{t-1}) / N_t`` (the protocol's loss_terms)."""
+    x = torch.zeros(1, 1, dtype=D)
+    return method.loss_terms(method.net, x, x)
+
+
+def test_penalty_is_the_dense_kl_over_body_and_trained_heads_after_tasks_1_2_3():
+    torch.manual_seed(0)
+    method = VCLMethod(
+        MultiHeadMLP(5, (6,), n_heads=4, head_size=2).double(),
+        prior_precision=2.0,
+        train_samples=2,
+        seed=0,
+    )
+    net = method.net
+    assert isinstance(net, BayesMultiHeadModel)
+    for t, (x, y) in enumerate(_tasks()):
+        method.begin_task(method.net, task=t, ess=len(x))
+        _train(method, x, y, t)
+        # body + heads 0..t (trained or being trained): head 3 never enters
+        want = _dense_total(_bayes_parts(net, set(range(t + 1)))) / len(x)
+        got = _kl_term(method)
+        assert float(want) > 1e-3
+        torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-10, atol=1e-12)
+        # with every head, the value differs (the untrained head's KL is not zero)
+        assert abs(float(_dense_total(_bayes_parts(net, {0, 1, 2, 3})) / len(x) - want)) > 1e-6
+        method.learn_task(method.net, None, None, None)
+
+
+@pytest.mark.parametrize("kind", ["task-heads", "one-head", "any-module"])
+def test_plain_loop_posterior_of_task_t_is_the_prior_of_task_t_plus_1(kind):
+    torch.manual_seed(1)
+    if kind == "task-heads":
+        net = MultiHeadMLP(5, (6,), n_heads=3, head_size=2).double()
+    elif kind == "one-head":
+        net = MultiHeadMLP(5, (6,), n_heads=1, head_size=2).double()
+    else:
+        net = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+    method = VCLMethod(net, prior_precision=4.0, ml_init_epochs=2, ml_lr=0.01, train_samples=3)
+    assert isinstance(method.net, MeanFieldTwin if kind == "any-module" else BayesMultiHeadModel)
+    head = (lambda t: t) if kind == "task-heads" else (lambda t: 0)
+    posterior = None
+    for t, (x, y) in enumerate(_tasks()):
+        method.begin_task(method.net, task=t, ess=len(x))
+        if t > 0:  # at the start of a task only its new head (if any) is off its prior
+            new = _dense_total(_bayes_parts(method.net, {t})) if kind == "task-heads" else 0.0
+            if kind == "task-heads":
+                new = new - _dense_total(_bayes_parts(method.net, set()))  # the body's: 0
+            torch.testing.assert_close(
+                _kl_term(method), torch.as_tensor(new, dtype=D) / len(x), rtol=1e-9, atol=1e-12
+            )
+        method.ml_init(x, y, batch_size=8)  # task 1 only
+        _train(method, x, y, t)
+        sites = method.net.gaussian_sites(method.kl_heads(head(t)))
+        if posterior is not None:  # tasks 2 and 3: the prior is the previous posterior
+            assert len(posterior) <= len(sites)
+            for (_, _, m0, v0), (pm, pv) in zip(sites, posterior):
+                assert torch.equal(m0, pm) and torch.equal(v0, pv)
+            # ... and training moved the posterior off it
+            assert any(not torch.equal(m, pm) for (m, _, _, _), (pm, _) in zip(sites, posterior))
+        if kind == "task-heads":  # a head not trained yet keeps N(0, 1 / prior_precision)
+            for h in range(t + 1, 3):
+                assert torch.all(method.net.heads[h].weight_prior_var == 0.25)
+                assert torch.all(method.net.heads[h].weight_prior_mu == 0.0)
+        method.learn_task(method.net, None, None, None)
+        assert method.task_count == t + 1 and method.seen_heads == {head(s) for s in range(t + 1)}
+        posterior = [(m.detach().clone(), lv.detach().exp()) for m, lv, _, _ in sites]
+        # right after learn_task: the KL over what was learnt is zero
+        assert float(method.net.kl(method.kl_heads()).detach()) == pytest.approx(0, abs=1e-12)
+    log_p = method.predict_log_proba(_tasks()[0][0], 0)
+    torch.testing.assert_close(log_p.exp().sum(-1), torch.ones(len(log_p), dtype=D))
+
+
+def test_coreset_selection_kcenter_and_random():
+    torch.manual_seed(0)
+    (x0, y0), (x1, y1), _ = _tasks(n=30)
+    m = VCLMethod(
+        MultiHeadMLP(5, (4,), n_heads=3, head_size=2).double(),
+        coreset_size=5,
+        coreset_method="kcenter",
+    )
+    xr, _ = m.split_coreset(x0, y0, 0)
+    idx = kcenter_coreset(x0, 5)
+    assert idx[0] == 0  # the first example first, as the reference code
+    h, cx, cy = m.coresets[0]
+    assert h == 0 and torch.equal(cx, x0[idx]) and torch.equal(cy, y0[idx])
+    assert len(xr) == 25 and not (cx[:, None] == xr[None]).all(-1).any()  # kept out
+    assert torch.equal(torch.cat([cx, xr]).sort(0).values, x0.sort(0).values)
+    m.split_coreset(x1, y1, 1)
+    assert [h for h, _, _ in m.coresets] == [0, 1]
+    # random: reproducible from the seed and the task counter, different across tasks
+    picks = []
+    for _ in range(2):
+        r = VCLMethod(nn.Linear(5, 2), coreset_size=4, coreset_method="random", seed=7)
+        a = r.coreset_indices(30)
+        r.learn_task(r.net, None, None, None)
+        picks.append((a, r.coreset_indices(30)))
+    assert torch.equal(picks[0][0], picks[1][0]) and torch.equal(picks[0][1], picks[1][1])
+    assert not torch.equal(picks[0][0], picks[0][1])
+    with pytest.raises(ValueError, match="coreset_size=4 must be smaller"):
+        r.coreset_indices(4)
+    with pytest.raises(ValueError, match="coreset_method"):
+        VCLMethod(nn.Linear(5, 2), coreset_size=3)
+
+
+def test_coreset_training_uses_the_task_head_and_restore_gives_the_propagated_posterior():
+    torch.manual_seed(0)
+    m = VCLMethod(
+        MultiHeadMLP(5, (4,), n_heads=3, head_size=2).double(),
+        coreset_size=4,
+        coreset_method="kcenter",
+        train_samples=2,
+        seed=1,
+    )
+    for t, (x, y) in enumerate(_tasks(n_tasks=2)):
+        x, y = m.split_coreset(x, y, t)
+        m.begin_task(m.net, task=t, ess=len(x))
+        _train(m, x, y, t)
+        m.learn_task(m.net, None, None, None)
+    propagated = {k: v.clone() for k, v in m.net.state_dict().items()}
+    assert m.prepare_eval(1, epochs=3, lr=0.05, batch_size=2)
+    now = m.net.state_dict()
+    assert not torch.equal(now["heads.1.weight_mu"], propagated["heads.1.weight_mu"])
+    assert not torch.equal(now["body.1.weight_mu"], propagated["body.1.weight_mu"])
+    # no data through head 0 and its mean at its prior's: its mean stays (its log-variance
+    # may drift: Adam scales up the rounding-level KL gradient at the prior)
+    assert torch.equal(now["heads.0.weight_mu"], propagated["heads.0.weight_mu"])
+    # head 2, never trained, is in neither term
+    assert all(torch.equal(now[k], v) for k, v in propagated.items() if k.startswith("heads.2."))
+    assert m.prepare_eval(1, epochs=3, lr=0.05, batch_size=2)  # tuned already: kept
+    assert not m.prepare_eval(2, epochs=3, lr=0.05, batch_size=2)  # no coreset: propagated
+    assert all(torch.equal(v, propagated[k]) for k, v in m.net.state_dict().items())
+    m.prepare_eval(0, epochs=3, lr=0.05, batch_size=2)
+    tuned = {k: v.clone() for k, v in m.net.state_dict().items()}
+    with pytest.raises(ValueError, match="epochs"):
+        m.prepare_eval(1)  # neither the call nor the method says how long: refused ...
+    assert all(torch.equal(v, tuned[k]) for k, v in m.net.state_dict().items())  # ... first
+    m.restore()
+    assert all(torch.equal(v, propagated[k]) for k, v in m.net.state_dict().items())
+
+
+def _trained(kind: str, tasks: int, **kw):
+    torch.manual_seed(3)
+    net = (
+        MultiHeadMLP(5, (4,), n_heads=3, head_size=2).double()
+        if kind == "bayes"
+        else nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    )
+    m = VCLMethod(net, train_samples=2, seed=5, **kw)
+    for t, (x, y) in enumerate(_tasks()[:tasks]):
+        x, y = m.split_coreset(x, y, t)
+        m.begin_task(m.net, task=t, ess=len(x))
+        _train(m, x, y, t)
+        m.learn_task(m.net, None, None, None)
+    return m
+
+
+@pytest.mark.parametrize("kind", ["bayes", "twin"])
+def test_state_round_trip_resumes_exactly_and_other_settings_are_refused(kind):
+    kw = dict(coreset_size=3, coreset_method="random", prior_precision=2.0)
+    a = _trained(kind, 2, **kw)
+    state = a.state_dict()
+    b = _trained(kind, 0, **kw)
+    b.load_state_dict(state)
+    assert b.task_count == 2 and b.seen_heads == a.seen_heads and b.seed == a.seed
+    assert all(torch.equal(u[1], v[1]) for u, v in zip(a.coresets, b.coresets))
+    assert all(torch.equal(v, a.net.state_dict()[k]) for k, v in b.net.state_dict().items())
+    for m0a, m0b in zip(a.net.gaussian_sites(), b.net.gaussian_sites()):
+        assert torch.equal(m0a[2], m0b[2]) and torch.equal(m0a[3], m0b[3])  # the priors
+    # task 3 from the loaded state: the very numbers of the uninterrupted run
+    x, y = _tasks()[2]
+    runs = []
+    for m in (a, b):
+        xs, ys = m.split_coreset(x, y, 2)
+        m.begin_task(m.net, task=2, ess=len(xs))
+        torch.manual_seed(11)
+        runs.append(_train(m, xs, ys, 2))
+    assert runs[0] == runs[1]
+    # other settings: refused before anything changes
+    for other in (
+        dict(kw, prior_precision=1.0),
+        dict(kw, coreset_size=4),
+        dict(kw, coreset_method="kcenter"),
+    ):
+        c = _trained(kind, 0, **other)
+        before = {k: v.clone() for k, v in c.net.state_dict().items()}
+        with pytest.raises(ValueError, match="state was saved with"):
+            c.load_state_dict(state)
+        assert c.task_count == 0 and not c.coresets
+        assert all(torch.equal(v, before[k]) for k, v in c.net.state_dict().items())
+    with pytest.raises(ValueError, match="missing"):
+        b.load_state_dict({"net": state["net"]})
+
+
+def test_prior_precision_is_the_one_name_of_the_prior():
+    import inspect
+
+    m = VCLMethod(MultiHeadMLP(3, (2,), n_heads=1, head_size=2), prior_precision=4.0)
+    assert m.prior_precision == 4.0
+    assert torch.all(m.net.heads[0].weight_prior_var == 0.25)
+    assert "prior_var" not in inspect.signature(VCLMethod).parameters
+    with pytest.raises(TypeError, match="prior_var"):
+        VCLMethod(nn.Linear(3, 2), prior_var=0.5)  # type: ignore[call-arg]
+    assert fromp.VCLMethod is VCLMethod
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"train_samples": 0}, "train_samples"),
+        ({"test_samples": 1.5}, "test_samples"),
+        ({"coreset_size": -1}, "coreset_size"),
+        ({"coreset_size": 2, "coreset_method": "greedy"}, "coreset_method"),
+        ({"prior_precision": 0.0}, "prior_precision"),
+        ({"prior_precision": float("nan")}, "prior_precision"),
+        ({"ml_init_epochs": -1}, "ml_init_epochs"),
+        ({"ml_lr": -1.0}, "ml_lr"),
+        ({"mean_init_std": 0.0}, "mean_init_std"),
+        ({"init_logvar": float("inf")}, "init_logvar"),
+        ({"seed": 1.5}, "seed"),
+    ],
+)
+def test_bad_settings_are_refused_before_any_work(kwargs, name):
+    net = MultiHeadMLP(3, (2,), n_heads=2, head_size=2)
+    rng = torch.random.get_rng_state()
+    with pytest.raises(ValueError, match=name):
+        VCLMethod(net, **kwargs)
+    # refused before the conversion (which draws the new layers' initial weights)
+    assert torch.equal(rng, torch.random.get_rng_state())
+
+
+def test_refusals_in_the_loop():
+    m = VCLMethod(MultiHeadMLP(3, (2,), n_heads=2, head_size=2), train_samples=1)
+    with pytest.raises(ValueError, match="begin_task"):
+        _kl_term(m)
+    with pytest.raises(ValueError, match="ess"):
+        m.begin_task(m.net, task=0, ess=0)
+    with pytest.raises(ValueError, match="ess"):
+        m.begin_task(m.net, task=0)
+    with pytest.raises(ValueError, match="task must be an int"):
+        m.begin_task(m.net, task=None, ess=5)
+    with pytest.raises(ValueError, match="task must be an int"):
+        m.begin_task(m.net, task=torch.tensor([0, 1]), ess=5)
+    with pytest.raises(ValueError, match=r"method\.net"):
+        m.begin_task(nn.Linear(3, 2), task=0, ess=5)
+    assert m.ess is None  # nothing set by the refused calls
+    with pytest.raises(ValueError, match="y must be"):
+        m.ml_init(
+            torch.randn(4, 3), torch.zeros(3, dtype=torch.long), epochs=1, lr=0.1, batch_size=2
+        )
+
+
+def test_the_strategy_gives_the_plain_loops_numbers():
+    """The Avalanche strategy (no shuffling, the global RNG re-seeded before each training
+    step) and a plain loop over the same data with the same seeds: the same losses, the same
+    coresets and the same posterior."""
+    from _synthetic import synthetic_split
+    from avalanche.training.plugins import SupervisedPlugin
+    from fromp_avalanche.vcl import VCL
+    from fromp_bench.data import to_avalanche
+
+    seq = synthetic_split(n_tasks=3, input_shape=(6,), train_size=20, test_size=10)
+    settings = dict(
+        train_samples=2,
+        test_samples=3,
+        ml_init_epochs=1,
+        ml_lr=0.01,
+        coreset_size=3,
+        coreset_method="kcenter",
+        prior_precision=2.0,
+        seed=4,
+    )
+    lr, bs, epochs = 0.01, 8, 2
+
+    class Seeder(SupervisedPlugin):
+        def __init__(self):
+            super().__init__()
+            self.step, self.losses = 0, []
+
+        def before_forward(self, strategy, **kw):
+            torch.manual_seed(100 + self.step)
+            self.step += 1
+
+        def after_backward(self, strategy, **kw):
+            self.losses.append(float(strategy.loss.detach()))
+
+    torch.manual_seed(0)
+    net = MultiHeadMLP(6, (5,), n_heads=3, head_size=2)
+    model_opt = torch.optim.Adam(net.parameters(), lr=lr)
+    seeder = Seeder()
+    strat = VCL(
+        model=net,
+        optimizer=model_opt,
+        train_mb_size=bs,
+        train_epochs=epochs,
+        evaluator=None,
+        plugins=[seeder],
+        **settings,
+    )
+    for exp in to_avalanche(seq).train_stream:
+        strat.train(exp, shuffle=False)
+
+    torch.manual_seed(0)
+    method = VCLMethod(MultiHeadMLP(6, (5,), n_heads=3, head_size=2), **settings)
+    opt = torch.optim.Adam(method.parameters(), lr=lr)
+    losses, step = [], 0
+    for t, task in enumerate(seq):
+        x, y = method.split_coreset(task.train_x, task.train_y, t)
+        method.begin_task(method.net, task=t, ess=len(x))
+        method.ml_init(x, y, epochs=1, batch_size=bs)
+        for _ in range(epochs):
+            for s in range(0, len(x), bs):
+                torch.manual_seed(100 + step)
+                step += 1
+                loss = method.loss(x[s : s + bs], y[s : s + bs], t)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(float(loss.detach()))
+        method.learn_task(method.net, x, y, t, optimizer=opt)  # a fresh Adam state per task
+
+    assert len(losses) == len(seeder.losses) == 3 * epochs * 3
+    assert losses == seeder.losses
+    for (h, cx, cy), (h2, cx2, cy2) in zip(strat.method.coresets, method.coresets):
+        assert h == h2 and torch.equal(cx, cx2) and torch.equal(cy, cy2)
+    for k, v in method.net.state_dict().items():
+        assert torch.equal(v, strat.net.state_dict()[k]), k
+
+
+def test_the_plain_loop_of_the_avalanche_guide_runs():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "avalanche.md").read_text()
+    start = text.index("VCL in a plain loop")
+    block = re.search(r"```python\n(.*?)```", text[start:], re.S).group(1)
+    g = torch.Generator().manual_seed(0)
+    tasks = []
+    for _ in range(3):
+        x = torch.rand(96, 784, generator=g)
+        tasks.append((x, (x[:, 0] > 0.5).long()))
+    env = {"tasks": tasks}
+    torch.manual_seed(0)
+    exec(block, env)
+    method = env["method"]
+    assert method.task_count == 3 and method.seen_heads == {0, 1, 2}
+    assert [h for h, _, _ in method.coresets] == [0, 1, 2] and len(method.coresets[0][1]) == 40
+    probs = env["probs"]
+    assert probs.shape == (96, 2)
+    torch.testing.assert_close(probs.sum(1), torch.ones(96))
+    fresh = VCLMethod(
+        env["MultiHeadMLP"](784, (256, 256), n_heads=5, head_size=2),
+        prior_precision=1.0,
+        coreset_size=40,
+        coreset_method="kcenter",
+    )
+    fresh.load_state_dict(env["state"])
+    torch.testing.assert_close(fresh.net.kl(), method.net.kl())
