@@ -20,8 +20,9 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/python -m fromp_bench demo
 
+# the test modules spread over the machine's cores (pytest-xdist), one module per worker
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist loadscope
 
 # On a machine with a CUDA GPU: the CUDA tests and the runner's training times of Naive,
 # FROMP and EWC (--budget bounds it) -> benchmarks/results/gpu/<date>-<device>.json and .md.

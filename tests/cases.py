@@ -11,19 +11,23 @@ the kinds. :func:`toy_regression` and :func:`toy_classification` give small seed
 :func:`dense_fromp_penalty` and :func:`dense_ewc_penalty` write FROMP's regulariser and EWC's
 penalty from their formulas. :func:`count_aten_ops` counts the operations a step runs,
 :func:`host_syncs` the ones that would make the host wait for a GPU, :func:`timing_ratios`
-times two steps interleaved.
+times two steps interleaved. :func:`synthetic_split` is a small task sequence in the format of
+the runner's real ones (no data set needed).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from fromp.testing import forward_at
+
+if TYPE_CHECKING:
+    from fromp_bench.data import TaskSequence
 
 
 # ------------------------------------------------------------------------ continual methods
@@ -404,3 +408,39 @@ def timing_ratios(
         if ratios[-1] < below:
             break
     return ratios
+
+
+# ------------------------------------------------------------------ a synthetic task sequence
+
+
+def synthetic_split(
+    *,
+    n_tasks: int = 3,
+    classes_per_task: int = 2,
+    input_shape: tuple[int, ...] = (1, 28, 28),
+    train_size: int = 64,
+    test_size: int = 32,
+    multi_head: bool = True,
+    seed: int = 0,
+) -> TaskSequence:
+    """A small, learnable synthetic sequence in the format of the real ones: ``train_size`` /
+    ``test_size`` examples per task.
+
+    Each class is a random prototype image plus noise, clipped to [0, 1].
+    """
+    from fromp_bench.data import TaskSequence, split_tasks
+
+    g = torch.Generator().manual_seed(seed)
+    n_classes = n_tasks * classes_per_task
+    protos = torch.rand(n_classes, *input_shape, generator=g)
+
+    def draw(n: int) -> tuple[Tensor, Tensor]:
+        y = torch.arange(n) % n_classes
+        x = (protos[y] + 0.3 * torch.randn(n, *input_shape, generator=g)).clamp(0, 1)
+        return x, y
+
+    xtr, ytr = draw(train_size * n_tasks)
+    xte, yte = draw(test_size * n_tasks)
+    groups = [list(range(s, s + classes_per_task)) for s in range(0, n_classes, classes_per_task)]
+    tasks = split_tasks(xtr, ytr, xte, yte, groups)
+    return TaskSequence("synthetic", tasks, multi_head, tuple(input_shape), classes_per_task)

@@ -47,7 +47,7 @@ def _seed_and_threads():
 # Small float64 networks shared by the tests (one set, in ``fromp.testing``):
 # ``make_net(kind)`` returns a fresh network (seeded, so equal calls give equal weights);
 # ``any_net`` runs a test once per kind.
-from cases import NETS, NetCase  # noqa: E402
+from tests.cases import NETS, NetCase  # noqa: E402
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@ inside functions and type-only imports included); ``fromp`` never imports Avalan
 other packages; ``fromp``'s subpackages depend on each other in one direction (a declared
 order of layers), no private name crosses a subpackage, at most 12 modules at the top of
 ``fromp`` and 11 at the top of ``benchmarks/``; the 0.3 module paths and top-level names that
-moved are gone (no shim resolves them)."""
+moved are gone (no shim resolves them); the tests mirror the package."""
 
 from __future__ import annotations
 
@@ -181,3 +181,34 @@ def test_public_surface_without_the_moved_names():
 
     assert diag_ggn.__module__ == "fromp.curvature.diagonal" and GP.__name__ == "GP"
     assert callable(fit_laplace) and callable(log_marginal_likelihood)
+
+
+#: test folder -> what it tests: fromp's subpackages, its top-level modules (core), the
+#: strategies, the runner and the documentation
+TEST_AREAS = {
+    "core": "fromp/*.py",
+    "curvature": "fromp/curvature",
+    "gp": "fromp/gp",
+    "laplace": "fromp/laplace",
+    "memory": "fromp/memory",
+    "continual": "fromp/continual",
+    "optim": "fromp/optim",
+    "strategies": "strategies",
+    "bench": "benchmarks",
+    "docs": "README.md, docs/, examples/",
+}
+
+
+def test_tests_mirror_the_package():
+    """Every test module sits in the folder of the part it tests; the top of ``tests/`` holds
+    only the shared configuration, the shared cases and this file."""
+    tests = ROOT / "tests"
+    top = {p.name for p in tests.iterdir() if p.is_file() and p.suffix == ".py"}
+    assert top == {"__init__.py", "conftest.py", "cases.py", "test_layout.py"}, sorted(top)
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == set(TEST_AREAS), sorted(folders)
+    for area in TEST_AREAS:
+        assert (tests / area / "__init__.py").exists(), area
+        assert any((tests / area).glob("test_*.py")), area
+    for sub in ("curvature", "gp", "laplace", "memory", "continual", "optim"):
+        assert (ROOT / "fromp" / sub / "__init__.py").exists(), sub  # one test folder each

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _synthetic import synthetic_split
 from fromp_bench import data as D
+
+from tests.cases import synthetic_split
 
 
 def test_root_precedence(monkeypatch, tmp_path):

@@ -12,10 +12,11 @@ from avalanche.benchmarks.scenarios.deprecated.generators import tensors_benchma
 from avalanche.core import SupervisedPlugin
 from avalanche.training import Naive
 from avalanche.training.plugins import EvaluationPlugin
-from tests.conftest import quick_run_config
 from fromp_bench.plugins import _StepSchedule, lr_schedule_plugins
 from fromp_bench.runner import SettingsError, run
 from torch import nn
+
+from tests.conftest import quick_run_config
 
 
 class _Record(SupervisedPlugin):

@@ -10,7 +10,6 @@ from avalanche.benchmarks.scenarios.deprecated.generators import tensors_benchma
 from avalanche.core import SupervisedPlugin
 from avalanche.training import Naive
 from avalanche.training.plugins import EvaluationPlugin
-from tests.conftest import quick_run_config
 from fromp_bench.plugins import (
     _ResetOptimizerState,
     _RestoreOptimizer,
@@ -19,6 +18,8 @@ from fromp_bench.plugins import (
 )
 from fromp_bench.runner import SettingsError, run
 from torch import nn
+
+from tests.conftest import quick_run_config
 
 
 class _Record(SupervisedPlugin):

@@ -401,8 +401,9 @@ def test_opt_prefix_sets_optimizer_keyword_arguments():
 
 
 def test_class_incremental_sequence_has_global_labels_and_one_head():
-    from _synthetic import synthetic_split
     from fromp_bench.data import class_incremental
+
+    from tests.cases import synthetic_split
 
     split = synthetic_split(n_tasks=3, train_size=20, test_size=10)
     seq = class_incremental(split)
@@ -421,6 +422,7 @@ def test_split_mnist_ci_standardises_pixels_as_avalanche_splitmnist(tmp_path):
     # Avalanche's default MNIST transform: ToTensor (pixels / 255) then Normalize(0.1307,
     # 0.3081); the multi-head split MNIST keeps FROMP's raw [0, 1] pixels
     from fromp_bench.data import split_mnist, split_mnist_ci
+
     from tests.bench.test_runner_integrity import write_mnist
 
     write_mnist(tmp_path, n_train=100, n_test=50)
@@ -513,9 +515,10 @@ def test_class_incremental_digits_one_ten_way_head_and_every_method_in_the_table
 
 
 def test_experience_replay_keeps_its_memory_per_experience_and_restores_it():
-    from _synthetic import synthetic_split
     from fromp_avalanche.benchmarks import ExperienceReplay, experience_tensors
     from fromp_bench.data import class_incremental, to_avalanche
+
+    from tests.cases import synthetic_split
 
     seq = class_incremental(synthetic_split(n_tasks=3, input_shape=(6,), train_size=30))
     scenario = to_avalanche(seq)

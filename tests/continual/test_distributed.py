@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.core.test_distributed import WORLD, run_ranks
 from torch import nn
 
 from fromp.continual.ewc import EWCMethod
 from fromp.continual.methods import FROMPMethod
+from tests.core.test_distributed import WORLD, run_ranks
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available(), reason="torch.distributed (gloo) is not available"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _synthetic import synthetic_split
 from avalanche.evaluation.metrics import accuracy_metrics
 from avalanche.training.plugins import EvaluationPlugin
 from fromp_avalanche.ewc import EWC, EWCPlugin, ewc_penalty
@@ -16,6 +15,7 @@ from fromp_bench.settings import SETTINGS
 from fromp.continual.ewc import EWCMethod
 from fromp.curvature.jacobian import flat_params
 from fromp.models import MultiHeadMLP
+from tests.cases import synthetic_split
 
 
 def _net():

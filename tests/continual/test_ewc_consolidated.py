@@ -10,11 +10,11 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from cases import count_aten_ops, timing_ratios
 from torch import nn
 
 from fromp import EWCMethod
 from fromp.models import MultiHeadMLP
+from tests.cases import count_aten_ops, timing_ratios
 
 D = torch.float64
 

@@ -15,12 +15,12 @@ from avalanche.benchmarks.scenarios.deprecated.generators import tensors_benchma
 from avalanche.evaluation.metrics import accuracy_metrics
 from avalanche.models import IncrementalClassifier, MTSimpleMLP
 from avalanche.training.plugins import EvaluationPlugin
-from cases import tiny_mlp
 from fromp_avalanche.fromp import FROMP
 from torch import nn
 
 from fromp import FROMPMethod
 from fromp.models import MultiHeadMLP
+from tests.cases import tiny_mlp
 
 D = torch.float64
 

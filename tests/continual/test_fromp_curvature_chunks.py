@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import tiny_cnn
 
 import fromp.continual.methods as methods
 from fromp import FROMPMethod
@@ -14,6 +13,7 @@ from fromp.curvature import diagonal
 from fromp.curvature.jacobian import set_default_memory_budget
 from fromp.likelihood import CategoricalLikelihood
 from fromp.testing import dense_ggn
+from tests.cases import tiny_cnn
 
 F64 = torch.float64
 

@@ -11,13 +11,13 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from _synthetic import synthetic_split
 from torch.func import functional_call
 
 from fromp.continual.methods import FROMPMethod
 from fromp.continual.regularizer import FROMPRegularizer
 from fromp.curvature.jacobian import flat_params, num_params, unflatten
 from fromp.models import MultiHeadMLP
+from tests.cases import synthetic_split
 
 D = torch.float64
 

@@ -171,7 +171,7 @@ def test_resume_after_task_two_gives_the_same_task_three():
 
 
 def test_kron_refuses_layers_it_cannot_factor_and_grown_layers():
-    from cases import Scale
+    from tests.cases import Scale
 
     torch.manual_seed(0)
     odd = nn.Sequential(nn.Linear(3, 4), Scale(4), nn.Linear(4, 2)).to(F64).eval()

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import dense_fromp_penalty, tiny_mlp
 from torch import nn
 
 from fromp import FROMPMethod
 from fromp.continual.regularizer import FROMPRegularizer
 from fromp.testing import flat
+from tests.cases import dense_fromp_penalty, tiny_mlp
 
 
 def _step(net: nn.Module, scale: float, seed: int) -> None:

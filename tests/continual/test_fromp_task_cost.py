@@ -12,7 +12,6 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from cases import count_aten_ops, timing_ratios
 from torch import nn
 
 import fromp.continual.regularizer as regmod
@@ -21,6 +20,7 @@ from fromp.continual.regularizer import FROMPRegularizer
 from fromp.curvature.jacobian import num_params
 from fromp.models import MultiHeadMLP, with_task
 from fromp.testing import flat, forward_at
+from tests.cases import count_aten_ops, timing_ratios
 
 D = torch.float64
 

@@ -21,7 +21,6 @@ from avalanche.benchmarks.scenarios.deprecated.generators import tensors_benchma
 from avalanche.core import SupervisedPlugin
 from avalanche.evaluation.metrics import accuracy_metrics
 from avalanche.training.plugins import EvaluationPlugin
-from cases import host_syncs
 from fromp_avalanche.ewc import EWC
 from fromp_avalanche.fromp import FROMP, FROMPPenaltyMetric
 from fromp_avalanche.vcl import VCL
@@ -31,6 +30,7 @@ import fromp
 from fromp.continual.ewc import EWCMethod
 from fromp.continual.methods import FROMPMethod
 from fromp.models import MultiHeadMLP
+from tests.cases import host_syncs
 
 OURS = (str(Path(fromp.__file__).parent), str(Path(fromp_avalanche.__file__).parent))
 

@@ -332,10 +332,11 @@ def test_the_strategy_gives_the_plain_loops_numbers():
     """The Avalanche strategy (no shuffling, the global RNG re-seeded before each training
     step) and a plain loop over the same data with the same seeds: the same losses, the same
     coresets and the same posterior."""
-    from _synthetic import synthetic_split
     from avalanche.training.plugins import SupervisedPlugin
     from fromp_avalanche.vcl import VCL
     from fromp_bench.data import to_avalanche
+
+    from tests.cases import synthetic_split
 
     seq = synthetic_split(n_tasks=3, input_shape=(6,), train_size=20, test_size=10)
     settings = dict(

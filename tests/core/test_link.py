@@ -8,12 +8,12 @@ import math
 
 import pytest
 import torch
-from cases import tiny_mlp, toy_classification
 from torch import nn
 
 from fromp import Laplace
 from fromp.link import probit_scale
 from fromp.testing import dense_ggn, dense_posterior_covariance, dense_predictive
+from tests.cases import tiny_mlp, toy_classification
 
 F64 = torch.float64
 
@@ -50,10 +50,9 @@ def test_online_ewc_anchors_at_the_last_task_and_sums_decayed_fishers_against_de
     """Online EWC after tasks 1, 2 and 3: ``lambda sum_p F_p (w_p - w*_3,p)^2`` with ``F =
     gamma (gamma F_1 + F_2) + F_3``, ``F_t = diag(G_t) / N_t`` the dense GGN diagonal of
     task ``t`` at its own weights ``w*_t``; the anchor is the last task's weights."""
-    from cases import dense_ewc_penalty
-
     from fromp.continual.ewc import EWCMethod
     from fromp.testing import flat
+    from tests.cases import dense_ewc_penalty
 
     model = tiny_mlp(seed=2)
     lam, gamma = 3.0, 0.5

@@ -9,11 +9,11 @@ import math
 
 import pytest
 import torch
-from cases import tiny_mlp
 
 from fromp import GP, DiagonalGaussian, FullGaussian
 from fromp.posterior import GaussianPosterior
 from fromp.testing import dense_jacobian, dense_kernel, flat
+from tests.cases import tiny_mlp
 
 F64 = torch.float64
 

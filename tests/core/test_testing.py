@@ -11,12 +11,12 @@ import ast
 import math
 from pathlib import Path
 
-import cases
 import pytest
 import torch
 from torch import nn
 
 import fromp.testing as ft
+from tests import cases
 
 F64 = torch.float64
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import ConvZoo, Scale, conv_zoo, tiny_cnn, tiny_mlp
 from torch import nn
 
 from fromp.curvature.capture import CapturePlan, capture_calls
@@ -20,6 +19,7 @@ from fromp.curvature.layer_rules import (
 )
 from fromp.likelihood import CategoricalLikelihood, GaussianLikelihood
 from fromp.testing import dense_ggn, dense_jacobian, flat
+from tests.cases import ConvZoo, Scale, conv_zoo, tiny_cnn, tiny_mlp
 
 F64 = torch.float64
 
@@ -256,14 +256,13 @@ def test_per_example_entries_equal_the_layers_whole_per_example_gradients():
     """Every entry of every captured layer of the conv zoo (strided, dilated, grouped with
     circular padding, reflect padding, 1x1 output, Conv1d, a sequence Linear, batch, group
     and layer norm), read alone, equals the layer's whole per-example gradient there."""
-    from cases import conv_zoo
-
     from fromp.curvature.capture import capture_calls
     from fromp.curvature.layer_rules import (
         per_example_entries,
         per_example_layer_grads,
         supported_layer,
     )
+    from tests.cases import conv_zoo
 
     torch.manual_seed(0)
     model = conv_zoo(3, seed=0).eval()

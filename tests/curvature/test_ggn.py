@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import tiny_cnn, tiny_mlp
 
 from fromp import ggn, ggn_vp
 from fromp.curvature.diagonal import diag_ef, diag_fisher, diag_ggn
@@ -16,6 +15,7 @@ from fromp.likelihood import (
 )
 from fromp.models import MultiHeadMLP, with_task
 from fromp.testing import dense_ggn, dense_jacobian
+from tests.cases import tiny_cnn, tiny_mlp
 
 CASES = {
     "mlp-categorical": (lambda: tiny_mlp(c=3), (4,), CategoricalLikelihood()),

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import tiny_cnn, tiny_mlp
 
 from fromp import jacobians, per_example_grads
 from fromp.curvature.jacobian import iter_jacobians, jvp, unflatten, vjp_sum
 from fromp.likelihood import CategoricalLikelihood
 from fromp.models import MultiHeadMLP, with_task
 from fromp.testing import dense_jacobian, flat
+from tests.cases import tiny_cnn, tiny_mlp
 
 
 def _multihead():

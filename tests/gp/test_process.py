@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-from cases import conv_zoo, tiny_cnn, tiny_mlp
 from torch import nn
 
 from fromp import DiagonalGaussian, FullGaussian, dnn2gp, fit_laplace, fit_laplace_full
@@ -20,6 +19,7 @@ from fromp.laplace.one_call import (
 from fromp.likelihood import BernoulliLikelihood, CategoricalLikelihood, GaussianLikelihood
 from fromp.models import MultiHeadMLP, with_task
 from fromp.testing import dense_jacobian, dense_kernel, flat, forward_at
+from tests.cases import conv_zoo, tiny_cnn, tiny_mlp
 
 F64 = torch.float64
 

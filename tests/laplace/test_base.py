@@ -10,13 +10,13 @@ import math
 
 import pytest
 import torch
-from cases import Scale
 from torch import nn
 from torch.func import functional_call
 
 from fromp import Laplace
 from fromp.likelihood import CategoricalLikelihood
 from fromp.testing import dense_nll_hessians
+from tests.cases import Scale
 
 F64 = torch.float64
 PAIRS = [(s, h) for s in ("all", "last_layer") for h in ("diag", "kron", "full")]

@@ -9,12 +9,12 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from cases import tiny_mlp
 
 from fromp import VOGN, log_marginal_likelihood
 from fromp.laplace.one_call import log_evidence_grid
 from fromp.likelihood import CategoricalLikelihood
 from fromp.testing import dense_ggn, flat
+from tests.cases import tiny_mlp
 
 D = torch.float64
 

@@ -10,13 +10,13 @@ import math
 
 import pytest
 import torch
-from cases import tiny_mlp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fromp import Laplace
 from fromp.likelihood import CategoricalLikelihood
 from fromp.testing import dense_jacobian, dense_nll_hessians, flat
+from tests.cases import tiny_mlp
 
 F64 = torch.float64
 SETTINGS = settings(max_examples=25, deadline=None)

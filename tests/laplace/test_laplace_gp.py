@@ -12,7 +12,6 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from cases import tiny_mlp
 from torch import nn
 
 import fromp
@@ -20,6 +19,7 @@ from fromp import DiagLaplace, FullLaplace, Laplace
 from fromp.laplace.laplace_gp import LaplaceGP
 from fromp.likelihood import CategoricalLikelihood, GaussianLikelihood
 from fromp.testing import dense_ggn, flat
+from tests.cases import tiny_mlp
 
 F64 = torch.float64
 

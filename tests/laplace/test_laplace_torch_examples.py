@@ -20,12 +20,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.laplace import laplace_torch_examples as examples
 import pytest
 import torch
 
 import fromp
 import fromp.utils
+from tests.laplace import laplace_torch_examples as examples
 
 REFERENCE = json.loads((Path(__file__).parent / "laplace_torch_reference.json").read_text())
 REF = REFERENCE["examples"]

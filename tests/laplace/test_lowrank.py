@@ -13,11 +13,11 @@ import math
 
 import pytest
 import torch
-from tests.laplace.test_base import cnn, data, dense_ggn_blocks, mlp
 
 from fromp import Laplace
 from fromp.curvature.ggn import ggn_matmat
 from fromp.likelihood import CategoricalLikelihood
+from tests.laplace.test_base import cnn, data, dense_ggn_blocks, mlp
 
 F64 = torch.float64
 MODELS = {"mlp": (mlp, (4,)), "cnn": (cnn, (1, 5, 5))}

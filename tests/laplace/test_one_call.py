@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import tiny_cnn, tiny_mlp
 from torch import nn
 
 from fromp import DiagonalGaussian, FullGaussian, fit_laplace, fit_laplace_full
@@ -13,6 +12,7 @@ from fromp.curvature.jacobian import unflatten
 from fromp.likelihood import BernoulliLikelihood, CategoricalLikelihood
 from fromp.models import MultiHeadMLP, with_task
 from fromp.testing import dense_ggn, flat
+from tests.cases import tiny_cnn, tiny_mlp
 
 
 @pytest.mark.parametrize("make", [tiny_mlp, tiny_cnn], ids=["mlp", "cnn_bn"])

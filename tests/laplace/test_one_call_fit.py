@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import tiny_cnn, tiny_mlp
 from torch import nn
 
 from fromp import DiagLaplace, FullLaplace, fit_laplace, fit_laplace_full
 from fromp.laplace.one_call import log_marginal_likelihood
 from fromp.likelihood import CategoricalLikelihood, GaussianLikelihood
 from fromp.testing import dense_ggn, flat
+from tests.cases import tiny_cnn, tiny_mlp
 
 F64 = torch.float64
 

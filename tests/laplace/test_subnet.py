@@ -12,7 +12,6 @@ import math
 
 import pytest
 import torch
-from tests.laplace.test_base import cnn, data, dense_ggn_blocks, mlp
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 
@@ -22,6 +21,7 @@ from fromp.laplace.subnet import (
     LargestVarianceDiagLaplaceSubnetMask,
 )
 from fromp.likelihood import CategoricalLikelihood
+from tests.laplace.test_base import cnn, data, dense_ggn_blocks, mlp
 
 F64 = torch.float64
 MODELS = {"mlp": (mlp, (4,)), "cnn": (cnn, (1, 5, 5))}
@@ -267,9 +267,8 @@ def test_capture_columns_on_every_layer_kind_equal_autograds(chunk_size):
     Jacobians): the subnetwork's Jacobian columns equal autograd's dense Jacobian's, in the
     order of the indices, with chunks of 3 of the 7 examples too (a chunk boundary inside
     the batch), and the precision is the dense GGN's block."""
-    from cases import conv_zoo
-
     from fromp.testing import dense_jacobian
+    from tests.cases import conv_zoo
 
     torch.manual_seed(0)
     model = conv_zoo(3, seed=0).eval()

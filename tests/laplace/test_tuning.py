@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+
 from tests.laplace.test_checks import CASES, IDS, X, Y, make, mlp
 
 

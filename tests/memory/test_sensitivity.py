@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import tiny_cnn, tiny_mlp
 from torch import nn
 
 import fromp
@@ -14,6 +13,7 @@ from fromp.likelihood import get_likelihood
 from fromp.memory.sensitivity import memory_perturbation, newton_step_loo, prediction_variance
 from fromp.optim import IVON
 from fromp.testing import dense_jacobian, dense_nll_hessians, flat, forward_at, split
+from tests.cases import tiny_cnn, tiny_mlp
 
 D = torch.float64
 

@@ -10,12 +10,12 @@ from collections import defaultdict
 import pytest
 import torch
 from avalanche.models.dynamic_optimizers import update_optimizer
-from cases import tiny_cnn, tiny_mlp
 
 import fromp
 from fromp.optim import IVON
 from fromp.posterior import DiagonalGaussian
 from fromp.testing import dense_jacobian, flat, forward_at
+from tests.cases import tiny_cnn, tiny_mlp
 
 D = torch.float64
 

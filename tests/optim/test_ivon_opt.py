@@ -11,12 +11,12 @@ import json
 import math
 from pathlib import Path
 
-from tests.optim import ivon_opt_loops as loops
 import pytest
 import torch
 import torch.nn.functional as F
 
 from fromp import IVON
+from tests.optim import ivon_opt_loops as loops
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "ivon_opt_reference.json").read_text())
 

@@ -8,7 +8,6 @@ from collections import defaultdict
 
 import pytest
 import torch
-from _synthetic import synthetic_split
 from avalanche.models.dynamic_optimizers import update_optimizer
 from avalanche.training.plugins import SupervisedPlugin
 from fromp_avalanche.models import as_avalanche_model
@@ -27,6 +26,7 @@ from fromp.optim.vogn import (
     predict_mean,
 )
 from fromp.posterior import DiagonalGaussian
+from tests.cases import synthetic_split
 
 D = torch.float64
 

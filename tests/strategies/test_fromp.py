@@ -6,7 +6,6 @@ import warnings
 
 import pytest
 import torch
-from _synthetic import synthetic_split
 from avalanche.evaluation.metrics import accuracy_metrics
 from avalanche.training import Naive
 from avalanche.training.plugins import EvaluationPlugin
@@ -16,6 +15,7 @@ from fromp_bench.data import permuted_mnist, to_avalanche
 from fromp_bench.settings import SETTINGS
 
 from fromp.models import MultiHeadMLP
+from tests.cases import synthetic_split
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -12,11 +12,12 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.strategies.probe import LossProbe
 from avalanche.benchmarks.scenarios.deprecated.generators import tensors_benchmark
 from avalanche.models import IncrementalClassifier
 from fromp_avalanche.fromp import FROMP
 from torch import nn
+
+from tests.strategies.probe import LossProbe
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

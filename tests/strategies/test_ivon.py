@@ -8,7 +8,6 @@ import warnings
 
 import pytest
 import torch
-from _synthetic import synthetic_split
 from avalanche.evaluation.metrics import accuracy_metrics
 from avalanche.training.plugins import EvaluationPlugin, SupervisedPlugin
 from fromp_avalanche.fromp import FROMP, FROMPPlugin
@@ -19,6 +18,7 @@ from fromp_bench.data import to_avalanche
 from fromp.curvature.jacobian import flat_params
 from fromp.models import MultiHeadMLP
 from fromp.optim import IVON
+from tests.cases import synthetic_split
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

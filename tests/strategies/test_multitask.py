@@ -10,7 +10,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from _synthetic import synthetic_split
 from fromp_avalanche.ewc import EWCPlugin
 from fromp_avalanche.fromp import FROMPPlugin
 from torch.utils.data import TensorDataset
@@ -19,6 +18,7 @@ from fromp.continual.memorable import select_memorable
 from fromp.curvature.diagonal import diag_ggn
 from fromp.curvature.jacobian import flat_params
 from fromp.models import MultiHeadMLP, with_task
+from tests.cases import synthetic_split
 
 D = torch.float64
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _synthetic import synthetic_split
 from avalanche.core import SupervisedPlugin
 from avalanche.evaluation.metrics import accuracy_metrics
 from avalanche.training.plugins import EvaluationPlugin
@@ -15,6 +14,7 @@ from fromp_bench.settings import SETTINGS
 
 from fromp.continual.bayesian import BayesMultiHeadModel
 from fromp.models import MultiHeadMLP
+from tests.cases import synthetic_split
 
 
 def _strategy(net, **kw):
