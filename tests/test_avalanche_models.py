@@ -1,9 +1,10 @@
 """FROMP and EWC on users' own Avalanche models, trained by Avalanche on small synthetic
-streams built like ``SplitMNIST`` (``nc_benchmark``, Avalanche's default global labels):
-``MTSimpleMLP`` (a ``MultiTaskModule`` with a ``MultiHeadClassifier``, task labels) and
-``SimpleMLP`` (one head, class-incremental), checked after tasks 2 and 3 against dense
-float64 brute force through the head of each task (the models train in float32, as
-Avalanche's multi-task forward requires; the references use float64 copies)."""
+streams built like ``SplitMNIST`` (``nc_benchmark``): ``MTSimpleMLP`` (a ``MultiTaskModule``
+with a ``MultiHeadClassifier``, task labels, the labels counted from zero in each
+experience: Avalanche's default global labels are refused, tests/test_multihead_masks.py)
+and ``SimpleMLP`` (one head, class-incremental, global labels), checked after tasks 2 and 3
+against dense float64 brute force through the head of each task (the models train in
+float32, as Avalanche's multi-task forward requires; the references use float64 copies)."""
 
 from __future__ import annotations
 
@@ -35,8 +36,10 @@ def _dataset(n: int, seed: int):
     return _make_taskaware_tensor_classification_dataset(x, y, targets=y.tolist())
 
 
-def _benchmark(task_labels: bool):
-    """Three experiences of two classes each, global labels 0..5 (Avalanche's default)."""
+def _benchmark(task_labels: bool, global_labels: bool = False):
+    """Three experiences of two classes each: with task labels 0 and 1 in each experience
+    (a head per task; ``global_labels``: 0..5, Avalanche's default), else global labels
+    0..5 on one head."""
     return nc_benchmark(
         _dataset(60, 0),
         _dataset(30, 1),
@@ -44,6 +47,7 @@ def _benchmark(task_labels: bool):
         task_labels=task_labels,
         shuffle=False,
         fixed_class_order=list(range(N_CLASSES)),
+        class_ids_from_zero_in_each_exp=task_labels and not global_labels,
     )
 
 
@@ -179,19 +183,6 @@ def test_ewc_on_avalanche_models_after_tasks_2_and_3(kind):
         assert penalty.requires_grad and float(penalty) > 0  # the weights moved since
 
 
-@pytest.mark.parametrize("method", ["fromp", "ewc"])
-def test_default_global_labels_train_multi_head(method):
-    """Avalanche's default labels (global 0..5) train a ``MTSimpleMLP`` through three
-    experiences with no ``class_ids_from_zero_in_each_exp`` (the heads grow to the labels,
-    unused units masked) and every experience is evaluated."""
-    kwargs = {"tau": 1.0, "n_points": 4} if method == "fromp" else {"ewc_lambda": 1.0}
-    bm, strategy, _ = _train("mt", method, **kwargs)
-    for exp in bm.train_stream:
-        strategy.train(exp)
-    res = strategy.eval(bm.test_stream)
-    assert res == {} or all(v == v for v in res.values())
-
-
 def test_vcl_twin_kl_sampling_and_prior_after_tasks_2_and_3():
     """VCL on ``MTSimpleMLP``: the KL is the closed form over the Linear weights and biases;
     samples with a vanishing variance are the model's own head-``t`` outputs; after each
@@ -212,7 +203,8 @@ def test_vcl_twin_kl_sampling_and_prior_after_tasks_2_and_3():
         prior_precision=2.0,  # prior variance 0.5
         seed=0,
     )
-    twin = strategy.net
+    twin = strategy.method.mean_field
+    assert strategy.model is model and twin.model is model
     for e, exp in enumerate(bm.train_stream):
         strategy.train(exp)
         head_names = [n for n in twin.names if n.startswith("classifier.")]
@@ -265,8 +257,8 @@ def test_vcl_twin_kl_sampling_and_prior_after_tasks_2_and_3():
 
 @pytest.mark.parametrize("kind", ["mt", "single"])
 def test_vcl_trains_avalanche_models_and_resumes(kind):
-    """VCL trains both Avalanche models through three experiences; its state (means,
-    log-variances, priors, counter) round-trips into a fresh strategy."""
+    """VCL trains both Avalanche models through three experiences; its state (log-variances,
+    priors, counter) with the model's (the means) round-trips into a fresh strategy."""
     from fromp_avalanche.vcl import VCL
 
     bm = _benchmark(task_labels=kind == "mt")
@@ -291,9 +283,10 @@ def test_vcl_trains_avalanche_models_and_resumes(kind):
     for exp in list(bm.train_stream)[:2]:  # the same adaptation: the same parameters
         fresh.experience = exp
         fresh.model_adaptation()
+    fresh.model.load_state_dict(strategy.model.state_dict())
     fresh.plugin.load_state_dict(state)
     assert fresh.plugin.method.task_count == 2
-    torch.testing.assert_close(fresh.net.kl(), strategy.net.kl())
+    torch.testing.assert_close(fresh.method.mean_field.kl(), strategy.method.mean_field.kl())
     strategy.train(bm.train_stream[2])
     assert strategy.plugin.method.task_count == 3
 
@@ -384,7 +377,7 @@ def test_global_labels_with_fixed_two_unit_heads_say_what_to_pass(method):
 
     from fromp.models import MultiHeadMLP
 
-    bm = _benchmark(task_labels=True)
+    bm = _benchmark(task_labels=True, global_labels=True)
     model = as_avalanche_model(MultiHeadMLP(D_IN, (6,), n_heads=3, head_size=2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     common = dict(model=model, optimizer=opt, train_mb_size=10, evaluator=None)
@@ -438,7 +431,7 @@ def test_torchvision_resnet18_on_a_cifar_shaped_stream(method):
     elif method == "ewc":
         assert len(plugin.method.importances) == 2 and "fc.weight" in plugin.method.importances[1]
     else:
-        names = set(strategy.net.names)
+        names = set(strategy.method.mean_field.names)
         assert "conv1.weight" in names and "fc.bias" in names
         assert not any(n.startswith("bn1") for n in names)
         assert plugin.method.task_count == 2

@@ -29,7 +29,9 @@ def test_readme_is_a_front_page():
     assert len(blocks()) == 3
 
 
-def _split_mnist_like(n_experiences=5, return_task_id=True, **_):
+def _split_mnist_like(
+    n_experiences=5, return_task_id=True, class_ids_from_zero_in_each_exp=False, **_
+):
     g = torch.Generator().manual_seed(0)
 
     def ds(n):
@@ -41,6 +43,7 @@ def _split_mnist_like(n_experiences=5, return_task_id=True, **_):
     return nc_benchmark(
         ds(1500), ds(300), n_experiences=n_experiences, task_labels=return_task_id,
         shuffle=False, fixed_class_order=list(range(10)),
+        class_ids_from_zero_in_each_exp=class_ids_from_zero_in_each_exp,
     )  # fmt: skip
 
 
