@@ -291,6 +291,73 @@ def test_vcl_trains_avalanche_models_and_resumes(kind):
     assert strategy.plugin.method.task_count == 3
 
 
+@pytest.mark.parametrize("kind", ["mt", "single"])
+def test_vcl_keeps_the_users_model_and_optimizer_and_its_eval_is_the_models(kind):
+    """VCL with Avalanche's models and the user's Adam: after every experience
+    ``strategy.model is model`` and ``strategy.optimizer is opt``; the user's optimizer made
+    every update (one step per mini-batch, nothing else moved the parameters: no
+    maximum-likelihood fit by default) of the model's parameters and of the log-variances
+    (its group 1); and ``strategy.eval``'s accuracy and loss per experience are those of the
+    user's model evaluated directly, ``model(x, t)`` (the posterior means)."""
+    import math
+
+    from avalanche.evaluation.metrics import accuracy_metrics, loss_metrics
+    from avalanche.training.plugins import EvaluationPlugin
+    from fromp_avalanche.vcl import VCL
+
+    bm = _benchmark(task_labels=kind == "mt")
+    model = _model(kind)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    steps = []
+    opt.register_step_post_hook(lambda o, args, kwargs: steps.append(o))
+    with pytest.warns(UserWarning, match="added to your optimizer as parameter group 1"):
+        strategy = VCL(
+            model=model,
+            optimizer=opt,
+            train_mb_size=8,
+            eval_mb_size=7,
+            evaluator=EvaluationPlugin(
+                accuracy_metrics(experience=True), loss_metrics(experience=True), loggers=[]
+            ),
+            train_samples=2,
+            seed=0,
+        )
+    logvars = strategy.method.variance_parameters()
+    assert logvars and all(not any(lv is p for p in model.parameters()) for lv in logvars)
+    n_steps = 0
+    for e, exp in enumerate(bm.train_stream):
+        before = [p.detach().clone() for p in model.parameters()]
+        lv_before = [lv.detach().clone() for lv in strategy.method.variance_parameters()]
+        strategy.train(exp)
+        assert strategy.model is model and strategy.optimizer is opt
+        n_steps += math.ceil(len(exp.dataset) / 8)
+        assert len(steps) == n_steps and all(o is opt for o in steps)
+        groups = opt.param_groups
+        assert [id(p) for p in groups[0]["params"]] == [id(p) for p in model.parameters()]
+        assert [id(p) for p in groups[1]["params"]] == [
+            id(p) for p in strategy.method.variance_parameters()
+        ]
+        # trained: the means in place, the log-variances through the optimizer
+        moved = [
+            not torch.equal(b, p) for b, p in zip(before, model.parameters()) if b.shape == p.shape
+        ]
+        assert any(moved)
+        lv_now = strategy.method.variance_parameters()
+        assert any(not torch.equal(b, v) for b, v in zip(lv_before, lv_now) if b.shape == v.shape)
+
+        res = strategy.eval(bm.test_stream[: e + 1])
+        model.eval()
+        for k, test in enumerate(bm.test_stream[: e + 1]):
+            x, y, t = _xy(test)
+            with torch.no_grad():
+                out = model(x.float(), t) if kind == "mt" else model(x.float())
+            acc = int((out.argmax(1) == y).sum()) / len(y)
+            loss = float(nn.functional.cross_entropy(out, y))
+            name = f"eval_phase/test_stream/Task{t if kind == 'mt' else 0:03d}/Exp{k:03d}"
+            assert res[f"Top1_Acc_Exp/{name}"] == pytest.approx(acc, abs=1e-9), (e, k)
+            assert res[f"Loss_Exp/{name}"] == pytest.approx(loss, rel=1e-5), (e, k)
+
+
 _DEVICES = [
     "cpu",
     "cpu:0",

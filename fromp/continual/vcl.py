@@ -18,10 +18,12 @@ the log-variances and the priors beside it (:attr:`VCLMethod.mean_field`), so af
 the network holds the posterior means, and ``net(x)`` is the prediction at the means. As in
 the reference code:
 
-* task 1 starts from a maximum-likelihood fit of the means (:meth:`VCLMethod.ml_init`, Adam),
-  posterior log-variances start at ``init_logvar = -6``, and ``mean_init_std=0.1`` re-draws
-  the means from ``N(0, 0.1^2)`` truncated at two standard deviations (default: the
-  network's own initialisation);
+* posterior log-variances start at ``init_logvar = -6``; the reference code's initialisation
+  of the means is available: ``mean_init_std=0.1`` re-draws them from ``N(0, 0.1^2)``
+  truncated at two standard deviations, and ``ml_init_epochs=E`` (None: the caller's epochs)
+  fits them by maximum likelihood before task 1 (:meth:`VCLMethod.ml_init`, Adam; task 1
+  then costs ``E`` more epochs). The default starts from the network's own weights, with
+  no extra epochs;
 * the KL covers the shared body and the heads trained so far (multi-head); a head never
   trained keeps the prior ``N(0, 1 / prior_precision)``;
 * ``test_samples=S`` predicts with the Monte Carlo predictive ``log mean_s softmax(f_s)``
@@ -37,12 +39,13 @@ the reference code:
 A plain loop (no Avalanche; the continual-method protocol of
 :class:`fromp.continual.protocol.ContinualMethod` on the user's network)::
 
-    method = VCLMethod(net, prior_precision=1.0, coreset_size=40, coreset_method="kcenter")
+    method = VCLMethod(net, prior_precision=1.0, ml_init_epochs=5, coreset_size=40,
+                       coreset_method="kcenter")
     opt = torch.optim.Adam(method.parameters(), lr=1e-3)  # net's and the log-variances
     for task, (x, y) in enumerate(tasks):
         x, y = method.split_coreset(x, y, task)      # the coreset is kept out
         method.begin_task(net, task=task, ess=len(x))    # N_t and the head of the task
-        method.ml_init(x, y, epochs=5, lr=1e-3, batch_size=256)   # task 1 only
+        method.ml_init(x, y, lr=1e-3, batch_size=256)  # task 1 only: 5 epochs of ML
         for xb, yb in batches(x, y):
             nll, logits = method.nll(xb, yb, task)   # Monte Carlo cross-entropy
             loss = nll + method.loss_terms(net, xb, logits, task=task)  # + KL / N_t
@@ -123,7 +126,8 @@ class VCLMethod:
             means, one pass of ``net``).
         ml_init_epochs, ml_lr: epochs and Adam learning rate of the maximum-likelihood fit of
             the means before task 1 (:meth:`ml_init`; None: the caller's, e.g. the strategy's
-            ``train_epochs`` and its optimizer's ``lr``; 0 epochs: none).
+            ``train_epochs`` and its optimizer's ``lr``; 0 epochs, the default: none, so that
+            task 1 costs no more epochs than the others).
         coreset_size: points per task kept aside (0: plain VCL).
         coreset_method: ``"random"`` | ``"kcenter"`` (required when ``coreset_size > 0``).
         coreset_epochs, coreset_mb_size, coreset_lr: epochs, mini-batch size and Adam learning
@@ -147,7 +151,7 @@ class VCLMethod:
         mean_init_std: float | None = None,
         train_samples: int = 1,
         test_samples: int | None = None,
-        ml_init_epochs: int | None = None,
+        ml_init_epochs: int | None = 0,
         ml_lr: float | None = None,
         coreset_size: int = 0,
         coreset_method: str | None = None,
