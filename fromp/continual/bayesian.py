@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -75,6 +75,7 @@ __all__ = [
     "gaussian_kl",
     "gaussian_kl_flat",
     "gaussian_names",
+    "local_std",
     "to_bayesian",
 ]
 
@@ -194,13 +195,30 @@ class MeanFieldNet(GaussianWeights):
         when its names or shapes differ from the network's)."""
 
 
+def local_std(
+    op: Callable[[Tensor, Tensor, Tensor | None], Tensor],
+    x: Tensor,
+    weight_var: Tensor,
+    bias_var: Tensor | None,
+) -> Tensor:
+    """The standard deviation of the pre-activations ``op(x, W, b)`` of a layer with
+    independent Gaussian weights and bias (local reparameterisation, Kingma et al., 2015):
+    ``sqrt(op(x^2, var_W, var_b))``, ``op`` linear in the weights (``F.linear``,
+    ``F.conv2d``). The variance is 0 only for an all-zero input without a Gaussian bias: it
+    is clamped to the dtype's smallest normal number there, so that ``sqrt``'s gradient
+    stays finite (and the noise vanishes)."""
+    var = op(x * x, weight_var, bias_var)
+    return var.clamp_min(torch.finfo(var.dtype).tiny).sqrt()
+
+
 class BayesLayer(GaussianWeights):
     """Common machinery of mean-field Gaussian layers.
 
     Parameters ``weight_mu``, ``weight_logvar`` (and ``bias_mu``, ``bias_logvar``);
     buffers ``weight_prior_mu``, ``weight_prior_var`` (and the bias ones). Subclasses
     implement :meth:`_op`, the layer's linear map ``(x, W, b) -> x * W + b``; the Gaussian of
-    the pre-activations, ``N(op(x, mu_W, mu_b), op(x^2, var_W, var_b))`` (:meth:`_mean_var`),
+    the pre-activations, ``N(op(x, mu_W, mu_b), op(x^2, var_W, var_b))`` (:meth:`_mean_std`,
+    :func:`local_std`),
     and the map at the means (:meth:`_deterministic`) follow from it.
 
     Args:
@@ -258,16 +276,6 @@ class BayesLayer(GaussianWeights):
                 self.bias_mu.uniform_(-bound, bound)
                 self.bias_logvar.fill_(self.init_logvar)
 
-    @torch.no_grad()
-    def reset_mean(self, std: float) -> None:
-        """Re-draw the means (weights and bias) from a normal ``N(0, std^2)`` truncated to
-        ``[-2 std, 2 std]`` (the VCL reference initialisation, ``std = 0.1``)."""
-        if std <= 0:
-            raise ValueError(f"std must be > 0, got {std}")
-        nn.init.trunc_normal_(self.weight_mu, 0.0, std, -2 * std, 2 * std)
-        if self.bias_mu is not None:
-            nn.init.trunc_normal_(self.bias_mu, 0.0, std, -2 * std, 2 * std)
-
     def _pairs(self) -> Iterator[Site]:
         """``(mu, logvar, prior_mu, prior_var)`` for the weight and the bias."""
         yield self.weight_mu, self.weight_logvar, self.weight_prior_mu, self.weight_prior_var
@@ -297,10 +305,10 @@ class BayesLayer(GaussianWeights):
     def _op(self, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
         raise NotImplementedError
 
-    def _mean_var(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def _mean_std(self, x: Tensor) -> tuple[Tensor, Tensor]:
         mean = self._op(x, self.weight_mu, self.bias_mu)
         bvar = None if self.bias_logvar is None else self.bias_logvar.exp()
-        return mean, self._op(x * x, self.weight_logvar.exp(), bvar)
+        return mean, local_std(self._op, x, self.weight_logvar.exp(), bvar)
 
     def _deterministic(self, x: Tensor) -> Tensor:
         return self._op(x, self.weight_mu, self.bias_mu)
@@ -311,10 +319,10 @@ class BayesLayer(GaussianWeights):
         if self.use_mean:
             out = self._deterministic(x)
             return out if n_samples is None else out.expand(n_samples, *out.shape)
-        mean, var = self._mean_var(x)
+        mean, std = self._mean_std(x)
         shape = mean.shape if n_samples is None else (n_samples, *mean.shape)
         eps = torch.randn(shape, dtype=mean.dtype, device=mean.device)
-        return mean + var.clamp_min(0).sqrt() * eps
+        return mean + std * eps
 
 
 class BayesLinear(BayesLayer):
@@ -795,12 +803,8 @@ class MeanFieldTwin(MeanFieldNet):
 
         def hook(weight: str, bias: str | None) -> Any:
             def add_noise(module: nn.Module, args: tuple, out: Tensor) -> Tensor:
-                x = args[0]
                 b = None if bias is None else self.variance(bias)
-                var = F.linear(x * x, self.variance(weight), b)
-                # var is 0 only for an all-zero input without a Gaussian bias: the clamp keeps
-                # sqrt's gradient finite there (and zero)
-                std = var.clamp_min(torch.finfo(var.dtype).tiny).sqrt()
+                std = local_std(F.linear, args[0], self.variance(weight), b)
                 return out + std * torch.randn_like(out)
 
             return add_noise
