@@ -467,6 +467,9 @@ def test_the_plain_loop_of_the_avalanche_guide_runs():
     torch.manual_seed(0)
     exec(block, env)
     method = env["method"]
+    # the user's network is the means: no network of the method's own
+    assert not hasattr(method, "net") and method.model is env["net"]
+    assert method.mean_field.model is env["net"]
     assert method.task_count == 3 and method.seen_heads == {0, 1, 2}
     assert [h for h, _, _ in method.coresets] == [0, 1, 2] and len(method.coresets[0][1]) == 40
     probs = env["probs"]
