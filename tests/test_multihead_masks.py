@@ -138,9 +138,8 @@ def test_no_step_of_the_method_changes_a_heads_masks(method):
         task_masks = sorted(k for k in masks if "active_units_T" in k)
         assert task_masks == [f"classifier.active_units_T{t}" for t in range(e + 1)]
         for t in range(e + 1):
-            assert masks[f"classifier.active_units_T{t}"].nonzero().flatten().tolist() == (
-                classes[t]
-            )
+            active = masks[f"classifier.active_units_T{t}"].nonzero().flatten().tolist()
+            assert active == classes[t]
         steps = [c for c in calls if c[0] == "after_training_exp"]
         assert len(steps) == e + 1
         outputs.predicted.clear()
