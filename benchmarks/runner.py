@@ -652,32 +652,34 @@ def run(
     with warnings.catch_warnings():  # metrics are reported by the runner, not a logger
         warnings.filterwarnings("ignore", message="No loggers specified")
         evaluator = EvaluationPlugin(accuracy_metrics(experience=True), loggers=[])
-    strategy = cls(
-        model=model,
-        optimizer=optimizer,
-        criterion=nn.CrossEntropyLoss(),
-        train_mb_size=int(settings["train_mb_size"]) // world,
-        train_epochs=int(settings["train_epochs"]),
-        eval_mb_size=1000,
-        device=device,
-        plugins=[
-            collector,
-            _Guard(),
-            progress,
-            restore,
-            *lr_schedule_plugins(
-                settings.get("lr_schedule", "constant"),
-                float(settings["lr"]),
-                settings.get("lr_warmup", 0.0),
-            ),
-            *optimizer_state_plugins(
-                settings.get("optimizer_state", "keep"), str(settings["optimizer"])
-            ),
-            *([_DataParallel()] if world > 1 else []),
-        ],
-        evaluator=evaluator,
-        **strategy_kwargs(cls, settings["kwargs"], cfg.seed),
-    )
+    with warnings.catch_warnings():  # VCL's log-variances join the runner's own optimizer
+        warnings.filterwarnings("ignore", message="VCL: the posterior")
+        strategy = cls(
+            model=model,
+            optimizer=optimizer,
+            criterion=nn.CrossEntropyLoss(),
+            train_mb_size=int(settings["train_mb_size"]) // world,
+            train_epochs=int(settings["train_epochs"]),
+            eval_mb_size=1000,
+            device=device,
+            plugins=[
+                collector,
+                _Guard(),
+                progress,
+                restore,
+                *lr_schedule_plugins(
+                    settings.get("lr_schedule", "constant"),
+                    float(settings["lr"]),
+                    settings.get("lr_warmup", 0.0),
+                ),
+                *optimizer_state_plugins(
+                    settings.get("optimizer_state", "keep"), str(settings["optimizer"])
+                ),
+                *([_DataParallel()] if world > 1 else []),
+            ],
+            evaluator=evaluator,
+            **strategy_kwargs(cls, settings["kwargs"], cfg.seed),
+        )
     strategy._is_joint = strat.joint
     if cfg.checkpoint:  # a plugin state a checkpoint could hold only as code: refused now
         for p in method_plugins(strategy).values():

@@ -69,7 +69,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--methods", nargs="+", default=["fromp", "ewc", "vcl"])
     args = parser.parse_args(argv)
-    benchmark = SplitMNIST(n_experiences=5, return_task_id=True, dataset_root=args.data)
+    benchmark = SplitMNIST(  # labels 0, 1 in each task: one two-unit head per task
+        n_experiences=5,
+        return_task_id=True,
+        class_ids_from_zero_in_each_exp=True,
+        dataset_root=args.data,
+    )
     results = {m: run(m, benchmark, Path(args.out), epochs=args.epochs) for m in args.methods}
     print(json.dumps(results, indent=1))
     return results

@@ -22,6 +22,7 @@ __all__ = [
     "MultiHeadMLP",
     "MultiHeadModel",
     "TaskView",
+    "head_parameters",
     "is_multitask",
     "takes_task_labels",
     "uncompiled",
@@ -186,6 +187,31 @@ def is_multitask(model: nn.Module) -> bool:
     or a module whose ``forward`` takes ``task_labels`` (an Avalanche ``MultiTaskModule``,
     e.g. with a ``MultiHeadClassifier``)."""
     return getattr(model, "n_heads", 1) > 1 or takes_task_labels(model)
+
+
+def head_parameters(model: nn.Module) -> dict[str, int]:
+    """The parameters of ``model`` that belong to one task's head: ``{name: task label}``
+    (names as in ``model.named_parameters()``); every other parameter is shared.
+
+    Heads are recognised by structure, for :mod:`fromp`'s networks and Avalanche's without
+    importing it: a :class:`MultiHeadModel`'s ``heads[t]`` (task ``t``), and a module whose
+    ``classifiers`` is an ``nn.ModuleDict`` keyed by task labels (Avalanche's
+    ``MultiHeadClassifier``: ``classifiers["t"]``), wherever they sit in ``model``."""
+    out: dict[str, int] = {}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for module in model.modules():
+        if isinstance(module, MultiHeadModel) and module.n_heads > 1:
+            heads = dict(enumerate(module.heads))
+        else:
+            found = getattr(module, "classifiers", None)
+            if not isinstance(found, nn.ModuleDict) or not all(k.isdigit() for k in found):
+                continue
+            heads = {int(k): m for k, m in found.items()}
+        for task, head in heads.items():
+            for p in head.parameters():
+                if id(p) in names:
+                    out[names[id(p)]] = task
+    return out
 
 
 class TaskView(nn.Module):

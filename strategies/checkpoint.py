@@ -406,8 +406,6 @@ def _adapted_copy(strategy: Any, stream: Sequence[Any], done: int) -> torch.nn.M
         for i in range(done):
             strategy.experience = stream[i]
             model = strategy.model_adaptation(model)
-            if callable(getattr(model, "sync", None)):  # a mean-field twin grows its variances
-                model.sync()
     finally:
         strategy.experience = saved
     return model

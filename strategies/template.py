@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from avalanche.training.plugins.evaluation import default_evaluator
 from avalanche.training.templates import SupervisedTemplate
-from torch import nn
+from torch import Tensor, nn
 
-from fromp.models import is_multitask, with_task
+from fromp.models import is_multitask, takes_task_labels, with_task
 
 __all__ = [
     "MethodStrategy",
+    "check_heads_unpadded",
     "check_labels_fit",
     "method_parameters",
     "require_optimizer_on",
@@ -60,20 +62,24 @@ class MethodStrategy(SupervisedTemplate):
 
     def _adapt_model(self, model: nn.Module | None) -> nn.Module:
         """Avalanche's adaptation; a strategy with parameters of its own that grow with the
-        model (VCL's twin) extends this, before the optimizer refresh sees them."""
+        model (VCL's log-variances) extends this."""
         return super().model_adaptation(model)
 
     def model_adaptation(self, model: nn.Module | None = None) -> nn.Module:
         """Avalanche's model adaptation with the optimizer following the model after every
         adaptation (Avalanche refreshes it only before training): a grown parameter replaces
         its old tensor in the optimizer, a new one (a new head) is added, also when the
-        model adapts outside training (a restored checkpoint, evaluation on new tasks)."""
+        model adapts outside training (a restored checkpoint, evaluation on new tasks).
+        Then, before any plugin works on the experience (training or evaluation), the heads
+        of the strategy's model are checked (:func:`check_heads_unpadded`)."""
         own = model is None or model is self.model
         if own and getattr(self, "optimized_param_id", True) is None:
             self.make_optimizer(reset_optimizer_state=True)
         out = self._adapt_model(model)
         if own and getattr(self, "optimized_param_id", None) is not None:
             self.make_optimizer(reset_optimizer_state=False)
+        if own and getattr(self, "experience", None) is not None:
+            check_heads_unpadded(out, self.experience, self.device)
         return out
 
 
@@ -85,25 +91,13 @@ def check_labels_fit(model: nn.Module, experience: Any, device: Any = "cpu") -> 
     classes = getattr(experience, "classes_in_this_experience", None)
     if not classes:
         return
-    dataset = experience.dataset
-    if len(dataset) == 0:
+    x = _two_inputs(experience, device)
+    if x is None:
         return
-    # two examples: a model that squeezes (MTSimpleCNN) drops the batch dimension of one
-    items = [dataset[i] for i in range(min(2, len(dataset)))]
-    x = torch.stack([it[0] for it in items]).to(device)
-    task = int(items[0][2]) if len(items[0]) > 2 else 0
-    was_training = model.training
-    model.eval()
-    dev = torch.device(device)
-    # a Bayesian model samples in its forward: the check must not move training's RNG
-    cuda = []
-    if dev.type == "cuda":
-        cuda = [dev.index if dev.index is not None else torch.cuda.current_device()]
-    try:
-        with torch.random.fork_rng(devices=cuda), torch.no_grad():
-            out = with_task(model, task if is_multitask(model) else None)(x)
-    finally:
-        model.train(was_training)
+    first = experience.dataset[0]
+    task = int(first[2]) if len(first) > 2 else 0
+    with _quiet_eval(model, device):
+        out = with_task(model, task if is_multitask(model) else None)(x)
     width = out.shape[-1]
     if max(classes) >= width:
         raise ValueError(
@@ -114,6 +108,79 @@ def check_labels_fit(model: nn.Module, experience: Any, device: Any = "cpu") -> 
             "class_ids_from_zero_in_each_exp=True)), or use heads that grow with the labels "
             "(avalanche.models.MultiHeadClassifier)"
         )
+
+
+def _two_inputs(experience: Any, device: Any) -> Tensor | None:
+    """Two inputs ``[2, ...]`` of the experience (one when it has one; None when empty): a
+    model that squeezes (MTSimpleCNN) drops the batch dimension of a batch of one."""
+    dataset = experience.dataset
+    if len(dataset) == 0:
+        return None
+    return torch.stack([dataset[i][0] for i in range(min(2, len(dataset)))]).to(device)
+
+
+@contextmanager
+def _quiet_eval(model: nn.Module, device: Any) -> Iterator[None]:
+    """The model in evaluation mode without gradients, the RNG left as it was (a Bayesian
+    model samples in its forward: a check must not move training's draws)."""
+    was_training = model.training
+    model.eval()
+    dev = torch.device(device)
+    cuda = []
+    if dev.type == "cuda":
+        cuda = [dev.index if dev.index is not None else torch.cuda.current_device()]
+    try:
+        with torch.random.fork_rng(devices=cuda), torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
+def check_heads_unpadded(model: nn.Module, experience: Any, device: Any = "cpu") -> None:
+    """Refuse (``ValueError``, before any plugin works on the experience) a multi-task model
+    whose head of a task is padded by Avalanche's multi-task forward.
+
+    Avalanche's ``MultiTaskModule.forward(x, task_labels)`` with a tensor of task labels (as
+    Avalanche's strategies, evaluation and a user's ``model(x, t)`` call it) returns
+    ``[N, max_class_label]``: the ``w_t`` outputs of head ``t`` followed by ``max_class_label
+    - w_t`` zeros. ``MultiHeadClassifier``'s masking sets the inactive units *inside* a head
+    to ``mask_value`` but not these zeros, so a head whose logits all fall below 0 predicts
+    class ``w_t``, a class of another task. Heads differ in width when the labels are global
+    (Avalanche's default: SplitMNIST's task 1 holds digits 2 and 3, its head grows to 4
+    units while task 4's has 10) or tasks have different numbers of classes.
+
+    Checked for every head trained so far (the model's ``known_train_tasks_labels``) and the
+    experience's own, by calling the model both ways on two of the experience's inputs: the
+    tensor-label output must be as wide as the head's (:func:`fromp.models.with_task`). A
+    model that splits no batch by task label (fromp's multi-head models) passes.
+    """
+    if not takes_task_labels(model):
+        return
+    from avalanche.models import MultiTaskModule
+
+    tasks = {int(t) for t in getattr(experience, "task_labels", None) or [0]}
+    for m in model.modules():
+        if isinstance(m, MultiTaskModule):
+            tasks |= {int(t) for t in m.known_train_tasks_labels}
+    x = _two_inputs(experience, device)
+    if x is None:
+        return
+    with _quiet_eval(model, device):
+        for t in sorted(tasks):
+            own = with_task(model, t)(x).shape[-1]
+            padded = model(x, torch.full((len(x),), t, dtype=torch.long, device=x.device))
+            if padded.shape[-1] > own:
+                width = padded.shape[-1]
+                raise ValueError(
+                    f"experience {experience.current_experience}: Avalanche's multi-task "
+                    f"forward pads the {own} outputs of the head of task {t} with zeros to "
+                    f"{width} units, which masking does not cover: once that head's logits "
+                    f"fall below 0 it predicts class {own}, a class of another task. Count "
+                    "the labels from zero in each experience (e.g. SplitMNIST(n_experiences=5, "
+                    "return_task_id=True, class_ids_from_zero_in_each_exp=True)), or give "
+                    "every head the same width (MultiHeadClassifier(in_features, "
+                    "initial_out_features=<the number of classes>))"
+                )
 
 
 def require_optimizer_on(model: nn.Module, optimizer: Any, cls: type) -> None:

@@ -3,22 +3,26 @@ an adapter of :class:`fromp.continual.vcl.VCLMethod` (the ELBO, the posterior re
 coresets and their fits, the state). Hooks: the task's coreset kept out of the adapted
 dataset; ``begin_task`` (``N_t``) and the first task's ML fit of the means; ``loss_terms``
 (``KL / N_t``) added to the Monte Carlo cross-entropy; ``learn_task`` (posterior -> prior, a
-fresh optimizer state); coreset training before evaluating a task, restored after it."""
+fresh optimizer state); coreset training before evaluating a task, restored after it.
+
+The strategy trains the user's model and optimizer: ``strategy.model is model``, whose
+parameters are the posterior means (after training the model holds them), and the
+posterior's log-variances are added to the user's optimizer as one more parameter group
+(announced once, with a warning)."""
 
 from __future__ import annotations
 
-from collections import defaultdict
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from fromp_avalanche.benchmarks import experience_tensors
-from fromp_avalanche.models import as_avalanche_model, unwrap
+from fromp_avalanche.models import unwrap
 from fromp_avalanche.protocol import MethodPlugin
 from fromp_avalanche.template import MethodStrategy, method_parameters, show_signature
 from torch import Tensor, nn
 
-from fromp.continual.bayesian import BayesMultiHeadModel, MeanFieldNet
 from fromp.continual.vcl import VCLMethod
 
 __all__ = ["VCL", "VCLPlugin"]
@@ -83,10 +87,15 @@ class VCLPlugin(MethodPlugin):
 
 
 class VCL(MethodStrategy):
-    """VCL and VCL + coreset on any classifier (converted as :class:`fromp.continual.vcl.
-    VCLMethod` converts it; its keyword arguments are these), the optimizer (one group)
-    re-pointed at the Bayesian parameters. ``criterion``: a cross-entropy on logits, applied
-    to each Monte Carlo sample in training and to ``log mean_s softmax`` in evaluation."""
+    """VCL and VCL + coreset on any classifier (the posterior as :class:`fromp.continual.vcl.
+    VCLMethod` keeps it; its keyword arguments are these). ``strategy.model is model``: its
+    parameters are the posterior means, trained in place. The log-variances
+    (``strategy.method.variance_parameters()``) are added to ``optimizer`` as a new
+    parameter group with the optimizer's defaults (one warning says so); a head that
+    Avalanche adds or grows gets its log-variances there too. ``criterion``: a cross-entropy
+    on logits, applied to each Monte Carlo sample in training; evaluation is the model at
+    the posterior means (Avalanche's forward of ``model``, what ``model(x, t)`` gives), or,
+    with ``test_samples=S``, the criterion on ``log mean_s softmax`` of ``S`` samples."""
 
     def __init__(
         self,
@@ -98,19 +107,24 @@ class VCL(MethodStrategy):
     ) -> None:
         settings = {k: v for k, v in kwargs.items() if k in METHOD_SETTINGS}
         template_kwargs = {k: v for k, v in kwargs.items() if k not in METHOD_SETTINGS}
-        net = unwrap(model)
-        if not isinstance(net, MeanFieldNet) and len(optimizer.param_groups) != 1:
+        if not callable(getattr(optimizer, "add_param_group", None)):
             raise ValueError(
-                "optimizer must have a single parameter group (it is re-pointed at the "
-                f"Bayesian parameters), got {len(optimizer.param_groups)}"
+                "optimizer must be a torch.optim.Optimizer (VCL adds the posterior's "
+                f"log-variances to it as a parameter group), got {type(optimizer).__name__}"
             )
-        method = VCLMethod(net, **settings)
-        if method.net is not net:  # converted: the strategy trains the Bayesian network
-            model = method.net
-            if isinstance(method.net, BayesMultiHeadModel):
-                model = as_avalanche_model(method.net)
-            optimizer.param_groups[0]["params"] = list(model.parameters())
-            optimizer.state = defaultdict(dict)
+        method = VCLMethod(unwrap(model), **settings)
+        self._variance_group: int | None = None
+        variances = method.variance_parameters()
+        if variances:
+            optimizer.add_param_group({"params": variances})
+            self._variance_group = len(optimizer.param_groups) - 1
+            warnings.warn(
+                f"VCL: the posterior's {len(variances)} log-variance tensors were added to "
+                f"your optimizer as parameter group {self._variance_group} (its default "
+                "settings); your model's parameters are the posterior means, trained in "
+                "place, and after training the model holds them",
+                stacklevel=3,  # the caller of Avalanche's wrapper of __init__
+            )
         super().__init__(method_plugins=[VCLPlugin(method)], model=model, optimizer=optimizer,
                          criterion=criterion, **template_kwargs)  # fmt: skip
         self._mc_logits: Tensor | None = None
@@ -120,20 +134,35 @@ class VCL(MethodStrategy):
         """The :class:`fromp.continual.vcl.VCLMethod` the strategy drives."""
         return self.plugin.method
 
-    @property
-    def net(self) -> MeanFieldNet:
-        """The Bayesian network (``method.net``)."""
-        return self.plugin.method.net
-
     def _adapt_model(self, model: nn.Module | None) -> nn.Module:
-        """Avalanche's adaptation, then the twin's log-variances and priors of new units."""
-        model = super()._adapt_model(model)
-        self.net.sync()
-        return model
+        """Avalanche's adaptation, then the log-variances and priors of new or grown units
+        (the strategy's own model only), in the optimizer's variance group."""
+        out = super()._adapt_model(model)
+        if (model is None or model is self.model) and self.method.mean_field.sync():
+            self._refresh_variance_group()
+        return out
+
+    def _refresh_variance_group(self) -> None:
+        """Point the optimizer's variance group at the current log-variances (a grown one is
+        a new tensor: its optimizer state is dropped, as Avalanche drops a grown weight's)."""
+        if self._variance_group is None:
+            return
+        group = self.optimizer.param_groups[self._variance_group]
+        now = self.method.variance_parameters()
+        keep = {id(p) for p in now}
+        for p in group["params"]:
+            if id(p) not in keep:
+                self.optimizer.state.pop(p, None)
+        group["params"] = now
 
     def forward(self) -> Tensor:
-        """``log(mean_s softmax(f_s(x)))`` ``[N, K]`` over the method's samples."""
+        """Training: ``log(mean_s softmax(f_s(x)))`` ``[N, K]`` over ``train_samples``
+        samples. Evaluation: the model at the means (Avalanche's forward), or the Monte
+        Carlo predictive over ``test_samples`` samples when it is set."""
         m = self.method
+        if not self.is_training and m.test_samples is None:
+            self._mc_logits = None
+            return super().forward()
         s = m.train_samples if self.is_training else m.test_samples
         logits = m.sample_logits(self.mb_x, self.mb_task_id, s)  # S, N, K
         self._mc_logits = logits if self.is_training else None

@@ -1,10 +1,12 @@
 """FROMP, EWC and VCL on Avalanche's own SplitMNIST and models, as a user would run them.
 
-FROMP, EWC and VCL x {``MTSimpleMLP`` with ``return_task_id=True`` (multi-head, Avalanche's
-global labels), ``SimpleMLP`` with the default arguments (one head, class-incremental)},
-one epoch per experience on the first two experiences of ``SplitMNIST(n_experiences=5,
-seed=0)``. Reports the test accuracy of experience 0 after experience 0 and after
-experience 1, and of experience 1 after experience 1, and the wall time.
+FROMP, EWC and VCL x {``MTSimpleMLP`` with ``return_task_id=True`` (multi-head, the labels
+counted from zero in each experience: with Avalanche's global labels its heads differ in
+width and the strategies refuse the padded heads), ``SimpleMLP`` with the default
+arguments (one head, class-incremental)}, one epoch per experience on the first two
+experiences of ``SplitMNIST(n_experiences=5, seed=0)``. Reports the test accuracy of
+experience 0 after experience 0 and after experience 1, and of experience 1 after
+experience 1, and the wall time.
 
     python -m studies.avalanche_models --data /path/to/data \\
         --out benchmarks/results/avalanche_models.json
@@ -70,7 +72,13 @@ def check_trained(strategy, where: str) -> None:
 def run_one(method: str, model_name: str, data: str, device: str = "cpu", n_exp: int = 2):
     torch.manual_seed(0)
     multi = model_name == "MTSimpleMLP"
-    bm = SplitMNIST(n_experiences=5, return_task_id=multi, seed=0, dataset_root=data)
+    bm = SplitMNIST(
+        n_experiences=5,
+        return_task_id=multi,
+        class_ids_from_zero_in_each_exp=multi,
+        seed=0,
+        dataset_root=data,
+    )
     model = MTSimpleMLP() if multi else SimpleMLP()
     strategy = _strategy(method, model, device)
     row = {"method": method, "model": model_name, "return_task_id": multi}

@@ -12,14 +12,19 @@ the prior of task ``t`` (:meth:`GaussianWeights.set_prior_from_posterior`). Two 
   :class:`BayesMultiHeadModel` (:func:`to_bayesian` of a :mod:`fromp.models` network): the
   priors are buffers (they travel with ``state_dict``) and forward passes use local
   reparameterisation (below);
-* :class:`MeanFieldTwin` of any other module (a plain ``nn.Module``, an Avalanche
-  ``MultiTaskModule``): the module's own ``Linear``/``Conv2d`` parameters are the means, the
-  twin keeps a log-variance and a prior per parameter and samples whole weight draws through
-  :func:`torch.func.functional_call`.
+* :class:`MeanFieldTwin` of any module (a plain ``nn.Module``, a :mod:`fromp.models`
+  network, an Avalanche ``MultiTaskModule``), which it leaves as it is: the module's own
+  ``Linear``/``Conv2d`` parameters are the means, the twin keeps a log-variance and a prior
+  per parameter, and a sampled network is the module run with local reparameterisation in
+  its ``nn.Linear`` layers and whole weight draws of its other Gaussian parameters
+  (:meth:`MeanFieldTwin.sample_logits`).
 
 Both are a :class:`MeanFieldNet`: ``sample_logits(x, task, n_samples) -> [S, N, K]``,
-``kl(heads)``, ``set_prior_from_posterior(heads)``, ``mean_mode()`` (the network at its
-means), ``mean_parameters()``, ``sync()`` (after a module grew), ``prior_state()``.
+``mean_logits(x, task) -> [N, K]`` (the network at its means), ``kl(heads)``,
+``set_prior_from_posterior(heads)``, ``mean_mode()``, ``mean_parameters()``,
+``variance_parameters()`` (the log-variances that are not the network's own parameters),
+``sync()`` (after a module grew), ``variational_state()`` (what the network's
+``state_dict`` does not hold).
 
 The Bayesian layers use the local reparameterisation trick (Kingma et al., 2015): for a linear
 map ``a = x W^T + b`` with independent Gaussian weights the pre-activations are Gaussian,
@@ -37,7 +42,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -48,7 +53,14 @@ from torch.func import functional_call
 
 from fromp._checks import check_prior_precision
 from fromp.continual.named_state import fit_shape
-from fromp.models import CifarCNN, MultiHeadMLP, MultiHeadModel, is_multitask, with_task
+from fromp.models import (
+    CifarCNN,
+    MultiHeadMLP,
+    MultiHeadModel,
+    head_parameters,
+    is_multitask,
+    with_task,
+)
 
 __all__ = [
     "BayesCifarCNN",
@@ -63,6 +75,7 @@ __all__ = [
     "gaussian_kl",
     "gaussian_kl_flat",
     "gaussian_names",
+    "local_std",
     "to_bayesian",
 ]
 
@@ -122,6 +135,15 @@ class GaussianWeights(nn.Module):
             v0.copy_(lv.exp())
 
     @torch.no_grad()
+    def redraw_means(self, std: float) -> None:
+        """Re-draw every Gaussian mean from ``N(0, std^2)`` truncated to ``[-2 std, 2 std]``
+        in place (the VCL reference initialisation, ``std = 0.1``)."""
+        if std <= 0:
+            raise ValueError(f"std must be > 0, got {std}")
+        for mu, _, _, _ in self.gaussian_sites():
+            nn.init.trunc_normal_(mu, 0.0, std, -2 * std, 2 * std)
+
+    @torch.no_grad()
     def reset_prior(self, prior_mean: float = 0.0, prior_precision: float = 1.0) -> None:
         """Set the prior of every site back to ``N(prior_mean, 1 / prior_precision)``."""
         variance = 1.0 / check_prior_precision(prior_precision)  # type: ignore[operator]
@@ -138,26 +160,55 @@ class MeanFieldNet(GaussianWeights):
         """Logits ``[S, N, K]`` of ``S = n_samples`` weight samples through head ``task``."""
         raise NotImplementedError
 
+    def mean_logits(self, x: Tensor, task: int | Tensor | None) -> Tensor:
+        """Logits ``[N, K]`` of the network at the posterior means through head ``task``."""
+        raise NotImplementedError
+
     @contextmanager
     def mean_mode(self) -> Iterator[MeanFieldNet]:
-        """Within the context ``self(x, task)`` is the network at the posterior means."""
+        """Within the context :meth:`mean_logits` is what a maximum-likelihood fit of
+        :meth:`mean_parameters` trains."""
         yield self
 
     def mean_parameters(self) -> list[nn.Parameter]:
         """The parameters a maximum-likelihood fit of the means trains."""
         raise NotImplementedError
 
+    def variance_parameters(self) -> list[nn.Parameter]:
+        """The log-variances that are not parameters of the network the user gave (an
+        optimizer of that network's parameters needs them added); none when the network
+        is the posterior itself."""
+        return []
+
     def sync(self) -> bool:
         """Give parameters that appeared or grew (a new head) a posterior and a prior;
         returns whether anything changed."""
         return False
 
-    def prior_state(self) -> dict:
-        """The priors that ``state_dict()`` does not hold (none when they are buffers)."""
+    def variational_state(self) -> dict:
+        """The posterior's state that the user's network's ``state_dict()`` does not hold
+        (tensors by parameter name, on the CPU); none when the network is the posterior."""
         return {}
 
-    def load_prior_state(self, state: dict) -> None:
-        """Restore :meth:`prior_state`."""
+    def load_variational_state(self, state: dict) -> None:
+        """Restore :meth:`variational_state` in place (refused, before changing anything,
+        when its names or shapes differ from the network's)."""
+
+
+def local_std(
+    op: Callable[[Tensor, Tensor, Tensor | None], Tensor],
+    x: Tensor,
+    weight_var: Tensor,
+    bias_var: Tensor | None,
+) -> Tensor:
+    """The standard deviation of the pre-activations ``op(x, W, b)`` of a layer with
+    independent Gaussian weights and bias (local reparameterisation, Kingma et al., 2015):
+    ``sqrt(op(x^2, var_W, var_b))``, ``op`` linear in the weights (``F.linear``,
+    ``F.conv2d``). The variance is 0 only for an all-zero input without a Gaussian bias: it
+    is clamped to the dtype's smallest normal number there, so that ``sqrt``'s gradient
+    stays finite (and the noise vanishes)."""
+    var = op(x * x, weight_var, bias_var)
+    return var.clamp_min(torch.finfo(var.dtype).tiny).sqrt()
 
 
 class BayesLayer(GaussianWeights):
@@ -166,7 +217,8 @@ class BayesLayer(GaussianWeights):
     Parameters ``weight_mu``, ``weight_logvar`` (and ``bias_mu``, ``bias_logvar``);
     buffers ``weight_prior_mu``, ``weight_prior_var`` (and the bias ones). Subclasses
     implement :meth:`_op`, the layer's linear map ``(x, W, b) -> x * W + b``; the Gaussian of
-    the pre-activations, ``N(op(x, mu_W, mu_b), op(x^2, var_W, var_b))`` (:meth:`_mean_var`),
+    the pre-activations, ``N(op(x, mu_W, mu_b), op(x^2, var_W, var_b))`` (:meth:`_mean_std`,
+    :func:`local_std`),
     and the map at the means (:meth:`_deterministic`) follow from it.
 
     Args:
@@ -224,16 +276,6 @@ class BayesLayer(GaussianWeights):
                 self.bias_mu.uniform_(-bound, bound)
                 self.bias_logvar.fill_(self.init_logvar)
 
-    @torch.no_grad()
-    def reset_mean(self, std: float) -> None:
-        """Re-draw the means (weights and bias) from a normal ``N(0, std^2)`` truncated to
-        ``[-2 std, 2 std]`` (the VCL reference initialisation, ``std = 0.1``)."""
-        if std <= 0:
-            raise ValueError(f"std must be > 0, got {std}")
-        nn.init.trunc_normal_(self.weight_mu, 0.0, std, -2 * std, 2 * std)
-        if self.bias_mu is not None:
-            nn.init.trunc_normal_(self.bias_mu, 0.0, std, -2 * std, 2 * std)
-
     def _pairs(self) -> Iterator[Site]:
         """``(mu, logvar, prior_mu, prior_var)`` for the weight and the bias."""
         yield self.weight_mu, self.weight_logvar, self.weight_prior_mu, self.weight_prior_var
@@ -263,10 +305,10 @@ class BayesLayer(GaussianWeights):
     def _op(self, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
         raise NotImplementedError
 
-    def _mean_var(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def _mean_std(self, x: Tensor) -> tuple[Tensor, Tensor]:
         mean = self._op(x, self.weight_mu, self.bias_mu)
         bvar = None if self.bias_logvar is None else self.bias_logvar.exp()
-        return mean, self._op(x * x, self.weight_logvar.exp(), bvar)
+        return mean, local_std(self._op, x, self.weight_logvar.exp(), bvar)
 
     def _deterministic(self, x: Tensor) -> Tensor:
         return self._op(x, self.weight_mu, self.bias_mu)
@@ -277,10 +319,10 @@ class BayesLayer(GaussianWeights):
         if self.use_mean:
             out = self._deterministic(x)
             return out if n_samples is None else out.expand(n_samples, *out.shape)
-        mean, var = self._mean_var(x)
+        mean, std = self._mean_std(x)
         shape = mean.shape if n_samples is None else (n_samples, *mean.shape)
         eps = torch.randn(shape, dtype=mean.dtype, device=mean.device)
-        return mean + var.clamp_min(0).sqrt() * eps
+        return mean + std * eps
 
 
 class BayesLinear(BayesLayer):
@@ -444,6 +486,11 @@ class BayesMultiHeadModel(MultiHeadModel, MeanFieldNet):
         """``self(x, task, n_samples=n_samples)``: ``[S, N, K]``."""
         return self(x, task, n_samples=n_samples)
 
+    def mean_logits(self, x: Tensor, task: int | Tensor | None) -> Tensor:
+        """``self(x, task)`` with every layer at its means: ``[N, K]``."""
+        with self.mean_mode():
+            return self(x, task)
+
     # -- forward --------------------------------------------------------------------
     def _run(self, module: nn.Module, x: Tensor, n_samples: int | None) -> tuple[Tensor, bool]:
         """Apply ``module``; returns the output and whether the sample dim was merged."""
@@ -575,22 +622,58 @@ def _key(name: str) -> str:
     return name.replace(".", "__")
 
 
-class MeanFieldTwin(MeanFieldNet):
-    """A mean-field Gaussian posterior over a module's ``Linear``/``Conv2d`` parameters.
+def _local_linears(model: nn.Module, gaussian: set[str]) -> list[tuple[nn.Linear, str, str | None]]:
+    """``(layer, weight name, bias name or None)`` of the ``nn.Linear`` layers (their own
+    ``forward``, not a subclass's) whose weight is Gaussian and whose parameters no other
+    layer shares: the layers :class:`MeanFieldTwin` samples by local reparameterisation."""
+    uses: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            uses[id(p)] = uses.get(id(p), 0) + 1
+    out = []
+    for prefix, module in model.named_modules():
+        if type(module).forward is not nn.Linear.forward:
+            continue
+        own = dict(module.named_parameters(recurse=False))
+        if any(uses[id(p)] > 1 for p in own.values()):
+            continue
+        names = {n: f"{prefix}.{n}" if prefix else n for n in own}
+        if names.get("weight") not in gaussian:
+            continue
+        bias = names.get("bias")
+        out.append((module, names["weight"], bias if bias in gaussian else None))
+    return out
 
-    The module's own parameters are the means ``mu``, a log-variance ``log sigma^2`` of the
-    same shape is kept per parameter, and a sampled network ``w = mu + sigma * eps`` is
-    evaluated with :func:`torch.func.functional_call`; the module keeps its class (an
-    Avalanche dynamic module still grows). All other parameters (batch-norm affine,
-    embeddings, ...) stay deterministic: they are trained by the data term and enter no KL.
+
+class MeanFieldTwin(MeanFieldNet):
+    """A mean-field Gaussian posterior over a module's ``Linear``/``Conv2d`` parameters,
+    leaving the module as it is.
+
+    The module's own parameters are the means ``mu`` (after training the module holds the
+    posterior means), a log-variance ``log sigma^2`` of the same shape is kept per parameter
+    (:meth:`variance_parameters`), and a prior ``N(mu_0, v_0)`` per parameter. All other
+    parameters (batch-norm affine, embeddings, ...) stay deterministic: they are trained by
+    the data term and enter no KL. The module keeps its class (an Avalanche dynamic module
+    still grows).
+
+    A sampled network (:meth:`sample_logits`) is the module itself, run with
+
+    * local reparameterisation in each ``nn.Linear`` layer (Kingma et al., 2015): its output
+      ``x mu_W^T + mu_b`` (the layer's own forward) plus ``sqrt(x^2 var_W^T + var_b) * eps``,
+      ``eps ~ N(0, I)`` per example and unit, added by a forward hook: each example draws
+      its own weights, exactly (the pre-activations of one example are independent
+      Gaussians given its input), at the cost of a second product per layer;
+    * whole draws ``w = mu + sigma * eps`` of every other Gaussian parameter (``Conv2d``
+      layers, tied weights, ``Linear`` subclasses), one per sample and shared by the
+      mini-batch, through :func:`torch.func.functional_call` (exact too; a draw costs
+      ``P`` normal numbers whatever the batch size).
 
     ``twin.parameters()`` are the module's parameters (the means) followed by the
-    log-variances: give them to the optimizer. Call :meth:`sync` after the module gained or
-    grew parameters (an Avalanche dynamic module adapting to a new experience) and before
-    building the optimizer: a parameter first seen (a new head) starts from the prior
-    ``N(0, 1 / prior_precision)``, its log-variance at ``init_logvar`` and its mean as the
-    module initialised it; a parameter that grew (new output units) keeps its old prior and
-    variance in its leading slice.
+    log-variances. Call :meth:`sync` after the module gained or grew parameters (an
+    Avalanche dynamic module adapting to a new experience): a parameter first seen (a new
+    head) starts from the prior ``N(0, 1 / prior_precision)``, its log-variance at
+    ``init_logvar`` and its mean as the module initialised it; a parameter that grew (new
+    output units) keeps its old prior and variance in its leading slice.
 
     Args:
         model: the user's module: ``x -> logits``, a :mod:`fromp` multi-head model, or
@@ -603,6 +686,8 @@ class MeanFieldTwin(MeanFieldNet):
         >>> twin = MeanFieldTwin(net)
         >>> twin.sample_logits(torch.randn(5, 4), None, 2).shape
         torch.Size([2, 5, 3])
+        >>> twin.model is net
+        True
     """
 
     def __init__(
@@ -630,7 +715,7 @@ class MeanFieldTwin(MeanFieldNet):
     def sync(self) -> bool:
         """Give every Gaussian parameter a log-variance and a prior of its shape (new ones:
         ``init_logvar`` and ``N(0, 1 / prior_precision)``; grown ones: padded). Returns whether
-        anything changed."""
+        anything changed (a log-variance that grew is a new tensor)."""
         changed = False
         params = dict(self.model.named_parameters())
         for n in self.names:
@@ -652,12 +737,18 @@ class MeanFieldTwin(MeanFieldNet):
                 changed = True
         return changed
 
+    def _head(self, task: int | Tensor | None) -> nn.Module:
+        """The model with its head fixed to ``task`` (the model itself with one head)."""
+        return with_task(self.model, self._one_task(task) if self.multi_head else None)
+
     def forward(self, x: Tensor, task_labels: int | Tensor | None = None) -> Tensor:
-        """The mean network's logits ``[N, K]`` (head ``task_labels`` for multi-task models;
-        ignored otherwise)."""
-        if not self.multi_head:
-            return self.model(x)
-        return with_task(self.model, self._one_task(task_labels))(x)
+        """:meth:`mean_logits`."""
+        return self.mean_logits(x, task_labels)
+
+    def mean_logits(self, x: Tensor, task: int | Tensor | None) -> Tensor:
+        """The model's own logits ``[N, K]`` (its parameters are the means) through head
+        ``task`` (ignored with one head)."""
+        return self._head(task)(x)
 
     @staticmethod
     def _one_task(task: int | Tensor | None) -> int | None:
@@ -675,38 +766,76 @@ class MeanFieldTwin(MeanFieldNet):
         """``sigma^2`` of parameter ``name``."""
         return self.logvars[_key(name)].exp()
 
+    def variance_parameters(self) -> list[nn.Parameter]:
+        """The log-variances, in :attr:`names` order."""
+        return [self.logvars[_key(n)] for n in self.names]
+
     def gaussian_sites(self, heads: Iterable[int] | None = None) -> list[Site]:
-        """The sites of every Gaussian parameter the model has (``heads`` is not used: the
-        model's heads are those created so far, all of them trained or being trained)."""
+        """The sites of the shared Gaussian parameters and of those of the task heads
+        ``heads`` (all when None; heads as :func:`fromp.models.head_parameters` finds them:
+        a head not listed, e.g. one not trained yet, is left out)."""
         params = dict(self.model.named_parameters())
         names = self.names
         if not names:
             raise ValueError("the model has no Linear or Conv2d parameters to make Gaussian")
+        if heads is not None:
+            keep, owner = {int(h) for h in heads}, head_parameters(self.model)
+            names = [n for n in names if n not in owner or owner[n] in keep]
         return [
             (params[n], self.logvars[_key(n)], self.prior_mean[n], self.prior_variance[n])
             for n in names
         ]
 
-    def sample_params(self) -> dict[str, Tensor]:
-        """One draw ``w = mu + sigma * eps`` of the Gaussian parameters (differentiable in
-        ``mu`` and ``log sigma^2``), drawn on the parameters' device."""
+    def sample_params(self, names: Iterable[str] | None = None) -> dict[str, Tensor]:
+        """One draw ``w = mu + sigma * eps`` of the Gaussian parameters ``names`` (all of
+        them when None; differentiable in ``mu`` and ``log sigma^2``), on the parameters'
+        device."""
         params = dict(self.model.named_parameters())
         out = {}
-        for n in self.names:
+        for n in self.names if names is None else names:
             mu, lv = params[n], self.logvars[_key(n)]
             out[n] = mu + (0.5 * lv).exp() * torch.randn_like(mu)
         return out
 
+    @contextmanager
+    def _local_noise(self, layers: list[tuple[nn.Linear, str, str | None]]) -> Iterator[None]:
+        """Forward hooks adding ``sqrt(x^2 var_W^T + var_b) * eps`` to each layer's output."""
+
+        def hook(weight: str, bias: str | None) -> Any:
+            def add_noise(module: nn.Module, args: tuple, out: Tensor) -> Tensor:
+                b = None if bias is None else self.variance(bias)
+                std = local_std(F.linear, args[0], self.variance(weight), b)
+                return out + std * torch.randn_like(out)
+
+            return add_noise
+
+        handles = [m.register_forward_hook(hook(w, b)) for m, w, b in layers]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
     def sample_logits(self, x: Tensor, task: int | Tensor | None, n_samples: int) -> Tensor:
-        """Logits ``[S, N, K]`` of ``S = n_samples`` weight draws through head ``task``."""
+        """Logits ``[S, N, K]`` of ``S = n_samples`` sampled networks through head ``task``:
+        one pass of the model per sample, its ``nn.Linear`` layers by local
+        reparameterisation, its other Gaussian parameters drawn whole (class docstring)."""
         if n_samples < 1:
             raise ValueError(f"n_samples must be >= 1, got {n_samples}")
-        head = with_task(self.model, self._one_task(task) if self.multi_head else None)
+        head = self._head(task)
         prefix = "model." if head is not self.model else ""
+        names = self.names
+        local = _local_linears(self.model, set(names))
+        done = {n for _, w, b in local for n in (w, b) if n is not None}
+        drawn = [n for n in names if n not in done]
         outs = []
-        for _ in range(n_samples):
-            w = {prefix + n: v for n, v in self.sample_params().items()}
-            outs.append(functional_call(head, w, (x,), strict=False))
+        with self._local_noise(local):
+            for _ in range(n_samples):
+                if drawn:
+                    w = {prefix + n: v for n, v in self.sample_params(drawn).items()}
+                    outs.append(functional_call(head, w, (x,), strict=False))
+                else:
+                    outs.append(head(x))
         return torch.stack(outs)
 
     @contextmanager
@@ -723,18 +852,42 @@ class MeanFieldTwin(MeanFieldNet):
         """All the model's parameters (the means and the deterministic ones)."""
         return list(self.model.parameters())
 
-    def prior_state(self) -> dict:
-        """The priors by parameter name (the log-variances and means are in
-        ``state_dict()``), on the CPU."""
+    def variational_state(self) -> dict:
+        """The log-variances and the priors by parameter name, on the CPU (the means are the
+        model's own ``state_dict()``)."""
+
+        def cpu(d: dict[str, Tensor]) -> dict[str, Tensor]:
+            return {n: v.detach().cpu().clone() for n, v in d.items()}
+
+        logvars = {n: self.logvars[_key(n)] for n in self.names}
         return {
-            "prior_mean": {n: v.detach().cpu().clone() for n, v in self.prior_mean.items()},
-            "prior_variance": {n: v.detach().cpu().clone() for n, v in self.prior_variance.items()},
+            "logvars": cpu(logvars),
+            "prior_mean": cpu(self.prior_mean),
+            "prior_variance": cpu(self.prior_variance),
         }
 
-    def load_prior_state(self, state: dict) -> None:
-        """Restore :meth:`prior_state` on the model's device."""
+    @torch.no_grad()
+    def load_variational_state(self, state: dict) -> None:
+        """Restore :meth:`variational_state` in place on the model's device: the
+        log-variances into the tensors the optimizer holds, the priors. Refused, before
+        anything changes, when a name is missing or a shape differs (a dynamic module not
+        adapted to the experiences yet)."""
+        params = dict(self.model.named_parameters())
+        for part in ("logvars", "prior_mean", "prior_variance"):
+            got = state.get(part)
+            if not isinstance(got, dict) or set(got) != set(self.names):
+                raise ValueError(
+                    f"state[{part!r}] must hold the model's Gaussian parameters {self.names}, "
+                    f"got {sorted(got) if isinstance(got, dict) else type(got).__name__}"
+                )
+            for n, v in got.items():
+                if tuple(v.shape) != tuple(params[n].shape):
+                    raise ValueError(
+                        f"state[{part!r}][{n!r}] has shape {tuple(v.shape)}, the model's "
+                        f"parameter {tuple(params[n].shape)} (adapt a dynamic module first)"
+                    )
+        for n, v in state["logvars"].items():
+            self.logvars[_key(n)].copy_(v)
         device = next(self.model.parameters()).device
-        self.prior_mean = {n: v.detach().to(device).clone() for n, v in state["prior_mean"].items()}
-        self.prior_variance = {
-            n: v.detach().to(device).clone() for n, v in state["prior_variance"].items()
-        }
+        self.prior_mean = {n: v.to(device).clone() for n, v in state["prior_mean"].items()}
+        self.prior_variance = {n: v.to(device).clone() for n, v in state["prior_variance"].items()}

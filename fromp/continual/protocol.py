@@ -50,8 +50,8 @@ PROTOCOL = (
 class ContinualMethod(Protocol):
     """What a continual method offers a training loop (module docstring for the loop).
 
-    Every method takes the network as its first argument (VCL: the mean-field network the
-    method trains, ``method.net``); nothing of a training step waits for the device (the
+    Every method takes the network as its first argument (VCL: the network it was built on,
+    whose parameters are the posterior means); nothing of a training step waits for the device (the
     only host reads are FROMP's bounded check of the penalty's size in the first steps of an
     experience).
 

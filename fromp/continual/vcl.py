@@ -7,50 +7,59 @@ the weights (:mod:`fromp.continual.bayesian`) and, on task ``t`` with training s
 
     ``L(q) = (1/S) sum_s mean_n CE(f_{w_s}(x_n), y_n) + KL(q || q_{t-1}) / N_t``,
 
-``w_s ~ q`` (local reparameterisation for :mod:`fromp.models` networks, whole weight draws
-for any other module), ``S = train_samples``, and the prior ``q_{t-1}`` the previous task's
-posterior, ``q_0 = N(0, 1 / prior_precision)``. The KL is the closed form, evaluated in one
-pass over all Gaussian parameters (:func:`fromp.continual.bayesian.gaussian_kl_flat`). As in
+``w_s ~ q`` (local reparameterisation in ``nn.Linear`` layers, whole draws of the other
+Gaussian weights: :class:`fromp.continual.bayesian.MeanFieldTwin`), ``S = train_samples``,
+and the prior ``q_{t-1}`` the previous task's posterior, ``q_0 = N(0, 1 / prior_precision)``.
+The KL is the closed form, evaluated in one pass over all Gaussian parameters
+(:func:`fromp.continual.bayesian.gaussian_kl_flat`).
+
+The user's network is the posterior's means: VCL trains its parameters in place and keeps
+the log-variances and the priors beside it (:attr:`VCLMethod.mean_field`), so after training
+the network holds the posterior means, and ``net(x)`` is the prediction at the means. As in
 the reference code:
 
-* task 1 starts from a maximum-likelihood fit of the means (:meth:`VCLMethod.ml_init`, Adam),
-  posterior log-variances start at ``init_logvar = -6``, and a converted network's means are
-  re-drawn from ``N(0, mean_init_std^2)`` truncated at two standard deviations;
+* posterior log-variances start at ``init_logvar = -6``; the reference code's initialisation
+  of the means is available: ``mean_init_std=0.1`` re-draws them from ``N(0, 0.1^2)``
+  truncated at two standard deviations, and ``ml_init_epochs=E`` (None: the caller's epochs)
+  fits them by maximum likelihood before task 1 (:meth:`VCLMethod.ml_init`, Adam; task 1
+  then costs ``E`` more epochs). The default starts from the network's own weights, with
+  no extra epochs;
 * the KL covers the shared body and the heads trained so far (multi-head); a head never
   trained keeps the prior ``N(0, 1 / prior_precision)``;
-* predictions average the softmax over ``test_samples`` weight samples
-  (:meth:`VCLMethod.predict_log_proba`: ``log mean_s softmax(f_s)``);
+* ``test_samples=S`` predicts with the Monte Carlo predictive ``log mean_s softmax(f_s)``
+  over ``S`` weight samples (:meth:`VCLMethod.predict_log_proba`); the default, None,
+  predicts at the posterior means (one pass of the network, as ``net(x)``);
 * VCL + coreset: ``coreset_size`` points per task (``"random"`` or ``"kcenter"``,
   :mod:`fromp.continual.coreset`) are kept out of the training data. Before predicting a
-  task, a copy of the propagated posterior is trained on the coreset (the task's own coreset
-  through its head with task heads, the union of all coresets with one head) with the
-  propagated posterior as prior, used, and then discarded (:meth:`VCLMethod.prepare_eval`,
+  task, the propagated posterior is trained on the coreset (the task's own coreset through
+  its head with task heads, the union of all coresets with one head) with the propagated
+  posterior as prior, used, and then restored (:meth:`VCLMethod.prepare_eval`,
   :meth:`VCLMethod.restore`).
 
 A plain loop (no Avalanche; the continual-method protocol of
-:class:`fromp.continual.protocol.ContinualMethod` on the method's network ``method.net``)::
+:class:`fromp.continual.protocol.ContinualMethod` on the user's network)::
 
-    method = VCLMethod(net, prior_precision=1.0, coreset_size=40, coreset_method="kcenter")
-    bnet = method.net                                # the mean-field network trained
-    opt = torch.optim.Adam(bnet.parameters(), lr=1e-3)
+    method = VCLMethod(net, prior_precision=1.0, ml_init_epochs=5, coreset_size=40,
+                       coreset_method="kcenter")
+    opt = torch.optim.Adam(method.parameters(), lr=1e-3)  # net's and the log-variances
     for task, (x, y) in enumerate(tasks):
         x, y = method.split_coreset(x, y, task)      # the coreset is kept out
-        method.begin_task(bnet, task=task, ess=len(x))   # N_t and the head of the task
-        method.ml_init(x, y, epochs=5, lr=1e-3, batch_size=256)   # task 1 only
+        method.begin_task(net, task=task, ess=len(x))    # N_t and the head of the task
+        method.ml_init(x, y, lr=1e-3, batch_size=256)  # task 1 only: 5 epochs of ML
         for xb, yb in batches(x, y):
             nll, logits = method.nll(xb, yb, task)   # Monte Carlo cross-entropy
-            loss = nll + method.loss_terms(bnet, xb, logits, task=task)  # + KL / N_t
+            loss = nll + method.loss_terms(net, xb, logits, task=task)  # + KL / N_t
             opt.zero_grad(); loss.backward(); opt.step()
-        method.learn_task(bnet, x, y, task, optimizer=opt)  # posterior -> prior, fresh Adam
+        method.learn_task(net, x, y, task, optimizer=opt)  # posterior -> prior, fresh Adam
     method.prepare_eval(0, epochs=5, lr=1e-3, batch_size=256)  # coreset fine-tuning
-    log_p = method.predict_log_proba(x_test, 0)
+    log_p = method.predict_log_proba(x_test, 0)      # at the means: log_softmax(net(x, 0))
     method.restore()
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -64,11 +73,10 @@ from fromp._checks import (
     check_saved_settings,
     device_dtype,
 )
-from fromp.continual.bayesian import BayesLayer, MeanFieldNet, to_bayesian
+from fromp.continual.bayesian import MeanFieldNet
 from fromp.continual.bayesian import MeanFieldTwin as _MeanFieldTwin
 from fromp.continual.coreset import select_coreset
 from fromp.continual.experiences import add_experience, experience_key, forget_experience
-from fromp.models import MultiHeadModel
 
 __all__ = ["VCLMethod"]
 
@@ -94,27 +102,32 @@ def _rate(value: object, name: str) -> float | None:
 class VCLMethod:
     """VCL and VCL + coreset for any training loop (see the module docstring for the maths).
 
-    ``net`` is converted once, at construction: a :class:`fromp.models.MultiHeadModel`
-    becomes a :class:`fromp.continual.bayesian.BayesMultiHeadModel` (a new module: its weights
-    as means, re-drawn when ``mean_init_std`` is set); a
-    :class:`fromp.continual.bayesian.MeanFieldNet` is used as it is; any other module gets a
-    :class:`fromp.continual.bayesian.MeanFieldTwin` (its own parameters are the means). The
-    Bayesian network is :attr:`net` (it holds the posterior and the priors): pass it to the
-    protocol's calls (:class:`fromp.continual.protocol.ContinualMethod`) and train its
-    parameters (:meth:`parameters`) with any optimizer.
+    ``net`` is the user's network and stays theirs: its parameters are the posterior means,
+    trained in place. The posterior (:attr:`mean_field`) is a
+    :class:`fromp.continual.bayesian.MeanFieldTwin` of ``net`` (the log-variances and the
+    priors beside ``net``'s parameters), or ``net`` itself when it is a
+    :class:`fromp.continual.bayesian.MeanFieldNet` (e.g. ``BayesMultiHeadMLP``; its priors are
+    set to ``N(0, 1 / prior_precision)``, its log-variances kept). Pass ``net``
+    to the protocol's calls (:class:`fromp.continual.protocol.ContinualMethod`) and train
+    :meth:`parameters` (``net``'s and :meth:`variance_parameters`) with any optimizer.
 
     Args:
-        net: the network (see above).
+        net: the network.
         prior_precision: ``delta``, the initial prior ``N(0, 1 / delta)`` on every Gaussian
             weight.
         init_logvar: initial posterior ``log sigma^2``.
-        mean_init_std: std of the truncated normal the means of a converted
-            ``MultiHeadModel`` are re-drawn from (None keeps its weights).
-        train_samples: Monte Carlo samples ``S`` of the expected log-likelihood.
-        test_samples: Monte Carlo samples of the predictive.
+        mean_init_std: re-draw the means (``net``'s Gaussian weights, in place, at
+            construction) from ``N(0, mean_init_std^2)`` truncated at two standard
+            deviations, the reference code's initialisation (None: ``net``'s own weights).
+        train_samples: Monte Carlo samples ``S`` of the expected log-likelihood (each example
+            draws its own ``nn.Linear`` weights by local reparameterisation, so one sample
+            is one weight draw per example there).
+        test_samples: Monte Carlo samples of the predictive (None: predict at the posterior
+            means, one pass of ``net``).
         ml_init_epochs, ml_lr: epochs and Adam learning rate of the maximum-likelihood fit of
             the means before task 1 (:meth:`ml_init`; None: the caller's, e.g. the strategy's
-            ``train_epochs`` and its optimizer's ``lr``; 0 epochs: none).
+            ``train_epochs`` and its optimizer's ``lr``; 0 epochs, the default: none, so that
+            task 1 costs no more epochs than the others).
         coreset_size: points per task kept aside (0: plain VCL).
         coreset_method: ``"random"`` | ``"kcenter"`` (required when ``coreset_size > 0``).
         coreset_epochs, coreset_mb_size, coreset_lr: epochs, mini-batch size and Adam learning
@@ -123,9 +136,10 @@ class VCLMethod:
             (None: drawn from torch's global generator, so a seeded run is reproducible).
 
     Attributes:
-        task_count: distinct experiences learnt. seen_heads: heads trained so far. coresets:
-        ``(head, x, y)`` per task (on the CPU). ess, current_head: ``N_t`` and the head of
-        the task being learnt (:meth:`begin_task`).
+        model: ``net``. mean_field: the posterior (above). task_count: distinct experiences
+        learnt. seen_heads: heads trained so far. coresets: ``(head, x, y)`` per task (on
+        the CPU). ess, current_head: ``N_t`` and the head of the task being learnt
+        (:meth:`begin_task`).
     """
 
     def __init__(
@@ -134,10 +148,10 @@ class VCLMethod:
         *,
         prior_precision: float = 1.0,
         init_logvar: float = -6.0,
-        mean_init_std: float | None = 0.1,
-        train_samples: int = 10,
-        test_samples: int = 100,
-        ml_init_epochs: int | None = None,
+        mean_init_std: float | None = None,
+        train_samples: int = 1,
+        test_samples: int | None = None,
+        ml_init_epochs: int | None = 0,
         ml_lr: float | None = None,
         coreset_size: int = 0,
         coreset_method: str | None = None,
@@ -156,7 +170,7 @@ class VCLMethod:
         if mean_init_std is not None:
             check_positive(mean_init_std, "mean_init_std")
         self.train_samples = _count(train_samples, "train_samples", 1)
-        self.test_samples = _count(test_samples, "test_samples", 1)
+        self.test_samples = _count(test_samples, "test_samples", 1, optional=True)
         self.ml_init_epochs = _count(ml_init_epochs, "ml_init_epochs", 0, optional=True)
         self.ml_lr = _rate(ml_lr, "ml_lr")
         self.coreset_size = _count(coreset_size, "coreset_size", 0)
@@ -173,8 +187,17 @@ class VCLMethod:
             raise ValueError(f"seed must be an int or None, got {seed!r}")
         self.prior_precision = float(prior_precision)
         self.init_logvar = float(init_logvar)
-        self.net: MeanFieldNet = self._bayesian(net, mean_init_std)
-        # drawn after the conversion (which initialises layers from the global generator)
+        self.model = net
+        if isinstance(net, MeanFieldNet):  # the user's own posterior: the method's prior
+            self.mean_field: MeanFieldNet = net
+            net.reset_prior(0.0, self.prior_precision)
+        else:
+            self.mean_field = _MeanFieldTwin(
+                net, prior_precision=self.prior_precision, init_logvar=self.init_logvar
+            )
+        if mean_init_std is not None:
+            self.mean_field.redraw_means(mean_init_std)
+        # drawn after the initialisation (which draws from the global generator)
         self.seed = int(torch.randint(0, 2**31 - 1, ()).item()) if seed is None else int(seed)
         # method state
         self.task_count = 0
@@ -190,28 +213,21 @@ class VCLMethod:
         self._snapshot: dict[str, Tensor] | None = None
         self._tuned_key: object = None
 
-    def _bayesian(self, net: nn.Module, mean_init_std: float | None) -> MeanFieldNet:
-        if isinstance(net, MeanFieldNet):
-            return net
-        kw = {"prior_precision": self.prior_precision, "init_logvar": self.init_logvar}
-        if not isinstance(net, MultiHeadModel):
-            return _MeanFieldTwin(net, **kw)
-        bnet = to_bayesian(net, **kw)
-        if mean_init_std is not None:
-            for layer in bnet.modules():
-                if isinstance(layer, BayesLayer):
-                    layer.reset_mean(mean_init_std)
-        return bnet
-
     # -- the network ------------------------------------------------------------------
-    def parameters(self) -> Iterator[nn.Parameter]:
-        """The Bayesian network's parameters (means and log-variances): the optimizer's."""
-        return self.net.parameters()
+    def parameters(self) -> list[nn.Parameter]:
+        """What an optimizer trains: the posterior's parameters, the means (``net``'s
+        parameters) and the log-variances."""
+        return list(self.mean_field.parameters())
+
+    def variance_parameters(self) -> list[nn.Parameter]:
+        """The log-variances that are not ``net``'s parameters (an optimizer built on
+        ``net.parameters()`` needs them added; none when ``net`` is a ``MeanFieldNet``)."""
+        return self.mean_field.variance_parameters()
 
     @property
     def multi_head(self) -> bool:
         """Whether a task label picks the head."""
-        return self.net.multi_head
+        return self.mean_field.multi_head
 
     def head_of(self, task: int | None) -> int:
         """The head of ``task``: the task label with task heads, 0 with one head."""
@@ -248,7 +264,7 @@ class VCLMethod:
         """Logits ``[S, N, K]`` of ``S`` weight samples (``train_samples`` when None)
         through head ``task`` (an int, a ``[N]`` tensor of labels, None with one head)."""
         s = self.train_samples if n_samples is None else n_samples
-        return self.net.sample_logits(x, self._task(task), s)
+        return self.mean_field.sample_logits(x, self._task(task), s)
 
     @staticmethod
     def log_mean_softmax(logits: Tensor) -> Tensor:
@@ -260,7 +276,11 @@ class VCLMethod:
 
     @torch.no_grad()
     def predict_log_proba(self, x: Tensor, task: int | Tensor | None) -> Tensor:
-        """The predictive's log-probabilities ``[N, K]`` over ``test_samples`` samples."""
+        """The predictive's log-probabilities ``[N, K]``: ``log_softmax`` of the network at
+        the posterior means (``test_samples=None``), or the Monte Carlo predictive over
+        ``test_samples`` samples."""
+        if self.test_samples is None:
+            return self.mean_field.mean_logits(x, self._task(task)).log_softmax(-1)
         return self.log_mean_softmax(self.sample_logits(x, task, self.test_samples))
 
     # -- the ELBO ---------------------------------------------------------------------
@@ -275,16 +295,17 @@ class VCLMethod:
         """The negative ELBO per example on a mini-batch: :meth:`nll` +
         :meth:`loss_terms` (``KL(q || q_{t-1}) / N_t``)."""
         nll, logits = self.nll(x, y, task)
-        return nll + self.loss_terms(self.net, x, logits, task=task)
+        return nll + self.loss_terms(self.model, x, logits, task=task)
 
     # -- the protocol ------------------------------------------------------------------
     def _check_net(self, net: nn.Module) -> None:
-        """``net`` must be the method's mean-field network (or an adapter whose ``net`` it
-        is): its posterior and priors are VCL's state."""
-        if net is not self.net and getattr(net, "net", None) is not self.net:
+        """``net`` must be the network the method was built on (or its posterior, or an
+        adapter whose ``net`` it is): its posterior and priors are VCL's state."""
+        mine = (self.model, self.mean_field)
+        if not any(net is m or getattr(net, "net", None) is m for m in mine):
             raise ValueError(
-                f"net must be the method's mean-field network method.net (a "
-                f"{type(self.net).__name__}), got a {type(net).__name__}"
+                f"net must be the network the VCLMethod was built on (a "
+                f"{type(self.model).__name__}), got a {type(net).__name__}"
             )
 
     def begin_task(
@@ -299,7 +320,7 @@ class VCLMethod:
     ) -> None:
         """Start learning ``task`` (its head) from ``ess`` examples (``N_t``, the coreset
         removed; required): the scale of the KL in :meth:`loss_terms`. ``net`` is
-        :attr:`net`; ``experience`` is :meth:`learn_task`'s default key; ``classes`` and
+        :attr:`model`; ``experience`` is :meth:`learn_task`'s default key; ``classes`` and
         ``growing_head`` are not used."""
         del classes, growing_head
         self._check_net(net)
@@ -326,7 +347,7 @@ class VCLMethod:
         self._check_net(net)
         if self.ess is None:
             raise ValueError("call begin_task(net, task=..., ess=N_t) before loss_terms")
-        kl = self.net.kl(self.kl_heads(self.current_head)) / self.ess
+        kl = self.mean_field.kl(self.kl_heads(self.current_head)) / self.ess
         if loss is not None:
             kl = kl.to(loss.dtype)
         elif output.is_floating_point():
@@ -357,7 +378,7 @@ class VCLMethod:
         if experience is None:
             experience = self._experience
         key = experience_key(self.experiences, experience)
-        self.net.set_prior_from_posterior(self.kl_heads(self.current_head))
+        self.mean_field.set_prior_from_posterior(self.kl_heads(self.current_head))
         self.seen_heads.add(self.current_head)
         forget_experience(self.experiences, key)
         self.task_count = add_experience(self.experiences, key)
@@ -431,14 +452,15 @@ class VCLMethod:
         if self.task_count > 0 or epochs == 0:
             return
         task = self.current_head if self.multi_head else None
-        device = device_dtype(self.net)[0] if device is None else device
+        device = device_dtype(self.model)[0] if device is None else device
         g = torch.Generator().manual_seed(self.seed)
-        with self.net.mean_mode():
+        q = self.mean_field
+        with q.mean_mode():
             self._fit(
-                self.net.mean_parameters(),
+                q.mean_parameters(),
                 x,
                 y,
-                lambda xb, yb: F.cross_entropy(self.net(xb, task), yb),
+                lambda xb, yb: F.cross_entropy(q.mean_logits(xb, task), yb),
                 epochs=epochs,
                 lr=lr,
                 batch_size=batch_size,
@@ -540,27 +562,28 @@ class VCLMethod:
             return False  # a task not trained yet: the propagated posterior
         x = torch.cat([p[0] for p in parts])
         y = torch.cat([p[1] for p in parts])
-        self._snapshot = {k: v.detach().clone() for k, v in self.net.state_dict().items()}
+        self._snapshot = {k: v.detach().clone() for k, v in self.mean_field.state_dict().items()}
         self._tuned_key = key
         routed = head if self.multi_head else None
         heads = self.kl_heads()
         self._fit(
-            list(self.net.parameters()),
+            self.parameters(),
             x,
             y,
-            lambda xb, yb: self.nll(xb, yb, routed)[0] + self.net.kl(heads) / len(x),
+            lambda xb, yb: self.nll(xb, yb, routed)[0] + self.mean_field.kl(heads) / len(x),
             epochs=epochs,
             lr=lr,
             batch_size=batch_size,
             generator=torch.Generator().manual_seed(self.seed + 7919 * self.task_count + head),
-            device=device_dtype(self.net)[0] if device is None else device,
+            device=device_dtype(self.model)[0] if device is None else device,
         )
         return True
 
     def restore(self) -> None:
-        """The propagated posterior back after :meth:`prepare_eval`."""
+        """The propagated posterior back after :meth:`prepare_eval` (the means, the
+        log-variances and the network's buffers, e.g. batch-norm statistics)."""
         if self._snapshot is not None:
-            self.net.load_state_dict(self._snapshot)
+            self.mean_field.load_state_dict(self._snapshot)
         self._snapshot, self._tuned_key = None, None
 
     # -- state ------------------------------------------------------------------------
@@ -569,14 +592,14 @@ class VCLMethod:
         return {k: getattr(self, k) for k in _STATE_SETTINGS}
 
     def state_dict(self) -> dict:
-        """All VCL state (on the CPU): the network (posterior, and prior where it is a
-        buffer), the priors a :class:`~fromp.continual.bayesian.MeanFieldTwin` keeps, the
-        coresets, the trained heads, the task counter and experience keys, the seed and the
-        settings. The propagated posterior is restored first."""
+        """All VCL state (on the CPU) but the network's own ``state_dict`` (the means; save
+        it beside): the posterior's log-variances and priors where they are not the
+        network's (``"mean_field"``), the coresets, the trained heads, the task counter and
+        experience keys, the seed and the settings. The propagated posterior is restored
+        first."""
         self.restore()
         return {
-            "net": {k: v.detach().cpu().clone() for k, v in self.net.state_dict().items()},
-            **self.net.prior_state(),
+            "mean_field": self.mean_field.variational_state(),
             "task_count": self.task_count,
             "experiences": list(self.experiences),
             "seen_heads": sorted(self.seen_heads),
@@ -588,14 +611,15 @@ class VCLMethod:
     def load_state_dict(
         self, state: dict[str, Any], *, device: torch.device | str | None = None
     ) -> None:
-        """Restore what :meth:`state_dict` returned (into :attr:`net`, in place, on its
-        device; ``device`` is not used). Refuses a state with missing keys (all named) or
-        saved with other settings, before changing anything."""
+        """Restore what :meth:`state_dict` returned (into the posterior, in place, on the
+        network's device; ``device`` is not used). Refuses a state with missing keys (all
+        named), saved with other settings or for another network, before changing
+        anything."""
         del device
         if not isinstance(state, dict):
             raise ValueError(f"state must be a dict, got {type(state).__name__}")
-        required = ["net", "task_count", "experiences", "seen_heads", "coresets", "seed"]
-        required += [*self.net.prior_state(), *_STATE_SETTINGS]
+        required = ["mean_field", "task_count", "experiences", "seen_heads", "coresets", "seed"]
+        required += list(_STATE_SETTINGS)
         missing = [k for k in required if k not in state]
         if missing:
             raise ValueError(
@@ -603,9 +627,7 @@ class VCLMethod:
             )
         check_saved_settings(state, self._settings())
         self._snapshot, self._tuned_key = None, None
-        self.net.load_state_dict(state["net"])
-        if "prior_mean" in state:
-            self.net.load_prior_state(state)
+        self.mean_field.load_variational_state(state["mean_field"])
         self.task_count = int(state["task_count"])
         self.experiences = [int(k) for k in state["experiences"]]
         self.seen_heads = set(int(h) for h in state["seen_heads"])

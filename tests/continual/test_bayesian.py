@@ -135,7 +135,8 @@ def test_elbo_optimum_is_exact_mean_and_mean_field_variances():
 
     def closure():
         opt.zero_grad()
-        m, v = layer._mean_var(x)  # moments of the pre-activations
+        m, s = layer._mean_std(x)  # moments of the pre-activations
+        v = s**2
         nll = (((y[:, None] - m) ** 2 + v) / (2 * sigma**2)).sum()
         loss = nll + layer.kl()
         loss.backward()
@@ -231,15 +232,15 @@ def test_load_mean_from_checks_shapes():
         layer.load_mean_from(nn.Linear(4, 2))
 
 
-def test_reset_mean_is_truncated_normal():
+def test_redraw_means_is_truncated_normal():
     layer = BayesLinear(200, 100)
-    layer.reset_mean(0.1)
+    layer.redraw_means(0.1)
     w = layer.weight_mu.detach()
     assert w.abs().max() <= 0.2 and layer.bias_mu.abs().max() <= 0.2
     # std of N(0, 0.1^2) truncated at 2 std is 0.088
     assert abs(float(w.std()) - 0.088) < 0.005
     with pytest.raises(ValueError, match="std"):
-        layer.reset_mean(0.0)
+        layer.redraw_means(0.0)
 
 
 def test_twin_and_bayesian_layers_are_one_mean_field_implementation():

@@ -172,8 +172,8 @@ def test_vcl_and_the_optimizer_plugins_count_distinct_experiences():
 
     m = VCLMethod(_net(), train_samples=1)
     for key in (0, 1, 0):
-        m.begin_task(m.net, task=None, experience=key, ess=24)
-        m.learn_task(m.net, None, None, None)
+        m.begin_task(m.model, task=None, experience=key, ess=24)
+        m.learn_task(m.model, None, None, None)
     assert m.task_count == 2 and m.experiences == [1, 0]
 
     pytest.importorskip("avalanche")

@@ -268,51 +268,63 @@ def test_vcl_plain_loop_equals_the_strategy(float64):
     from fromp_avalanche import VCL
 
     tasks = _tasks(class_incremental=False)
-    settings = dict(train_samples=2, ml_init_epochs=1, ml_lr=0.01, prior_precision=2.0, seed=4)
+    settings = dict(
+        train_samples=2,
+        ml_init_epochs=1,
+        ml_lr=0.01,
+        prior_precision=2.0,
+        mean_init_std=0.1,
+        seed=4,
+    )
     torch.manual_seed(0)
     net = MultiHeadMLP(6, (10,), n_heads=3, head_size=2)
     twin = copy.deepcopy(net)
 
-    torch.manual_seed(5)  # the conversion re-draws the means
+    torch.manual_seed(5)  # mean_init_std re-draws the means
     method = VCLMethod(net, **settings)
-    bnet = method.net
-    plain = _Recorder(bnet)
-    opt = torch.optim.Adam(bnet.parameters(), lr=0.01)
+    plain = _Recorder(method.mean_field)  # the means (net's parameters) and log-variances
+    opt = torch.optim.Adam(method.parameters(), lr=0.01)
     for e, (x, y, t) in enumerate(tasks):
-        method.begin_task(bnet, task=t, experience=e, ess=len(x))
+        method.begin_task(net, task=t, experience=e, ess=len(x))
         method.ml_init(x, y, epochs=EPOCHS, lr=0.01, batch_size=BS)  # task 1 only
         for _ in range(EPOCHS):
             for s in range(0, len(x), BS):
                 plain.seed()
                 xb, yb = x[s : s + BS], y[s : s + BS]
                 nll, logits = method.nll(xb, yb, t)
-                loss = nll + method.loss_terms(bnet, xb, logits, task=t, loss=nll)
+                loss = nll + method.loss_terms(net, xb, logits, task=t, loss=nll)
                 plain.loss(loss)
                 opt.zero_grad()
                 loss.backward()
-                method.before_update(bnet, opt)
+                method.before_update(net, opt)
                 opt.step()
         assert opt.state  # Adam's moments of the experience ...
-        method.learn_task(bnet, x, y, t, optimizer=opt, experience=e)
+        method.learn_task(net, x, y, t, optimizer=opt, experience=e)
         assert not opt.state  # ... cleared: a fresh Adam per task, as the reference code
         plain.done()
 
     torch.manual_seed(5)
-    strategy = VCL(
-        model=twin,
-        optimizer=torch.optim.Adam(twin.parameters(), lr=0.01),
-        train_mb_size=BS,
-        train_epochs=EPOCHS,
-        evaluator=None,
-        plugins=[],
-        **settings,
-    )
-    aval = _Recorder(strategy.net)
+    user_opt = torch.optim.Adam(twin.parameters(), lr=0.01)
+    with pytest.warns(UserWarning, match="log-variance"):
+        strategy = VCL(
+            model=twin,
+            optimizer=user_opt,
+            train_mb_size=BS,
+            train_epochs=EPOCHS,
+            evaluator=None,
+            plugins=[],
+            **settings,
+        )
+    assert strategy.model is twin and strategy.optimizer is user_opt
+    aval = _Recorder(strategy.method.mean_field)
     strategy.plugins.append(_avalanche_recorder(aval))
     for exp in _benchmark(tasks).train_stream:
         strategy.train(exp, shuffle=False)
     _same(plain, aval)
     assert strategy.method.task_count == 3 and strategy.method.seen_heads == {0, 1, 2}
+    # the user's model is the posterior means
+    for p, q in zip(twin.parameters(), net.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
 
 
 def test_begin_tasks_experience_is_learn_tasks_default_key():
@@ -323,7 +335,7 @@ def test_begin_tasks_experience_is_learn_tasks_default_key():
         (VCLMethod(nn.Linear(5, 4).double(), train_samples=1), None),
     )
     for method, model in methods:
-        model = method.net if model is None else model
+        model = method.model if model is None else model
         for key in (5, 2, 5):  # 5 learnt again: counted once
             method.begin_task(model, task=None, experience=key, ess=len(x))
             method.learn_task(model, x, y, None)
@@ -417,14 +429,14 @@ def test_ewc_loss_terms_are_the_weighted_quadratic_and_vcl_the_kl_over_n():
     torch.testing.assert_close(got.detach(), 6.0 / 4 * want.detach(), rtol=1e-12, atol=0)
 
     vcl = VCLMethod(nn.Sequential(nn.Linear(5, 3)).double(), prior_precision=2.0)
-    vcl.begin_task(vcl.net, task=None, ess=40)
+    vcl.begin_task(vcl.model, task=None, ess=40)
     with torch.no_grad():
-        for m, lv, _, _ in vcl.net.gaussian_sites():
+        for m, lv, _, _ in vcl.mean_field.gaussian_sites():
             m.add_(0.2)
             lv.add_(0.5)
     kl = 0.0
-    for m, lv, m0, v0 in vcl.net.gaussian_sites():
+    for m, lv, m0, v0 in vcl.mean_field.gaussian_sites():
         v = lv.exp()
         kl = kl + 0.5 * (torch.log(v0 / v) + (v + (m - m0) ** 2) / v0 - 1).sum()
-    got = vcl.loss_terms(vcl.net, x, x)
+    got = vcl.loss_terms(vcl.model, x, x)
     torch.testing.assert_close(got.detach(), kl.detach() / 40, rtol=1e-12, atol=0)

@@ -1,9 +1,10 @@
 """FROMP and EWC on users' own Avalanche models, trained by Avalanche on small synthetic
-streams built like ``SplitMNIST`` (``nc_benchmark``, Avalanche's default global labels):
-``MTSimpleMLP`` (a ``MultiTaskModule`` with a ``MultiHeadClassifier``, task labels) and
-``SimpleMLP`` (one head, class-incremental), checked after tasks 2 and 3 against dense
-float64 brute force through the head of each task (the models train in float32, as
-Avalanche's multi-task forward requires; the references use float64 copies)."""
+streams built like ``SplitMNIST`` (``nc_benchmark``): ``MTSimpleMLP`` (a ``MultiTaskModule``
+with a ``MultiHeadClassifier``, task labels, the labels counted from zero in each
+experience: Avalanche's default global labels are refused, tests/test_multihead_masks.py)
+and ``SimpleMLP`` (one head, class-incremental, global labels), checked after tasks 2 and 3
+against dense float64 brute force through the head of each task (the models train in
+float32, as Avalanche's multi-task forward requires; the references use float64 copies)."""
 
 from __future__ import annotations
 
@@ -35,8 +36,10 @@ def _dataset(n: int, seed: int):
     return _make_taskaware_tensor_classification_dataset(x, y, targets=y.tolist())
 
 
-def _benchmark(task_labels: bool):
-    """Three experiences of two classes each, global labels 0..5 (Avalanche's default)."""
+def _benchmark(task_labels: bool, global_labels: bool = False):
+    """Three experiences of two classes each: with task labels 0 and 1 in each experience
+    (a head per task; ``global_labels``: 0..5, Avalanche's default), else global labels
+    0..5 on one head."""
     return nc_benchmark(
         _dataset(60, 0),
         _dataset(30, 1),
@@ -44,6 +47,7 @@ def _benchmark(task_labels: bool):
         task_labels=task_labels,
         shuffle=False,
         fixed_class_order=list(range(N_CLASSES)),
+        class_ids_from_zero_in_each_exp=task_labels and not global_labels,
     )
 
 
@@ -179,19 +183,6 @@ def test_ewc_on_avalanche_models_after_tasks_2_and_3(kind):
         assert penalty.requires_grad and float(penalty.detach()) > 0  # the weights moved since
 
 
-@pytest.mark.parametrize("method", ["fromp", "ewc"])
-def test_default_global_labels_train_multi_head(method):
-    """Avalanche's default labels (global 0..5) train a ``MTSimpleMLP`` through three
-    experiences with no ``class_ids_from_zero_in_each_exp`` (the heads grow to the labels,
-    unused units masked) and every experience is evaluated."""
-    kwargs = {"tau": 1.0, "n_points": 4} if method == "fromp" else {"ewc_lambda": 1.0}
-    bm, strategy, _ = _train("mt", method, **kwargs)
-    for exp in bm.train_stream:
-        strategy.train(exp)
-    res = strategy.eval(bm.test_stream)
-    assert res == {} or all(v == v for v in res.values())
-
-
 def test_vcl_twin_kl_sampling_and_prior_after_tasks_2_and_3():
     """VCL on ``MTSimpleMLP``: the KL is the closed form over the Linear weights and biases;
     samples with a vanishing variance are the model's own head-``t`` outputs; after each
@@ -212,7 +203,8 @@ def test_vcl_twin_kl_sampling_and_prior_after_tasks_2_and_3():
         prior_precision=2.0,  # prior variance 0.5
         seed=0,
     )
-    twin = strategy.net
+    twin = strategy.method.mean_field
+    assert strategy.model is model and twin.model is model
     for e, exp in enumerate(bm.train_stream):
         strategy.train(exp)
         head_names = [n for n in twin.names if n.startswith("classifier.")]
@@ -265,8 +257,8 @@ def test_vcl_twin_kl_sampling_and_prior_after_tasks_2_and_3():
 
 @pytest.mark.parametrize("kind", ["mt", "single"])
 def test_vcl_trains_avalanche_models_and_resumes(kind):
-    """VCL trains both Avalanche models through three experiences; its state (means,
-    log-variances, priors, counter) round-trips into a fresh strategy."""
+    """VCL trains both Avalanche models through three experiences; its state (log-variances,
+    priors, counter) with the model's (the means) round-trips into a fresh strategy."""
     from fromp_avalanche.vcl import VCL
 
     bm = _benchmark(task_labels=kind == "mt")
@@ -291,11 +283,79 @@ def test_vcl_trains_avalanche_models_and_resumes(kind):
     for exp in list(bm.train_stream)[:2]:  # the same adaptation: the same parameters
         fresh.experience = exp
         fresh.model_adaptation()
+    fresh.model.load_state_dict(strategy.model.state_dict())
     fresh.plugin.load_state_dict(state)
     assert fresh.plugin.method.task_count == 2
-    torch.testing.assert_close(fresh.net.kl(), strategy.net.kl())
+    torch.testing.assert_close(fresh.method.mean_field.kl(), strategy.method.mean_field.kl())
     strategy.train(bm.train_stream[2])
     assert strategy.plugin.method.task_count == 3
+
+
+@pytest.mark.parametrize("kind", ["mt", "single"])
+def test_vcl_keeps_the_users_model_and_optimizer_and_its_eval_is_the_models(kind):
+    """VCL with Avalanche's models and the user's Adam: after every experience
+    ``strategy.model is model`` and ``strategy.optimizer is opt``; the user's optimizer made
+    every update (one step per mini-batch, nothing else moved the parameters: no
+    maximum-likelihood fit by default) of the model's parameters and of the log-variances
+    (its group 1); and ``strategy.eval``'s accuracy and loss per experience are those of the
+    user's model evaluated directly, ``model(x, t)`` (the posterior means)."""
+    import math
+
+    from avalanche.evaluation.metrics import accuracy_metrics, loss_metrics
+    from avalanche.training.plugins import EvaluationPlugin
+    from fromp_avalanche.vcl import VCL
+
+    bm = _benchmark(task_labels=kind == "mt")
+    model = _model(kind)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    steps = []
+    opt.register_step_post_hook(lambda o, args, kwargs: steps.append(o))
+    with pytest.warns(UserWarning, match="added to your optimizer as parameter group 1"):
+        strategy = VCL(
+            model=model,
+            optimizer=opt,
+            train_mb_size=8,
+            eval_mb_size=7,
+            evaluator=EvaluationPlugin(
+                accuracy_metrics(experience=True), loss_metrics(experience=True), loggers=[]
+            ),
+            train_samples=2,
+            seed=0,
+        )
+    logvars = strategy.method.variance_parameters()
+    assert logvars and all(not any(lv is p for p in model.parameters()) for lv in logvars)
+    n_steps = 0
+    for e, exp in enumerate(bm.train_stream):
+        before = [p.detach().clone() for p in model.parameters()]
+        lv_before = [lv.detach().clone() for lv in strategy.method.variance_parameters()]
+        strategy.train(exp)
+        assert strategy.model is model and strategy.optimizer is opt
+        n_steps += math.ceil(len(exp.dataset) / 8)
+        assert len(steps) == n_steps and all(o is opt for o in steps)
+        groups = opt.param_groups
+        assert [id(p) for p in groups[0]["params"]] == [id(p) for p in model.parameters()]
+        assert [id(p) for p in groups[1]["params"]] == [
+            id(p) for p in strategy.method.variance_parameters()
+        ]
+        # trained: the means in place, the log-variances through the optimizer
+        moved = [
+            not torch.equal(b, p) for b, p in zip(before, model.parameters()) if b.shape == p.shape
+        ]
+        assert any(moved)
+        lv_now = strategy.method.variance_parameters()
+        assert any(not torch.equal(b, v) for b, v in zip(lv_before, lv_now) if b.shape == v.shape)
+
+        res = strategy.eval(bm.test_stream[: e + 1])
+        model.eval()
+        for k, test in enumerate(bm.test_stream[: e + 1]):
+            x, y, t = _xy(test)
+            with torch.no_grad():
+                out = model(x.float(), t) if kind == "mt" else model(x.float())
+            acc = int((out.argmax(1) == y).sum()) / len(y)
+            loss = float(nn.functional.cross_entropy(out, y))
+            name = f"eval_phase/test_stream/Task{t if kind == 'mt' else 0:03d}/Exp{k:03d}"
+            assert res[f"Top1_Acc_Exp/{name}"] == pytest.approx(acc, abs=1e-9), (e, k)
+            assert res[f"Loss_Exp/{name}"] == pytest.approx(loss, rel=1e-5), (e, k)
 
 
 _DEVICES = [
@@ -384,7 +444,7 @@ def test_global_labels_with_fixed_two_unit_heads_say_what_to_pass(method):
 
     from fromp.models import MultiHeadMLP
 
-    bm = _benchmark(task_labels=True)
+    bm = _benchmark(task_labels=True, global_labels=True)
     model = as_avalanche_model(MultiHeadMLP(D_IN, (6,), n_heads=3, head_size=2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     common = dict(model=model, optimizer=opt, train_mb_size=10, evaluator=None)
@@ -438,7 +498,7 @@ def test_torchvision_resnet18_on_a_cifar_shaped_stream(method):
     elif method == "ewc":
         assert len(plugin.method.importances) == 2 and "fc.weight" in plugin.method.importances[1]
     else:
-        names = set(strategy.net.names)
+        names = set(strategy.method.mean_field.names)
         assert "conv1.weight" in names and "fc.bias" in names
         assert not any(n.startswith("bn1") for n in names)
         assert plugin.method.task_count == 2

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from avalanche.core import SupervisedPlugin
@@ -12,7 +14,7 @@ from fromp_avalanche.vcl import VCL, VCLPlugin
 from fromp_bench.data import to_avalanche
 from fromp_bench.settings import SETTINGS
 
-from fromp.continual.bayesian import BayesMultiHeadModel
+from fromp.continual.bayesian import MeanFieldTwin
 from fromp.models import MultiHeadMLP
 from tests.cases import synthetic_split
 
@@ -22,13 +24,15 @@ def _strategy(net, **kw):
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     args = dict(train_mb_size=16, train_epochs=8, train_samples=3, test_samples=20)
     args.update(kw)
-    return VCL(
-        model=model,
-        optimizer=opt,
-        eval_mb_size=64,
-        evaluator=EvaluationPlugin(accuracy_metrics(experience=True), loggers=[]),
-        **args,
-    )
+    with warnings.catch_warnings():  # the announcement of the log-variances' group
+        warnings.filterwarnings("ignore", message="VCL: the posterior")
+        return VCL(
+            model=model,
+            optimizer=opt,
+            eval_mb_size=64,
+            evaluator=EvaluationPlugin(accuracy_metrics(experience=True), loggers=[]),
+            **args,
+        )
 
 
 def _accs(res):
@@ -44,37 +48,41 @@ def test_vcl_multi_head_posterior_propagation_and_round_trip():
     scenario = to_avalanche(seq)
     torch.manual_seed(0)
     net = MultiHeadMLP(16, (12,), n_heads=3, head_size=2)
-    strat = _strategy(net, ml_init_epochs=5, seed=1)
-    bnet = strat.net
-    assert isinstance(bnet, BayesMultiHeadModel)
-    # means re-drawn as in the reference code: truncated N(0, 0.1^2)
-    assert max(float(p.detach().abs().max()) for p in bnet.mean_parameters()) <= 0.2
-    # the optimizer trains the Bayesian parameters (Avalanche re-points it)
+    strat = _strategy(net, ml_init_epochs=5, seed=1, mean_init_std=0.1)
+    assert strat.model.net is net  # the user's model, in fromp's Avalanche adapter
+    q = strat.method.mean_field
+    assert isinstance(q, MeanFieldTwin) and q.model is net
+    # means re-drawn in the user's network as in the reference code: truncated N(0, 0.1^2)
+    assert max(float(p.detach().abs().max()) for p in net.parameters()) <= 0.2
+    # the optimizer trains the model's parameters (group 0) and the log-variances (group 1)
     strat.train(scenario.train_stream[0])
-    opt_params = {id(p) for g in strat.optimizer.param_groups for p in g["params"]}
-    assert opt_params == {id(p) for p in strat.model.parameters()}
+    groups = [{id(p) for p in g["params"]} for g in strat.optimizer.param_groups]
+    assert groups == [{id(p) for p in net.parameters()}, {id(p) for p in q.logvars.values()}]
     assert strat.plugin.method.seen_heads == {0} and strat.plugin.method.task_count == 1
     # the posterior became the prior for the body and head 0; head 2 keeps N(0, 1)
-    assert bnet.kl([0]).abs() < 1e-5
-    assert torch.all(bnet.heads[2].weight_prior_var == 1.0)
+    assert q.kl([0]).abs() < 1e-5
+    assert torch.all(q.prior_variance["heads.2.weight"] == 1.0)
+    assert torch.all(q.prior_mean["heads.2.weight"] == 0.0)
     # log-variances moved away from the initial -6 only where trained
-    assert not torch.allclose(
-        bnet.heads[0].weight_logvar, torch.full_like(bnet.heads[0].weight_logvar, -6.0)
-    )
-    assert torch.all(bnet.heads[2].weight_logvar == -6.0)
+    assert not torch.allclose(q.variance("heads.0.weight").log(), torch.tensor(-6.0))
+    assert torch.all(q.logvars["heads__2__weight"] == -6.0)
     strat.train(scenario.train_stream[1])
     assert strat.plugin.method.seen_heads == {0, 1}
     accs = _accs(strat.eval(scenario.test_stream[:2]))
     assert len(accs) == 2 and min(accs) > 0.7
 
     state = strat.plugin.state_dict()
+    assert "logvars" in state["mean_field"] and not any("_mu" in k for k in state["mean_field"])
     torch.manual_seed(5)
-    other = _strategy(MultiHeadMLP(16, (12,), n_heads=3, head_size=2))
+    other_net = MultiHeadMLP(16, (12,), n_heads=3, head_size=2)
+    other = _strategy(other_net)
     other.plugin.load_state_dict(state)
-    assert _state_equal(other.net.state_dict(), bnet.state_dict())
+    other_q = other.method.mean_field
+    assert _state_equal(dict(other_q.logvars.items()), dict(q.logvars.items()))
+    assert _state_equal(other_q.prior_mean, q.prior_mean)
     assert other.plugin.method.seen_heads == {0, 1} and other.plugin.method.task_count == 2
     with pytest.raises(ValueError, match="missing"):
-        other.plugin.load_state_dict({"net": state["net"]})
+        other.plugin.load_state_dict({"mean_field": state["mean_field"]})
 
 
 def test_vcl_loss_is_mc_nll_plus_kl_over_n():
@@ -92,7 +100,7 @@ def test_vcl_loss_is_mc_nll_plus_kl_over_n():
                 nll = torch.nn.functional.cross_entropy(
                     logits.reshape(s * n, k), strategy.mb_y.repeat(s)
                 )
-                kl = strategy.net.kl([0]).detach() / strategy.plugin.method.ess
+                kl = strategy.method.mean_field.kl([0]).detach() / strategy.plugin.method.ess
                 seen["loss"], seen["ref"] = strategy.loss.detach(), nll + kl
 
     strat.plugins.append(Probe())
@@ -107,6 +115,7 @@ def test_vcl_coreset_kept_out_and_posterior_restored_after_eval():
     torch.manual_seed(0)
     net = MultiHeadMLP(16, (12,), n_heads=2, head_size=2)
     strat = _strategy(net, coreset_size=6, coreset_method="kcenter", coreset_epochs=3)
+    assert strat.model.net is net
     trained_on = []
 
     class Record(SupervisedPlugin):
@@ -131,24 +140,27 @@ def test_vcl_coreset_kept_out_and_posterior_restored_after_eval():
         seen_x = torch.cat([x for e, x in trained_on if e == t])
         assert len(seen_x) == 94 * strat.train_epochs
         assert not (cx[:, None] == seen_x[None]).all(-1).any()  # ... but are not trained on
-    before = {k: v.clone() for k, v in strat.net.state_dict().items()}
+    q = strat.method.mean_field
+    before = {k: v.clone() for k, v in q.state_dict().items()}
     accs = _accs(strat.eval(scenario.test_stream))
     assert len(accs) == 2 and min(accs) > 0.7
-    assert _state_equal(strat.net.state_dict(), before)  # propagated posterior restored
+    assert _state_equal(q.state_dict(), before)  # propagated posterior restored
 
-    # the eval-time coreset training changes the posterior used for prediction
+    # the eval-time coreset training changes the posterior used for prediction: the user's
+    # model holds the tuned means while its task is evaluated
     snap = {}
 
     class Peek(SupervisedPlugin):
         def before_eval_iteration(self, strategy, **kwargs):
             snap.setdefault(
                 strategy.experience.current_experience,
-                {k: v.clone() for k, v in strategy.net.state_dict().items()},
+                {k: v.clone() for k, v in strategy.model.net.state_dict().items()},
             )
 
     strat.plugins.append(Peek())
     strat.eval(scenario.test_stream)
-    assert not torch.equal(snap[0]["heads.0.weight_mu"], before["heads.0.weight_mu"])
+    assert not torch.equal(snap[0]["heads.0.weight"], before["model.heads.0.weight"])
+    assert torch.equal(net.heads[0].weight, before["model.heads.0.weight"])  # restored after
 
 
 def test_vcl_single_head_random_coreset():
@@ -159,7 +171,7 @@ def test_vcl_single_head_random_coreset():
     torch.manual_seed(0)
     net = MultiHeadMLP(8, (10,), n_heads=1, head_size=2)
     strat = _strategy(net, coreset_size=4, coreset_method="random", ml_init_epochs=0)
-    assert strat.model is strat.net  # single head: no Avalanche multi-task wrapper
+    assert strat.model is net  # single head: no Avalanche multi-task wrapper
     for exp in scenario.train_stream:
         strat.train(exp)
     assert [h for h, _, _ in strat.plugin.method.coresets] == [0, 0]
@@ -221,19 +233,24 @@ def test_the_strategy_takes_every_setting_of_the_method():
     assert set(METHOD_SETTINGS) <= set(params) and "prior_var" not in params
     strat = _strategy(MultiHeadMLP(4, (3,), n_heads=2, head_size=2), prior_precision=4.0)
     assert strat.method.prior_precision == 4.0
-    assert torch.all(strat.net.heads[1].weight_prior_var == 0.25)
+    assert torch.all(strat.method.mean_field.prior_variance["heads.1.weight"] == 0.25)
+    # an optimizer of several groups keeps them: the log-variances come as one more
     model = MultiHeadMLP(4, (3,), n_heads=2, head_size=2)
-    opt = torch.optim.SGD([{"params": [p]} for p in model.parameters()], lr=0.1)
-    with pytest.raises(ValueError, match="single parameter group"):
-        VCL(model=as_avalanche_model(model), optimizer=opt)
+    opt = torch.optim.SGD([{"params": [p], "lr": 0.1 * (i + 1)} for i, p in
+                           enumerate(model.parameters())], lr=0.5)  # fmt: skip
+    n = len(opt.param_groups)
+    with pytest.warns(UserWarning, match=f"parameter group {n}"):
+        strat = VCL(model=as_avalanche_model(model), optimizer=opt)
+    assert strat.optimizer is opt and len(opt.param_groups) == n + 1
+    assert [g["lr"] for g in opt.param_groups] == [0.1 * (i + 1) for i in range(n)] + [0.5]
+    with pytest.raises(ValueError, match=r"optimizer must be a torch\.optim\.Optimizer"):
+        VCL(model=as_avalanche_model(model), optimizer=object())
 
 
 def test_vcl_coreset_on_any_module_through_the_twin():
     """Coresets on a plain module (a MeanFieldTwin): kept out of training, trained on before
     evaluation, and the propagated posterior restored afterwards."""
     from torch import nn
-
-    from fromp.continual.bayesian import MeanFieldTwin
 
     seq = synthetic_split(
         n_tasks=2, input_shape=(8,), train_size=60, test_size=20, multi_head=False
@@ -242,20 +259,22 @@ def test_vcl_coreset_on_any_module_through_the_twin():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 10), nn.ReLU(), nn.Linear(10, 2))
     strat = _strategy(net, coreset_size=4, coreset_method="random", coreset_epochs=2, seed=0)
-    assert isinstance(strat.net, MeanFieldTwin) and type(strat.plugin) is VCLPlugin
+    q = strat.method.mean_field
+    assert isinstance(q, MeanFieldTwin) and type(strat.plugin) is VCLPlugin
+    assert strat.model is net and q.model is net
     for exp in scenario.train_stream:
         strat.train(exp)
     assert [h for h, _, _ in strat.plugin.method.coresets] == [0, 0]
     assert strat.plugin.method.ess == 56
-    before = {k: v.clone() for k, v in strat.net.state_dict().items()}
+    before = {k: v.clone() for k, v in q.state_dict().items()}
     tuned = {}
 
     class Peek(SupervisedPlugin):
         def before_eval_iteration(self, strategy, **kwargs):
-            tuned.setdefault("w", strategy.net.state_dict()["model.2.weight"].clone())
+            tuned.setdefault("w", strategy.model[2].weight.detach().clone())
 
     strat.plugins.append(Peek())
     accs = _accs(strat.eval(scenario.test_stream))
     assert len(accs) == 2 and min(accs) > 0.6
     assert not torch.equal(tuned["w"], before["model.2.weight"])  # trained on the coreset
-    assert _state_equal(strat.net.state_dict(), before)  # ... and restored
+    assert _state_equal(q.state_dict(), before)  # ... and restored
