@@ -169,6 +169,31 @@ def check_model_output(f: object, where: str = "") -> Tensor:
     return f
 
 
+def probe_outputs(model: nn.Module, x: Tensor, argument: str = "x", n: int = 2) -> Tensor:
+    """The model's outputs on the first ``n`` examples of ``x`` (no gradient, on the model's
+    device), before any work on ``x``: refused (``ValueError`` naming ``argument``) when
+    ``x`` does not fit the model (a floating dtype other than its trainable weights', a shape
+    the model cannot take) or the model returns no tensor (a tuple or dict:
+    :func:`check_model_output`)."""
+    params = [p for p in model.parameters() if p.requires_grad] or list(model.parameters())
+    p = params[0] if params else None
+    if p is not None and x.is_floating_point() and x.dtype != p.dtype:
+        raise ValueError(
+            f"{argument} is {x.dtype}, the model {p.dtype}: convert one (e.g. "
+            f"{argument}.to({p.dtype}))"
+        )
+    try:
+        with torch.no_grad():
+            f = model(x[:n].to(p.device if p is not None else x.device))
+    except (RuntimeError, IndexError, TypeError, KeyError) as err:
+        raise ValueError(
+            f"the model cannot be called on {argument} of shape {tuple(x.shape)}: {err}"
+        ) from err
+    if not isinstance(f, Tensor):
+        check_model_output(f, f" on {argument}")
+    return f
+
+
 def not_on_meta(model: nn.Module) -> None:
     """``ValueError`` naming the first parameter or buffer of ``model`` on the ``meta`` device
     (a model built without its weights' values)."""

@@ -46,6 +46,7 @@ from fromp._checks import (
     check_class_targets,
     device_dtype,
     not_on_meta,
+    probe_outputs,
 )
 from fromp.continual.experiences import add_experience, experience_key, forget_experience
 from fromp.continual.methods import Named, by_name, fit_shape
@@ -494,14 +495,13 @@ class EWCMethod:
             x, y = x[idx], y[idx]
         device, _ = device_dtype(net)
         task = task if is_multitask(net) else None
+        was_training = net.training
+        net.eval()
+        try:  # x against the model (dtype, shape, a tensor output) before any work
+            n_out = probe_outputs(with_task(net, task), x, n=1).shape[-1]
+        finally:
+            net.train(was_training)
         if self.fisher in ("empirical", "minibatch") and self.likelihood.name != "gaussian":
-            with torch.no_grad():
-                was_training = net.training
-                net.eval()
-                try:
-                    n_out = with_task(net, task)(x[:1].to(device)).shape[-1]
-                finally:
-                    net.train(was_training)
             check_class_targets(y, n_out, self.likelihood, "y")
         f = _named(net, self.fisher_diagonal(net, x.to(device), y.to(device), task))
         w = _named(net, _live(net))

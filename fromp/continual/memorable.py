@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from fromp import distributed
-from fromp._checks import check_batch, check_tensor, not_on_meta
+from fromp._checks import check_batch, check_tensor, not_on_meta, probe_outputs
 from fromp.likelihood import Likelihood, get_likelihood
 from fromp.posterior import DiagonalGaussian
 
@@ -138,9 +138,7 @@ def select_memorable(
         raise ValueError(f"n_per_class must be a positive int, got {n_per_class!r}")
     if order == "sensitivity" and posterior is None:
         raise ValueError("posterior is required for order='sensitivity'")
-    p0 = next(iter(model.parameters()), None)
-    with torch.no_grad():  # the head's width, from two examples (a model may squeeze one)
-        width = model(x[:2].to(p0.device if p0 is not None else x.device)).shape[-1]
+    width = probe_outputs(model, x).shape[-1]  # two examples: a model may squeeze one
     if get_likelihood(likelihood).name == "bernoulli":
         width = max(width, 2)  # one logit, labels 0 and 1
     if len(y) and int(y.max()) >= width:

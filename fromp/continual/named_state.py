@@ -11,6 +11,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from fromp._checks import probe_outputs
+
 __all__ = ["Named", "by_name", "fit_shape", "to_flat"]
 
 #: Per-parameter state: ``{parameter name: tensor of the parameter's shape}``.
@@ -79,9 +81,7 @@ def _check_labels(head: nn.Module, x: Tensor, y: Tensor, likelihood: str = "cate
         raise ValueError(
             f"y must be [N]=[{len(x)}] integer class labels, got {tuple(y.shape)} {y.dtype}"
         )
-    p = next(iter(head.parameters()), None)
-    with torch.no_grad():
-        width = head(x[:2].to(p.device if p is not None else x.device)).shape[-1]
+    width = probe_outputs(head, x).shape[-1]
     if likelihood == "bernoulli":
         width = max(width, 2)
     lo, hi = int(y.min()), int(y.max())

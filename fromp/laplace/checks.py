@@ -34,7 +34,13 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DistributedSampler
 
-from fromp._checks import check_batch, not_on_meta, require_eval
+from fromp._checks import (
+    check_batch,
+    check_model_output,
+    not_on_meta,
+    probe_outputs,
+    require_eval,
+)
 
 __all__ = [
     "at_fit",
@@ -170,23 +176,8 @@ def _batches(data: Any, la: Any, argument: str = "train_loader") -> list[Any]:
 def _n_outputs(la: Any, x: Tensor, argument: str) -> int:
     """``C`` from one example's forward pass; refused, naming ``argument``, when ``x`` does
     not fit the model (its dtype, its shape) or the model does not return ``[N, C]``."""
-    model = la.model
-    dtype = model_dtype(model)
-    if x.is_floating_point() and x.dtype != dtype:
-        raise ValueError(f"{argument} is {x.dtype}, the model {dtype}: convert one (e.g. "
-                         f"x.to({dtype}))")  # fmt: skip
-    device = next(p for p in model.parameters()).device
-    try:
-        with torch.no_grad():
-            f = model(x[:1].to(device))
-    except (RuntimeError, IndexError, TypeError, KeyError) as err:
-        raise ValueError(f"the model cannot be called on {argument} of shape "
-                         f"{tuple(x.shape)}: {err}") from err  # fmt: skip
-    if not isinstance(f, Tensor):
-        raise ValueError(f"the model must return a [N, C] tensor, got a {type(f).__name__}; wrap "
-                         "it (a module whose forward returns the logits tensor)")  # fmt: skip
-    if f.ndim != 2:
-        raise ValueError(f"the model must return a [N, C] tensor, got shape {tuple(f.shape)}")
+    f = probe_outputs(la.model, x, argument, n=1)
+    check_model_output(f, f" on {argument}")
     return f.shape[1]
 
 

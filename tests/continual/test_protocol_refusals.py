@@ -168,7 +168,7 @@ def test_compiled_models_learn_as_the_module_inside():
         for p in net.parameters():
             p.add_(0.1)
     torch.testing.assert_close(compiled_e.penalty(net), plain_e.penalty(net))
-    assert float(compiled_f.penalty(net)) > 0
+    assert float(compiled_f.penalty(net).detach()) > 0
 
 
 @pytest.mark.parametrize("strategy_name", ["FROMP", "EWC"])
@@ -196,3 +196,38 @@ def test_the_strategies_train_a_compiled_model(strategy_name):
         for exp in bm.train_stream:
             strategy.train(exp)
     assert strategy.plugin.method.task_count == 2
+
+
+# --------------------------------------------- N12, N15: outputs and inputs the model takes
+class _DictOut(nn.Module):
+    """A Hugging Face-style model: a dict of outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _net()
+
+    def forward(self, x: torch.Tensor) -> dict:
+        return {"logits": self.body(x)}
+
+
+def _learn(kind: str, net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    if kind == "fromp":
+        FROMPMethod(n_points=4).learn_task(net, x, y, None)
+    elif kind == "ewc":
+        EWCMethod(1.0).learn_task(net, x, y, None)
+    else:
+        select_memorable(net, x, y, "categorical", n_per_class=2)
+
+
+@pytest.mark.parametrize("kind", ["fromp", "ewc", "memorable"])
+def test_inputs_and_outputs_the_model_cannot_take_are_refused_before_any_work(kind):
+    """A dict output, inputs of another dtype and inputs of the wrong width: one line naming
+    the argument and what to write, not torch's error from inside the curvature pass."""
+    x, y = _data()
+    with pytest.raises(ValueError, match=r"got a dict.*model\(x\)\[\"logits\"\]"):
+        _learn(kind, _DictOut(), x, y)
+    with pytest.raises(ValueError, match=r"^x is torch.float64, the model torch.float32"):
+        _learn(kind, _net(), x.double(), y)
+    with pytest.raises(ValueError, match=r"cannot be called on x of shape \(40, 3\)"):
+        _learn(kind, _net(), x[:, :3], y)
+    _learn(kind, _net(), x, y)  # and the same call with fitting inputs works
