@@ -48,6 +48,7 @@ from fromp._checks import (
     not_on_meta,
 )
 from fromp.continual.experiences import add_experience, experience_key, forget_experience
+from fromp.continual.graphed import Same, check_mode, param_key, static_term
 from fromp.continual.methods import Named, by_name, fit_shape
 from fromp.curvature.diagonal import diag_ef, diag_fisher, diag_ggn
 from fromp.likelihood import Likelihood, get_likelihood
@@ -234,6 +235,12 @@ class EWCMethod:
             ``train_mb_size``; the strategy passes its own).
         per_example_lambda: ``lambda'``, the per-example scale of 0.4 and earlier: penalty
             ``(lambda' / 2) sum_p F_p (w_p - w*_p)^2`` whatever ``batch_size``.
+        cuda_graph: how a training step evaluates the penalty (:mod:`fromp.continual.graphed`):
+            ``"auto"`` (default) replays one CUDA graph of its forward and backward pass
+            when the network is on a CUDA device (captured again when the stored terms, the
+            parameters or the loss dtype change), plain autograd elsewhere; ``"on"``: always
+            the value and gradient in one call (on the CPU computed eagerly); ``"off"``:
+            plain autograd. The same penalty to float rounding.
 
     Under ``torch.distributed`` :meth:`learn_task` takes this rank's shard and the Fisher
     sums over every rank's (module docstring); ``max_examples`` then caps each rank at
@@ -266,6 +273,7 @@ class EWCMethod:
         likelihood: str | Likelihood = "categorical",
         batch_size: int = 1,
         per_example_lambda: float | None = None,
+        cuda_graph: str = "auto",
     ) -> None:
         if (ewc_lambda is None) == (per_example_lambda is None):
             raise ValueError(
@@ -327,6 +335,8 @@ class EWCMethod:
         self.last_terms: dict[str, Tensor] = {}
         self._experience: int | None = None  # begin_task's key, learn_task's default
         self._live: tuple[nn.Module, Named] | None = None  # the step's parameters by name
+        self.cuda_graph = check_mode(cuda_graph)
+        self._captured: dict = {}  # the captured penalty (graphed.static_term)
 
     def _terms(self, net: nn.Module) -> _Consolidated:
         """The consolidated penalty of the stored terms, rebuilt when they change (a learnt
@@ -410,9 +420,25 @@ class EWCMethod:
             return output.new_zeros((), dtype=dtype)
         if self._live is None or self._live[0] is not net:
             self._live = (net, _live(net))
-        value = self._penalty(net, self._live[1]).to(dtype)
+        w = self._live[1]
+        value = self._fixed_penalty(net, w, dtype)
+        if value is None:  # plain autograd
+            value = self._penalty(net, w).to(dtype)
         self.last_terms = {"penalty": value.detach()}
         return value
+
+    def _fixed_penalty(self, net: nn.Module, w: Named, dtype: torch.dtype) -> Tensor | None:
+        """The penalty of the captured step (``cuda_graph``: value and gradient in one call,
+        a CUDA graph on CUDA), or None for plain autograd. Captured again when its key
+        changes: the consolidated terms, the parameters, the loss dtype, the coefficient."""
+        params = tuple(w.values())
+        key = (Same(self._terms(net)), param_key(params), dtype, self.coefficient)
+
+        def fn() -> tuple[Tensor | None, ...]:
+            return (self._penalty(net, w).to(dtype),)
+
+        term = static_term(self._captured, self.cuda_graph, net, params, key, fn, "EWC")
+        return None if term is None else term()[0]
 
     def before_update(self, net: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Nothing: EWC changes no gradient beyond its penalty's."""
