@@ -56,7 +56,8 @@ class Timing:
     """One group of timing cases: ``benchmark`` through the runner with ``args`` (empty: the
     registry's settings), each of ``strategies`` in its own process (``python -m module
     *prefix``: the runner, or a study running it on synthetic data); ``limits`` the largest
-    time over Naive's per method, ``cap_s`` each run's time share (seconds)."""
+    time over Naive's per method, ``cap_s`` each run's time share (seconds), ``only`` more
+    arguments for one strategy's run (e.g. its own ``--set``)."""
 
     name: str
     benchmark: str
@@ -66,12 +67,13 @@ class Timing:
     strategies: tuple[str, ...] = STRATEGIES
     module: str = "fromp_bench"
     prefix: tuple[str, ...] = ()
+    only: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
-def _cifar(scale: str, *args: str) -> Timing:  # split CIFAR's network on synthetic files
+def _cifar(scale: str, *args: str, only: tuple = ()) -> Timing:  # on synthetic files
     synthetic = ("naive", "fromp"), "studies.synthetic_cifar", ("--scale", scale, "--")
     return Timing("split-cifar-1", "split-cifar", ("--epochs", "1", *args), (("fromp", 1.2),),
-                  150.0, *synthetic)  # fmt: skip
+                  150.0, *synthetic, only)  # fmt: skip
 
 
 FULL = (Timing("split-mnist-2", "split-mnist", ("--epochs", "2"), cap_s=60.0),
@@ -79,7 +81,8 @@ FULL = (Timing("split-mnist-2", "split-mnist", ("--epochs", "2"), cap_s=60.0),
 QUICK = (Timing("split-mnist-2", "split-mnist", ("--epochs", "1", "--n-train", "2000")),)
 TINY = ("--epochs", "1", "--n-train", "64", "--n-test", "32")
 QUICK_CPU = (Timing("split-digits", "split-digits", TINY),
-             _cifar("0.02", *TINY[:4], "--n-test", "20", "--set", "n_points=10"))  # fmt: skip
+             _cifar("0.02", *TINY[2:4], "--n-test", "20",
+                    only=(("fromp", ("--set", "n_points=10")),)))  # fmt: skip
 
 
 # ----------------------------------------------------------------------- subprocesses
@@ -177,7 +180,8 @@ def timing_case(t: Timing, strategy: str, device: str, root: Path, seconds: floa
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", t.module, *t.prefix, t.benchmark, "--strategies", strategy,
                "--seeds", "1", "--device", device, "--out", tmp, "--no-progress",
-               "--data-root", tmp if synthetic else str(root), *t.args]  # fmt: skip
+               "--data-root", tmp if synthetic else str(root), *t.args,
+               *dict(t.only).get(strategy, ())]  # fmt: skip
         out: dict[str, Any] = {"command": command_line(["python", *cmd[1:]])}
         res = run_command(cmd, seconds)
         base = Path(tmp) / t.benchmark

@@ -372,30 +372,33 @@ def _plain_step(net, opt, method, x, y, task) -> None:
     opt.step()
 
 
-def _recorded_plain_step(name: str, graph: str) -> StepRecorder:
-    """One step of experience 4 (three learnt) on a multi-head MLP, after the first
-    ``dominance_steps`` steps (FROMP's bounded reads)."""
+def _recorded_plain_step(
+    name: str, graph: str, learnt: int = 3
+) -> tuple[StepRecorder, StepRecorder]:
+    """One step of experience ``learnt + 1`` (``learnt`` tasks learnt, at most 3) on a
+    multi-head MLP, after the first ``dominance_steps`` steps (FROMP's bounded reads): the
+    operations of one step, the Python calls of the next."""
     torch.manual_seed(0)
     net = MultiHeadMLP(6, (16, 16), n_heads=4, head_size=3)
     opt = torch.optim.Adam(net.parameters(), 1e-3)
     method = _method(name, "auto" if graph == "replay" else graph)
     with warnings.catch_warnings(), _graphs(graph):
         warnings.simplefilter("ignore")
-        for t in range(4):
+        for t in range(learnt + 1):
             x, y = _data(t, n=48)
             method.begin_task(net, task=t, experience=t, classes=[0, 1, 2])
             for s in range(0, 48, 8):
                 _plain_step(net, opt, method, x[s : s + 8], y[s : s + 8], t)
-            if t < 3:
+            if t < learnt:
                 method.learn_task(net, x, y, t, optimizer=opt, experience=t)
         for _ in range(getattr(method, "_checks_left", 0)):
-            _plain_step(net, opt, method, x[:8], y[:8], 3)
+            _plain_step(net, opt, method, x[:8], y[:8], learnt)
         phases = _Phases()
         phases.install(method)
         with StepRecorder(OURS, phases, what="ops") as ops:
-            _plain_step(net, opt, method, x[8:16], y[8:16], 3)
+            _plain_step(net, opt, method, x[8:16], y[8:16], learnt)
         with StepRecorder(OURS, phases, what="calls") as calls:
-            _plain_step(net, opt, method, x[16:24], y[16:24], 3)
+            _plain_step(net, opt, method, x[16:24], y[16:24], learnt)
     return ops, calls
 
 
@@ -422,8 +425,10 @@ class _Iteration(SupervisedPlugin):
             self.recs[self.it].stop()
 
 
-def _recorded_iteration(name: str, graph: str) -> StepRecorder:
-    """Iteration 22 of experience 4 (three learnt; FROMP's reads end at 20) of the
+def _recorded_iteration(
+    name: str, graph: str, learnt: int = 3
+) -> tuple[StepRecorder, StepRecorder]:
+    """Iteration 22 of experience ``learnt + 1`` (FROMP's reads end at 20) of the
     strategy on a one-head network (Avalanche's multi-head adapter reads the batch's task
     labels back, as Avalanche's own ``MultiTaskModule`` does: not the method's cost)."""
     torch.manual_seed(0)
@@ -448,8 +453,8 @@ def _recorded_iteration(name: str, graph: str) -> StepRecorder:
     phases.install(strategy.plugin.method, strategy.plugin if name == "fromp" else None, metric)
     with warnings.catch_warnings(), _graphs(graph):
         warnings.simplefilter("ignore")
-        for e in range(4):
-            probe.armed = e == 3
+        for e in range(learnt + 1):
+            probe.armed = e == learnt
             strategy.train(bench.train_stream[e])
     assert probe.it == 32 and not any(r._modes for r in probe.recs.values())  # closed
     return probe.recs[22], probe.recs[23]
@@ -465,7 +470,8 @@ def _check(recs: tuple[StepRecorder, StepRecorder], where: str, name: str, graph
         "method_calls": calls.all_calls["method"] + calls.all_calls["penalty"],
         "method_ops": ops.ops["method"],
     }
-    for k, most in bounds.items():
+    for k, measured in bounds.items():
+        most = int(SLACK * measured) + 2
         assert got[k] <= most, f"{where} {name} cuda_graph={graph}: {k} {got[k]} > {most} ({got})"
     if graph == "replay":  # the penalty's forward is replayed, not issued: no call, no op
         assert ops.ops["penalty"] == 0 and calls.all_calls["penalty"] == 0
@@ -473,7 +479,7 @@ def _check(recs: tuple[StepRecorder, StepRecorder], where: str, name: str, graph
         assert ops.ops["penalty"] > 0  # the sanity of the phases: the penalty ran here
 
 
-# The bounds, measured on this code (torch 2.14.1, Python 3.11; plain loop: a 6-16-16 MLP with
+# The counts measured on this code (torch 2.14.1, Python 3.11; plain loop: a 6-16-16 MLP with
 # 4 three-way heads, 6 memorable points per task; Avalanche: a 10-16-4 MLP, one head, 8 points
 # per task): "python_calls" counts the calls of fromp's and the strategies' functions in the
 # whole step, "method_calls" every Python call (torch's included) made inside the method's
@@ -487,21 +493,24 @@ def _check(recs: tuple[StepRecorder, StepRecorder], where: str, name: str, graph
 # one). "replay": the host work of a CUDA-graph step (simulated: fromp.testing.
 # simulated_cuda_graphs), what a GPU step pays for FROMP and EWC besides the network's own.
 PLAIN = {
-    ("fromp", "off"): {"python_calls": 50, "method_calls": 192, "method_ops": 12},
-    ("fromp", "on"): {"python_calls": 59, "method_calls": 239, "method_ops": 96},
-    ("fromp", "replay"): {"python_calls": 33, "method_calls": 109, "method_ops": 17},
-    ("ewc", "off"): {"python_calls": 30, "method_calls": 36, "method_ops": 1},
-    ("ewc", "on"): {"python_calls": 39, "method_calls": 83, "method_ops": 66},
-    ("ewc", "replay"): {"python_calls": 27, "method_calls": 17, "method_ops": 4},
+    ("fromp", "off"): {"python_calls": 51, "method_calls": 193, "method_ops": 12},
+    ("fromp", "on"): {"python_calls": 60, "method_calls": 240, "method_ops": 96},
+    ("fromp", "replay"): {"python_calls": 34, "method_calls": 110, "method_ops": 17},
+    ("ewc", "off"): {"python_calls": 31, "method_calls": 37, "method_ops": 1},
+    ("ewc", "on"): {"python_calls": 40, "method_calls": 84, "method_ops": 66},
+    ("ewc", "replay"): {"python_calls": 28, "method_calls": 18, "method_ops": 4},
 }
 AVALANCHE = {
-    ("fromp", "off"): {"python_calls": 46, "method_calls": 140, "method_ops": 13},
-    ("fromp", "on"): {"python_calls": 55, "method_calls": 171, "method_ops": 52},
-    ("fromp", "replay"): {"python_calls": 33, "method_calls": 94, "method_ops": 18},
-    ("ewc", "off"): {"python_calls": 27, "method_calls": 28, "method_ops": 1},
-    ("ewc", "on"): {"python_calls": 36, "method_calls": 59, "method_ops": 26},
-    ("ewc", "replay"): {"python_calls": 24, "method_calls": 17, "method_ops": 4},
+    ("fromp", "off"): {"python_calls": 47, "method_calls": 141, "method_ops": 13},
+    ("fromp", "on"): {"python_calls": 56, "method_calls": 172, "method_ops": 52},
+    ("fromp", "replay"): {"python_calls": 34, "method_calls": 95, "method_ops": 18},
+    ("ewc", "off"): {"python_calls": 28, "method_calls": 29, "method_ops": 1},
+    ("ewc", "on"): {"python_calls": 37, "method_calls": 60, "method_ops": 26},
+    ("ewc", "replay"): {"python_calls": 25, "method_calls": 18, "method_ops": 4},
 }
+#: a guard fails above ``SLACK`` times its measured count plus 2 (a helper call added or
+#: split is not a regression; a traversal of the network or the parameters per step is)
+SLACK = 1.1
 
 
 @pytest.mark.parametrize("graph", ["off", "on", "replay"])
@@ -516,3 +525,39 @@ def test_an_avalanche_iteration_after_three_experiences_stays_within_its_measure
     name, graph
 ):
     _check(_recorded_iteration(name, graph), "avalanche", name, graph, AVALANCHE[(name, graph)])
+
+
+@pytest.mark.parametrize("graph", ["off", "replay"])
+@pytest.mark.parametrize("name", ["fromp", "ewc"])
+def test_an_iteration_does_the_same_host_work_after_one_and_three_experiences(name, graph):
+    """The whole Avalanche iteration (the method's calls, its penalty, the plugin's hooks,
+    the loop's backward and update) dispatches the same operations, by phase and by name,
+    and makes the same Python calls after one learnt experience as after three: nothing in
+    a step loops over the experiences seen. (One head: on a multi-head network EWC's
+    penalty covers one more head's parameters with each task, FROMP's forward one more
+    head's points; both bounded by the network, not by the stream.)"""
+    one, three = _recorded_iteration(name, graph, 1), _recorded_iteration(name, graph, 3)
+    assert one[0].reads == three[0].reads == [] and one[0].uploads == three[0].uploads == []
+    assert one[0].op_names == three[0].op_names
+    assert one[0].ops["loop"] > 0
+    assert one[1].python_calls == three[1].python_calls
+    assert one[1].all_calls == three[1].all_calls
+
+
+def test_the_step_recorder_sees_a_read_back_and_an_upload_planted_in_the_method():
+    """The guards' sanity: a ``float(tensor)`` or a ``new_tensor`` in the method's step is
+    recorded with the file it is called from."""
+    method = _method("ewc", "off")
+    net = nn.Sequential(nn.Linear(6, 3))
+    method.learn_task(net, *_data(0), None)
+    penalty = method.penalty
+
+    def leaky(net, *args, **kwargs):
+        value = penalty(net, *args, **kwargs)
+        return value * value.new_tensor(float(value.detach()) * 0 + 1.0)
+
+    with StepRecorder([__file__]) as rec:
+        leaky(net).backward()
+    assert rec.reads and all(f"@{__file__}:" in r for r in rec.reads), rec.reads
+    assert "_local_scalar_dense" in {r.split("@")[0] for r in rec.reads}
+    assert "new_tensor" in {u.split("@")[0] for u in rec.uploads}, rec.uploads

@@ -331,7 +331,7 @@ class EWCMethod:
         # online mode: the running Fisher before the last experience was added (to replace
         # that experience exactly when it is learnt again)
         self._online_base: Named | None = None
-        self._consolidated: tuple[tuple, _Consolidated] | None = None
+        self._consolidated: tuple[tuple, _Consolidated, tuple] | None = None
         self.last_terms: dict[str, Tensor] = {}
         self._experience: int | None = None  # begin_task's key, learn_task's default
         self._live: tuple[nn.Module, Named] | None = None  # the step's parameters by name
@@ -340,9 +340,10 @@ class EWCMethod:
 
     def _terms(self, net: nn.Module) -> _Consolidated:
         """The consolidated penalty of the stored terms, rebuilt when they change (a learnt
-        task, a loaded state, anchors assigned by hand)."""
-        key = tuple((id(a), id(f)) for a, f in zip(self.anchors, self.importances))
-        key = (len(self.anchors), len(self.importances), *key)
+        task, a loaded state, anchors assigned by hand). The key, the stored terms'
+        identities, is read with C-level maps: no Python work per task on a step (the
+        terms themselves are kept with it, so that an identity is not reused)."""
+        key = (*map(id, self.anchors), None, *map(id, self.importances))
         if self._consolidated is not None and self._consolidated[0] == key:
             return self._consolidated[1]
         if len(self.anchors) != len(self.importances):
@@ -356,7 +357,7 @@ class EWCMethod:
             {n: v.to(device) for n, v in _named(net, f).items()} for f in self.importances
         ]
         terms = _Consolidated(anchors, importances)
-        self._consolidated = (key, terms)
+        self._consolidated = (key, terms, (tuple(self.anchors), tuple(self.importances)))
         return terms
 
     def penalty(self, net: nn.Module) -> Tensor:
