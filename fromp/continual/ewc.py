@@ -135,7 +135,10 @@ class _Consolidated:
     ``c = sum_t sum_p F_t (w*_t - a~)^2`` (float64 sums, ``S`` and ``a~`` stored in the
     anchors' dtype): ``sum_t F_t (w - w*_t)^2 = S (w - a~)^2 + c`` entry by entry. A
     parameter that grew between tasks is summed in its largest shape, the entries a task
-    did not have getting ``F_t = 0`` from it."""
+    did not have getting ``F_t = 0`` from it. A parameter whose ``S`` is 0 everywhere (a
+    head no learnt task used) is left out: its terms are 0 in value and gradient, and a
+    step then neither evaluates them nor gives the optimizer a zero gradient to apply
+    (its gradient is the data term's alone, as without the penalty)."""
 
     def __init__(self, anchors: list[Named], importances: list[Named]) -> None:
         shapes: dict[str, tuple[int, ...]] = {}
@@ -160,6 +163,8 @@ class _Consolidated:
                 s_f = ff if s_f is None else s_f + ff
                 s_fa = fa if s_fa is None else s_fa + fa
             assert s_f is not None and s_fa is not None
+            if not bool(s_f.any()):  # read once per consolidation, not per step
+                continue
             center = torch.where(s_f > 0, s_fa / torch.where(s_f > 0, s_f, 1.0), 0.0)
             for fd, ad in parts:
                 old = tuple(slice(0, k) for k in fd.shape)
@@ -175,7 +180,8 @@ class _Consolidated:
         never as a tensor made from it: on a GPU that would be a blocking host-to-device copy
         on every step."""
         ref = next(iter(w.values()))
-        total = ref.new_zeros(())
+        # differentiable even with no term (every importance 0): a 0 with a gradient path
+        total = (ref.reshape(-1)[:1] * 0.0).sum() if not self.curvature else ref.new_zeros(())
         for n, s_f in self.curvature.items():
             p = w.get(n)
             if p is None:
