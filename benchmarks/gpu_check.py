@@ -4,19 +4,18 @@ times on a GPU, each case written to ``OUT/<date>-<device>.json`` and ``.md`` as
     python -m fromp_bench.gpu_check [--device cuda] [--budget 400] [--quick] [--cases NAMES]
                                     [--data-root DIR] [--out benchmarks/results/gpu]
 
-Cases, in order: ``tests`` (``pytest -k cuda tests``: the counts and pytest's summary
-line), then ``<timing>/<strategy>`` for each :class:`Timing` of :data:`FULL`, each ``python
--m fromp_bench ... --seeds 1`` in its own process: per-task seconds (training and the
-method's own phases; evaluation apart) and accuracy, a run stopped by its time share keeping
-the tasks its checkpoint holds (``partial``). A case that fails or runs past its share has a
-``status`` (``failed``, ``timeout``, ``skipped``, ``not_run``) and a ``reason``, never a
-number; cases not reached stay ``pending`` and ``finished`` false. ``targets`` holds the
-flags (``null`` when not measured, or with ``--quick``): each method's time over Naive's
-within its limit (:attr:`Timing.limits`), each per-task time flat within
-:data:`FLAT_LIMIT` (max / min over tasks 2..T, the tasks with a penalty). ``--budget``
-bounds the check (a case runs under the smaller of its share and the time left);
-``--quick`` runs small sizes (on the CPU split-digits, 64 / 32 examples per task, and a 2 %
-synthetic CIFAR). Paths are recorded as ``OUT`` and ``DATA``.
+Cases, in order: ``tests`` (``pytest -k cuda tests``: counts, summary line), then
+``<timing>/<strategy>`` for each :class:`Timing` of :data:`FULL`, each ``python -m fromp_bench
+... --seeds 1`` in its own process: per-task seconds (training and the method's phases;
+evaluation apart) and accuracy (a run stopped by its share: ``partial``, the tasks its
+checkpoint holds). A case that fails or runs past its share has a ``status`` (``failed``,
+``timeout``, ``skipped``, ``not_run``) and a ``reason``, never a number; cases not reached stay
+``pending`` and ``finished`` false. ``targets`` holds the flags (``null`` when not measured, or
+with ``--quick``): each method's time over Naive's within its limit (:attr:`Timing.limits`),
+each per-task time flat within :data:`FLAT_LIMIT` (max / min over tasks 2..T). ``--budget``
+bounds the check (each case: its share or the time left, the smaller); ``--quick`` runs small
+sizes (on the CPU split-digits, 64 / 32 examples per task, and a 2 % synthetic CIFAR). Paths are
+recorded as ``OUT`` and ``DATA``.
 """
 
 from __future__ import annotations
@@ -53,11 +52,10 @@ TESTS_CAP_S = 90.0
 
 @dataclass(frozen=True)
 class Timing:
-    """One group of timing cases: ``benchmark`` through the runner with ``args`` (empty: the
-    registry's settings), each of ``strategies`` in its own process (``python -m module
-    *prefix``: the runner, or a study running it on synthetic data); ``limits`` the largest
-    time over Naive's per method, ``cap_s`` each run's time share (seconds), ``only`` more
-    arguments for one strategy's run (e.g. its own ``--set``)."""
+    """Timing cases: ``benchmark`` by ``python -m module *prefix`` (the runner, or a study
+    running it on synthetic data) with ``args`` (none: the registry's settings) and ``only``
+    for one strategy, each of ``strategies`` in its own process; ``limits`` the largest time
+    over Naive's per method, ``cap_s`` each run's time share (seconds)."""
 
     name: str
     benchmark: str
@@ -80,9 +78,9 @@ FULL = (Timing("split-mnist-2", "split-mnist", ("--epochs", "2"), cap_s=60.0),
         Timing("split-mnist", "split-mnist", cap_s=110.0), _cifar("1"))  # fmt: skip
 QUICK = (Timing("split-mnist-2", "split-mnist", ("--epochs", "1", "--n-train", "2000")),)
 TINY = ("--epochs", "1", "--n-train", "64", "--n-test", "32")
+FEW = (("fromp", ("--set", "n_points=10")),)  # memorable points on 64 examples per task
 QUICK_CPU = (Timing("split-digits", "split-digits", TINY),
-             _cifar("0.02", *TINY[2:4], "--n-test", "20",
-                    only=(("fromp", ("--set", "n_points=10")),)))  # fmt: skip
+             _cifar("0.02", *TINY[2:4], "--n-test", "20", only=FEW))  # fmt: skip
 
 
 # ----------------------------------------------------------------------- subprocesses

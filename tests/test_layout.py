@@ -209,3 +209,10 @@ def test_moved_module_paths_resolve_with_a_warning():
 
     assert diag_ggn.__module__ == "fromp.curvature.diagonal" and GP.__name__ == "GP"
     assert callable(fit_laplace) and callable(log_marginal_likelihood)
+
+
+def test_the_runners_installed_code_stays_within_6000_lines():
+    """``benchmarks/`` (installed as ``fromp_bench``) holds the runner and its tools; studies
+    and one-off measurements live in ``studies/``, outside the package."""
+    lines = sum(len(p.read_text().splitlines()) for p in (ROOT / "benchmarks").rglob("*.py"))
+    assert lines <= 6000, lines
