@@ -24,10 +24,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n auto --dist loadscope
 
-# On a machine with a CUDA GPU: the CUDA tests and the runner's training times of Naive,
-# FROMP and EWC (--budget bounds it) -> benchmarks/results/gpu/<date>-<device>.json and .md.
+# On a machine with a CUDA GPU (studies/gpu_step.sh): the CUDA tests and the runner's training
+# times of Naive, FROMP and EWC (split MNIST at 2 and 15 epochs per task, split CIFAR's network
+# at one on synthetic files) -> benchmarks/results/gpu/<date>-<device>.json and .md, then a
+# profile of their training step -> <date>-cuda-step-profile.json and .md.
 gpu-check: $(STAMP)
-	$(BIN)/python -m fromp_bench.gpu_check --out benchmarks/results/gpu
+	PYTHON=$(BIN)/python bash studies/gpu_step.sh benchmarks/results/gpu
 
 # For a GPU machine without a package index: wheels, MNIST and a wandb stand-in into
 # .gpu-bundle/ (ignored by git), and the one command to run there (docs/gpu.md).

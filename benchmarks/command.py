@@ -16,12 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fromp_bench.data import (
-    DATA_ENV_VAR,
-    CorruptDataError,
-    DataNotFoundError,
-    resolve_data_root,
-)
+from fromp_bench.data import DATA_ENV_VAR, CorruptDataError, DataNotFoundError, resolve_data_root
 from fromp_bench.plugins import (
     UsageError,
     check_out,

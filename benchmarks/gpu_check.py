@@ -1,28 +1,28 @@
-"""The GPU check (``make gpu-check``): the CUDA tests and the runner's training times on a
-GPU, each case written to ``OUT/<date>-<device>.json`` and ``.md`` as soon as it ends.
+"""The GPU check (``make gpu-check``, docs/gpu.md): the CUDA tests and the runner's training
+times on a GPU, each case written to ``OUT/<date>-<device>.json`` and ``.md`` as it ends.
 
-    python -m fromp_bench.gpu_check [--device cuda] [--budget 520] [--quick] [--cases NAMES]
+    python -m fromp_bench.gpu_check [--device cuda] [--budget 400] [--quick] [--cases NAMES]
                                     [--data-root DIR] [--out benchmarks/results/gpu]
 
-Cases, in order: ``tests`` (``pytest -k cuda tests``: passed, skipped, failed and pytest's
-summary line), then for each :class:`Timing` (``split-mnist``: split MNIST at the registry's
-settings) ``<timing>/<strategy>`` for Naive, FROMP and EWC, each ``python -m fromp_bench ...
---seeds 1`` in its own process: per-task seconds (training and the method's own phases;
-evaluation apart) and accuracy; a run stopped by its time share keeps the tasks its
-checkpoint holds (``partial``). A case that fails or runs past its share has a ``status``
-(``failed``, ``timeout``, ``skipped``, ``not_run``) and a ``reason``, never a number; cases not
-reached stay ``pending`` and ``finished`` false. ``targets`` holds the flags (``null`` when
-not measured, or with ``--quick``): each method's time over Naive's within its limit
-(:attr:`Timing.limits`), each per-task time flat within :data:`FLAT_LIMIT` (max / min over
-tasks 2..T, the tasks with a penalty). ``--budget`` bounds the check (a case runs under the
-smaller of its share and the time left); ``--quick`` runs small sizes (on the CPU split-digits,
-64 / 32 examples per task). Paths are recorded as ``OUT`` and ``DATA``.
+Cases, in order: ``tests`` (``pytest -k cuda tests``: counts, summary line), then
+``<timing>/<strategy>`` for each :class:`Timing` of :data:`FULL`, each ``python -m fromp_bench
+... --seeds 1`` in its own process: per-task seconds (training and the method's phases;
+evaluation apart) and accuracy (a run stopped by its share: ``partial``, the tasks its
+checkpoint holds). A case that fails or runs past its share has a ``status`` (``failed``,
+``timeout``, ``skipped``, ``not_run``) and a ``reason``, never a number; cases not reached stay
+``pending`` and ``finished`` false. ``targets`` holds the flags (``null`` when not measured, or
+with ``--quick``): each method's time over Naive's within its limit (:attr:`Timing.limits`),
+each per-task time flat within :data:`FLAT_LIMIT` (max / min over tasks 2..T). ``--budget``
+bounds the check (each case: its share or the time left, the smaller); ``--quick`` runs small
+sizes (on the CPU split-digits, 64 / 32 examples per task, and a 2 % synthetic CIFAR). Paths are
+recorded as ``OUT`` and ``DATA``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import math
@@ -42,32 +42,45 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "gpu"
-SCHEMA = 3
+SCHEMA = 4
 CUDA_TEST_PATHS = ("tests",)
 MIN_CASE_S = 5.0
 FLAT_LIMIT = 1.2
 STRATEGIES = ("naive", "fromp", "ewc")
-TESTS_CAP_S = 150.0
+TESTS_CAP_S = 90.0
 
 
 @dataclass(frozen=True)
 class Timing:
-    """One group of timing cases: ``benchmark`` through the runner with ``args`` (empty: the
-    registry's settings), each of :data:`STRATEGIES` in its own process; ``limits`` the
-    largest time over Naive's per method, ``cap_s`` each run's time share (seconds)."""
+    """Timing cases: ``benchmark`` by ``python -m module *prefix`` (the runner, or a study
+    running it on synthetic data) with ``args`` (none: the registry's settings) and ``only``
+    for one strategy, each of ``strategies`` in its own process; ``limits`` the largest time
+    over Naive's per method, ``cap_s`` each run's time share (seconds)."""
 
     name: str
     benchmark: str
     args: tuple[str, ...] = ()
-    limits: tuple[tuple[str, float], ...] = (("fromp", 1.3), ("ewc", 1.2))
+    limits: tuple[tuple[str, float], ...] = (("fromp", 1.3), ("ewc", 1.15))
     cap_s: float = 130.0
+    strategies: tuple[str, ...] = STRATEGIES
+    module: str = "fromp_bench"
+    prefix: tuple[str, ...] = ()
+    only: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
-FULL = (Timing("split-mnist", "split-mnist"),)
-QUICK = (Timing("split-mnist", "split-mnist", ("--epochs", "1", "--n-train", "2000")),)
-QUICK_CPU = (
-    Timing("split-digits", "split-digits", ("--epochs", "1", "--n-train", "64", "--n-test", "32")),
-)
+def _cifar(scale: str, *args: str, only: tuple = ()) -> Timing:  # on synthetic files
+    synthetic = ("naive", "fromp"), "studies.synthetic_cifar", ("--scale", scale, "--")
+    return Timing("split-cifar-1", "split-cifar", ("--epochs", "1", *args), (("fromp", 1.2),),
+                  150.0, *synthetic, only)  # fmt: skip
+
+
+FULL = (Timing("split-mnist-2", "split-mnist", ("--epochs", "2"), cap_s=60.0),
+        Timing("split-mnist", "split-mnist", cap_s=110.0), _cifar("1"))  # fmt: skip
+QUICK = (Timing("split-mnist-2", "split-mnist", ("--epochs", "1", "--n-train", "2000")),)
+TINY = ("--epochs", "1", "--n-train", "64", "--n-test", "32")
+FEW = (("fromp", ("--set", "n_points=10")),)  # memorable points on 64 examples per task
+QUICK_CPU = (Timing("split-digits", "split-digits", TINY),
+             _cifar("0.02", *TINY[2:4], "--n-test", "20", only=FEW))  # fmt: skip
 
 
 # ----------------------------------------------------------------------- subprocesses
@@ -128,11 +141,8 @@ def summarise_run(run: dict[str, Any]) -> dict[str, Any]:
     and ``flatness`` (max / min of ``per_task_s`` over tasks 2..T, all tasks when fewer)."""
     timing = run.get("timing") or []
     work = [_phase_seconds(t)[0] for t in timing]
-    phases: dict[str, float] = {}
-    for t in timing:
-        for k, v in t.items():
-            if k.endswith("_s"):
-                phases[k] = phases.get(k, 0.0) + float(v)
+    keys = dict.fromkeys(k for t in timing for k in t if k.endswith("_s"))  # in their order
+    phases = {k: sum(float(t.get(k, 0.0)) for t in timing) for k in keys}
     later = work[1:] if len(work) > 2 else work
     return {
         "per_task_s": work,
@@ -162,13 +172,14 @@ def timing_case(t: Timing, strategy: str, device: str, root: Path, seconds: floa
     """``strategy`` on ``t.benchmark`` through the runner (``python -m fromp_bench``), seed 0."""
     from fromp_bench.report import command_line
 
-    why = missing_data(t.benchmark, root)
-    if why:
+    synthetic = t.module != "fromp_bench"  # a study writing its data in the run's folder
+    if not synthetic and (why := missing_data(t.benchmark, root)):
         return {"status": "skipped", "reason": why}
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "fromp_bench", t.benchmark, "--strategies", strategy,
+        cmd = [sys.executable, "-m", t.module, *t.prefix, t.benchmark, "--strategies", strategy,
                "--seeds", "1", "--device", device, "--out", tmp, "--no-progress",
-               "--data-root", str(root), *t.args]  # fmt: skip
+               "--data-root", tmp if synthetic else str(root), *t.args,
+               *dict(t.only).get(strategy, ())]  # fmt: skip
         out: dict[str, Any] = {"command": command_line(["python", *cmd[1:]])}
         res = run_command(cmd, seconds)
         base = Path(tmp) / t.benchmark
@@ -218,18 +229,17 @@ def targets(cases: dict[str, dict[str, Any]], timings: tuple[Timing, ...], quick
         for name, most in t.limits:
             run = cases.get(f"{t.name}/{name}", {})
             limit = f"time <= {most}x Naive's (training and method phases, all tasks)"
+            key = f"{t.name}/{name}_over_naive"
             if run.get("status") == "ok" and naive.get("status") == "ok" and naive["total_s"] > 0:
                 ratio = run["total_s"] / naive["total_s"]
-                out[f"{t.name}/{name}_over_naive"] = flag(limit, ratio, ratio <= most)
                 pairs = zip(run["per_task_s"], naive["per_task_s"])
-                out[f"{t.name}/{name}_over_naive"]["per_task"] = [
-                    a / b if b > 0 else None for a, b in pairs
-                ]
+                per_task = [a / b if b > 0 else None for a, b in pairs]
+                out[key] = {**flag(limit, ratio, ratio <= most), "per_task": per_task}
             else:
                 note = f"not measured ({state(run)}; naive: {state(naive)})"
-                out[f"{t.name}/{name}_over_naive"] = flag(limit, None, None, note)
+                out[key] = flag(limit, None, None, note)
         limit = f"per-task time max/min <= {FLAT_LIMIT} over tasks 2..T"
-        for name in STRATEGIES:
+        for name in t.strategies:
             run = cases.get(f"{t.name}/{name}", {})
             flat = run.get("flatness") if run.get("status") == "ok" else None
             ok = None if flat is None else flat <= FLAT_LIMIT
@@ -268,20 +278,9 @@ def markdown(record: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def check_device(device: str, quick: bool) -> torch.device:
-    """The device, refused in one line when this machine lacks it
-    (:func:`fromp_bench.runner.check_device`) or, without ``--quick``, when it is not CUDA."""
-    from fromp_bench.runner import check_device as check_present
-
-    check_present(device)  # a SettingsError, a ValueError, names --device
-    if torch.device(device).type != "cuda" and not quick:
-        raise ValueError(f"--device {device}: the GPU check needs a CUDA device (or --quick)")
-    return torch.device(device)
-
-
 def case_names(timings: tuple[Timing, ...]) -> list[str]:
     """Every case, in the order the check runs them."""
-    return ["tests", *(f"{t.name}/{s}" for t in timings for s in STRATEGIES)]
+    return ["tests", *(f"{t.name}/{s}" for t in timings for s in t.strategies)]
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -290,18 +289,22 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda")
     p.add_argument("--data-root", default=None, help="data root (else $FROMP_DATA, ./data)")
     p.add_argument("--out", type=Path, default=OUT, help="folder of the results")
-    p.add_argument("--budget", type=float, default=520.0, help="seconds for the whole check")
+    p.add_argument("--budget", type=float, default=400.0, help="seconds for the whole check")
     p.add_argument("--quick", action="store_true", help="small sizes (the CPU: tiny)")
     p.add_argument("--cases", default=None, help="comma-separated case names or prefixes")
     return p.parse_args(argv)
 
 
 def _checked(args: argparse.Namespace) -> tuple[torch.device, tuple[Timing, ...], list[str]]:
-    """Every argument, before any work: the device, ``--budget`` (a finite number > 0),
-    ``--out`` (a folder that can be written), ``--cases`` (known names or prefixes)."""
+    """Every argument, before any work: the device (one this machine has,
+    :func:`fromp_bench.runner.check_device`; CUDA without ``--quick``), ``--budget`` (a finite
+    number > 0), ``--out`` (a folder that can be written), ``--cases`` (known names)."""
     from fromp_bench.plugins import UsageError, check_out
+    from fromp_bench.runner import check_device
 
-    dev = check_device(args.device, args.quick)
+    check_device(args.device)  # a SettingsError, a ValueError, names --device
+    if (dev := torch.device(args.device)).type != "cuda" and not args.quick:
+        raise ValueError(f"--device {dev}: the GPU check needs a CUDA device (or --quick)")
     if not (math.isfinite(args.budget) and args.budget > 0):
         raise ValueError(f"--budget must be a finite number of seconds > 0, got {args.budget}")
     timings = (QUICK_CPU if dev.type != "cuda" else QUICK) if args.quick else FULL
@@ -344,9 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         "code": code_record(),
         "quick": args.quick,
         "budget_s": args.budget,
-        "timings": [
-            {"name": t.name, "benchmark": t.benchmark, "args": list(t.args)} for t in timings
-        ],
+        "timings": [dataclasses.asdict(t) for t in timings],
         "finished": False,
         "elapsed_s": 0.0,
         "cases": {n: {"status": "pending"} for n in names},
@@ -366,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         group, _, strategy = name.partition("/")
         cap = TESTS_CAP_S if name == "tests" else by_name[group].cap_s
-        seconds = min(cap, args.budget - (time.monotonic() - start))
+        seconds = min(cap, args.budget - (t0 - start))
         if seconds < MIN_CASE_S:
             result = {"status": "not_run", "reason": f"the budget ({args.budget:.0f} s) was spent"}
         elif name == "tests":
@@ -383,8 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     record["finished"] = True
     write()
     print(f"wrote {json_path} and {md_path}")
-    failed = [n for n, c in record["cases"].items() if c["status"] not in ("ok", "skipped")]
-    return 1 if failed else 0
+    return int(any(c["status"] not in ("ok", "skipped") for c in record["cases"].values()))
 
 
 if __name__ == "__main__":

@@ -422,15 +422,18 @@ def _unplain(value: Any, device: torch.device | str = "cpu") -> Any:
     raise CheckpointError(f"unknown plain-encoded kind {kind!r} in a checkpoint")
 
 
+def _timings(plugin: Any) -> list[dict[str, float]] | None:
+    """The ``timings`` list a method plugin's method keeps (FROMP's), else None."""
+    timings = getattr(getattr(plugin, "method", plugin), "timings", None)
+    return timings if isinstance(timings, list) else None
+
+
 def _phase_times(strategy: Any, before: dict[str, int]) -> dict[str, float]:
     """Seconds the method plugins spent in memorable selection, curvature and kernel set-up
-    during the last experience (from the ``timings`` lists they keep, e.g. FROMP's)."""
+    during the last experience (from the ``timings`` lists their methods keep)."""
     out = {"memorable_s": 0.0, "curvature_s": 0.0, "kernel_s": 0.0}
     for name, p in method_plugins(strategy).items():
-        timings = getattr(p, "timings", None)
-        if not isinstance(timings, list):
-            continue
-        for t in timings[before.get(name, 0) :]:
+        for t in (_timings(p) or [])[before.get(name, 0) :]:
             out["memorable_s"] += float(t.get("select_s", 0.0))
             out["curvature_s"] += float(t.get("curvature_s", 0.0))
             out["kernel_s"] += float(t.get("kernel_s", 0.0))
@@ -438,11 +441,8 @@ def _phase_times(strategy: Any, before: dict[str, int]) -> dict[str, float]:
 
 
 def _timing_counts(strategy: Any) -> dict[str, int]:
-    return {
-        name: len(p.timings)
-        for name, p in method_plugins(strategy).items()
-        if isinstance(getattr(p, "timings", None), list)
-    }
+    plugins = method_plugins(strategy).items()
+    return {name: len(t) for name, p in plugins if (t := _timings(p)) is not None}
 
 
 def _summarise(

@@ -639,47 +639,30 @@ def run(
     valid_stream = None if valid_seq is None else to_avalanche(valid_seq).test_stream
     net = bench.model(seq)
     model = as_avalanche_model(net)
-    optimizer = _make_optimizer(
-        settings["optimizer"],
-        model,
-        float(settings["lr"]),
-        len(seq[0].train_x),
-        settings["optimizer_kwargs"],
-    )
+    optimizer = _make_optimizer(settings["optimizer"], model, float(settings["lr"]),
+                                len(seq[0].train_x), settings["optimizer_kwargs"])  # fmt: skip
     collector = _Collector()
     progress = _Progress(f"{cfg.strategy}/seed{cfg.seed}", cfg.progress and main)
     restore = _RestoreOptimizer()
     with warnings.catch_warnings():  # metrics are reported by the runner, not a logger
         warnings.filterwarnings("ignore", message="No loggers specified")
         evaluator = EvaluationPlugin(accuracy_metrics(experience=True), loggers=[])
+    plugins = [
+        collector, _Guard(), progress, restore,
+        *lr_schedule_plugins(settings.get("lr_schedule", "constant"), float(settings["lr"]),
+                             settings.get("lr_warmup", 0.0)),
+        *optimizer_state_plugins(settings.get("optimizer_state", "keep"), settings["optimizer"]),
+        *([_DataParallel()] if world > 1 else []),
+    ]  # fmt: skip
     with warnings.catch_warnings():  # VCL's log-variances join the runner's own optimizer
         warnings.filterwarnings("ignore", message="VCL: the posterior")
         strategy = cls(
-            model=model,
-            optimizer=optimizer,
-            criterion=nn.CrossEntropyLoss(),
+            model=model, optimizer=optimizer, criterion=nn.CrossEntropyLoss(),
             train_mb_size=int(settings["train_mb_size"]) // world,
-            train_epochs=int(settings["train_epochs"]),
-            eval_mb_size=1000,
-            device=device,
-            plugins=[
-                collector,
-                _Guard(),
-                progress,
-                restore,
-                *lr_schedule_plugins(
-                    settings.get("lr_schedule", "constant"),
-                    float(settings["lr"]),
-                    settings.get("lr_warmup", 0.0),
-                ),
-                *optimizer_state_plugins(
-                    settings.get("optimizer_state", "keep"), str(settings["optimizer"])
-                ),
-                *([_DataParallel()] if world > 1 else []),
-            ],
-            evaluator=evaluator,
+            train_epochs=int(settings["train_epochs"]), eval_mb_size=1000, device=device,
+            plugins=plugins, evaluator=evaluator,
             **strategy_kwargs(cls, settings["kwargs"], cfg.seed),
-        )
+        )  # fmt: skip
     strategy._is_joint = strat.joint
     if cfg.checkpoint:  # a plugin state a checkpoint could hold only as code: refused now
         for p in method_plugins(strategy).values():

@@ -66,7 +66,8 @@ class EWC(MethodStrategy):
     :class:`EWCPlugin`, and Avalanche's template arguments (``criterion``,
     ``train_mb_size``, ...) as in :class:`fromp_avalanche.template.MethodStrategy`.
     ``ewc_lambda`` (default 100) is on Avalanche's scale with ``B = train_mb_size``;
-    ``per_example_lambda`` the scale of 0.3 (give one of the two)."""
+    ``per_example_lambda`` the scale of 0.3 (give one of the two); ``cuda_graph``
+    how a step evaluates the penalty (a CUDA graph on CUDA by default)."""
 
     def __init__(
         self,
@@ -82,6 +83,7 @@ class EWC(MethodStrategy):
         fisher_samples: int = 1,
         max_examples: int | None = None,
         likelihood: str | Likelihood = "categorical",
+        cuda_graph: str = "auto",
         **template_kwargs: Any,
     ) -> None:
         if ewc_lambda is None and per_example_lambda is None:
@@ -97,6 +99,7 @@ class EWC(MethodStrategy):
             fisher_samples=fisher_samples,
             max_examples=max_examples,
             likelihood=likelihood,
+            cuda_graph=cuda_graph,
         )
         super().__init__(
             method_plugins=[plugin],

@@ -2,7 +2,7 @@
 one folder that git ignores (``.gpu-bundle/``), and the one command to run there
 (``make gpu-bundle``; docs/gpu.md, "Running the GPU check").
 
-    python -m studies.gpu_bundle [--dest .gpu-bundle] [--data DIR] [--budget 520]
+    python -m studies.gpu_bundle [--dest .gpu-bundle] [--data DIR] [--budget 400]
                                             [--dry-run]
 
 The folder holds
@@ -20,9 +20,9 @@ The folder holds
 
 It prints the command (at most 2,000 characters) and the paths to carry with it: the command
 installs the wheels into ``/tmp/site``, puts the checkout, the wheels and the stand-in on
-``PYTHONPATH`` and runs ``python3 -m fromp_bench.gpu_check --device cuda --budget B
---out $OUT``, logging to ``$OUT/gpu_check.log``. ``--dry-run`` checks the sources and prints
-the command without fetching or copying anything.
+``PYTHONPATH`` and runs ``bash studies/gpu_step.sh $OUT B`` (the GPU check under ``--budget
+B``, then the step profile, each logged under ``$OUT``). ``--dry-run`` checks the sources
+and prints the command without fetching or copying anything.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def pins(constraints: Path, names: tuple[str, ...] = WHEELS) -> dict[str, str]:
     return {n: found[norm(n)] for n in names}
 
 
-def device_command(dest: str = BUNDLE, budget: float = 520) -> str:
+def device_command(dest: str = BUNDLE, budget: float = 400) -> str:
     """The command for the device machine (run from the checkout's root there)."""
     site = "/tmp/site"
     return (
@@ -94,8 +94,7 @@ def device_command(dest: str = BUNDLE, budget: float = 520) -> str:
         + "".join(f"ln -sfn $PWD/{d} /tmp/names/{n}; " for n, d in harness.IMPORT_NAMES.items())
         + f"export PYTHONPATH=$PWD:/tmp/names:{site}:$PWD/{dest}/stub PYTHONUNBUFFERED=1 "
         f"FROMP_DATA=$PWD/{dest}/data; nvidia-smi -L; "
-        f"python3 -m fromp_bench.gpu_check --device cuda --budget {budget:g} --out $OUT "
-        "2>&1 | tee $OUT/gpu_check.log"
+        f"bash studies/gpu_step.sh $OUT {budget:g}"
     )
 
 
@@ -174,15 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     p = harness.parser(__name__, __doc__)
     p.add_argument("--dest", type=Path, default=ROOT / BUNDLE, help="the bundle's folder")
     p.add_argument("--data", default=None, help="data root holding MNIST/raw/*.gz")
-    p.add_argument("--budget", type=float, default=520.0, help="gpu_check's --budget (s)")
+    p.add_argument("--budget", type=float, default=400.0, help="gpu_check's --budget (s)")
     p.add_argument("--dry-run", action="store_true", help="check and print; fetch nothing")
     args = p.parse_args(argv)
     data = mnist_source(args.data)
     try:
-        if not 60 <= args.budget <= 560:
+        if not 60 <= args.budget <= 420:
             raise ValueError(
-                f"--budget must lie in [60, 560] s (one device command runs at most "
-                f"600 s), got {args.budget:g}"
+                f"--budget must lie in [60, 420] s (one device command runs at most 600 s, "
+                f"the step profile up to 150 s after the check), got {args.budget:g}"
             )
         versions = pins(ROOT / "constraints.txt")
         check_sources(data, args.dest)
@@ -209,8 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  command: {cmd}")
     print(f'  carry: {shlex.quote(rel)}  (as a list: ["{rel}"])')
     print(
-        "Then copy <date>-<device>.json and .md from the returned files to "
-        "benchmarks/results/gpu/ and commit them."
+        "Then copy <date>-<device>.json / .md and <date>-cuda-step-profile.json / .md from "
+        "the returned files to benchmarks/results/gpu/ and commit them."
     )
     return 0
 

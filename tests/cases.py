@@ -1,5 +1,5 @@
 """Shared test cases: small float64 networks and data, references for fromp's continual
-methods, and the operation counter, host-sync recorder and interleaved timer of the speed
+methods, and the operation counter and host-work recorders of the speed
 tests (as curvlinops keeps its cases in ``test/cases.py``). The dense references of the
 curvature, GP and posterior are public, in :mod:`fromp.testing`.
 
@@ -10,9 +10,10 @@ constructors do). :class:`NetCase` pairs a network with matching inputs; :data:`
 the kinds. :func:`toy_regression` and :func:`toy_classification` give small seeded data.
 :func:`dense_fromp_penalty` and :func:`dense_ewc_penalty` write FROMP's regulariser and EWC's
 penalty from their formulas. :func:`count_aten_ops` counts the operations a step runs,
-:func:`host_syncs` the ones that would make the host wait for a GPU, :func:`timing_ratios`
-times two steps interleaved. :func:`synthetic_split` is a small task sequence in the format of
-the runner's real ones (no data set needed).
+:func:`host_syncs` the ones that would make the host wait for a GPU, :class:`StepRecorder` a
+training step's host work by phase (:func:`simulated_cuda_graphs`: as a CUDA-graph step would
+do it). :func:`synthetic_split` is a small task sequence in the format of the runner's real
+ones (no data set needed).
 """
 
 from __future__ import annotations
@@ -382,32 +383,188 @@ def host_syncs(
     return found
 
 
-def timing_ratios(
-    numerator: Callable[[], object],
-    denominator: Callable[[], object],
-    *,
-    repeats: int = 60,
-    attempts: int = 3,
-    below: float = 1.5,
-) -> list[float]:
-    """``min t(numerator()) / min t(denominator())`` over ``repeats`` interleaved timings
-    (so that a busy machine slows both series alike), one ratio per attempt; further
-    attempts (at most ``attempts``) only while the ratio is not ``below`` the bound, since
-    a busy machine may still slow one series in one attempt. Assert on ``min(ratios)``."""
-    import time
+#: aten operations that make a tensor from host data (a blocking copy to a CUDA device from
+#: pageable memory): ``torch.tensor`` / ``new_tensor`` (``lift_fresh``), a Python number made
+#: a tensor (``scalar_tensor``)
+HOST_DATA_OPS = frozenset({"lift_fresh", "lift_fresh_copy", "scalar_tensor"})
+#: torch functions that make a tensor from host data or move one between devices (recorded
+#: by :class:`StepRecorder` when called from the code under test; ``to`` only with a device
+#: or a tensor among its arguments), and those that read a tensor's values on the host (on
+#: the CPU they dispatch no operation a dispatch mode would see)
+HOST_DATA_FUNCTIONS = frozenset({"tensor", "as_tensor", "new_tensor", "from_numpy", "to", "cuda"})
+HOST_READ_FUNCTIONS = frozenset({"cpu", "tolist", "numpy", "item", "__bool__", "__float__",
+                                 "__int__"})  # fmt: skip
 
-    ratios: list[float] = []
-    for _ in range(attempts):
-        best = [float("inf"), float("inf")]
-        for _ in range(repeats):
-            for i, fn in enumerate((numerator, denominator)):
-                t0 = time.perf_counter()
-                fn()
-                best[i] = min(best[i], time.perf_counter() - t0)
-        ratios.append(best[0] / best[1])
-        if ratios[-1] < below:
-            break
-    return ratios
+
+def _moves(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether a call of the torch function ``name`` makes a tensor from host data or
+    moves one (``to`` with only a dtype does not)."""
+    if name != "to":
+        return True
+    values = [*args[1:], *kwargs.values()]
+    return any(isinstance(v, (torch.device, str, Tensor)) for v in values)
+
+
+class StepRecorder:
+    """What a training step does on the host, recorded on any device (a CPU run catches
+    what a GPU would pay for): enter it before the step and leave it after (``with``, or
+    :meth:`start` / :meth:`stop` from a training loop's hooks).
+
+    Args:
+        within: folder or file paths of the code under test (e.g. ``fromp`` and the
+            strategies): its calls are counted and the host reads and uploads it makes are
+            named ``"op@file:line"`` (its innermost frame).
+        phase: returns the step's current phase (e.g. ``"penalty"`` while a wrapper of the
+            penalty runs); operations are counted per phase.
+        what: ``"all"``, ``"ops"`` (the modes only) or ``"calls"`` (the Python calls only:
+            the modes' own Python work, per operation, would be counted with them).
+
+    After :meth:`stop`: ``ops`` (``Counter`` of aten operations per phase, forward and
+    backward; ``op_names``: per phase, by operation), ``reads`` (:data:`HOST_SYNC_OPS` but
+    ``lift_fresh``, and boolean-mask indexing, called from ``within``, and the calls of
+    :data:`HOST_READ_FUNCTIONS` made directly from ``within``), ``uploads``
+    (:data:`HOST_DATA_OPS` and the calls of :data:`HOST_DATA_FUNCTIONS` called directly
+    from ``within``; each ``"op@file:line (phase)"``), ``python_calls`` (Python
+    function calls whose code is in ``within``, per phase: ``sys.setprofile``) and
+    ``all_calls`` (every Python function call, per phase: in a phase of the code under
+    test, what it costs in Python with the library code it calls)."""
+
+    def __init__(
+        self,
+        within: Sequence[str],
+        phase: Callable[[], str] = lambda: "step",
+        *,
+        what: str = "all",
+    ) -> None:
+        from collections import Counter
+
+        if what not in ("all", "ops", "calls"):
+            raise ValueError(f"what must be 'all', 'ops' or 'calls', got {what!r}")
+        self.roots = tuple(str(w) for w in within)
+        self.phase, self.what = phase, what
+        self.ops: Counter = Counter()
+        self.op_names: dict[str, Counter] = {}
+        self.python_calls: Counter = Counter()
+        self.all_calls: Counter = Counter()
+        self.reads: list[str] = []
+        self.uploads: list[str] = []
+        self._modes: list[Any] = []
+        self._profile: Any = None
+
+    def _where(self, direct: bool = False) -> str | None:
+        """The innermost frame of the code under test (``direct``: only when it is the
+        caller itself: a device move inside a torch function the code calls is torch's), as
+        ``file:line``; None when there is none."""
+        import traceback
+
+        frames = [f for f in traceback.extract_stack() if f.filename != __file__]
+        if direct:
+            frames = frames[-1:]
+        ours = [f for f in frames if f.filename.startswith(self.roots)]
+        return f"{ours[-1].filename}:{ours[-1].lineno}" if ours else None
+
+    def _modes_for(self) -> list[Any]:
+        from collections import Counter
+
+        from torch.overrides import TorchFunctionMode
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        rec = self
+
+        class Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                name = func.overloadpacket.__name__
+                phase = rec.phase()
+                rec.ops[phase] += 1
+                rec.op_names.setdefault(phase, Counter())[name] += 1
+                if name in ("index", "index_put", "index_put_") and _bool_index(args):
+                    name = f"{name}(boolean mask)"
+                read = name in HOST_SYNC_OPS - HOST_DATA_OPS or name.endswith("(boolean mask)")
+                if read or name in HOST_DATA_OPS:
+                    where = rec._where()
+                    if where is not None:
+                        (rec.reads if read else rec.uploads).append(f"{name}@{where} ({phase})")
+                return func(*args, **(kwargs or {}))
+
+        class Functions(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                name = getattr(func, "__name__", "")
+                read = name in HOST_READ_FUNCTIONS
+                if read or (name in HOST_DATA_FUNCTIONS and _moves(name, args, kwargs or {})):
+                    where = rec._where(direct=True)
+                    if where is not None:
+                        (rec.reads if read else rec.uploads).append(
+                            f"{name}@{where} ({rec.phase()})"
+                        )
+                return func(*args, **(kwargs or {}))
+
+        return [Functions(), Ops()]
+
+    def _count(self, frame: Any, event: str, arg: Any) -> None:
+        name = frame.f_code.co_filename
+        if event == "call" and name != __file__:
+            phase = self.phase()
+            self.all_calls[phase] += 1
+            if name.startswith(self.roots):
+                self.python_calls[phase] += 1
+
+    def start(self) -> None:
+        import sys
+
+        self._modes = self._modes_for() if self.what != "calls" else []
+        for m in self._modes:
+            m.__enter__()
+        if self.what != "ops":
+            self._profile = sys.getprofile()
+            sys.setprofile(self._count)
+
+    def stop(self) -> None:
+        import sys
+
+        if self.what != "ops":
+            sys.setprofile(self._profile)
+        for m in reversed(self._modes):
+            m.__exit__(None, None, None)
+        self._modes = []
+
+    def __enter__(self) -> StepRecorder:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def simulated_cuda_graphs() -> Iterator[None]:
+    """Within the block, the CUDA-graph path of :mod:`fromp.continual.graphed` runs on any
+    device with its replay a no-op: the "capture" computes the term and its gradient once
+    (eagerly) into the static buffers, and each step then does exactly the host work of a
+    replayed step on a GPU (the key check, the replay call, the outputs copied, the scaled
+    gradient in the backward) without the work the graph would replay. For counting what
+    the host does per step (:class:`StepRecorder`), not for values: every step returns the
+    capture's value and gradient."""
+    from fromp.continual import graphed
+
+    class Replay:
+        def replay(self) -> None:
+            pass
+
+        def reset(self) -> None:
+            pass
+
+    def capture(term: graphed.StaticTerm) -> None:
+        term._static = term._pair()
+        term._cuda_graph = Replay()  # type: ignore[assignment]
+        term.captures += 1
+
+    saved = graphed.uses_graph, graphed.StaticTerm._capture
+    graphed.uses_graph = lambda mode, params, net: None if mode == "off" else True  # type: ignore[assignment]
+    graphed.StaticTerm._capture = capture  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        graphed.uses_graph, graphed.StaticTerm._capture = saved  # type: ignore[method-assign]
 
 
 # ------------------------------------------------------------------ a synthetic task sequence

@@ -212,3 +212,10 @@ def test_tests_mirror_the_package():
         assert any((tests / area).glob("test_*.py")), area
     for sub in ("curvature", "gp", "laplace", "memory", "continual", "optim"):
         assert (ROOT / "fromp" / sub / "__init__.py").exists(), sub  # one test folder each
+
+
+def test_the_runners_installed_code_stays_within_6000_lines():
+    """``benchmarks/`` (installed as ``fromp_bench``) holds the runner and its tools; studies
+    and one-off measurements live in ``studies/``, outside the package."""
+    lines = sum(len(p.read_text().splitlines()) for p in (ROOT / "benchmarks").rglob("*.py"))
+    assert lines <= 6000, lines

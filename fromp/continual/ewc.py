@@ -49,6 +49,7 @@ from fromp._checks import (
     probe_outputs,
 )
 from fromp.continual.experiences import add_experience, experience_key, forget_experience
+from fromp.continual.graphed import Same, check_mode, param_key, static_term
 from fromp.continual.methods import Named, by_name, fit_shape
 from fromp.curvature.diagonal import diag_ef, diag_fisher, diag_ggn
 from fromp.likelihood import Likelihood, get_likelihood
@@ -135,7 +136,10 @@ class _Consolidated:
     ``c = sum_t sum_p F_t (w*_t - a~)^2`` (float64 sums, ``S`` and ``a~`` stored in the
     anchors' dtype): ``sum_t F_t (w - w*_t)^2 = S (w - a~)^2 + c`` entry by entry. A
     parameter that grew between tasks is summed in its largest shape, the entries a task
-    did not have getting ``F_t = 0`` from it."""
+    did not have getting ``F_t = 0`` from it. A parameter whose ``S`` is 0 everywhere (a
+    head no learnt task used) is left out: its terms are 0 in value and gradient, and a
+    step then neither evaluates them nor gives the optimizer a zero gradient to apply
+    (its gradient is the data term's alone, as without the penalty)."""
 
     def __init__(self, anchors: list[Named], importances: list[Named]) -> None:
         shapes: dict[str, tuple[int, ...]] = {}
@@ -160,6 +164,8 @@ class _Consolidated:
                 s_f = ff if s_f is None else s_f + ff
                 s_fa = fa if s_fa is None else s_fa + fa
             assert s_f is not None and s_fa is not None
+            if not bool(s_f.any()):  # read once per consolidation, not per step
+                continue
             center = torch.where(s_f > 0, s_fa / torch.where(s_f > 0, s_f, 1.0), 0.0)
             for fd, ad in parts:
                 old = tuple(slice(0, k) for k in fd.shape)
@@ -175,7 +181,8 @@ class _Consolidated:
         never as a tensor made from it: on a GPU that would be a blocking host-to-device copy
         on every step."""
         ref = next(iter(w.values()))
-        total = ref.new_zeros(())
+        # differentiable even with no term (every importance 0): a 0 with a gradient path
+        total = (ref.reshape(-1)[:1] * 0.0).sum() if not self.curvature else ref.new_zeros(())
         for n, s_f in self.curvature.items():
             p = w.get(n)
             if p is None:
@@ -235,6 +242,12 @@ class EWCMethod:
             ``train_mb_size``; the strategy passes its own).
         per_example_lambda: ``lambda'``, the per-example scale of 0.3: penalty
             ``(lambda' / 2) sum_p F_p (w_p - w*_p)^2`` whatever ``batch_size``.
+        cuda_graph: how a training step evaluates the penalty (:mod:`fromp.continual.graphed`):
+            ``"auto"`` (default) replays one CUDA graph of its forward and backward pass
+            when the network is on a CUDA device (captured again when the stored terms, the
+            parameters or the loss dtype change), plain autograd elsewhere; ``"on"``: always
+            the value and gradient in one call (on the CPU computed eagerly); ``"off"``:
+            plain autograd. The same penalty to float rounding.
 
     Under ``torch.distributed`` :meth:`learn_task` takes this rank's shard and the Fisher
     sums over every rank's (module docstring); ``max_examples`` then caps each rank at
@@ -267,6 +280,7 @@ class EWCMethod:
         likelihood: str | Likelihood = "categorical",
         batch_size: int = 1,
         per_example_lambda: float | None = None,
+        cuda_graph: str = "auto",
     ) -> None:
         if (ewc_lambda is None) == (per_example_lambda is None):
             raise ValueError(
@@ -324,16 +338,19 @@ class EWCMethod:
         # online mode: the running Fisher before the last experience was added (to replace
         # that experience exactly when it is learnt again)
         self._online_base: Named | None = None
-        self._consolidated: tuple[tuple, _Consolidated] | None = None
+        self._consolidated: tuple[tuple, _Consolidated, tuple] | None = None
         self.last_terms: dict[str, Tensor] = {}
         self._experience: int | None = None  # begin_task's key, learn_task's default
         self._live: tuple[nn.Module, Named] | None = None  # the step's parameters by name
+        self.cuda_graph = check_mode(cuda_graph)
+        self._captured: dict = {}  # the captured penalty (graphed.static_term)
 
     def _terms(self, net: nn.Module) -> _Consolidated:
         """The consolidated penalty of the stored terms, rebuilt when they change (a learnt
-        task, a loaded state, anchors assigned by hand)."""
-        key = tuple((id(a), id(f)) for a, f in zip(self.anchors, self.importances))
-        key = (len(self.anchors), len(self.importances), *key)
+        task, a loaded state, anchors assigned by hand). The key, the stored terms'
+        identities, is read with C-level maps: no Python work per task on a step (the
+        terms themselves are kept with it, so that an identity is not reused)."""
+        key = (*map(id, self.anchors), None, *map(id, self.importances))
         if self._consolidated is not None and self._consolidated[0] == key:
             return self._consolidated[1]
         if len(self.anchors) != len(self.importances):
@@ -347,7 +364,7 @@ class EWCMethod:
             {n: v.to(device) for n, v in _named(net, f).items()} for f in self.importances
         ]
         terms = _Consolidated(anchors, importances)
-        self._consolidated = (key, terms)
+        self._consolidated = (key, terms, (tuple(self.anchors), tuple(self.importances)))
         return terms
 
     def penalty(self, net: nn.Module) -> Tensor:
@@ -411,9 +428,25 @@ class EWCMethod:
             return output.new_zeros((), dtype=dtype)
         if self._live is None or self._live[0] is not net:
             self._live = (net, _live(net))
-        value = self._penalty(net, self._live[1]).to(dtype)
+        w = self._live[1]
+        value = self._fixed_penalty(net, w, dtype)
+        if value is None:  # plain autograd
+            value = self._penalty(net, w).to(dtype)
         self.last_terms = {"penalty": value.detach()}
         return value
+
+    def _fixed_penalty(self, net: nn.Module, w: Named, dtype: torch.dtype) -> Tensor | None:
+        """The penalty of the captured step (``cuda_graph``: value and gradient in one call,
+        a CUDA graph on CUDA), or None for plain autograd. Captured again when its key
+        changes: the consolidated terms, the parameters, the loss dtype, the coefficient."""
+        params = tuple(w.values())
+        key = (Same(self._terms(net)), param_key(params), dtype, self.coefficient)
+
+        def fn() -> tuple[Tensor | None, ...]:
+            return (self._penalty(net, w).to(dtype),)
+
+        term = static_term(self._captured, self.cuda_graph, net, params, key, fn, "EWC")
+        return None if term is None else term()[0]
 
     def before_update(self, net: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Nothing: EWC changes no gradient beyond its penalty's."""

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from fromp import distributed
 from fromp._checks import check_batch, check_prior_precision, device_dtype, not_on_meta
 from fromp.continual.experiences import add_experience, experience_key, forget_experience
+from fromp.continual.graphed import Same, check_mode, param_key, static_term, trainable
 from fromp.continual.memorable import _ORDERS as _SELECT
 from fromp.continual.memorable import global_classes, select_memorable_points
 from fromp.continual.named_state import (
@@ -282,6 +283,15 @@ class FROMPMethod:
             ``"sample"``: in the loss at IVON's sampled weights, so that it enters both
             IVON's gradient and its Hessian estimate (and its value carries the sampling
             noise of the functions on the memorable points, about ``M C / 2``).
+        cuda_graph: how a training step evaluates ``tau R`` and the coreset's loss
+            (:mod:`fromp.continual.graphed`): ``"auto"`` (default) replays one CUDA graph of
+            their forward and backward pass when the network is on a CUDA device (captured
+            again when the memorable sets, the network's parameters or the loss dtype
+            change; the memorable inputs, kernels and targets are fixed within an
+            experience), plain autograd elsewhere; ``"on"``: always the value and gradient
+            in one call (on the CPU computed eagerly); ``"off"``: plain autograd. The same
+            terms to float rounding (the context term is never captured: it depends on the
+            mini-batch).
     """
 
     def __init__(
@@ -306,6 +316,7 @@ class FROMPMethod:
         bn_statistics: str = "stored",
         context_tau: float = 0.0,
         curvature_combine: str | float = "sum",
+        cuda_graph: str = "auto",
     ) -> None:
         if select is None:  # a labelled coreset must represent its classes: random points
             select = "random" if replay is True else "descending"
@@ -424,6 +435,12 @@ class FROMPMethod:
         self._warned = False
         self._new_classes = False  # the experience brings classes to a head already trained
         self._experience: int | None = None  # begin_task's key, learn_task's default
+        self.cuda_graph = check_mode(cuda_graph)
+        #: the step's trainable parameters, read by begin_task (after any growth)
+        self._step_params: tuple[nn.Module, tuple[Tensor, ...]] | None = None
+        #: and its modules, when they all keep nn.Module.train (the penalty's eval mode)
+        self._step_modules: tuple[nn.Module | None, list[nn.Module] | None] = (None, None)
+        self._captured: dict = {}  # the captured memorable terms (graphed.static_term)
 
     # ---------------------------------------------------------------------- helpers
 
@@ -596,9 +613,18 @@ class FROMPMethod:
 
     @contextlib.contextmanager
     def _memorable_mode(self, net: nn.Module) -> Iterator[None]:
-        """The mode the memorable points are evaluated in (see :meth:`terms`)."""
-        was_training = net.training
-        net.eval()
+        """The mode the memorable points are evaluated in (see :meth:`terms`): eval mode,
+        each module's own mode restored after (a network whose modules all keep
+        ``nn.Module.train``, listed once per experience by :meth:`begin_task`, switches by
+        setting their flags: no traversal of the network per step)."""
+        mods = self._step_modules[1] if self._step_modules[0] is net else None
+        if mods is None:
+            was_training = net.training
+            net.eval()
+        else:
+            modes = [m.training for m in mods]
+            for m in mods:
+                m.__dict__["training"] = False
         try:
             if self.bn_statistics == "batch":
                 with _batch_statistics(net):
@@ -608,7 +634,11 @@ class FROMPMethod:
                 with _swapped_buffers(net, stored):
                     yield
         finally:
-            net.train(was_training)
+            if mods is None:
+                net.train(was_training)
+            else:
+                for m, mode in zip(mods, modes):
+                    m.__dict__["training"] = mode
 
     # -------------------------------------------------------------- the training step
     #: ``tau R`` above this multiple of the loss without it gets a warning (once)
@@ -646,6 +676,10 @@ class FROMPMethod:
         self._experience = experience
         self._checks_left = self.dominance_steps
         self.last_penalty, self.last_terms = None, {}
+        self._step_params = (net, trainable(net))
+        mods = list(net.modules())
+        plain = all(type(m).train is nn.Module.train for m in mods)
+        self._step_modules = (net, mods if plain else None)
         self.attach_previous(uncompiled(net))
 
     def loss_terms(
@@ -686,20 +720,60 @@ class FROMPMethod:
         context = self._context_term(net, output, x, task, dtype)
         penalised = self.tau != 0 and not self._penalty_at_mean
         if penalised or self.replay:
-            pen, rep = self.terms(net)
+            fixed = self._fixed_terms(net, dtype, penalised)
+            if fixed is None:  # plain autograd
+                pen, rep = self.terms(net)
+                rep = None if rep is None else rep.to(dtype)
+                weighted = self.tau * pen.to(dtype) if penalised else None
+                summed = None
+            else:  # captured: rep + tau R as one term, value and gradient in one call
+                summed, pen, weighted, rep = fixed
             if rep is not None:  # the coreset's loss: part of the data term
-                total = rep.to(dtype)
-                self.last_terms["replay"] = total.detach()
+                total = rep if summed is None else summed
+                self.last_terms["replay"] = rep.detach()
             if penalised:
+                assert pen is not None and weighted is not None
                 self.last_penalty = pen.detach()
-                weighted = self.tau * pen.to(dtype)
                 self.last_terms["penalty"] = weighted.detach()
                 if loss is not None:
-                    self._check_dominance(weighted, loss if total is None else loss + total)
-                context = weighted if context is None else weighted + context
+                    self._check_dominance(weighted, loss if rep is None else loss + rep)
+                if summed is None:
+                    context = weighted if context is None else weighted + context
+                elif rep is None:
+                    total = summed
         if context is not None:
             total = context if total is None else total + context
         return output.new_zeros((), dtype=dtype) if total is None else total
+
+    def _params(self, net: nn.Module) -> tuple[Tensor, ...]:
+        """``net``'s trainable parameters, read once per experience (:meth:`begin_task`)."""
+        if self._step_params is None or self._step_params[0] is not net:
+            self._step_params = (net, trainable(net))
+        return self._step_params[1]
+
+    def _fixed_terms(
+        self, net: nn.Module, dtype: torch.dtype, penalised: bool
+    ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None] | None:
+        """``(rep + tau R, R, tau R, rep)`` of the captured step (``cuda_graph``; the first
+        differentiable, the others detached, None where not computed), or None for plain
+        autograd. Captured again when its key changes: the stacked memorable sets, the
+        parameters, the loss dtype, the settings the terms read."""
+        params = self._params(net)
+        stack = self.regularizer._stack()
+        key = (Same(stack), Same(self.bn_buffers), param_key(params), dtype, penalised,
+               self.tau, self.replay, self.replay_weight, self.bn_statistics,
+               self.regularizer.function)  # fmt: skip
+
+        def fn() -> tuple[Tensor | None, ...]:
+            pen, rep = self.terms(net)
+            rep = None if rep is None else rep.to(dtype)
+            weighted = self.tau * pen.to(dtype) if penalised else None
+            if weighted is None:
+                return rep, pen, None, rep
+            return (weighted if rep is None else rep + weighted), pen, weighted, rep
+
+        term = static_term(self._captured, self.cuda_graph, net, params, key, fn, "FROMP")
+        return None if term is None else term()  # type: ignore[return-value]
 
     def _context_term(
         self,
@@ -740,7 +814,8 @@ class FROMPMethod:
         if self._warned or self._checks_left <= 0:
             return
         self._checks_left -= 1
-        w, data = float(weighted.detach()), float(loss.detach())
+        pair = [weighted.detach().reshape(1), loss.detach().reshape(1).to(weighted.dtype)]
+        w, data = torch.cat(pair).tolist()  # one read back
         if w > self.dominance_ratio * max(abs(data), 1e-8):
             self._warned = True
             warnings.warn(
@@ -771,7 +846,7 @@ class FROMPMethod:
         (:meth:`fromp.optim.IVON.add_gradient`)."""
         if self.grad_clip_norm is not None:
             max_norm = self.grad_clip_norm * (self.tau if self.tau > 0 else 1.0)
-            torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm)
+            torch.nn.utils.clip_grad_norm_(self._params(net), max_norm)
         if self._penalty_at_mean and len(self.regularizer) and self.tau > 0:
             opt = _require_optimizer(optimizer, "ivon")
             if opt.sampled:
@@ -909,7 +984,7 @@ class FROMPMethod:
             net.train(was_training)
         if self.context_tau > 0:
             self.previous, self._previous_state = _frozen_copy(net), None
-        self._experience = None
+        self._experience, self._step_params, self._step_modules = None, None, (None, None)
         self.timings.append(times)
         return times
 

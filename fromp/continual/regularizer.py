@@ -56,6 +56,7 @@ block, one batched factorisation; its cost grows with the sets stored, by design
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -81,6 +82,21 @@ _KERNELS = ("per_class", "joint", "identity")
 #: the functions FROMP can keep: the probabilities ``p = inverse_link(f)`` (the paper) or the
 #: outputs ``f`` themselves (the logits, the function space of DNN2GP and S-FSVI)
 _FUNCTIONS = ("probs", "logits")
+
+
+_LABELLED: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+
+
+def _takes_labels(model: nn.Module) -> bool:
+    """:func:`fromp.models.takes_task_labels` of ``model``, read once per class (a signature
+    read costs a training step tens of microseconds); a ``forward`` assigned to the instance
+    is read each time."""
+    if "forward" in vars(model):
+        return takes_task_labels(model)
+    cls = type(model)
+    if cls not in _LABELLED:
+        _LABELLED[cls] = takes_task_labels(model)
+    return _LABELLED[cls]
 
 
 def task_fn(model: nn.Module) -> ModelFn:
@@ -787,7 +803,7 @@ class FROMPRegularizer:
         ``task_labels`` (Avalanche's ``MultiTaskModule``, heads of different widths): one
         call per distinct head, with all that head's points. A function
         ``(x, task) -> logits``: one call per set."""
-        if isinstance(model_fn, nn.Module) and takes_task_labels(model_fn):
+        if isinstance(model_fn, nn.Module) and _takes_labels(model_fn):
             fn = task_fn(model_fn)
             by_task: dict[int | None, list[int]] = {}
             for i, m in enumerate(self.memories):
@@ -806,7 +822,7 @@ class FROMPRegularizer:
     def _joined_outputs(self, model_fn: ModelFn | nn.Module) -> Tensor | list[Tensor]:
         """The outputs on all memorable points as one ``[N, C]`` tensor (in the sets'
         order), or per set when the heads' widths differ."""
-        if isinstance(model_fn, nn.Module) and not takes_task_labels(model_fn):
+        if isinstance(model_fn, nn.Module) and not _takes_labels(model_fn):
             return self._forward_all(model_fn)
         outputs = self.outputs(model_fn)
         if len({f.shape[1] for f in outputs}) > 1:

@@ -22,11 +22,11 @@ def test_the_bundle_pins_every_wheel_from_constraints(tmp_path):
 
 
 def test_the_device_command_fits_the_limit_and_reads_the_bundle():
-    cmd = gpu_bundle.device_command(gpu_bundle.BUNDLE, 520)
+    cmd = gpu_bundle.device_command(gpu_bundle.BUNDLE, 400)
     assert len(cmd) <= gpu_bundle.COMMAND_LIMIT
     assert ".gpu-bundle/whl/*.whl" in cmd and "FROMP_DATA=$PWD/.gpu-bundle/data" in cmd
-    assert "gpu_check --device cuda --budget 520 --out $OUT" in cmd
-    assert cmd.index("pip install") < cmd.index("gpu_check")
+    assert "bash studies/gpu_step.sh $OUT 400" in cmd
+    assert cmd.index("pip install") < cmd.index("gpu_step.sh")
 
 
 def _mnist(root: Path) -> Path:
@@ -56,5 +56,5 @@ def test_the_bundle_refuses_missing_data_or_a_tracked_folder(tmp_path, capsys):
         tracked = gpu_bundle.ROOT / "benchmarks" / "bundle-x"
         assert gpu_bundle.main(["--dry-run", "--data", data, "--dest", str(tracked)]) == 2
         assert "does not ignore" in capsys.readouterr().err
-    assert gpu_bundle.main(["--dry-run", "--data", data, "--budget", "700"]) == 2
+    assert gpu_bundle.main(["--dry-run", "--data", data, "--budget", "500"]) == 2
     assert "--budget" in capsys.readouterr().err

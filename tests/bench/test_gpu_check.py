@@ -66,18 +66,21 @@ def test_quick_cpu_run_of_the_runner_end_to_end(tmp_path):
     run's record, the command with its paths relative (OUT, DATA), the record and summary."""
     t0 = time.monotonic()
     rc = gpu_check.main(["--device", "cpu", "--quick", "--out", str(tmp_path), "--cases",
-                         "split-digits/naive"])  # fmt: skip
-    assert time.monotonic() - t0 < 120
+                         "split-digits/naive,split-cifar-1/naive"])  # fmt: skip
+    assert time.monotonic() - t0 < 150
     (path,) = tmp_path.glob("*-cpu-quick.json")
     record = json.loads(path.read_text())
-    case = record["cases"]["split-digits/naive"]
-    assert rc == 0 and case["status"] == "ok", case
+    case, cifar = record["cases"]["split-digits/naive"], record["cases"]["split-cifar-1/naive"]
+    assert rc == 0 and case["status"] == "ok" and cifar["status"] == "ok", (case, cifar)
     assert len(case["per_task_s"]) == 5 and all(s > 0 for s in case["per_task_s"])
+    assert len(cifar["per_task_s"]) == 6  # split CIFAR's six tasks, on synthetic files
     assert case["total_s"] == pytest.approx(sum(case["per_task_s"]))
     assert 0 <= case["mean_accuracy"] <= 100
     assert "--out OUT" in case["command"] and "--data-root DATA" in case["command"]
+    assert "studies.synthetic_cifar --scale 0.02 -- split-cifar" in cifar["command"]
     assert str(tmp_path) not in path.read_text() and "/tmp/" not in case["command"]
-    assert record["finished"] and list(record["cases"]) == ["split-digits/naive"]
+    assert record["finished"]
+    assert list(record["cases"]) == ["split-digits/naive", "split-cifar-1/naive"]
     assert "split-digits/naive" in path.with_suffix(".md").read_text()
 
 
@@ -91,8 +94,9 @@ def _fake_runner(calls: list[list[str]], seconds: dict[str, list[float]]):
             out = "..s\n2 passed, 1 skipped, 40 deselected in 1.00s\n"
             return {"returncode": 0, "stdout": out, "stderr": "", "timed_out": False,
                     "wall_s": 1.0}  # fmt: skip
-        assert cmd[1:3] == ["-m", "fromp_bench"], cmd
-        bench, strategy = cmd[3], cmd[cmd.index("--strategies") + 1]
+        assert cmd[1:3] in (["-m", "fromp_bench"], ["-m", "studies.synthetic_cifar"]), cmd
+        bench = cmd[cmd.index("--") + 1] if "--" in cmd else cmd[3]
+        strategy = cmd[cmd.index("--strategies") + 1]
         base = Path(cmd[cmd.index("--out") + 1]) / bench
         base.mkdir(parents=True)
         timing = [{"task": i + 1, "training_s": s, "kernel_s": 0.0, "evaluation_s": 0.5}
@@ -117,8 +121,15 @@ def test_every_case_in_order_with_a_value_and_quick_flags_unset(tmp_path, monkey
     bench = [c for c in calls if "fromp_bench" in c]  # one process per strategy
     assert [c[c.index("--strategies") + 1] for c in bench] == ["naive", "fromp", "ewc"]
     assert all(c[3] == "split-digits" and "--epochs" in c for c in bench)
+    cifar = [c for c in calls if "studies.synthetic_cifar" in c]  # through its data's study
+    assert [c[c.index("--strategies") + 1] for c in cifar] == ["naive", "fromp"]
+    assert all(c[3:7] == ["--scale", "0.02", "--", "split-cifar"] for c in cifar)
+    for c in cifar:  # its data in the run's own folder, not DATA
+        assert c[c.index("--data-root") + 1] == c[c.index("--out") + 1]
     t = record["targets"]
     assert t["split-digits/fromp_over_naive"]["value"] == pytest.approx(3.4 / 3.0)
+    assert t["split-cifar-1/fromp_over_naive"]["value"] == pytest.approx(3.4 / 3.0)
+    assert "split-cifar-1/ewc_over_naive" not in t  # a group of its own strategies
     assert all(f["pass"] is None for f in t.values())  # quick mode: never pass or fail
 
 

@@ -1,14 +1,10 @@
-"""FROMP's per-step cost does not grow with the tasks learnt: the penalty and its backward
-run the same operations after 1, 2 and 10 tasks (every kernel, replay, one head or many),
-its step time after 10 tasks is within 1.5x of after 1 where the network's forward over the
-points is not the cost, and the batched penalty and its gradient equal a per-task dense
-float64 loop (Jacobians by autograd, dense solves) after tasks 1, 2 and 3, also with sets
-of different sizes and units. The after-task step builds one GP per head and factorises all
+"""FROMP's batched penalty and its gradient equal a per-task dense float64 loop (Jacobians
+by autograd, dense solves) after tasks 1, 2 and 3, also with sets of different sizes and
+units (its per-step cost, the same operations after 1, 2 and 10 tasks, is held in
+tests/test_step_cost.py). The after-task step builds one GP per head and factorises all
 kernels of a size at once; wrong inputs are refused before any work."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -20,7 +16,6 @@ from fromp.continual.regularizer import FROMPRegularizer
 from fromp.curvature.jacobian import num_params
 from fromp.models import MultiHeadMLP, with_task
 from fromp.testing import flat, forward_at
-from tests.cases import count_aten_ops, timing_ratios
 
 D = torch.float64
 
@@ -41,100 +36,6 @@ def _net(multihead: bool, dtype=torch.float32) -> nn.Module:
     if multihead:
         return MultiHeadMLP(6, (8,), n_heads=10, head_size=3).to(dtype)
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(dtype)
-
-
-# ------------------------------------------------------------------------ (a) operations
-@pytest.mark.parametrize("multihead", [False, True])
-@pytest.mark.parametrize("replay", [False, True])
-@pytest.mark.parametrize("kernel", ["per_class", "joint", "identity"])
-def test_penalty_step_runs_the_same_operations_after_1_2_and_10_tasks(kernel, replay, multihead):
-    """The deterministic form of the timing test: ``terms()`` and its backward dispatch
-    the same aten operations whatever the number of tasks (a per-task loop of residuals,
-    solves or replay terms adds operations with every task: 59 / 76 / 212 on one head
-    with the per-class kernel before)."""
-    counts = {}
-    for n_tasks in (1, 2, 10):
-        net = _net(multihead)
-        method = FROMPMethod(n_points=6, kernel=kernel, replay=replay)
-        for t in range(n_tasks):
-            method.learn_task(net, *_data(t), t if multihead else None)
-            _moved(net)
-
-        def step(method=method, net=net):
-            net.zero_grad()
-            pen, rep = method.terms(net)
-            (pen + rep if rep is not None else pen).backward()
-
-        step()  # the stacked state is built once per learnt task, outside the step
-        counts[n_tasks] = count_aten_ops(step)
-    assert counts[1] == counts[2] == counts[10], counts
-
-
-def test_count_aten_ops_counts_each_operation():
-    a, b, c = torch.ones(3), torch.ones(3), torch.ones(3)
-    assert count_aten_ops(lambda: a + b) == 1
-    assert count_aten_ops(lambda: a + b + c) == 2
-
-
-def test_timing_ratios_stop_at_the_first_attempt_below_the_bound():
-    import time
-
-    def slow() -> None:
-        time.sleep(0.002)
-
-    def fast() -> None:
-        pass
-
-    above = timing_ratios(slow, fast, repeats=2, attempts=3, below=1.5)
-    assert len(above) == 3 and min(above) > 10  # never below: every attempt made
-    below = timing_ratios(fast, slow, repeats=2, attempts=3, below=1.5)
-    assert len(below) == 1 and below[0] < 0.5
-
-
-# ---------------------------------------------------------------------------- (b) timing
-def _penalty_steps(method: FROMPMethod, net: nn.Module) -> Callable[[], None]:
-    def run() -> None:
-        for _ in range(5):
-            net.zero_grad()
-            method.penalty(net).backward()
-
-    return run
-
-
-def _learnt_mlp(n_tasks: int) -> tuple[nn.Module, FROMPMethod]:
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(),
-                        nn.Linear(128, 10))  # fmt: skip
-    method = FROMPMethod(n_points=10, curvature_examples=200)
-    for t in range(n_tasks):
-        g = torch.Generator().manual_seed(t)
-        method.learn_task(net, torch.randn(200, 64, generator=g), torch.arange(200) % 10, None)
-        _moved(net, 0.01)
-    return net, method
-
-
-def test_penalty_step_time_after_10_tasks_within_1_5x_of_after_1():
-    """What is timed: ``penalty(net)`` and its backward (no data loss, no optimizer) on a
-    64-128-128-10 MLP with 10 memorable points per task, after 1 task (10 points, 10
-    class blocks) and after 10 tasks (100 points, 100 blocks), interleaved, min over
-    repeats, best of three attempts. At this size the network's forward and backward on
-    100 points cost about as much as on 10, so the ratio shows what FROMP's own work per
-    step adds with the tasks: measured 1.0 ms -> 1.3 ms (1.25x; the per-task loop this
-    replaced: 1.3 -> 2.7 ms, 2.1x), one CPU thread.
-
-    Not reachable, and not asserted, on the task-time study's MLP (784-100-100-10) with the
-    paper's 40 points per task (``benchmarks/results/task_time.json``, best of 50): after 1
-    task 1.25 ms, after 10 (400 points) 3.46 ms (2.8x; the per-task loop, run back to back:
-    1.5 -> 6.4 ms, 4.2x), of which the network's own forward and backward on 400 points
-    instead of 40 is 0.84 -> 2.66 ms (3.2x): there the step is the forward over 10x the
-    points, which FROMP's maths needs, and FROMP's own part of the step grows 0.4 -> 0.8 ms."""
-    net1, one = _learnt_mlp(1)
-    net10, ten = _learnt_mlp(10)
-    assert one.regularizer.num_points == 10 and ten.regularizer.num_points == 100
-    after_1, after_10 = _penalty_steps(one, net1), _penalty_steps(ten, net10)
-    after_1(), after_10()  # the stacked state is built once per learnt task, not timed
-    ratios = timing_ratios(after_10, after_1, repeats=40, below=1.5)
-    assert min(ratios) < 1.5, f"step time after 10 tasks / after 1: {ratios}"
 
 
 # ---------------------------------------------------------------- (c) dense float64 loop
