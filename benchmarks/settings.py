@@ -301,6 +301,10 @@ _VCL_CORESET: dict[str, Settings] = {
 CI_MEMORY = 200
 CI_EPOCHS = 2
 _CI: Settings = {"optimizer": "adam", "lr": 1e-3, "train_epochs": CI_EPOCHS, "train_mb_size": 128}
+# FROMP's "auto" settings resolve for class-incremental streams since issue 56 (the coreset
+# on, its weights from the experiences' sizes, the memory's estimators: FROMPMethod's
+# docstring); these entries keep what they were selected with: no coreset for "fromp" (its
+# class-incremental warning then names replay=False), every memorable point every step.
 _FROMP_CI: Settings = _with(
     _CI,
     kwargs={
@@ -311,6 +315,8 @@ _FROMP_CI: Settings = _with(
         "prior_precision": 1e-3,
         "jitter": 1e-6,
         "curvature_examples": 1000,
+        "replay": False,
+        "memory_batch": None,
     },
 )
 _FROMP["split-mnist-ci"] = _FROMP_CI
@@ -320,7 +326,7 @@ _FROMP["split-digits-ci"] = _with(
     _FROMP_CI, train_epochs=20, train_mb_size=32, kwargs={"n_points": CI_MEMORY_DIGITS}
 )
 _FROMP_CORESET: dict[str, Settings] = {
-    bench: _with(s, kwargs={"replay": True, "select": "random"})
+    bench: _with(s, kwargs={"replay": True, "select": "random", "replay_weight": 1})
     for bench, s in _FROMP.items()
     if bench.endswith("-ci")
 }

@@ -90,6 +90,8 @@ def _train(
             n_points=n_points,
             replay=replay,
             replay_weight=replay_weight,
+            context_tau=0.0,  # the exact maths of the penalty and the coreset: every point
+            memory_batch=None,  # every step (the estimators: test_fromp_ci_defaults.py)
         )
         snapshots = []
         bm = _stream()
@@ -239,7 +241,7 @@ def test_replay_weight_is_checked_saved_and_refused_on_mismatch():
         with pytest.raises(TypeError, match="replay_weight"):
             FROMPMethod(replay=True, replay_weight=bad)
     with pytest.raises(ValueError, match="replay=True"):
-        FROMPMethod(replay_weight=2.0)  # no coreset to weigh
+        FROMPMethod(replay=False, replay_weight=2.0)  # no coreset to weigh
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(D, 12), nn.Tanh(), nn.Linear(12, 2 * N_EXP)).double()
     method = FROMPMethod(n_points=6, replay=True, replay_weight=3.0)
