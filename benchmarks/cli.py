@@ -605,7 +605,9 @@ def _map_inputs(
     else:
         la.fit([(x[i : i + 1000], y[i : i + 1000]) for i in range(0, len(x), 1000)])
     if args.prior_precision == "auto":
-        la.optimize_prior_precision(method="marglik", prior_structure=args.prior_structure)
+        la.optimize_prior_precision(
+            method="marglik", prior_structure=args.prior_structure, optimizer="lbfgs"
+        )
     elif args.prior_structure != "scalar":
         raise ValueError("--prior-structure layerwise needs --prior-precision auto")
     delta = la.prior_precision
@@ -635,7 +637,7 @@ def gp_main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="gp", help="output directory")
     args = p.parse_args(argv)
     from fromp.gp.process import dnn2gp
-    from fromp.laplace.one_call import laplace, optimize_prior_precision
+    from fromp.laplace.one_call import fit_laplace, optimize_prior_precision
 
     try:
         if args.n < 1 or args.n_fit < 1:
@@ -646,12 +648,12 @@ def gp_main(argv: list[str] | None = None) -> int:
         model = with_task(net, task.task_id if seq.multi_head else None)
         fit = (task.train_x[: args.n_fit], task.train_y[: args.n_fit])
         if args.prior_precision == "auto":
-            delta = float(optimize_prior_precision(model, fit, "categorical"))
+            delta = float(optimize_prior_precision(model, fit, "categorical", optimizer="lbfgs"))
         else:
             delta = float(args.prior_precision)
             if not delta > 0:
                 raise ValueError(f"--prior-precision must be > 0, got {delta}")
-        posterior = laplace(model, fit, "categorical", delta)
+        posterior = fit_laplace(model, fit, "categorical", delta)
         gp = dnn2gp(model, posterior, "categorical")
         first = torch.arange(min(args.n, len(task.test_y)))  # the first n, sorted by class
         order = first[torch.argsort(task.test_y[first], stable=True)]

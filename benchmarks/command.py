@@ -387,7 +387,7 @@ def check_data(
             raise
         raise UsageError(str(err)) from err
     for name, merged, _ in jobs:
-        check_sequence(seq, resolve_settings(bench, get_strategy(name), merged))
+        check_sequence(seq, resolve_settings(bench, get_strategy(name), merged), name)
 
 
 def run_name(strategy: str, tag: str, seed: int) -> str:
@@ -604,7 +604,7 @@ def report_only(benchmark: str, out: Path, select_on: str | None = None) -> dict
 
 def demo(args: argparse.Namespace) -> dict[str, Any]:
     """The main job: FROMP, EWC, VCL and Naive on split MNIST, one seed, quick settings;
-    Split-Digits when MNIST cannot be found or downloaded."""
+    Permuted-Digits when MNIST cannot be found or downloaded. Ends with :func:`takeaway`."""
     benchmark = "split-mnist"
     try:
         load_sequence(get_benchmark(benchmark), args.data_root)
@@ -613,9 +613,9 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
         root = resolve_data_root(args.data_root).resolve()
         print(
             f"demo: {first} in data root {root} (from --data-root, ${DATA_ENV_VAR} or ./data); "
-            "running the built-in Split-Digits benchmark instead."
+            "running the built-in Permuted-Digits benchmark instead."
         )
-        benchmark = "split-digits"
+        benchmark = "permuted-digits"
     if args.strategies is not None:
         names = parse_strategies(args.strategies)
     else:
@@ -625,11 +625,12 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
     overrides = _overrides(args)
     if benchmark == "split-mnist":
         overrides.setdefault("train_epochs", 2)
-    print(f"demo: {', '.join(names)} on {benchmark}, seed 0 (quick settings; see README)")
+    seed = args.seed_offset
+    print(f"demo: {', '.join(names)} on {benchmark}, seed {seed} (quick settings; see README)")
     payload = run_benchmark(
         benchmark,
         names,
-        seeds=[args.seed_offset],
+        seeds=[seed],
         out=Path(args.out),
         data_root=args.data_root,
         device=args.device,
@@ -638,25 +639,38 @@ def demo(args: argparse.Namespace) -> dict[str, Any]:
         n_test=args.n_test,
         progress=not args.no_progress,
     )
-    note = _demo_note(benchmark, payload["aggregate"])
+    note = takeaway(payload["aggregate"])
     if note:
         print(note)
     return payload
 
 
-def _demo_note(benchmark: str, agg: dict[str, Any]) -> str | None:
-    """One line when VCL scores below Naive on Split-Digits, saying why."""
-    acc = {r["strategy"]: r["mean_accuracy"]["mean"] for r in agg.values()}
-    if benchmark != "split-digits" or "vcl" not in acc or "naive" not in acc:
+def takeaway(agg: dict[str, Any]) -> str | None:
+    """The table's point in one line (``agg`` of :func:`fromp_bench.report.aggregate`): the
+    mean forgetting (points of accuracy an earlier task lost from its best to the end) of
+    Naive, then of the others, least first, with how much less (or more); then the group most
+    accurate at the end. None when no group has a forgetting (one task, no complete run)."""
+    forgot = {k: r["forgetting"]["mean"] for k, r in agg.items()}
+    forgot = {k: v for k, v in forgot.items() if v is not None}
+    if not forgot:
         return None
-    if acc["vcl"] >= acc["naive"]:
-        return None
-    return (
-        f"demo: VCL ({acc['vcl']:.1f} %) is below Naive ({acc['naive']:.1f} %) here because "
-        "Split-Digits has only ~290 training images per task, so VCL's KL term to the previous "
-        "posterior outweighs the data; with MNIST-sized tasks it forgets less than Naive "
-        "(split MNIST in the README)."
+    acc = {k: agg[k]["mean_accuracy"]["mean"] for k in forgot}
+    base = forgot.pop("naive", None)
+    rest = []
+    for k, v in sorted(forgot.items(), key=lambda kv: kv[1]):
+        vs = "" if base is None else f" ({abs(base - v):.1f} {'less' if v <= base else 'more'})"
+        rest.append(f"{k} {v:.1f}{vs}")
+    parts = (
+        [] if base is None else [f"naive forgets {base:.1f} points of accuracy on earlier tasks"]
     )
+    if rest:
+        head = "forgetting on earlier tasks, in points of accuracy: " if base is None else ""
+        parts.append(head + ", ".join(rest))
+    if len(acc) > 1:
+        best = max(acc, key=lambda k: acc[k])
+        than = f", naive {acc['naive']:.1f} %" if "naive" in acc and best != "naive" else ""
+        parts.append(f"most accurate at the end: {best} ({acc[best]:.1f} %{than})")
+    return f"demo: {'; '.join(parts)}."
 
 
 #: Errors reported as one line with exit status 2.

@@ -56,6 +56,7 @@ __all__ = [
     "load_cifar100",
     "load_fashion_mnist",
     "load_mnist",
+    "permuted_digits",
     "permuted_mnist",
     "read_idx",
     "resolve_data_root",
@@ -65,7 +66,6 @@ __all__ = [
     "split_mnist",
     "split_mnist_ci",
     "split_tasks",
-    "synthetic_split",
     "to_avalanche",
 ]
 
@@ -362,6 +362,20 @@ class Task:
     def n_classes(self) -> int:
         return len(self.classes)
 
+    def subset(
+        self, train: Tensor | slice = slice(None), test: Tensor | slice = slice(None)
+    ) -> Task:
+        """A copy keeping the training examples ``train`` and the test examples ``test``
+        (indices or a slice), the validation set and the rest as they are."""
+        return replace(
+            self,
+            train_x=self.train_x[train],
+            train_y=self.train_y[train],
+            test_x=self.test_x[test],
+            test_y=self.test_y[test],
+            classes=list(self.classes),
+        )
+
     def __post_init__(self) -> None:
         if (self.valid_x is None) != (self.valid_y is None):
             raise ValueError(f"task {self.task_id}: give both valid_x and valid_y or neither")
@@ -431,18 +445,7 @@ class TaskSequence:
         for t in self.tasks:
             itr = torch.randperm(len(t.train_x), generator=g)[:n_train]
             ite = torch.randperm(len(t.test_x), generator=g)[:n_test]
-            tasks.append(
-                Task(
-                    t.train_x[itr],
-                    t.train_y[itr],
-                    t.test_x[ite],
-                    t.test_y[ite],
-                    t.task_id,
-                    list(t.classes),
-                    t.valid_x,
-                    t.valid_y,
-                )
-            )
+            tasks.append(t.subset(itr, ite))
         return self._replace(tasks)
 
     def with_validation(self, fraction: float = VALID_FRACTION, seed: int = 0) -> TaskSequence:
@@ -470,18 +473,7 @@ class TaskSequence:
                 )
             perm = torch.randperm(len(t.train_x), generator=g)
             iv, itr = perm[:n_valid].sort().values, perm[n_valid:].sort().values
-            tasks.append(
-                Task(
-                    t.train_x[itr],
-                    t.train_y[itr],
-                    t.test_x,
-                    t.test_y,
-                    t.task_id,
-                    list(t.classes),
-                    t.train_x[iv],
-                    t.train_y[iv],
-                )
-            )
+            tasks.append(replace(t.subset(itr), valid_x=t.train_x[iv], valid_y=t.train_y[iv]))
         return self._replace(tasks)
 
     def fingerprint(self) -> dict[str, object]:
@@ -586,23 +578,10 @@ def class_incremental(seq: TaskSequence, name: str | None = None) -> TaskSequenc
         )
     tasks = []
     for t in seq:
-        lookup = torch.tensor(t.classes, dtype=torch.long)
-
-        def glob(y: Tensor | None, lookup: Tensor = lookup) -> Tensor | None:
-            return None if y is None else lookup[y]
-
-        tasks.append(
-            Task(
-                t.train_x,
-                glob(t.train_y),
-                t.test_x,
-                glob(t.test_y),
-                t.task_id,
-                list(t.classes),
-                t.valid_x,
-                glob(t.valid_y),
-            )
-        )
+        lookup = torch.tensor(t.classes, dtype=torch.long)  # task label -> global label
+        ys = {k: getattr(t, k) for k in ("train_y", "test_y", "valid_y")}
+        ys = {k: None if y is None else lookup[y] for k, y in ys.items()}
+        tasks.append(replace(t, classes=list(t.classes), **ys))
     return TaskSequence(name or f"{seq.name}-ci", tasks, False, seq.input_shape, len(classes))
 
 
@@ -639,6 +618,25 @@ def split_fashion_mnist(
     return TaskSequence("split-fashion-mnist", tasks, True, (1, 28, 28), 2)
 
 
+def _permuted(
+    name: str, data: tuple[Tensor, Tensor, Tensor, Tensor], n_tasks: int, seed: int
+) -> TaskSequence:
+    """``n_tasks`` tasks on ``data`` (``x_train, y_train, x_test, y_test``, labels ``0..9``)
+    flattened to ``[N, D]``, the first unpermuted, each later one a fixed random permutation
+    of the ``D`` features drawn from ``seed``; one shared 10-way head (domain-incremental)."""
+    if n_tasks < 1:
+        raise ValueError(f"n_tasks must be >= 1, got {n_tasks}")
+    xtr, ytr, xte, yte = data
+    xtr, xte = xtr.reshape(len(xtr), -1), xte.reshape(len(xte), -1)
+    d = xtr.shape[1]
+    rng = np.random.default_rng(seed)
+    tasks = []
+    for t in range(n_tasks):
+        perm = torch.arange(d) if t == 0 else torch.as_tensor(rng.permutation(d))
+        tasks.append(Task(xtr[:, perm], ytr.clone(), xte[:, perm], yte.clone(), t, list(range(10))))
+    return TaskSequence(name, tasks, False, (d,), 10)
+
+
 def permuted_mnist(
     data_root: str | os.PathLike[str] | None = None,
     *,
@@ -652,14 +650,7 @@ def permuted_mnist(
     """
     if n_tasks < 1:
         raise ValueError(f"n_tasks must be >= 1, got {n_tasks}")
-    xtr, ytr, xte, yte = load_mnist(data_root, download=download)
-    xtr, xte = xtr.reshape(len(xtr), -1), xte.reshape(len(xte), -1)
-    rng = np.random.default_rng(seed)
-    tasks = []
-    for t in range(n_tasks):
-        perm = torch.arange(784) if t == 0 else torch.as_tensor(rng.permutation(784))
-        tasks.append(Task(xtr[:, perm], ytr.clone(), xte[:, perm], yte.clone(), t, list(range(10))))
-    return TaskSequence("permuted-mnist", tasks, False, (784,), 10)
+    return _permuted("permuted-mnist", load_mnist(data_root, download=download), n_tasks, seed)
 
 
 def split_cifar(
@@ -674,12 +665,10 @@ def split_cifar(
     return TaskSequence("split-cifar", tasks, True, (3, 32, 32), 10)
 
 
-def split_digits(*, test_fraction: float = 0.25, seed: int = 0) -> TaskSequence:
-    """Split-Digits: scikit-learn's bundled 8x8 digits (1,797 images), 5 tasks of 2 classes.
-
-    Needs no download, so it is the built-in default when MNIST is not available. Pixels
-    are scaled to [0, 1]; the train/test split is stratified and fixed by ``seed``.
-    """
+def _digits(test_fraction: float, seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """scikit-learn's bundled 8x8 digits (1,797 images) as ``(x_train [N, 1, 8, 8], y_train,
+    x_test, y_test)``, pixels scaled to [0, 1], the test set a stratified ``test_fraction`` of
+    every class drawn from ``seed``."""
     from sklearn.datasets import load_digits
 
     d = load_digits()
@@ -691,38 +680,27 @@ def split_digits(*, test_fraction: float = 0.25, seed: int = 0) -> TaskSequence:
         idx = np.flatnonzero(d.target == c)
         test[rng.choice(idx, round(test_fraction * len(idx)), replace=False)] = True
     te = torch.as_tensor(test)
-    tasks = split_tasks(x[~te], y[~te], x[te], y[te], _pairs(10))
+    return x[~te], y[~te], x[te], y[te]
+
+
+def split_digits(*, test_fraction: float = 0.25, seed: int = 0) -> TaskSequence:
+    """Split-Digits: scikit-learn's bundled 8x8 digits (1,797 images), 5 tasks of 2 classes.
+
+    Needs no download, so it is the built-in default when MNIST is not available. Pixels
+    are scaled to [0, 1]; the train/test split is stratified and fixed by ``seed``.
+    """
+    tasks = split_tasks(*_digits(test_fraction, seed), _pairs(10))
     return TaskSequence("split-digits", tasks, True, (1, 8, 8), 2)
 
 
-def synthetic_split(
-    *,
-    n_tasks: int = 3,
-    classes_per_task: int = 2,
-    input_shape: tuple[int, ...] = (1, 28, 28),
-    n_train: int = 64,
-    n_test: int = 32,
-    multi_head: bool = True,
-    seed: int = 0,
+def permuted_digits(
+    *, n_tasks: int = 5, test_fraction: float = 0.25, seed: int = 0
 ) -> TaskSequence:
-    """A small, learnable synthetic sequence in the format of the real ones (for tests).
-
-    Each class is a random prototype image plus noise, clipped to [0, 1].
-    """
-    g = torch.Generator().manual_seed(seed)
-    n_classes = n_tasks * classes_per_task
-    protos = torch.rand(n_classes, *input_shape, generator=g)
-
-    def draw(n: int) -> tuple[Tensor, Tensor]:
-        y = torch.arange(n) % n_classes
-        x = (protos[y] + 0.3 * torch.randn(n, *input_shape, generator=g)).clamp(0, 1)
-        return x, y
-
-    xtr, ytr = draw(n_train * n_tasks)
-    xte, yte = draw(n_test * n_tasks)
-    groups = [list(range(s, s + classes_per_task)) for s in range(0, n_classes, classes_per_task)]
-    tasks = split_tasks(xtr, ytr, xte, yte, groups)
-    return TaskSequence("synthetic", tasks, multi_head, tuple(input_shape), classes_per_task)
+    """Permuted-Digits, built in: :func:`split_digits`' images and split (1,347 training and
+    450 test images) as in permuted MNIST, ``n_tasks`` tasks of all 10 digits on one head, the
+    first unpermuted, each later one a fixed permutation of the 64 pixels (from ``seed``).
+    Fitting each new permutation overwrites the earlier ones: Naive forgets visibly."""
+    return _permuted("permuted-digits", _digits(test_fraction, seed), n_tasks, seed)
 
 
 def to_avalanche(seq: TaskSequence) -> CLScenario:

@@ -582,16 +582,21 @@ class UsageError(ValueError):
     """A command-line value that cannot be used."""
 
 
+def _check_writable(d: Path, name: str) -> None:
+    """Create ``d`` and write a file there; a ``UsageError`` starting with ``name`` if not."""
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=d, prefix=".write-test-"):
+            pass
+    except OSError as err:
+        raise UsageError(f"{name}: cannot write there ({err.strerror or err})") from err
+
+
 def check_out(out: Path) -> None:
     """Refuse an output directory that is a file or cannot be written."""
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: is a file, expected a directory")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".write-test-"):
-            pass
-    except OSError as err:
-        raise UsageError(f"--out {out}: cannot write there ({err.strerror or err})") from err
+    _check_writable(out, f"--out {out}")
     if not os.access(out, os.W_OK):
         raise UsageError(f"--out {out}: cannot write there (no write permission)")
 
@@ -608,13 +613,7 @@ def check_writable_run_dirs(base: Path) -> None:
     import shutil
 
     for sub in ("checkpoints", "runs"):
-        d = base / sub
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=d, prefix=".write-test-"):
-                pass
-        except OSError as err:
-            raise UsageError(f"{d}: cannot write there ({err.strerror or err})") from err
+        _check_writable(base / sub, str(base / sub))
     check_report_files(base)
     free = shutil.disk_usage(base).free
     if free < MIN_FREE_BYTES:

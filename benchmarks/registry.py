@@ -21,6 +21,7 @@ from typing import Any
 from fromp_bench.data import (
     TaskSequence,
     class_incremental,
+    permuted_digits,
     permuted_mnist,
     split_cifar,
     split_digits,
@@ -194,6 +195,17 @@ BENCHMARKS: dict[str, BenchmarkSpec] = {
         {},
         (),
         (5, (1, 8, 8), 2, True),
+    ),
+    "permuted-digits": BenchmarkSpec(
+        "permuted-digits",
+        "Permuted-Digits: scikit-learn's 8x8 digits, 5 tasks (first unpermuted, then 4 pixel "
+        "permutations), MLP 64-100-100 with one 10-way head (built in, no download)",
+        lambda root: permuted_digits(),
+        _mlp((100, 100)),
+        {"optimizer": "adam", "lr": 1e-3, "train_epochs": 10, "train_mb_size": 32},
+        {},
+        (),
+        (5, (64,), 10, False),
     ),
     "split-digits-ci": BenchmarkSpec(
         "split-digits-ci",

@@ -8,13 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from fromp_bench.registry import BenchmarkSpec
+from fromp_bench.registry import STRATEGIES, BenchmarkSpec
 
 __all__ = [
     "aggregate",
     "command_line",
     "group_key",
     "image_grid",
+    "kwarg_defaults",
     "log_norm",
     "markdown_report",
     "plot_accuracy",
@@ -124,20 +125,16 @@ def _flat(settings: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _kwarg_defaults(strategy: str) -> dict[str, Any]:
+def kwarg_defaults(strategy: str) -> dict[str, Any]:
     """The keyword defaults of ``strategy``'s class (its registry target; FROMP's include
     its method's), or nothing when the name or class cannot be resolved."""
-    import importlib
     import inspect
-
-    from fromp_bench.registry import STRATEGIES
 
     spec = STRATEGIES.get(strategy)
     if spec is None:
         return {}
     try:
-        module, _, attr = spec.target.partition(":")
-        params = inspect.signature(getattr(importlib.import_module(module), attr)).parameters
+        params = inspect.signature(spec.load_class()).parameters
     except (ImportError, AttributeError, TypeError, ValueError):
         return {}
     out = {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
@@ -155,7 +152,7 @@ def _fill_defaults(
     missing = {k for k in keys if any(k not in fl for fl in flats.values())}
     if not missing:
         return
-    defaults = _kwarg_defaults(strategy)
+    defaults = kwarg_defaults(strategy)
     for fl in flats.values():
         for k in missing:
             if k not in fl and k in defaults:

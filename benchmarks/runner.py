@@ -78,7 +78,7 @@ from fromp_bench.plugins import (
     optimizer_state_plugins,
 )
 from fromp_bench.registry import BenchmarkSpec, StrategySpec, get_benchmark, get_strategy
-from fromp_bench.report import code_record, env_record
+from fromp_bench.report import code_record, env_record, kwarg_defaults
 from torch import Tensor, nn
 
 from fromp import distributed
@@ -403,14 +403,15 @@ def _check_optimizer_kwargs(name: str, extra: Mapping[str, Any]) -> None:
             raise SettingsError(f"--set opt.{key}={value!r}: expected a number like {default!r}")
 
 
-def check_sequence(seq: TaskSequence, settings: Mapping[str, Any]) -> None:
+def check_sequence(seq: TaskSequence, settings: Mapping[str, Any], strategy: str = "") -> None:
     """Check settings that depend on the data, before any training: memorable points per
-    class (``n_points``) and coreset size against the smallest class / task.
+    class (``n_points``) and coreset size against the smallest class / task (those of
+    ``settings``, else the defaults of ``strategy``'s class).
 
     Raises:
         SettingsError: one line naming the setting, the task and the class.
     """
-    kwargs = settings.get("kwargs", {})
+    kwargs = {**kwarg_defaults(strategy), **settings.get("kwargs", {})}
     n_points = kwargs.get("n_points")
     if _is_int(n_points):
         for t in seq:
@@ -458,18 +459,7 @@ def _shard(seq: TaskSequence) -> TaskSequence:
     tasks = []
     for t in seq:
         n = len(t.train_x) // world * world
-        tasks.append(
-            Task(
-                t.train_x[r:n:world],
-                t.train_y[r:n:world],
-                t.test_x,
-                t.test_y,
-                t.task_id,
-                list(t.classes),
-                t.valid_x,
-                t.valid_y,
-            )
-        )
+        tasks.append(t.subset(slice(r, n, world)))
     return TaskSequence(seq.name, tasks, seq.multi_head, seq.input_shape, seq.n_outputs)
 
 
@@ -624,7 +614,7 @@ def run(
     seq, fingerprint = _load_with_fingerprint(
         bench, cfg.data_root, cfg.n_train, cfg.n_test, cfg.valid_fraction, cfg.valid_seed
     )
-    check_sequence(seq, settings)
+    check_sequence(seq, settings, cfg.strategy)
     data = {"root": data_root_of(bench, cfg.data_root), "fingerprint": fingerprint}
     n_tasks = len(seq)
     cls = strat.load_class()

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from fromp_bench.data import DataNotFoundError, load_fashion_mnist, load_mnist
 from torch import Tensor
 
-from fromp import dnn2gp, laplace
+from fromp import dnn2gp, fit_laplace
 from fromp.laplace.one_call import log_evidence_grid
 from fromp.models import MultiHeadMLP
 
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
     grid = torch.logspace(-2, 4, 25).tolist()
     deltas, evidence = log_evidence_grid(model, (x_tr, y_tr), "categorical", grid)
     delta = float(deltas[int(torch.argmax(evidence))])
-    post = laplace(model, x_tr, "categorical", delta)
+    post = fit_laplace(model, x_tr, "categorical", delta)
     gp = dnn2gp(model, post, "categorical")
     print(f"prior precision (evidence, grid): {delta:.3g}")
 

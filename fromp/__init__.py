@@ -32,20 +32,36 @@ from fromp.curvature.jacobian import (
     unflatten,
 )
 from fromp.gp.process import GP, dnn2gp
-from fromp.laplace.factory import Laplace
-from fromp.laplace.functional import FunctionalLaplace
-from fromp.laplace.one_call import (
+
+# laplace-torch's other classes, importable from the top as from ``laplace`` (listed in
+# fromp.laplace.__all__, not here: the top-level surface stays small)
+from fromp.laplace import BaseLaplace as BaseLaplace
+from fromp.laplace import (
     DiagLaplace,
     FullLaplace,
-    laplace,
-    laplace_full,
+    FunctionalLaplace,
+    Laplace,
+    fit_laplace,
+    fit_laplace_full,
     log_evidence_grid,
     log_marginal_likelihood,
+    marglik_training,
     optimize_prior_precision,
 )
+from fromp.laplace import DiagLLLaplace as DiagLLLaplace
+from fromp.laplace import DiagSubnetLaplace as DiagSubnetLaplace
+from fromp.laplace import FullLLLaplace as FullLLLaplace
+from fromp.laplace import FullSubnetLaplace as FullSubnetLaplace
+from fromp.laplace import KronLaplace as KronLaplace
+from fromp.laplace import KronLLLaplace as KronLLLaplace
+from fromp.laplace import LLLaplace as LLLaplace
+from fromp.laplace import LowRankLaplace as LowRankLaplace
+from fromp.laplace import ParametricLaplace as ParametricLaplace
+from fromp.laplace import SubnetLaplace as SubnetLaplace
 
 # laplace-torch's option enums, importable from the top as in laplace-torch (listed in
 # fromp.utils.__all__, not here: the top-level surface stays small)
+from fromp.laplace.options import FunctionalApproximation as FunctionalApproximation
 from fromp.laplace.options import HessianStructure as HessianStructure
 from fromp.laplace.options import LinkApprox as LinkApprox
 from fromp.laplace.options import PredType as PredType
@@ -59,7 +75,6 @@ from fromp.likelihood import (
     Likelihood,
     get_likelihood,
 )
-from fromp.marglik_training import marglik_training
 from fromp.memory.loo import LOOTracker, last_layer_loo
 from fromp.memory.sensitivity import (
     MemoryPerturbation,
@@ -80,8 +95,8 @@ __all__ = [  # noqa: RUF022 (grouped by task, sorted within each group)
     "Laplace",
     "DiagLaplace",
     "FullLaplace",
-    "laplace",
-    "laplace_full",
+    "fit_laplace",
+    "fit_laplace_full",
     "log_evidence_grid",
     "log_marginal_likelihood",
     "optimize_prior_precision",
@@ -132,8 +147,6 @@ __all__ = [  # noqa: RUF022 (grouped by task, sorted within each group)
 
 #: Names that left the top level in 0.3.0, and the module that has them.
 _MOVED = {
-    "accumulate_ggn": "fromp.laplace",
-    "prior_precision_vector": "fromp.laplace",
     "prob_jacobian": "fromp.continual.regularizer",
     "task_fn": "fromp.continual.regularizer",
     "MemorableSet": "fromp.continual.regularizer",

@@ -79,7 +79,7 @@ DEFAULTS: dict[str, dict[str, int]] = {
     "cnn": {"n_fit": 128, "n_test": 64, "batch": 16, "pred_batch": 16},
     "resnet18": {"n_fit": 16, "n_test": 8, "batch": 2, "pred_batch": 2},
 }
-# fromp's dense GGN limit (LaplaceFull's max_params): above it "full" over all weights is skipped
+# fromp's dense GGN limit (FullLaplace's max_params): above it "full" over all weights is skipped
 FULL_MAX_PARAMS = 20_000
 
 

@@ -12,7 +12,7 @@ Networks (random weights, eval mode; the cost does not depend on the weights):
 
 Cases (inputs are standard-normal tensors of the network's input shape, labels uniform):
 
-* ``laplace``: ``fromp.laplace(net, x, "categorical", 1.0)`` (diagonal GGN through layer
+* ``laplace``: ``fromp.fit_laplace(net, x, "categorical", 1.0)`` (diagonal GGN through layer
   capture, default memory budget) for ``--n-ggn`` inputs;
 * ``laplace_torch``: laplace-torch 0.3 ``DiagLaplace(net, "classification").fit(loader)``
   (its default backend, per-example Jacobians) on the same inputs, batch ``--lt-batch``.
@@ -134,9 +134,9 @@ def run_case(spec: dict[str, Any]) -> dict[str, Any]:
     harness.sync(device)
     t0, c0 = time.perf_counter(), time.process_time()
     if spec["case"] == "laplace":
-        from fromp import laplace
+        from fromp import fit_laplace
 
-        q = laplace(net, x, "categorical", 1.0)
+        q = fit_laplace(net, x, "categorical", 1.0)
         out["precision_sum"] = float(q.precision.sum())
     elif spec["case"] == "laplace_kron":
         from fromp import Laplace

@@ -151,7 +151,7 @@ def test_registry_is_consistent():
         assert STRATEGIES[name].available()
 
 
-def test_demo_falls_back_to_split_digits_and_says_why(tmp_path, capsys, monkeypatch):
+def test_demo_falls_back_to_permuted_digits_and_says_why(tmp_path, capsys, monkeypatch):
     import torchvision.datasets as tvd
 
     class Offline(tvd.MNIST):
@@ -163,11 +163,78 @@ def test_demo_falls_back_to_split_digits_and_says_why(tmp_path, capsys, monkeypa
     argv += ["--strategies", "naive", "--epochs", "1", "--n-train", "60", "--no-progress"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "demo: MNIST not found" in out and "running the built-in Split-Digits" in out
+    assert "demo: MNIST not found" in out and "running the built-in Permuted-Digits" in out
     # the line names where it looked and how to point it elsewhere
     assert f"in data root {(tmp_path / 'empty').resolve()} (from --data-root, $FROMP_DATA" in out
     assert "| naive | 1 |" in out
-    assert (tmp_path / "out" / "split-digits" / "results.json").exists()
+    payload = json.loads((tmp_path / "out" / "permuted-digits" / "results.json").read_text())
+    (run_,) = payload["runs"]
+    assert len(run_["accuracy_matrix"]) == 5 and run_["forgetting"] is not None
+    assert out.rstrip().endswith(f"demo: naive forgets {run_['forgetting']:.1f} points of "
+                                 "accuracy on earlier tasks.")  # fmt: skip
+
+
+def test_permuted_digits_is_listed_built_in_on_one_head_with_one_protocol(capsys):
+    """The demo's built-in stream: listed, no data to find, its layout what it loads, one
+    10-way head that every task fills (so FROMP keeps the logits), and the same training
+    protocol for the four strategies the demo compares."""
+    from fromp_bench.command import DEMO_STRATEGIES
+
+    from fromp import FROMPMethod
+
+    bench = get_benchmark("permuted-digits")
+    seq = bench.load(None)
+    assert bench.needs == ()
+    assert (len(seq), seq.input_shape, seq.n_outputs, seq.multi_head) == bench.layout
+    net = bench.model(seq)
+    assert net(seq[0].train_x[:3]).shape == (3, 10)
+    assert FROMPMethod.auto_function(net, seq[0].train_x, seq[0].train_y) == "logits"
+    got = {s: resolve_settings(bench, get_strategy(s), {}) for s in DEMO_STRATEGIES}
+    protocol = {
+        s: (v["optimizer"], v["lr"], v["train_epochs"], v["train_mb_size"]) for s, v in got.items()
+    }
+    assert set(protocol.values()) == {("adam", 1e-3, 10, 32)}, protocol
+    assert main(["--list"]) == 0
+    assert f"permuted-digits        {bench.description}" in capsys.readouterr().out
+
+
+def test_class_default_memorable_points_are_checked_before_training(tmp_path, capsys):
+    """FROMP has no settings of its own on permuted-digits: its class's 40 memorable points
+    per task are checked against the data before training all the same."""
+    from fromp_bench.settings import SETTINGS
+
+    assert "permuted-digits" not in SETTINGS["fromp"]
+    argv = ["permuted-digits", "--strategies", "fromp", "--n-train", "30", "--out", str(tmp_path)]
+    assert main([*argv, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "n_points=40 asks for 4 memorable examples per class" in err and "\n" not in err
+    assert not list(tmp_path.rglob("*.pt"))  # nothing trained
+
+
+def test_takeaway_reads_the_forgetting_column_against_naive():
+    from fromp_bench.command import takeaway
+
+    def row(forgetting, accuracy):
+        return {"forgetting": {"mean": forgetting, "std": 1.0},
+                "mean_accuracy": {"mean": accuracy, "std": 0.5}}  # fmt: skip
+
+    agg = {"fromp": row(1.22, 92.31), "vcl": row(60.0, 50.0), "ewc [tau=3]": row(25.0, 62.5)}
+    agg["naive"] = row(53.44, 52.71)
+    assert takeaway(agg) == (
+        "demo: naive forgets 53.4 points of accuracy on earlier tasks; fromp 1.2 (52.2 less), "
+        "ewc [tau=3] 25.0 (28.4 less), vcl 60.0 (6.6 more); most accurate at the end: fromp "
+        "(92.3 %, naive 52.7 %)."
+    )
+    agg["naive"] = row(53.44, 95.0)  # Naive the most accurate: no comparison with itself
+    assert takeaway(agg).endswith("; most accurate at the end: naive (95.0 %).")
+    del agg["naive"]
+    assert takeaway(agg) == (
+        "demo: forgetting on earlier tasks, in points of accuracy: fromp 1.2, ewc [tau=3] 25.0, "
+        "vcl 60.0; most accurate at the end: fromp (92.3 %)."
+    )
+    agg["vcl"] = row(None, 99.0)  # no forgetting (one task): left out, accuracy too
+    assert "vcl" not in takeaway(agg)
+    assert takeaway({"naive": row(None, 50.0)}) is None and takeaway({}) is None
 
 
 def _cli_args(out):
@@ -281,7 +348,7 @@ def test_select_on_validation_reports_the_best_validation_setting(tmp_path, caps
     assert again["selection"] == payload["selection"]
 
 
-def test_demo_leaks_no_warnings_and_explains_a_low_vcl(tmp_path, capsys, monkeypatch, recwarn):
+def test_demo_leaks_no_warnings_and_ends_with_its_takeaway(tmp_path, capsys, monkeypatch, recwarn):
     import warnings
 
     import torchvision.datasets as tvd
@@ -293,7 +360,7 @@ def test_demo_leaks_no_warnings_and_explains_a_low_vcl(tmp_path, capsys, monkeyp
     monkeypatch.setattr(tvd, "MNIST", Offline)
     warnings.simplefilter("always")
     argv = ["demo", "--data-root", str(tmp_path / "empty"), "--out", str(tmp_path / "out")]
-    argv += ["--epochs", "1", "--n-train", "80", "--n-test", "40", "--batch-size", "4"]  # bars
+    argv += ["--epochs", "1", "--n-train", "160", "--n-test", "40", "--batch-size", "8"]  # bars
     assert main(argv) == 0
     out = capsys.readouterr().out
     for name in ("fromp", "ewc", "vcl", "naive"):
@@ -306,9 +373,11 @@ def test_demo_leaks_no_warnings_and_explains_a_low_vcl(tmp_path, capsys, monkeyp
         and "No loggers specified" not in str(w.message)
     ]
     assert leaked == []
-    payload = json.loads((tmp_path / "out" / "split-digits" / "results.json").read_text())
-    acc = {k: v["mean_accuracy"]["mean"] for k, v in payload["aggregate"].items()}
-    assert ("VCL (" in out) == (acc["vcl"] < acc["naive"])
+    from fromp_bench.command import takeaway
+
+    payload = json.loads((tmp_path / "out" / "permuted-digits" / "results.json").read_text())
+    assert set(payload["aggregate"]) == {"fromp", "ewc", "vcl", "naive"}
+    assert out.rstrip().endswith(takeaway(payload["aggregate"]))
 
 
 def test_opt_prefix_sets_optimizer_keyword_arguments():
@@ -332,7 +401,8 @@ def test_opt_prefix_sets_optimizer_keyword_arguments():
 
 
 def test_class_incremental_sequence_has_global_labels_and_one_head():
-    from fromp_bench.data import class_incremental, synthetic_split
+    from _synthetic import synthetic_split
+    from fromp_bench.data import class_incremental
 
     split = synthetic_split(n_tasks=3, n_train=20, n_test=10)
     seq = class_incremental(split)
@@ -443,8 +513,9 @@ def test_class_incremental_digits_one_ten_way_head_and_every_method_in_the_table
 
 
 def test_experience_replay_keeps_its_memory_per_experience_and_restores_it():
+    from _synthetic import synthetic_split
     from fromp_avalanche.benchmarks import ExperienceReplay, experience_tensors
-    from fromp_bench.data import class_incremental, synthetic_split, to_avalanche
+    from fromp_bench.data import class_incremental, to_avalanche
 
     seq = class_incremental(synthetic_split(n_tasks=3, input_shape=(6,), n_train=30))
     scenario = to_avalanche(seq)

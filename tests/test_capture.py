@@ -195,7 +195,7 @@ def test_laplace_on_the_fromp_mlp_takes_the_capture_route(monkeypatch):
     """fromp.laplace on FROMP's multi-head MLP (a task view: the other heads are never
     called) must not touch the per-example Jacobian fallback."""
     import fromp.curvature.capture as capture
-    from fromp import laplace
+    from fromp import fit_laplace
     from fromp.models import MultiHeadMLP, with_task
 
     def forbidden(*args, **kwargs):
@@ -204,7 +204,7 @@ def test_laplace_on_the_fromp_mlp_takes_the_capture_route(monkeypatch):
     monkeypatch.setattr(capture, "fallback_jacobian", forbidden)
     net = with_task(MultiHeadMLP(6, (5, 4), n_heads=3, head_size=2).double().eval(), 1)
     x = torch.randn(7, 6, dtype=F64)
-    q = laplace(net, x, "categorical", 1.0)
+    q = fit_laplace(net, x, "categorical", 1.0)
     ref = torch.diagonal(dense_ggn(net, x, CategoricalLikelihood())) + 1.0
     torch.testing.assert_close(q.precision, ref, rtol=1e-9, atol=1e-12)
 

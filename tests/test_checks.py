@@ -67,7 +67,7 @@ def test_library_functions_use_the_shared_rules():
 def test_every_module_applies_the_one_rule():
     """curvature, ggn, gp, laplace, jacobian, sensitivity and the optimisers: a non-tensor is
     a TypeError naming the argument, NaN and inf are both refused before any work."""
-    from fromp import GP, DiagonalGaussian, diag_ggn, ggn_vp, jacobians, laplace
+    from fromp import GP, DiagonalGaussian, diag_ggn, fit_laplace, ggn_vp, jacobians
     from fromp.memory.sensitivity import memory_perturbation
     from fromp.optim import predict_mc
     from fromp.optim.vogn import per_example_grad_stats
@@ -87,16 +87,16 @@ def test_every_module_applies_the_one_rule():
             per_example_grad_stats(net, xb, y)
         with pytest.raises(ValueError, match="x has non-finite"):
             memory_perturbation(net, q, xb, y, "categorical")
-        with pytest.raises(ValueError, match="data input has non-finite"):
-            laplace(net, (xb, y), "categorical", 1.0)
-        with pytest.raises(ValueError, match="data input has non-finite"):
+        with pytest.raises(ValueError, match="input has non-finite"):
+            fit_laplace(net, (xb, y), "categorical", 1.0)
+        with pytest.raises(ValueError, match="input has non-finite"):
             diag_ggn(net, (xb, y), "categorical")
         v = torch.ones(9, dtype=torch.float64)
         v[2] = bad
         with pytest.raises(ValueError, match="v has non-finite"):
             ggn_vp(net, x, "categorical", v)
-        with pytest.raises(ValueError, match="prior_mean has non-finite"):
-            laplace(net, (x, y), "categorical", 1.0, prior_mean=v)
+        with pytest.raises(ValueError, match="prior_mean is not finite"):
+            fit_laplace(net, (x, y), "categorical", 1.0, prior_mean=v)
     with pytest.raises(TypeError, match=r"x must be a Tensor of shape \[N, \.\.\.\], got list"):
         jacobians(net, x.tolist())
     with pytest.raises(TypeError, match="x1 must be a Tensor"):
@@ -109,8 +109,8 @@ def test_every_module_applies_the_one_rule():
         memory_perturbation(net, q, x, y.tolist(), "categorical")
     with pytest.raises(TypeError, match="v must be a Tensor"):
         ggn_vp(net, x, "categorical", [1.0] * 9)
-    with pytest.raises(TypeError, match="prior_mean must be a Tensor"):
-        laplace(net, (x, y), "categorical", 1.0, prior_mean=[0.0] * 9)
+    with pytest.raises(TypeError, match="prior_mean must be a number or a tensor"):
+        fit_laplace(net, (x, y), "categorical", 1.0, prior_mean=[0.0] * 9)
     with pytest.raises(TypeError, match="posterior must be a GaussianPosterior"):
         predict_mc(net, torch.zeros(9), x)
 
@@ -253,7 +253,7 @@ def test_every_prior_precision_argument_goes_through_the_one_check(bad):
     """The same refusal, with the same words, from every entry point that takes a prior
     precision: the Laplace classes and setter, the one-call functions, the functional
     Laplace, FROMP, VCL, VOGN (argument and group key), IVON, the leave-one-out tools."""
-    from fromp import FROMPMethod, Laplace, laplace
+    from fromp import FROMPMethod, Laplace, fit_laplace
     from fromp.continual.vcl import VCLMethod
     from fromp.laplace.functional import FunctionalLaplace
     from fromp.memory.loo import LOOTracker, last_layer_loo, last_layer_remove
@@ -266,7 +266,7 @@ def test_every_prior_precision_argument_goes_through_the_one_check(bad):
     calls = [
         lambda: Laplace(net, "classification", subset_of_weights="all", prior_precision=bad),
         lambda: Laplace(net, "classification", subset_of_weights="last_layer", prior_precision=bad),
-        lambda: laplace(net, (x, y), "categorical", bad),
+        lambda: fit_laplace(net, (x, y), "categorical", bad),
         lambda: FunctionalLaplace(net, "classification", n_subset=4, prior_precision=bad),
         lambda: FROMPMethod(prior_precision=bad),
         lambda: VCLMethod(net, prior_precision=bad),

@@ -146,7 +146,7 @@ def test_memorable_cli_memory_map(checkpoint, tmp_path):
     that posterior (``--posterior diag``: under the all-weights diagonal one), the test-set
     NLL and accuracy are reported beside the leave-one-out estimate."""
     from fromp import Laplace
-    from fromp.laplace.one_call import laplace
+    from fromp.laplace.one_call import fit_laplace
     from fromp.memory.sensitivity import memory_perturbation
 
     net, seq, _ = load_trained(checkpoint)
@@ -165,7 +165,7 @@ def test_memorable_cli_memory_map(checkpoint, tmp_path):
         assert payload["posterior"] == posterior and payload["n_fit"] == len(idx)
         x, y = seq[1].train_x[idx], seq[1].train_y[idx]
         if posterior == "diag":
-            q = laplace(model, (x, y), "categorical", 2.0)
+            q = fit_laplace(model, (x, y), "categorical", 2.0)
         else:
             q = Laplace(model, "classification", "last_layer", "full", prior_precision=2.0)
             q.fit((x, y))
@@ -197,7 +197,9 @@ def test_memorable_cli_memory_map(checkpoint, tmp_path):
     payload = json.loads((out / "memory_map.json").read_text())
     x, y = seq[1].train_x[payload["index"]], seq[1].train_y[payload["index"]]
     la = Laplace(model, "classification", "all", "kron", prior_precision=1.0).fit((x, y))
-    want = la.optimize_prior_precision(method="marglik", prior_structure="layerwise")
+    want = la.optimize_prior_precision(
+        method="marglik", prior_structure="layerwise", optimizer="lbfgs"
+    )
     assert len(payload["prior_precision"]) == len(want) > 1
     np.testing.assert_allclose(payload["prior_precision"], want.tolist(), rtol=1e-4)
     assert memorable_main([*args, *lw, "--prior-precision", "2.0"]) == 2

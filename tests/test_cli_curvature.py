@@ -150,7 +150,7 @@ def test_map_default_is_the_objectives_kron_laplace(checkpoints, tmp_path, capsy
             view.task = t
             la.fit((x, y), override=k == 0)
         view.task = 1
-        la.optimize_prior_precision(method="marglik")
+        la.optimize_prior_precision(method="marglik", optimizer="lbfgs")
         assert payload["prior_precision"] == pytest.approx(float(la.prior_precision), rel=1e-4)
         x, y = seq[1].train_x[idx], seq[1].train_y[idx]
         mp = memory_perturbation(view, la, x, y, covariance="full", correction=False)

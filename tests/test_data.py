@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from _synthetic import synthetic_split
 from fromp_bench import data as D
 
 
@@ -63,6 +65,52 @@ def test_split_digits_protocol():
     assert torch.equal(again[3].test_x, seq[3].test_x)
 
 
+def test_permuted_digits_protocol():
+    """Split-Digits' images and split on one 10-way head: task 0 unpermuted, task t the
+    t-th permutation of numpy's generator seeded with ``seed``, the same labels throughout."""
+    seq = D.permuted_digits()
+    assert seq.name == "permuted-digits" and not seq.multi_head and len(seq) == 5
+    assert seq.input_shape == (64,) and seq.n_outputs == 10
+    first, split = seq[0], D.split_digits()
+    assert len(first.train_x) + len(first.test_x) == 1797
+    for c in range(10):  # the same images as split-digits, flattened, in the same order
+        s = split[c // 2]
+        for x, y, sx, sy in ((first.train_x, first.train_y, s.train_x, s.train_y),
+                             (first.test_x, first.test_y, s.test_x, s.test_y)):  # fmt: skip
+            assert torch.equal(x[y == c], sx[sy == c % 2].flatten(1))
+    rng = np.random.default_rng(0)
+    perms = [np.arange(64)] + [rng.permutation(64) for _ in range(4)]
+    assert len({tuple(p) for p in perms}) == 5
+    for t, (task, perm) in enumerate(zip(seq, perms)):
+        assert task.task_id == t and task.classes == list(range(10))
+        assert torch.equal(task.train_x, first.train_x[:, perm])
+        assert torch.equal(task.test_x, first.test_x[:, perm])
+        assert torch.equal(task.train_y, first.train_y) and torch.equal(task.test_y, first.test_y)
+        assert set(task.train_y.tolist()) == set(range(10))  # every task fills the head
+    assert torch.equal(D.permuted_digits()[3].train_x, seq[3].train_x)  # fixed by its seed
+    assert len(D.permuted_digits(n_tasks=2)) == 2
+    with pytest.raises(ValueError, match="n_tasks must be >= 1"):
+        D.permuted_digits(n_tasks=0)
+
+
+def test_permuted_mnist_draws_the_same_permutations(monkeypatch):
+    """permuted MNIST, on stand-in images: task t is the t-th permutation of numpy's generator
+    seeded with ``seed`` (the tasks every earlier result was computed on)."""
+    g = torch.Generator().manual_seed(0)
+    fake = (torch.rand(12, 28, 28, generator=g), torch.arange(12) % 10,
+            torch.rand(6, 28, 28, generator=g), torch.arange(6) % 10)  # fmt: skip
+    monkeypatch.setattr(D, "load_mnist", lambda root, download: fake)
+    seq = D.permuted_mnist(n_tasks=3, seed=4)
+    rng = np.random.default_rng(4)
+    perms = [np.arange(784)] + [rng.permutation(784) for _ in range(2)]
+    assert (seq.name, seq.input_shape, seq.n_outputs, seq.multi_head) == (
+        "permuted-mnist", (784,), 10, False)  # fmt: skip
+    for task, perm in zip(seq, perms):
+        assert torch.equal(task.train_x, fake[0].flatten(1)[:, perm])
+        assert torch.equal(task.test_x, fake[2].flatten(1)[:, perm])
+        assert torch.equal(task.train_y, fake[1])
+
+
 def test_split_tasks_relabels_and_rejects_empty():
     x = torch.rand(20, 1, 4, 4)
     y = torch.arange(20) % 4
@@ -77,7 +125,7 @@ def test_split_tasks_relabels_and_rejects_empty():
 
 
 def test_synthetic_and_subsample():
-    seq = D.synthetic_split(n_tasks=3, n_train=40, n_test=10)
+    seq = synthetic_split(n_tasks=3, n_train=40, n_test=10)
     assert len(seq) == 3 and seq[0].train_x.shape == (40, 1, 28, 28)
     small = seq.subsample(8, 4, seed=1)
     assert [len(t.train_x) for t in small] == [8, 8, 8]

@@ -101,10 +101,10 @@ def test_fold_combines_in_rank_order_on_every_rank():
 
 
 # ----------------------------------------------------------------------- Laplace.fit
-def _laplace_data() -> tuple:
+def _laplace_data(n: int = 24) -> tuple:
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(24, 4, generator=g, dtype=torch.float64)
-    y = torch.randint(0, 3, (24,), generator=g)
+    x = torch.randn(n, 4, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (n,), generator=g)
     return x, y
 
 
@@ -116,21 +116,23 @@ def _laplace_model() -> torch.nn.Module:
     return net.eval()
 
 
-def _laplace_fit(rank: int | None, structure: str) -> dict:
+def _laplace_fit(
+    rank: int | None, structure: str, n: int = 24, shuffle: bool = False, subset: str = "all"
+) -> dict:
     """A Laplace fit on the rank's shard (a DistributedSampler's split), or on all the data
     in one process when ``rank`` is None."""
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     from fromp import Laplace
 
-    x, y = _laplace_data()
+    x, y = _laplace_data(n)
     data = TensorDataset(x, y)
     if rank is None:
         loader = DataLoader(data, batch_size=5)
     else:
-        sampler = DistributedSampler(data, num_replicas=WORLD, rank=rank, shuffle=False)
+        sampler = DistributedSampler(data, num_replicas=WORLD, rank=rank, shuffle=shuffle)
         loader = DataLoader(data, batch_size=5, sampler=sampler)
-    la = Laplace(_laplace_model(), "classification", "all", structure, prior_precision=0.7)
+    la = Laplace(_laplace_model(), "classification", subset, structure, prior_precision=0.7)
     la.fit(loader)
     return {
         "evidence": la.log_marginal_likelihood().detach(),
@@ -149,6 +151,27 @@ def _laplace_kron(rank: int) -> dict:
 
 def _laplace_full(rank: int) -> dict:
     return _laplace_fit(rank, "full")
+
+
+def _padded_diag(rank: int) -> dict:
+    return _laplace_fit(rank, "diag", n=23, shuffle=True)
+
+
+def _padded_last_layer_kron(rank: int) -> dict:
+    return _laplace_fit(rank, "kron", n=23, subset="last_layer")
+
+
+@pytest.mark.parametrize(("subset", "structure"), [("all", "diag"), ("last_layer", "kron")])
+def test_laplace_fit_over_a_padded_distributed_sampler_equals_one_process(subset, structure):
+    """N = 23 over 2 ranks: the sampler (drop_last=False) repeats one example to even the
+    shards; the fit drops the repeat, so the posterior is one process's on the 23 examples
+    (the fifth audit, N6: the repeat was counted, evidence -32.97 against -31.41)."""
+    want = _laplace_fit(None, structure, n=23, subset=subset)
+    name = "_padded_diag" if structure == "diag" else "_padded_last_layer_kron"
+    for out in run_ranks(name):
+        assert out["n_data"] == want["n_data"] == 23
+        torch.testing.assert_close(out["evidence"], want["evidence"], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(out["variance"], want["variance"], rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("structure", ["diag", "kron", "full"])

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _synthetic import synthetic_split
 from avalanche.evaluation.metrics import accuracy_metrics
 from avalanche.training.plugins import EvaluationPlugin
 from fromp_avalanche.ewc import EWC, EWCPlugin, ewc_penalty
 from fromp_avalanche.models import as_avalanche_model
-from fromp_bench.data import synthetic_split, to_avalanche
+from fromp_bench.data import to_avalanche
 from fromp_bench.settings import SETTINGS
 
 from fromp.continual.ewc import EWCMethod

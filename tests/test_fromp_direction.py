@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from fromp_bench.data import synthetic_split
+from _synthetic import synthetic_split
 from torch.func import functional_call
 
 from fromp.continual.methods import FROMPMethod

@@ -6,12 +6,13 @@ import warnings
 
 import pytest
 import torch
+from _synthetic import synthetic_split
 from avalanche.evaluation.metrics import accuracy_metrics
 from avalanche.training import Naive
 from avalanche.training.plugins import EvaluationPlugin
 from fromp_avalanche.fromp import FROMP, FROMPPlugin
 from fromp_avalanche.models import as_avalanche_model, unwrap
-from fromp_bench.data import permuted_mnist, synthetic_split, to_avalanche
+from fromp_bench.data import permuted_mnist, to_avalanche
 from fromp_bench.settings import SETTINGS
 
 from fromp.models import MultiHeadMLP

@@ -8,12 +8,13 @@ import warnings
 
 import pytest
 import torch
+from _synthetic import synthetic_split
 from avalanche.evaluation.metrics import accuracy_metrics
 from avalanche.training.plugins import EvaluationPlugin, SupervisedPlugin
 from fromp_avalanche.fromp import FROMP, FROMPPlugin
 from fromp_avalanche.ivon import IVONPlugin, IVONStrategy
 from fromp_avalanche.models import as_avalanche_model
-from fromp_bench.data import synthetic_split, to_avalanche
+from fromp_bench.data import to_avalanche
 
 from fromp.curvature.jacobian import flat_params
 from fromp.models import MultiHeadMLP

@@ -97,7 +97,7 @@ def test_functional_variance_and_kernel_match_dense_kfac(case):
     jac = dense_jacobian(model, x[:4])
     expected = torch.einsum("ncp,pq,mdq->ncmd", jac, cov, jac)
     torch.testing.assert_close(
-        la.functional_variance(x[:4]), torch.stack([expected[n, :, n] for n in range(4)])
+        la.functional_variance_at(x[:4]), torch.stack([expected[n, :, n] for n in range(4)])
     )
     torch.testing.assert_close(la.gp().kernel(x[:4]), expected)
     j2 = dense_jacobian(model, x[4:])

@@ -7,9 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from fromp import DiagonalGaussian, FullGaussian, laplace, laplace_full
+from fromp import DiagonalGaussian, FullGaussian, fit_laplace, fit_laplace_full
 from fromp.curvature.jacobian import unflatten
-from fromp.laplace.one_call import accumulate_ggn
 from fromp.likelihood import BernoulliLikelihood, CategoricalLikelihood
 from fromp.models import MultiHeadMLP, with_task
 from fromp.testing import dense_ggn, flat, tiny_cnn, tiny_mlp
@@ -20,14 +19,14 @@ def test_laplace_precision_is_diag_ggn_plus_prior(make):
     model, lik = make(), CategoricalLikelihood()
     x = torch.randn(6, *((4,) if make is tiny_mlp else (1, 6, 6)), dtype=torch.float64)
     g = dense_ggn(model, x, lik)
-    post = laplace(model, x, lik, 0.5)
+    post = fit_laplace(model, x, lik, 0.5)
     assert isinstance(post, DiagonalGaussian)
     torch.testing.assert_close(post.mean, flat(model))
     torch.testing.assert_close(post.precision, torch.diagonal(g) + 0.5, rtol=1e-9, atol=1e-12)
     delta = torch.rand(g.shape[0], dtype=torch.float64) + 0.1
-    post_v = laplace(model, (x, torch.zeros(6)), lik, delta, chunk_size=4)
+    post_v = fit_laplace(model, (x, torch.zeros(6)), lik, delta, chunk_size=4)
     torch.testing.assert_close(post_v.precision, torch.diagonal(g) + delta, rtol=1e-9, atol=1e-12)
-    full = laplace_full(model, x, lik, 0.5)
+    full = fit_laplace_full(model, x, lik, 0.5)
     torch.testing.assert_close(full.precision, g + 0.5 * torch.eye(len(g)), rtol=1e-9, atol=1e-12)
 
 
@@ -35,20 +34,17 @@ def test_posterior_accumulates_ggns_over_tasks_with_one_prior():
     model, lik = tiny_mlp(), CategoricalLikelihood()
     x1, x2 = torch.randn(5, 4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
     g1, g2 = dense_ggn(model, x1, lik), dense_ggn(model, x2, lik)
-    post1 = laplace(model, x1, lik, 2.0)
+    post1 = fit_laplace(model, x1, lik, 2.0)
     with torch.no_grad():  # the network moves on task 2; the new mean is its weights
         for p in model.parameters():
             p.add_(0.01)
     g2 = dense_ggn(model, x2, lik)
-    post2 = laplace(model, x2, lik, None, posterior=post1)
+    post2 = fit_laplace(model, x2, lik, None, posterior=post1)
     torch.testing.assert_close(post2.mean, flat(model))
     expect = torch.diagonal(g1) + torch.diagonal(g2) + 2.0
     torch.testing.assert_close(post2.precision, expect, rtol=1e-9, atol=1e-12)
-    with pytest.deprecated_call():
-        run = accumulate_ggn(model, x2, lik, torch.diagonal(g1))
-    torch.testing.assert_close(run, torch.diagonal(g1 + g2), rtol=1e-9, atol=1e-12)
-    full1 = laplace_full(model, x2, lik, 2.0)
-    full2 = laplace_full(model, x2, lik, None, posterior=full1)
+    full1 = fit_laplace_full(model, x2, lik, 2.0)
+    full2 = fit_laplace_full(model, x2, lik, None, posterior=full1)
     torch.testing.assert_close(
         full2.precision, 2 * g2 + 2.0 * torch.eye(len(g2)), rtol=1e-9, atol=1e-12
     )
@@ -62,15 +58,17 @@ def test_logistic_regression_closed_forms():
         p = torch.sigmoid(model(x))[:, 0]
     xt = torch.cat([x, torch.ones(n, 1, dtype=torch.float64)], 1)  # weight then bias
     r = p * (1 - p)
-    post = laplace(model, x, BernoulliLikelihood(), delta)
+    post = fit_laplace(model, x, BernoulliLikelihood(), delta)
     torch.testing.assert_close(post.precision, (r[:, None] * xt**2).sum(0) + delta)
-    full = laplace_full(model, x, "bernoulli", delta)
+    full = fit_laplace_full(model, x, "bernoulli", delta)
     torch.testing.assert_close(full.precision, xt.T @ (r[:, None] * xt) + delta * torch.eye(d + 1))
 
 
 def test_multihead_other_heads_keep_the_prior():
     net = MultiHeadMLP(4, (5,), n_heads=3, head_size=2).double()
-    post = laplace(with_task(net, 2), torch.randn(6, 4, dtype=torch.float64), "categorical", 3.0)
+    post = fit_laplace(
+        with_task(net, 2), torch.randn(6, 4, dtype=torch.float64), "categorical", 3.0
+    )
     parts = unflatten(net, post.precision)
     for name, prec in parts.items():
         if name.startswith("heads.0") or name.startswith("heads.1"):
@@ -103,22 +101,29 @@ def test_errors_named():
     model = tiny_mlp()
     x = torch.randn(3, 4, dtype=torch.float64)
     with pytest.raises(ValueError, match="prior_precision must be finite and strictly positive"):
-        laplace(model, x, "categorical", -1.0)
-    with pytest.raises(ValueError, match=r"prior_precision must be a scalar or have shape \[P\]"):
-        laplace(model, x, "categorical", torch.ones(3))
+        fit_laplace(model, x, "categorical", -1.0)
+    with pytest.raises(
+        ValueError,
+        match=r"prior_precision must be a scalar or have shape \[n_layers\]=\[4\] or \[P\]",
+    ):
+        fit_laplace(model, x, "categorical", torch.ones(3))
     with pytest.raises(ValueError, match="prior_precision is required"):
-        laplace(model, x, "categorical", None)
-    with pytest.raises(ValueError, match="data input has non-finite entries"):
-        laplace(model, torch.full((3, 4), float("nan"), dtype=torch.float64), "categorical", 1.0)
+        fit_laplace(model, x, "categorical", None)
+    with pytest.raises(ValueError, match="input has non-finite entries"):
+        fit_laplace(
+            model, torch.full((3, 4), float("nan"), dtype=torch.float64), "categorical", 1.0
+        )
     with pytest.raises(ValueError, match="posterior must be a DiagonalGaussian"):
-        laplace(
+        fit_laplace(
             model, x, "categorical", 1.0, posterior=DiagonalGaussian.isotropic(torch.zeros(3), 1.0)
         )
-    with pytest.raises(ValueError, match=r"prior_mean must have shape \[P\]"):
-        laplace(model, x, "categorical", 1.0, prior_mean=torch.zeros(2))
+    with pytest.raises(
+        ValueError, match=r"prior_mean must be a number or have shape \[1\] or \[P\]"
+    ):
+        fit_laplace(model, x, "categorical", 1.0, prior_mean=torch.zeros(2))
     cnn = tiny_cnn().train()
     with pytest.raises(ValueError, match=r"training mode \(bn\); call model.eval\(\)"):
-        laplace(cnn, torch.randn(2, 1, 6, 6, dtype=torch.float64), "categorical", 1.0)
+        fit_laplace(cnn, torch.randn(2, 1, 6, 6, dtype=torch.float64), "categorical", 1.0)
     with pytest.raises(ValueError, match="symmetric positive definite"):
         FullGaussian(torch.zeros(2), -torch.eye(2))
     with pytest.raises(ValueError, match=r"precision \[P, P\]"):

@@ -46,7 +46,7 @@ def test_kron_variance_paths_against_dense():
     xt, _ = _data(5, seed=2)
     j = _dense_jacobian(net, xt)  # [N, C, P]
     want = torch.einsum("ncp,pq,ndq->ncd", j, la.posterior_covariance, j)
-    got = la.functional_variance(xt)
+    got = la.functional_variance_at(xt)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     # the kernel (unfactored rows: both convolution paths) agrees with the variance
     k = la.gp().kernel(xt)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+import fromp
 from fromp import FunctionalLaplace, Laplace
 from fromp.testing import dense_jacobian
 
@@ -119,7 +120,7 @@ def test_prior_refusals_and_marglik():
     g = torch.Generator().manual_seed(4)
     x = torch.randn(15, 2, dtype=F64, generator=g)
     y = torch.randint(0, 3, (15,), generator=g)
-    with pytest.raises(ValueError, match="scalar prior_precision"):
+    with pytest.raises(ValueError, match="prior_precision must be a scalar"):
         FunctionalLaplace(_mlp(), "classification", n_subset=5,
                           prior_precision=torch.ones(3, dtype=F64))  # fmt: skip
     with pytest.raises(ValueError, match="n_subset=20 exceeds"):
@@ -133,12 +134,16 @@ def test_prior_refusals_and_marglik():
 
 
 def test_constructor_takes_laplace_torchs_arguments():
-    import inspect
-
     lt_args = ["model", "likelihood", "n_subset", "sigma_noise", "prior_precision", "prior_mean",
                "temperature", "enable_backprop", "dict_key_x", "dict_key_y", "backend",
                "backend_kwargs", "independent_outputs", "seed"]  # fmt: skip
-    assert set(lt_args) <= set(inspect.signature(FunctionalLaplace).parameters)
+    la = FunctionalLaplace(*[{"model": _mlp(), "likelihood": "classification",
+                              "n_subset": 3}[a] for a in lt_args[:3]],
+                           sigma_noise=1.0, prior_precision=2.0, prior_mean=0.0,
+                           temperature=1.0, enable_backprop=False, dict_key_x="x",
+                           dict_key_y="y", backend=None, backend_kwargs=None,
+                           independent_outputs=True, seed=1)  # fmt: skip
+    assert isinstance(la, fromp.laplace.BaseLaplace) and float(la.prior_precision) == 2.0
     with pytest.raises(ValueError, match="diag_ef"):
         FunctionalLaplace(_mlp(), "classification", n_subset=3, backend="CurvlinopsEF")
 

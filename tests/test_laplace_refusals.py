@@ -58,7 +58,7 @@ def fitted(subset, structure, lik="classification", c=3, y=Y, **kw):
 def test_non_finite_x_refused_at_predict(subset, structure):
     la = fitted(subset, structure)
     for bad in (X[:2] * float("nan"), X[:2].clone().fill_(float("inf"))):
-        for call in (la, la.functional_variance, la.predictive_samples):
+        for call in (la, la.functional_variance_at, la.predictive_samples):
             with pytest.raises(ValueError, match="x has non-finite entries"):
                 call(bad)
 
@@ -87,7 +87,7 @@ def test_train_mode_refused_at_predict(subset, structure):
     model = mlp(dropout=True)
     la = make(model, "classification", subset, structure).fit([(X, Y)])
     model.train()
-    for call in (la, la.functional_variance, la.predictive_samples):
+    for call in (la, la.functional_variance_at, la.predictive_samples):
         with pytest.raises(ValueError, match=r"call model.eval\(\) first"):
             call(X[:2])
     model.eval()
@@ -99,7 +99,7 @@ def test_empty_batch_refused_at_predict(subset, structure):
     """One rule for every structure: an empty batch is refused (kron and last-layer raised
     a reshape error, subnetwork returned ``[0, C]``)."""
     la = fitted(subset, structure)
-    for call in (la, la.functional_variance):
+    for call in (la, la.functional_variance_at):
         with pytest.raises(ValueError, match="x must be a non-empty"):
             call(X[:0])
 
@@ -356,7 +356,7 @@ def test_zero_dim_parameter_fit_and_predict(subset, structure):
     assert torch.isfinite(la.log_marginal_likelihood())
     probs = la(x[:5])
     assert probs.shape == (5, 3) and torch.allclose(probs.sum(-1), torch.ones(5, dtype=x.dtype))
-    var = la.functional_variance(x[:5])
+    var = la.functional_variance_at(x[:5])
     if (subset, structure) in (("all", "full"), ("all", "lowrank")):
         cov = _dense_all_full(model, x, 0.7)
         jac = dense_jacobian(model, x[:5])

@@ -63,7 +63,7 @@ def test_all_weights_laplace_of_a_recurrent_model(cell, structure):
     cov = torch.linalg.inv(prec + 0.5 * torch.eye(p, dtype=F64))
     torch.testing.assert_close(la.posterior_variance, torch.diagonal(cov))
     want = torch.einsum("ncp,pq,ndq->ncd", jac[:4], cov, jac[:4])
-    torch.testing.assert_close(la.functional_variance(x[:4]), want)
+    torch.testing.assert_close(la.functional_variance_at(x[:4]), want)
     assert torch.isfinite(la.log_marginal_likelihood())
 
 

@@ -145,7 +145,8 @@ def test_readme_classification_last_layer_kron_marglik_probit():
     train_loader = DataLoader(TensorDataset(x, y), batch_size=16)
     la = Laplace(model, "classification", subset_of_weights="last_layer", hessian_structure="kron")
     la.fit(train_loader)
-    la.optimize_prior_precision(method="marglik", pred_type="glm", link_approx="probit")
+    la.optimize_prior_precision(method="marglik", pred_type="glm", link_approx="probit",
+                                optimizer="lbfgs")  # fmt: skip
     xs = torch.randn(5, 2, dtype=F64, generator=torch.Generator().manual_seed(3))
     pred = la(xs, pred_type="glm", link_approx="probit")
     # dense: the evidence is stationary at the chosen delta, and the probit predictive

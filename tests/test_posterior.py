@@ -81,7 +81,7 @@ def test_both_satisfy_the_protocol_and_laplace_reexports_full():
         assert isinstance(q, GaussianPosterior)
         assert isinstance(q.replace(mean=q.mean + 1), type(q))
     assert not isinstance(torch.zeros(3), GaussianPosterior)
-    assert importlib.import_module("fromp.laplace").FullGaussian is FullGaussian
+    assert importlib.import_module("fromp.posterior").FullGaussian is FullGaussian
 
 
 class _DenseCovariance:

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from _synthetic import synthetic_split
 from fromp_avalanche.ewc import EWCPlugin
 from fromp_avalanche.fromp import FROMPPlugin
-from fromp_bench.data import synthetic_split
 from torch.utils.data import TensorDataset
 
 from fromp.continual.memorable import select_memorable

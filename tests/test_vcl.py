@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _synthetic import synthetic_split
 from avalanche.core import SupervisedPlugin
 from avalanche.evaluation.metrics import accuracy_metrics
 from avalanche.training.plugins import EvaluationPlugin
 from fromp_avalanche.models import as_avalanche_model
 from fromp_avalanche.vcl import VCL, VCLPlugin
-from fromp_bench.data import synthetic_split, to_avalanche
+from fromp_bench.data import to_avalanche
 from fromp_bench.settings import SETTINGS
 
 from fromp.continual.bayesian import BayesMultiHeadModel

@@ -332,9 +332,10 @@ def test_the_strategy_gives_the_plain_loops_numbers():
     """The Avalanche strategy (no shuffling, the global RNG re-seeded before each training
     step) and a plain loop over the same data with the same seeds: the same losses, the same
     coresets and the same posterior."""
+    from _synthetic import synthetic_split
     from avalanche.training.plugins import SupervisedPlugin
     from fromp_avalanche.vcl import VCL
-    from fromp_bench.data import synthetic_split, to_avalanche
+    from fromp_bench.data import to_avalanche
 
     seq = synthetic_split(n_tasks=3, input_shape=(6,), n_train=20, n_test=10)
     settings = dict(

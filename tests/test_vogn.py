@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from _synthetic import synthetic_split
 from avalanche.models.dynamic_optimizers import update_optimizer
 from avalanche.training.plugins import SupervisedPlugin
 from fromp_avalanche.models import as_avalanche_model
 from fromp_avalanche.vogn import VOGNStrategy
-from fromp_bench.data import synthetic_split, to_avalanche
+from fromp_bench.data import to_avalanche
 from torch import nn
 
 from fromp import IVON, OGN, VOGN

@@ -55,8 +55,7 @@ from fromp.continual.regularizer import _FUNCTIONS, FROMPRegularizer, FunctionKe
 from fromp.curvature.diagonal import diag_ggn, diag_ggn_linear
 from fromp.curvature.jacobian import default_memory_budget, flat_params
 from fromp.curvature.kron import KronCurvature, kron_curvature
-from fromp.laplace.structures import KronLaplace
-from fromp.laplace.structures import LaplaceDiag as DiagLaplace
+from fromp.laplace.structures import DiagLaplace, KronLaplace
 from fromp.likelihood import get_likelihood
 from fromp.models import TaskView, is_multitask, uncompiled, with_task
 from fromp.optim import IVON, VOGN

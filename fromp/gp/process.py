@@ -168,10 +168,15 @@ class GP:
         if len(x) > 1:
             a, _, _ = forward_numel(self.model, x[:1])
             step = rows_per_chunk(2 * a * self._elt, self.memory_budget)
+        out = None  # allocated once (a small result between chunks pins their freed memory)
         with torch.no_grad():
-            outs = [functional_call(self.model, (self._params, self._buffers), (x[r],))
-                    for r in row_chunks(len(x), step)]  # fmt: skip
-        out = torch.cat([check_model_output(o) for o in outs])
+            for r in row_chunks(len(x), step):
+                f = functional_call(self.model, (self._params, self._buffers), (x[r],))
+                f = check_model_output(f)
+                if out is None:
+                    out = f.new_empty(len(x), *f.shape[1:])
+                out[r] = f
+                del f
         self._n_out = out.shape[1]
         return out
 
@@ -339,7 +344,11 @@ class GP:
                 tol = 1e-4 if self._dtype == torch.float32 else 1e-9
                 if not torch.allclose(got, ref, rtol=tol, atol=tol * float(ref.abs().max())):
                     raise _NotStructured("one-example check against the Jacobian way failed")
-                st.bytes_per_example = _nbytes(f0)
+                # the features, and the pass that captures them: its activations A and the
+                # C output gradients of every captured layer (the budget's largest part on a
+                # convolution's early layers)
+                n_act, _, c = forward_numel(self.model, x0[:1])
+                st.bytes_per_example = _nbytes(f0) + (c + 2) * n_act * self._elt
                 self._structured = st
             except _NotStructured as err:
                 self._structured = False
@@ -377,15 +386,19 @@ class GP:
             structure = self._structure(x[:1], required=method == "structured")
         if structure is not None:
             step = self._structured_step(structure, chunk_size, len(x), step)
-        outs = []
+        out = None  # allocated once: no small result between the chunks' large buffers,
+        # which pins the freed memory of every chunk (the peak then grows with N)
         for rows in self._chunks(len(x), step):
             if structure is None:
                 a = self._whitened(x, rows)
                 v = torch.bmm(a, a.transpose(1, 2))
             else:
                 v = structure.marginal(structure.features(x, rows))
-            outs.append(0.5 * (v + v.transpose(1, 2)))
-        return torch.cat(outs)
+            if out is None:
+                out = v.new_empty(len(x), *v.shape[1:])
+            out[rows] = 0.5 * (v + v.transpose(1, 2))
+            del v
+        return out
 
     def predictive(
         self,

@@ -42,8 +42,8 @@ from torch import Tensor, nn
 
 import fromp.laplace.checks as checks
 from fromp import distributed
-from fromp._checks import check_chunk_size, check_prior_precision, require_eval
-from fromp.curvature.diagonal import DataArg, iter_batches
+from fromp._checks import check_chunk_size, check_positive, check_prior_precision
+from fromp.curvature.diagonal import DataArg
 from fromp.curvature.jacobian import check_memory_budget
 from fromp.laplace.laplace_gp import LaplaceGP
 from fromp.laplace.options import check_backend, option
@@ -55,58 +55,91 @@ from fromp.likelihood import (
     get_likelihood,
     randn_like_on,
 )
+from fromp.models import uncompiled
 
-__all__ = ["STRUCTURES", "SUBSETS", "BaseLaplace", "LaplaceGP"]
+__all__ = ["BaseLaplace", "LaplaceGP", "ParametricLaplace"]
 
 _ALIASES = {"classification": "categorical", "regression": "gaussian"}
-SUBSETS = ("all", "last_layer", "subnetwork")
-STRUCTURES = ("diag", "kron", "full", "lowrank")
 
 
-def _likelihood(
-    likelihood: str | Likelihood, sigma_noise: float | None
-) -> tuple[Likelihood, float]:
+def _checked_sigma(value: Any, regression: bool) -> float:
+    """``sigma_noise``: a positive finite number or one-element tensor (1 for
+    classification); the one check of the noise, at construction and in the setter."""
+    if isinstance(value, Tensor) and value.numel() == 1:
+        value = float(value.detach())
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not value > 0
+        or (not math.isfinite(value))
+    ):
+        raise ValueError(f"sigma_noise must be a positive finite number, got {value!r}")
+    if not regression and value != 1:
+        raise ValueError(
+            f"sigma_noise is for regression only (1 for classification), got {value!r}"
+        )
+    return float(value)
+
+
+def _likelihood(likelihood: str | Likelihood, sigma_noise: Any) -> tuple[Likelihood, float]:
     """The likelihood with unit noise (the curvature is kept free of ``s``) and ``s``."""
     likelihood = option(likelihood)
-    if isinstance(likelihood, str):
-        likelihood = _ALIASES.get(likelihood, likelihood)
-    lik = get_likelihood(likelihood)
-    if isinstance(lik, GaussianLikelihood):
-        s = lik.sigma if sigma_noise is None else sigma_noise
-        if isinstance(s, Tensor) and s.numel() == 1:
-            s = float(s.detach())
-        if not (isinstance(s, int | float) and s > 0 and math.isfinite(s)):
-            raise ValueError(f"sigma_noise must be a positive finite number, got {s!r}")
-        return GaussianLikelihood(1.0), float(s)
-    if isinstance(sigma_noise, Tensor) and sigma_noise.numel() == 1:
-        sigma_noise = float(sigma_noise.detach())
-    if sigma_noise not in (None, 1, 1.0):
-        raise ValueError(f"sigma_noise is for regression only, got {sigma_noise!r}")
-    return lik, 1.0
+    lik = get_likelihood(_ALIASES.get(likelihood, likelihood) if isinstance(likelihood, str)
+                         else likelihood)  # fmt: skip
+    regression = isinstance(lik, GaussianLikelihood)
+    s = _checked_sigma((lik.sigma if regression else 1.0) if sigma_noise is None else sigma_noise,
+                       regression)  # fmt: skip
+    return (GaussianLikelihood(1.0) if regression else lik), s
+
+
+def _checked_prior_mean(value: Any, like: Tensor | None) -> Tensor:
+    """``m0`` in laplace-torch's forms (a number: a 0-dim tensor; a tensor ``[]``: ``[1]``;
+    ``[1]``; ``[P]``, ``P = len(like)``, unchecked without ``like``), finite."""
+    if isinstance(value, bool) or not isinstance(value, int | float | Tensor):
+        raise TypeError(f"prior_mean must be a number or a tensor, got {type(value).__name__}")
+    m0 = torch.as_tensor(value)
+    if like is not None:
+        m0 = m0.to(dtype=like.dtype, device=like.device)
+    m0 = m0.reshape(1) if isinstance(value, Tensor) and m0.ndim == 0 else m0
+    n = (1, len(like)) if like is not None else (len(m0),) if m0.ndim == 1 else ()
+    if m0.ndim > 1 or (m0.ndim == 1 and len(m0) not in n):
+        raise ValueError(f"prior_mean must be a number or have shape [1] or [P]="
+                         f"[{n[-1]}], got {tuple(m0.shape)}")  # fmt: skip
+    if not bool(torch.isfinite(m0).all()):
+        raise ValueError(f"prior_mean must be finite, got {value!r}" if m0.ndim == 0
+                         else "prior_mean is not finite (it has NaN or inf entries)")  # fmt: skip
+    return m0.detach().clone()
 
 
 class BaseLaplace(PriorTuning, LaplaceTorchAPI):
-    """What every structure shares: the prior, the evidence and its optimisation, the
-    predictive, sampling, the GP and the state. Build one with :func:`Laplace`.
+    r"""What every Laplace shares (laplace-torch's ``BaseLaplace``): the model, the
+    likelihood, the prior and its checks, the noise, the evidence and its optimisation, the
+    predictive. The weight-space structures are :class:`ParametricLaplace`\ s, the GP view
+    :class:`~fromp.laplace.functional.FunctionalLaplace`. Build one with :func:`Laplace`
+    (it picks the class whose ``_key`` is ``(subset_of_weights, hessian_structure)``) or
+    by its class.
 
     Args:
-        model: the trained network at ``w*``, ``[N, ...] -> [N, C]``, in eval mode.
+        model: the trained network at ``w*``, ``[N, ...] -> [N, C]``, in eval mode (a
+            ``torch.compile``\ d model: its original module, :func:`fromp.models.uncompiled`).
         likelihood: ``"classification"`` / ``"regression"`` (laplace-torch's names) or a
             fromp likelihood (``"categorical"``, ``"bernoulli"``, ``"gaussian"``, an object).
         sigma_noise: the regression noise ``s`` (default 1, or the ``sigma`` of a
             :class:`~fromp.likelihood.GaussianLikelihood` given as ``likelihood``).
         prior_precision: ``delta``: a float or a tensor ``[]``, ``[n_layers]`` (one per
             parameter tensor of the subset) or ``[P]``.
-        prior_mean: ``m0``: a float or ``[P]``.
-        temperature: ``T``.
+        prior_mean: ``m0``: a float (kept as a 0-dim tensor), a tensor ``[]`` (kept as
+            ``[1]``), ``[1]`` or ``[P]``: laplace-torch's forms.
+        temperature: ``T > 0``.
         chunk_size, memory_budget: working-memory controls: ``chunk_size`` examples per
             Jacobian chunk of the curvature; ``memory_budget`` bytes for the curvature and for
             every predictive, kernel and sampling path (test inputs a chunk at a time, see
             :mod:`fromp.laplace.predictive`); None: half the free memory of a CUDA device,
             2 GiB on the CPU (:func:`fromp.curvature.jacobian.default_memory_budget`).
         enable_backprop: make the ``"glm"`` predictive differentiable in ``x``.
-        dict_key_x, dict_key_y: the keys of the input and target in mapping batches
-            (Hugging Face style); fromp passes ``batch[dict_key_x]`` to the model.
+        dict_key_x, dict_key_y: mapping batches (Hugging Face style): the model is called
+            on the whole mapping, as in laplace-torch; ``batch[dict_key_x]`` gives the
+            number of examples and ``batch[dict_key_y]`` the targets.
         backend, backend_kwargs, asdl_fisher_kwargs: laplace-torch's curvature backend:
             ``None`` or a GGN backend (``CurvlinopsGGN``, ``AsdlGGN``, ``BackPackGGN``, as a
             class or its name) is fromp's exact GGN; others are refused naming fromp's
@@ -114,9 +147,14 @@ class BaseLaplace(PriorTuning, LaplaceTorchAPI):
         temper_normaliser: regression with ``T != 1``: divide the Gaussian normaliser by
             ``T`` as well (fromp's tempered likelihood ``p(y|f)^{1/T}``, default) or not
             (False: laplace-torch's evidence).
+        method, max_params: the diagonal's / subnetwork's Jacobian route and the full
+            structures' largest ``P``.
     """
 
+    #: ``(subset_of_weights, hessian_structure)`` of the class :func:`Laplace` builds
+    _key: tuple[str, str] | None = None
     structure = ""
+    subset_of_weights = "all"
 
     def __init__(
         self,
@@ -125,9 +163,8 @@ class BaseLaplace(PriorTuning, LaplaceTorchAPI):
         *,
         sigma_noise: float | None = None,
         prior_precision: float | Tensor = 1.0,
-        prior_mean: float | Tensor | None = 0.0,
+        prior_mean: float | Tensor = 0.0,
         temperature: float = 1.0,
-        subset_of_weights: str = "all",
         chunk_size: int | None = None,
         memory_budget: int | None = None,
         method: str = "auto",
@@ -140,49 +177,46 @@ class BaseLaplace(PriorTuning, LaplaceTorchAPI):
         asdl_fisher_kwargs: dict[str, Any] | None = None,
         temper_normaliser: bool = True,
     ) -> None:
-        subset_of_weights = option(subset_of_weights)
-        checks.at_init(self, model, subset_of_weights, temperature, prior_precision, prior_mean)
+        model = uncompiled(model)
+        checks.check_model(model)
         self.backend_name = check_backend(backend, backend_kwargs)
         if asdl_fisher_kwargs:
             raise ValueError("asdl_fisher_kwargs are not supported: fromp computes the exact GGN "
                              "without ASDL (no Fisher sampling to configure)")  # fmt: skip
-        self.enable_backprop = bool(enable_backprop)
-        self.dict_key_x, self.dict_key_y = dict_key_x, dict_key_y
-        self.temper_normaliser = bool(temper_normaliser)
-        if subset_of_weights not in SUBSETS:
-            raise ValueError(
-                f"subset_of_weights must be one of {SUBSETS}, got {subset_of_weights!r}"
-            )
-        if not (isinstance(temperature, int | float) and temperature > 0):
-            raise ValueError(f"temperature must be a positive number, got {temperature!r}")
-        self.model = model
-        self._lik, self._sigma = _likelihood(likelihood, sigma_noise)
-        self.regression = isinstance(self._lik, GaussianLikelihood)
-        self.temperature = float(temperature)
-        self.subset_of_weights = subset_of_weights
+        self.temperature = check_positive(temperature, "temperature")
         if memory_budget is not None:
             check_memory_budget(memory_budget)
         self.chunk_size = check_chunk_size(chunk_size)
-        self.memory_budget, self.method = memory_budget, method
-        self.max_params = max_params
+        self.memory_budget, self.method, self.max_params = memory_budget, method, max_params
+        self.enable_backprop = bool(enable_backprop)
+        self.dict_key_x, self.dict_key_y = dict_key_x, dict_key_y
+        self.temper_normaliser = bool(temper_normaliser)
+        self.model = model
+        self._lik, self._sigma = _likelihood(likelihood, sigma_noise)
+        self.regression = isinstance(self._lik, GaussianLikelihood)
         self.layer_name: str | None = None
         self.layer: nn.Linear | None = None
-        if subset_of_weights == "all":
-            self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-            self._set_mean()
-        else:
-            self._named = []  # found on the first fit (needs an input) or by the subclass
-            self._mu = torch.zeros(0)
-            self.sizes: list[int] = []
-        self._prior_mean_arg = prior_mean
-        self._prior_arg = prior_precision
+        self._prior_mean_arg, self._prior_arg = prior_mean, prior_precision
+        self._named = self._subset_named()
+        self._mu, self.sizes = torch.zeros(0), []
         if self._named:
+            self._set_mean()
             self._init_prior()
+        else:  # the subset is found at the first fit (the last layer): its shape is checked then
+            _checked_prior_mean(prior_mean, None)
+            one_dim = isinstance(prior_precision, Tensor) and prior_precision.ndim == 1
+            check_prior_precision(prior_precision,
+                                  sizes={"n": len(prior_precision)} if one_dim else {})  # fmt: skip
         self.H: Any = None
         self.loss: Tensor | None = None  # classification: sum nll; regression: SSE
         self.n_outputs = 0  # C (laplace-torch's)
         self._n_targets = 0  # sum over the fitted batches of N_b C: the Gaussian normaliser's
         self.n_data = 0
+
+    def _subset_named(self) -> list[tuple[str, nn.Parameter]]:
+        """The subset's ``(name, parameter)`` pairs (hook): all trainable parameters; ``[]``
+        when found at the first fit."""
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
 
     # ------------------------------------------------------------------ parameters
     def _set_mean(self) -> None:
@@ -226,18 +260,18 @@ class BaseLaplace(PriorTuning, LaplaceTorchAPI):
         """Hook: find the subset's parameters from their names (loading a state)."""
 
     def _init_prior(self) -> None:
-        m0 = self._prior_mean_arg
-        m0 = 0.0 if m0 is None else m0
-        m0 = torch.as_tensor(m0, dtype=self._mu.dtype, device=self._mu.device)
-        if m0.ndim == 0:
-            m0 = m0.expand(self.num_params)
-        if m0.shape != self._mu.shape or not bool(torch.isfinite(m0).all()):
-            raise ValueError(
-                f"prior_mean must be a finite float or have shape [P]=[{self.num_params}], got "
-                f"{tuple(m0.shape)}"
-            )
-        self.prior_mean = m0.detach().clone()
+        self.prior_mean = self._prior_mean_arg
         self.prior_precision = self._prior_arg
+
+    @property
+    def prior_mean(self) -> Tensor:
+        """``m0``: laplace-torch's forms: a 0-dim tensor (from a float), ``[1]`` (from a
+        tensor ``[]`` or ``[1]``) or ``[P]``."""
+        return self._prior_mean
+
+    @prior_mean.setter
+    def prior_mean(self, value: float | Tensor) -> None:
+        self._prior_mean = _checked_prior_mean(value, self._mu)
 
     @property
     def num_params(self) -> int:
@@ -264,9 +298,13 @@ class BaseLaplace(PriorTuning, LaplaceTorchAPI):
 
     def _check_delta(self, value: float | Tensor) -> Tensor:
         """``value`` as ``delta`` on the mean's dtype and device: ``[]``, ``[n_layers]`` or
-        ``[P]``, finite and ``> 0`` (:func:`fromp._checks.check_prior_precision`)."""
-        sizes = {"n_layers": self.n_layers, "P": self.num_params}
-        return check_prior_precision(value, sizes=sizes, like=self._mu)  # type: ignore[return-value]
+        ``[P]`` (:meth:`_prior_sizes`), finite and ``> 0``
+        (:func:`fromp._checks.check_prior_precision`: the one check of the prior)."""
+        return check_prior_precision(value, sizes=self._prior_sizes(), like=self._mu)  # type: ignore[return-value]
+
+    def _prior_sizes(self) -> dict[str, int]:
+        """The lengths a one-dimensional ``delta`` may have (hook)."""
+        return {"n_layers": self.n_layers, "P": self.num_params}
 
     def _delta_vector(self, d: Tensor) -> Tensor:
         """``delta`` as ``[P]`` (differentiable)."""
@@ -284,76 +322,114 @@ class BaseLaplace(PriorTuning, LaplaceTorchAPI):
 
     @sigma_noise.setter
     def sigma_noise(self, value: float | Tensor) -> None:
-        self._likelihood_check_sigma(value)
-        if not self.regression and float(value) != 1.0:
-            raise ValueError("sigma_noise is for regression only (1 for classification)")
-        self._sigma = float(value.detach() if isinstance(value, Tensor) else value)
-
-    @staticmethod
-    def _likelihood_check_sigma(value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, int | float | Tensor):
-            raise ValueError(f"sigma_noise must be a positive number, got {value!r}")
-        if isinstance(value, Tensor) and value.numel() != 1:
-            raise ValueError(f"sigma_noise must be a number or a one-element tensor, got shape "
-                             f"{tuple(value.shape)}")  # fmt: skip
-        value = value.detach() if isinstance(value, Tensor) else value
-        if not float(value) > 0 or not math.isfinite(float(value)):
-            raise ValueError(f"sigma_noise must be a positive finite number, got {value!r}")
+        self._sigma = _checked_sigma(value, self.regression)
 
     def _factor(self, sigma: Tensor | float | None = None) -> Tensor | float:
         """``1 / (s^2 T)``: the curvature's weight in the posterior precision."""
         s = self._sigma if sigma is None else sigma
         return 1.0 / (s**2 * self.temperature) if self.regression else 1.0 / self.temperature
 
+    def _device(self) -> torch.device:
+        return next(p for p in self.model.parameters()).device
+
+    def _require_fit(self) -> Any:
+        if self.H is None:
+            raise ValueError("call fit(train_loader) first")
+        return self.H
+
+    def _log_lik(self, sigma: Tensor | float | None = None) -> Tensor:
+        self._require_fit()
+        if self.loss is None:
+            raise ValueError("the evidence needs targets: fit with (x, y) batches")
+        if not self.regression:
+            return -self.loss / self.temperature
+        s = self._sigma if sigma is None else sigma
+        s = torch.as_tensor(s, dtype=self._mu.dtype, device=self._mu.device)
+        norm = self._n_targets * (torch.log(s) + 0.5 * math.log(2 * math.pi))
+        if not self.temper_normaliser:  # laplace-torch's: only the data fit is tempered
+            return -self.loss / (2 * s**2) / self.temperature - norm
+        return -(self.loss / (2 * s**2) + norm) / self.temperature
+
+    @property
+    def log_likelihood(self) -> Tensor:
+        """``log p(D | w*)`` of the fitted data (with the temperature)."""
+        return self._log_lik()
+
+    def log_marginal_likelihood_at(
+        self,
+        prior_precision: float | Tensor | None = None,
+        sigma_noise: float | Tensor | None = None,
+    ) -> Tensor:
+        """The Laplace evidence at the given values, without storing them."""
+        if sigma_noise is not None and not self.regression:
+            raise ValueError("sigma_noise is for regression only")
+        ll = self._log_lik(sigma_noise)
+        return ll - 0.5 * (
+            self.scatter_at(prior_precision) + self.log_det_ratio_at(prior_precision, sigma_noise)
+        )
+
+
+class ParametricLaplace(BaseLaplace):
+    """A Gaussian posterior over weights (laplace-torch's ``ParametricLaplace``): the
+    curvature ``G`` of the subset in a structure (diagonal, Kronecker, full, low rank), the
+    evidence from it, weight samples and the state. One subclass per (subset, structure)."""
+
     # ------------------------------------------------------------------ fit
     def fit(
         self, train_loader: DataArg, override: bool = True, progress_bar: bool = False
-    ) -> BaseLaplace:
+    ) -> ParametricLaplace:
         """Fit the curvature (and the data term of the evidence when targets are given) at
-        the model's current weights. ``train_loader``: a DataLoader of ``(x, y)``, a list of
-        batches, or one batch ``(x, y)`` / ``x``. ``override=False`` adds the new data to
-        the curvature of earlier fits (more data, or the next task in continual learning);
-        the model's weights are then those of the last fit. Mapping batches (Hugging Face
-        style) give ``(batch[dict_key_x], batch[dict_key_y])``. ``progress_bar`` is accepted
-        (laplace-torch's) and shows nothing."""
-        train_loader = checks.at_fit(self, self._undict(train_loader))
-        require_eval(self.model)
-        batches = [(x, y) for x, y in iter_batches(train_loader)]
-        self._prepare(batches[0][0][:1].to(self._device()))
-        p_now = self._subset_size()
-        if p_now != self.num_params:
-            raise ValueError(f"model has P={p_now} parameters in the subset, the fit had "
-                             f"{self.num_params}")  # fmt: skip
-        self._set_mean()
+        the model's current weights. ``train_loader``: a DataLoader of ``(x, y)`` or of
+        mappings (the model is called on the mapping, ``dict_key_y`` holds the targets), a
+        list of batches, or one batch. ``override=False`` adds the new data to the curvature
+        of earlier fits (more data, or the next task in continual learning); the model's
+        weights are then those of the last fit. ``progress_bar`` is accepted
+        (laplace-torch's) and shows nothing. Over a ``DistributedSampler`` every process
+        fits its shard and the shards are combined (:mod:`fromp.distributed`)."""
+        groups = checks.at_fit(self, train_loader)
         device = self._device()
-        batches = [(x.to(device), None if y is None else y.to(device)) for x, y in batches]
-        self._outputs = None
-        curv = self._curvature(batches)
-        # a structure whose curvature pass has the outputs f(x) (the last layer's) leaves them
-        # in self._outputs: the data term then needs no second forward pass
-        outs, self._outputs = self._outputs, None
-        if outs is None or len(outs) != len(batches):
-            outs = [None] * len(batches)
-        loss = torch.zeros((), dtype=self._mu.dtype, device=device)
+        curv, loss = None, torch.zeros((), dtype=self._mu.dtype, device=device)
         targets, n, n_out, width = True, 0, 0, 0
-        with torch.no_grad():
-            for (x, y), f in zip(batches, outs):
-                if y is None:
-                    targets = False
-                    n += len(x)
-                    continue
-                f = self.model(x) if f is None else f
-                loss = loss + self._loss_sum(f, y)
-                n += len(x)
-                n_out += f.numel()
-                width = f.shape[-1]
+        for k, (mapping, batches) in enumerate(groups):
+            with checks.on_mapping(self.model, mapping, self.dict_key_x):
+                batches = [(x.to(device), None if y is None else y.to(device))
+                           for x, y in batches]  # fmt: skip
+                if k == 0:
+                    self._prepare(batches[0][0][:1])
+                    p_now = self._subset_size()
+                    if p_now != self.num_params:
+                        raise ValueError(f"model has P={p_now} parameters in the subset, the "
+                                         f"fit had {self.num_params}")  # fmt: skip
+                    self._set_mean()
+                self._outputs = None
+                c = self._curvature(batches)
+                curv = c if curv is None else self._add(curv, c)
+                # a structure whose curvature pass has the outputs f(x) (the last layer's,
+                # Kronecker) leaves them in self._outputs: no second forward pass
+                outs, self._outputs = self._outputs, None
+                if outs is None or len(outs) != len(batches):
+                    outs = [None] * len(batches)
+                with torch.no_grad():
+                    for (x, y), f in zip(batches, outs):
+                        n += len(x)
+                        if y is None:
+                            targets = False
+                            continue
+                        f = self.model(x) if f is None else f
+                        loss = loss + self._loss_sum(f, y)
+                        n_out += f.numel()
+                        width = f.shape[-1]
+                    if width == 0:  # no targets: the width from one forward pass
+                        width = self.model(batches[0][0][:1]).shape[-1]
         if distributed.is_distributed():
             # each process fitted its shard (a DistributedSampler): combine the shards in rank
             # order as a sequential fit(..., override=False) would, so that every rank holds
             # the posterior of one process on all the data
             curv, loss, n, n_out, targets, width = distributed.fold(
-                (curv, loss, n, n_out, targets, width), self._combine_shards
-            )
+                (curv, loss, n, n_out, targets, width),
+                lambda a, b: (self._add(a[0], b[0]), a[1] + b[1], a[2] + b[2], a[3] + b[3],
+                              a[4] and b[4], a[5] or b[5]),
+            )  # fmt: skip
         if override or self.H is None:
             self.H, self.n_data, self._n_targets = curv, 0, 0
             self.loss = loss if targets else None
@@ -362,21 +438,13 @@ class BaseLaplace(PriorTuning, LaplaceTorchAPI):
             self.loss = None if (self.loss is None or not targets) else self.loss + loss
         self.n_data += n
         self._n_targets += n_out
-        if width == 0:  # no targets: the width from one forward pass
-            with torch.no_grad():
-                width = self.model(batches[0][0][:1]).shape[-1]
         self.n_outputs = width
         self._fitted()
         return self
 
-    def _combine_shards(self, a: tuple, b: tuple) -> tuple:
-        """Two processes' ``(curvature, loss, n, n_outputs, targets, width)`` as one."""
-        return (self._add(a[0], b[0]), a[1] + b[1], a[2] + b[2], a[3] + b[3], a[4] and b[4],
-                a[5] or b[5])  # fmt: skip
-
     def use_curvature(
         self, curvature: Any, n_data: int, loss: Tensor | float | None = None
-    ) -> BaseLaplace:
+    ) -> ParametricLaplace:
         """Take a curvature computed elsewhere (this structure's type, e.g. the sum of a
         continual method's per-task KFAC terms) at the model's current weights, in place of
         :meth:`fit`. ``loss``: the evidence's data term for that curvature's data (the
@@ -401,16 +469,8 @@ class BaseLaplace(PriorTuning, LaplaceTorchAPI):
             return ((f - yy) ** 2).sum()
         return self._lik.nll(f, y).sum()
 
-    def _device(self) -> torch.device:
-        return next(p for p in self.model.parameters()).device
-
     def _fitted(self) -> None:
         """Hook: refresh cached factorisations after a fit."""
-
-    def _require_fit(self) -> Any:
-        if self.H is None:
-            raise ValueError("call fit(train_loader) first")
-        return self.H
 
     def _add(self, old: Any, new: Any) -> Any:
         return old + new
@@ -444,37 +504,6 @@ class BaseLaplace(PriorTuning, LaplaceTorchAPI):
         """``(theta* - m0)^T D (theta* - m0)`` (differentiable in ``delta``)."""
         d = self._delta if prior_precision is None else self._check_delta(prior_precision)
         return (self._delta_vector(d) * (self._mu - self.prior_mean) ** 2).sum()
-
-    def _log_lik(self, sigma: Tensor | float | None = None) -> Tensor:
-        self._require_fit()
-        if self.loss is None:
-            raise ValueError("the evidence needs targets: fit with (x, y) batches")
-        if not self.regression:
-            return -self.loss / self.temperature
-        s = self._sigma if sigma is None else sigma
-        s = torch.as_tensor(s, dtype=self._mu.dtype, device=self._mu.device)
-        norm = self._n_targets * (torch.log(s) + 0.5 * math.log(2 * math.pi))
-        if not self.temper_normaliser:  # laplace-torch's: only the data fit is tempered
-            return -self.loss / (2 * s**2) / self.temperature - norm
-        return -(self.loss / (2 * s**2) + norm) / self.temperature
-
-    @property
-    def log_likelihood(self) -> Tensor:
-        """``log p(D | w*)`` of the fitted data (with the temperature)."""
-        return self._log_lik()
-
-    def log_marginal_likelihood_at(
-        self,
-        prior_precision: float | Tensor | None = None,
-        sigma_noise: float | Tensor | None = None,
-    ) -> Tensor:
-        """The Laplace evidence at the given values, without storing them."""
-        if sigma_noise is not None and not self.regression:
-            raise ValueError("sigma_noise is for regression only")
-        ll = self._log_lik(sigma_noise)
-        return ll - 0.5 * (
-            self.scatter_at(prior_precision) + self.log_det_ratio_at(prior_precision, sigma_noise)
-        )
 
     # ------------------------------------------------------------------ posterior
     @property

@@ -3,13 +3,14 @@ any work starts and before any state changes.
 
 One function per entry point, each called in one line at its top:
 
-* :func:`at_init` (construction): the model (real weights on a real device, a
-  float32 / float64 dtype, trainable parameters), a finite positive ``temperature``, a finite
-  ``prior_mean`` and, for ``"kron"``, a prior precision constant on each parameter tensor;
-* :func:`at_fit` (``fit``): the model in eval mode, the batches' inputs, and the
-  targets for the likelihood (:meth:`fromp.likelihood.Likelihood.check_targets`: class
-  indices in ``[0, C)``, Bernoulli labels in ``{0, 1}``, finite regression targets, no
-  softmax over one output); a last layer with no trainable parameter;
+* :func:`check_model` (construction, fit, predict): real weights on a real device, a
+  float32 / float64 dtype, trainable parameters (the other arguments of the constructor are
+  checked once each, by the setters of :class:`~fromp.laplace.base.BaseLaplace`);
+* :func:`at_fit` (``fit``): the model in eval mode, the batches (:func:`groups`: tensors or
+  mappings, a padded ``DistributedSampler``'s repeats dropped), the inputs of the model's
+  dtype and shape, a model returning ``[N, C]``, and the targets for the likelihood
+  (:meth:`fromp.likelihood.Likelihood.check_targets`: class indices in ``[0, C)``,
+  Bernoulli labels in ``{0, 1}``, finite regression targets, no softmax over one output);
 * :func:`at_predict` (``la(x)``, ``predictive_samples``, ``functional_variance``, the
   GP): a fit, the model in eval mode and of the fitted size, a non-empty finite ``x`` whose
   squares do not overflow, finite outputs;
@@ -25,24 +26,28 @@ functions that take data return the list the caller then uses.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.data import DistributedSampler
 
-from fromp._checks import check_batch, check_prior_precision, not_on_meta, require_eval
-from fromp.curvature.last_layer import last_linear
+from fromp._checks import check_batch, not_on_meta, require_eval
 
 __all__ = [
     "at_fit",
-    "at_init",
     "at_load",
     "at_predict",
     "at_prior_search",
     "at_state_dict",
     "check_model",
+    "finite_outputs",
+    "groups",
+    "model_dtype",
     "not_on_meta",
+    "on_mapping",
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -68,145 +73,165 @@ def check_model(model: nn.Module) -> None:
             )
 
 
-def _finite_number(value: Any, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return  # the constructor's own type check names it
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-
-
-def _kron_prior(prior_precision: Any, sizes: list[int]) -> None:
-    """A ``[P]`` prior precision must be constant on each parameter tensor for ``"kron"``."""
-    if not isinstance(prior_precision, Tensor) or prior_precision.ndim != 1:
-        return
-    if len(prior_precision) != sum(sizes) or len(prior_precision) == len(sizes):
-        return
-    k = 0
-    for size in sizes:
-        block = prior_precision[k : k + size]
-        if not bool((block == block[0]).all()):
-            raise ValueError(
-                "hessian_structure='kron' needs prior_precision constant on each parameter "
-                "tensor (a scalar or [n_layers]); got a [P] tensor that varies inside one"
-            )
-        k += size
-
-
-def at_init(
-    la: Any,
-    model: nn.Module,
-    subset_of_weights: str,
-    temperature: Any,
-    prior_precision: Any,
-    prior_mean: Any,
-) -> None:
-    """Construction: the model (:func:`check_model`), ``temperature`` finite (``inf`` makes
-    every evidence ``log p(D | w*) = 0``), ``prior_mean`` finite, and for the all-weights
-    ``"kron"`` structure a per-parameter ``prior_precision`` constant on each tensor."""
-    check_model(model)
-    _finite_number(temperature, "temperature")
-    if isinstance(prior_mean, int | float) and not isinstance(prior_mean, bool):
-        _finite_number(prior_mean, "prior_mean")
-    if isinstance(prior_mean, Tensor) and prior_mean.is_floating_point():
-        if not bool(torch.isfinite(prior_mean).all()):
-            raise ValueError("prior_mean is not finite (it has NaN or inf entries)")
-    sizes = [p.numel() for p in model.parameters() if p.requires_grad]
-    if subset_of_weights == "all":
-        check_prior_precision(prior_precision, sizes={"n_layers": len(sizes), "P": sum(sizes)})
-    else:  # the subset is found at the first fit: its shape is checked then (the setter)
-        one_dim = isinstance(prior_precision, Tensor) and prior_precision.ndim == 1
-        shape = {"n": len(prior_precision)} if one_dim else {}  # type: ignore[arg-type]
-        check_prior_precision(prior_precision, sizes=shape)
-    if getattr(type(la), "structure", "") == "kron" and subset_of_weights == "all":
-        _kron_prior(prior_precision, sizes)
-
-
 # ------------------------------------------------------------------------------ data
 
 
-def _batches(data: Any) -> tuple[Any, list[Any]]:
-    """``(what the caller should use, the batches)``: one batch (a tensor, a tuple whose
-    first entry is a tensor, a dict) is returned as is; an iterable of batches as a list."""
-    if isinstance(data, Tensor | dict):
-        return data, [data]
-    if isinstance(data, tuple) and len(data) > 0 and isinstance(data[0], Tensor):
-        return data, [data]
-    if data is None or isinstance(data, str) or not isinstance(data, Iterable):
-        return data, []  # the caller's own normalisation refuses it, naming it
-    batches = list(data)
-    return batches, batches
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the model's first trainable parameter."""
+    return next(p for p in model.parameters() if p.requires_grad).dtype
 
 
-def _xy(la: Any, batch: Any) -> tuple[Any, Any]:
+@contextmanager
+def on_mapping(model: nn.Module, batch: Mapping | None, key_x: str = "input_ids") -> Iterator[Any]:
+    """Within the block ``model(idx)`` is ``model(batch')``, ``batch'`` the mapping ``batch``
+    with every tensor of its ``N = len(batch[key_x])`` examples indexed by ``idx``: a mapping
+    batch (Hugging Face style, the model called on the whole mapping as laplace-torch calls
+    it) becomes the input tensor ``arange(N)`` that every curvature, Jacobian and chunking
+    path takes (slices, ``vmap`` over examples, ``functional_call``). ``batch`` None: nothing
+    changes. Yields the index input ``[N]`` (None without a batch)."""
+    if batch is None:
+        yield None
+        return
+    n = len(batch[key_x])
+    forward = model.forward
+
+    def indexed(idx: Tensor, *args: Any, **kwargs: Any) -> Any:
+        sub = {k: v[idx.to(v.device)] if isinstance(v, Tensor) and v.ndim and len(v) == n
+               else v for k, v in batch.items()}  # fmt: skip
+        return forward(sub, *args, **kwargs)
+
+    had = "forward" in vars(model)
+    model.forward = indexed  # type: ignore[method-assign]
+    try:
+        yield torch.arange(n, device=next(model.parameters()).device)
+    finally:
+        if had:
+            model.forward = forward  # type: ignore[method-assign]
+        else:
+            del model.forward
+
+
+def _split(la: Any, batch: Any, argument: str) -> tuple[Mapping | None, Any, Any]:
+    """``(mapping, x, y)`` of one batch: a mapping (``x`` its index input
+    :func:`on_mapping`, ``y`` its ``dict_key_y`` entry), ``x``, or ``(x, y, ...)``."""
+    if isinstance(batch, Mapping):
+        kx, ky = la.dict_key_x, la.dict_key_y
+        if kx not in batch:
+            raise ValueError(f"a mapping batch of {argument} lacks dict_key_x={kx!r} (keys: "
+                             f"{list(batch)})")  # fmt: skip
+        return batch, torch.arange(len(batch[kx])), batch.get(ky)
     if isinstance(batch, Tensor):
-        return batch, None
-    if isinstance(batch, dict):
-        kx = getattr(la, "dict_key_x", "input_ids")
-        ky = getattr(la, "dict_key_y", "labels")
-        return batch.get(kx), batch.get(ky)
-    if isinstance(batch, tuple | list) and len(batch) > 0:
-        return batch[0], (batch[1] if len(batch) > 1 else None)
-    return None, None
+        return None, batch, None
+    if isinstance(batch, tuple | list) and len(batch) > 0 and isinstance(batch[0], Tensor):
+        return None, batch[0], (batch[1] if len(batch) > 1 else None)
+    raise TypeError(f"{argument} batches must be x, (x, y) or mappings holding dict_key_x, got "
+                    f"{type(batch).__name__}")  # fmt: skip
 
 
-def _n_outputs(model: nn.Module, x: Tensor) -> int | None:
-    """``C`` from one example's forward pass (None when the output is not ``[1, C]``: the
-    caller's own check names that)."""
+def _head(batch: Any, m: int, n: int) -> Any:
+    """The first ``m`` of a batch's ``n`` examples."""
+    cut = lambda v: v[:m] if isinstance(v, Tensor) and v.ndim and len(v) == n else v  # noqa: E731
+    if isinstance(batch, Mapping):
+        return {k: cut(v) for k, v in batch.items()}
+    if isinstance(batch, Tensor):
+        return batch[:m]
+    return type(batch)(cut(v) for v in batch)
+
+
+def _batches(data: Any, la: Any, argument: str = "train_loader") -> list[Any]:
+    """``data``'s batches: one batch (a tensor, a tuple whose first entry is a tensor, a
+    mapping) or an iterable of them. Over a padded ``DistributedSampler`` (``drop_last=False``
+    and ``N`` not a multiple of the number of processes: it repeats examples to even the
+    shards) the repeats, which end each process's stream, are dropped: every process then
+    fits its share of the ``N`` examples once."""
+    if isinstance(data, Tensor | Mapping):
+        return [data]
+    if isinstance(data, tuple) and len(data) > 0 and isinstance(data[0], Tensor):
+        return [data]
+    if data is None or isinstance(data, str) or not isinstance(data, Iterable):
+        raise TypeError(f"{argument} must be a DataLoader, a list of batches or one batch, "
+                        f"got {type(data).__name__}")  # fmt: skip
+    batches = list(data)
+    sampler = getattr(data, "sampler", None)
+    if isinstance(sampler, DistributedSampler) and not sampler.drop_last:
+        n_data = len(sampler.dataset)  # type: ignore[arg-type]
+        keep = len(range(sampler.rank, n_data, sampler.num_replicas))
+        if sampler.total_size != n_data:
+            out, seen = [], 0
+            for b in batches:
+                m = len(_split(la, b, argument)[1])
+                if seen < keep:
+                    out.append(b if seen + m <= keep else _head(b, keep - seen, m))
+                seen += m
+            batches = out
+    return batches
+
+
+def _n_outputs(la: Any, x: Tensor, argument: str) -> int:
+    """``C`` from one example's forward pass; refused, naming ``argument``, when ``x`` does
+    not fit the model (its dtype, its shape) or the model does not return ``[N, C]``."""
+    model = la.model
+    dtype = model_dtype(model)
+    if x.is_floating_point() and x.dtype != dtype:
+        raise ValueError(f"{argument} is {x.dtype}, the model {dtype}: convert one (e.g. "
+                         f"x.to({dtype}))")  # fmt: skip
     device = next(p for p in model.parameters()).device
-    with torch.no_grad():
-        f = model(x[:1].to(device))
-    if not isinstance(f, Tensor) or f.ndim != 2:
-        return None
+    try:
+        with torch.no_grad():
+            f = model(x[:1].to(device))
+    except (RuntimeError, IndexError, TypeError, KeyError) as err:
+        raise ValueError(f"the model cannot be called on {argument} of shape "
+                         f"{tuple(x.shape)}: {err}") from err  # fmt: skip
+    if not isinstance(f, Tensor):
+        raise ValueError(f"the model must return a [N, C] tensor, got a {type(f).__name__}; wrap "
+                         "it (a module whose forward returns the logits tensor)")  # fmt: skip
+    if f.ndim != 2:
+        raise ValueError(f"the model must return a [N, C] tensor, got shape {tuple(f.shape)}")
     return f.shape[1]
 
 
-def _check_targets_of(la: Any, batches: list[Any], argument: str) -> None:
-    """Every batch's inputs (finite, non-empty) and targets (for the likelihood)."""
+def groups(la: Any, data: Any, argument: str) -> list[tuple[Any, list[Any]]]:
+    """``data``'s batches (:func:`_batches`) as ``[(mapping or None, [(x, y), ...])]``
+    (:func:`on_mapping`: one group per mapping batch, consecutive tensor batches in one
+    group), every input and target checked: finite non-empty inputs of the model's dtype,
+    targets valid for the likelihood (:meth:`fromp.likelihood.Likelihood.check_targets`), a
+    model returning ``[N, C]``."""
+    batches = _batches(data, la, argument)
+    if not batches:
+        raise ValueError(f"{argument} is empty: expected at least one batch")
+    out: list[tuple[Any, list[Any]]] = []
     c = None
     for batch in batches:
-        x, y = _xy(la, batch)
-        if not isinstance(x, Tensor):
-            continue  # dict inputs of a model taking dicts: the model's own forward checks
-        check_batch(x, "data input" if argument == "train_loader" else f"{argument} input")
-        if y is None:
-            continue
-        if not isinstance(y, Tensor):
+        mapping, x, y = _split(la, batch, argument)
+        if mapping is None:
+            check_batch(x, f"{argument} input")
+        elif len(x) == 0:
+            raise ValueError(f"{argument} has an empty mapping batch")
+        if y is not None and not isinstance(y, Tensor):
             raise TypeError(f"{argument} targets must be tensors, got {type(y).__name__}")
-        if c is None:
-            c = _n_outputs(la.model, x)
-            if c is None:
-                return
-        la.likelihood_fn.check_targets(y, c, f"{argument} targets y")
+        if y is not None and len(y) != len(x):
+            raise ValueError(f"{argument} batch has {len(x)} inputs and {len(y)} targets")
+        if c is None or mapping is not None:
+            what = (f"{argument} mapping batches (the model is called on the whole mapping, "
+                    "as in laplace-torch)") if mapping is not None else f"{argument} x"  # fmt: skip
+            with on_mapping(la.model, mapping, la.dict_key_x):
+                c = _n_outputs(la, x, what)
+        if y is not None:
+            la.likelihood_fn.check_targets(y, c, f"{argument} targets y")
+        if mapping is None and out and out[-1][0] is None:
+            out[-1][1].append((x, y))
+        else:
+            out.append((mapping, [(x, y)]))
+    return out
 
 
-def at_fit(la: Any, data: Any) -> Any:
-    """``fit``: the model (:func:`check_model`, eval mode), the inputs and the targets
-    (``ValueError`` naming ``y``); for a last layer, trainable parameters in it and, with
-    ``"kron"``, a prior constant on each of its tensors. Returns ``data`` (an iterable of
-    batches as the list that was checked)."""
+def at_fit(la: Any, data: Any) -> list[tuple[Any, list[Any]]]:
+    """``fit``: the model (:func:`check_model`, eval mode) and the batches
+    (:func:`groups`). Returns the groups."""
     model = la.model
     check_model(model)
     require_eval(model)
-    data, batches = _batches(data)
-    if not batches:
-        return data
-    _check_targets_of(la, batches, "train_loader")
-    x0, _ = _xy(la, batches[0])
-    if la.subset_of_weights == "last_layer" and getattr(la, "layer", None) is None:
-        if isinstance(x0, Tensor) and len(x0) > 0:
-            found = last_linear(model, x0)
-            if found is not None:
-                name, layer = found
-                sizes = [p.numel() for p in layer.parameters(recurse=False) if p.requires_grad]
-                if not sizes:
-                    raise ValueError(
-                        f"subset_of_weights='last_layer': the last layer ({name or 'model'}) "
-                        "has no trainable parameters (requires_grad=False); unfreeze it or "
-                        "use subset_of_weights='all'"
-                    )
-                if getattr(type(la), "structure", "") == "kron":
-                    _kron_prior(getattr(la, "_prior_arg", None), sizes)
-    return data
+    return groups(la, data, "train_loader")
 
 
 # ------------------------------------------------------------------------------ predict
@@ -230,9 +255,8 @@ def at_predict(la: Any, x: Any, outputs: bool = True, memory_budget: int | None 
     model = la.model
     require_eval(model)
     check_model(model)
-    if isinstance(x, dict):
-        return  # dict inputs: the model's own forward checks them
     x = check_batch(x, "x")
+    _n_outputs(la, x, "x")  # x of the model's dtype and shape, outputs [N, C]
     if x.is_floating_point():
         big = float(torch.linalg.vector_norm(x.detach(), float("inf")))  # no [N, ...] copy
         limit = math.sqrt(torch.finfo(x.dtype).max / max(1, x[0].numel()))
@@ -328,13 +352,13 @@ def at_prior_search(
 ) -> Any:
     """``optimize_prior_precision``: ``n_steps >= 1`` (``"marglik"``); for
     ``"gridsearch"``, ``grid_size >= 1``, a scalar prior structure (the grid is over one
-    ``delta``) and validation targets valid for the likelihood. Returns ``val_loader`` (an
-    iterable of batches as the list that was checked)."""
+    ``delta``) and validation targets valid for the likelihood. Returns the validation
+    batches as :func:`groups` (None for ``"marglik"``)."""
     if method == "marglik":
         _positive_int(n_steps, "n_steps")
-        return val_loader
+        return None
     if method != "gridsearch":
-        return val_loader  # the method's own check names it
+        raise ValueError(f"method must be 'marglik' or 'gridsearch', got {method!r}")
     _positive_int(grid_size, "grid_size")
     if prior_structure not in (None, "scalar"):
         raise ValueError(
@@ -342,21 +366,8 @@ def at_prior_search(
             f"{prior_structure!r} needs method='marglik'"
         )
     if val_loader is None:
-        return val_loader
-    at_state_dict(la)
-    val_loader, batches = _batches(val_loader)
-    if not batches:
-        return val_loader
-    c = None
-    for batch in batches:
-        x, y = _xy(la, batch)
-        if isinstance(x, Tensor):
-            check_batch(x, "val_loader input")
-        if y is None or not isinstance(x, Tensor):
-            continue
-        if not isinstance(y, Tensor):
-            raise TypeError(f"val_loader targets must be tensors, got {type(y).__name__}")
-        c = _n_outputs(la.model, x) if c is None else c
-        if c is not None:
-            la.likelihood_fn.check_targets(y, c, "val_loader targets y")
-    return val_loader
+        raise ValueError("method='gridsearch' needs val_loader (validation data (x, y))")
+    out = groups(la, val_loader, "val_loader")
+    if any(y is None for _, batches in out for _, y in batches):
+        raise ValueError("val_loader batches must include targets (x, y)")
+    return out

@@ -29,130 +29,54 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from fromp._checks import check_chunk_size, check_prior_precision, require_eval
-from fromp.curvature.diagonal import DataArg, iter_batches
-from fromp.curvature.jacobian import check_memory_budget, free_memory
-from fromp.laplace.base import _likelihood
-from fromp.laplace.options import check_backend, option
-from fromp.laplace.predictive import LaplaceTorchAPI
-from fromp.likelihood import GaussianLikelihood
+import fromp.laplace.checks as checks
+from fromp.curvature.diagonal import DataArg
+from fromp.curvature.jacobian import free_memory
+from fromp.laplace.base import BaseLaplace
+from fromp.laplace.options import option
+from fromp.laplace.predictive import takes_mappings
 
 __all__ = ["FunctionalLaplace"]
 
 
-class FunctionalLaplace(LaplaceTorchAPI):
-    """The subset-of-data GP Laplace of all weights (module docstring).
+class FunctionalLaplace(BaseLaplace):
+    """The subset-of-data GP Laplace of all weights (module docstring), a
+    :class:`~fromp.laplace.base.BaseLaplace` (its prior, noise, checks, evidence
+    optimisation and predictive), with a scalar prior precision (the GP view needs an
+    isotropic prior).
 
-    Args (laplace-torch's): ``model``, ``likelihood``, ``n_subset`` (``M``),
-    ``sigma_noise``, ``prior_precision`` (a scalar: the GP view needs an isotropic prior),
-    ``prior_mean``, ``temperature``, ``enable_backprop``, ``dict_key_x``, ``dict_key_y``,
-    ``backend`` / ``backend_kwargs`` (GGN only), ``independent_outputs``, ``seed``;
-    fromp's ``full_output_hessian`` (default False: laplace-torch's diagonal) and
-    ``chunk_size`` (examples per Jacobian chunk) and ``memory_budget`` (bytes for the
-    predictive's chunks of test inputs; None: the device's default, see
-    :mod:`fromp.laplace.predictive`).
+    Args: ``n_subset`` (``M``), ``independent_outputs``, ``seed`` (laplace-torch's);
+    ``full_output_hessian`` (default False: laplace-torch's diagonal); the rest as
+    :class:`~fromp.laplace.base.BaseLaplace`.
     """
 
+    _key = ("all", "gp")
     structure = "gp"
-    subset_of_weights = "all"
 
     def __init__(
         self,
         model: nn.Module,
         likelihood: Any,
         n_subset: int,
-        sigma_noise: float | Tensor = 1.0,
-        prior_precision: float | Tensor = 1.0,
-        prior_mean: float | Tensor = 0.0,
-        temperature: float = 1.0,
-        enable_backprop: bool = False,
-        dict_key_x: str = "input_ids",
-        dict_key_y: str = "labels",
-        backend: Any = None,
-        backend_kwargs: dict[str, Any] | None = None,
+        *,
         independent_outputs: bool = False,
         seed: int = 0,
         full_output_hessian: bool = False,
-        chunk_size: int | None = None,
-        memory_budget: int | None = None,
+        **kwargs: Any,
     ) -> None:
-        if memory_budget is not None:
-            check_memory_budget(memory_budget)
-        self.memory_budget = memory_budget
-        check_backend(backend, backend_kwargs)
         if isinstance(n_subset, bool) or not isinstance(n_subset, int) or n_subset < 1:
             raise ValueError(f"n_subset must be a positive int, got {n_subset!r}")
-        if not (isinstance(temperature, int | float) and temperature > 0):
-            raise ValueError(f"temperature must be a positive number, got {temperature!r}")
-        self.model = model
-        self._lik, self._sigma = _likelihood(option(likelihood), sigma_noise)
-        self.regression = isinstance(self._lik, GaussianLikelihood)
-        self.temperature = float(temperature)
-        self.enable_backprop, self.dict_key_x, self.dict_key_y = (
-            bool(enable_backprop), dict_key_x, dict_key_y,
-        )  # fmt: skip
+        super().__init__(model, likelihood, **kwargs)
         self.n_subset, self.independent_outputs, self.seed = n_subset, independent_outputs, seed
         self.full_output_hessian = full_output_hessian
-        self.chunk_size = check_chunk_size(chunk_size)
-        self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.sizes = [p.numel() for _, p in self._named]
-        self._mu = torch.cat([p.detach().reshape(-1) for _, p in self._named]).clone()
-        self.prior_precision = prior_precision
-        m0 = torch.as_tensor(prior_mean, dtype=self._mu.dtype, device=self._mu.device)
-        m0 = m0.expand(self.num_params) if m0.ndim == 0 else m0
-        if m0.shape != self._mu.shape:
-            raise ValueError(f"prior_mean must be a float or have shape [P]=[{self.num_params}]")
-        self.prior_mean = m0.clone()
-        self.H: Any = None
-        self.n_data, self.n_outputs, self.loss = 0, 0, None
 
-    # ------------------------------------------------------------------ hyperparameters
-    num_params = property(lambda self: self._mu.numel())
-    n_layers = property(lambda self: len(self._named))
+    def _prior_sizes(self) -> dict[str, int]:
+        return {}  # a scalar
 
-    def _device(self) -> torch.device:
-        return self._mu.device
-
-    def _require_fit(self) -> Any:
-        if self.H is None:
-            raise ValueError("call fit(train_loader) first")
-        return self.H
-
-    @property
-    def prior_precision(self) -> Tensor:
-        return self._delta
-
-    @prior_precision.setter
-    def prior_precision(self, value: float | Tensor) -> None:
-        self._delta = self._check_delta(value).detach()
-
-    def _check_delta(self, value: float | Tensor) -> Tensor:
-        """``value`` as a 0-dim ``delta`` on the mean's dtype and device (differentiable)."""
-        if isinstance(value, Tensor) and value.numel() != 1:
-            raise ValueError(
-                "FunctionalLaplace needs a positive scalar prior_precision (the GP view of "
-                f"the linearised network needs an isotropic prior), got shape {tuple(value.shape)}"
-            )
-        value = value.reshape(()) if isinstance(value, Tensor) else value
-        return check_prior_precision(value, sizes={}, like=self._mu)  # type: ignore[return-value]
-
-    def _delta_vector(self, d: Tensor) -> Tensor:
-        return d.reshape(()).expand(self.num_params)
-
-    @property
-    def sigma_noise(self) -> Tensor:
-        return torch.tensor(self._sigma, dtype=self._mu.dtype, device=self._mu.device)
-
-    @sigma_noise.setter
-    def sigma_noise(self, value: float | Tensor) -> None:
-        v = float(value.detach()) if isinstance(value, Tensor) else float(value)
-        if not (v > 0 and math.isfinite(v)) or (not self.regression and v != 1.0):
-            raise ValueError(f"sigma_noise must be positive (1 for classification), got {v}")
-        self._sigma = v
-
-    def _factor(self, sigma: Any = None) -> Any:
-        s = self._sigma if sigma is None else sigma
-        return 1.0 / (s**2 * self.temperature) if self.regression else 1.0 / self.temperature
+    def _check_prior_structure(self, prior_structure: str) -> None:
+        if prior_structure != "scalar":
+            raise ValueError("FunctionalLaplace takes prior_structure='scalar' (the GP view of the "
+                             "linearised network needs an isotropic prior)")  # fmt: skip
 
     @property
     def gp_kernel_prior_variance(self) -> Tensor:
@@ -162,20 +86,33 @@ class FunctionalLaplace(LaplaceTorchAPI):
     # ------------------------------------------------------------------ fit
     def fit(self, train_loader: DataArg, override: bool = True, progress_bar: bool = False):
         """Draw the ``M`` subset points of ``train_loader`` and keep their Jacobians,
-        outputs and loss Hessians at the model's current weights."""
+        outputs and loss Hessians at the model's current weights (mapping batches are
+        joined into one mapping)."""
         if not override:
             raise ValueError("FunctionalLaplace.fit takes override=True only (laplace-torch's)")
-        require_eval(self.model)
-        batches = list(iter_batches(self._undict(train_loader), need_targets=True))
-        x = torch.cat([b[0] for b in batches]).to(self._device())
-        y = torch.cat([b[1] for b in batches]).to(self._device())
+        groups = checks.at_fit(self, train_loader)
+        if any(y is None for _, bs in groups for _, y in bs):
+            raise ValueError("FunctionalLaplace.fit needs targets: (x, y) batches")
+        mapping = None
+        if groups[0][0] is not None:
+            if any(m is None for m, _ in groups):
+                raise ValueError("train_loader mixes mapping and tensor batches")
+            mapping = {k: torch.cat([m[k] for m, _ in groups]) if isinstance(v, Tensor) else v
+                       for k, v in groups[0][0].items()}  # fmt: skip
+        with checks.on_mapping(self.model, mapping, self.dict_key_x) as idx:
+            y = torch.cat([y for _, bs in groups for _, y in bs]).to(self._device())
+            x = idx if idx is not None else torch.cat([x for _, bs in groups for x, _ in bs])
+            self._fit_subset(x.to(self._device()), y)
+        return self
+
+    def _fit_subset(self, x: Tensor, y: Tensor) -> None:
         n = len(x)
         if self.n_subset > n:
             raise ValueError(f"n_subset={self.n_subset} exceeds the N={n} training points")
         self._check_jacobian_fits(x)
         idx = torch.as_tensor(np.random.default_rng(self.seed).choice(n, self.n_subset,
                                                                       replace=False))  # fmt: skip
-        self._mu = torch.cat([p.detach().reshape(-1) for _, p in self._named]).clone()
+        self._set_mean()
         self.H = True  # the Jacobians below need a "fitted" object
         js, f = self._jacobians(x[idx])
         self._jm, self._fm, self._ym, self.n_data, self.n_outputs = js, f, y[idx], n, f.shape[1]
@@ -191,7 +128,6 @@ class FunctionalLaplace(LaplaceTorchAPI):
         evals, evecs = torch.linalg.eigh(lam)
         self._lam_root = evecs * evals.clamp_min(0).sqrt().unsqueeze(-2)  # L L^T = Lambda
         self.H = (js, lam)
-        return self
 
     def _check_jacobian_fits(self, x: Tensor) -> None:
         """Refuse, before any Jacobian is taken, a subset whose Jacobian ``[M, C, P]`` (kept
@@ -337,30 +273,8 @@ class FunctionalLaplace(LaplaceTorchAPI):
         d = self._delta if prior_precision is None else self._check_delta(prior_precision)
         return self._evidence(d, sigma_noise)
 
-    def optimize_prior_precision(
-        self,
-        pred_type: str = "gp",
-        method: str = "marglik",
-        n_steps: int = 100,
-        lr: float = 0.1,
-        init_prior_prec: float = 1.0,
-        **kwargs: Any,
-    ) -> Tensor:
-        """laplace-torch's: ``n_steps`` Adam steps of rate ``lr`` on ``log delta`` from
-        ``init_prior_prec`` maximising the evidence (``method="marglik"``, scalar prior)."""
-        if option(method) != "marglik":
-            raise ValueError("FunctionalLaplace.optimize_prior_precision takes method='marglik'")
-        init = check_prior_precision(init_prior_prec, sizes={}, name="init_prior_prec")
-        log_d = torch.tensor(math.log(float(init)), dtype=self._mu.dtype, requires_grad=True)
-        opt = torch.optim.Adam([log_d], lr=lr)
-        for _ in range(n_steps):
-            opt.zero_grad()
-            (-self._evidence(log_d.exp(), None)).backward()
-            opt.step()
-        self.prior_precision = log_d.detach().exp()
-        return self.prior_precision
-
     # ------------------------------------------------------------------ predictive
+    @takes_mappings
     def __call__(self, x: Any, pred_type: str = "gp", joint: bool = False,
                  link_approx: str = "probit", n_samples: int = 100,
                  diagonal_output: bool = False, generator: torch.Generator | None = None,

@@ -19,33 +19,44 @@ from fromp.curvature.last_layer import (
     last_layer_forward,
     last_layer_ggn,
 )
-from fromp.laplace.base import BaseLaplace
+from fromp.laplace.base import ParametricLaplace
 from fromp.laplace.structures import _DiagMaths, _FullMaths, _KronMixin
 
-__all__ = ["DiagLLLaplace", "FullLLLaplace", "KronLLLaplace"]
+__all__ = ["DiagLLLaplace", "FullLLLaplace", "KronLLLaplace", "LLLaplace"]
 
 
-class _LastLayer:
-    """The last ``nn.Linear`` layer ``f = W phi + b`` as the subset: ``J_n = I_C (x)
-    [phi_n; 1]^T`` in closed form, features captured once per batch. ``last_layer_name``
-    (laplace-torch's) names the layer
-    (checked at the first fit to give the model's output); None finds it."""
+class LLLaplace(ParametricLaplace):
+    """The last ``nn.Linear`` layer ``f = W phi + b`` as the subset (laplace-torch's
+    ``LLLaplace``): ``J_n = I_C (x) [phi_n; 1]^T`` in closed form, features captured once
+    per batch. ``last_layer_name`` (laplace-torch's) names the layer (checked at the first
+    fit to give the model's output); None finds it at the first fit."""
 
-    def __init__(self, model, likelihood, last_layer_name=None, feature_reduction=None, **kwargs):
+    subset_of_weights = "last_layer"
+
+    def __init__(self, model, likelihood, *, last_layer_name=None, feature_reduction=None,
+                 **kwargs):  # fmt: skip
         if feature_reduction is not None:
             raise ValueError(
                 f"feature_reduction={feature_reduction!r} is not supported: fromp's last layer "
                 "takes features [N, D] (reduce a sequence dimension inside the model)"
             )
-        kwargs.pop("subset_of_weights", None)
-        super().__init__(model, likelihood, subset_of_weights="last_layer", **kwargs)
         self.last_layer_name = last_layer_name
-        if last_layer_name is not None:
-            layer = dict(model.named_modules()).get(last_layer_name)
-            if not isinstance(layer, nn.Linear):
-                raise ValueError(f"last_layer_name={last_layer_name!r} must name an nn.Linear "
-                                 f"of the model, got {type(layer).__name__}")  # fmt: skip
-            self._use_layer(last_layer_name, layer)
+        super().__init__(model, likelihood, **kwargs)
+
+    def _subset_named(self):
+        if self.last_layer_name is None:
+            return []
+        layer = dict(self.model.named_modules()).get(self.last_layer_name)
+        if not isinstance(layer, nn.Linear):
+            raise ValueError(f"last_layer_name={self.last_layer_name!r} must name an nn.Linear "
+                             f"of the model, got {type(layer).__name__}")  # fmt: skip
+        self.layer_name, self.layer = self.last_layer_name, layer
+        return self._layer_named()
+
+    def _layer_named(self):
+        prefix = f"{self.layer_name}." if self.layer_name else ""
+        return [(prefix + n, p) for n, p in self.layer.named_parameters(recurse=False)
+                if p.requires_grad]  # fmt: skip
 
     def _prepare(self, x: Tensor) -> None:
         self.data = x  # laplace-torch's: an input that found the last layer
@@ -66,10 +77,11 @@ class _LastLayer:
 
     def _use_layer(self, name: str, layer: nn.Module) -> None:
         self.layer_name, self.layer = name, layer
-        prefix = f"{name}." if name else ""
-        self._named = [
-            (prefix + n, p) for n, p in layer.named_parameters(recurse=False) if p.requires_grad
-        ]
+        self._named = self._layer_named()
+        if not self._named:
+            raise ValueError(f"subset_of_weights='last_layer': the last layer ({name or 'model'}) "
+                             "has no trainable parameters (requires_grad=False); unfreeze it or "
+                             "use subset_of_weights='all'")  # fmt: skip
         self._set_mean()
         self._init_prior()
 
@@ -126,9 +138,10 @@ class _LastLayer:
         return torch.einsum("nd,scd->snc", self._tilde(phi).to(heads), heads)
 
 
-class DiagLLLaplace(_LastLayer, _DiagMaths, BaseLaplace):
+class DiagLLLaplace(_DiagMaths, LLLaplace):
     """Last layer, diagonal: ``diag(G)[c, d] = sum_n Lambda_n[c, c] phi~_nd^2``."""
 
+    _key = ("last_layer", "diag")
     structure = "diag"
 
     def _curvature(self, batches):
@@ -152,9 +165,10 @@ class DiagLLLaplace(_LastLayer, _DiagMaths, BaseLaplace):
         return torch.einsum("ncm,cd->ncmd", k, eye)
 
 
-class FullLLLaplace(_LastLayer, _FullMaths, BaseLaplace):
+class FullLLLaplace(_FullMaths, LLLaplace):
     """Last layer, full: ``G = sum_n Lambda_n (x) phi~_n phi~_n^T`` ``[P, P]``."""
 
+    _key = ("last_layer", "full")
     structure = "full"
 
     def _curvature(self, batches):
@@ -190,10 +204,11 @@ class FullLLLaplace(_LastLayer, _FullMaths, BaseLaplace):
         return torch.einsum("nd,cdke,me->ncmk", self._tilde(p1), self._cov4(), self._tilde(p2))
 
 
-class KronLLLaplace(_LastLayer, _KronMixin, BaseLaplace):
+class KronLLLaplace(_KronMixin, LLLaplace):
     """Last layer, Kronecker: ``B = sum_n Lambda_n`` ``[C, C]``, ``A = (1/N) sum_n phi_n
     phi_n^T`` for the weight, the exact ``B`` for the bias (as :mod:`fromp.curvature.kron`)."""
 
+    _key = ("last_layer", "kron")
     structure = "kron"
 
     def _curvature(self, batches):

@@ -48,7 +48,7 @@ from torch import Tensor, nn
 
 from fromp.curvature.ggn import ggn_matmat
 from fromp.curvature.jacobian import iter_jacobians, trainable_params
-from fromp.laplace.base import BaseLaplace
+from fromp.laplace.base import ParametricLaplace
 from fromp.likelihood import Likelihood
 
 __all__ = ["LowRankLaplace", "top_eigenpairs"]
@@ -125,7 +125,7 @@ def top_eigenpairs(
     return _truncate(theta, q @ s, k, max(p_total, rows))
 
 
-class LowRankLaplace(BaseLaplace):
+class LowRankLaplace(ParametricLaplace):
     """``subset_of_weights="all"``, ``hessian_structure="lowrank"`` (module docstring).
 
     Args (besides :class:`~fromp.laplace.base.BaseLaplace`'s):
@@ -137,6 +137,7 @@ class LowRankLaplace(BaseLaplace):
     ``posterior_precision`` is laplace-torch's ``((U, lam / (s^2 T)), d)``.
     """
 
+    _key = ("all", "lowrank")
     structure = "lowrank"
 
     def __init__(
@@ -162,8 +163,6 @@ class LowRankLaplace(BaseLaplace):
             raise ValueError(f"low_rank must be a positive int, got {low_rank!r}")
         if eig_method not in ("auto", "gram", "subspace"):
             raise ValueError(f"eig_method must be 'auto', 'gram' or 'subspace', got {eig_method!r}")
-        if kwargs.get("subset_of_weights", "all") != "all":
-            raise ValueError("hessian_structure='lowrank' needs subset_of_weights='all'")
         super().__init__(model, likelihood, **kwargs)
         self.low_rank, self.eig_method = low_rank, eig_method
         self._eig_kw = {"oversampling": oversampling, "max_iter": max_iter, "tol": tol,

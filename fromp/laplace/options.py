@@ -16,6 +16,7 @@ from enum import Enum
 from typing import Any
 
 __all__ = [
+    "FunctionalApproximation",
     "HessianStructure",
     "Likelihood",
     "LinkApprox",
@@ -44,6 +45,15 @@ class HessianStructure(str, Enum):
     DIAG = "diag"
     LOWRANK = "lowrank"
     GP = "gp"
+
+
+class FunctionalApproximation(str, Enum):
+    """``functional_approximation`` of :func:`fromp.Laplace` (``hessian_structure="gp"``):
+    fromp offers the subset of data (``"sod"``); the others are refused naming it."""
+
+    SOD = "sod"
+    NYSTROM = "nystrom"
+    VARIATIONAL = "variational"
 
 
 class Likelihood(str, Enum):

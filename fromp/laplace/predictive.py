@@ -28,9 +28,9 @@ Last-layer posteriors draw ``"nn"`` samples from the features ``phi(x)`` of one 
 
 from __future__ import annotations
 
+import functools
 import math
-import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -50,7 +50,27 @@ from fromp.laplace.options import option
 from fromp.likelihood import CategoricalLikelihood, GaussianLikelihood
 from fromp.link import glm_draws, probit_scale
 
-__all__ = ["LaplaceBackend", "LaplaceTorchAPI", "bridge"]
+__all__ = ["LaplaceBackend", "LaplaceTorchAPI", "bridge", "takes_mappings"]
+
+
+def takes_mappings(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A method of test inputs ``x`` that also takes a mapping batch (Hugging Face style:
+    the model is called on the whole mapping, ``x[dict_key_x]`` gives the number of
+    examples), through :func:`fromp.laplace.checks.on_mapping`."""
+
+    @functools.wraps(fn)
+    def method(self: Any, x: Any, *args: Any, **kwargs: Any) -> Any:
+        la = getattr(self, "la", self)  # LaplaceBackend: its Laplace's
+        if not isinstance(x, Mapping):
+            return fn(self, x, *args, **kwargs)
+        if la.dict_key_x not in x:
+            raise ValueError(f"x is a mapping without the key dict_key_x={la.dict_key_x!r} "
+                             f"(keys: {list(x)})")  # fmt: skip
+        with checks.on_mapping(la.model, x, la.dict_key_x) as idx:
+            return fn(self, idx, *args, **kwargs)
+
+    return method
+
 
 _PRED = ("glm", "nn")
 _LINKS = ("probit", "bridge", "bridge_norm", "mc")
@@ -88,6 +108,7 @@ class LaplaceBackend:
     def model(self) -> nn.Module:
         return self.la.model
 
+    @takes_mappings
     def jacobians(self, x: Any, enable_backprop: bool = False) -> tuple[Tensor, Tensor]:
         """``(Js [N, C, P], f [N, C])``: the Jacobians of the outputs in the subset's
         parameters (``P``: the subset, ``S`` for a subnetwork), and the outputs."""
@@ -100,6 +121,7 @@ class LaplaceBackend:
                              "use jacobians")  # fmt: skip
         return self.jacobians(x, enable_backprop)
 
+    @takes_mappings
     def gradients(self, x: Any, y: Tensor) -> tuple[Tensor, Tensor]:
         """``(Gs [N, P], loss)``: per-example gradients of the loss (cross-entropy summed;
         regression ``1/2 (f - y)^2`` summed over outputs, laplace-torch's ``MSELoss`` with
@@ -267,13 +289,8 @@ class LaplaceTorchAPI:
 
     # ------------------------------------------------------------------ Jacobians
     def _input(self, x: Any, memory_budget: int | None = None) -> Tensor:
-        """``x``, or ``x[dict_key_x]`` of a mapping (a Hugging Face-style batch), on the
-        model's device."""
-        if isinstance(x, Mapping):
-            if self.dict_key_x not in x:
-                raise ValueError(f"x is a mapping without the key dict_key_x="
-                                 f"{self.dict_key_x!r} (keys: {list(x)})")  # fmt: skip
-            x = x[self.dict_key_x]
+        """``x`` on the model's device, checked (a mapping became its index input in
+        :func:`takes_mappings`)."""
         if not isinstance(x, Tensor):
             raise ValueError(f"x must be a tensor or a mapping, got {type(x).__name__}")
         # a fit, eval mode, the fitted size, finite x and outputs f(x); the last-layer
@@ -281,24 +298,6 @@ class LaplaceTorchAPI:
         # (checks.finite_outputs), so that their predictive runs the network once
         checks.at_predict(self, x, self.subset_of_weights != "last_layer", memory_budget)
         return x.to(self._device())
-
-    def _undict(self, data: Any) -> Any:
-        """Training data with mapping batches turned into ``(x, y)`` tuples
-        (``dict_key_x`` / ``dict_key_y``)."""
-        kx, ky = self.dict_key_x, self.dict_key_y
-
-        def one(b: Any) -> Any:
-            if not isinstance(b, Mapping):
-                return b
-            if kx not in b:
-                raise ValueError(f"a mapping batch lacks dict_key_x={kx!r} (keys: {list(b)})")
-            return (b[kx], b[ky]) if ky in b else (b[kx],)
-
-        if isinstance(data, Mapping):
-            return one(data)
-        if isinstance(data, Tensor | tuple):
-            return data
-        return [one(b) for b in data]
 
     def _jacobian_columns(self) -> Tensor | None:
         """Hook: the columns of the subset's concatenated parameter tensors that are the
@@ -380,14 +379,29 @@ class LaplaceTorchAPI:
             if before_chunk is not None:
                 before_chunk()
             return fn(x)
-        outs = []
+        # the results are written into tensors allocated at the first chunk: a small result
+        # kept between the chunks' large buffers pins their freed memory (a peak growing with
+        # the number of inputs); a result differentiable in x is concatenated instead
+        outs: list[Any] = []
+        single = True
         for rows in row_chunks(len(x), step):
             if before_chunk is not None:
                 before_chunk()
-            outs.append(fn(x[rows]))
-        if isinstance(outs[0], Tensor):
-            return torch.cat(outs, dims[0])
-        return tuple(torch.cat(list(o), d) for o, d in zip(zip(*outs), dims))
+            got = fn(x[rows])
+            single = isinstance(got, Tensor)
+            parts = (got,) if single else got
+            for i, (part, d) in enumerate(zip(parts, dims)):
+                if len(outs) <= i:
+                    shape = list(part.shape)
+                    shape[d] = len(x)
+                    outs.append([] if part.requires_grad else part.new_empty(shape))
+                if isinstance(outs[i], list):
+                    outs[i].append(part)
+                else:
+                    outs[i].narrow(d, rows.start, rows.stop - rows.start).copy_(part)
+            del got, parts
+        outs = [torch.cat(o, d) if isinstance(o, list) else o for o, d in zip(outs, dims)]
+        return outs[0] if single else tuple(outs)
 
     def _kernel_chunked(self, x1: Tensor, x2: Tensor, memory_budget: int | None = None) -> Tensor:
         """``J(x1) Sigma J(x2)^T`` ``[N1, C, N2, C]`` by blocks of inputs (each structure's
@@ -458,14 +472,7 @@ class LaplaceTorchAPI:
 
     def functional_variance(self, Js: Tensor) -> Tensor:
         """``J_n Sigma J_n^T`` ``[N, C, C]`` for Jacobians ``Js`` ``[N, C, P]``
-        (laplace-torch's meaning). Passing inputs ``x`` instead (fromp 0.3) still
-        works with a DeprecationWarning: use :meth:`functional_variance_at`."""
-        looks_like_js = isinstance(Js, Tensor) and Js.ndim == 3 and Js.shape[-1] == self.num_params
-        if not looks_like_js or (self.n_outputs and Js.shape[1] != self.n_outputs):
-            warnings.warn("functional_variance(x) with inputs is deprecated: it takes Jacobians "
-                          "[N, C, P] (laplace-torch's meaning); use functional_variance_at(x)",
-                          DeprecationWarning, stacklevel=2)  # fmt: skip
-            return self.functional_variance_at(Js)
+        (laplace-torch's; at inputs ``x``: :meth:`functional_variance_at`)."""
         js = self._check_js(Js)
         return self._over_inputs(js, self._js_variance, None, 3 * js[0].numel() * js.element_size())
 
@@ -479,6 +486,7 @@ class LaplaceTorchAPI:
         j = self._check_js(Js).flatten(0, 1)
         return j @ self._sigma_times(j).T
 
+    @takes_mappings
     def functional_variance_at(self, x: Tensor, memory_budget: int | None = None) -> Tensor:
         """``J(x_n) Sigma J(x_n)^T`` ``[N, C, C]`` at inputs ``x`` (each structure's fast
         route, no ``[N, C, P]`` Jacobian where it has one), a chunk of inputs at a time
@@ -524,6 +532,7 @@ class LaplaceTorchAPI:
         return mu.detach(), var.detach()
 
     # ------------------------------------------------------------------ predictive
+    @takes_mappings
     def __call__(
         self,
         x: Any,
@@ -554,14 +563,7 @@ class LaplaceTorchAPI:
         ``memory_budget``: working bytes for this call (module docstring: the inputs are
         taken a chunk at a time; default the Laplace's, else the device's).
 
-        ``fitting`` (laplace-torch's reward modelling) has no effect here. A string in the
-        third position is taken as ``link_approx`` (fromp 0.3's order), with a
-        DeprecationWarning."""
-        if isinstance(joint, str):
-            warnings.warn("la(x, pred_type, link_approx) positionally is deprecated: the third "
-                          "argument is joint (laplace-torch's order); pass link_approx=...",
-                          DeprecationWarning, stacklevel=2)  # fmt: skip
-            joint, link_approx = False, joint
+        ``fitting`` (laplace-torch's reward modelling) has no effect here."""
         pred_type, link_approx = option(pred_type), option(link_approx)
         if pred_type not in _PRED:
             raise ValueError(f"pred_type must be 'glm' or 'nn', got {pred_type!r}")
@@ -625,6 +627,7 @@ class LaplaceTorchAPI:
         return self(x, pred_type=pred_type, link_approx=link_approx, n_samples=n_samples,
                     memory_budget=memory_budget)  # fmt: skip
 
+    @takes_mappings
     def functional_samples(
         self,
         x: Any,

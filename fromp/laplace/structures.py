@@ -6,7 +6,7 @@ One class per (subset of weights, structure), as in laplace-torch:
 =========================  ===================  ===================  ===================
 subset \\ structure        ``"diag"``           ``"kron"``           ``"full"``
 =========================  ===================  ===================  ===================
-``"all"``                  :class:`LaplaceDiag`  :class:`KronLaplace`  :class:`LaplaceFull`
+``"all"``                  :class:`DiagLaplace`  :class:`KronLaplace`  :class:`FullLaplace`
 ``"last_layer"``           :class:`DiagLLLaplace` :class:`KronLLLaplace` :class:`FullLLLaplace`
 =========================  ===================  ===================  ===================
 
@@ -24,10 +24,11 @@ the network.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 import fromp.laplace.checks as checks
 from fromp.curvature.capture import LayerMap, capture_calls
@@ -35,14 +36,10 @@ from fromp.curvature.diagonal import diag_ggn
 from fromp.curvature.ggn import ggn
 from fromp.curvature.kron import KronCurvature, KronEigen, kron_curvature
 from fromp.curvature.layer_rules import per_example_layer_grads, rule_for
-from fromp.laplace.base import BaseLaplace
+from fromp.laplace.base import ParametricLaplace
 from fromp.posterior import DiagonalGaussian, FullGaussian
 
-__all__ = [
-    "KronLaplace",
-    "LaplaceDiag",
-    "LaplaceFull",
-]
+__all__ = ["DiagLaplace", "FullLaplace", "KronH", "KronLaplace", "KronPrecision"]
 
 
 class _AllWeightsGP:
@@ -120,11 +117,18 @@ class _DiagMaths:
         return v * self.posterior_precision
 
 
-class LaplaceDiag(_AllWeightsGP, _DiagMaths, BaseLaplace):
+class DiagLaplace(_AllWeightsGP, _DiagMaths, ParametricLaplace):
     """``subset_of_weights="all"``, ``hessian_structure="diag"``: ``diag(G)`` ``[P]`` by
     layer capture (any ``nn.Module``; Linear, convolution and norm layers from their inputs
-    and output gradients, per-example Jacobians for other parameters)."""
+    and output gradients, per-example Jacobians for other parameters)::
 
+        la = DiagLaplace(model, "classification").fit(train_loader)
+        la.optimize_prior_precision()              # method="marglik"
+        probs = la(x_test)                         # probit GLM predictive
+        q = la.posterior                           # DiagonalGaussian for FROMP / VOGN
+    """
+
+    _key = ("all", "diag")
     structure = "diag"
 
     def _curvature(self, batches):
@@ -198,10 +202,11 @@ class _FullMaths:
         return torch.linalg.solve_triangular(chol.T, z.double().T, upper=True).T.to(z.dtype)
 
 
-class LaplaceFull(_AllWeightsGP, _FullMaths, BaseLaplace):
+class FullLaplace(_AllWeightsGP, _FullMaths, ParametricLaplace):
     """``subset_of_weights="all"``, ``hessian_structure="full"``: ``G`` ``[P, P]`` (small
     models: ``P <= max_params``)."""
 
+    _key = ("all", "full")
     structure = "full"
 
     def _curvature(self, batches):
@@ -214,11 +219,51 @@ class LaplaceFull(_AllWeightsGP, _FullMaths, BaseLaplace):
         return FullGaussian(self._mu.clone(), self.posterior_precision.detach().clone())
 
 
+@dataclass
+class KronH(KronCurvature):
+    """A fitted Kronecker curvature (``la.H``) with laplace-torch's :meth:`to_matrix`."""
+
+    order: list[str] = field(default_factory=list)
+
+    def to_matrix(self) -> Tensor:
+        """The dense block-diagonal ``[P, P]`` of ``B (x) A`` per weight, ``B_bias`` per bias
+        and ``diag(h)`` per other parameter tensor, in the subset's parameter order (small
+        models only)."""
+        blocks: dict[str, Tensor] = {}
+        for blk, names in zip(self.blocks, self.names):
+            blocks[names[0]] = torch.kron(blk.B, blk.A)
+            if len(names) > 1:
+                blocks[names[1]] = blk.B_bias
+        blocks |= {k: torch.diag(v.reshape(-1)) for k, v in self.diag.items()}
+        return torch.block_diag(*[blocks[n] for n in self.order])
+
+
+class KronPrecision(list):
+    """The Kronecker posterior precision: its dense blocks per parameter tensor (a list),
+    with laplace-torch's :meth:`to_matrix`."""
+
+    def to_matrix(self) -> Tensor:
+        """The dense ``[P, P]`` precision (small models only)."""
+        return torch.block_diag(*self)
+
+
 class _KronMixin:
     """Posterior maths of a KFAC curvature (:class:`fromp.curvature.kron.KronCurvature`)."""
 
     def _fitted(self):
+        if self.H is not None and not isinstance(self.H, KronH):
+            h = self.H
+            self.H = KronH(h.blocks, h.names, h.n, h.diag, order=self.parameter_names)
         self._eig = KronEigen(self.H) if self.H is not None else None
+
+    def _check_delta(self, value):
+        """The prior of :meth:`~fromp.laplace.base.BaseLaplace._check_delta`, and a ``[P]``
+        one constant on each parameter tensor (one precision per tensor keeps the
+        Kronecker eigenbasis)."""
+        d = super()._check_delta(value)
+        if d.ndim == 1 and len(d) == self.num_params and len(d) != self.n_layers:
+            self._deltas(d)  # refuses one that varies inside a tensor
+        return d
 
     damping = False  # laplace-torch's damped Kronecker sum is not offered (exact eigenvalues)
 
@@ -338,18 +383,19 @@ class _KronMixin:
         return total
 
     @property
-    def posterior_precision(self) -> list[Tensor]:
+    def posterior_precision(self) -> KronPrecision:
         """Dense precision blocks, one per parameter tensor (``B (x) A / (s^2 T) + delta``
-        for a weight, ``diag(h / (s^2 T) + delta)`` for a diagonal block): for inspection
-        and tests; the posterior itself is never formed."""
+        for a weight, ``diag(h / (s^2 T) + delta)`` for a diagonal block; ``to_matrix()``:
+        the ``[P, P]`` matrix): for inspection and tests; the posterior itself is never
+        formed."""
         self._require_fit()
         kron, diag = self._split_deltas(self._deltas(self._delta))
         dense = iter(self._eig.to_dense(self._factor(), kron))
-        return [
+        return KronPrecision([
             torch.diag((self.H.diag[ref] * self._factor() + diag[ref]).reshape(-1))
             if kind == "d" else next(dense)
             for kind, ref in self._entries()
-        ]  # fmt: skip
+        ])  # fmt: skip
 
     @property
     def posterior_covariance(self) -> Tensor:
@@ -401,16 +447,27 @@ class _KronMixin:
         return torch.cat(parts)
 
 
-class KronLaplace(_KronMixin, BaseLaplace):
+class KronLaplace(_KronMixin, ParametricLaplace):
     """``subset_of_weights="all"``, ``hessian_structure="kron"``: KFAC of every
     ``Linear`` / ``Conv2d`` layer (:mod:`fromp.curvature.kron`) and exact GGN-diagonal blocks for
     the parameters of batch-norm, layer-norm and group-norm layers (a ResNet's); models with
     parameters in other layers are refused (use ``"diag"``). The functional variance and the
     kernel come from each layer's per-example Jacobian rows ``sum_l g_ncl u_nl^T`` rotated
     into the factors' eigenbases: ``sum_ij R_nc,ij R_mc',ij / (b_i a_j / (s^2 T) +
-    delta)``, and the diagonal blocks' per-example gradients."""
+    delta)``, and the diagonal blocks' per-example gradients.
 
+    ``damping`` (laplace-torch's) is taken as False only: fromp uses the exact eigenvalues
+    of ``G / (s^2 T) + delta`` in the factors' eigenbases."""
+
+    _key = ("all", "kron")
     structure = "kron"
+
+    def __init__(self, model: nn.Module, likelihood: Any, *, damping: bool = False,
+                 **kwargs: Any) -> None:  # fmt: skip
+        if damping:
+            raise ValueError("damping=True is not supported: fromp's Kronecker posterior uses "
+                             "the exact eigenvalues of G / (s^2 T) + delta I")  # fmt: skip
+        super().__init__(model, likelihood, **kwargs)
 
     def _curvature(self, batches):
         # the curvature pass's outputs serve the evidence's data term (no second forward pass)

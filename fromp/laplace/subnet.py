@@ -30,8 +30,8 @@ Jacobian. ``G_SS`` is never cut from a ``[P, P]`` GGN; ``J_{n,S}`` is computed e
 
 ``method="auto"`` picks ``"forward"`` when ``S <= C`` (the number of outputs), else
 ``"capture"``. ``hessian_structure="full"`` keeps ``G_SS`` ``[S, S]``, ``"diag"`` its
-diagonal; the posterior maths is that of :class:`~fromp.laplace.structures.LaplaceFull` /
-:class:`~fromp.laplace.structures.LaplaceDiag` on ``S`` parameters.
+diagonal; the posterior maths is that of :class:`~fromp.laplace.structures.FullLaplace` /
+:class:`~fromp.laplace.structures.DiagLaplace` on ``S`` parameters.
 
 Prior precision ``delta``: a scalar, one per parameter tensor holding subnetwork entries
 (``"layerwise"``, in the model's order) or one per subnetwork entry ``[S]``.
@@ -53,8 +53,8 @@ from fromp.curvature.capture import (
 )
 from fromp.curvature.jacobian import over_examples
 from fromp.curvature.layer_rules import per_example_entries
-from fromp.laplace.base import BaseLaplace
-from fromp.laplace.structures import LaplaceDiag, LaplaceFull, _DiagMaths, _FullMaths
+from fromp.laplace.base import ParametricLaplace
+from fromp.laplace.structures import DiagLaplace, FullLaplace, _DiagMaths, _FullMaths
 from fromp.laplace.subnet_masks import (
     LargestMagnitudeSubnetMask,
     LargestVarianceDiagLaplaceSubnetMask,
@@ -102,7 +102,7 @@ def check_subnetwork_indices(indices: Any, n_params: int) -> Tensor:
     return indices
 
 
-class SubnetLaplace(BaseLaplace):
+class SubnetLaplace(ParametricLaplace):
     """Laplace over a subnetwork (module docstring); build one with
     ``fromp.Laplace(model, likelihood, subset_of_weights="subnetwork", hessian_structure=
     "full" | "diag", subnetwork_indices=idx)``.
@@ -122,7 +122,6 @@ class SubnetLaplace(BaseLaplace):
         subnetwork_indices: Tensor | None = None,
         **kwargs: Any,
     ) -> None:
-        kwargs.pop("subset_of_weights", None)
         n_total = sum(p.numel() for p in model.parameters())
         idx = check_subnetwork_indices(subnetwork_indices, n_total)
         if kwargs.get("method", "auto") not in ("auto", "forward", "reverse", "capture"):
@@ -130,11 +129,14 @@ class SubnetLaplace(BaseLaplace):
                 f"method must be 'auto', 'forward', 'reverse' or 'capture' for "
                 f"subset_of_weights='subnetwork', got {kwargs['method']!r}"
             )
-        super().__init__(model, likelihood, subset_of_weights="subnetwork", **kwargs)
         self.subnetwork_indices = idx.detach().cpu().clone()
+        super().__init__(model, likelihood, **kwargs)
+
+    subset_of_weights = "subnetwork"
+
+    def _subset_named(self) -> list[tuple[str, nn.Parameter]]:
         self._locate()
-        self._set_mean()
-        self._init_prior()
+        return self._named
 
     # ------------------------------------------------------------------ the subnetwork
     def _locate(self) -> None:
@@ -396,6 +398,7 @@ class SubnetLaplace(BaseLaplace):
 class FullSubnetLaplace(_FullMaths, SubnetLaplace):
     """Subnetwork, ``hessian_structure="full"``: ``G_SS`` ``[S, S]``."""
 
+    _key = ("subnetwork", "full")
     structure = "full"
 
     def _curvature(self, batches):
@@ -404,7 +407,7 @@ class FullSubnetLaplace(_FullMaths, SubnetLaplace):
             g = g + rows.T @ rows
         return 0.5 * (g + g.T)
 
-    posterior = LaplaceFull.posterior
+    posterior = FullLaplace.posterior
 
     def _cov_times(self, jac):
         return self._covariance() @ jac.flatten(0, 1).T
@@ -413,6 +416,7 @@ class FullSubnetLaplace(_FullMaths, SubnetLaplace):
 class DiagSubnetLaplace(_DiagMaths, SubnetLaplace):
     """Subnetwork, ``hessian_structure="diag"``: ``diag(G_SS)`` ``[S]``."""
 
+    _key = ("subnetwork", "diag")
     structure = "diag"
 
     def _curvature(self, batches):
@@ -421,7 +425,7 @@ class DiagSubnetLaplace(_DiagMaths, SubnetLaplace):
             h = h + (rows**2).sum(0)
         return h
 
-    posterior = LaplaceDiag.posterior
+    posterior = DiagLaplace.posterior
 
     def _cov_times(self, jac):
         return self.posterior_variance[:, None] * jac.flatten(0, 1).T

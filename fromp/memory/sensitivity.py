@@ -41,7 +41,7 @@ memory ``chunk_size * C * P`` numbers, never ``P x P`` for a diagonal posterior)
 
 Example::
 
-    q = fromp.laplace(model, (x, y), "categorical", prior_precision=1.0)  # or opt.posterior()
+    q = fromp.fit_laplace(model, (x, y), "categorical", prior_precision=1.0)  # or opt.posterior()
     mp = memory_perturbation(model, q, x, y)
     mp.sensitivity          # [N]
     mp.loo_summary()        # {"loo_nll": ..., "loo_accuracy": ..., "train_nll": ...}
@@ -366,7 +366,7 @@ def newton_step_loo(
     ``curvature="hessian"`` removes the example's exact Hessian ``H_i = J_i^T Lambda_i J_i +
     sum_c e_ic d^2 f_ic / dw^2`` (use with ``H`` the exact Hessian of ``L``, e.g.
     ``FullGaussian(w*, torch.func.hessian(L)(w*))``); ``curvature="ggn"`` removes
-    ``J_i^T Lambda_i J_i`` (use with a GGN posterior such as :func:`fromp.laplace_full`; with
+    ``J_i^T Lambda_i J_i`` (use with a GGN posterior such as :func:`fromp.fit_laplace_full`; with
     ``linearize=True`` this is ``memory_perturbation(..., covariance="full",
     correction=True)``).
 

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parameters_to_vector
 
+from fromp._checks import check_positive
 from fromp.laplace.base import BaseLaplace
 from fromp.laplace.factory import Laplace
 from fromp.laplace.options import check_backend, option
@@ -33,11 +34,44 @@ from fromp.laplace.options import check_backend, option
 __all__ = ["marglik_training"]
 
 
-def _batch(data: Any, key_x: str, key_y: str, device: torch.device) -> tuple[Tensor, Tensor]:
+def _batch(data: Any, key_x: str, key_y: str, device: torch.device) -> tuple[Any, Tensor]:
+    """``(model input, y)``: a mapping batch is the model's input as a whole (laplace-torch's),
+    its targets at ``key_y``."""
     if isinstance(data, Mapping):
-        return data[key_x].to(device), data[key_y].to(device)
+        for key in (key_x, key_y):
+            if key not in data:
+                name = "dict_key_x" if key == key_x else "dict_key_y"
+                raise ValueError(f"a mapping batch of train_loader lacks {name}={key!r} (keys: "
+                                 f"{list(data)})")  # fmt: skip
+        return data, data[key_y].to(device)
     x, y = data[0], data[1]
     return x.to(device), y.to(device)
+
+
+def _forward(model: nn.Module, x: Any) -> Tensor:
+    """``model(x)``; a model that cannot take a mapping batch is named."""
+    if not isinstance(x, Mapping):
+        return model(x)
+    try:
+        return model(x)
+    except (TypeError, IndexError, KeyError) as err:
+        raise ValueError("the model cannot be called on train_loader's mapping batches: as in "
+                         "laplace-torch it is called on the whole mapping (its forward reads "
+                         f"the inputs at dict_key_x): {err}") from err  # fmt: skip
+
+
+def _count(train_loader: Any, key_x: str, key_y: str) -> int:
+    """``N``: ``len(train_loader.dataset)`` or the examples of a list of batches."""
+    dataset = getattr(train_loader, "dataset", None)
+    if dataset is not None:
+        return len(dataset)
+    return sum(len(_batch(b, key_x, key_y, torch.device("cpu"))[1]) for b in train_loader)
+
+
+def _positive_int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
 
 
 def marglik_training(
@@ -71,7 +105,11 @@ def marglik_training(
     GGN; ``scheduler_cls`` is stepped after every batch; ``progress_bar`` shows nothing).
     The network trains in the mode it is given; the first Laplace fit leaves it in eval mode
     (as laplace-torch's does). ``train_loader`` needs ``len(train_loader.dataset)`` or is a
-    list of ``(x, y)`` batches.
+    list of ``(x, y)`` batches or of mappings (the model is called on the whole mapping, its
+    targets at ``dict_key_y``, as in laplace-torch). ``n_epochs``, ``marglik_frequency`` and
+    ``n_hypersteps`` must be ints ``>= 1``, ``prior_prec_init``, ``sigma_noise_init``,
+    ``temperature`` and ``lr_hyp`` positive numbers, and ``train_loader`` not empty: each is
+    refused, naming it, before any step.
 
     Returns:
         ``(la, model, margliks, losses)``: the Laplace fitted at the best weights (with the
@@ -87,14 +125,24 @@ def marglik_training(
         raise ValueError(f"prior_structure must be 'scalar', 'layerwise' or 'diag', got "
                          f"{prior_structure!r}")  # fmt: skip
     check_backend(backend, None)
+    for value, name in ((n_epochs, "n_epochs"), (marglik_frequency, "marglik_frequency"),
+                        (n_hypersteps, "n_hypersteps")):  # fmt: skip
+        _positive_int(value, name)
+    if n_epochs_burnin != 0:
+        _positive_int(n_epochs_burnin, "n_epochs_burnin")
+    prior_prec_init = check_positive(prior_prec_init, "prior_prec_init")
+    sigma_noise_init = check_positive(sigma_noise_init, "sigma_noise_init")
+    temperature = check_positive(temperature, "temperature")
+    lr_hyp = check_positive(lr_hyp, "lr_hyp")
     optimizer_kwargs = dict(optimizer_kwargs or {})
     if optimizer_kwargs.get("weight_decay"):
         raise ValueError("optimizer_kwargs weight_decay must be 0: the prior precision is the "
                          "weight decay, and it is learnt")  # fmt: skip
     ref = next(model.parameters())
     device, dtype = ref.device, ref.dtype
-    dataset = getattr(train_loader, "dataset", None)
-    n = len(dataset) if dataset is not None else sum(len(b[1]) for b in train_loader)
+    n = _count(train_loader, dict_key_x, dict_key_y)
+    if n == 0:
+        raise ValueError("train_loader is empty: expected at least one batch of examples")
     trainable = [p for p in model.parameters() if p.requires_grad]
     sizes = torch.tensor([p.numel() for p in trainable], device=device)
     n_shapes = {"scalar": 1, "layerwise": len(trainable), "diag": int(sizes.sum())}
@@ -113,12 +161,12 @@ def marglik_training(
         scheduler = scheduler_cls(optimizer, **(scheduler_kwargs or {}))
     hyper_optimizer = torch.optim.Adam(hypers, lr=lr_hyp)
 
-    def expand(delta: Tensor) -> Tensor:
-        if len(delta) == 1:
-            return delta.expand(int(sizes.sum()))
-        if len(delta) == int(sizes.sum()):
-            return delta
-        return torch.repeat_interleave(delta, sizes)
+    def expand(prior_precision: Tensor) -> Tensor:
+        if len(prior_precision) == 1:
+            return prior_precision.expand(int(sizes.sum()))
+        if len(prior_precision) == int(sizes.sum()):
+            return prior_precision
+        return torch.repeat_interleave(prior_precision, sizes)
 
     def sigma_now() -> float | Tensor:
         if not regression:
@@ -140,7 +188,7 @@ def marglik_training(
             factor = temperature / (2 * s**2) if regression else temperature
             theta = parameters_to_vector([p for p in model.parameters() if p.requires_grad])
             delta = expand(log_delta.detach().exp())
-            loss = criterion(model(x), y) + 0.5 * (delta * theta) @ theta / n / factor
+            loss = criterion(_forward(model, x), y) + 0.5 * (delta * theta) @ theta / n / factor
             loss.backward()
             optimizer.step()
             epoch_loss += float(loss.detach()) * len(y)
