@@ -797,9 +797,10 @@ class FROMPMethod:
     ) -> None:
         """Before training an experience (:class:`~fromp.continual.protocol.ContinualMethod`):
         the dominance check restarts for its first steps; ``classes`` (the labels the
-        experience brings to head ``task``) beyond those the head was trained on, or a head
-        that grows with the classes (``growing_head``), mark the stream class-incremental
-        (:attr:`class_incremental`), which resolves the ``"auto"`` settings (class
+        experience brings to head ``task``) beyond those the head was trained on, or one head
+        that grows with the classes (``growing_head``; not a network with a head per task,
+        whose heads grow per task: Avalanche's ``MultiHeadClassifier``), mark the stream
+        class-incremental (:attr:`class_incremental`), which resolves the ``"auto"`` settings (class
         docstring); when the user turned the coreset off there (``replay=False``), a warning
         at the start of each experience that brings new classes says so, naming it. A state
         loaded with :meth:`load_state_dict` gets its copy of the previous network from
@@ -812,7 +813,7 @@ class FROMPMethod:
             ess = check_count(ess, "ess", allow_none=False)
         seen = set(self.regularizer.classes_seen.get(task, ()))
         new = sorted(set(int(c) for c in classes or ()) - seen) if seen else []
-        if growing_head or new:
+        if (growing_head and not is_multitask(net)) or new:  # a head per task grows per task
             self._mark_class_incremental()
         if new and self._replay is False:
             warnings.warn(
