@@ -196,3 +196,4 @@ def test_strategy_keeps_probs_with_a_head_per_task():
     model = MTSimpleMLP(input_size=6, hidden_size=8)
     strategy = _fit(model, [[0, 1], [0, 1]], [0, 1])
     assert strategy.plugin.method.function == "probs"
+    assert not strategy.plugin.method.class_incremental  # its heads grow per task

@@ -143,7 +143,7 @@ def test_load_state_dict_refuses_other_settings_and_changes_nothing():
         ({"kernel": "identity", "prior_precision": 1.0}, "prior_precision"),
         ({"kernel": "identity", "replay": True}, "replay"),
     ):
-        other = FROMPMethod(n_points=6, **kw)
+        other = FROMPMethod(n_points=6, **{"tau": 10.0, **kw})  # tau: as saved
         with pytest.raises(ValueError, match=name):
             other.load_state_dict(state)
         assert len(other.regularizer) == 0 and other.task_count == 0

@@ -372,7 +372,8 @@ def test_fromp_loss_terms_are_the_weighted_closed_forms():
     and its entry in ``last_terms`` the weighted part; tau = 0 drops the penalty only."""
     net, x, y = _trained_one_head()
     tau, w, kappa = 3.0, 2.5, 0.7
-    settings = dict(kernel="identity", replay=True, replay_weight=w, context_tau=kappa, jitter=0.0)
+    settings = dict(kernel="identity", replay=True, replay_weight=w, context_tau=kappa, jitter=0.0,
+                    function="probs", memory_batch=None)  # fmt: skip
     method = FROMPMethod(tau, 6, **settings)
     method.learn_task(net, x, y, None)
     old = copy.deepcopy(net)
