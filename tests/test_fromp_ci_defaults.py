@@ -308,3 +308,20 @@ def test_count_arguments_refused_naming_them():
     with pytest.raises(ValueError, match="penalty_points must be a positive int or None"):
         var = torch.full((sum(p.numel() for p in net.parameters()),), 0.1, dtype=D)
         reg.update(net, var, penalty_points=1.5)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- the runner's recipe
+def test_the_runners_split_mnist_ci_recipe_keeps_its_exact_settings():
+    """``fromp-bench split-mnist-ci``'s fromp-coreset entry (93.03 % before the defaults)
+    sets every resolved setting: on a class-incremental stream it keeps one coreset weight
+    ``c = 30`` on every set and every stored point every step, not the defaults."""
+    from fromp_bench.settings import settings_for
+
+    kw = dict(settings_for("fromp-coreset", "split-mnist-ci")["kwargs"])
+    kw.pop("n_points")
+    method = FROMPMethod(n_points=6, **kw)
+    _loop(method, tiny_mlp(4, 5, 6, seed=0), _ci_stream())
+    assert method.class_incremental and method.function == "logits"
+    assert _resolved(method) == (0.1, True, 30, 0.3, "random", None)
+    assert method.set_weights() is None
+    assert all(m.penalised is None for m in method.regularizer.memories)
