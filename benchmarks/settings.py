@@ -309,18 +309,12 @@ _VCL_CORESET: dict[str, Settings] = {
 CI_MEMORY = 200
 CI_EPOCHS = 2
 _CI: Settings = {"optimizer": "adam", "lr": 1e-3, "train_epochs": CI_EPOCHS, "train_mb_size": 128}
-_FROMP_CI: Settings = _with(
-    _CI,
-    kwargs={
-        "tau": 0.1,
-        "function": "logits",
-        "context_tau": 0.3,
-        "n_points": CI_MEMORY,
-        "prior_precision": 1e-3,
-        "jitter": 1e-6,
-        "curvature_examples": 1000,
-    },
-)
+# Explicit as selected: FROMP's "auto" would replay a coreset (and sample it) on these streams
+_FROMP_CI: Settings = _with(_CI, kwargs={
+    "tau": 0.1, "function": "logits", "context_tau": 0.3, "n_points": CI_MEMORY,
+    "prior_precision": 1e-3, "jitter": 1e-6, "curvature_examples": 1000,
+    "replay": False, "memory_batch": None,
+})  # fmt: skip
 _FROMP["split-mnist-ci"] = _FROMP_CI
 # Split-Digits (about 290 training images per experience): 20 memory points per experience
 CI_MEMORY_DIGITS = 20
@@ -328,7 +322,7 @@ _FROMP["split-digits-ci"] = _with(
     _FROMP_CI, train_epochs=20, train_mb_size=32, kwargs={"n_points": CI_MEMORY_DIGITS}
 )
 _FROMP_CORESET: dict[str, Settings] = {
-    bench: _with(s, kwargs={"replay": True, "select": "random"})
+    bench: _with(s, kwargs={"replay": True, "select": "random", "replay_weight": 1})
     for bench, s in _FROMP.items()
     if bench.endswith("-ci")
 }

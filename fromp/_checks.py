@@ -110,22 +110,28 @@ def require_eval(model: nn.Module) -> None:
         )
 
 
-def check_chunk_size(chunk_size: object, *, allow_none: bool = True) -> int | None:
-    """``chunk_size`` as an int ``>= 1`` (or None where ``allow_none``: the default chunk);
-    ValueError naming the argument otherwise (bools and floats included). The one rule for
-    every ``chunk_size`` argument of fromp."""
-    if chunk_size is None and allow_none:
+def check_count(value: object, name: str, *, allow_none: bool = True) -> int | None:
+    """``value`` as an int ``>= 1`` (or None where ``allow_none``); ValueError naming
+    ``name`` otherwise (bools and floats included). The one rule for every count argument
+    of fromp (``chunk_size``, ``penalty_points``, ``memory_batch``, ...)."""
+    if value is None and allow_none:
         return None
     what = "a positive int or None" if allow_none else "a positive int"
     try:
-        if isinstance(chunk_size, bool):
+        if isinstance(value, bool):
             raise TypeError
-        value = operator.index(chunk_size)  # type: ignore[arg-type]
+        number = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
-        raise ValueError(f"chunk_size must be {what}, got {chunk_size!r}") from None
-    if value < 1:
-        raise ValueError(f"chunk_size must be {what}, got {chunk_size!r}")
-    return value
+        raise ValueError(f"{name} must be {what}, got {value!r}") from None
+    if number < 1:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return number
+
+
+def check_chunk_size(chunk_size: object, *, allow_none: bool = True) -> int | None:
+    """``chunk_size`` as an int ``>= 1`` (or None where ``allow_none``: the default chunk);
+    ValueError naming the argument otherwise (:func:`check_count`)."""
+    return check_count(chunk_size, "chunk_size", allow_none=allow_none)
 
 
 def check_class_targets(y: Tensor, n_outputs: int, likelihood: Any, name: str = "y") -> None:

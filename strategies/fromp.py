@@ -30,12 +30,13 @@ class FROMPPlugin(MethodPlugin):
     """FROMP as an Avalanche plugin: :class:`~fromp_avalanche.protocol.MethodPlugin` over
     :attr:`method`, a :class:`fromp.continual.methods.FROMPMethod` built from the keyword
     arguments (its own). ``begin_task`` also learns whether the head grows with the classes
-    (Avalanche's ``IncrementalClassifier``). What the loggers see: the penalty and context
+    (Avalanche's ``IncrementalClassifier``: a class-incremental stream, which resolves the
+    method's ``"auto"`` settings). What the loggers see: the penalty and context
     terms are taken out of ``strategy.loss`` (as a constant) after the backward pass, so
     Avalanche's loss metrics record the loss without them (the coreset's loss stays: it is
     part of the data term); :class:`FROMPPenaltyMetric` records ``tau R``."""
 
-    def __init__(self, tau: float = 10.0, n_points: int = 40, **kwargs: Any) -> None:
+    def __init__(self, tau: float | str = "auto", n_points: int = 40, **kwargs: Any) -> None:
         super().__init__(FROMPMethod(tau, n_points, **kwargs))
         self._added: list[Tensor | None] = []
 

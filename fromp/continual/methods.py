@@ -31,7 +31,13 @@ import torch
 from torch import Tensor, nn
 
 from fromp import distributed
-from fromp._checks import check_batch, check_prior_precision, device_dtype, not_on_meta
+from fromp._checks import (
+    check_batch,
+    check_count,
+    check_prior_precision,
+    device_dtype,
+    not_on_meta,
+)
 from fromp.continual.experiences import add_experience, experience_key, forget_experience
 from fromp.continual.graphed import Same, check_mode, param_key, static_term, trainable
 from fromp.continual.memorable import _ORDERS as _SELECT
@@ -58,6 +64,11 @@ from fromp.posterior import DiagonalGaussian
 
 __all__ = ["FROMPMethod", "Named", "by_name", "fit_shape", "to_flat"]
 
+#: what the "auto" settings resolve to on a class-incremental stream (see FROMPMethod's
+#: docstring, "Class-incremental streams"; measured in docs/results-details.md)
+CI_TAU = 0.1
+CI_REPLAY_WEIGHT = 3.0
+CI_CONTEXT_TAU = 0.3
 _POSTERIORS = ("ggn", "kron", "vogn", "ivon")
 _OWN_CURVATURE = ("ggn", "kron")  # curvature computed by the method, not by an optimizer
 _IVON_PENALTY = ("mean", "sample")
@@ -83,6 +94,9 @@ _STATE_KEYS = (
     "bn_statistics",
     "context_tau",
     "curvature_combine",
+    "memory_batch",
+    "class_incremental",
+    "examples",
     "previous",
     "bn_buffers",
     "ggn_sum",
@@ -111,6 +125,7 @@ _SETTINGS = (
     "bn_statistics",
     "context_tau",
     "curvature_combine",
+    "memory_batch",
 )
 
 
@@ -140,7 +155,36 @@ class FROMPMethod:
     Learning the same experience again (same ``experience`` key) *replaces* its GGN term
     and its memorable set: :meth:`learn_task` is idempotent per experience.
 
-    Example (a plain PyTorch loop: two experiences of a one-head classifier):
+    Class-incremental streams. When an experience brings classes to a head that earlier
+    experiences trained (:meth:`begin_task`'s ``classes`` beyond those the head was trained
+    on, a head that grows with the classes: ``growing_head``, Avalanche's
+    ``IncrementalClassifier``; or, in a loop that tells neither, labels beyond the trained
+    ones, or a first experience whose labels leave output units of the one head unused) the
+    stream is class-incremental (:attr:`class_incremental`) and the ``"auto"`` settings
+    resolve for one head that must tell every class seen apart:
+
+    * ``replay`` -> True: the memorable sets are replayed as labelled coresets (a penalty on
+      the function alone does not teach the head to tell old classes from new ones), drawn
+      at random per class (``select``);
+    * ``function`` -> ``"logits"`` (whose kernels keep their scale on a many-class head; the
+      probabilities when the user turned the coreset off);
+    * ``replay_weight`` -> each set weighted as its experience's data term,
+      ``b_s = c N_s / N_t`` with ``c =`` :data:`CI_REPLAY_WEIGHT` (:meth:`set_weights`);
+    * ``tau`` -> :data:`CI_TAU`, ``context_tau`` -> :data:`CI_CONTEXT_TAU`;
+    * ``memory_batch`` -> the training batch's size ``B``: a step evaluates the penalty on
+      the first ``ceil(B / S)`` points of each of the ``S`` sets (the kernels are taken on
+      those, so the work after an experience is ``C (B / S)^2 P`` multiply-adds per set) and
+      the coreset's loss on ``ceil(B / S)`` points drawn per set (an unbiased estimate of
+      the full sum), in one forward pass: about ``2 B`` stored points per step, as Replay's
+      ``B`` new and ``B`` replayed examples.
+
+    Elsewhere (a head per task, one head that every experience fills) they keep the paper's
+    values: ``tau = 10``, no coreset, no context term, every point every step. A setting
+    given explicitly is kept; a coreset turned off (``replay=False``) on a class-incremental
+    stream gets a warning at the start of each experience that brings new classes.
+
+    Example (a plain PyTorch loop: two experiences of a one-head classifier whose classes
+    arrive one experience at a time, a class-incremental stream):
 
         >>> import torch
         >>> import torch.nn.functional as F
@@ -162,11 +206,12 @@ class FROMPMethod:
         ...         method.before_update(net, opt)  # clipping at tau * grad_clip_norm
         ...         opt.step()
         ...     times = method.learn_task(net, x, y, None, optimizer=opt, experience=e)
-        >>> method.task_count, len(method.regularizer), sorted(method.last_terms)
-        (2, 2, ['penalty'])
+        >>> method.task_count, method.class_incremental, sorted(method.last_terms)
+        (2, True, ['context', 'penalty', 'replay'])
 
     Args:
-        tau: weight of the functional regulariser in the loss.
+        tau: weight of the functional regulariser in the loss; ``"auto"`` (the default): 10
+            (the paper's), :data:`CI_TAU` on a class-incremental stream.
         n_points: memorable points per task (the paper's setting: 40 on split MNIST, 200 on
             permuted MNIST and split CIFAR), split evenly over the task's classes.
         kernel: ``"per_class"`` (FROMP), ``"joint"`` or ``"identity"`` (FROMP-L2).
@@ -186,15 +231,15 @@ class FROMPMethod:
             with the probabilities (Naive 56.05 %); class-incremental split MNIST without a
             coreset 37.87 % with the probabilities against 19.49 %; task-incremental split
             MNIST 99.63 % with the probabilities.
-        select: ``"descending"`` (largest ``tr Lambda``, FROMP; the default without
-            ``replay``), ``"random"`` (a uniform draw per class; the default with
-            ``replay=True``: the points with the largest ``tr Lambda`` are the ambiguous
-            ones, a poor labelled coreset: class-incremental split MNIST, 50 % of the data,
-            2 epochs, replay alone: 70.5 % with them against 90.9 % with random points),
-            ``"ascending"``,
-            ``"random"`` or ``"sensitivity"`` (largest memory-perturbation sensitivity
-            ``sum_k |e_k lambda_k v_k|`` under the task's posterior ``N(w, Sigma)``, see
-            :mod:`fromp.memory.sensitivity`; ``Sigma`` is computed first, then the points).
+        select: the memorable points' order: ``"descending"`` (largest ``tr Lambda``,
+            FROMP), ``"random"`` (a uniform draw per class: the points with the largest ``tr
+            Lambda`` are the ambiguous ones, a poor labelled coreset: class-incremental split
+            MNIST, 50 % of the data, 2 epochs, replay alone: 70.5 % with them against 90.9 %
+            with random points), ``"ascending"`` or ``"sensitivity"`` (largest
+            memory-perturbation sensitivity ``sum_k |e_k lambda_k v_k|`` under the task's
+            posterior ``N(w, Sigma)``, see :mod:`fromp.memory.sensitivity`; ``Sigma`` is
+            computed first, then the points); None (the default): ``"random"`` when the sets
+            are replayed, else ``"descending"``.
         prior_precision: ``delta`` in ``Sigma = 1 / (G + delta)``.
         jitter: added to the kernels' diagonals before the Cholesky factorisation.
         grad_clip_norm: :meth:`before_update` clips the total gradient norm at ``tau *
@@ -221,20 +266,21 @@ class FROMPMethod:
             bounded whatever the experience's size, a few passes over 1,000 examples; None:
             all, as in the paper and the runner's settings).
         replay: also use the memorable set as a labelled coreset: :meth:`terms` returns,
-            summed over the earlier tasks, the mean negative log-likelihood of each task's
-            memorable points under their labels (through their heads; each set stands in for
-            its task's data term, see :meth:`FROMPRegularizer.replay_loss`), which
+            summed over the earlier tasks, the weighted mean negative log-likelihood of each
+            task's memorable points under their labels (through their heads; each set
+            stands in for its task's data term, see :meth:`set_weights`), which
             :meth:`loss_terms` adds to the loss (as S-FSVI and VCL use their coresets).
-            Useful when one head sees classes one experience at a time (class-incremental
+            Needed when one head sees classes one experience at a time (class-incremental
             streams), where a penalty on the function alone does not teach the head to tell
-            old classes from new ones.
-        replay_weight: ``w`` in the replay loss ``w sum_s mean_{m in s} -log p(y_m | x_m)``
-            (``replay=True`` only; 1, the default: each earlier task's set weighs as the
-            current task's mean loss, the data term of tasks of equal size). ``w > 1``
-            weighs the few stored points of the old classes above the new classes' data,
-            against the bias of a small memory towards the newest classes on one head
-            (class-incremental split MNIST: see ``docs/results-details.md``); a setting to
-            select on validation, not a term of the posterior.
+            old classes from new ones. ``"auto"`` (the default): on class-incremental
+            streams only (class docstring).
+        replay_weight: ``c`` in the replay loss ``sum_s b_s mean_{m in s} -log p(y_m |
+            x_m)``: a number gives every set ``b_s = c`` (the data term of tasks of equal
+            size for ``c = 1``; ``c > 1`` weighs the few stored points of the old classes
+            above the new classes' data, against the bias of a small memory towards the
+            newest classes on one head); ``"auto"`` (the default): on a class-incremental
+            stream ``b_s = c N_s / N_t`` with ``c =`` :data:`CI_REPLAY_WEIGHT`
+            (:meth:`set_weights`), elsewhere ``c = 1``. Refused with ``replay=False``.
         bn_statistics: the batch-norm statistics the memorable points are evaluated with
             (targets, kernels and penalty): ``"stored"`` (default) those of the running
             buffers at the last :meth:`learn_task` (what the network computed at test after
@@ -264,7 +310,19 @@ class FROMPMethod:
             batch changes at every step, so no kernel is factorised for it. On one
             many-class head it keeps the old classes' outputs on the new inputs, which the
             memorable points alone do not (class-incremental split MNIST: see
-            ``docs/results-details.md``). 0 (default): off, no copy kept.
+            ``docs/results-details.md``). 0: off, no copy kept. ``"auto"`` (the default):
+            :data:`CI_CONTEXT_TAU` on a class-incremental stream, else 0.
+        memory_batch: about how many stored points a training step evaluates: the penalty
+            on the first ``ceil(memory_batch / S)`` points of each of the ``S`` memorable
+            sets (chosen at each :meth:`learn_task`, its kernels taken on those; the sets
+            keep all ``n_points`` points, stored class by class so that the first ones
+            cover the classes evenly) and the coreset's loss on ``ceil(memory_batch / S)``
+            points drawn uniformly with replacement from each set at every step (torch's
+            generator of the sets' device), an unbiased estimate of the sum over the sets
+            (:meth:`FROMPRegularizer.terms`, ``replay_points``), both in one forward pass.
+            None: every point every step (exact). ``"auto"`` (the default): on a
+            class-incremental stream the training batch's size (the largest of the
+            experience, for the kernels), else None.
         chunk_size: examples per Jacobian chunk for the kernels and the memorable points
             (memory ``chunk_size * C * P`` numbers). The diagonal GGN takes its chunks from
             the device's memory budget instead
@@ -296,7 +354,7 @@ class FROMPMethod:
 
     def __init__(
         self,
-        tau: float = 10.0,
+        tau: float | str = "auto",
         n_points: int = 40,
         *,
         kernel: str = "per_class",
@@ -311,49 +369,40 @@ class FROMPMethod:
         likelihood: str = "categorical",
         seed: int = 0,
         ivon_penalty: str = "mean",
-        replay: bool = False,
-        replay_weight: float = 1.0,
+        replay: bool | str = "auto",
+        replay_weight: float | str = "auto",
         bn_statistics: str = "stored",
-        context_tau: float = 0.0,
+        context_tau: float | str = "auto",
         curvature_combine: str | float = "sum",
         cuda_graph: str = "auto",
+        memory_batch: int | str | None = "auto",
     ) -> None:
-        if select is None:  # a labelled coreset must represent its classes: random points
-            select = "random" if replay is True else "descending"
-        for name, v in (("tau", tau), ("jitter", jitter)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise TypeError(
-                    f"{name} must be a number, got {type(v).__name__} (a strategy's criterion "
-                    "goes in criterion=)"
-                )
-        if not (tau >= 0 and math.isfinite(tau)):
-            raise ValueError(f"tau must be a finite number >= 0, got {tau!r}")
+        if isinstance(jitter, bool) or not isinstance(jitter, (int, float)):
+            raise TypeError(f"jitter must be a number, got {type(jitter).__name__}")
         if not (jitter >= 0 and math.isfinite(jitter)):
             raise ValueError(f"jitter must be a finite number >= 0, got {jitter!r}")
-        if isinstance(context_tau, bool) or not isinstance(context_tau, (int, float)):
-            raise TypeError(f"context_tau must be a number, got {type(context_tau).__name__}")
-        if not (context_tau >= 0 and math.isfinite(context_tau)):
-            raise ValueError(f"context_tau must be a finite number >= 0, got {context_tau!r}")
+        tau = _auto_or_number(tau, "tau", positive=False)
+        context_tau = _auto_or_number(context_tau, "context_tau", positive=False)
+        replay_weight = _auto_or_number(replay_weight, "replay_weight", positive=True)
+        if not (isinstance(replay, bool) or (isinstance(replay, str) and replay == "auto")):
+            raise TypeError(f"replay must be True, False or 'auto', got {replay!r}")
+        if replay is False and replay_weight != "auto":
+            raise ValueError(
+                f"replay_weight={replay_weight!r} weighs the coreset's loss: it needs replay=True "
+                "or 'auto'"
+            )
+        if memory_batch != "auto":
+            memory_batch = check_count(memory_batch, "memory_batch")
         if not isinstance(n_points, int) or n_points < 1:
             raise ValueError(f"n_points must be a positive int, got {n_points!r}")
-        if select not in _SELECT:
-            raise ValueError(f"select must be one of {_SELECT}, got {select!r}")
+        if select is not None and select not in _SELECT:
+            raise ValueError(f"select must be None or one of {_SELECT}, got {select!r}")
         prior_precision = check_prior_precision(prior_precision)  # type: ignore[assignment]
         if grad_clip_norm is not None and not (
             grad_clip_norm > 0 and math.isfinite(grad_clip_norm)
         ):
             raise ValueError(
                 f"grad_clip_norm must be a finite number > 0 or None, got {grad_clip_norm!r}"
-            )
-        if not isinstance(replay, bool):
-            raise TypeError(f"replay must be a bool, got {replay!r}")
-        if isinstance(replay_weight, bool) or not isinstance(replay_weight, (int, float)):
-            raise TypeError(f"replay_weight must be a number, got {type(replay_weight).__name__}")
-        if not (replay_weight > 0 and math.isfinite(replay_weight)):
-            raise ValueError(f"replay_weight must be a finite number > 0, got {replay_weight!r}")
-        if replay_weight != 1 and not replay:
-            raise ValueError(
-                f"replay_weight={replay_weight!r} weighs the coreset's loss: it needs replay=True"
             )
         if bn_statistics not in _BN_STATISTICS:
             raise ValueError(
@@ -379,9 +428,15 @@ class FROMPMethod:
             )
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be an int >= 0, got {seed!r}")
-        self.tau = float(tau)
+        #: the settings as given ("auto" / None where the stream decides: see the class
+        #: docstring, "Class-incremental streams"); the attributes of the same names without
+        #: the underscore are the values in force
+        self._tau, self._replay, self._replay_weight = tau, replay, replay_weight
+        self._context_tau, self._memory_batch, self._select = context_tau, memory_batch, select
+        #: whether the stream is class-incremental (an experience brings classes to a head
+        #: trained before, or the head grows with the classes): resolves the "auto" settings
+        self.class_incremental = False
         self.n_points = n_points
-        self.select = select
         self.prior_precision = float(prior_precision)
         self.grad_clip_norm = grad_clip_norm
         self.posterior = posterior
@@ -401,15 +456,12 @@ class FROMPMethod:
             function="probs" if function == "auto" else function,
         )
         self.seed = int(seed)
-        self.context_tau = float(context_tau)
         self.curvature_combine = curvature_combine
         #: context_tau > 0: a frozen copy of the network at the last learn_task (the
         #: previous function on the new experience's inputs); a loaded state keeps its
         #: weights until the first context_penalty call gives it a network to copy
         self.previous: nn.Module | None = None
         self._previous_state: dict[str, Tensor] | None = None
-        self.replay = replay
-        self.replay_weight = float(replay_weight)
         self.bn_statistics = bn_statistics
         # bn_statistics="stored": the normalisation layers' running statistics at the last
         # learn_task (those the targets and kernels were computed with), by buffer name
@@ -433,7 +485,6 @@ class FROMPMethod:
         self.last_penalty: Tensor | None = None
         self._checks_left = 0  # steps of this experience whose penalty is still compared
         self._warned = False
-        self._new_classes = False  # the experience brings classes to a head already trained
         self._experience: int | None = None  # begin_task's key, learn_task's default
         self.cuda_graph = check_mode(cuda_graph)
         #: the step's trainable parameters, read by begin_task (after any growth)
@@ -441,8 +492,67 @@ class FROMPMethod:
         #: and its modules, when they all keep nn.Module.train (the penalty's eval mode)
         self._step_modules: tuple[nn.Module | None, list[nn.Module] | None] = (None, None)
         self._captured: dict = {}  # the captured memorable terms (graphed.static_term)
+        #: per experience key, the number of training examples its memorable set stands for
+        self.examples: dict[int, int] = {}
+        self._ess: int | None = None  # begin_task's ess: N_t of the experience being trained
+        self._batch = 0  # the largest training batch of the experience (memory_batch="auto")
+        self._weights: tuple[Any, Tensor] | None = None  # (key, b_s): set_weights' cache
 
     # ---------------------------------------------------------------------- helpers
+
+    # ------------------------------------------------------- settings in force
+    @property
+    def tau(self) -> float:
+        """``tau`` in force: as given, else (``"auto"``) :data:`CI_TAU` on a
+        class-incremental stream and 10 (the paper's) otherwise."""
+        if self._tau != "auto":
+            return self._tau  # type: ignore[return-value]
+        return CI_TAU if self.class_incremental else 10.0
+
+    @property
+    def replay(self) -> bool:
+        """Whether the memorable sets are replayed as labelled coresets: as given, else
+        (``"auto"``) on a class-incremental stream."""
+        if self._replay != "auto":
+            return bool(self._replay)
+        return self.class_incremental
+
+    @property
+    def replay_weight(self) -> float:
+        """The coreset's weight ``c`` in force (see :meth:`set_weights`): as given, else
+        (``"auto"``) :data:`CI_REPLAY_WEIGHT` on a class-incremental stream and 1
+        otherwise."""
+        if self._replay_weight != "auto":
+            return self._replay_weight  # type: ignore[return-value]
+        return CI_REPLAY_WEIGHT if self.class_incremental else 1.0
+
+    @property
+    def context_tau(self) -> float:
+        """``context_tau`` in force: as given, else (``"auto"``) :data:`CI_CONTEXT_TAU` on
+        a class-incremental stream and 0 (off) otherwise."""
+        if self._context_tau != "auto":
+            return self._context_tau  # type: ignore[return-value]
+        return CI_CONTEXT_TAU if self.class_incremental else 0.0
+
+    @property
+    def select(self) -> str:
+        """The memorable points' order in force: as given, else ``"random"`` when the sets
+        are replayed (a labelled coreset must represent its classes) and ``"descending"``
+        (FROMP's) otherwise."""
+        if self._select is not None:
+            return self._select
+        return "random" if self.replay else "descending"
+
+    def memory_points(self, batch: int | None = None) -> int | None:
+        """The stored points a training step evaluates, about (``memory_batch`` in force):
+        None (every point, exactly) unless ``memory_batch`` is an int, or ``"auto"`` on a
+        class-incremental stream, where it is the training batch's size (``batch``; the
+        largest batch of the experience when None, ``n_points`` before any step)."""
+        if self._memory_batch != "auto":
+            return self._memory_batch  # type: ignore[return-value]
+        if not self.class_incremental:
+            return None
+        return batch or self._batch or self.n_points
 
     @property
     def kernel(self) -> str:
@@ -466,10 +576,23 @@ class FROMPMethod:
         :meth:`begin_task` with ``growing_head=True`` keeps ``"probs"`` for it."""
         if is_multitask(net):
             return "probs"
-        p = next(iter(net.parameters()), None)
-        with torch.no_grad():
-            width = net(x[:2].to(p.device if p is not None else x.device)).shape[-1]
+        width = _width(net, x)
         return "logits" if width > 1 and len(global_classes(y)) == width else "probs"
+
+    def _class_incremental_data(
+        self, net: nn.Module, task: int | None, x: Tensor, classes: Sequence[int]
+    ) -> bool:
+        """Whether an experience's data ``x`` with labels of ``classes`` (every rank's) makes
+        the stream class-incremental for a loop that did not tell :meth:`begin_task`: it
+        brings classes to head ``task`` beyond those it was trained on, or it is the first
+        experience of a network with one head whose output units its labels do not fill
+        (classes still to come)."""
+        seen = self.regularizer.classes_seen.get(task)
+        if seen:
+            return bool(set(classes) - set(seen))
+        if is_multitask(net):
+            return False
+        return 1 < len(classes) < _width(net, x)
 
     def resolve_function(self, function: str) -> None:
         """Fix the function of ``function="auto"`` before the first :meth:`learn_task` (a
@@ -527,11 +650,15 @@ class FROMPMethod:
         """``R(w)`` on the memorable past (see :meth:`terms`)."""
         return self.terms(net)[0]
 
-    def terms(self, net: nn.Module) -> tuple[Tensor, Tensor | None]:
+    def terms(self, net: nn.Module, batch: int | None = None) -> tuple[Tensor, Tensor | None]:
         """``(R(w), replay loss)`` from one forward pass of the memorable points (one call
-        per head at most); the replay loss (``replay_weight`` times the sum over the earlier
-        tasks of the mean negative log-likelihood of each one's memorable points under
-        their labels) is None unless ``replay=True``.
+        per head at most); the replay loss ``sum_s b_s mean_{m in s} -log p(y_m | x_m)``
+        over the earlier experiences' sets (:meth:`set_weights`) is None unless the sets are
+        replayed (``replay``). With :meth:`memory_points` ``= n`` (``batch``: the training
+        step's batch size, for ``memory_batch="auto"``) the replay loss is estimated from
+        ``ceil(n / S)`` points drawn per set (unbiased,
+        :meth:`FROMPRegularizer.terms`'s ``replay_points``), evaluated in the penalty's
+        forward pass.
 
         The forward runs in eval mode (no dropout) and, with ``bn_statistics="stored"``,
         with the normalisation layers' running statistics of the last :meth:`learn_task`
@@ -541,11 +668,53 @@ class FROMPMethod:
         running statistics; the running buffers are neither read nor changed.
         ``"live"``: the running statistics of the moment (which drift with the new task's
         batches, so ``R`` is not 0 at the old weights)."""
+        replay = self.replay
+        points, weights = None, None
+        if replay:
+            n = self.memory_points(batch)
+            points = None if n is None else -(-n // len(self.regularizer))
+            weights = self.set_weights()
         with self._memorable_mode(net):
-            pen, rep = self.regularizer.terms(net, replay=self.replay)
-        if rep is not None and self.replay_weight != 1:
+            pen, rep = self.regularizer.terms(
+                net, replay=replay, replay_points=points, replay_weights=weights
+            )
+        if rep is not None and weights is None and self.replay_weight != 1:
             rep = self.replay_weight * rep
         return pen, rep
+
+    def set_weights(self) -> Tensor | None:
+        """``[S]`` float64 the replay loss's weight ``b_s`` of each stored set's mean
+        negative log-likelihood, on the sets' device; None for one weight, ``c =
+        replay_weight``, on every set (its value given, or ``"auto"`` outside a
+        class-incremental stream).
+
+        With ``replay_weight="auto"`` on a class-incremental stream each set stands in for
+        the data term of the experience it was drawn from: the objective's data terms in
+        the units of the current experience's mean loss (the loss of a step is the mean
+        over its batch of ``N_t`` examples' terms),
+
+            ``(1 / N_t) [sum_{i in D_t} l_i + sum_s (N_s / M_s) sum_{m in s} l_m]``
+            ``= mean_{D_t} l + sum_s (N_s / N_t) mean_{m in s} l_m``,
+
+        each of the set's ``M_s`` points standing for ``N_s / M_s`` of its experience's
+        ``N_s`` examples, so ``b_s = c N_s / N_t`` with ``c =`` :data:`CI_REPLAY_WEIGHT`
+        (``N_s`` counted at :meth:`learn_task`, ``N_t`` the ``ess`` given to
+        :meth:`begin_task`; without it the experiences count as of one size)."""
+        if self._replay_weight != "auto" or not self.class_incremental:
+            return None
+        mem = self.regularizer.memories
+        device = mem[0].targets.device
+        key = (tuple(self.experiences), self._ess, device)
+        if self._weights is None or self._weights[0] != key:
+            sizes = torch.tensor(
+                [float(self.examples.get(k, 0)) for k in self.experiences], dtype=torch.float64
+            )
+            if bool((sizes <= 0).any()):
+                sizes = torch.ones_like(sizes)  # unknown sizes: one size for all
+            n_t = float(self._ess) if self._ess else float(sizes.mean())
+            b = (self.replay_weight * sizes / n_t).to(device)
+            self._weights = (key, b)
+        return self._weights[1]
 
     def context_penalty(self, output: Tensor, x: Tensor, task: int | None = None) -> Tensor:
         """``1/2 mean_b ||g(x_b; w)_S - g(x_b; w_prev)_S||^2`` (see ``context_tau``): the
@@ -658,21 +827,35 @@ class FROMPMethod:
     ) -> None:
         """Before training an experience (:class:`~fromp.continual.protocol.ContinualMethod`):
         the dominance check restarts for its first steps; ``classes`` (the labels the
-        experience brings to head ``task``) beyond those the head was trained on, with
-        nothing replayed, add the class-incremental hint to its warning; a head that grows
-        with the classes (``growing_head``) makes ``function="auto"`` keep the
-        probabilities (its first experience fills it, yet classes still arrive); a state
+        experience brings to head ``task``) beyond those the head was trained on, or one head
+        that grows with the classes (``growing_head``; not a network with a head per task,
+        whose heads grow per task: Avalanche's ``MultiHeadClassifier``), mark the stream
+        class-incremental (:attr:`class_incremental`), which resolves the ``"auto"`` settings (class
+        docstring); when the user turned the coreset off there (``replay=False``), a warning
+        at the start of each experience that brings new classes says so, naming it. A state
         loaded with :meth:`load_state_dict` gets its copy of the previous network from
         ``net`` (:meth:`attach_previous`). ``experience`` is :meth:`learn_task`'s default
-        key. ``ess`` is not used (FROMP's posterior counts its examples itself)."""
-        del ess
+        key; ``ess`` (``N_t``) weighs the coreset (:meth:`set_weights`)."""
         task = _head(net, task)
         if experience is not None:
             experience = experience_key([], experience)
-        if growing_head and self._function_pending:
-            self.resolve_function("probs")
+        if ess is not None:
+            ess = check_count(ess, "ess", allow_none=False)
         seen = set(self.regularizer.classes_seen.get(task, ()))
-        self._new_classes = bool(seen) and bool(set(classes or ()) - seen) and not self.replay
+        new = sorted(set(int(c) for c in classes or ()) - seen) if seen else []
+        if (growing_head and not is_multitask(net)) or new:  # a head per task grows per task
+            self._mark_class_incremental()
+        if new and self._replay is False:
+            warnings.warn(
+                f"FROMP: this experience brings classes {new} to a head trained on "
+                f"{sorted(seen)} (a class-incremental stream) and replay=False: the "
+                "memorable points' labels are not replayed, and on one head FROMP then "
+                "stays far below Replay (docs/avalanche.md); replay='auto' (the default) "
+                "replays them",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self._ess, self._batch = ess, 0
         self._experience = experience
         self._checks_left = self.dominance_steps
         self.last_penalty, self.last_terms = None, {}
@@ -681,6 +864,14 @@ class FROMPMethod:
         plain = all(type(m).train is nn.Module.train for m in mods)
         self._step_modules = (net, mods if plain else None)
         self.attach_previous(uncompiled(net))
+
+    def _mark_class_incremental(self) -> None:
+        """The stream is class-incremental: the ``"auto"`` settings resolve for it, and
+        ``function="auto"`` keeps the logits when the sets are replayed (the probabilities
+        otherwise), if it has not chosen yet."""
+        self.class_incremental = True
+        if self._function_pending:
+            self.resolve_function("logits" if self.replay else "probs")
 
     def loss_terms(
         self,
@@ -714,15 +905,18 @@ class FROMPMethod:
         coreset's loss is part of the data term)."""
         dtype = output.dtype if loss is None else loss.dtype
         self.last_terms = {}
+        self._batch = max(self._batch, len(x))
         if len(self.regularizer) == 0:
             return output.new_zeros((), dtype=dtype)
         total: Tensor | None = None
         context = self._context_term(net, output, x, task, dtype)
         penalised = self.tau != 0 and not self._penalty_at_mean
         if penalised or self.replay:
-            fixed = self._fixed_terms(net, dtype, penalised)
+            # captured (cuda_graph) only when every step evaluates the same stored points
+            sampled = self.replay and self.memory_points(len(x)) is not None
+            fixed = None if sampled else self._fixed_terms(net, dtype, penalised)
             if fixed is None:  # plain autograd
-                pen, rep = self.terms(net)
+                pen, rep = self.terms(net, len(x))
                 rep = None if rep is None else rep.to(dtype)
                 weighted = self.tau * pen.to(dtype) if penalised else None
                 summed = None
@@ -809,8 +1003,7 @@ class FROMPMethod:
     def _check_dominance(self, weighted: Tensor, loss: Tensor) -> None:
         """Warn (once) when ``tau R`` exceeds ``dominance_ratio`` times the loss without
         it; compared in the first ``dominance_steps`` steps of each experience only (a host
-        read each). When the experience brings new classes to a head trained before and
-        nothing is replayed (:meth:`begin_task`), the warning also names ``replay=True``."""
+        read each)."""
         if self._warned or self._checks_left <= 0:
             return
         self._checks_left -= 1
@@ -821,14 +1014,7 @@ class FROMPMethod:
             warnings.warn(
                 f"FROMP: tau * R = {w:.3g} is {w / max(abs(data), 1e-8):.0f}x the loss "
                 f"without it ({data:.3g}); the penalty dominates training: lower tau "
-                f"(now {self.tau:g}) or raise prior_precision / jitter"
-                + (
-                    "; new classes on a head shared with earlier experiences: without the "
-                    "old classes' labels FROMP stays far below Replay there, replay=True "
-                    "keeps the memorable points as a labelled coreset (docs/avalanche.md)"
-                    if self._new_classes
-                    else ""
-                ),
+                f"(now {self.tau:g}) or raise prior_precision / jitter",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -929,14 +1115,16 @@ class FROMPMethod:
         times = {"select_s": 0.0, "curvature_s": 0.0, "kernel_s": 0.0}
         try:
             _check_labels(head, x, y, self.likelihood)  # before any state changes
-            if self._function_pending:  # function="auto": chosen from the first experience
-                self.resolve_function(self.auto_function(net, x, y))
             classes = global_classes(y)  # every rank's (torch.distributed)
             per_class = self.n_points // len(classes)
             if per_class < 1:
                 raise ValueError(
                     f"n_points={self.n_points} is fewer than the task's {len(classes)} classes"
                 )
+            if not self.class_incremental and self._class_incremental_data(net, task, x, classes):
+                self._mark_class_incremental()
+            if self._function_pending:  # function="auto": chosen from the first experience
+                self.resolve_function(self.auto_function(net, x, y))
             sensitivity = self.select == "sensitivity"
             q = None
             if sensitivity:  # the points need this task's posterior: curvature first
@@ -969,10 +1157,16 @@ class FROMPMethod:
                 del self.regularizer.memories[i]
             seen = self.regularizer.classes_seen
             seen[task] = sorted(set(seen.get(task, [])) | set(classes))
+            n = self.memory_points()
+            points = None if n is None else -(-n // (len(self.experiences) + 1))
+            if points is not None:  # the first k points of the set cover its classes evenly
+                x_mem, y_mem = _interleaved(x_mem, len(classes)), _interleaved(y_mem, len(classes))
             self.regularizer.add_task(
-                net, x_mem.to(device), task, variance, labels=y_mem.to(device)
-            )
+                net, x_mem.to(device), task, variance, labels=y_mem.to(device),
+                penalty_points=points,
+            )  # fmt: skip
             self.task_count = add_experience(self.experiences, experience)
+            self.examples[experience] = len(x)
             self.bn_buffers = _norm_buffers(net)
             if self.bn_statistics == "batch" and any(
                 isinstance(m, nn.modules.batchnorm._NormBase) for m in net.modules()
@@ -1113,9 +1307,9 @@ class FROMPMethod:
         """All method state: settings, curvature sum, memorable sets with targets and
         Cholesky factors, task counter, RNG state, timings."""
         return {
-            "tau": self.tau,
+            "tau": self._tau,
             "n_points": self.n_points,
-            "select": self.select,
+            "select": self._select,
             "prior_precision": self.prior_precision,
             "grad_clip_norm": self.grad_clip_norm,
             "posterior": self.posterior,
@@ -1126,11 +1320,14 @@ class FROMPMethod:
             "kernel": self.kernel,
             "function": self.function,
             "jitter": self.regularizer.jitter,
-            "replay": self.replay,
-            "replay_weight": self.replay_weight,
+            "replay": self._replay,
+            "replay_weight": self._replay_weight,
             "bn_statistics": self.bn_statistics,
-            "context_tau": self.context_tau,
+            "context_tau": self._context_tau,
             "curvature_combine": self.curvature_combine,
+            "memory_batch": self._memory_batch,
+            "class_incremental": self.class_incremental,
+            "examples": dict(self.examples),
             "previous": (
                 {k: v.detach().clone() for k, v in self.previous.state_dict().items()}
                 if self.previous is not None
@@ -1166,8 +1363,15 @@ class FROMPMethod:
             raise ValueError(
                 f"state is missing keys {missing}: not a FROMPMethod.state_dict() of this version"
             )
-        mine = {"tau": self.tau, "grad_clip_norm": self.grad_clip_norm}
-        mine.update({k: getattr(self, k) for k in _SETTINGS if k not in ("kernel", "jitter")})
+        given = {"tau", "select", "replay", "replay_weight", "context_tau", "memory_batch"}
+        mine = {"tau": self._tau, "grad_clip_norm": self.grad_clip_norm}
+        mine.update(
+            {
+                k: getattr(self, f"_{k}" if k in given else k)
+                for k in _SETTINGS
+                if k not in ("kernel", "jitter")
+            }
+        )
         mine["kernel"], mine["jitter"] = self.kernel, self.regularizer.jitter
         mine["function"] = self.function
         for key, value in mine.items():
@@ -1190,6 +1394,9 @@ class FROMPMethod:
         for key in ("chunk_size",):
             setattr(self, key, state[key])
         self.task_count = int(state["task_count"])
+        self.class_incremental = bool(state["class_incremental"])
+        self.examples = {int(k): int(v) for k, v in state["examples"].items()}
+        self._weights = None
         self.ggn_sum, self.optimizer_variance = (
             mv(state["ggn_sum"]),
             mv(state["optimizer_variance"]),
@@ -1235,6 +1442,35 @@ def _require_optimizer(optimizer: Any, posterior: str) -> Any:
             f"posterior is FROMP's), got {type(optimizer).__name__}"
         )
     return optimizer
+
+
+def _width(net: nn.Module, x: Tensor) -> int:
+    """The output width of ``net`` (one head), from a forward of two examples of ``x``."""
+    p = next(iter(net.parameters()), None)
+    with torch.no_grad():
+        return int(net(x[:2].to(p.device if p is not None else x.device)).shape[-1])
+
+
+def _interleaved(t: Tensor, n_classes: int) -> Tensor:
+    """The rows of ``t`` ``[n_classes * k, ...]`` (grouped by class, ``k`` each) reordered
+    class by class: the first ``j n_classes`` rows hold the first ``j`` of every class."""
+    k = len(t) // n_classes
+    return t.reshape(n_classes, k, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+
+def _auto_or_number(value: Any, name: str, *, positive: bool) -> float | str:
+    """``"auto"``, or ``value`` as a finite float ``> 0`` (``positive``) or ``>= 0``:
+    ``TypeError`` for what is neither a number nor ``"auto"`` (bools included),
+    ``ValueError`` for a number out of range, both naming ``name``."""
+    if isinstance(value, str) and value == "auto":
+        return "auto"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        hint = " (a strategy's criterion goes in criterion=)" if name == "tau" else ""
+        raise TypeError(f"{name} must be a number or 'auto', got {type(value).__name__}{hint}")
+    bound = "> 0" if positive else ">= 0"
+    if not ((value > 0 if positive else value >= 0) and math.isfinite(value)):
+        raise ValueError(f"{name} must be a finite number {bound} (or 'auto'), got {value!r}")
+    return float(value)
 
 
 def _combine_exponent(value: Any) -> float:

@@ -64,7 +64,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fromp._checks import check_batch, check_chunk_size, check_tensor, check_vector, device_dtype
+from fromp._checks import (
+    check_batch,
+    check_chunk_size,
+    check_count,
+    check_tensor,
+    check_vector,
+    device_dtype,
+)
 from fromp.curvature.jacobian import flat_params, num_params
 from fromp.gp.process import GP
 from fromp.likelihood import Likelihood, get_likelihood
@@ -217,6 +224,8 @@ class MemorableSet:
             (states of older versions): the first ``targets.shape[1]`` units.
         labels: ``[M]`` the memorable points' labels (indices of the head's units), kept
             for replay (:meth:`FROMPRegularizer.replay_loss`); None when not given.
+        penalised: the penalty covers the first ``penalised`` inputs (``targets`` ``[k,
+            C_s]`` and ``chol`` are theirs; the replay loss covers all ``M``); None: all.
     """
 
     inputs: Tensor
@@ -226,6 +235,12 @@ class MemorableSet:
     jitter: float = 0.0
     units: Tensor | None = None
     labels: Tensor | None = None
+    penalised: int | None = None
+
+    @property
+    def n_penalised(self) -> int:
+        """``k``: the inputs the penalty covers (the first ``k``)."""
+        return len(self.inputs) if self.penalised is None else self.penalised
 
 
 def _units_of(m: MemorableSet) -> Tensor:
@@ -243,29 +258,37 @@ def _mean_weights(m: MemorableSet) -> Tensor:
 
 @dataclass
 class _Stack:
-    """Every stored set's quadratic form as blocks of one batched one.
+    """Every stored set's quadratic form as blocks of one batched one, and what the replay
+    loss reads.
 
-    Block ``b`` (per task and class for ``"per_class"``, per task for ``"joint"`` and
+    Block ``b`` (per set and class for ``"per_class"``, per set for ``"joint"`` and
     ``"identity"``) holds ``L_b`` residual entries ``p[rows[b, i], cols[b, i]] -
-    targets[b, i]`` (``p`` ``[N, C]`` the probabilities of all ``N`` memorable points;
-    class-major ``(c, m)`` within a joint block), zero-padded to ``L = max_b L_b``, and
-    ``whiten_t[b] = chol_b^{-T}`` (``chol_b chol_b^T = K_b + jitter I``; zero rows and
-    columns on the padding), so that ``r_b^T (K_b + jitter I)^{-1} r_b = ||r_b^T
-    whiten_t[b]||^2`` (the row-vector product is the faster layout of the batched matmul).
+    targets[b, i]`` (``p`` ``[N_k, C]`` the kept function on the ``N_k = sum_s k_s``
+    penalised points, the first ``k_s`` of each set; class-major ``(c, m)`` within a joint
+    block), zero-padded to ``L = max_b L_b``, and ``whiten_t[b] = chol_b^{-T}`` (``chol_b
+    chol_b^T = K_b + jitter I``; zero rows and columns on the padding), so that ``r_b^T
+    (K_b + jitter I)^{-1} r_b = ||r_b^T whiten_t[b]||^2`` (the row-vector product is the
+    faster layout of the batched matmul). ``rows_all`` are the same entries' rows among all
+    ``N = sum_s M_s`` stored points (the layout of a step that evaluates every point).
     """
 
-    rows: Tensor  # [B, L] long: the point among all N memorable points
+    rows: Tensor  # [B, L] long: the point among the N_k penalised points
+    rows_all: Tensor  # [B, L] long: the point among all N stored points
     cols: Tensor  # [B, L] long: its output unit
     targets: Tensor  # [B, L] float64
     mask: Tensor  # [B, L] float64: 1 on entries, 0 on the padding
     whiten_t: Tensor | None  # [B, L, L] float64; None for the identity kernel
     sizes: list[int]  # M_s per set
+    penalised: list[int]  # k_s per set
     needs: list[int]  # per set, the head width it needs (largest unit + 1)
     labels: Tensor | None  # [N] when every set has labels
-    weights: Tensor | None  # [N] float64, 1 / M_s: each set's mean NLL (replay)
-    x: Tensor | None = None  # [N, ...] all memorable inputs (made on first use)
-    task: Tensor | None = None  # [N] long, their heads
-    flat: dict[int, Tensor] = field(default_factory=dict)  # per width C: rows * C + cols
+    weights: Tensor  # [N] float64, 1 / M_s: each set's mean NLL (replay)
+    point_set: Tensor  # [N] long: the set of each stored point
+    offsets: Tensor  # [S] long: each set's first point among the N
+    counts: Tensor  # [S] float64: M_s
+    x: dict[str, Tensor] = field(default_factory=dict)  # "all" [N, ...], "penalised" [N_k, ...]
+    task: dict[str, Tensor] = field(default_factory=dict)  # their heads, [N] / [N_k] long
+    flat: dict[tuple[bool, int], Tensor] = field(default_factory=dict)  # rows * C + cols
 
     @property
     def count(self) -> int:
@@ -275,47 +298,87 @@ class _Stack:
     def need(self) -> int:
         return max(self.needs)
 
+    @property
+    def all_penalised(self) -> bool:
+        """Every set's penalty covers all its points (the two layouts are one)."""
+        return self.penalised == self.sizes
+
     @classmethod
     def of(cls, memories: list[MemorableSet], kernel: str) -> _Stack:
         """Stack ``memories`` (all on one device; each set's factor inverted once)."""
-        rows, cols, targets, whiten = [], [], [], []
-        off = 0
-        for m in memories:
-            n, dev = len(m.inputs), m.targets.device
+        rows, rows_all, cols, targets, whiten, point_set = [], [], [], [], [], []
+        off = off_all = 0
+        for j, m in enumerate(memories):
+            n, k, dev = len(m.inputs), m.n_penalised, m.targets.device
             units = _units_of(m).to(dev)
-            points = torch.arange(off, off + n, device=dev)
+            points = torch.arange(k, device=dev)
             if kernel == "per_class":
-                rows.append(points.expand(len(units), n))
-                cols.append(units[:, None].expand(len(units), n))
+                local = points.expand(len(units), k)
+                cols.append(units[:, None].expand(len(units), k))
                 targets.append(m.targets.T)
             else:  # one block, class-major (c, m)
-                rows.append(points.repeat(len(units))[None])
-                cols.append(units.repeat_interleave(n)[None])
+                local = points.repeat(len(units))[None]
+                cols.append(units.repeat_interleave(k)[None])
                 targets.append(m.targets.T.reshape(1, -1))
+            rows.append(local + off)
+            rows_all.append(local + off_all)
             if kernel != "identity":
                 if m.chol is None:
                     raise ValueError(f"the memorable set of task {m.task} has no kernel factor")
                 eye = torch.eye(m.chol.shape[-1], dtype=m.chol.dtype, device=dev)
                 whiten.append(torch.linalg.solve_triangular(m.chol, eye, upper=False))
-            off += n
+            point_set.append(torch.full((n,), j, dtype=torch.long, device=dev))
+            off += k
+            off_all += n
         width = max(t.shape[1] for t in targets)
 
         def pad(t: Tensor, square: bool = False) -> Tensor:
             extra = width - t.shape[-1]
             return F.pad(t, (0, extra, 0, extra) if square else (0, extra))
 
+        dev = memories[0].targets.device
+        sizes = [len(m.inputs) for m in memories]
         labelled = all(m.labels is not None for m in memories)
         return cls(
             rows=torch.cat([pad(r) for r in rows]),
+            rows_all=torch.cat([pad(r) for r in rows_all]),
             cols=torch.cat([pad(c) for c in cols]),
             targets=torch.cat([pad(t) for t in targets]),
             mask=torch.cat([pad(torch.ones_like(t)) for t in targets]),
             whiten_t=torch.cat([pad(w, True) for w in whiten]).mT.contiguous() if whiten else None,
-            sizes=[len(m.inputs) for m in memories],
+            sizes=sizes,
+            penalised=[m.n_penalised for m in memories],
             needs=[int(_units_of(m).max()) + 1 for m in memories],
             labels=torch.cat([m.labels for m in memories]) if labelled else None,  # type: ignore[misc]
             weights=torch.cat([_mean_weights(m) for m in memories]),
+            point_set=torch.cat(point_set),
+            offsets=torch.tensor([0, *sizes[:-1]], device=dev).cumsum(0),
+            counts=torch.tensor(sizes, dtype=torch.float64, device=dev),
         )
+
+    def inputs(self, memories: list[MemorableSet], layout: str) -> tuple[Tensor, Tensor]:
+        """``(x, heads)`` of the ``"all"`` or ``"penalised"`` layout (made on first use)."""
+        if layout not in self.x:
+            if layout == "all" or self.all_penalised:
+                xs = [m.inputs for m in memories]
+            else:
+                xs = [m.inputs[: m.n_penalised] for m in memories]
+            tasks = [0 if m.task is None else int(m.task) for m in memories]
+            self.x[layout] = torch.cat(xs)
+            self.task[layout] = torch.cat(
+                [
+                    torch.full((len(x),), t, dtype=torch.long, device=x.device)
+                    for x, t in zip(xs, tasks)
+                ]
+            )
+        return self.x[layout], self.task[layout]
+
+    def draw(self, per_set: int) -> Tensor:
+        """``[S per_set]`` indices among the ``N`` stored points: ``per_set`` drawn uniformly
+        with replacement from each set (torch's generator of the points' device)."""
+        u = torch.rand(self.count, per_set, dtype=torch.float64, device=self.offsets.device)
+        local = (u * self.counts[:, None]).long().clamp_max_(self.counts.long()[:, None] - 1)
+        return (self.offsets[:, None] + local).reshape(-1)
 
 
 class FROMPRegularizer:
@@ -568,13 +631,19 @@ class FROMPRegularizer:
         model: nn.Module,
         items: list[tuple[Tensor, int | None, Tensor | None]],
         variance: Tensor | FunctionKernel,
+        penalty_points: int | None = None,
     ) -> list[MemorableSet]:
         """The memorable sets of ``items`` (``(inputs, task, labels)`` each) at the model's
-        present weights and ``Sigma``: targets from one forward per head over all its
-        points, kernels through one GP per head (:meth:`_kernels`), the factorisations
-        batched (:meth:`_cholesky_all`). Nothing is stored here: a failure leaves the
-        regulariser as it was."""
-        xs = [x for x, _, _ in items]
+        present weights and ``Sigma``, the penalty on the first ``min(M_s,
+        penalty_points)`` inputs of each (None: all): targets from one forward per head
+        over all its penalised points, kernels through one GP per head (:meth:`_kernels`),
+        the factorisations batched (:meth:`_cholesky_all`). Nothing is stored here: a
+        failure leaves the regulariser as it was."""
+        ks = [
+            None if penalty_points is None or penalty_points >= len(x) else int(penalty_points)
+            for x, _, _ in items
+        ]
+        xs = [x if k is None else x[:k] for (x, _, _), k in zip(items, ks)]
         tasks = [t for _, t, _ in items]
         outs = self._outputs_by_head(model, xs, tasks)
         units = [self._units(self.likelihood.inverse_link(f), t) for f, t in zip(outs, tasks)]
@@ -582,12 +651,14 @@ class FROMPRegularizer:
         if self.kernel == "identity":
             factors: list[tuple[Tensor | None, float]] = [(None, 0.0)] * len(items)
         else:
-            ks = self._kernels(model, xs, tasks, variance)
-            ks = [_select_units(k, u, self.kernel, len(x)) for k, u, x in zip(ks, units, xs)]
-            factors = self._cholesky_all(ks, tasks)  # type: ignore[assignment]
+            kern = self._kernels(model, xs, tasks, variance)
+            kern = [_select_units(k, u, self.kernel, len(x)) for k, u, x in zip(kern, units, xs)]
+            factors = self._cholesky_all(kern, tasks)  # type: ignore[assignment]
         return [
-            MemorableSet(x, t, target, chol, jitter, u, labels)
-            for (x, t, labels), target, (chol, jitter), u in zip(items, targets, factors, units)
+            MemorableSet(x, t, target, chol, jitter, u, labels, k)
+            for (x, t, labels), target, (chol, jitter), u, k in zip(
+                items, targets, factors, units, ks
+            )
         ]
 
     def _outputs_by_head(
@@ -617,6 +688,7 @@ class FROMPRegularizer:
         *,
         update_previous: bool = True,
         labels: Tensor | None = None,
+        penalty_points: int | None = None,
     ) -> None:
         """Store task ``task``'s memorable set ``x_mem [M, ...]`` with targets and kernel
         at the current parameters of ``model``.
@@ -633,8 +705,13 @@ class FROMPRegularizer:
                 every task: it regularises towards the latest solution ``w_t``).
             labels: ``[M]`` the points' labels (head units), kept for
                 :meth:`replay_loss`.
+            penalty_points: the penalty covers the first ``penalty_points`` inputs of each
+                set built here (all of a smaller set; None: all): targets and kernels are
+                taken on those (``C k^2 P`` multiply-adds per set instead of ``C M^2 P``),
+                the replay loss keeps every input.
         """
         check_batch(x_mem, "x_mem")
+        penalty_points = check_count(penalty_points, "penalty_points")
         device, _ = device_dtype(model)
         if labels is not None:
             labels = check_tensor(labels, "labels", f"[M]=[{len(x_mem)}]")
@@ -647,11 +724,17 @@ class FROMPRegularizer:
         var = self._check_variance(model, posterior_variance)
         new = (x_mem.detach().to(device), task, labels)
         if update_previous:  # the earlier sets and the new one in one pass
-            self.memories = self._build(model, [*self._items(), new], var)
+            self.memories = self._build(model, [*self._items(), new], var, penalty_points)
         else:
-            self.memories = [*self.memories, *self._build(model, [new], var)]
+            self.memories = [*self.memories, *self._build(model, [new], var, penalty_points)]
 
-    def update(self, model: nn.Module, posterior_variance: Tensor | FunctionKernel) -> None:
+    def update(
+        self,
+        model: nn.Module,
+        posterior_variance: Tensor | FunctionKernel,
+        *,
+        penalty_points: int | None = None,
+    ) -> None:
         """Recompute every stored task's targets and kernel at the current parameters and
         ``posterior_variance`` (inputs and heads are kept).
 
@@ -662,8 +745,9 @@ class FROMPRegularizer:
         over all its points, one GP per head (:meth:`_kernels`: its set-up and checks
         done once), each set's kernel block (``C M_s^2 P`` multiply-adds per set, linear in
         the tasks) and one batched Cholesky factorisation of all blocks of a size."""
+        penalty_points = check_count(penalty_points, "penalty_points")
         var = self._check_variance(model, posterior_variance)
-        self.memories = self._build(model, self._items(), var)
+        self.memories = self._build(model, self._items(), var, penalty_points)
 
     def _items(self) -> list[tuple[Tensor, int | None, Tensor | None]]:
         return [(m.inputs, m.task, m.labels) for m in self.memories]
@@ -678,7 +762,8 @@ class FROMPRegularizer:
         self._cache = {}
 
     def residuals(self, model_fn: ModelFn | nn.Module) -> list[Tensor]:
-        """``r_s = p(X_s; w) - m_s`` for every stored task, each ``[M, C_s]`` float64.
+        """``r_s = p(X_s; w) - m_s`` for every stored task, each ``[k_s, C_s]`` float64 (its
+        penalised points, :attr:`MemorableSet.penalised`).
 
         ``C_s`` are the units the set was stored on (:attr:`MemorableSet.units`: the units
         not masked at the time). A head that has grown since (an incremental classifier
@@ -728,17 +813,50 @@ class FROMPRegularizer:
         return self.terms(model_fn)[0]
 
     def terms(
-        self, model_fn: ModelFn | nn.Module, *, replay: bool = False
+        self,
+        model_fn: ModelFn | nn.Module,
+        *,
+        replay: bool = False,
+        replay_points: int | None = None,
+        replay_weights: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """``(R(w), replay loss or None)`` from one evaluation of the memorable points:
-        :meth:`penalty`, and with ``replay`` the tasks' mean negative log-likelihoods of the
-        memorable points under their stored labels (:meth:`replay_loss`)."""
+        :meth:`penalty` and, with ``replay``, the sets' mean negative log-likelihoods of
+        their points under their stored labels (:meth:`replay_loss`).
+
+        Args:
+            model_fn: the model (see :meth:`penalty`).
+            replay: also return the replay loss.
+            replay_points: the replay loss's estimator: ``b`` points drawn uniformly with
+                replacement from each set at every call (torch's generator of the points'
+                device), each set's mean NLL estimated by the mean over its ``b`` draws,
+                which is unbiased: ``E[(1/b) sum_j l(x_{s,I_j})] = (1/M_s) sum_m l(x_{s,m})``
+                for ``I_j`` uniform on the set. The model then sees the penalised points and
+                the ``S b`` draws in one forward pass instead of all ``N`` points. None: every
+                point, exactly. Used for a model called once on all points (a plain module
+                or a :mod:`fromp` multi-head model); others evaluate every point.
+            replay_weights: ``[S]`` weights ``b_s`` of the sets' mean NLLs (None: 1 each).
+        """
+        replay_points = check_count(replay_points, "replay_points")
         if not self.memories:
             return torch.zeros(()), (torch.zeros(()) if replay else None)
         st = self._stack()
         if replay and st.labels is None:
             self._unlabelled()
-        f = self._joined_outputs(model_fn)
+        single = isinstance(model_fn, nn.Module) and not takes_task_labels(model_fn)
+        sample = replay and replay_points is not None and single
+        layout_all = replay and not sample and not st.all_penalised
+        drawn = None
+        if sample:  # the penalised points and the draws in one forward pass
+            drawn = st.draw(int(replay_points))  # type: ignore[arg-type]
+            x_k, t_k = st.inputs(self.memories, "penalised")
+            x_a, t_a = st.inputs(self.memories, "all")
+            x, heads = torch.cat([x_k, x_a[drawn]]), torch.cat([t_k, t_a[drawn]])
+            out = model_fn(x, task=heads) if getattr(model_fn, "n_heads", 1) > 1 else model_fn(x)
+            f: Tensor | list[Tensor] = out[: len(x_k)]
+            f_rep = out[len(x_k) :]
+        else:
+            f = self._joined_outputs(model_fn, st, "all" if layout_all else "penalised")
         if isinstance(f, Tensor):
             p = self.link(f).double()
         else:  # heads of different widths: the kept function zero-padded to the widest
@@ -748,9 +866,11 @@ class FROMPRegularizer:
                  for fi in f]
             )  # fmt: skip
         self._check_width(p.shape[1], st)
-        flat = st.flat.get(p.shape[1])
-        if flat is None:  # the index into p's flat storage, per head width
-            flat = st.flat[p.shape[1]] = st.rows * p.shape[1] + st.cols
+        key = (layout_all, p.shape[1])
+        flat = st.flat.get(key)
+        if flat is None:  # the index into p's flat storage, per layout and head width
+            rows = st.rows_all if layout_all else st.rows
+            flat = st.flat[key] = rows * p.shape[1] + st.cols
         r = torch.take(p, flat) - st.targets  # [B, L]
         if st.whiten_t is None:  # identity kernel
             r = r * st.mask
@@ -760,21 +880,26 @@ class FROMPRegularizer:
             pen = 0.5 * (z * z).sum()
         if not replay:
             return pen, None
+        assert st.labels is not None
+        if drawn is not None:
+            w = 1.0 / float(replay_points)  # type: ignore[arg-type]
+            nll = self.likelihood.nll(f_rep, st.labels[drawn])
+            if replay_weights is not None:
+                nll = nll * replay_weights.to(nll)[st.point_set[drawn]]
+            return pen, w * nll.sum()
         if isinstance(f, Tensor):
-            assert st.labels is not None and st.weights is not None
-            return pen, (self.likelihood.nll(f, st.labels) * st.weights.to(f.dtype)).sum()
-        return pen, self._replay(f)
+            w_all = st.weights.to(f.dtype)
+            if replay_weights is not None:
+                w_all = w_all * replay_weights.to(w_all)[st.point_set]
+            return pen, (self.likelihood.nll(f, st.labels) * w_all).sum()
+        return pen, self._replay(f, replay_weights)
 
     def replay_loss(self, model_fn: ModelFn | nn.Module) -> Tensor:
         """The memorable sets as labelled coresets: ``-sum_s (1 / M_s) sum_{m in s} log
         p(y_m | f(x_m; w))``, each earlier task's mean negative log-likelihood on its
         stored points, through its head (softmax cross-entropy for ``"categorical"``),
-        summed over the tasks. Each set stands in for its task's data term, which the
-        current task's mean loss weighs 1: after ``t`` tasks the coreset weighs ``t``
-        against the new task's 1, as the tasks' classes do in a class-incremental stream
-        (one mean over all the points instead gave the ``2 t`` old classes together the
-        weight of the 2 new ones: split MNIST after 5 experiences 90.2 % against Replay's
-        90.0 %). Needs the labels (``add_task(..., labels=)``)."""
+        summed over the tasks (weights per set and an estimator: :meth:`terms`). Needs the
+        labels (``add_task(..., labels=)``)."""
         return self.terms(model_fn, replay=True)[1]
 
     def _unlabelled(self) -> None:
@@ -785,24 +910,33 @@ class FROMPRegularizer:
                     "add_task(..., labels=)"
                 )
 
-    def _replay(self, outputs: list[Tensor]) -> Tensor:
+    def _replay(self, outputs: list[Tensor], weights: Tensor | None) -> Tensor:
         """:meth:`replay_loss` from per-set outputs of different widths."""
         total = None
-        for f, m in zip(outputs, self.memories):
+        for j, (f, m) in enumerate(zip(outputs, self.memories)):
             assert m.labels is not None
             nll = self.likelihood.nll(f, m.labels.to(f.device)).sum() / len(m.labels)
+            if weights is not None:
+                nll = nll * weights.to(nll)[j]
             total = nll if total is None else total + nll
         assert total is not None
         return total
 
     def outputs(self, model_fn: ModelFn | nn.Module) -> list[Tensor]:
-        """The model's outputs ``[M_s, C]`` on every stored memorable set, through its head.
+        """The model's outputs ``[k_s, C]`` on every stored set's penalised points, through
+        its head.
 
         A plain module or a :mod:`fromp` model: all memorable inputs in one forward pass
         (a multi-head model gets a ``[N]`` tensor of heads). A module taking
         ``task_labels`` (Avalanche's ``MultiTaskModule``, heads of different widths): one
         call per distinct head, with all that head's points. A function
         ``(x, task) -> logits``: one call per set."""
+        return self._outputs(model_fn, self._stack(), "penalised")
+
+    def _outputs(self, model_fn: ModelFn | nn.Module, st: _Stack, layout: str) -> list[Tensor]:
+        """:meth:`outputs` on the points of ``layout`` (``"all"`` or ``"penalised"``)."""
+        full = layout == "all" or st.all_penalised
+        xs = [m.inputs if full else m.inputs[: m.n_penalised] for m in self.memories]
         if isinstance(model_fn, nn.Module) and _takes_labels(model_fn):
             fn = task_fn(model_fn)
             by_task: dict[int | None, list[int]] = {}
@@ -810,44 +944,37 @@ class FROMPRegularizer:
                 by_task.setdefault(m.task, []).append(i)
             out: list[Tensor | None] = [None] * len(self.memories)
             for t, idx in by_task.items():
-                x = torch.cat([self.memories[i].inputs for i in idx])
+                x = torch.cat([xs[i] for i in idx])
                 f = fn(x, t)
-                for i, fi in zip(idx, f.split([len(self.memories[i].inputs) for i in idx])):
+                for i, fi in zip(idx, f.split([len(xs[i]) for i in idx])):
                     out[i] = fi
             return out  # type: ignore[return-value]
         if isinstance(model_fn, nn.Module):
-            return list(self._forward_all(model_fn).split(self._stack().sizes))
-        return [model_fn(m.inputs, m.task) for m in self.memories]
+            return list(self._forward_all(model_fn, st, layout).split([len(x) for x in xs]))
+        return [model_fn(x, m.task) for x, m in zip(xs, self.memories)]
 
-    def _joined_outputs(self, model_fn: ModelFn | nn.Module) -> Tensor | list[Tensor]:
-        """The outputs on all memorable points as one ``[N, C]`` tensor (in the sets'
+    def _joined_outputs(
+        self, model_fn: ModelFn | nn.Module, st: _Stack, layout: str
+    ) -> Tensor | list[Tensor]:
+        """The outputs on the points of ``layout`` as one ``[N, C]`` tensor (in the sets'
         order), or per set when the heads' widths differ."""
         if isinstance(model_fn, nn.Module) and not _takes_labels(model_fn):
-            return self._forward_all(model_fn)
-        outputs = self.outputs(model_fn)
+            return self._forward_all(model_fn, st, layout)
+        outputs = self._outputs(model_fn, st, layout)
         if len({f.shape[1] for f in outputs}) > 1:
             return outputs
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
-    def _forward_all(self, model: nn.Module) -> Tensor:
-        """One forward pass of every memorable input ``[N, ...]`` (a multi-head
-        :mod:`fromp` model gets the ``[N]`` heads)."""
-        st = self._stack()
-        if st.x is None:
-            st.x = torch.cat([m.inputs for m in self.memories])
-            tasks = [0 if m.task is None else int(m.task) for m in self.memories]
-            st.task = torch.cat(
-                [
-                    torch.full((len(m.inputs),), t, dtype=torch.long, device=m.inputs.device)
-                    for m, t in zip(self.memories, tasks)
-                ]
-            )
+    def _forward_all(self, model: nn.Module, st: _Stack, layout: str) -> Tensor:
+        """One forward pass of the points of ``layout`` (a multi-head :mod:`fromp` model
+        gets their heads)."""
+        x, heads = st.inputs(self.memories, layout)
         if getattr(model, "n_heads", 1) > 1:
-            return model(st.x, task=st.task)
-        return model(st.x)
+            return model(x, task=heads)
+        return model(x)
 
     def _stack(self) -> _Stack:
-        """The stored sets as the batched quadratic form :meth:`penalty` evaluates, built
+        """The stored sets as the batched quadratic form :meth:`terms` evaluates, built
         once after the sets change (:meth:`add_task`, :meth:`update`, :meth:`retarget`,
         :meth:`load_state_dict`, a new :attr:`memories` list)."""
         st = self._cache.get("stack")
@@ -875,6 +1002,7 @@ class FROMPRegularizer:
                     "jitter": m.jitter,
                     "units": m.units,
                     "labels": m.labels,
+                    "penalised": m.penalised,
                 }
                 for m in self.memories
             ],
@@ -911,6 +1039,7 @@ class FROMPRegularizer:
                 d.get("jitter", 0.0),
                 mv(d.get("units")),
                 mv(d.get("labels")),
+                d.get("penalised"),
             )
             for d in state["memories"]
         ]

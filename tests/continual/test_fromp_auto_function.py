@@ -1,8 +1,9 @@
 """FROMP's default ``function="auto"``: the function the penalty keeps is chosen at the first
 ``learn_task`` from the head's layout, the logits on one head that the first experience
-fills (every later experience shares its classes: permuted MNIST), the probabilities with a
-head per task or one head whose classes arrive over the experiences (class-incremental,
-Avalanche's ``IncrementalClassifier`` too). Once chosen it does not change, it is saved and
+fills (every later experience shares its classes: permuted MNIST) and on one head whose
+classes arrive over the experiences (class-incremental, Avalanche's ``IncrementalClassifier``
+too) with the coreset, the probabilities with a head per task or class-incremental without
+the coreset. Once chosen it does not change, it is saved and
 restored, and the penalty after tasks 1-3 is the one of the explicit choice."""
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def _penalties(function: str, tasks: list[list[int]], multihead: bool = False) -
     ("tasks", "multihead", "chosen"),
     [
         ([[0, 1, 2, 3]] * 3, False, "logits"),  # one head, every task fills it
-        ([[0, 1], [2, 3], [0, 3]], False, "probs"),  # one head, classes arrive
+        ([[0, 1], [2, 3], [0, 3]], False, "logits"),  # one head, classes arrive: coreset
         ([[0, 1, 2, 3], [0, 1], [2, 3]], False, "logits"),  # the first task decides
         ([[0, 1, 2]] * 3, True, "probs"),  # a head per task, each filled
     ],
@@ -74,6 +75,16 @@ def test_auto_keeps_the_chosen_function_and_its_penalty(tasks, multihead, chosen
     for t, (a, b, w) in enumerate(zip(got, expected, wrong)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=0.0)
         assert not torch.isclose(a, w, rtol=1e-3), f"after task {t + 1} both functions agree"
+
+
+def test_class_incremental_without_the_coreset_keeps_probs():
+    """Classes arriving on one head with the coreset turned off: the probabilities, whose
+    penalty keeps some of the old classes where the logits' keeps none."""
+    torch.manual_seed(0)
+    net = tiny_mlp(4, 5, 4, seed=0)
+    method = FROMPMethod(n_points=8, replay=False)
+    method.learn_task(net, *_task(0, [0, 1]), None)
+    assert method.class_incremental and method.function == "probs"
 
 
 def test_auto_is_pending_until_the_first_task_and_a_bernoulli_head_keeps_probs():
@@ -128,7 +139,7 @@ def _stream(classes_per_task: list[list[int]]):
     return train, test
 
 
-def _fit(model: nn.Module, classes_per_task, task_labels) -> FROMP:
+def _fit(model: nn.Module, classes_per_task, task_labels, **kwargs) -> FROMP:
     train, test = _stream(classes_per_task)
     bench = tensors_benchmark(train, test, task_labels=task_labels)
     strategy = FROMP(
@@ -138,6 +149,7 @@ def _fit(model: nn.Module, classes_per_task, task_labels) -> FROMP:
         train_mb_size=16,
         train_epochs=1,
         eval_mb_size=16,
+        **kwargs,
         evaluator=EvaluationPlugin(accuracy_metrics(experience=True), loggers=[]),
     )
     with warnings.catch_warnings():
@@ -154,24 +166,29 @@ def test_strategy_keeps_logits_on_a_fixed_head_every_experience_fills():
     assert strategy.plugin.method.function == "logits"
 
 
-def test_strategy_keeps_probs_on_a_fixed_head_whose_classes_arrive():
+@pytest.mark.parametrize(("replay", "chosen"), [("auto", "logits"), (False, "probs")])
+def test_strategy_on_a_fixed_head_whose_classes_arrive(replay, chosen):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4))
-    strategy = _fit(net, [[0, 1], [2, 3]], [0, 0])
-    assert strategy.plugin.method.function == "probs"
+    strategy = _fit(net, [[0, 1], [2, 3]], [0, 0], replay=replay)
+    assert strategy.plugin.method.function == chosen
 
 
-def test_strategy_keeps_probs_on_a_growing_head_its_first_experience_fills():
+@pytest.mark.parametrize(("replay", "chosen"), [("auto", "logits"), (False, "probs")])
+def test_strategy_on_a_growing_head_its_first_experience_fills(replay, chosen):
     """``IncrementalClassifier`` has exactly the first experience's units after it: the
-    layout alone would say "logits"; the plugin knows the head grows."""
+    layout alone would say "logits" for a domain-incremental stream; the plugin knows the
+    head grows (a class-incremental stream: the coreset's logits, or the probabilities
+    without it)."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 8), nn.ReLU())
     model = nn.Sequential(net, IncrementalClassifier(8, initial_out_features=2))
     assert FROMPMethod.auto_function(model, torch.randn(4, 6), torch.tensor([0, 1, 0, 1])) == (
         "logits"
     )
-    strategy = _fit(model, [[0, 1], [2, 3]], [0, 0])
-    assert strategy.plugin.method.function == "probs"
+    strategy = _fit(model, [[0, 1], [2, 3]], [0, 0], replay=replay)
+    assert strategy.plugin.method.function == chosen
+    assert strategy.plugin.method.class_incremental
 
 
 def test_strategy_keeps_probs_with_a_head_per_task():
@@ -179,3 +196,4 @@ def test_strategy_keeps_probs_with_a_head_per_task():
     model = MTSimpleMLP(input_size=6, hidden_size=8)
     strategy = _fit(model, [[0, 1], [0, 1]], [0, 1])
     assert strategy.plugin.method.function == "probs"
+    assert not strategy.plugin.method.class_incremental  # its heads grow per task

@@ -97,7 +97,7 @@ def test_context_penalty_equals_hand_computation_after_tasks_2_and_3(function, b
 def test_no_copy_and_zero_term_when_off_or_before_the_first_task():
     train, _ = _data()
     net = _net()
-    off = FROMPMethod(n_points=4)
+    off = FROMPMethod(n_points=4, context_tau=0.0)  # off ("auto": on, class-incremental)
     on = FROMPMethod(n_points=4, context_tau=1.0)
     x, y = train[0]
     assert float(on.context_penalty(net(x), x, None)) == 0.0  # nothing learnt yet
@@ -177,6 +177,7 @@ def test_plugin_adds_context_tau_times_the_term_after_tasks_2_and_3(tau):
         n_points=4,
         function="logits",
         context_tau=0.7,
+        replay=False,  # the penalty and the context term alone (no coreset's loss)
     )
     bm = tensors_benchmark(train, test, task_labels=[0] * 3)
     snapshots = []

@@ -236,6 +236,31 @@ def test_fromp_coreset_and_context_plain_loop_equals_the_strategy(float64):
     assert set(method.last_terms) == {"penalty", "replay", "context"}
 
 
+def test_fromp_class_incremental_defaults_plain_loop_equals_the_strategy(float64):
+    """Nothing but ``n_points`` on a class-incremental stream: the plain loop (told the
+    classes) and the strategy resolve the same ``"auto"`` settings in ``begin_task`` (the
+    coreset weighted by the experiences' sizes, its draws, the context term, the penalty
+    on the first points of each set) and train to the same weights."""
+    from fromp.continual.methods import CI_CONTEXT_TAU, CI_REPLAY_WEIGHT, CI_TAU
+
+    sizes = (24, 16, 20)  # experiences of different sizes: b_s = c N_s / N_t differ
+    tasks = [(x[:n], y[:n], t) for (x, y, t), n in zip(_tasks(class_incremental=True), sizes)]
+    method = _fromp_routes(
+        tasks, False, lambda m: torch.optim.Adam(m.parameters(), lr=0.02), n_points=6
+    )
+    assert method.class_incremental and method.function == "logits"
+    assert (method.tau, method.replay, method.replay_weight, method.context_tau) == (
+        CI_TAU,
+        True,
+        CI_REPLAY_WEIGHT,
+        CI_CONTEXT_TAU,
+    )
+    assert method.memory_points() == BS
+    weights = [CI_REPLAY_WEIGHT * n / sizes[-1] for n in sizes]  # N_t: the last ess
+    torch.testing.assert_close(method.set_weights().tolist(), weights)
+    assert set(method.last_terms) == {"penalty", "replay", "context"}
+
+
 def test_ewc_plain_loop_equals_the_strategy(float64):
     from fromp_avalanche import EWC
     from fromp_avalanche.models import as_avalanche_model
@@ -359,7 +384,8 @@ def test_fromp_loss_terms_are_the_weighted_closed_forms():
     and its entry in ``last_terms`` the weighted part; tau = 0 drops the penalty only."""
     net, x, y = _trained_one_head()
     tau, w, kappa = 3.0, 2.5, 0.7
-    settings = dict(kernel="identity", replay=True, replay_weight=w, context_tau=kappa, jitter=0.0)
+    settings = dict(kernel="identity", replay=True, replay_weight=w, context_tau=kappa, jitter=0.0,
+                    function="probs", memory_batch=None)  # fmt: skip
     method = FROMPMethod(tau, 6, **settings)
     method.learn_task(net, x, y, None)
     old = copy.deepcopy(net)

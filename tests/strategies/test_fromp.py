@@ -105,7 +105,7 @@ def test_curvature_is_sum_of_task_ggns_and_identity_kernel():
 
 
 def test_plugin_argument_errors():
-    with pytest.raises(ValueError, match="select must be one of"):
+    with pytest.raises(ValueError, match="select must be None or one of"):
         FROMPPlugin(select="top")
     with pytest.raises(ValueError, match="n_points"):
         FROMPPlugin(n_points=0)

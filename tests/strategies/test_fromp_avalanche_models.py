@@ -146,7 +146,7 @@ def test_load_state_dict_refuses_other_settings_and_changes_nothing():
         ({"kernel": "identity", "prior_precision": 1.0}, "prior_precision"),
         ({"kernel": "identity", "replay": True}, "replay"),
     ):
-        other = FROMPMethod(n_points=6, **kw)
+        other = FROMPMethod(n_points=6, **{"tau": 10.0, **kw})  # tau: as saved
         with pytest.raises(ValueError, match=name):
             other.load_state_dict(state)
         assert len(other.regularizer) == 0 and other.task_count == 0
@@ -327,49 +327,49 @@ def test_ewc_strategy_trained_twice_on_an_experience_keeps_one_anchor():
     assert len(s.plugins[0].method.anchors) == 2
 
 
-@pytest.mark.parametrize("replay", [False, True])
-def test_dominance_warning_names_the_coreset_when_new_classes_share_one_head(replay):
-    """Class-incremental (Avalanche's default labels, one head): the one-line warning adds
-    that without labels FROMP stays below Replay there and names replay=True, unless the
-    memorable points are replayed already."""
+@pytest.mark.parametrize("replay", [False, True, "auto"])
+def test_class_incremental_warning_names_replay_false_at_the_start_of_the_experience(replay):
+    """Class-incremental (Avalanche's default labels, one head): with the coreset turned off
+    the second experience starts with one warning naming replay=False (before any step);
+    the dominance warning stays one line and no longer carries it."""
     bm, strategy = _dominated(None, train_epochs=1, replay=replay)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for exp in list(bm.train_stream)[:2]:
+    messages = []
+    for exp in list(bm.train_stream)[:2]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             strategy.train(exp)
-    dominated = [str(w.message) for w in caught if "dominates" in str(w.message)]
-    assert len(dominated) == 1 and "\n" not in dominated[0]
-    assert ("replay=True keeps the memorable points" in dominated[0]) is (not replay)
+        messages.append([str(w.message) for w in caught if "FROMP" in str(w.message)])
+    named = [[m for m in ms if "replay=False" in m] for ms in messages]
+    assert [len(n) for n in named] == [0, 1 if replay is False else 0]
+    assert all("\n" not in m for ms in messages for m in ms)
+    assert not any("replay=" in m for ms in messages for m in ms if "dominates" in m)
 
 
-def test_the_class_incremental_hint_follows_the_classes_begin_task_gives():
+def test_the_class_incremental_warning_follows_the_classes_begin_task_gives():
     """The method itself knows which classes an experience brings to a head trained before
-    (begin_task's ``classes``): the warning names replay=True for new classes on a head
-    that holds others, not for the first experience, the same classes again, a new head or
-    with replay."""
+    (begin_task's ``classes``): with replay=False it names the setting for new classes on a
+    head that holds others, not for the first experience, the same classes again, a stream
+    that does not say, or a new head; with the coreset on it says nothing."""
     from fromp import FROMPMethod
     from fromp.models import MultiHeadMLP
 
-    def hint(method, net, **facts) -> bool:
-        method._warned = False
-        method.begin_task(net, **facts)
+    def named(method, net, **facts) -> bool:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            method._check_dominance(torch.tensor(1e9), torch.tensor(1.0))
-        (w,) = [str(c.message) for c in caught]
-        return "replay=True keeps the memorable points" in w
+            method.begin_task(net, **facts)
+        return any("replay=False" in str(c.message) for c in caught)
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 4))
     x = torch.randn(40, 4)
-    for replay in (False, True):
+    for replay in (False, True, "auto"):
         m = FROMPMethod(n_points=4, replay=replay)
-        assert not hint(m, net, task=0, classes=[0, 1])  # the first experience
+        assert not named(m, net, task=0, classes=[0, 1])  # the first experience
         m.learn_task(net, x, torch.arange(40) % 2, 0)
-        assert hint(m, net, task=0, classes=[2, 3]) is (not replay)
-        assert not hint(m, net, task=0, classes=[0, 1])  # the same classes again
-        assert not hint(m, net, task=0)  # the stream does not say
+        assert named(m, net, task=0, classes=[2, 3]) is (replay is False)
+        assert not named(m, net, task=0, classes=[0, 1])  # the same classes again
+        assert not named(m, net, task=0)  # the stream does not say
     multi = MultiHeadMLP(4, (6,), n_heads=2, head_size=2)
-    m = FROMPMethod(n_points=4)
+    m = FROMPMethod(n_points=4, replay=False)
     m.learn_task(multi, x, torch.arange(40) % 2, 0)
-    assert not hint(m, multi, task=1, classes=[0, 1])  # a new head
+    assert not named(m, multi, task=1, classes=[0, 1])  # a new head

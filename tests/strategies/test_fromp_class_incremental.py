@@ -70,7 +70,7 @@ def _train(
     tau: float = 10.0,
     replay: bool = False,
     n_points: int = 6,
-    replay_weight: float = 1.0,
+    replay_weight: float | str = "auto",
     n_exp: int = N_EXP,
 ):
     """FROMP trained on the first ``n_exp`` experiences (seed 0), float64: ``(strategy, net,
@@ -91,6 +91,9 @@ def _train(
             n_points=n_points,
             replay=replay,
             replay_weight=replay_weight,
+            function="probs",  # the exact maths of the probabilities' penalty and of the
+            context_tau=0.0,  # coreset: every point every step (the class-incremental
+            memory_batch=None,  # defaults and their estimators: test_fromp_ci_defaults.py)
         )
         snapshots = []
         bm = _stream()
@@ -190,7 +193,7 @@ def test_penalty_matches_dense_float64_after_tasks_2_and_3(trained):
         assert step["loss"] - step["ce"] > 0
 
 
-def _train_memories_upto(exp: int, replay: bool = False, replay_weight: float = 1.0):
+def _train_memories_upto(exp: int, replay: bool = False, replay_weight: float | str = "auto"):
     """The strategy trained on the first ``exp`` experiences (same seed): its memorable sets
     are those that were regularising experience ``exp``."""
     return _train(replay=replay, replay_weight=replay_weight, n_exp=exp)[0]
@@ -240,17 +243,17 @@ def test_replay_weight_is_checked_saved_and_refused_on_mismatch():
         with pytest.raises(TypeError, match="replay_weight"):
             FROMPMethod(replay=True, replay_weight=bad)
     with pytest.raises(ValueError, match="replay=True"):
-        FROMPMethod(replay_weight=2.0)  # no coreset to weigh
+        FROMPMethod(replay=False, replay_weight=2.0)  # no coreset to weigh
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(D, 12), nn.Tanh(), nn.Linear(12, 2 * N_EXP)).double()
-    method = FROMPMethod(n_points=6, replay=True, replay_weight=3.0)
+    method = FROMPMethod(n_points=6, replay=True, replay_weight=3.0, memory_batch=None)
     from fromp_avalanche.benchmarks import experience_tensors
 
     x, y, _ = experience_tensors(_stream().train_stream[0].dataset)
     method.learn_task(net, x, y, None)
     state = method.state_dict()
     assert state["replay_weight"] == 3.0
-    same = FROMPMethod(n_points=6, replay=True, replay_weight=3.0)
+    same = FROMPMethod(n_points=6, replay=True, replay_weight=3.0, memory_batch=None)
     same.load_state_dict(state)
     torch.testing.assert_close(same.terms(net)[1], method.terms(net)[1])
     with pytest.raises(ValueError, match="replay_weight"):

@@ -1,0 +1,327 @@
+"""FROMP's ``"auto"`` settings on class-incremental streams (issue 56): an experience that
+brings classes to a head trained before, or a head that grows with the classes, turns the
+coreset on (with the logits' penalty, the context term and the memory's estimators), a
+coreset turned off by the user is named once at the start of each such experience, and
+task- and domain-incremental streams keep the paper's settings. The coreset's weights
+against their closed form, the replay loss's estimator against the full sum in expectation,
+and the penalty on the first ``k`` points of each set against a dense float64 one."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fromp import FROMPMethod
+from fromp.continual.methods import CI_CONTEXT_TAU, CI_REPLAY_WEIGHT, CI_TAU
+from fromp.continual.regularizer import FROMPRegularizer
+from fromp.models import MultiHeadMLP
+from tests.cases import tiny_mlp
+
+D = torch.float64
+
+
+def _data(classes: list[int], n: int = 24, d: int = 4, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.tensor(classes)[torch.arange(n) % len(classes)]
+    return torch.randn(n, d, generator=g, dtype=D) + 0.3 * y[:, None].to(D), y
+
+
+def _loop(method: FROMPMethod, net: nn.Module, stream, *, tell: bool = True, **facts):
+    """A plain loop (one step per experience, batch 8): ``(warnings per experience,
+    whether the stream was class-incremental at each step)``."""
+    opt = torch.optim.SGD(net.parameters(), lr=1e-2)
+    caught, flags = [], []
+    for e, (x, y, task) in enumerate(stream):
+        head = (lambda v, t=task: net(v, task=t)) if task is not None else net
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            if tell:
+                classes = y.unique().tolist()
+                method.begin_task(net, task=task, experience=e, ess=len(x), classes=classes,
+                                  **facts)  # fmt: skip
+            else:
+                method.begin_task(net, task=task, experience=e)
+        caught.append([str(m.message) for m in w if "FROMP" in str(m.message)])
+        flags.append(method.class_incremental)
+        out = head(x[:8])
+        loss = F.cross_entropy(out, y[:8])
+        loss = loss + method.loss_terms(net, x[:8], out, task=task, loss=loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        method.learn_task(net, x, y, task, experience=e)
+    return caught, flags
+
+
+def _ci_stream():
+    return [(*_data([2 * e, 2 * e + 1], seed=e), None) for e in range(3)]
+
+
+def _resolved(method: FROMPMethod) -> tuple:
+    return (method.tau, method.replay, method.replay_weight, method.context_tau,
+            method.select, method.memory_points(8))  # fmt: skip
+
+
+PAPER = (10.0, False, 1.0, 0.0, "descending", None)
+CI = (CI_TAU, True, CI_REPLAY_WEIGHT, CI_CONTEXT_TAU, "random", 8)
+
+
+@pytest.mark.parametrize("tell", [True, False], ids=["classes-told", "plain-loop"])
+def test_new_global_labels_on_a_fixed_head_turn_the_coreset_on(tell):
+    """A fixed 6-way head whose first experience brings 2 classes: class-incremental from
+    the first learn_task (the labels do not fill the head), told or not."""
+    method = FROMPMethod(n_points=6)
+    assert _resolved(method) == PAPER and method.function == "auto"
+    caught, flags = _loop(method, tiny_mlp(4, 5, 6, seed=0), _ci_stream(), tell=tell)
+    assert flags == [False, True, True] and method.class_incremental
+    assert _resolved(method) == CI and method.function == "logits"
+    assert caught == [[], [], []]  # the coreset is on: nothing to say
+    assert method.previous is not None  # the context term's copy
+    # the penalty covers ceil(batch / S) points of each set, the replay loss all of them
+    assert [m.n_penalised for m in method.regularizer.memories] == [3, 3, 3]
+    assert [len(m.inputs) for m in method.regularizer.memories] == [6, 6, 6]
+
+
+def test_a_growing_head_turns_the_coreset_on_from_its_first_experience():
+    method = FROMPMethod(n_points=6)
+    method.begin_task(tiny_mlp(4, 5, 2, seed=0), experience=0, classes=[0, 1], growing_head=True)
+    assert method.class_incremental and _resolved(method) == CI
+    assert method.function == "logits"  # chosen now: the first experience fills the head
+
+
+def test_new_classes_on_a_trained_head_turn_it_on_at_begin_task():
+    """One head that the first experience fills (a domain-incremental start), then a head
+    grown by the loop itself (no ``growing_head``) and labels beyond those trained."""
+    method = FROMPMethod(n_points=6)
+    method.learn_task(tiny_mlp(4, 5, 4, seed=0), *_data([0, 1, 2, 3]), None, experience=0)
+    assert not method.class_incremental and method.function == "logits"
+    grown = tiny_mlp(4, 5, 6, seed=0)
+    method.begin_task(grown, experience=1, classes=[0, 1])  # classes trained before
+    assert not method.class_incremental
+    method.begin_task(grown, experience=1, classes=[4, 5])
+    assert method.class_incremental and _resolved(method) == CI
+
+
+def test_replay_turned_off_is_named_once_at_the_start_of_each_experience_with_new_classes():
+    method = FROMPMethod(n_points=6, replay=False)
+    caught, flags = _loop(method, tiny_mlp(4, 5, 6, seed=0), _ci_stream())
+    assert flags == [False, True, True]
+    assert [len(c) for c in caught] == [0, 1, 1]  # the first experience has no old classes
+    for c in caught[1:]:
+        assert "replay=False" in c[0] and "class-incremental" in c[0]
+    assert not method.replay and method.function == "probs"  # no coreset: the probabilities
+    assert method.tau == CI_TAU and method.context_tau == CI_CONTEXT_TAU
+
+
+def test_explicit_settings_are_kept_on_a_class_incremental_stream():
+    method = FROMPMethod(n_points=6, tau=2.0, replay_weight=7.0, context_tau=0.0,
+                         memory_batch=None, select="descending")  # fmt: skip
+    _loop(method, tiny_mlp(4, 5, 6, seed=0), _ci_stream())
+    assert method.class_incremental
+    assert _resolved(method) == (2.0, True, 7.0, 0.0, "descending", None)
+    assert method.set_weights() is None  # a given weight: the same on every set
+    assert [m.n_penalised for m in method.regularizer.memories] == [6, 6, 6]
+
+
+@pytest.mark.parametrize("layout", ["task-incremental", "domain-incremental"])
+def test_task_and_domain_incremental_streams_keep_the_papers_settings(layout):
+    if layout == "task-incremental":
+        net = MultiHeadMLP(4, (5,), n_heads=3, head_size=2).to(D)
+        stream = [(*_data([0, 1], seed=t), t) for t in range(3)]
+    else:
+        net = tiny_mlp(4, 5, 4, seed=0)
+        stream = [(*_data([0, 1, 2, 3], seed=t), None) for t in range(3)]
+    method = FROMPMethod(n_points=8)
+    caught, flags = _loop(method, net, stream)
+    assert flags == [False] * 3 and caught == [[], [], []]
+    assert _resolved(method) == PAPER and method.previous is None
+    assert method.set_weights() is None
+    assert all(m.penalised is None for m in method.regularizer.memories)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"replay": "yes"}, TypeError, "replay must be True, False or 'auto'"),
+        ({"tau": "big"}, TypeError, "tau must be a number or 'auto'"),
+        ({"context_tau": -1.0}, ValueError, "context_tau must be a finite number >= 0"),
+        ({"replay_weight": 0.0}, ValueError, "replay_weight must be a finite number > 0"),
+        ({"replay": False, "replay_weight": 2.0}, ValueError, "replay_weight=2.0"),
+        ({"memory_batch": 0}, ValueError, "memory_batch must be a positive int or None"),
+        ({"memory_batch": "all"}, ValueError, "memory_batch must be a positive int or None"),
+        ({"select": "best"}, ValueError, "select must be None or one of"),
+    ],
+)
+def test_bad_settings_refused_naming_the_argument(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        FROMPMethod(**kwargs)
+
+
+def test_state_keeps_the_resolution_and_refuses_other_settings():
+    method = FROMPMethod(n_points=6)
+    _loop(method, tiny_mlp(4, 5, 6, seed=0), _ci_stream())
+    state = method.state_dict()
+    assert state["tau"] == "auto" and state["class_incremental"] is True
+    fresh = FROMPMethod(n_points=6)
+    fresh.load_state_dict(state)
+    assert fresh.class_incremental and _resolved(fresh) == CI
+    assert fresh.examples == method.examples
+    with pytest.raises(ValueError, match="memory_batch"):
+        FROMPMethod(n_points=6, memory_batch=16).load_state_dict(state)
+
+
+# ---------------------------------------------------------------------- derived weights
+def test_coreset_weights_follow_the_experiences_sizes():
+    """``b_s = c N_s / N_t``: each set stands in for its experience's data term, in the units
+    of the current experience's mean loss."""
+    method = FROMPMethod(n_points=6)
+    net = tiny_mlp(4, 5, 6, seed=0)
+    sizes = [30, 18, 24]
+    for e, n in enumerate(sizes):
+        x, y = _data([2 * e, 2 * e + 1], n=n, seed=e)
+        method.begin_task(net, experience=e, ess=n, classes=[2 * e, 2 * e + 1])
+        method.learn_task(net, x, y, None, experience=e)
+    method.begin_task(net, experience=3, ess=12, classes=[0, 1])
+    expected = torch.tensor([CI_REPLAY_WEIGHT * n / 12 for n in sizes], dtype=D)
+    torch.testing.assert_close(method.set_weights(), expected)
+    # without N_t the experiences count as of one size: the mean of the sets'
+    method.begin_task(net, experience=3, classes=[0, 1])
+    expected = torch.tensor([CI_REPLAY_WEIGHT * n / 24 for n in sizes], dtype=D)
+    torch.testing.assert_close(method.set_weights(), expected)
+    # the replay loss is their weighted sum of the sets' mean NLLs, exactly (all points)
+    method._memory_batch = None
+    with torch.no_grad():
+        _, rep = method.terms(net)
+        want = sum(
+            w * F.cross_entropy(net(m.inputs), m.labels)
+            for w, m in zip(expected.tolist(), method.regularizer.memories)
+        )
+    torch.testing.assert_close(rep, want)
+
+
+# ---------------------------------------------------------------------- the estimator
+def _regularizer(sizes=(5, 3, 4), c: int = 6, points: int | None = None):
+    torch.manual_seed(0)
+    net = tiny_mlp(4, 5, c, seed=0)
+    reg = FROMPRegularizer(function="logits")
+    for s, m in enumerate(sizes):
+        x, y = _data([(2 * s) % c, (2 * s + 1) % c], n=m, seed=s)
+        var = torch.full((sum(p.numel() for p in net.parameters()),), 0.1, dtype=D)
+        reg.add_task(net, x, None, var, labels=y, penalty_points=points)
+    return net, reg
+
+
+def test_replay_estimator_is_unbiased_for_the_full_sum():
+    """``b`` draws per set with replacement: the mean over all ``M_s^b`` equally likely
+    draws of the estimate is the exact replay loss (checked by enumeration for ``b = 1``
+    and in Monte Carlo for ``b = 2``), its gradient too; the penalty does not depend on the
+    draws."""
+    net, reg = _regularizer()
+    weights = torch.tensor([1.0, 2.5, 0.5], dtype=D)
+    exact_pen, exact = reg.terms(net, replay=True, replay_weights=weights)
+    st = reg._stack()
+    # b = 1: enumerate every draw (one point per set) through the estimator's own path
+    total, count = torch.zeros((), dtype=D), 0
+    for i0 in range(5):
+        for i1 in range(3):
+            for i2 in range(4):
+                drawn = torch.tensor([i0, 5 + i1, 8 + i2])
+                st.draw = lambda per_set, d=drawn: d  # type: ignore[method-assign]
+                pen, rep = reg.terms(net, replay=True, replay_points=1, replay_weights=weights)
+                torch.testing.assert_close(pen, exact_pen)
+                total, count = total + rep.double(), count + 1
+    del st.draw
+    torch.testing.assert_close(total / count, exact.double(), rtol=1e-10, atol=1e-12)
+    # b = 2, Monte Carlo: within 5 standard errors, the gradient too
+    torch.manual_seed(1)
+    params = list(net.parameters())
+    g_exact = torch.autograd.grad(exact, params)
+    reps, grads = [], []
+    for _ in range(2000):
+        _, rep = reg.terms(net, replay=True, replay_points=2, replay_weights=weights)
+        reps.append(rep.detach())
+        grads.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(rep, params)]))
+    reps_t, grads_t = torch.stack(reps), torch.stack(grads)
+    se = reps_t.std() / math.sqrt(len(reps_t))
+    assert abs(float(reps_t.mean() - exact)) < 5 * float(se)
+    g_mean, g_se = grads_t.mean(0), grads_t.std(0) / math.sqrt(len(grads_t))
+    g_want = torch.cat([g.reshape(-1) for g in g_exact])
+    assert bool(((g_mean - g_want).abs() <= 5 * g_se + 1e-9).all())
+
+
+def test_draws_cover_each_set_uniformly():
+    _, reg = _regularizer(sizes=(5, 3))
+    torch.manual_seed(0)
+    idx = torch.cat([reg._stack().draw(4) for _ in range(4000)])
+    counts = torch.bincount(idx, minlength=8).double()
+    assert counts.sum() == 4000 * 8
+    torch.testing.assert_close(counts[:5] / counts[:5].sum(), torch.full((5,), 0.2, dtype=D),
+                               atol=0.02, rtol=0)  # fmt: skip
+    torch.testing.assert_close(counts[5:] / counts[5:].sum(), torch.full((3,), 1 / 3, dtype=D),
+                               atol=0.02, rtol=0)  # fmt: skip
+
+
+def test_penalty_on_the_first_points_of_each_set_matches_dense_float64():
+    """``penalty_points=k``: targets and per-class kernels on each set's first ``k`` inputs
+    (``K_c = J_c Sigma J_c^T`` by dense float64 autograd), the replay loss on all."""
+    net, reg = _regularizer(points=2)
+    assert [m.n_penalised for m in reg.memories] == [2, 2, 2]
+    names = [n for n, _ in net.named_parameters()]
+    base = {n: p.detach().clone() for n, p in net.named_parameters()}
+    flat = torch.cat([base[n].reshape(-1) for n in names])
+
+    def logits(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        d, i = {}, 0
+        for n in names:
+            d[n] = w[i : i + base[n].numel()].view_as(base[n])
+            i += base[n].numel()
+        return torch.func.functional_call(net, d, (x,))
+
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    now = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    want = torch.zeros((), dtype=D)
+    for m in reg.memories:
+        x = m.inputs[:2]
+        jac = torch.autograd.functional.jacobian(lambda w, x=x: logits(w, x), flat)
+        r = logits(now, x) - logits(flat, x)
+        for c in m.units.tolist():
+            k = 0.1 * jac[:, c] @ jac[:, c].T + m.jitter * torch.eye(2, dtype=D)
+            want = want + 0.5 * r[:, c] @ torch.linalg.solve(k, r[:, c])
+    pen, rep = reg.terms(net, replay=True)
+    torch.testing.assert_close(pen, want)
+    with torch.no_grad():
+        full = sum(F.cross_entropy(net(m.inputs), m.labels) for m in reg.memories)
+    torch.testing.assert_close(rep, full)
+
+
+def test_count_arguments_refused_naming_them():
+    net, reg = _regularizer()
+    with pytest.raises(ValueError, match="replay_points must be a positive int or None"):
+        reg.terms(net, replay=True, replay_points=0)
+    with pytest.raises(ValueError, match="penalty_points must be a positive int or None"):
+        var = torch.full((sum(p.numel() for p in net.parameters()),), 0.1, dtype=D)
+        reg.update(net, var, penalty_points=1.5)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- the runner's recipe
+def test_the_runners_split_mnist_ci_recipe_keeps_its_exact_settings():
+    """``fromp-bench split-mnist-ci``'s fromp-coreset entry (93.03 % before the defaults)
+    sets every resolved setting: on a class-incremental stream it keeps one coreset weight
+    ``c = 30`` on every set and every stored point every step, not the defaults."""
+    from fromp_bench.settings import settings_for
+
+    kw = dict(settings_for("fromp-coreset", "split-mnist-ci")["kwargs"])
+    kw.pop("n_points")
+    method = FROMPMethod(n_points=6, **kw)
+    _loop(method, tiny_mlp(4, 5, 6, seed=0), _ci_stream())
+    assert method.class_incremental and method.function == "logits"
+    assert _resolved(method) == (0.1, True, 30, 0.3, "random", None)
+    assert method.set_weights() is None
+    assert all(m.penalised is None for m in method.regularizer.memories)
