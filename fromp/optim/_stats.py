@@ -13,7 +13,7 @@ that :mod:`fromp.curvature.capture` handles (``Linear``, ``Conv1d/2d``, batch no
 weight gradients of that layer alone, from its unfolded input); anything else uses
 ``torch.func.vmap`` over ``grad`` (``jacrev`` for the GGN), chunked over examples so that
 peak memory is ``chunk_size * P`` numbers. Both are checked against loops over examples in
-``tests/test_vogn.py``. :class:`LayerCapture` gives the squared gradients of a forward pass
+``tests/optim/test_vogn.py``. :class:`LayerCapture` gives the squared gradients of a forward pass
 already made (the Avalanche plugin's).
 
 Batch norm: per-example gradients cannot use batch statistics, so the per-example pass runs

@@ -1,7 +1,7 @@
 """Bad input refused before any work, with the argument named (defects of the third audit
 that used to give numbers): labels of the wrong shape or kind for a likelihood,
 ``select_memorable`` on a network with NaN weights or with negative or fractional labels,
-IVON on a NaN loss (``tests/test_ivon.py``), and property-based checks of the likelihoods'
+IVON on a NaN loss (``tests/optim/test_ivon.py``), and property-based checks of the likelihoods'
 input validation."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """FROMP's batched penalty and its gradient equal a per-task dense float64 loop (Jacobians
 by autograd, dense solves) after tasks 1, 2 and 3, also with sets of different sizes and
 units (its per-step cost, the same operations after 1, 2 and 10 tasks, is held in
-tests/test_step_cost.py). The after-task step builds one GP per head and factorises all
+tests/continual/test_step_cost.py). The after-task step builds one GP per head and factorises all
 kernels of a size at once; wrong inputs are refused before any work."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """FROMP and EWC on users' own Avalanche models, trained by Avalanche on small synthetic
 streams built like ``SplitMNIST`` (``nc_benchmark``): ``MTSimpleMLP`` (a ``MultiTaskModule``
 with a ``MultiHeadClassifier``, task labels, the labels counted from zero in each
-experience: Avalanche's default global labels are refused, tests/test_multihead_masks.py)
+experience: Avalanche's default global labels are refused, tests/strategies/test_multihead_masks.py)
 and ``SimpleMLP`` (one head, class-incremental, global labels), checked after tasks 2 and 3
 against dense float64 brute force through the head of each task (the models train in
 float32, as Avalanche's multi-task forward requires; the references use float64 copies)."""

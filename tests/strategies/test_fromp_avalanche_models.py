@@ -52,7 +52,7 @@ def test_mtsimplecnn_trains_and_regularises_after_tasks_2_and_3():
     torch.manual_seed(0)
     model = MTSimpleCNN()
     # heads as wide as the global labels: Avalanche pads narrower heads with unmasked zeros
-    # (refused: tests/test_multihead_masks.py)
+    # (refused: tests/strategies/test_multihead_masks.py)
     model.classifier = MultiHeadClassifier(64, initial_out_features=6)
     strategy = FROMP(
         model=model,
