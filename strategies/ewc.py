@@ -39,12 +39,11 @@ from typing import Any
 
 import torch
 from fromp_avalanche.protocol import MethodPlugin
-from fromp_avalanche.template import MethodStrategy
+from fromp_avalanche.template import MethodStrategy, method_parameters, show_signature
 from torch import nn
 
 from fromp import distributed
 from fromp.continual.ewc import EWCMethod, ewc_penalty
-from fromp.likelihood import Likelihood
 
 __all__ = ["EWC", "EWCPlugin", "ewc_penalty"]
 
@@ -63,48 +62,29 @@ class EWCPlugin(MethodPlugin):
 
 class EWC(MethodStrategy):
     """EWC with a per-example Fisher as an Avalanche strategy: the keyword arguments of
-    :class:`EWCPlugin`, and Avalanche's template arguments (``criterion``,
-    ``train_mb_size``, ...) as in :class:`fromp_avalanche.template.MethodStrategy`.
-    ``ewc_lambda`` (default 100) is on Avalanche's scale with ``B = train_mb_size``;
-    ``per_example_lambda`` the scale of 0.3 (give one of the two); ``cuda_graph``
-    how a step evaluates the penalty (a CUDA graph on CUDA by default)."""
+    :class:`fromp.continual.ewc.EWCMethod` (``ewc_lambda``, default 100, on Avalanche's
+    scale with ``B = train_mb_size``; or ``per_example_lambda``; ``cuda_graph``: how a step
+    evaluates the penalty), and Avalanche's template arguments (``criterion``,
+    ``train_mb_size``, ...) as in :class:`fromp_avalanche.template.MethodStrategy`."""
 
     def __init__(
         self,
         *,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
         criterion: nn.Module | Callable | None = None,
-        ewc_lambda: float | None = None,
-        per_example_lambda: float | None = None,
-        mode: str = "separate",
-        decay_factor: float = 1.0,
-        fisher: str = "sampled",
-        fisher_samples: int = 1,
-        max_examples: int | None = None,
-        likelihood: str | Likelihood = "categorical",
-        cuda_graph: str = "auto",
-        **template_kwargs: Any,
+        **kwargs: Any,
     ) -> None:
-        if ewc_lambda is None and per_example_lambda is None:
-            ewc_lambda = 100.0
-        plugin = EWCPlugin(
-            ewc_lambda,
-            per_example_lambda=per_example_lambda,
-            # under torch.distributed a rank's mini-batch is its share of the global one
-            batch_size=int(template_kwargs.get("train_mb_size", 1)) * distributed.world_size(),
-            mode=mode,
-            decay_factor=decay_factor,
-            fisher=fisher,
-            fisher_samples=fisher_samples,
-            max_examples=max_examples,
-            likelihood=likelihood,
-            cuda_graph=cuda_graph,
-        )
-        super().__init__(
-            method_plugins=[plugin],
-            model=model,
-            optimizer=optimizer,
-            criterion=criterion,
-            **template_kwargs,
-        )
+        template_kwargs = {k: v for k, v in kwargs.items() if k not in _METHOD_PARAMS}
+        method_kwargs = {k: v for k, v in kwargs.items() if k in _METHOD_PARAMS}
+        if model is None or optimizer is None:
+            raise TypeError("EWC needs model= and optimizer=")
+        # Avalanche's scale: under torch.distributed a rank's mini-batch is its share of B
+        batch_size = int(template_kwargs.get("train_mb_size", 1)) * distributed.world_size()
+        plugin = EWCPlugin(batch_size=batch_size, **method_kwargs)
+        super().__init__(method_plugins=[plugin], model=model, optimizer=optimizer,
+                         criterion=criterion, **template_kwargs)  # fmt: skip
+
+
+_METHOD_PARAMS = method_parameters(EWCMethod, "batch_size")
+show_signature(EWC, _METHOD_PARAMS)

@@ -282,12 +282,14 @@ class EWCMethod:
         per_example_lambda: float | None = None,
         cuda_graph: str = "auto",
     ) -> None:
-        if (ewc_lambda is None) == (per_example_lambda is None):
+        if ewc_lambda is not None and per_example_lambda is not None:
             raise ValueError(
-                "give exactly one of ewc_lambda (Avalanche's scale) and per_example_lambda "
+                "give one of ewc_lambda (Avalanche's scale) and per_example_lambda "
                 f"(the per-example scale), got ewc_lambda={ewc_lambda!r}, "
                 f"per_example_lambda={per_example_lambda!r}"
             )
+        if ewc_lambda is None and per_example_lambda is None:
+            ewc_lambda = 100.0  # Avalanche's scale
         name, value = (
             ("ewc_lambda", ewc_lambda)
             if per_example_lambda is None

@@ -106,7 +106,9 @@ def test_fromp_on_avalanche_models_after_tasks_2_and_3(kind):
     """The GGN sum is ``sum_t G_t`` with ``G_t`` the dense GGN diagonal of experience ``t``
     through head ``t`` at the weights after ``t`` (by parameter name: heads added later get
     zero); every memorable target is the softmax of its own head at the latest weights."""
-    bm, strategy, snaps = _train(kind, "fromp", tau=1.0, n_points=4, prior_precision=0.5)
+    bm, strategy, snaps = _train(
+        kind, "fromp", tau=1.0, n_points=4, prior_precision=0.5, function="probs"
+    )
     plugin = strategy.plugin
     for e, exp in enumerate(bm.train_stream):
         strategy.train(exp)
