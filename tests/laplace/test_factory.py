@@ -190,7 +190,10 @@ def test_a_model_returning_a_tuple_or_a_dict_is_named_at_fit(subset, structure, 
     """N12: ``AttributeError: 'tuple' object has no attribute 'ndim'`` before."""
     x, y = data()
     la = build(_Tuple(mlp(), kind), subset, structure)
-    with pytest.raises(ValueError, match=rf"must return a \[N, C\] tensor, got a {kind}; wrap"):
+    with pytest.raises(
+        ValueError,
+        match=rf"must return a \[N, C\] tensor of outputs, got a {kind} on train_loader x: wrap",
+    ):
         la.fit((x, y))
 
 

@@ -56,7 +56,7 @@ def test_linear_regression_corrected_loo_equals_ridge_refits(n, d, sigma, delta,
             for i in range(n)
         ]
     )  # fmt: skip
-    for cov in ("diagonal", "full"):
+    for cov in ("diag", "full"):
         mp = memory_perturbation(model, q, x, y[:, None], lik, covariance=cov, correction=True)
         torch.testing.assert_close(mp.loo_logits[:, 0], exact, rtol=1e-8, atol=1e-10)
     nll = 0.5 * (y - exact) ** 2 / sigma**2 + math.log(sigma) + 0.5 * math.log(2 * math.pi)
@@ -93,7 +93,7 @@ def test_logistic_regression_forms_equal_the_dense_formulas(n, d, delta, scale, 
     # are defined and agree (one output: diagonal = full)
     assert bool((lam * v < 1).all())
     corrected = f + e * v / (1 - lam * v)
-    for cov in ("diagonal", "full"):
+    for cov in ("diag", "full"):
         mp_c = memory_perturbation(model, q, x, y, "bernoulli", covariance=cov, correction=True)
         torch.testing.assert_close(mp_c.loo_logits[:, 0], corrected, rtol=1e-8, atol=1e-10)
     want = nn.functional.binary_cross_entropy_with_logits(corrected, y, reduction="none")

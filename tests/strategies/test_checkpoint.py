@@ -4,8 +4,8 @@ A crafted checkpoint whose pickle calls ``exec`` (writing a marker file), in tor
 format, its legacy (non-zip) format and as a plain pickle, is given to every loader:
 ``fromp-bench --resume``, ``fromp-memorable``, ``fromp-gp`` (a checkpoint and ``--weights``),
 the runner's reader and ``fromp_avalanche.checkpoint.load_checkpoint`` (the sweep and
-``--report-only`` in tests/bench/test_sweep.py and below). Each must refuse it in one line naming the
-file and the global it calls, never repeating torch's advice to load with
+``--report-only`` in tests/bench/test_sweep.py and below). Each must refuse it in one line
+naming the file and the global it calls, never repeating torch's advice to load with
 ``weights_only=False``, and the marker must not exist afterwards. Then the integrity of
 ``fromp_avalanche.checkpoint``: a checksum written beside the file, a flipped byte, a missing
 checksum, a truncated file and missing keys refused with the path, and a checkpoint of
