@@ -1,14 +1,9 @@
 """Variational continual learning (VCL; Nguyen, Li, Bui & Turner, ICLR 2018) for Avalanche:
 an adapter of :class:`fromp.continual.vcl.VCLMethod` (the ELBO, the posterior recursion,
-coresets and their fits, the state). Hooks: the task's coreset kept out of the adapted
-dataset; ``begin_task`` (``N_t``) and the first task's ML fit of the means; ``loss_terms``
-(``KL / N_t``) added to the Monte Carlo cross-entropy; ``learn_task`` (posterior -> prior, a
-fresh optimizer state); coreset training before evaluating a task, restored after it.
-
-The strategy trains the user's model and optimizer: ``strategy.model is model``, whose
-parameters are the posterior means (after training the model holds them), and the
-posterior's log-variances are added to the user's optimizer as one more parameter group
-(announced once, with a warning)."""
+coresets and their fits, the state). Hooks: the coreset kept out of the adapted dataset;
+``begin_task`` and the optional ML fit; ``loss_terms`` (``KL / N_t``); ``learn_task``;
+coreset training before evaluating a task, restored after it. The user's model (its
+parameters are the posterior means) and optimizer are the strategy's."""
 
 from __future__ import annotations
 
@@ -87,43 +82,31 @@ class VCLPlugin(MethodPlugin):
 
 
 class VCL(MethodStrategy):
-    """VCL and VCL + coreset on any classifier (the posterior as :class:`fromp.continual.vcl.
-    VCLMethod` keeps it; its keyword arguments are these). ``strategy.model is model``: its
-    parameters are the posterior means, trained in place. The log-variances
-    (``strategy.method.variance_parameters()``) are added to ``optimizer`` as a new
-    parameter group with the optimizer's defaults (one warning says so); a head that
-    Avalanche adds or grows gets its log-variances there too. ``criterion``: a cross-entropy
-    on logits, applied to each Monte Carlo sample in training; evaluation is the model at
-    the posterior means (Avalanche's forward of ``model``, what ``model(x, t)`` gives), or,
-    with ``test_samples=S``, the criterion on ``log mean_s softmax`` of ``S`` samples."""
+    """VCL and VCL + coreset on any classifier, with :class:`fromp.continual.vcl.VCLMethod`'s
+    keyword arguments. ``model`` is trained in place (its parameters are the posterior
+    means); the log-variances (grown heads' included) are a new parameter group of
+    ``optimizer`` (one warning). ``criterion`` (a cross-entropy on logits) is applied to each
+    Monte Carlo sample in training; evaluation is ``model`` at the means, or with
+    ``test_samples=S`` the criterion on ``log mean_s softmax`` of ``S`` samples."""
 
-    def __init__(
-        self,
-        *,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        criterion: nn.Module | Callable | None = None,
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 criterion: nn.Module | Callable | None = None, **kwargs: Any) -> None:  # fmt: skip
         settings = {k: v for k, v in kwargs.items() if k in METHOD_SETTINGS}
         template_kwargs = {k: v for k, v in kwargs.items() if k not in METHOD_SETTINGS}
         if not callable(getattr(optimizer, "add_param_group", None)):
-            raise ValueError(
-                "optimizer must be a torch.optim.Optimizer (VCL adds the posterior's "
-                f"log-variances to it as a parameter group), got {type(optimizer).__name__}"
-            )
+            raise ValueError("optimizer must be a torch.optim.Optimizer (VCL adds the log-"
+                             f"variances to it), got {type(optimizer).__name__}")  # fmt: skip
         method = VCLMethod(unwrap(model), **settings)
         self._variance_group: int | None = None
         variances = method.variance_parameters()
         if variances:
             optimizer.add_param_group({"params": variances})
             self._variance_group = len(optimizer.param_groups) - 1
-            warnings.warn(
-                f"VCL: the posterior's {len(variances)} log-variance tensors were added to "
-                f"your optimizer as parameter group {self._variance_group} (its default "
-                "settings); your model's parameters are the posterior means, trained in "
-                "place, and after training the model holds them",
-                stacklevel=3,  # the caller of Avalanche's wrapper of __init__
+            warnings.warn(  # stacklevel 3: the caller of Avalanche's wrapper of __init__
+                f"VCL: the posterior's {len(variances)} log-variance tensors were added to your "
+                f"optimizer as parameter group {self._variance_group} (its default settings); "
+                "your model's parameters are the posterior means, trained in place",
+                stacklevel=3,
             )
         super().__init__(method_plugins=[VCLPlugin(method)], model=model, optimizer=optimizer,
                          criterion=criterion, **template_kwargs)  # fmt: skip
@@ -143,16 +126,16 @@ class VCL(MethodStrategy):
         return out
 
     def _refresh_variance_group(self) -> None:
-        """Point the optimizer's variance group at the current log-variances (a grown one is
-        a new tensor: its optimizer state is dropped, as Avalanche drops a grown weight's)."""
+        """The optimizer's variance group on the current log-variances (a grown one's state
+        dropped, as Avalanche drops a grown weight's)."""
         if self._variance_group is None:
             return
-        group = self.optimizer.param_groups[self._variance_group]
-        now = self.method.variance_parameters()
-        keep = {id(p) for p in now}
-        for p in group["params"]:
-            if id(p) not in keep:
-                self.optimizer.state.pop(p, None)
+        group, now = (
+            self.optimizer.param_groups[self._variance_group],
+            self.method.variance_parameters(),
+        )
+        for p in set(group["params"]) - set(now):
+            self.optimizer.state.pop(p, None)
         group["params"] = now
 
     def forward(self) -> Tensor:
