@@ -219,3 +219,15 @@ def test_the_runners_installed_code_stays_within_6000_lines():
     and one-off measurements live in ``studies/``, outside the package."""
     lines = sum(len(p.read_text().splitlines()) for p in (ROOT / "benchmarks").rglob("*.py"))
     assert lines <= 6000, lines
+
+
+def test_one_place_per_mechanism():
+    """``register_forward_hook`` only in the hook helper, ``F.unfold`` only in the layer
+    rules, the batch-norm types written once: a second copy is a bug waiting to diverge."""
+    texts = {p: p.read_text() for p in (ROOT / "fromp").rglob("*.py")}
+    hooks = sorted(p.name for p, t in texts.items() if "register_forward_hook(" in t)
+    assert hooks == ["hooks.py"], hooks
+    unfold = sorted(p.name for p, t in texts.items() if ".unfold(" in t and "F.unfold" in t)
+    assert len(unfold) <= 1, unfold
+    bn = sorted(p.name for p, t in texts.items() if "nn.BatchNorm1d, nn.BatchNorm2d" in t)
+    assert len(bn) <= 1, bn

@@ -53,6 +53,7 @@ from torch.func import functional_call
 
 from fromp._checks import check_prior_precision
 from fromp.continual.named_state import fit_shape
+from fromp.curvature.hooks import forward_hooks
 from fromp.models import (
     CifarCNN,
     MultiHeadMLP,
@@ -801,20 +802,16 @@ class MeanFieldTwin(MeanFieldNet):
     def _local_noise(self, layers: list[tuple[nn.Linear, str, str | None]]) -> Iterator[None]:
         """Forward hooks adding ``sqrt(x^2 var_W^T + var_b) * eps`` to each layer's output."""
 
-        def hook(weight: str, bias: str | None) -> Any:
-            def add_noise(module: nn.Module, args: tuple, out: Tensor) -> Tensor:
-                b = None if bias is None else self.variance(bias)
-                std = local_std(F.linear, args[0], self.variance(weight), b)
-                return out + std * torch.randn_like(out)
+        names = {m: (w, b) for m, w, b in layers}
 
-            return add_noise
+        def add_noise(module: nn.Module, args: tuple, out: Tensor) -> Tensor:
+            weight, bias = names[module]
+            b = None if bias is None else self.variance(bias)
+            std = local_std(F.linear, args[0], self.variance(weight), b)
+            return out + std * torch.randn_like(out)
 
-        handles = [m.register_forward_hook(hook(w, b)) for m, w, b in layers]
-        try:
+        with forward_hooks(names, add_noise):
             yield
-        finally:
-            for h in handles:
-                h.remove()
 
     def sample_logits(self, x: Tensor, task: int | Tensor | None, n_samples: int) -> Tensor:
         """Logits ``[S, N, K]`` of ``S = n_samples`` sampled networks through head ``task``:
