@@ -69,8 +69,7 @@ class ReplayBufferPlugin(ReplayPlugin):
         policy._num_exps = int(state["num_exps"])
 
     def after_training_exp(self, strategy: Any, **kwargs: Any) -> None:
-        """The buffer takes the experience just trained (Avalanche's ``ReplayPlugin`` does
-        this through the storage policy's deprecated ``update``, which calls ``post_adapt``)."""
+        """The buffer takes the experience just trained (as Avalanche's ``ReplayPlugin``)."""
         self.storage_policy.post_adapt(strategy, strategy.experience)
 
 
@@ -86,14 +85,11 @@ class _PluginStrategy(SupervisedTemplate):
 
 
 class ExperienceReplay(_PluginStrategy):
-    """Avalanche's replay with a fixed memory per experience: an
-    ``ExperienceBalancedBuffer(max_size=mem_per_experience * n_experiences,
-    adaptive_size=False)``, so that after ``t`` experiences it holds ``mem_per_experience``
-    random examples of each, the memory FROMP takes with ``n_points=mem_per_experience``
-    (Avalanche's ``Replay(mem_size=m)`` splits ``m`` over the experiences seen so far). Each
-    mini-batch is joined by ``batch_size_mem`` (None: ``train_mb_size``) buffer examples.
-    Default ``mem_per_experience``: 200 (S-FSVI's single-head split MNIST); the other
-    keyword arguments are Avalanche's ``SupervisedTemplate``'s."""
+    """Avalanche's replay with ``mem_per_experience`` (default 200, S-FSVI's) random examples
+    of each experience kept (an ``ExperienceBalancedBuffer`` without adaptive size), the
+    memory FROMP takes with ``n_points=mem_per_experience`` (Avalanche's ``Replay(mem_size=m)``
+    splits ``m`` over the experiences seen). Each mini-batch is joined by ``batch_size_mem``
+    (None: ``train_mb_size``) buffer examples; the other keyword arguments are Avalanche's."""
 
     def __init__(
         self,

@@ -1,11 +1,7 @@
 """FROMP (Pan et al., NeurIPS 2020) as an Avalanche strategy: an adapter of
-:class:`fromp.continual.methods.FROMPMethod`, which holds the whole training step (``tau R``
-on the memorable past, the coreset's loss, the context term, the gradient clipping, IVON's
-penalty at the mean, the dominance warning) and the work after each experience (memorable
-points, curvature, kernels). The plugin calls the continual-method protocol
-(:class:`fromp.continual.protocol.ContinualMethod`) from Avalanche's hooks and nothing else,
-so a plain PyTorch loop over the method runs the same algorithm.
-"""
+:class:`fromp.continual.methods.FROMPMethod`, which holds the whole training step and the
+work after each experience. The plugin calls the continual-method protocol from Avalanche's
+hooks and nothing else, so a plain PyTorch loop over the method runs the same algorithm."""
 
 from __future__ import annotations
 
