@@ -127,7 +127,7 @@ def test_nan_weights_after_a_task_fail_the_run_with_that_task(tmp_path, monkeypa
         (["--seeds", "0"], "--seeds must be >= 1"),
         (["--valid-fraction", "1.5"], "--valid-fraction must be in (0, 1)"),
         (["--select-on", "validation"], "--select-on validation needs --valid-fraction"),
-        (["--strategies", "fromp", "--set", "tau=abc"], "--set tau='abc': expected"),
+        (["--strategies", "fromp", "--set", "tau=abc"], "tau must be a number or 'auto', got str"),
         (["--strategies", "fromp", "--set", "tau=-1"], "tau must be a finite number >= 0"),
         (["--strategies", "fromp", "--set", "n_points=2.5"], "--set n_points=2.5: expected int"),
         (["--strategies", "naive", "--set", "nope=1"], "--set nope: not a setting"),

@@ -61,7 +61,7 @@ def test_sweep_validates_before_starting_ray(tmp_path, capsys, monkeypatch):
     argv = ["sweep", "split-digits", "--strategies", "fromp", "--set", "tau=abc"]
     assert main([*argv, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
-    assert "--set tau='abc'" in err and "\n" not in err
+    assert "tau must be a number or 'auto'" in err and "\n" not in err
     assert main(["sweep", "split-digits", "--gpus-per-trial", "-1", "--out", str(tmp_path)]) == 2
     assert "--gpus-per-trial must be a number >= 0" in capsys.readouterr().err
 
