@@ -20,9 +20,10 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/python -m fromp_bench demo
 
-# the test modules spread over the machine's cores (pytest-xdist), one module per worker
+# the tests spread over the machine's cores (pytest-xdist): contiguous runs of tests per worker,
+# an idle worker takes over the rest of a busy one's (the Ray sweep tests are long)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n auto --dist loadscope
+	$(BIN)/python -m pytest -q -n auto --dist worksteal
 
 # On a machine with a CUDA GPU (studies/gpu_step.sh): the CUDA tests and the runner's training
 # times of Naive, FROMP and EWC (split MNIST at 2 and 15 epochs per task, split CIFAR's network
