@@ -378,9 +378,9 @@ class VCLMethod:
         classes: Sequence[int] | None = None,
         growing_head: bool = False,
     ) -> None:
-        """Start learning ``task`` (its head) from ``ess`` examples (``N_t``, the coreset
-        removed; required): the scale of the KL in :meth:`loss_terms`. ``net`` is
-        :attr:`model`; ``experience`` is :meth:`learn_task`'s default key; ``classes`` and
+        """:meth:`ContinualMethod.begin_task <fromp.continual.protocol.ContinualMethod.begin_task>`:
+        the head of ``task`` is trained and ``ess`` (``N_t``, the coreset removed; required)
+        scales the KL in :meth:`loss_terms`; ``net`` is :attr:`model`; ``classes`` and
         ``growing_head`` are not used."""
         del classes, growing_head
         self._check_net(net)
