@@ -93,19 +93,15 @@ class VCL(MethodStrategy):
                  criterion: nn.Module | Callable | None = None, **kwargs: Any) -> None:  # fmt: skip
         settings = {k: v for k, v in kwargs.items() if k in METHOD_SETTINGS}
         template_kwargs = {k: v for k, v in kwargs.items() if k not in METHOD_SETTINGS}
-        if not callable(getattr(optimizer, "add_param_group", None)):
-            raise ValueError("optimizer must be a torch.optim.Optimizer (VCL adds the log-"
-                             f"variances to it), got {type(optimizer).__name__}")  # fmt: skip
+        VCLMethod.check_optimizer(optimizer)  # before the method changes the model
         method = VCLMethod(unwrap(model), **settings)
-        self._variance_group: int | None = None
-        variances = method.variance_parameters()
-        if variances:
-            optimizer.add_param_group({"params": variances})
-            self._variance_group = len(optimizer.param_groups) - 1
+        self._variance_group = method.add_variance_group(optimizer)
+        if self._variance_group is not None:
             warnings.warn(  # stacklevel 3: the caller of Avalanche's wrapper of __init__
-                f"VCL: the posterior's {len(variances)} log-variance tensors were added to your "
-                f"optimizer as parameter group {self._variance_group} (its default settings); "
-                "your model's parameters are the posterior means, trained in place",
+                f"VCL: the posterior's {len(method.variance_parameters())} log-variance tensors "
+                f"were added to your optimizer as parameter group {self._variance_group} (its "
+                "default settings); your model's parameters are the posterior means, trained in "
+                "place",
                 stacklevel=3,
             )
         super().__init__(method_plugins=[VCLPlugin(method)], model=model, optimizer=optimizer,
@@ -121,22 +117,9 @@ class VCL(MethodStrategy):
         """Avalanche's adaptation, then the log-variances and priors of new or grown units
         (the strategy's own model only), in the optimizer's variance group."""
         out = super()._adapt_model(model)
-        if (model is None or model is self.model) and self.method.mean_field.sync():
-            self._refresh_variance_group()
+        if model is None or model is self.model:
+            self.method.sync(self.optimizer, self._variance_group)
         return out
-
-    def _refresh_variance_group(self) -> None:
-        """The optimizer's variance group on the current log-variances (a grown one's state
-        dropped, as Avalanche drops a grown weight's)."""
-        if self._variance_group is None:
-            return
-        group, now = (
-            self.optimizer.param_groups[self._variance_group],
-            self.method.variance_parameters(),
-        )
-        for p in set(group["params"]) - set(now):
-            self.optimizer.state.pop(p, None)
-        group["params"] = now
 
     def forward(self) -> Tensor:
         """Training: ``log(mean_s softmax(f_s(x)))`` ``[N, K]`` over ``train_samples``
@@ -154,8 +137,7 @@ class VCL(MethodStrategy):
     def criterion(self) -> Tensor:
         """The criterion over the samples' logits (training) or the predictive (evaluation)."""
         if self.is_training and self._mc_logits is not None:
-            s, n, k = self._mc_logits.shape
-            return self._criterion(self._mc_logits.reshape(s * n, k), self.mb_y.repeat(s))
+            return self.method.samples_loss(self._mc_logits, self.mb_y, self._criterion)
         return self._criterion(self.mb_output, self.mb_y)
 
 

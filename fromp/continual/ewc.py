@@ -402,10 +402,9 @@ class EWCMethod:
         classes: Sequence[int] | None = None,
         growing_head: bool = False,
     ) -> None:
-        """Before training an experience (:class:`~fromp.continual.protocol.ContinualMethod`):
-        ``experience`` is :meth:`learn_task`'s default key; the step's parameters are read
-        from ``net`` again at the next :meth:`loss_terms` (after any growth). ``task``,
-        ``ess``, ``classes`` and ``growing_head`` are not used."""
+        """:meth:`ContinualMethod.begin_task <fromp.continual.protocol.ContinualMethod.begin_task>`:
+        the step's parameters are read from ``net`` again at the next :meth:`loss_terms`
+        (after any growth); ``task``, ``ess``, ``classes`` and ``growing_head`` are not used."""
         del task, ess, classes, growing_head
         self._experience = None if experience is None else experience_key([], experience)
         self._live, self.last_terms = None, {}

@@ -825,7 +825,7 @@ class FROMPMethod:
         classes: Sequence[int] | None = None,
         growing_head: bool = False,
     ) -> None:
-        """Before training an experience (:class:`~fromp.continual.protocol.ContinualMethod`):
+        """:meth:`ContinualMethod.begin_task <fromp.continual.protocol.ContinualMethod.begin_task>`:
         the dominance check restarts for its first steps; ``classes`` (the labels the
         experience brings to head ``task``) beyond those the head was trained on, or one head
         that grows with the classes (``growing_head``; not a network with a head per task,
@@ -834,8 +834,8 @@ class FROMPMethod:
         docstring); when the user turned the coreset off there (``replay=False``), a warning
         at the start of each experience that brings new classes says so, naming it. A state
         loaded with :meth:`load_state_dict` gets its copy of the previous network from
-        ``net`` (:meth:`attach_previous`). ``experience`` is :meth:`learn_task`'s default
-        key; ``ess`` (``N_t``) weighs the coreset (:meth:`set_weights`)."""
+        ``net`` (:meth:`attach_previous`). ``ess`` (``N_t``) weighs the coreset
+        (:meth:`set_weights`)."""
         task = _head(net, task)
         if experience is not None:
             experience = experience_key([], experience)

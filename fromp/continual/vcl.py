@@ -54,6 +54,11 @@ A plain loop (no Avalanche; the continual-method protocol of
     method.prepare_eval(0, epochs=5, lr=1e-3, batch_size=256)  # coreset fine-tuning
     log_p = method.predict_log_proba(x_test, 0)      # at the means: log_softmax(net(x, 0))
     method.restore()
+
+An optimizer the user built on ``net.parameters()`` takes the log-variances as one more
+parameter group (:meth:`VCLMethod.add_variance_group`, what the Avalanche strategy does);
+after ``net`` grows (a new head, new output units) :meth:`VCLMethod.sync` gives the new
+units a posterior and a prior and puts the grown log-variances in that group.
 """
 
 from __future__ import annotations
@@ -109,7 +114,8 @@ class VCLMethod:
     :class:`fromp.continual.bayesian.MeanFieldNet` (e.g. ``BayesMultiHeadMLP``; its priors are
     set to ``N(0, 1 / prior_precision)``, its log-variances kept). Pass ``net``
     to the protocol's calls (:class:`fromp.continual.protocol.ContinualMethod`) and train
-    :meth:`parameters` (``net``'s and :meth:`variance_parameters`) with any optimizer.
+    :meth:`parameters` (``net``'s and :meth:`variance_parameters`) with any optimizer (or
+    add the log-variances to one of ``net.parameters()``: :meth:`add_variance_group`).
 
     Args:
         net: the network.
@@ -224,6 +230,51 @@ class VCLMethod:
         ``net.parameters()`` needs them added; none when ``net`` is a ``MeanFieldNet``)."""
         return self.mean_field.variance_parameters()
 
+    @staticmethod
+    def check_optimizer(optimizer: object) -> None:
+        """``ValueError`` naming ``optimizer`` unless it takes parameter groups (a
+        ``torch.optim.Optimizer``): :meth:`add_variance_group` adds the log-variances to it."""
+        if not callable(getattr(optimizer, "add_param_group", None)):
+            raise ValueError(
+                "optimizer must be a torch.optim.Optimizer (VCL adds the log-variances to it), "
+                f"got {type(optimizer).__name__}"
+            )
+
+    def add_variance_group(self, optimizer: torch.optim.Optimizer) -> int | None:
+        """Add :meth:`variance_parameters` to ``optimizer`` (one built on ``net.parameters()``)
+        as a new parameter group with the optimizer's defaults (its ``lr``, ...); returns the
+        group's index, for :meth:`sync`, or None (``optimizer`` unchanged) when there are no
+        such log-variances (``net`` is a :class:`~fromp.continual.bayesian.MeanFieldNet`)."""
+        self.check_optimizer(optimizer)
+        variances = self.variance_parameters()
+        if not variances:
+            return None
+        optimizer.add_param_group({"params": variances})
+        return len(optimizer.param_groups) - 1
+
+    def sync(
+        self, optimizer: torch.optim.Optimizer | None = None, group: int | None = None
+    ) -> bool:
+        """After ``net`` gained or grew parameters (a new head, new output units): their
+        log-variances and priors (:meth:`fromp.continual.bayesian.MeanFieldTwin.sync`) and
+        ``optimizer``'s parameter group ``group`` (:meth:`add_variance_group`'s index) on the
+        current log-variances, the optimizer's state of a replaced one dropped (as for a grown
+        weight: its moments no longer fit). Returns whether anything changed."""
+        if optimizer is not None and group is not None:
+            self.check_optimizer(optimizer)
+            n = len(optimizer.param_groups)
+            if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < n:
+                raise ValueError(f"group must be the index of one of the optimizer's {n} "
+                                 f"parameter groups, got {group!r}")  # fmt: skip
+        if not self.mean_field.sync():
+            return False
+        if optimizer is not None and group is not None:
+            params, now = optimizer.param_groups[group], self.variance_parameters()
+            for p in set(params["params"]) - set(now):
+                optimizer.state.pop(p, None)
+            params["params"] = now
+        return True
+
     @property
     def multi_head(self) -> bool:
         """Whether a task label picks the head."""
@@ -288,8 +339,17 @@ class VCLMethod:
         """``(mean_s mean_n CE(f_{w_s}(x_n), y_n), logits [S, N, K])`` over
         ``train_samples`` samples."""
         logits = self.sample_logits(x, task)
+        return self.samples_loss(logits, y), logits
+
+    @staticmethod
+    def samples_loss(
+        logits: Tensor, y: Tensor, criterion: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy
+    ) -> Tensor:
+        """``criterion`` (a mean cross-entropy on logits) over the logits ``[S, N, K]`` of
+        ``S`` samples against ``y [N]`` repeated for each: ``mean_s mean_n CE(f_s(x_n), y_n)``
+        for the default, the Monte Carlo expected negative log-likelihood per example."""
         s, n, k = logits.shape
-        return F.cross_entropy(logits.reshape(s * n, k), y.repeat(s)), logits
+        return criterion(logits.reshape(s * n, k), y.repeat(s))
 
     def loss(self, x: Tensor, y: Tensor, task: int | Tensor | None) -> Tensor:
         """The negative ELBO per example on a mini-batch: :meth:`nll` +
@@ -318,9 +378,9 @@ class VCLMethod:
         classes: Sequence[int] | None = None,
         growing_head: bool = False,
     ) -> None:
-        """Start learning ``task`` (its head) from ``ess`` examples (``N_t``, the coreset
-        removed; required): the scale of the KL in :meth:`loss_terms`. ``net`` is
-        :attr:`model`; ``experience`` is :meth:`learn_task`'s default key; ``classes`` and
+        """:meth:`ContinualMethod.begin_task <fromp.continual.protocol.ContinualMethod.begin_task>`:
+        the head of ``task`` is trained and ``ess`` (``N_t``, the coreset removed; required)
+        scales the KL in :meth:`loss_terms`; ``net`` is :attr:`model`; ``classes`` and
         ``growing_head`` are not used."""
         del classes, growing_head
         self._check_net(net)

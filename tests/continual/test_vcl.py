@@ -368,6 +368,50 @@ def test_refusals_in_the_loop():
         )
 
 
+def test_the_users_optimizer_takes_the_log_variances_and_follows_a_grown_head():
+    """A plain loop's optimizer on ``net.parameters()``: :meth:`add_variance_group` adds the
+    log-variances as one group with the optimizer's defaults; after the head grows,
+    :meth:`sync` puts the grown log-variance in that group, its stale Adam moments dropped,
+    the others' kept; a bad group is refused before the posterior changes."""
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+    method = VCLMethod(net)
+    opt = torch.optim.Adam([{"params": list(net.parameters()), "lr": 0.1}], lr=0.02)
+    assert method.add_variance_group(opt) == 1
+    assert opt.param_groups[1]["lr"] == 0.02  # the optimizer's default
+    assert opt.param_groups[1]["params"] == method.variance_parameters()
+    method.begin_task(net, ess=8)
+    x, y = torch.randn(8, 3, dtype=D), torch.tensor([0, 1] * 4)
+    nll, logits = method.nll(x, y, None)
+    (nll + method.loss_terms(net, x, logits)).backward()
+    opt.step()
+    old = method.variance_parameters()
+    assert all(p in opt.state for p in old)
+    net[2] = nn.Linear(4, 3).double()  # one more class: a grown head
+    with pytest.raises(ValueError, match="group must be"):
+        method.sync(opt, 2)
+    assert method.variance_parameters() == old  # refused before the posterior changed
+    assert method.sync(opt, 1)
+    now = method.variance_parameters()
+    assert opt.param_groups[1]["params"] == now and len(now) == len(old)
+    assert now[0] is old[0] and now[0] in opt.state  # the body's: moments kept
+    assert now[2] is not old[2] and now[2].shape == (3, 4)  # the grown head's: new
+    assert not any(p in opt.state for p in set(old) - set(now))
+    assert not method.sync(opt, 1)  # nothing grew since
+    with pytest.raises(ValueError, match=r"optimizer must be a torch\.optim\.Optimizer"):
+        method.add_variance_group(object())
+
+
+def test_samples_loss_is_the_mean_over_samples_of_the_criterion():
+    """``mean_s CE(f_s, y)``, by a loop over the samples in float64 (and a user's criterion
+    gets the stacked ``[S N, K]`` logits and ``y`` repeated per sample)."""
+    g = torch.Generator().manual_seed(1)
+    logits, y = torch.randn(3, 5, 4, generator=g, dtype=D), torch.tensor([0, 3, 1, 2, 3])
+    ref = sum(nn.functional.cross_entropy(logits[s], y) for s in range(3)) / 3
+    torch.testing.assert_close(VCLMethod.samples_loss(logits, y), ref, rtol=1e-12, atol=0)
+    seen = VCLMethod.samples_loss(logits, y, lambda f, t: torch.stack([f.sum(), t.sum()]))
+    torch.testing.assert_close(seen, torch.stack([logits.sum(), y.sum() * 3.0]).to(D))
+
+
 def test_the_strategy_gives_the_plain_loops_numbers():
     """The Avalanche strategy (no shuffling, the global RNG re-seeded before each training
     step) and a plain loop over the same data with the same seeds: the same losses, the same
