@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -48,9 +47,10 @@ from fromp._checks import (
     not_on_meta,
     probe_outputs,
 )
-from fromp.continual.experiences import add_experience, experience_key, forget_experience
+from fromp.continual.experiences import forget_experience
 from fromp.continual.graphed import Same, check_mode, param_key, static_term
 from fromp.continual.methods import Named, by_name, fit_shape
+from fromp.continual.protocol import ContinualMethod, TaskStart
 from fromp.curvature.diagonal import diag_ef, diag_fisher, diag_ggn
 from fromp.likelihood import Likelihood, get_likelihood
 from fromp.models import is_multitask, uncompiled, with_task
@@ -198,7 +198,7 @@ class _Consolidated:
         return total + self.const
 
 
-class EWCMethod:
+class EWCMethod(ContinualMethod):
     """EWC with a per-example Fisher diagonal, for any training loop (no Avalanche needed).
 
     The importance of task ``t`` is ``F_t = (1 / N_t) sum_n diag(g_n g_n^T)`` ``[P]``,
@@ -282,6 +282,7 @@ class EWCMethod:
         per_example_lambda: float | None = None,
         cuda_graph: str = "auto",
     ) -> None:
+        super().__init__()
         if ewc_lambda is not None and per_example_lambda is not None:
             raise ValueError(
                 "give one of ewc_lambda (Avalanche's scale) and per_example_lambda "
@@ -335,14 +336,10 @@ class EWCMethod:
         self.likelihood = get_likelihood(likelihood)
         self.anchors: list[Named] = []  # w*_t by parameter name
         self.importances: list[Named] = []  # F_t by name (online: a single decayed sum)
-        self.experiences: list[int] = []  # the key of each learnt experience, in order
-        self.task_count = 0
         # online mode: the running Fisher before the last experience was added (to replace
         # that experience exactly when it is learnt again)
         self._online_base: Named | None = None
         self._consolidated: tuple[tuple, _Consolidated, tuple] | None = None
-        self.last_terms: dict[str, Tensor] = {}
-        self._experience: int | None = None  # begin_task's key, learn_task's default
         self._live: tuple[nn.Module, Named] | None = None  # the step's parameters by name
         self.cuda_graph = check_mode(cuda_graph)
         self._captured: dict = {}  # the captured penalty (graphed.static_term)
@@ -392,40 +389,29 @@ class EWCMethod:
         return self.coefficient * terms.value(w)
 
     # -------------------------------------------------------------- the protocol
-    def begin_task(
-        self,
-        net: nn.Module,
-        *,
-        task: int | None = None,
-        experience: int | None = None,
-        ess: int | None = None,
-        classes: Sequence[int] | None = None,
-        growing_head: bool = False,
-    ) -> None:
-        """:meth:`ContinualMethod.begin_task <fromp.continual.protocol.ContinualMethod.begin_task>`:
-        the step's parameters are read from ``net`` again at the next :meth:`loss_terms`
-        (after any growth); ``task``, ``ess``, ``classes`` and ``growing_head`` are not used."""
-        del task, ess, classes, growing_head
-        self._experience = None if experience is None else experience_key([], experience)
-        self._live, self.last_terms = None, {}
+    def _begin(self, net: nn.Module, start: TaskStart) -> None:
+        """:meth:`begin_task` for EWC: the step's parameters are read from ``net`` again at
+        the next :meth:`loss_terms` (after any growth); ``task``, ``ess``, ``classes`` and
+        ``growing_head`` are not used."""
+        del net, start
+        self._live = None
 
-    def loss_terms(
+    def _loss_terms(
         self,
         net: nn.Module,
         x: Tensor,
         output: Tensor,
-        *,
-        task: int | Tensor | None = None,
-        loss: Tensor | None = None,
+        task: int | Tensor | None,
+        loss: Tensor | None,
     ) -> Tensor:
-        """The weighted penalty :meth:`penalty` (0 before the first :meth:`learn_task` or
-        with ``lambda = 0``), in ``loss``'s dtype when given; ``net``'s parameters by name
-        are read once per experience (:meth:`begin_task`), not at every step. ``x``,
+        """:meth:`loss_terms` for EWC: the weighted penalty :meth:`penalty` (0 before the
+        first :meth:`learn_task` or with ``lambda = 0``), in ``loss``'s dtype when given;
+        ``net``'s parameters by name are read once per experience (:meth:`begin_task`), not
+        at every step. ``x``,
         ``output`` and ``task`` are not used."""
         del x, task
         dtype = output.dtype if loss is None else loss.dtype
         if not self.anchors or self.coefficient == 0:
-            self.last_terms = {}
             return output.new_zeros((), dtype=dtype)
         if self._live is None or self._live[0] is not net:
             self._live = (net, _live(net))
@@ -448,9 +434,6 @@ class EWCMethod:
 
         term = static_term(self._captured, self.cuda_graph, net, params, key, fn, "EWC")
         return None if term is None else term()[0]
-
-    def before_update(self, net: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Nothing: EWC changes no gradient beyond its penalty's."""
 
     @property
     def coefficient(self) -> float:
@@ -490,37 +473,28 @@ class EWCMethod:
         distributed.all_reduce_sum([f, count])
         return f / count
 
-    def learn_task(
+    def _learn(
         self,
         net: nn.Module,
         x: Tensor,
         y: Tensor,
         task: int | None,
-        *,
-        optimizer: torch.optim.Optimizer | None = None,
-        experience: int | None = None,
+        optimizer: torch.optim.Optimizer | None,
+        experience: int,
     ) -> None:
-        """After training on task ``task`` with data ``x [N, ...]``, ``y [N]``: store the
-        anchor ``w*`` and the Fisher (separate), or decay the running Fisher once and add
-        the new one (online). A ``torch.compile``d ``net``: the Fisher is taken through the
-        module inside (:func:`fromp.models.uncompiled`).
-
-        Args:
-            optimizer: not used (the protocol's).
-            experience: a key for the experience (default: :meth:`begin_task`'s, else a new
-                key per call). Learning a key again replaces its anchor and Fisher instead of
-                adding a second one.
-        """
+        """:meth:`learn_task` for EWC: after training on task ``task`` with data ``x [N, ...]``,
+        ``y [N]``: store the anchor ``w*`` and the Fisher (separate), or decay the running
+        Fisher once and add the new one (online). A ``torch.compile``d ``net``: the Fisher
+        is taken through the module inside (:func:`fromp.models.uncompiled`). Learning a key
+        again replaces its anchor and Fisher instead of adding a second one; ``optimizer``
+        is not used."""
         del optimizer
         net = uncompiled(net)
         not_on_meta(net)
-        if experience is None:
-            experience = self._experience
         check_batch(x, "x")
         if not isinstance(y, Tensor) or len(y) != len(x):
             got = tuple(y.shape) if isinstance(y, Tensor) else type(y).__name__
             raise ValueError(f"y must be a tensor of N={len(x)} targets, got {got}")
-        experience = experience_key(self.experiences, experience)
         cap = self.max_examples
         if cap is not None and distributed.is_distributed():
             cap = max(1, cap // distributed.world_size())
@@ -569,8 +543,7 @@ class EWCMethod:
             self._online_base = base
             self.anchors = [w]
             self.importances = [{**decayed, **summed}]
-        self.task_count = add_experience(self.experiences, experience)
-        self._experience, self._live = None, None
+        self._live = None
 
     def _to(self, device: torch.device) -> None:
         """The stored anchors, importances and online base on ``device``."""

@@ -38,7 +38,7 @@ from fromp._checks import (
     device_dtype,
     not_on_meta,
 )
-from fromp.continual.experiences import add_experience, experience_key, forget_experience
+from fromp.continual.experiences import forget_experience
 from fromp.continual.graphed import Same, check_mode, param_key, static_term, trainable
 from fromp.continual.memorable import _ORDERS as _SELECT
 from fromp.continual.memorable import global_classes, select_memorable_points
@@ -52,6 +52,7 @@ from fromp.continual.named_state import (
     fit_shape,
     to_flat,
 )
+from fromp.continual.protocol import ContinualMethod, TaskStart
 from fromp.continual.regularizer import _FUNCTIONS, FROMPRegularizer, FunctionKernel
 from fromp.curvature.diagonal import diag_ggn, diag_ggn_linear
 from fromp.curvature.jacobian import default_memory_budget, flat_params
@@ -129,10 +130,10 @@ _SETTINGS = (
 )
 
 
-class FROMPMethod:
+class FROMPMethod(ContinualMethod):
     """FROMP's state and maths for any training loop (no Avalanche needed): the whole
-    training step and the work after each experience, through the continual-method
-    protocol (:class:`fromp.continual.protocol.ContinualMethod`).
+    training step and the work after each experience, a
+    :class:`fromp.continual.protocol.ContinualMethod`.
 
     After each experience ``e`` (task label ``t``) :meth:`learn_task` selects ``n_points``
     memorable inputs (class-balanced, largest ``tr Lambda``), adds the experience's
@@ -377,6 +378,7 @@ class FROMPMethod:
         cuda_graph: str = "auto",
         memory_batch: int | str | None = "auto",
     ) -> None:
+        super().__init__()
         if isinstance(jitter, bool) or not isinstance(jitter, (int, float)):
             raise TypeError(f"jitter must be a number, got {type(jitter).__name__}")
         if not (jitter >= 0 and math.isfinite(jitter)):
@@ -471,21 +473,17 @@ class FROMPMethod:
         # the optimizer's posterior variance after the last task ("vogn", "ivon")
         self.ggn_sum: Named | None = None
         self.optimizer_variance: Named | None = None
-        self.task_count = 0
         self.timings: list[dict[str, float]] = []
         # per experience key: its GGN (by name) and its place in the regulariser's list
         self.ggn_terms: dict[int, Named] = {}
-        self.experiences: list[int] = []
         # posterior="kron": per experience key, its KFAC GGN (through its head)
         self.kron_terms: dict[int, KronCurvature] = {}
-        # the training step (begin_task, loss_terms, before_update)
-        #: the detached weighted terms of the last step by name ("penalty": tau R,
-        #: "replay", "context"), for metrics; R itself is last_penalty
-        self.last_terms: dict[str, Tensor] = {}
+        # the training step (begin_task, loss_terms, before_update); last_terms holds the
+        # detached weighted terms of the last step by name ("penalty": tau R, "replay",
+        # "context"), for metrics; R itself is last_penalty
         self.last_penalty: Tensor | None = None
         self._checks_left = 0  # steps of this experience whose penalty is still compared
         self._warned = False
-        self._experience: int | None = None  # begin_task's key, learn_task's default
         self.cuda_graph = check_mode(cuda_graph)
         #: the step's trainable parameters, read by begin_task (after any growth)
         self._step_params: tuple[nn.Module, tuple[Tensor, ...]] | None = None
@@ -815,35 +813,22 @@ class FROMPMethod:
     #: the first steps of each experience whose penalty is compared (a host read each)
     dominance_steps: int = 20
 
-    def begin_task(
-        self,
-        net: nn.Module,
-        *,
-        task: int | None = None,
-        experience: int | None = None,
-        ess: int | None = None,
-        classes: Sequence[int] | None = None,
-        growing_head: bool = False,
-    ) -> None:
-        """:meth:`ContinualMethod.begin_task <fromp.continual.protocol.ContinualMethod.begin_task>`:
-        the dominance check restarts for its first steps; ``classes`` (the labels the
-        experience brings to head ``task``) beyond those the head was trained on, or one head
-        that grows with the classes (``growing_head``; not a network with a head per task,
-        whose heads grow per task: Avalanche's ``MultiHeadClassifier``), mark the stream
-        class-incremental (:attr:`class_incremental`), which resolves the ``"auto"`` settings (class
+    def _begin(self, net: nn.Module, start: TaskStart) -> None:
+        """:meth:`begin_task` for FROMP: the dominance check restarts for its first steps;
+        ``classes`` (the labels the experience brings to head ``task``) beyond those the head
+        was trained on, or one head that grows with the classes (``growing_head``; not a
+        network with a head per task, whose heads grow per task: Avalanche's
+        ``MultiHeadClassifier``), mark the stream class-incremental
+        (:attr:`class_incremental`), which resolves the ``"auto"`` settings (class
         docstring); when the user turned the coreset off there (``replay=False``), a warning
         at the start of each experience that brings new classes says so, naming it. A state
         loaded with :meth:`load_state_dict` gets its copy of the previous network from
         ``net`` (:meth:`attach_previous`). ``ess`` (``N_t``) weighs the coreset
         (:meth:`set_weights`)."""
-        task = _head(net, task)
-        if experience is not None:
-            experience = experience_key([], experience)
-        if ess is not None:
-            ess = check_count(ess, "ess", allow_none=False)
+        task = _head(net, start.task)
         seen = set(self.regularizer.classes_seen.get(task, ()))
-        new = sorted(set(int(c) for c in classes or ()) - seen) if seen else []
-        if (growing_head and not is_multitask(net)) or new:  # a head per task grows per task
+        new = sorted(set(int(c) for c in start.classes or ()) - seen) if seen else []
+        if (start.growing_head and not is_multitask(net)) or new:  # a head per task grows per task
             self._mark_class_incremental()
         if new and self._replay is False:
             warnings.warn(
@@ -855,10 +840,9 @@ class FROMPMethod:
                 RuntimeWarning,
                 stacklevel=2,
             )
-        self._ess, self._batch = ess, 0
-        self._experience = experience
+        self._ess, self._batch = start.ess, 0
         self._checks_left = self.dominance_steps
-        self.last_penalty, self.last_terms = None, {}
+        self.last_penalty = None
         self._step_params = (net, trainable(net))
         mods = list(net.modules())
         plain = all(type(m).train is nn.Module.train for m in mods)
@@ -873,38 +857,29 @@ class FROMPMethod:
         if self._function_pending:
             self.resolve_function("logits" if self.replay else "probs")
 
-    def loss_terms(
+    def _loss_terms(
         self,
         net: nn.Module,
         x: Tensor,
         output: Tensor,
-        *,
-        task: int | Tensor | None = None,
-        loss: Tensor | None = None,
+        task: int | Tensor | None,
+        loss: Tensor | None,
     ) -> Tensor:
-        """FROMP's extra loss on a training step, already weighted: ``tau R(w)`` (not for
+        """:meth:`loss_terms` for FROMP, already weighted: ``tau R(w)`` (not for
         IVON's penalty at the mean, which :meth:`before_update` adds to IVON's gradient),
         the coreset's loss with ``replay=True`` (:meth:`terms`) and ``context_tau`` times
         the context term on the mini-batch (:meth:`context_penalty`; per task label when
         ``task`` is a ``[B]`` tensor of labels, each group weighted by its share of the
-        batch). 0 before the first :meth:`learn_task`.
-
-        Args:
-            net: the network being trained.
-            x: the mini-batch ``[B, ...]``.
-            output: the network's outputs on ``x`` from the step's forward pass ``[B, C]``
-                (the context term's; no second forward of ``net``).
-            task: the batch's task label (int, ``[B]`` tensor or None).
-            loss: the data loss of the step: the scale ``tau R`` is compared with in the
-                first steps of the experience (a warning, once, above
-                ``dominance_ratio`` times it; the only host reads of a step).
+        batch), in ``loss``'s dtype when given. 0 before the first :meth:`learn_task`.
+        ``output`` is the context term's (no second forward of ``net``); ``loss`` is the
+        scale ``tau R`` is compared with in the first steps of the experience (a warning,
+        once, above ``dominance_ratio`` times it; the only host reads of a step).
 
         The weighted parts, detached, are in :attr:`last_terms` (``"penalty"``,
         ``"replay"``, ``"context"``); ``R`` itself is :attr:`last_penalty`. A loop that logs
         the loss without the penalty subtracts ``"penalty"`` and ``"context"`` (the
         coreset's loss is part of the data term)."""
         dtype = output.dtype if loss is None else loss.dtype
-        self.last_terms = {}
         self._batch = max(self._batch, len(x))
         if len(self.regularizer) == 0:
             return output.new_zeros((), dtype=dtype)
@@ -1023,8 +998,8 @@ class FROMPMethod:
     def _penalty_at_mean(self) -> bool:
         return self.posterior == "ivon" and self.ivon_penalty == "mean"
 
-    def before_update(self, net: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """After the backward pass, before ``optimizer.step()``: clip the gradient's total
+    def _before_update(self, net: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """:meth:`before_update` for FROMP: clip the gradient's total
         norm at ``tau * grad_clip_norm`` (``grad_clip_norm`` when ``tau = 0``; nothing when
         None); for IVON's penalty at the mean (``posterior="ivon"``, ``ivon_penalty="mean"``)
         restore IVON's mean (its gradient estimate reads the data gradient at the draw,
@@ -1058,19 +1033,18 @@ class FROMPMethod:
             opt.restore(accumulate=False)  # the model holds the posterior mean
         return opt.posterior(net).variance
 
-    def learn_task(
+    def _learn(
         self,
         net: nn.Module,
         x: Tensor,
         y: Tensor,
         task: int | None,
-        *,
-        optimizer: torch.optim.Optimizer | None = None,
-        experience: int | None = None,
+        optimizer: torch.optim.Optimizer | None,
+        experience: int,
     ) -> dict[str, float]:
-        """Everything done after an experience: select its memorable points, add its GGN
-        (or, for ``posterior="vogn"`` or ``"ivon"``, take the posterior variance of
-        ``optimizer``), rebuild the kernels.
+        """:meth:`learn_task` for FROMP, everything done after an experience: select its
+        memorable points, add its GGN (or, for ``posterior="vogn"`` or ``"ivon"``, take the
+        posterior variance of ``optimizer``), rebuild the kernels.
 
         Cost: the selection and the curvature are bounded per experience (one pass over
         ``x``, at most ``curvature_examples`` examples); the kernels grow with the
@@ -1093,17 +1067,13 @@ class FROMPMethod:
                 :class:`fromp.optim.IVON` that trained the experience: its posterior's
                 variance is ``Sigma`` (the network is left at the posterior mean); not used
                 otherwise.
-            experience: a key for the experience (default: :meth:`begin_task`'s, else a new
-                key per call). Learning a key again replaces its GGN term and its memorable
-                set instead of adding them twice.
+            experience: the experience's key (:meth:`learn_task`'s). Learning a key again
+                replaces its GGN term and its memorable set instead of adding them twice.
 
         Returns the wall times of the three steps (seconds)."""
         net = uncompiled(net)
         not_on_meta(net)
         task = _head(net, task)
-        if experience is None:
-            experience = self._experience
-        experience = experience_key(self.experiences, experience)
         check_batch(x, "x")
         if self.posterior not in _OWN_CURVATURE:
             _require_optimizer(optimizer, self.posterior)
@@ -1165,7 +1135,6 @@ class FROMPMethod:
                 net, x_mem.to(device), task, variance, labels=y_mem.to(device),
                 penalty_points=points,
             )  # fmt: skip
-            self.task_count = add_experience(self.experiences, experience)
             self.examples[experience] = len(x)
             self.bn_buffers = _norm_buffers(net)
             if self.bn_statistics == "batch" and any(
@@ -1178,7 +1147,7 @@ class FROMPMethod:
             net.train(was_training)
         if self.context_tau > 0:
             self.previous, self._previous_state = _frozen_copy(net), None
-        self._experience, self._step_params, self._step_modules = None, None, (None, None)
+        self._step_params, self._step_modules = None, (None, None)
         self.timings.append(times)
         return times
 

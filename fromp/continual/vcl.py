@@ -64,7 +64,7 @@ units a posterior and a prior and puts the grown log-variances in that group.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -81,7 +81,7 @@ from fromp._checks import (
 from fromp.continual.bayesian import MeanFieldNet
 from fromp.continual.bayesian import MeanFieldTwin as _MeanFieldTwin
 from fromp.continual.coreset import select_coreset
-from fromp.continual.experiences import add_experience, experience_key, forget_experience
+from fromp.continual.protocol import ContinualMethod, TaskStart
 
 __all__ = ["VCLMethod"]
 
@@ -104,7 +104,7 @@ def _rate(value: object, name: str) -> float | None:
     return None if value is None else check_positive(value, name)
 
 
-class VCLMethod:
+class VCLMethod(ContinualMethod):
     """VCL and VCL + coreset for any training loop (see the module docstring for the maths).
 
     ``net`` is the user's network and stays theirs: its parameters are the posterior means,
@@ -166,6 +166,7 @@ class VCLMethod:
         coreset_lr: float | None = None,
         seed: int | None = None,
     ) -> None:
+        super().__init__()
         if not isinstance(net, nn.Module):
             raise ValueError(f"net must be an nn.Module, got {type(net).__name__}")
         prior_precision = check_prior_precision(prior_precision)  # type: ignore[assignment]
@@ -206,15 +207,11 @@ class VCLMethod:
         # drawn after the initialisation (which draws from the global generator)
         self.seed = int(torch.randint(0, 2**31 - 1, ()).item()) if seed is None else int(seed)
         # method state
-        self.task_count = 0
-        self.experiences: list[int] = []  # the keys of the experiences learnt
         self.seen_heads: set[int] = set()
         self.coresets: list[tuple[int, Tensor, Tensor]] = []  # (head, x, y)
-        self.last_terms: dict[str, Tensor] = {}
         # the task being learnt
         self.ess: int | None = None
         self.current_head = 0
-        self._experience: int | None = None  # begin_task's key, learn_task's default
         # the posterior before coreset training (restored by restore())
         self._snapshot: dict[str, Tensor] | None = None
         self._tuned_key: object = None
@@ -368,41 +365,27 @@ class VCLMethod:
                 f"{type(self.model).__name__}), got a {type(net).__name__}"
             )
 
-    def begin_task(
-        self,
-        net: nn.Module,
-        *,
-        task: int | None = None,
-        experience: int | None = None,
-        ess: int | None = None,
-        classes: Sequence[int] | None = None,
-        growing_head: bool = False,
-    ) -> None:
-        """:meth:`ContinualMethod.begin_task <fromp.continual.protocol.ContinualMethod.begin_task>`:
-        the head of ``task`` is trained and ``ess`` (``N_t``, the coreset removed; required)
-        scales the KL in :meth:`loss_terms`; ``net`` is :attr:`model`; ``classes`` and
-        ``growing_head`` are not used."""
-        del classes, growing_head
+    def _begin(self, net: nn.Module, start: TaskStart) -> None:
+        """:meth:`begin_task` for VCL: the head of ``task`` is trained and ``ess`` (``N_t``,
+        the coreset removed; required) scales the KL in :meth:`loss_terms`; ``net`` is
+        :attr:`model`; ``classes`` and ``growing_head`` are not used."""
         self._check_net(net)
-        if ess is None:
+        if start.ess is None:
             raise ValueError("ess (N_t, the task's training examples) is required by VCL")
-        ess = _count(ess, "ess", 1)
-        head = self.head_of(task)
-        key = None if experience is None else experience_key([], experience)
-        self.current_head, self.ess, self._experience = head, ess, key
+        self.current_head, self.ess = self.head_of(start.task), start.ess
 
-    def loss_terms(
+    def _loss_terms(
         self,
         net: nn.Module,
         x: Tensor,
         output: Tensor,
-        *,
-        task: int | Tensor | None = None,
-        loss: Tensor | None = None,
+        task: int | Tensor | None,
+        loss: Tensor | None,
     ) -> Tensor:
-        """``KL(q || q_{t-1}) / N_t`` over the body and the heads trained so far plus the
-        current one (a scalar, differentiable in the means and log-variances): the ELBO's
-        weight term per example. ``x``, ``output``, ``task`` and ``loss`` are not used."""
+        """:meth:`loss_terms` for VCL: ``KL(q || q_{t-1}) / N_t`` over the body and the heads
+        trained so far plus the current one (a scalar, differentiable in the means and
+        log-variances): the ELBO's weight term per example, in ``loss``'s dtype when given
+        (else a floating ``output``'s); ``x`` and ``task`` are not used."""
         del x, task
         self._check_net(net)
         if self.ess is None:
@@ -415,34 +398,24 @@ class VCLMethod:
         self.last_terms = {"kl": kl.detach()}
         return kl
 
-    def before_update(self, net: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Nothing: VCL changes no gradient beyond its loss's."""
-
-    def learn_task(
+    def _learn(
         self,
         net: nn.Module,
         x: Tensor | None,
         y: Tensor | None,
         task: int | None,
-        *,
-        optimizer: torch.optim.Optimizer | None = None,
-        experience: int | None = None,
+        optimizer: torch.optim.Optimizer | None,
+        experience: int,
     ) -> None:
-        """End of the task: its posterior becomes the prior (body and the heads trained so
-        far), its head counts as trained, and ``optimizer``'s state is cleared (a fresh Adam
-        per task, as in the reference code). ``x``, ``y`` (may be None) and ``task`` are not
-        used: the head is :meth:`begin_task`'s. ``experience``: the key (default:
-        :meth:`begin_task`'s, else a new one); ``task_count`` counts distinct keys."""
-        del x, y, task
+        """:meth:`learn_task` for VCL, the end of the task: its posterior becomes the prior
+        (body and the heads trained so far), its head counts as trained, and
+        ``optimizer``'s state is cleared (a fresh Adam per task, as in the reference code).
+        ``x``, ``y`` (may be None) and ``task`` are not used: the head is
+        :meth:`begin_task`'s."""
+        del x, y, task, experience
         self._check_net(net)
-        if experience is None:
-            experience = self._experience
-        key = experience_key(self.experiences, experience)
         self.mean_field.set_prior_from_posterior(self.kl_heads(self.current_head))
         self.seen_heads.add(self.current_head)
-        forget_experience(self.experiences, key)
-        self.task_count = add_experience(self.experiences, key)
-        self._experience = None
         if optimizer is not None:
             optimizer.state.clear()
 

@@ -16,6 +16,7 @@ import copy
 import inspect
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,7 +24,7 @@ from torch import nn
 
 from fromp import EWCMethod, FROMPMethod, VCLMethod
 from fromp.continual import ContinualMethod
-from fromp.continual.protocol import PROTOCOL
+from fromp.continual.protocol import HOOKS, PROTOCOL, TaskStart
 from fromp.models import MultiHeadMLP, with_task
 
 D = torch.float64
@@ -44,10 +45,23 @@ def _shape(fn) -> list[tuple[str, object, object]]:
 
 
 def test_every_method_implements_the_one_protocol():
+    """The public calls are the base class's (one signature, one bookkeeping): a method
+    implements the hooks, with the base's hook signatures, and its own state_dict /
+    load_state_dict with the base's signatures."""
+    own = {"state_dict", "load_state_dict"}
     for name in PROTOCOL:
         want = _shape(getattr(ContinualMethod, name))
         for cls in METHODS:
             assert _shape(getattr(cls, name)) == want, (cls.__name__, name)
+            inherited = getattr(cls, name) is getattr(ContinualMethod, name)
+            assert inherited is (name not in own), (cls.__name__, name)
+    for name in HOOKS:
+        want = _shape(getattr(ContinualMethod, name))
+        for cls in METHODS:
+            assert _shape(getattr(cls, name)) == want, (cls.__name__, name)
+    assert ContinualMethod.__abstractmethods__ == {
+        "_begin", "_loss_terms", "_learn", "state_dict", "load_state_dict"
+    }  # fmt: skip
     for method in (FROMPMethod(), EWCMethod(1.0), VCLMethod(nn.Linear(3, 2))):
         assert isinstance(method, ContinualMethod)
         assert method.task_count == 0 and method.last_terms == {}
@@ -466,3 +480,91 @@ def test_ewc_loss_terms_are_the_weighted_quadratic_and_vcl_the_kl_over_n():
         kl = kl + 0.5 * (torch.log(v0 / v) + (v + (m - m0) ** 2) / v0 - 1).sum()
     got = vcl.loss_terms(vcl.model, x, x)
     torch.testing.assert_close(got.detach(), kl.detach() / 40, rtol=1e-12, atol=0)
+
+
+# ------------------------------------------------------------ the base class's bookkeeping
+class _L2(ContinualMethod):
+    """A user's own method: an L2 pull towards the weights after each experience."""
+
+    def __init__(self, weight: float) -> None:
+        super().__init__()
+        self.weight, self.anchor, self.starts = weight, None, []
+
+    def _begin(self, net, start):
+        self.starts.append(start)
+
+    def _loss_terms(self, net, x, output, task, loss):
+        if self.anchor is None:
+            return output.new_zeros(())
+        value = self.weight * sum(
+            ((p - a) ** 2).sum() for p, a in zip(net.parameters(), self.anchor, strict=True)
+        )
+        self.last_terms["l2"] = value.detach()
+        return value
+
+    def _learn(self, net, x, y, task, optimizer, experience):
+        self.anchor = [p.detach().clone() for p in net.parameters()]
+        return experience
+
+    def state_dict(self):
+        return {"anchor": self.anchor}
+
+    def load_state_dict(self, state, *, device=None):
+        self.anchor = state["anchor"]
+
+
+def test_a_users_method_gets_the_bookkeeping_from_the_base_class():
+    class Half(ContinualMethod):  # hooks missing: refused at construction
+        def _begin(self, net, start):
+            pass
+
+    with pytest.raises(TypeError, match="abstract"):
+        Half()
+    net, x, y = _trained_one_head()
+    method = _L2(2.0)
+    assert isinstance(method, ContinualMethod)
+    method.begin_task(net, task=None, experience=np.int64(3), ess=40, classes=torch.tensor([0, 1]))
+    start = method.starts[-1]
+    assert start == TaskStart(task=None, experience=3, ess=40, classes=(0, 1), growing_head=False)
+    assert type(start.experience) is int and all(type(c) is int for c in start.classes)
+    assert method.learn_task(net, x, y, None) == 3  # begin_task's key, the hook's value
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(0.1)
+    out = net(x)
+    got = method.loss_terms(net, x, out)
+    n = sum(p.numel() for p in net.parameters())
+    torch.testing.assert_close(got.detach(), torch.tensor(2.0 * n * 0.01, dtype=D))
+    assert set(method.last_terms) == {"l2"}
+    method.begin_task(net, experience=3, ess=40)  # learnt again: counted once
+    assert method.last_terms == {}  # emptied for the new experience
+    method.learn_task(net, x, y, None)
+    method.learn_task(net, x, y, None)  # no key from begin_task now: a new one
+    assert method.experiences == [3, 4] and method.task_count == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        (dict(ess=0), "ess"),
+        (dict(ess=2.5), "ess"),
+        (dict(experience=True), "experience"),
+        (dict(experience="a"), "experience"),
+        (dict(classes=["a"]), "classes"),
+    ],
+)
+def test_begin_task_refuses_bad_arguments_by_name_before_any_change(kwargs, name):
+    net = _trained_one_head()[0]
+    methods = (
+        (FROMPMethod(n_points=4), net),
+        (EWCMethod(1.0, fisher="exact"), net),
+        (VCLMethod(nn.Linear(5, 4).double(), train_samples=1), None),
+        (_L2(1.0), net),
+    )
+    for method, model in methods:
+        model = method.model if model is None else model
+        method.begin_task(model, experience=7, ess=40)
+        method.last_terms["x"] = torch.zeros(())
+        with pytest.raises(ValueError, match=name):
+            method.begin_task(model, **{"ess": 40, **kwargs})
+        assert method._experience == 7 and "x" in method.last_terms, type(method)
