@@ -50,7 +50,7 @@ from fromp._checks import (
 from fromp.continual.experiences import forget_experience
 from fromp.continual.graphed import Same, check_mode, param_key, static_term
 from fromp.continual.methods import Named, by_name, fit_shape
-from fromp.continual.protocol import ContinualMethod, TaskStart
+from fromp.continual.protocol import ContinualMethod, Optim, TaskLabels, TaskStart
 from fromp.curvature.diagonal import diag_ef, diag_fisher, diag_ggn
 from fromp.likelihood import Likelihood, get_likelihood
 from fromp.models import is_multitask, uncompiled, with_task
@@ -397,12 +397,7 @@ class EWCMethod(ContinualMethod):
         self._live = None
 
     def _loss_terms(
-        self,
-        net: nn.Module,
-        x: Tensor,
-        output: Tensor,
-        task: int | Tensor | None,
-        loss: Tensor | None,
+        self, net: nn.Module, x: Tensor, output: Tensor, task: TaskLabels, loss: Tensor | None
     ) -> Tensor:
         """:meth:`loss_terms` for EWC: the weighted penalty :meth:`penalty` (0 before the
         first :meth:`learn_task` or with ``lambda = 0``), in ``loss``'s dtype when given;
@@ -474,13 +469,7 @@ class EWCMethod(ContinualMethod):
         return f / count
 
     def _learn(
-        self,
-        net: nn.Module,
-        x: Tensor,
-        y: Tensor,
-        task: int | None,
-        optimizer: torch.optim.Optimizer | None,
-        experience: int,
+        self, net: nn.Module, x: Tensor, y: Tensor, task: int | None, optimizer: Optim, key: int
     ) -> None:
         """:meth:`learn_task` for EWC: after training on task ``task`` with data ``x [N, ...]``,
         ``y [N]``: store the anchor ``w*`` and the Fisher (separate), or decay the running
@@ -515,7 +504,7 @@ class EWCMethod(ContinualMethod):
         w = _named(net, _live(net))
         self._to(device)  # a state loaded on another device
         self._sync_experiences()
-        i = forget_experience(self.experiences, experience)
+        i = forget_experience(self.experiences, key)
         if self.mode == "separate":
             if i is not None:  # learnt again: replace its term
                 del self.anchors[i], self.importances[i]
@@ -527,7 +516,7 @@ class EWCMethod(ContinualMethod):
             else:
                 if i is not None:
                     warnings.warn(
-                        f"EWC online mode: experience {experience} learnt again after "
+                        f"EWC online mode: experience {key} learnt again after "
                         "others; its decayed Fisher cannot be taken out of the running sum, "
                         "so it is added again",
                         stacklevel=2,

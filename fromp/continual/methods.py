@@ -52,7 +52,7 @@ from fromp.continual.named_state import (
     fit_shape,
     to_flat,
 )
-from fromp.continual.protocol import ContinualMethod, TaskStart
+from fromp.continual.protocol import ContinualMethod, Optim, TaskLabels, TaskStart
 from fromp.continual.regularizer import _FUNCTIONS, FROMPRegularizer, FunctionKernel
 from fromp.curvature.diagonal import diag_ggn, diag_ggn_linear
 from fromp.curvature.jacobian import default_memory_budget, flat_params
@@ -858,12 +858,7 @@ class FROMPMethod(ContinualMethod):
             self.resolve_function("logits" if self.replay else "probs")
 
     def _loss_terms(
-        self,
-        net: nn.Module,
-        x: Tensor,
-        output: Tensor,
-        task: int | Tensor | None,
-        loss: Tensor | None,
+        self, net: nn.Module, x: Tensor, output: Tensor, task: TaskLabels, loss: Tensor | None
     ) -> Tensor:
         """:meth:`loss_terms` for FROMP, already weighted: ``tau R(w)`` (not for
         IVON's penalty at the mean, which :meth:`before_update` adds to IVON's gradient),
@@ -1034,13 +1029,7 @@ class FROMPMethod(ContinualMethod):
         return opt.posterior(net).variance
 
     def _learn(
-        self,
-        net: nn.Module,
-        x: Tensor,
-        y: Tensor,
-        task: int | None,
-        optimizer: torch.optim.Optimizer | None,
-        experience: int,
+        self, net: nn.Module, x: Tensor, y: Tensor, task: int | None, optimizer: Optim, key: int
     ) -> dict[str, float]:
         """:meth:`learn_task` for FROMP, everything done after an experience: select its
         memorable points, add its GGN (or, for ``posterior="vogn"`` or ``"ivon"``, take the
@@ -1067,8 +1056,9 @@ class FROMPMethod(ContinualMethod):
                 :class:`fromp.optim.IVON` that trained the experience: its posterior's
                 variance is ``Sigma`` (the network is left at the posterior mean); not used
                 otherwise.
-            experience: the experience's key (:meth:`learn_task`'s). Learning a key again
-                replaces its GGN term and its memorable set instead of adding them twice.
+            key: the experience's key (:meth:`learn_task`'s ``experience``). Learning a key
+                again replaces its GGN term and its memorable set instead of adding them
+                twice.
 
         Returns the wall times of the three steps (seconds)."""
         net = uncompiled(net)
@@ -1099,7 +1089,7 @@ class FROMPMethod(ContinualMethod):
             q = None
             if sensitivity:  # the points need this task's posterior: curvature first
                 t0 = _clock(device)
-                self._add_curvature(net, head, x, device, posterior_variance, experience)
+                self._add_curvature(net, head, x, device, posterior_variance, key)
                 times["curvature_s"] = _clock(device) - t0
                 q = DiagonalGaussian(flat_params(net), self.posterior_variance(net).reciprocal())
             t0 = _clock(device)
@@ -1118,11 +1108,11 @@ class FROMPMethod(ContinualMethod):
             times["select_s"] = _clock(device) - t0
             if not sensitivity:
                 t0 = _clock(device)
-                self._add_curvature(net, head, x, device, posterior_variance, experience)
+                self._add_curvature(net, head, x, device, posterior_variance, key)
                 times["curvature_s"] = _clock(device) - t0
             t0 = _clock(device)
             variance = self._kernel_source(net)
-            i = forget_experience(self.experiences, experience)
+            i = forget_experience(self.experiences, key)
             if i is not None:  # learnt again: drop its old memorable set
                 del self.regularizer.memories[i]
             seen = self.regularizer.classes_seen
@@ -1135,7 +1125,7 @@ class FROMPMethod(ContinualMethod):
                 net, x_mem.to(device), task, variance, labels=y_mem.to(device),
                 penalty_points=points,
             )  # fmt: skip
-            self.examples[experience] = len(x)
+            self.examples[key] = len(x)
             self.bn_buffers = _norm_buffers(net)
             if self.bn_statistics == "batch" and any(
                 isinstance(m, nn.modules.batchnorm._NormBase) for m in net.modules()

@@ -48,7 +48,7 @@ its :meth:`~ContinualMethod.state_dict` / :meth:`~ContinualMethod.load_state_dic
             self.last_terms["l2"] = value.detach()
             return value
 
-        def _learn(self, net, x, y, task, optimizer, experience):
+        def _learn(self, net, x, y, task, optimizer, key):
             self.anchor = [p.detach().clone() for p in net.parameters()]
 
         def state_dict(self):
@@ -64,7 +64,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch import Tensor, nn
@@ -72,7 +72,7 @@ from torch import Tensor, nn
 from fromp._checks import check_count
 from fromp.continual.experiences import add_experience, experience_key, forget_experience
 
-__all__ = ["HOOKS", "PROTOCOL", "ContinualMethod", "TaskStart"]
+__all__ = ["HOOKS", "PROTOCOL", "ContinualMethod", "Optim", "TaskLabels", "TaskStart"]
 
 #: The protocol's methods, in the order a loop calls them (tests hold every method to them).
 PROTOCOL = (
@@ -85,6 +85,12 @@ PROTOCOL = (
 )
 #: The hooks a method implements behind the first four (``_before_update``: optional).
 HOOKS = ("_begin", "_loss_terms", "_before_update", "_learn")
+
+#: A batch's task label as :meth:`ContinualMethod.loss_terms` takes it: an int, ``[B]``
+#: labels, or None.
+TaskLabels: TypeAlias = "int | Tensor | None"
+#: The loop's optimizer as :meth:`ContinualMethod.learn_task` takes it (None: not given).
+Optim: TypeAlias = "torch.optim.Optimizer | None"
 
 
 @dataclass(frozen=True)
@@ -263,12 +269,7 @@ class ContinualMethod(abc.ABC):
 
     @abc.abstractmethod
     def _loss_terms(
-        self,
-        net: nn.Module,
-        x: Tensor,
-        output: Tensor,
-        task: int | Tensor | None,
-        loss: Tensor | None,
+        self, net: nn.Module, x: Tensor, output: Tensor, task: TaskLabels, loss: Tensor | None
     ) -> Tensor:
         """The method's weighted extra loss (:meth:`loss_terms`), its parts put in
         :attr:`last_terms` (empty on entry)."""
@@ -279,16 +280,10 @@ class ContinualMethod(abc.ABC):
 
     @abc.abstractmethod
     def _learn(
-        self,
-        net: nn.Module,
-        x: Tensor,
-        y: Tensor,
-        task: int | None,
-        optimizer: torch.optim.Optimizer | None,
-        experience: int,
+        self, net: nn.Module, x: Tensor, y: Tensor, task: int | None, optimizer: Optim, key: int
     ) -> Any:
-        """The method's memory of the experience of key ``experience`` (:meth:`learn_task`'s
-        argument, or :meth:`begin_task`'s, or a new key, checked): a key in
+        """The method's memory of the experience of key ``key`` (:meth:`learn_task`'s
+        ``experience``, or :meth:`begin_task`'s, or a new key, checked): a key in
         :attr:`experiences` is learnt again and its entry replaced (a hook that needs its
         old position takes it out with
         :func:`~fromp.continual.experiences.forget_experience`); the base records the key

@@ -81,7 +81,7 @@ from fromp._checks import (
 from fromp.continual.bayesian import MeanFieldNet
 from fromp.continual.bayesian import MeanFieldTwin as _MeanFieldTwin
 from fromp.continual.coreset import select_coreset
-from fromp.continual.protocol import ContinualMethod, TaskStart
+from fromp.continual.protocol import ContinualMethod, Optim, TaskLabels, TaskStart
 
 __all__ = ["VCLMethod"]
 
@@ -375,12 +375,7 @@ class VCLMethod(ContinualMethod):
         self.current_head, self.ess = self.head_of(start.task), start.ess
 
     def _loss_terms(
-        self,
-        net: nn.Module,
-        x: Tensor,
-        output: Tensor,
-        task: int | Tensor | None,
-        loss: Tensor | None,
+        self, net: nn.Module, x: Tensor, output: Tensor, task: TaskLabels, loss: Tensor | None
     ) -> Tensor:
         """:meth:`loss_terms` for VCL: ``KL(q || q_{t-1}) / N_t`` over the body and the heads
         trained so far plus the current one (a scalar, differentiable in the means and
@@ -399,20 +394,14 @@ class VCLMethod(ContinualMethod):
         return kl
 
     def _learn(
-        self,
-        net: nn.Module,
-        x: Tensor | None,
-        y: Tensor | None,
-        task: int | None,
-        optimizer: torch.optim.Optimizer | None,
-        experience: int,
+        self, net: nn.Module, x: Tensor, y: Tensor, task: int | None, optimizer: Optim, key: int
     ) -> None:
         """:meth:`learn_task` for VCL, the end of the task: its posterior becomes the prior
         (body and the heads trained so far), its head counts as trained, and
         ``optimizer``'s state is cleared (a fresh Adam per task, as in the reference code).
         ``x``, ``y`` (may be None) and ``task`` are not used: the head is
         :meth:`begin_task`'s."""
-        del x, y, task, experience
+        del x, y, task, key
         self._check_net(net)
         self.mean_field.set_prior_from_posterior(self.kl_heads(self.current_head))
         self.seen_heads.add(self.current_head)

@@ -502,9 +502,9 @@ class _L2(ContinualMethod):
         self.last_terms["l2"] = value.detach()
         return value
 
-    def _learn(self, net, x, y, task, optimizer, experience):
+    def _learn(self, net, x, y, task, optimizer, key):
         self.anchor = [p.detach().clone() for p in net.parameters()]
-        return experience
+        return key
 
     def state_dict(self):
         return {"anchor": self.anchor}
