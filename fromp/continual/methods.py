@@ -67,9 +67,8 @@ __all__ = ["FROMPMethod", "Named", "by_name", "fit_shape", "to_flat"]
 
 #: what the "auto" settings resolve to on a class-incremental stream (see FROMPMethod's
 #: docstring, "Class-incremental streams"; measured in docs/results-details.md)
-CI_TAU = 0.1
+CI_TAU = 1.0
 CI_REPLAY_WEIGHT = 3.0
-CI_CONTEXT_TAU = 0.3
 _POSTERIORS = ("ggn", "kron", "vogn", "ivon")
 _OWN_CURVATURE = ("ggn", "kron")  # curvature computed by the method, not by an optimizer
 _IVON_PENALTY = ("mean", "sample")
@@ -171,7 +170,9 @@ class FROMPMethod(ContinualMethod):
       probabilities when the user turned the coreset off);
     * ``replay_weight`` -> each set weighted as its experience's data term,
       ``b_s = c N_s / N_t`` with ``c =`` :data:`CI_REPLAY_WEIGHT` (:meth:`set_weights`);
-    * ``tau`` -> :data:`CI_TAU`, ``context_tau`` -> :data:`CI_CONTEXT_TAU`;
+    * ``tau`` -> :data:`CI_TAU` (the context term stays off: on one head it holds the old
+      classes' outputs on the new classes' inputs, which must fall for the new classes to
+      win, and cost the newest experience 4-8 points);
     * ``memory_batch`` -> the training batch's size ``B``: a step evaluates the penalty on
       the first ``ceil(B / S)`` points of each of the ``S`` sets (the kernels are taken on
       those, so the work after an experience is ``C (B / S)^2 P`` multiply-adds per set) and
@@ -311,8 +312,8 @@ class FROMPMethod(ContinualMethod):
             batch changes at every step, so no kernel is factorised for it. On one
             many-class head it keeps the old classes' outputs on the new inputs, which the
             memorable points alone do not (class-incremental split MNIST: see
-            ``docs/results-details.md``). 0: off, no copy kept. ``"auto"`` (the default):
-            :data:`CI_CONTEXT_TAU` on a class-incremental stream, else 0.
+            ``docs/results-details.md``, with the runner's recipe; by the same token it
+            holds back the newest classes). 0 (the default): off, no copy kept.
         memory_batch: about how many stored points a training step evaluates: the penalty
             on the first ``ceil(memory_batch / S)`` points of each of the ``S`` memorable
             sets (chosen at each :meth:`learn_task`, its kernels taken on those; the sets
@@ -373,7 +374,7 @@ class FROMPMethod(ContinualMethod):
         replay: bool | str = "auto",
         replay_weight: float | str = "auto",
         bn_statistics: str = "stored",
-        context_tau: float | str = "auto",
+        context_tau: float = 0.0,
         curvature_combine: str | float = "sum",
         cuda_graph: str = "auto",
         memory_batch: int | str | None = "auto",
@@ -384,7 +385,7 @@ class FROMPMethod(ContinualMethod):
         if not (jitter >= 0 and math.isfinite(jitter)):
             raise ValueError(f"jitter must be a finite number >= 0, got {jitter!r}")
         tau = _auto_or_number(tau, "tau", positive=False)
-        context_tau = _auto_or_number(context_tau, "context_tau", positive=False)
+        context_tau = _auto_or_number(context_tau, "context_tau", positive=False, auto=False)
         replay_weight = _auto_or_number(replay_weight, "replay_weight", positive=True)
         if not (isinstance(replay, bool) or (isinstance(replay, str) and replay == "auto")):
             raise TypeError(f"replay must be True, False or 'auto', got {replay!r}")
@@ -526,11 +527,8 @@ class FROMPMethod(ContinualMethod):
 
     @property
     def context_tau(self) -> float:
-        """``context_tau`` in force: as given, else (``"auto"``) :data:`CI_CONTEXT_TAU` on
-        a class-incremental stream and 0 (off) otherwise."""
-        if self._context_tau != "auto":
-            return self._context_tau  # type: ignore[return-value]
-        return CI_CONTEXT_TAU if self.class_incremental else 0.0
+        """``context_tau`` as given (0: off)."""
+        return float(self._context_tau)
 
     @property
     def select(self) -> str:
@@ -1417,18 +1415,19 @@ def _interleaved(t: Tensor, n_classes: int) -> Tensor:
     return t.reshape(n_classes, k, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
 
 
-def _auto_or_number(value: Any, name: str, *, positive: bool) -> float | str:
-    """``"auto"``, or ``value`` as a finite float ``> 0`` (``positive``) or ``>= 0``:
-    ``TypeError`` for what is neither a number nor ``"auto"`` (bools included),
+def _auto_or_number(value: Any, name: str, *, positive: bool, auto: bool = True) -> float | str:
+    """``"auto"`` (where ``auto``), or ``value`` as a finite float ``> 0`` (``positive``) or
+    ``>= 0``: ``TypeError`` for what is neither a number nor ``"auto"`` (bools included),
     ``ValueError`` for a number out of range, both naming ``name``."""
-    if isinstance(value, str) and value == "auto":
+    if auto and isinstance(value, str) and value == "auto":
         return "auto"
+    alt = " or 'auto'" if auto else ""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         hint = " (a strategy's criterion goes in criterion=)" if name == "tau" else ""
-        raise TypeError(f"{name} must be a number or 'auto', got {type(value).__name__}{hint}")
+        raise TypeError(f"{name} must be a number{alt}, got {type(value).__name__}{hint}")
     bound = "> 0" if positive else ">= 0"
     if not ((value > 0 if positive else value >= 0) and math.isfinite(value)):
-        raise ValueError(f"{name} must be a finite number {bound} (or 'auto'), got {value!r}")
+        raise ValueError(f"{name} must be a finite number {bound}{alt}, got {value!r}")
     return float(value)
 
 

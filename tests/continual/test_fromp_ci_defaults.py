@@ -1,7 +1,7 @@
 """FROMP's ``"auto"`` settings on class-incremental streams (issue 56): an experience that
 brings classes to a head trained before, or a head that grows with the classes, turns the
-coreset on (with the logits' penalty, the context term and the memory's estimators), a
-coreset turned off by the user is named once at the start of each such experience, and
+coreset on (with the logits' penalty and the memory's estimators; the context term stays
+off), a coreset turned off by the user is named once at the start of each such experience, and
 task- and domain-incremental streams keep the paper's settings. The coreset's weights
 against their closed form, the replay loss's estimator against the full sum in expectation,
 and the penalty on the first ``k`` points of each set against a dense float64 one."""
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fromp import FROMPMethod
-from fromp.continual.methods import CI_CONTEXT_TAU, CI_REPLAY_WEIGHT, CI_TAU
+from fromp.continual.methods import CI_REPLAY_WEIGHT, CI_TAU
 from fromp.continual.regularizer import FROMPRegularizer
 from fromp.models import MultiHeadMLP
 from tests.cases import tiny_mlp
@@ -68,7 +68,7 @@ def _resolved(method: FROMPMethod) -> tuple:
 
 
 PAPER = (10.0, False, 1.0, 0.0, "descending", None)
-CI = (CI_TAU, True, CI_REPLAY_WEIGHT, CI_CONTEXT_TAU, "random", 8)
+CI = (CI_TAU, True, CI_REPLAY_WEIGHT, 0.0, "random", 8)  # no context term
 
 
 @pytest.mark.parametrize("tell", [True, False], ids=["classes-told", "plain-loop"])
@@ -81,7 +81,7 @@ def test_new_global_labels_on_a_fixed_head_turn_the_coreset_on(tell):
     assert flags == [False, True, True] and method.class_incremental
     assert _resolved(method) == CI and method.function == "logits"
     assert caught == [[], [], []]  # the coreset is on: nothing to say
-    assert method.previous is not None  # the context term's copy
+    assert method.previous is None  # no context term: no copy of the network kept
     # the penalty covers ceil(batch / S) points of each set, the replay loss all of them
     assert [m.n_penalised for m in method.regularizer.memories] == [3, 3, 3]
     assert [len(m.inputs) for m in method.regularizer.memories] == [6, 6, 6]
@@ -115,7 +115,7 @@ def test_replay_turned_off_is_named_once_at_the_start_of_each_experience_with_ne
     for c in caught[1:]:
         assert "replay=False" in c[0] and "class-incremental" in c[0]
     assert not method.replay and method.function == "probs"  # no coreset: the probabilities
-    assert method.tau == CI_TAU and method.context_tau == CI_CONTEXT_TAU
+    assert method.tau == CI_TAU and method.context_tau == 0.0
 
 
 def test_explicit_settings_are_kept_on_a_class_incremental_stream():
@@ -149,7 +149,8 @@ def test_task_and_domain_incremental_streams_keep_the_papers_settings(layout):
     [
         ({"replay": "yes"}, TypeError, "replay must be True, False or 'auto'"),
         ({"tau": "big"}, TypeError, "tau must be a number or 'auto'"),
-        ({"context_tau": -1.0}, ValueError, "context_tau must be a finite number >= 0"),
+        ({"context_tau": -1.0}, ValueError, "context_tau must be a finite number >= 0, got"),
+        ({"context_tau": "auto"}, TypeError, "context_tau must be a number, got str"),
         ({"replay_weight": 0.0}, ValueError, "replay_weight must be a finite number > 0"),
         ({"replay": False, "replay_weight": 2.0}, ValueError, "replay_weight=2.0"),
         ({"memory_batch": 0}, ValueError, "memory_batch must be a positive int or None"),

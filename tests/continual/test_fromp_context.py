@@ -97,7 +97,7 @@ def test_context_penalty_equals_hand_computation_after_tasks_2_and_3(function, b
 def test_no_copy_and_zero_term_when_off_or_before_the_first_task():
     train, _ = _data()
     net = _net()
-    off = FROMPMethod(n_points=4, context_tau=0.0)  # off ("auto": on, class-incremental)
+    off = FROMPMethod(n_points=4, context_tau=0.0)  # off (also the default)
     on = FROMPMethod(n_points=4, context_tau=1.0)
     x, y = train[0]
     assert float(on.context_penalty(net(x), x, None)) == 0.0  # nothing learnt yet

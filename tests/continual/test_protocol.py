@@ -253,9 +253,9 @@ def test_fromp_coreset_and_context_plain_loop_equals_the_strategy(float64):
 def test_fromp_class_incremental_defaults_plain_loop_equals_the_strategy(float64):
     """Nothing but ``n_points`` on a class-incremental stream: the plain loop (told the
     classes) and the strategy resolve the same ``"auto"`` settings in ``begin_task`` (the
-    coreset weighted by the experiences' sizes, its draws, the context term, the penalty
-    on the first points of each set) and train to the same weights."""
-    from fromp.continual.methods import CI_CONTEXT_TAU, CI_REPLAY_WEIGHT, CI_TAU
+    coreset weighted by the experiences' sizes, its draws, the penalty on the first points
+    of each set; no context term) and train to the same weights."""
+    from fromp.continual.methods import CI_REPLAY_WEIGHT, CI_TAU
 
     sizes = (24, 16, 20)  # experiences of different sizes: b_s = c N_s / N_t differ
     tasks = [(x[:n], y[:n], t) for (x, y, t), n in zip(_tasks(class_incremental=True), sizes)]
@@ -267,12 +267,12 @@ def test_fromp_class_incremental_defaults_plain_loop_equals_the_strategy(float64
         CI_TAU,
         True,
         CI_REPLAY_WEIGHT,
-        CI_CONTEXT_TAU,
+        0.0,
     )
     assert method.memory_points() == BS
     weights = [CI_REPLAY_WEIGHT * n / sizes[-1] for n in sizes]  # N_t: the last ess
     torch.testing.assert_close(method.set_weights().tolist(), weights)
-    assert set(method.last_terms) == {"penalty", "replay", "context"}
+    assert set(method.last_terms) == {"penalty", "replay"}
 
 
 def test_ewc_plain_loop_equals_the_strategy(float64):
