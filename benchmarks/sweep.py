@@ -266,16 +266,10 @@ def _run_trials(
     # also after an interruption (Ray may kill a trial before its own clean-up runs)
     work_root = tempfile.mkdtemp(prefix="fromp-sweep-") if address is None else None
     space["work_root"] = work_root
-    # a Ray the caller initialised is used as it is and left running; one started here is
-    # shut down at the end
-    own_ray = not ray.is_initialized()
+    own_ray = not ray.is_initialized()  # the caller's Ray is used and left running
     if own_ray:
-        ray.init(
-            address=address,
-            num_cpus=num_cpus if address is None else None,
-            include_dashboard=False,
-            log_to_driver=False,
-        )
+        ray.init(address=address, num_cpus=num_cpus if address is None else None,
+                 include_dashboard=False, log_to_driver=False)  # fmt: skip
     # SIGTERM (a job scheduler, kill) ends the sweep as Ctrl-C does: Ray is shut down and the
     # trials' temporary directories removed; the records and checkpoints stay for --resume.
     # Installed after ray.init, which sets a handler of its own that exits without either.
