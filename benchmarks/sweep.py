@@ -13,10 +13,11 @@ resuming from its checkpoint (checksum and no code checked before Ray starts; se
 and code by the runner).
 
 Ray is an optional dependency (``pip install 'fromp[ray]'``). By default a local Ray instance
-is started (``--num-cpus`` caps it); ``--address`` joins a cluster (``auto``,
-``ray://host:10001``; ``--out`` on storage every node reaches). Each trial asks for
-``--cpus-per-trial`` CPUs (its torch threads) and ``--gpus-per-trial`` GPUs (fractions share
-a GPU)::
+is started and shut down at the end (``--num-cpus`` caps it); ``--address`` joins a cluster
+(``auto``, ``ray://host:10001``; ``--out`` on storage every node reaches); :func:`sweep` called
+where Ray is already initialised (``ray.init``) uses that instance and leaves it running. Each
+trial asks for ``--cpus-per-trial`` CPUs (its torch threads) and ``--gpus-per-trial`` GPUs
+(fractions share a GPU)::
 
     fromp-bench sweep split-mnist --strategies fromp,ewc --seeds 5 --cpus-per-trial 1
     fromp-bench sweep split-mnist --strategies fromp --grid tau=10,30 --valid-fraction 0.1 \\
@@ -265,13 +266,10 @@ def _run_trials(
     # also after an interruption (Ray may kill a trial before its own clean-up runs)
     work_root = tempfile.mkdtemp(prefix="fromp-sweep-") if address is None else None
     space["work_root"] = work_root
-    ray.init(
-        address=address,
-        num_cpus=num_cpus if address is None else None,
-        include_dashboard=False,
-        log_to_driver=False,
-        ignore_reinit_error=True,
-    )
+    own_ray = not ray.is_initialized()  # the caller's Ray is used and left running
+    if own_ray:
+        ray.init(address=address, num_cpus=num_cpus if address is None else None,
+                 include_dashboard=False, log_to_driver=False)  # fmt: skip
     # SIGTERM (a job scheduler, kill) ends the sweep as Ctrl-C does: Ray is shut down and the
     # trials' temporary directories removed; the records and checkpoints stay for --resume.
     # Installed after ray.init, which sets a handler of its own that exits without either.
@@ -282,7 +280,9 @@ def _run_trials(
         tuner = tune.Tuner(
             tune.with_resources(_trial, resources),
             param_space=space,
-            tune_config=tune.TuneConfig(max_concurrent_trials=limits["max_concurrent"]),
+            tune_config=tune.TuneConfig(
+                max_concurrent_trials=limits["max_concurrent"], reuse_actors=True
+            ),
             run_config=tune.RunConfig(
                 name=_experiment_name(storage),
                 storage_path=str(storage),
@@ -292,7 +292,8 @@ def _run_trials(
         )
         trials = list(tuner.fit())
     finally:
-        ray.shutdown()
+        if own_ray:
+            ray.shutdown()
         if work_root is not None:
             shutil.rmtree(work_root, ignore_errors=True)
         if main_thread:

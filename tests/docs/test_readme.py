@@ -40,7 +40,10 @@ def test_plain_loop_example(capsys):
     assert env["method"].task_count == 5 and len(env["method"].regularizer) == 5
 
 
-def _split_mnist_like(n_experiences=5, return_task_id=True, class_ids_from_zero_in_each_exp=False):
+def _split_mnist_like(
+    n_experiences=5, return_task_id=True, class_ids_from_zero_in_each_exp=False, *, n=(1500, 300)
+):
+    """A synthetic stand-in for ``SplitMNIST`` with ``n`` = (train, test) examples."""
     g = torch.Generator().manual_seed(0)
 
     def ds(n):
@@ -50,7 +53,7 @@ def _split_mnist_like(n_experiences=5, return_task_id=True, class_ids_from_zero_
         return _make_taskaware_tensor_classification_dataset(x, y, targets=y.tolist())
 
     return nc_benchmark(
-        ds(1500), ds(300), n_experiences=n_experiences, task_labels=return_task_id,
+        ds(n[0]), ds(n[1]), n_experiences=n_experiences, task_labels=return_task_id,
         shuffle=False, fixed_class_order=list(range(10)),
         class_ids_from_zero_in_each_exp=class_ids_from_zero_in_each_exp,
     )  # fmt: skip
