@@ -209,7 +209,7 @@ class FROMPMethod(ContinualMethod):
         ...         opt.step()
         ...     times = method.learn_task(net, x, y, None, optimizer=opt, experience=e)
         >>> method.task_count, method.class_incremental, sorted(method.last_terms)
-        (2, True, ['context', 'penalty', 'replay'])
+        (2, True, ['penalty', 'replay'])
 
     Args:
         tau: weight of the functional regulariser in the loss; ``"auto"`` (the default): 10
