@@ -20,7 +20,9 @@ blocks whose results the text describes run in the tests that check them
 
 from __future__ import annotations
 
+import ast
 import functools
+import importlib
 import re
 from pathlib import Path
 
@@ -31,7 +33,6 @@ DOCS = Path(__file__).resolve().parents[2] / "docs"
 _BLOCK = re.compile(r"(?:<!-- (.*?) -->\n)?```python\n(.*?)```", re.S)
 #: (page, reason) of the blocks that are illustrative only
 ILLUSTRATIVE = {
-    ("library.md", "two programs side by side"),
     ("distributed.md", "a Ray cluster of 4 GPU workers training split MNIST"),
 }
 #: blocks run, and their results checked, by a test of their own (page, text before the block)
@@ -104,9 +105,11 @@ def test_every_python_block_is_found_and_marked_as_known():
 
 @pytest.mark.parametrize(("doc", "index"), _all_blocks())
 def test_docs_python_block_runs_as_written(doc, index, tmp_path, monkeypatch):
-    line, marker, _ = page_blocks(doc)[index]
+    line, marker, code = page_blocks(doc)[index]
+    # every block, run or not: valid Python whose imports of fromp's packages resolve
+    _check_project_imports(compile(code, f"docs/{doc}:{line}", "exec", ast.PyCF_ONLY_AST))
     if marker.startswith("not run: "):
-        pytest.skip(f"docs/{doc}:{line} is illustrative only ({marker[9:]})")
+        return  # illustrative only (ILLUSTRATIVE): checked as far as it can be without running
     if marker == "needs CUDA" and not torch.cuda.is_available():
         pytest.skip(f"docs/{doc}:{line} needs CUDA (torch.cuda.is_available() is False)")
     import avalanche.benchmarks.classic as classic
@@ -126,6 +129,25 @@ def test_docs_python_block_runs_as_written(doc, index, tmp_path, monkeypatch):
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def _check_project_imports(tree: ast.Module) -> None:
+    """Every ``from fromp... import NAME`` (and ``fromp_avalanche``, ``fromp_bench``) of a
+    block names a module that imports and a name it has."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in _OURS:
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                assert alias.name == "*" or hasattr(module, alias.name), (
+                    f"{node.module} has no {alias.name}"
+                )
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in _OURS:
+                    importlib.import_module(alias.name)
+
+
+_OURS = ("fromp", "fromp_avalanche", "fromp_bench")
 
 
 def _free_port() -> int:
