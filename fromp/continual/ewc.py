@@ -608,7 +608,6 @@ class EWCMethod(ContinualMethod):
             raise ValueError(f"state has {len(anchors)} anchors and {len(importances)} importances")
         base = state["online_base"]
         self.anchors, self.importances = anchors, importances
-        self.task_count = int(state["task_count"])
         self.experiences = [int(k) for k in state["experiences"]]
         self._online_base = None if base is None else load([base])[0]
         self._consolidated, self._live = None, None

@@ -1350,7 +1350,6 @@ class FROMPMethod(ContinualMethod):
 
         for key in ("chunk_size",):
             setattr(self, key, state[key])
-        self.task_count = int(state["task_count"])
         self.class_incremental = bool(state["class_incremental"])
         self.examples = {int(k): int(v) for k, v in state["examples"].items()}
         self._weights = None

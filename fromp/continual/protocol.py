@@ -145,12 +145,10 @@ class ContinualMethod(abc.ABC):
             emptied by :meth:`begin_task` and at the start of each :meth:`loss_terms`.
     """
 
-    task_count: int
     experiences: list[int]
     last_terms: dict[str, Tensor]
 
     def __init__(self) -> None:
-        self.task_count = 0
         self.experiences = []
         self.last_terms = {}
         #: begin_task's experience key: learn_task's default, reset by learn_task
@@ -246,9 +244,14 @@ class ContinualMethod(abc.ABC):
         )
         result = self._learn(net, x, y, task, optimizer, key)
         forget_experience(self.experiences, key)  # a no-op where _learn took it out
-        self.task_count = add_experience(self.experiences, key)
+        add_experience(self.experiences, key)
         self._experience = None
         return result
+
+    @property
+    def task_count(self) -> int:
+        """The number of distinct experiences learnt: ``len(experiences)``."""
+        return len(self.experiences)
 
     @abc.abstractmethod
     def state_dict(self) -> dict[str, Any]:

@@ -650,7 +650,6 @@ class VCLMethod(ContinualMethod):
         check_saved_settings(state, self._settings())
         self._snapshot, self._tuned_key = None, None
         self.mean_field.load_variational_state(state["mean_field"])
-        self.task_count = int(state["task_count"])
         self.experiences = [int(k) for k in state["experiences"]]
         self.seen_heads = set(int(h) for h in state["seen_heads"])
         self.coresets = [(int(h), x.clone(), y.clone()) for h, x, y in state["coresets"]]
