@@ -14,7 +14,7 @@ Selection is balanced: the same number of examples per class.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Literal, overload
 
 import torch
 from torch import Tensor, nn
@@ -24,7 +24,7 @@ from fromp._checks import check_batch, check_tensor, not_on_meta, probe_outputs
 from fromp.likelihood import Likelihood, get_likelihood
 from fromp.posterior import DiagonalGaussian
 
-__all__ = ["global_classes", "memorability_scores", "select_memorable", "select_memorable_points"]
+__all__ = ["global_classes", "memorability_scores", "select_memorable"]
 
 _ORDERS = ("descending", "ascending", "random", "sensitivity")
 
@@ -66,6 +66,49 @@ def memorability_scores(
     return torch.cat(out)
 
 
+def global_classes(y: Tensor) -> list[int]:
+    """The sorted class labels present in ``y`` on any ``torch.distributed`` rank (those of
+    ``y`` in a single process)."""
+    local = sorted(int(c) for c in y.unique())
+    return sorted(set().union(*distributed.gather(local)))
+
+
+@overload
+def select_memorable(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    likelihood: str | Likelihood = ...,
+    n_per_class: int = ...,
+    *,
+    order: str = ...,
+    classes: Sequence[int] | None = ...,
+    generator: torch.Generator | None = ...,
+    batch_size: int = ...,
+    posterior: DiagonalGaussian | None = ...,
+    chunk_size: int = ...,
+    points: Literal[False] = ...,
+) -> Tensor: ...
+
+
+@overload
+def select_memorable(
+    model: nn.Module,
+    x: Tensor,
+    y: Tensor,
+    likelihood: str | Likelihood = ...,
+    n_per_class: int = ...,
+    *,
+    order: str = ...,
+    classes: Sequence[int] | None = ...,
+    generator: torch.Generator | None = ...,
+    batch_size: int = ...,
+    posterior: DiagonalGaussian | None = ...,
+    chunk_size: int = ...,
+    points: Literal[True],
+) -> tuple[Tensor, Tensor]: ...
+
+
 def select_memorable(
     model: nn.Module,
     x: Tensor,
@@ -79,8 +122,9 @@ def select_memorable(
     batch_size: int = 1024,
     posterior: DiagonalGaussian | None = None,
     chunk_size: int = 64,
-) -> Tensor:
-    """Indices of a class-balanced memorable set: ``n_per_class`` examples of each class.
+    points: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """A class-balanced memorable set: ``n_per_class`` examples of each class.
 
     Within each class ``c`` (examples with ``y == c``) the examples are ranked by
     :func:`memorability_scores` (``tr Lambda``): ``"descending"`` keeps the largest
@@ -90,24 +134,40 @@ def select_memorable(
     (:func:`fromp.memory.sensitivity.memory_perturbation`; a Jacobian per example, chunks of
     ``chunk_size``: memory ``chunk_size * C * P``). Ties keep the data order.
 
+    **Several processes.** When ``torch.distributed`` is initialised with more than one
+    process, ``x`` and ``y`` are this rank's shard and the set is chosen over the data of
+    every rank: the result, the same on every rank, is that of one process on the
+    concatenation of the shards in rank order (ties keep that order). ``"descending"`` /
+    ``"ascending"``: each rank scores its shard and keeps its best ``n_per_class`` per
+    class; the candidates, their scores and their positions in the concatenation are
+    gathered and the best ``n_per_class`` of each class kept (memory
+    ``world_size * n_classes * n_per_class`` inputs). ``"random"`` and ``"sensitivity"``
+    gather the shards themselves and select on the union (memory: the data of every rank;
+    ``generator`` must be in the same state on every rank). The indices then point into the
+    concatenation, which no rank holds: ask for ``points=True``.
+
     Args:
         model: ``[B, ...] -> [B, C]`` (see :func:`memorability_scores`).
-        x: inputs ``[N, ...]``.
+        x: inputs ``[N, ...]`` (this rank's shard under ``torch.distributed``).
         y: class labels ``[N]``.
         likelihood: likelihood or its name, for the score.
         n_per_class: examples kept per class.
         order: ``"descending"``, ``"ascending"``, ``"random"`` or ``"sensitivity"``.
-        classes: the classes to draw from, in output order (default: the sorted unique
-            values of ``y``).
+        classes: the classes to draw from, in output order (default: the sorted labels
+            present in ``y``, on any rank).
         generator: RNG for ``order="random"``.
         batch_size: examples per forward pass.
         posterior: the weight posterior (mean: the model's weights), needed by
             ``order="sensitivity"`` only; the model must then be in eval mode.
         chunk_size: examples per Jacobian chunk for ``order="sensitivity"``.
+        points: return the examples ``(x_mem, y_mem)`` instead of their indices.
 
     Returns:
-        ``LongTensor [len(classes) * n_per_class]`` of indices into ``x``, grouped by class
-        in the order of ``classes``, each group in rank order.
+        ``LongTensor [len(classes) * n_per_class]`` of indices into ``x`` (into the
+        concatenation of every rank's ``x`` under ``torch.distributed``), grouped by class in
+        the order of ``classes``, each group in rank order; with ``points=True``
+        ``(x_mem [len(classes) * n_per_class, ...], y_mem [len(classes) * n_per_class])``,
+        the examples at those indices, on ``x``'s and ``y``'s devices.
 
     Example:
         >>> import torch
@@ -120,7 +180,8 @@ def select_memorable(
     Raises:
         TypeError: ``x`` or ``y`` not a tensor.
         ValueError: empty data, NaN/inf inputs, mismatched ``y``, labels outside the model's
-            outputs, unknown ``order``, or a class with fewer than ``n_per_class`` examples.
+            outputs, unknown ``order``, or a class with fewer than ``n_per_class`` examples
+            (on all ranks together).
     """
     check_batch(x, "x")
     not_on_meta(model)
@@ -146,129 +207,72 @@ def select_memorable(
             f"y must hold labels in [0, {width}) (the model's output units), got a label "
             f"{int(y.max())}"
         )
-    y = y.long().cpu()
-    cls = sorted(int(c) for c in y.unique()) if classes is None else [int(c) for c in classes]
+    cls = global_classes(y) if classes is None else [int(c) for c in classes]
     if len(cls) == 0:
         raise ValueError("classes is empty: expected at least one class")
-    members = {c: torch.nonzero(y == c).squeeze(1) for c in cls}
-    for c, idx in members.items():
-        if len(idx) < n_per_class:
-            raise ValueError(
-                f"class {c} has {len(idx)} examples, fewer than n_per_class={n_per_class}"
-            )
+    y_cpu = y.long().cpu()
+    counts = torch.tensor([int((y_cpu == c).sum()) for c in cls], dtype=torch.long)
+    distributed.all_reduce_sum([counts])  # every rank's examples (unchanged in one process)
+    for c, k in zip(cls, counts.tolist()):
+        if k < n_per_class:
+            raise ValueError(f"class {c} has {k} examples, fewer than n_per_class={n_per_class}")
+    xs, ys = x, y
+    if distributed.is_distributed() and order in ("random", "sensitivity"):
+        shards = distributed.gather((x.cpu(), y.cpu()), torch.device("cpu"))
+        xs = torch.cat([s[0] for s in shards])
+        ys = torch.cat([s[1] for s in shards])
+        y_cpu = ys.long()
+    members = [torch.nonzero(y_cpu == c).squeeze(1) for c in cls]
     if order == "random":
         picks = [
-            idx[torch.randperm(len(idx), generator=generator)[:n_per_class]]
-            for idx in members.values()
+            idx[torch.randperm(len(idx), generator=generator)[:n_per_class]] for idx in members
         ]
-        return torch.cat(picks)
+        return _result(torch.cat(picks), xs, ys, x, y, points)
     if order == "sensitivity":
         from fromp.memory.sensitivity import memory_perturbation
 
         assert posterior is not None
         dev = next(model.parameters()).device
         mp = memory_perturbation(
-            model, posterior, x.to(dev), y.to(dev), likelihood, chunk_size=chunk_size
+            model, posterior, xs.to(dev), y_cpu.to(dev), likelihood, chunk_size=chunk_size
         )
         scores = mp.sensitivity.cpu()
     else:
         scores = memorability_scores(model, x, likelihood, batch_size=batch_size).cpu()
+    descending = order != "ascending"
     picks = []
-    for idx in members.values():
-        s = scores[idx]
-        rank = torch.sort(s, descending=order != "ascending", stable=True).indices
+    for idx in members:
+        rank = torch.sort(scores[idx], descending=descending, stable=True).indices
         picks.append(idx[rank[:n_per_class]])
-    return torch.cat(picks)
-
-
-def global_classes(y: Tensor) -> list[int]:
-    """The sorted class labels present in ``y`` on any ``torch.distributed`` rank (those of
-    ``y`` in a single process)."""
-    local = sorted(int(c) for c in y.unique())
-    return sorted(set().union(*distributed.gather(local)))
-
-
-def select_memorable_points(
-    model: nn.Module,
-    x: Tensor,
-    y: Tensor,
-    likelihood: str | Likelihood = "categorical",
-    n_per_class: int = 20,
-    **options: Any,
-) -> tuple[Tensor, Tensor]:
-    """The memorable points ``(x[idx], y[idx])`` of :func:`select_memorable` (same arguments;
-    ``options`` are its keyword-only ones: ``order``, ``classes``, ``generator``, ...)
-    chosen over the data of every ``torch.distributed`` rank, ``x`` and ``y`` being this
-    rank's shard: the result, the same on every rank, is that of one process on the
-    concatenation of the shards in rank order (ties keep that order).
-
-    ``"descending"`` / ``"ascending"``: each rank scores its shard and keeps its best
-    ``n_per_class`` per class; the candidates, their scores and their positions in the
-    concatenation are gathered and the best ``n_per_class`` of each class kept (memory
-    ``world_size * n_classes * n_per_class`` inputs). ``"random"`` and ``"sensitivity"``
-    gather the shards themselves and select on the union (memory: the experience's data on
-    every rank; ``generator`` must be in the same state on every rank). In a single process
-    this is :func:`select_memorable` itself.
-
-    Returns:
-        ``(x_mem [len(classes) * n_per_class, ...], y_mem [len(classes) * n_per_class])``,
-        on ``x``'s and ``y``'s devices, grouped by class in the order of ``classes``.
-    """
-    if not distributed.is_distributed():
-        idx = select_memorable(model, x, y, likelihood, n_per_class, **options)
-        return x[idx.to(x.device)], y[idx.to(y.device)]
-    unknown = set(options) - {
-        "order",
-        "classes",
-        "generator",
-        "batch_size",
-        "posterior",
-        "chunk_size",
-    }
-    if unknown:
-        raise TypeError(f"select_memorable_points got unexpected keyword(s) {sorted(unknown)}")
-    classes = options.pop("classes", None)
-    order = options.get("order", "descending")
-    batch_size = options.get("batch_size", 1024)
-    check_batch(x, "x")
-    not_on_meta(model)
-    check_tensor(y, "y", f"[N]=[{len(x)}]")
-    if y.ndim != 1 or len(y) != len(x):
-        raise ValueError(f"y must be a [N] tensor with N={len(x)} labels, got {tuple(y.shape)}")
-    cls = global_classes(y) if classes is None else [int(c) for c in classes]
-    if order in ("random", "sensitivity"):
-        shards = distributed.gather((x.cpu(), y.cpu()), torch.device("cpu"))
-        xs = torch.cat([s[0] for s in shards])
-        ys = torch.cat([s[1] for s in shards])
-        idx = select_memorable(model, xs, ys, likelihood, n_per_class, classes=cls, **options)
-        return xs[idx].to(x.device), ys[idx].to(y.device)
-    if order not in _ORDERS:
-        raise ValueError(f"order must be one of {_ORDERS}, got {order!r}")
-    if not isinstance(n_per_class, int) or n_per_class < 1:
-        raise ValueError(f"n_per_class must be a positive int, got {n_per_class!r}")
+    if order == "sensitivity" or not distributed.is_distributed():
+        return _result(torch.cat(picks), xs, ys, x, y, points)
+    # this rank's best n_per_class of each class, with their scores and global positions
     offset = sum(distributed.gather(len(x))[: distributed.rank()])
-    y_cpu = y.cpu()
-    counts = torch.tensor([int((y_cpu == c).sum()) for c in cls], dtype=torch.long)
-    distributed.all_reduce_sum([counts])
-    for c, k in zip(cls, counts.tolist()):
-        if k < n_per_class:
-            raise ValueError(f"class {c} has {k} examples, fewer than n_per_class={n_per_class}")
-    descending = order == "descending"
-    scores = memorability_scores(model, x, likelihood, batch_size=batch_size).cpu()
-    mine = []
-    for c in cls:
-        idx = torch.nonzero(y_cpu == c).squeeze(1)
-        keep = idx[torch.sort(scores[idx], descending=descending, stable=True).indices]
-        keep = keep[:n_per_class]
-        mine.append((scores[keep], keep + offset, x[keep.to(x.device)].cpu(), y_cpu[keep]))
+    mine = [
+        (scores[k], k + offset, x[k.to(x.device)].cpu(), y[k.to(y.device)].cpu()) for k in picks
+    ]
     everyone = distributed.gather(mine, torch.device("cpu"))
-    xs, ys = [], []
+    idx_, xs_, ys_ = [], [], []
     for j in range(len(cls)):
         s = torch.cat([r[j][0] for r in everyone])
         pos = torch.cat([r[j][1] for r in everyone])
         by_pos = torch.argsort(pos)  # data order first, so that ties keep it
-        rank_ = by_pos[torch.sort(s[by_pos], descending=descending, stable=True).indices]
-        take = rank_[:n_per_class]
-        xs.append(torch.cat([r[j][2] for r in everyone])[take])
-        ys.append(torch.cat([r[j][3] for r in everyone])[take])
-    return torch.cat(xs).to(x.device), torch.cat(ys).to(y.device)
+        take = by_pos[torch.sort(s[by_pos], descending=descending, stable=True).indices]
+        take = take[:n_per_class]
+        idx_.append(pos[take])
+        xs_.append(torch.cat([r[j][2] for r in everyone])[take])
+        ys_.append(torch.cat([r[j][3] for r in everyone])[take])
+    if not points:
+        return torch.cat(idx_)
+    return torch.cat(xs_).to(x.device), torch.cat(ys_).to(y.device)
+
+
+def _result(
+    idx: Tensor, xs: Tensor, ys: Tensor, x: Tensor, y: Tensor, points: bool
+) -> Tensor | tuple[Tensor, Tensor]:
+    """:func:`select_memorable`'s answer: the indices ``idx`` into ``xs`` (``x`` itself, or
+    every rank's shards gathered), or with ``points`` the examples, on ``x``'s and ``y``'s
+    devices."""
+    if not points:
+        return idx
+    return xs[idx.to(xs.device)].to(x.device), ys[idx.to(ys.device)].to(y.device)

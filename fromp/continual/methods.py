@@ -41,7 +41,7 @@ from fromp._checks import (
 from fromp.continual.experiences import forget_experience
 from fromp.continual.graphed import Same, check_mode, param_key, static_term, trainable
 from fromp.continual.memorable import _ORDERS as _SELECT
-from fromp.continual.memorable import global_classes, select_memorable_points
+from fromp.continual.memorable import global_classes, select_memorable
 from fromp.continual.named_state import (
     Named,
     _check_labels,
@@ -1091,7 +1091,7 @@ class FROMPMethod(ContinualMethod):
                 times["curvature_s"] = _clock(device) - t0
                 q = DiagonalGaussian(flat_params(net), self.posterior_variance(net).reciprocal())
             t0 = _clock(device)
-            x_mem, y_mem = select_memorable_points(
+            x_mem, y_mem = select_memorable(
                 head,
                 x.to(device) if sensitivity else x,
                 y,
@@ -1102,6 +1102,7 @@ class FROMPMethod(ContinualMethod):
                 generator=self.generator,
                 posterior=q,
                 chunk_size=self.chunk_size,
+                points=True,
             )
             times["select_s"] = _clock(device) - t0
             if not sensitivity:

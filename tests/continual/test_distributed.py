@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from fromp.continual.ewc import EWCMethod
+from fromp.continual.memorable import select_memorable
 from fromp.continual.methods import FROMPMethod
+from fromp.posterior import DiagonalGaussian
 from tests.core.test_distributed import WORLD, run_ranks
 
 pytestmark = pytest.mark.skipif(
@@ -247,3 +249,38 @@ def test_runner_under_torchrun_rank_zero_writes_and_one_process_is_unchanged(tmp
         accs = [a for row in got["accuracy_matrix"] for a in row if a is not None]
         assert len(accs) == 3 and all(0.0 <= a <= 100.0 for a in accs)
         assert got["accuracy_matrix"][0][0] > 50.0  # it learnt task 1 (two classes)
+
+
+_ORDERS = ("descending", "ascending", "random", "sensitivity")
+
+
+def _select(rank: int | None) -> dict:
+    """``select_memorable`` in every order, indices and points, on uneven shards (rank 0: the
+    first 10 examples, rank 1: the other 14) or, ``rank=None``, one process on all of them."""
+    net = _net().eval()
+    x, y = _task(0)
+    if rank is not None:
+        x, y = (x[:10], y[:10]) if rank == 0 else (x[10:], y[10:])
+    mean = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    q = DiagonalGaussian(mean, torch.linspace(0.1, 1.0, len(mean), dtype=torch.float64))
+    out = {}
+    for order in _ORDERS:
+        kw = {"order": order, "posterior": q, "chunk_size": 5}
+        kw["generator"] = torch.Generator().manual_seed(3)
+        idx = select_memorable(net, x, y, "categorical", 3, **kw)
+        kw["generator"] = torch.Generator().manual_seed(3)
+        out[order] = (idx, *select_memorable(net, x, y, "categorical", 3, points=True, **kw))
+    return out
+
+
+def test_select_memorable_over_two_uneven_shards_equals_one_process():
+    want = _select(None)
+    x, y = _task(0)
+    for order in _ORDERS:  # one process: the points are the examples at the indices
+        idx, xm, ym = want[order]
+        assert torch.equal(xm, x[idx]) and torch.equal(ym, y[idx])
+    assert not torch.equal(want["descending"][0], want["ascending"][0])
+    for got in run_ranks(_select):
+        for order in _ORDERS:  # indices into the concatenation of the shards, and the points
+            for a, b in zip(got[order], want[order]):
+                assert torch.equal(a, b), order
