@@ -31,7 +31,7 @@ import matplotlib.pyplot as plt
 import torch
 from torch import Tensor, nn
 
-from fromp import dnn2gp, fit_laplace, fit_laplace_full
+from fromp import dnn2gp, fit_laplace
 from fromp.laplace.one_call import (
     log_evidence_grid,
     log_marginal_likelihood,
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     delta_grad = optimize_prior_precision(
         model, (x, y), lik, "marglik", optimizer="lbfgs", hessian_structure="full"
     )
-    post_full = fit_laplace_full(model, (x, y), lik, delta)
+    post_full = fit_laplace(model, (x, y), lik, delta, hessian_structure="full")
     post_diag = fit_laplace(model, (x, y), lik, choice["diag"]["delta"])
 
     xs = torch.linspace(-3, 6, 300, dtype=torch.float64).unsqueeze(1)

@@ -3,8 +3,8 @@
 :class:`DiagonalGaussian` ``N(mean, diag(1 / precision))`` is what the Laplace
 approximation (:func:`fromp.laplace`), VOGN, IVON and the FROMP regulariser exchange;
 :class:`FullGaussian` ``N(mean, precision^{-1})`` keeps a dense ``[P, P]`` precision
-(:func:`fromp.fit_laplace_full`, small models only). All vectors are ``[P]``, parameters flattened
-in ``named_parameters()`` order.
+(:func:`fromp.fit_laplace` with ``hessian_structure="full"``, small models only). All vectors
+are ``[P]``, parameters flattened in ``named_parameters()`` order.
 
 Both are immutable: setting or deleting an attribute raises
 :class:`dataclasses.FrozenInstanceError`; :meth:`~DiagonalGaussian.replace` builds a new

@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, jvp
 
 from fromp.curvature.jacobian import flat_params, unflatten
-from fromp.laplace.one_call import fit_laplace, fit_laplace_full
+from fromp.laplace.one_call import fit_laplace
 from fromp.likelihood import get_likelihood
 from fromp.memory.sensitivity import memory_perturbation, newton_step_loo
 from fromp.posterior import FullGaussian
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for p, v in zip(net.parameters(), unflatten(net, w_star).values()):
             p.copy_(v)
     if args.posterior == "full":
-        post = fit_laplace_full(net, (x, y), "categorical", args.delta)
+        post = fit_laplace(net, (x, y), "categorical", args.delta, hessian_structure="full")
     else:
         post = fit_laplace(net, (x, y), "categorical", args.delta)
     mp = memory_perturbation(net, post, x, y)

@@ -15,7 +15,6 @@ from fromp.laplace.lowrank import LowRankLaplace
 from fromp.laplace.marglik import marglik_training
 from fromp.laplace.one_call import (
     fit_laplace,
-    fit_laplace_full,
     log_evidence_grid,
     log_marginal_likelihood,
     optimize_prior_precision,
@@ -59,7 +58,6 @@ __all__ = [
     "SubsetOfWeights",
     "TuningMethod",
     "fit_laplace",
-    "fit_laplace_full",
     "log_evidence_grid",
     "log_marginal_likelihood",
     "marglik_training",

@@ -6,7 +6,7 @@ with prior precision ``D = diag(delta)``, the Laplace-GGN posterior is
     ``q(w) = N(w*, (G + D)^-1)``,  ``G = sum_n J_n^T Lambda(f_n) J_n``
 
 (:mod:`fromp.curvature.ggn`). :func:`fit_laplace` keeps only ``diag(G)`` (a
-:class:`DiagonalGaussian`, any model size); :func:`fit_laplace_full` keeps all of ``G`` (a
+:class:`DiagonalGaussian`, any model size) or, ``hessian_structure="full"``, all of ``G`` (a
 :class:`FullGaussian`, small models only). In continual learning the posterior after task
 ``t`` is the prior of task ``t + 1``; passing ``posterior=`` adds the new task's GGN to its
 precision, so that after ``T`` tasks the precision is ``sum_t G_t + D`` (one prior, every
@@ -23,7 +23,7 @@ checked once, by the class) are the classes'.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch import Tensor, nn
@@ -36,7 +36,6 @@ from fromp.posterior import DiagonalGaussian, FullGaussian
 
 __all__ = [
     "fit_laplace",
-    "fit_laplace_full",
     "log_evidence_grid",
     "log_marginal_likelihood",
     "optimize_prior_precision",
@@ -68,34 +67,36 @@ def _fitted(
     return la.fit(data)
 
 
-def _posterior(
+@overload
+def fit_laplace(
     model: nn.Module,
     data: DataArg,
     likelihood: str | Likelihood,
-    structure: str,
     prior_precision: float | Tensor | None,
-    prior_mean: Tensor | None,
-    posterior: Any,
-    **kwargs: Any,
-) -> Any:
-    """The fitted all-weights posterior of :func:`fit_laplace` / :func:`fit_laplace_full`:
-    the Laplace's own, or ``posterior``'s precision plus the new data's ``G / s^2``."""
-    kind = DiagonalGaussian if structure == "diag" else FullGaussian
-    p = sum(q.numel() for q in model.parameters() if q.requires_grad)
-    if posterior is not None:
-        if not isinstance(posterior, kind) or posterior.mean.shape != (p,):
-            raise ValueError(f"posterior must be a {kind.__name__} over P={p} parameters")
-    elif prior_precision is None:
-        raise ValueError("prior_precision is required when no posterior is given")
-    la = _fitted(
-        model, data, likelihood, structure,
-        prior_precision=1.0 if posterior is not None else prior_precision,
-        prior_mean=prior_mean, **kwargs,
-    )  # fmt: skip
-    if posterior is None:
-        return la.posterior
-    g = la.H if la.sigma_noise == 1.0 else la.H / la.sigma_noise**2
-    return kind(la.mean.clone(), posterior.precision.to(g) + g)
+    prior_mean: Tensor | None = ...,
+    *,
+    hessian_structure: Literal["diag"] = ...,
+    posterior: DiagonalGaussian | None = ...,
+    chunk_size: int | None = ...,
+    memory_budget: int = ...,
+    max_params: int = ...,
+) -> DiagonalGaussian: ...
+
+
+@overload
+def fit_laplace(
+    model: nn.Module,
+    data: DataArg,
+    likelihood: str | Likelihood,
+    prior_precision: float | Tensor | None,
+    prior_mean: Tensor | None = ...,
+    *,
+    hessian_structure: Literal["full"],
+    posterior: FullGaussian | None = ...,
+    chunk_size: int | None = ...,
+    memory_budget: int = ...,
+    max_params: int = ...,
+) -> FullGaussian: ...
 
 
 def fit_laplace(
@@ -105,13 +106,20 @@ def fit_laplace(
     prior_precision: float | Tensor | None,
     prior_mean: Tensor | None = None,
     *,
-    posterior: DiagonalGaussian | None = None,
+    hessian_structure: str = "diag",
+    posterior: DiagonalGaussian | FullGaussian | None = None,
     chunk_size: int | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
-) -> DiagonalGaussian:
-    """Diagonal Laplace-GGN posterior ``N(w*, diag(diag(G) + delta)^{-1})``: one call of
-    ``fromp.Laplace(model, likelihood, "all", "diag", ...).fit(data).posterior`` (the same
-    engine and checks).
+    max_params: int = 20_000,
+) -> DiagonalGaussian | FullGaussian:
+    """Laplace-GGN posterior ``N(w*, (G + diag(delta))^{-1})`` over all the weights: one call
+    of ``fromp.Laplace(model, likelihood, "all", hessian_structure, ...).fit(data).posterior``
+    (the same engine and checks).
+
+    ``hessian_structure="diag"`` (default) keeps ``diag(G)``: a :class:`DiagonalGaussian`
+    with precision ``diag(G) + delta``, any model size. ``"full"`` keeps all of ``G``: a
+    :class:`FullGaussian` with precision ``G + diag(delta)`` ``[P, P]``, for SMALL models
+    only (``P <= max_params``; memory ``P^2``).
 
     Args:
         model: the trained network at ``w*`` (``[N, ...] -> [N, C]``; for a multi-head
@@ -125,43 +133,48 @@ def fit_laplace(
             None) when ``posterior`` is given: the prior is already in its precision.
         prior_mean: the prior mean ``m0`` (a number or ``[P]``, default 0); it does not
             change the Laplace posterior (only ``w*`` depends on it) and is only checked.
-        posterior: a previous task's posterior; the result then has precision
-            ``posterior.precision + diag(G)`` (continual-learning accumulation).
-        chunk_size: examples per chunk; None derives it from ``memory_budget``.
-        memory_budget: working memory in bytes (default 2 GiB); the GGN diagonal comes from
-            layer capture (:func:`fromp.curvature.diag_ggn`: Linear, convolution and norm
-            layers from their inputs and output gradients, per-example Jacobians for other
-            parameters), so an MLP or a ResNet takes the fast route by default.
+        hessian_structure: ``"diag"`` or ``"full"`` (anything else is refused before any
+            work).
+        posterior: a previous task's posterior of the same structure (a
+            :class:`DiagonalGaussian` for ``"diag"``, a :class:`FullGaussian` for
+            ``"full"``); the result then has precision ``posterior.precision + G`` (its
+            diagonal for ``"diag"``: continual-learning accumulation).
+        chunk_size: examples per Jacobian chunk; None: derived from ``memory_budget`` for
+            ``"diag"``, 32 for ``"full"``.
+        memory_budget: working memory in bytes of the ``"diag"`` curvature (default 2 GiB;
+            checked, unused by ``"full"``): the GGN diagonal comes from layer capture
+            (:func:`fromp.curvature.diag_ggn`: Linear, convolution and norm layers from their
+            inputs and output gradients, per-example Jacobians for other parameters), so an
+            MLP or a ResNet takes the fast route by default.
+        max_params: the largest ``P`` that ``"full"`` accepts (unused by ``"diag"``).
 
     Returns:
-        :class:`DiagonalGaussian` with ``mean = flat_params(model)`` ``[P]`` and
-        ``precision [P]``.
+        ``"diag"``: :class:`DiagonalGaussian` with ``mean = flat_params(model)`` ``[P]`` and
+        ``precision [P]``; ``"full"``: :class:`FullGaussian` with ``precision [P, P]``.
     """
-    return _posterior(
-        model, data, likelihood, "diag", prior_precision, prior_mean, posterior,
-        chunk_size=chunk_size, memory_budget=memory_budget,
+    kinds = {"diag": DiagonalGaussian, "full": FullGaussian}
+    if hessian_structure not in kinds:
+        raise ValueError(f"hessian_structure must be 'diag' or 'full', got {hessian_structure!r}")
+    kind = kinds[hessian_structure]
+    p = sum(q.numel() for q in model.parameters() if q.requires_grad)
+    if posterior is not None:
+        if not isinstance(posterior, kind) or posterior.mean.shape != (p,):
+            raise ValueError(
+                f"posterior must be a {kind.__name__} over P={p} parameters "
+                f"(hessian_structure={hessian_structure!r})"
+            )
+    elif prior_precision is None:
+        raise ValueError("prior_precision is required when no posterior is given")
+    la = _fitted(
+        model, data, likelihood, hessian_structure,
+        prior_precision=1.0 if posterior is not None else prior_precision,
+        prior_mean=prior_mean, chunk_size=chunk_size, memory_budget=memory_budget,
+        max_params=max_params,
     )  # fmt: skip
-
-
-def fit_laplace_full(
-    model: nn.Module,
-    data: DataArg,
-    likelihood: str | Likelihood,
-    prior_precision: float | Tensor | None,
-    prior_mean: Tensor | None = None,
-    *,
-    posterior: FullGaussian | None = None,
-    chunk_size: int = 32,
-    max_params: int = 20_000,
-) -> FullGaussian:
-    """Full-covariance Laplace-GGN posterior ``N(w*, (G + diag(delta))^{-1})`` of a SMALL
-    model (``P <= max_params``; memory ``P^2``): ``fromp.Laplace(model, likelihood, "all",
-    "full", ...).fit(data).posterior``. Arguments as :func:`fit_laplace`; with ``posterior`` (a
-    :class:`FullGaussian`) the precision is ``posterior.precision + G``."""
-    return _posterior(
-        model, data, likelihood, "full", prior_precision, prior_mean, posterior,
-        chunk_size=chunk_size, max_params=max_params,
-    )  # fmt: skip
+    if posterior is None:
+        return la.posterior
+    g = la.H if la.sigma_noise == 1.0 else la.H / la.sigma_noise**2
+    return kind(la.mean.clone(), posterior.precision.to(g) + g)
 
 
 # ----------------------------------------------------------------------------- prior search

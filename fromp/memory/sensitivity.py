@@ -356,9 +356,9 @@ def newton_step_loo(
     ``hess_approx="hessian"`` removes the example's exact Hessian ``H_i = J_i^T Lambda_i J_i +
     sum_c e_ic d^2 f_ic / dw^2`` (use with ``H`` the exact Hessian of ``L``, e.g.
     ``FullGaussian(w*, torch.func.hessian(L)(w*))``); ``hess_approx="ggn"`` removes
-    ``J_i^T Lambda_i J_i`` (use with a GGN posterior such as :func:`fromp.fit_laplace_full`; with
-    ``linearize=True`` this is ``memory_perturbation(..., covariance="full",
-    correction=True)``).
+    ``J_i^T Lambda_i J_i`` (use with a GGN posterior such as :func:`fromp.fit_laplace` with
+    ``hessian_structure="full"``; with ``linearize=True`` this is
+    ``memory_perturbation(..., covariance="full", correction=True)``).
 
     ``(H - H_i)^{-1} g_i = (I - Sigma H_i)^{-1} Sigma g_i`` (``Sigma = H^{-1}``) is solved by
     GMRES with example-Hessian-vector products; ``Sigma H_i`` has rank at most that of

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from fromp import DiagonalGaussian, FullGaussian, dnn2gp, fit_laplace, fit_laplace_full
+from fromp import DiagonalGaussian, FullGaussian, dnn2gp, fit_laplace
 from fromp.gp.process import GP
 from fromp.laplace.one_call import (
     log_evidence_grid,
@@ -160,7 +160,7 @@ def _blr(bias: bool, c: int = 1, n: int = 12, d: int = 3, sigma: float = 0.4, de
 @pytest.mark.parametrize("bias", [False, True])
 def test_full_posterior_equals_bayesian_linear_regression(bias):
     model, x, y, xt, precision, lik, sigma, delta = _blr(bias)
-    post = fit_laplace_full(model, (x, y), lik, delta)
+    post = fit_laplace(model, (x, y), lik, delta, hessian_structure="full")
     torch.testing.assert_close(post.precision, precision, rtol=1e-12, atol=1e-12)
     gp = dnn2gp(model, post, lik)
     xs = torch.randn(5, 3, dtype=F64)

@@ -110,7 +110,7 @@ def test_one_prior_precision_check_on_the_one_call_path(monkeypatch):
     fromp.fit_laplace(mlp(), (x, y), "categorical", 0.5)
     assert calls == [0.5]
     calls.clear()
-    fromp.fit_laplace_full(mlp(), (x, y), "categorical", 0.5)
+    fromp.fit_laplace(mlp(), (x, y), "categorical", 0.5, hessian_structure="full")
     assert calls == [0.5]
 
 

@@ -1,8 +1,8 @@
-"""One Laplace engine: ``fromp.laplace``, ``fit_laplace_full``, ``log_marginal_likelihood``,
-``optimize_prior_precision`` and ``log_evidence_grid`` are calls into the ``fromp.Laplace``
-classes (same numbers, same checks); ``fromp.DiagLaplace`` / ``FullLaplace`` are laplace-torch's
-all-weights classes; one ``optimize_prior_precision`` vocabulary (earlier spellings warn and
-give the same result); one ``gp()`` type."""
+"""One Laplace engine: ``fromp.laplace``, ``fit_laplace(..., hessian_structure="full")``,
+``log_marginal_likelihood``, ``optimize_prior_precision`` and ``log_evidence_grid`` are calls
+into the ``fromp.Laplace`` classes (same numbers, same checks); ``fromp.DiagLaplace`` /
+``FullLaplace`` are laplace-torch's all-weights classes; one ``optimize_prior_precision``
+vocabulary (earlier spellings warn and give the same result); one ``gp()`` type."""
 
 from __future__ import annotations
 
@@ -40,7 +40,9 @@ def no_warnings():
 # ----------------------------------------------------------------------------- the same checks
 
 
-@pytest.mark.parametrize("call", ["laplace", "fit_laplace_full", "evidence", "optimize", "grid"])
+@pytest.mark.parametrize(
+    "call", ["laplace", "fit_laplace_hessian_full", "evidence", "optimize", "grid"]
+)
 def test_functional_path_refuses_what_the_classes_refuse(call):
     """The audit's case: Gaussian targets ``[N]`` for outputs ``[N, 3]``, and fractional
     class labels, are refused by the functions exactly as by ``fromp.Laplace``."""
@@ -49,7 +51,9 @@ def test_functional_path_refuses_what_the_classes_refuse(call):
     x, y = data()
     fns = {
         "laplace": lambda d, lik: fromp.fit_laplace(net, d, lik, 1.0),
-        "fit_laplace_full": lambda d, lik: fromp.fit_laplace_full(net, d, lik, 1.0),
+        "fit_laplace_hessian_full": lambda d, lik: fromp.fit_laplace(
+            net, d, lik, 1.0, hessian_structure="full"
+        ),
         "evidence": lambda d, lik: fromp.log_marginal_likelihood(net, d, lik, 1.0),
         "optimize": lambda d, lik: fromp.optimize_prior_precision(net, d, lik),
         "grid": lambda d, lik: fromp.log_evidence_grid(net, d, lik),
@@ -68,7 +72,9 @@ def test_functional_path_refuses_train_mode_and_half_precision():
     with pytest.raises(ValueError, match=r"call model.eval\(\) first"):
         fromp.fit_laplace(net, (x, y), "categorical", 1.0)
     with pytest.raises(ValueError, match="float32 or float64"):
-        fromp.fit_laplace_full(net.eval().half(), (x.half(), y), "categorical", 1.0)
+        fromp.fit_laplace(
+            net.eval().half(), (x.half(), y), "categorical", 1.0, hessian_structure="full"
+        )
 
 
 # ----------------------------------------------------------------------------- the same numbers
@@ -83,12 +89,12 @@ def test_laplace_is_the_class_posterior_and_the_dense_ggn():
     assert torch.equal(q.precision, la.posterior.precision) and torch.equal(q.mean, flat(net))
     g = dense_ggn(net, x, CategoricalLikelihood())
     torch.testing.assert_close(q.precision, torch.diagonal(g) + 0.7, rtol=1e-12, atol=1e-12)
-    qf = fromp.fit_laplace_full(net, (x, y), "categorical", 0.7)
+    qf = fromp.fit_laplace(net, (x, y), "categorical", 0.7, hessian_structure="full")
     eye = torch.eye(len(g), dtype=F64)
     torch.testing.assert_close(qf.precision, g + 0.7 * eye, rtol=1e-12, atol=1e-12)
     # accumulation over two tasks: sum of the GGNs plus one prior
     x2, _ = data(seed=5)
-    q2 = fromp.fit_laplace_full(net, x2, "categorical", None, posterior=qf)
+    q2 = fromp.fit_laplace(net, x2, "categorical", None, posterior=qf, hessian_structure="full")
     g2 = dense_ggn(net, x2, CategoricalLikelihood())
     torch.testing.assert_close(q2.precision, g + g2 + 0.7 * eye, rtol=1e-12, atol=1e-12)
 
@@ -174,7 +180,7 @@ def test_one_gp_type_with_gp_semantics():
     mu, var = la(x[:3])
     torch.testing.assert_close(m, mu)
     torch.testing.assert_close(v, var + 0.25 * torch.eye(2, dtype=F64))
-    q = fromp.fit_laplace_full(net, (x, y), GaussianLikelihood(0.5), 1.0)
+    q = fromp.fit_laplace(net, (x, y), GaussianLikelihood(0.5), 1.0, hessian_structure="full")
     ref = fromp.GP(net, q, GaussianLikelihood(0.5)).predictive(x[:3])
     torch.testing.assert_close(gp.predictive(x[:3])[1], ref[1])
     with pytest.raises(ValueError, match="x has non-finite entries"):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from fromp import DiagonalGaussian, FullGaussian, fit_laplace, fit_laplace_full
+from fromp import DiagonalGaussian, FullGaussian, fit_laplace
 from fromp.curvature.jacobian import unflatten
 from fromp.likelihood import BernoulliLikelihood, CategoricalLikelihood
 from fromp.models import MultiHeadMLP, with_task
@@ -27,7 +27,7 @@ def test_laplace_precision_is_diag_ggn_plus_prior(make):
     delta = torch.rand(g.shape[0], dtype=torch.float64) + 0.1
     post_v = fit_laplace(model, (x, torch.zeros(6)), lik, delta, chunk_size=4)
     torch.testing.assert_close(post_v.precision, torch.diagonal(g) + delta, rtol=1e-9, atol=1e-12)
-    full = fit_laplace_full(model, x, lik, 0.5)
+    full = fit_laplace(model, x, lik, 0.5, hessian_structure="full")
     torch.testing.assert_close(full.precision, g + 0.5 * torch.eye(len(g)), rtol=1e-9, atol=1e-12)
 
 
@@ -44,8 +44,8 @@ def test_posterior_accumulates_ggns_over_tasks_with_one_prior():
     torch.testing.assert_close(post2.mean, flat(model))
     expect = torch.diagonal(g1) + torch.diagonal(g2) + 2.0
     torch.testing.assert_close(post2.precision, expect, rtol=1e-9, atol=1e-12)
-    full1 = fit_laplace_full(model, x2, lik, 2.0)
-    full2 = fit_laplace_full(model, x2, lik, None, posterior=full1)
+    full1 = fit_laplace(model, x2, lik, 2.0, hessian_structure="full")
+    full2 = fit_laplace(model, x2, lik, None, posterior=full1, hessian_structure="full")
     torch.testing.assert_close(
         full2.precision, 2 * g2 + 2.0 * torch.eye(len(g2)), rtol=1e-9, atol=1e-12
     )
@@ -61,7 +61,7 @@ def test_logistic_regression_closed_forms():
     r = p * (1 - p)
     post = fit_laplace(model, x, BernoulliLikelihood(), delta)
     torch.testing.assert_close(post.precision, (r[:, None] * xt**2).sum(0) + delta)
-    full = fit_laplace_full(model, x, "bernoulli", delta)
+    full = fit_laplace(model, x, "bernoulli", delta, hessian_structure="full")
     torch.testing.assert_close(full.precision, xt.T @ (r[:, None] * xt) + delta * torch.eye(d + 1))
 
 
@@ -122,6 +122,16 @@ def test_errors_named():
         ValueError, match=r"prior_mean must be a number or have shape \[1\] or \[P\]"
     ):
         fit_laplace(model, x, "categorical", 1.0, prior_mean=torch.zeros(2))
+    for bad in ("kron", "diagonal", "Full", None):  # refused by name, before the data is read
+        with pytest.raises(ValueError, match="hessian_structure must be 'diag' or 'full'"):
+            fit_laplace(model, object(), "categorical", 1.0, hessian_structure=bad)
+    diag = fit_laplace(model, x, "categorical", 1.0)
+    with pytest.raises(ValueError, match=r"FullGaussian .*hessian_structure='full'"):
+        fit_laplace(model, x, "categorical", None, posterior=diag, hessian_structure="full")
+    full = fit_laplace(model, x, "categorical", 1.0, hessian_structure="full")
+    assert type(diag) is DiagonalGaussian and type(full) is FullGaussian
+    with pytest.raises(ValueError, match=r"DiagonalGaussian .*hessian_structure='diag'"):
+        fit_laplace(model, x, "categorical", None, posterior=full)
     cnn = tiny_cnn().train()
     with pytest.raises(ValueError, match=r"training mode \(bn\); call model.eval\(\)"):
         fit_laplace(cnn, torch.randn(2, 1, 6, 6, dtype=torch.float64), "categorical", 1.0)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from fromp import DiagLaplace, FullLaplace, fit_laplace, fit_laplace_full
+from fromp import DiagLaplace, FullLaplace, fit_laplace
 from fromp.laplace.one_call import log_marginal_likelihood
 from fromp.likelihood import CategoricalLikelihood, GaussianLikelihood
 from fromp.testing import dense_ggn, flat
@@ -123,7 +123,8 @@ def test_posterior_gp_predictive_and_state_dict():
     assert probs.shape == (3, 3)
     full = FullLaplace(model, "categorical", prior_precision=0.5).fit((x, y))
     torch.testing.assert_close(
-        full.posterior.precision, fit_laplace_full(model, x, "categorical", 0.5).precision
+        full.posterior.precision,
+        fit_laplace(model, x, "categorical", 0.5, hessian_structure="full").precision,
     )
     state = la.state_dict()
     other = DiagLaplace(model, "categorical")

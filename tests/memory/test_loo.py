@@ -133,7 +133,7 @@ def test_small_mlp_loo_correlates_with_retraining():
     model = _fit(make(), x, y, "categorical", delta)
     lik = get_likelihood("categorical")
     retrained = lik.nll(_retrained_loo(make, x, y, "categorical", delta, model), y)
-    q = fromp.fit_laplace_full(model, x, "categorical", prior_precision=delta)
+    q = fromp.fit_laplace(model, x, "categorical", prior_precision=delta, hessian_structure="full")
     est = memory_perturbation(model, q, x, y, covariance="full", correction=True).loo_nll()
     train = lik.nll(model(x).detach(), y)
     corr = torch.corrcoef(torch.stack([est, retrained]))[0, 1]
@@ -148,14 +148,16 @@ def test_newton_step_loo_default_tolerance_reached_in_float32():
     x = torch.randn(12, 3)
     y = torch.randint(0, 3, (12,))
     net = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 3)).eval()
-    q = fromp.fit_laplace_full(net, x, "categorical", prior_precision=1.0)
+    q = fromp.fit_laplace(net, x, "categorical", prior_precision=1.0, hessian_structure="full")
     # GGN curvature has rank <= C = 3, so GMRES is exact after C + 1 = 4 steps; a tolerance
     # float32 cannot reach would run to max_iter and raise
     out = newton_step_loo(net, q, x, y, hess_approx="ggn", max_iter=5)
     assert out.dtype == torch.float32 and out.shape == (12, 3)
     with pytest.raises(RuntimeError, match="GMRES did not reach"):
         newton_step_loo(net, q, x, y, hess_approx="ggn", max_iter=5, tol=1e-12)
-    q64 = fromp.fit_laplace_full(net.double(), x.double(), "categorical", prior_precision=1.0)
+    q64 = fromp.fit_laplace(
+        net.double(), x.double(), "categorical", prior_precision=1.0, hessian_structure="full"
+    )
     ref = newton_step_loo(net, q64, x.double(), y, hess_approx="ggn")
     torch.testing.assert_close(out.double(), ref, rtol=1e-3, atol=1e-4)
     with pytest.raises(ValueError, match="tol must be > 0"):

@@ -22,7 +22,9 @@ def _posterior(kind: str, net: nn.Module, x: torch.Tensor, y: torch.Tensor):
     if kind == "laplace-diag":
         return fromp.fit_laplace(net, x, "categorical", prior_precision=0.5)
     if kind == "laplace-full":
-        return fromp.fit_laplace_full(net, x, "categorical", prior_precision=0.5)
+        return fromp.fit_laplace(
+            net, x, "categorical", prior_precision=0.5, hessian_structure="full"
+        )
     opt = IVON(net.parameters(), lr=0.05, ess=len(x), hess_init=0.3, betas=(0.9, 0.9))
     for _ in range(3):
         with opt.sampled_params(train=True):
@@ -138,7 +140,7 @@ def test_leave_one_out_matches_exact_retraining_to_first_order(lik_name):
         net.weight.copy_(w_star[: c * d].view(c, d))
         net.bias.copy_(w_star[c * d :])
     net.eval()
-    q = fromp.fit_laplace_full(net, x, lik_name, prior_precision=delta)
+    q = fromp.fit_laplace(net, x, lik_name, prior_precision=delta, hessian_structure="full")
     mp = memory_perturbation(net, q, x, y, lik_name, covariance="full")
     idx = torch.argsort(mp.sensitivity, descending=True)[[0, 1, 2, 50, 150, 299]]
     true_shift, est_shift = [], []
@@ -244,7 +246,9 @@ def test_newton_step_loo_against_dense(curvature, linearize):
     torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-9)
     torch.testing.assert_close(steps, torch.stack(want_steps), rtol=1e-7, atol=1e-9)
     if curvature == "ggn" and linearize:  # the corrected memory-perturbation form
-        q_ggn = fromp.fit_laplace_full(net, x, "categorical", prior_precision=delta)
+        q_ggn = fromp.fit_laplace(
+            net, x, "categorical", prior_precision=delta, hessian_structure="full"
+        )
         mp = memory_perturbation(net, q_ggn, x, y, covariance="full", correction=True)
         got_ggn = newton_step_loo(net, q_ggn, x, y, hess_approx="ggn", linearize=True)
         torch.testing.assert_close(got_ggn, mp.loo_logits, rtol=1e-7, atol=1e-9)
@@ -264,7 +268,9 @@ def test_newton_step_loo_exact_for_ridge_regression():
         net.weight.copy_(w_star[: c * d].view(c, d))
         net.bias.copy_(w_star[c * d :])
     net.eval()
-    q = fromp.fit_laplace_full(net, x, "gaussian", prior_precision=delta)  # GGN = Hessian here
+    q = fromp.fit_laplace(
+        net, x, "gaussian", prior_precision=delta, hessian_structure="full"
+    )  # GGN = Hessian here
     idx = [0, 1, 2]
     got = newton_step_loo(net, q, x[idx], y[idx], "gaussian")
     for k, i in enumerate(idx):
@@ -279,7 +285,7 @@ def test_newton_step_loo_bad_arguments():
     x, y = torch.randn(4, 4, dtype=D), torch.randint(0, 3, (4,))
     with pytest.raises(ValueError, match="FullGaussian"):
         newton_step_loo(net, fromp.DiagonalGaussian.isotropic(net, 1.0), x, y)
-    q = fromp.fit_laplace_full(net, x, "categorical", prior_precision=1.0)
+    q = fromp.fit_laplace(net, x, "categorical", prior_precision=1.0, hessian_structure="full")
     with pytest.raises(ValueError, match="hess_approx"):
         newton_step_loo(net, q, x, y, hess_approx="fisher")
     small = fromp.FullGaussian(torch.zeros(3, dtype=D), torch.eye(3, dtype=D))
@@ -294,7 +300,7 @@ def test_newton_step_loo_default_tolerance_is_reached_in_float32(monkeypatch):
     import fromp.memory.sensitivity as sens
 
     net, x, y, _, _ = _trained_tiny_mlp(1.0)
-    q64 = fromp.fit_laplace_full(net, x, "categorical", prior_precision=1.0)
+    q64 = fromp.fit_laplace(net, x, "categorical", prior_precision=1.0, hessian_structure="full")
     want = newton_step_loo(net, q64, x, y, hess_approx="ggn")
     net32 = net.float()
     q32 = fromp.FullGaussian(q64.mean.float(), q64.precision.float())
