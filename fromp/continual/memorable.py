@@ -14,7 +14,6 @@ Selection is balanced: the same number of examples per class.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, overload
 
 import torch
 from torch import Tensor, nn
@@ -71,42 +70,6 @@ def global_classes(y: Tensor) -> list[int]:
     ``y`` in a single process)."""
     local = sorted(int(c) for c in y.unique())
     return sorted(set().union(*distributed.gather(local)))
-
-
-@overload
-def select_memorable(
-    model: nn.Module,
-    x: Tensor,
-    y: Tensor,
-    likelihood: str | Likelihood = ...,
-    n_per_class: int = ...,
-    *,
-    order: str = ...,
-    classes: Sequence[int] | None = ...,
-    generator: torch.Generator | None = ...,
-    batch_size: int = ...,
-    posterior: DiagonalGaussian | None = ...,
-    chunk_size: int = ...,
-    points: Literal[False] = ...,
-) -> Tensor: ...
-
-
-@overload
-def select_memorable(
-    model: nn.Module,
-    x: Tensor,
-    y: Tensor,
-    likelihood: str | Likelihood = ...,
-    n_per_class: int = ...,
-    *,
-    order: str = ...,
-    classes: Sequence[int] | None = ...,
-    generator: torch.Generator | None = ...,
-    batch_size: int = ...,
-    posterior: DiagonalGaussian | None = ...,
-    chunk_size: int = ...,
-    points: Literal[True],
-) -> tuple[Tensor, Tensor]: ...
 
 
 def select_memorable(

@@ -23,7 +23,7 @@ checked once, by the class) are the classes'.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal, overload
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -65,38 +65,6 @@ def _fitted(
         memory_budget=memory_budget, max_params=max_params,
     )  # fmt: skip
     return la.fit(data)
-
-
-@overload
-def fit_laplace(
-    model: nn.Module,
-    data: DataArg,
-    likelihood: str | Likelihood,
-    prior_precision: float | Tensor | None,
-    prior_mean: Tensor | None = ...,
-    *,
-    hessian_structure: Literal["diag"] = ...,
-    posterior: DiagonalGaussian | None = ...,
-    chunk_size: int | None = ...,
-    memory_budget: int = ...,
-    max_params: int = ...,
-) -> DiagonalGaussian: ...
-
-
-@overload
-def fit_laplace(
-    model: nn.Module,
-    data: DataArg,
-    likelihood: str | Likelihood,
-    prior_precision: float | Tensor | None,
-    prior_mean: Tensor | None = ...,
-    *,
-    hessian_structure: Literal["full"],
-    posterior: FullGaussian | None = ...,
-    chunk_size: int | None = ...,
-    memory_budget: int = ...,
-    max_params: int = ...,
-) -> FullGaussian: ...
 
 
 def fit_laplace(
