@@ -78,7 +78,7 @@ from fromp.likelihood import Likelihood, get_likelihood
 from fromp.models import takes_task_labels, with_task
 from fromp.posterior import DiagonalGaussian
 
-__all__ = ["FROMPRegularizer", "FunctionKernel", "MemorableSet", "prob_jacobian", "task_fn"]
+__all__ = ["FROMPRegularizer", "FunctionKernel", "MemorableSet", "task_fn"]
 
 ModelFn = Callable[[Tensor, int], Tensor]
 FunctionKernel = Callable[[nn.Module, Tensor, "int | None"], Tensor]
@@ -176,29 +176,6 @@ def _select_units(k: Tensor, units: Tensor, kernel: str, m: int) -> Tensor:
         return k
     k4 = k.reshape(c, m, c, m)[units][:, :, units]
     return k4.reshape(1, len(units) * m, len(units) * m)
-
-
-def prob_jacobian(
-    module: nn.Module,
-    x: Tensor,
-    output: int,
-    likelihood: str | Likelihood = "categorical",
-    *,
-    chunk_size: int = 64,
-) -> Tensor:
-    """``d p_c(x_m) / d w`` for one output ``c`` and every input: ``[M, P]``.
-
-    ``p = likelihood.inverse_link(module(x))`` (softmax probabilities for
-    ``"categorical"``), so the rows are those of ``Lambda(f) J`` for the canonical links.
-    Per-example Jacobians of the :class:`~fromp.gp.GP` of ``p`` (:meth:`~fromp.gp.GP.jacobians`)
-    over chunks of ``chunk_size`` examples; memory ``chunk_size * C * P`` numbers besides the
-    ``M * P`` of the result. Batch-norm and dropout layers must be in eval mode.
-    """
-    gp = _prob_gp(module, get_likelihood(likelihood), None, chunk_size)
-    x = check_batch(x, "x")
-    return torch.cat(
-        [gp.jacobians(x[s : s + chunk_size])[:, output] for s in range(0, len(x), chunk_size)]
-    )
 
 
 @dataclass

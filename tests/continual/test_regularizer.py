@@ -284,17 +284,19 @@ def test_batched_penalty_equals_per_task_loop(kernel):
     torch.testing.assert_close(g_batch, g_loop)
 
 
-def test_prob_jacobian_and_conv_kernel_match_dense():
-    """The generic vmap path (used for non-MLP networks) against dense autograd."""
-    from fromp.continual.regularizer import prob_jacobian
+def test_prob_gp_jacobians_and_conv_kernel_match_dense():
+    """The GP of the probabilities that the regulariser builds: its per-example Jacobians
+    (the generic vmap path, used for non-MLP networks) through head 1 of a multi-head
+    network, and the kernel of a CNN, against dense autograd."""
+    from fromp.continual.regularizer import _prob_gp
+    from fromp.likelihood import get_likelihood
+    from fromp.models import with_task
 
     net = _net(n_heads=2, head_size=3)
     x = torch.randn(5, 4, dtype=torch.float64)
     g = _dense_prob_jac(net, x, 1)
-    from fromp.models import with_task
-
-    for c in range(3):
-        torch.testing.assert_close(prob_jacobian(with_task(net, 1), x, c, chunk_size=2), g[:, c])
+    gp = _prob_gp(with_task(net, 1), get_likelihood("categorical"), None, 2)
+    torch.testing.assert_close(torch.cat([gp.jacobians(x[s : s + 2]) for s in (0, 2, 4)]), g)
 
     torch.manual_seed(0)
     conv = nn.Sequential(
