@@ -6,6 +6,7 @@ subnetwork masks (:mod:`fromp.laplace.subnet_masks`), diagonal SWAG, and the opt
 from __future__ import annotations
 
 from fromp.laplace.options import (
+    FunctionalApproximation,
     HessianStructure,
     Likelihood,
     LinkApprox,
@@ -28,6 +29,7 @@ from fromp.laplace.subnet_masks import (
 )
 
 __all__ = [
+    "FunctionalApproximation",
     "HessianStructure",
     "LargestMagnitudeSubnetMask",
     "LargestVarianceDiagLaplaceSubnetMask",

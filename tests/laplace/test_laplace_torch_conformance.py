@@ -629,3 +629,18 @@ def test_side_by_side_marglik_training_and_masks():
             assert torch.equal(a.select(loader), b.select(loader).cpu())
     finally:
         torch.set_default_dtype(old)
+
+
+def test_option_enums_stand_where_laplace_torch_has_them():
+    """laplace-torch 0.3 exports its eight option enums from ``laplace`` and from
+    ``laplace.utils``: ``fromp.laplace`` and ``fromp.utils`` have them all, the same objects."""
+    import fromp.laplace
+    import fromp.laplace.options
+    import fromp.utils
+
+    names = ("SubsetOfWeights", "FunctionalApproximation", "HessianStructure", "Likelihood",
+             "PredType", "LinkApprox", "TuningMethod", "PriorStructure")  # fmt: skip
+    for module in (fromp.laplace, fromp.utils):
+        for name in names:
+            assert name in module.__all__, (module.__name__, name)
+            assert getattr(module, name) is getattr(fromp.laplace.options, name)
