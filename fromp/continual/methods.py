@@ -65,10 +65,9 @@ from fromp.posterior import DiagonalGaussian
 
 __all__ = ["FROMPMethod", "Named", "by_name", "fit_shape", "to_flat"]
 
-#: what the "auto" settings resolve to on a class-incremental stream (see FROMPMethod's
+#: what ``tau="auto"`` resolves to on a class-incremental stream (see FROMPMethod's
 #: docstring, "Class-incremental streams"; measured in docs/results-details.md)
 CI_TAU = 1.0
-CI_REPLAY_WEIGHT = 3.0
 _POSTERIORS = ("ggn", "kron", "vogn", "ivon")
 _OWN_CURVATURE = ("ggn", "kron")  # curvature computed by the method, not by an optimizer
 _IVON_PENALTY = ("mean", "sample")
@@ -168,8 +167,8 @@ class FROMPMethod(ContinualMethod):
       at random per class (``select``);
     * ``function`` -> ``"logits"`` (whose kernels keep their scale on a many-class head; the
       probabilities when the user turned the coreset off);
-    * ``replay_weight`` -> each set weighted as its experience's data term,
-      ``b_s = c N_s / N_t`` with ``c =`` :data:`CI_REPLAY_WEIGHT` (:meth:`set_weights`);
+    * ``replay_weight`` -> each replayed point weighted as the ``N_s / M_s`` examples of its
+      experience it stands for: ``b_s = N_s / (S M_s)`` (:meth:`set_weights`);
     * ``tau`` -> :data:`CI_TAU` (the context term stays off: on one head it holds the old
       classes' outputs on the new classes' inputs, which must fall for the new classes to
       win, and cost the newest experience 4-8 points);
@@ -281,8 +280,9 @@ class FROMPMethod(ContinualMethod):
             size for ``c = 1``; ``c > 1`` weighs the few stored points of the old classes
             above the new classes' data, against the bias of a small memory towards the
             newest classes on one head); ``"auto"`` (the default): on a class-incremental
-            stream ``b_s = c N_s / N_t`` with ``c =`` :data:`CI_REPLAY_WEIGHT`
-            (:meth:`set_weights`), elsewhere ``c = 1``. Refused with ``replay=False``.
+            stream ``b_s = N_s / (S M_s)``, each replayed point weighing as the examples it
+            stands for (:meth:`set_weights`), elsewhere ``c = 1``. Refused with
+            ``replay=False``.
         bn_statistics: the batch-norm statistics the memorable points are evaluated with
             (targets, kernels and penalty): ``"stored"`` (default) those of the running
             buffers at the last :meth:`learn_task` (what the network computed at test after
@@ -517,13 +517,13 @@ class FROMPMethod(ContinualMethod):
         return self.class_incremental
 
     @property
-    def replay_weight(self) -> float:
-        """The coreset's weight ``c`` in force (see :meth:`set_weights`): as given, else
-        (``"auto"``) :data:`CI_REPLAY_WEIGHT` on a class-incremental stream and 1
-        otherwise."""
+    def replay_weight(self) -> float | None:
+        """The coreset's weight ``c`` in force, one for every set: as given, else
+        (``"auto"``) 1, or None on a class-incremental stream, where each set has its own
+        weight ``b_s`` (:meth:`set_weights`)."""
         if self._replay_weight != "auto":
             return self._replay_weight  # type: ignore[return-value]
-        return CI_REPLAY_WEIGHT if self.class_incremental else 1.0
+        return None if self.class_incremental else 1.0
 
     @property
     def context_tau(self) -> float:
@@ -684,31 +684,39 @@ class FROMPMethod(ContinualMethod):
         replay_weight``, on every set (its value given, or ``"auto"`` outside a
         class-incremental stream).
 
-        With ``replay_weight="auto"`` on a class-incremental stream each set stands in for
-        the data term of the experience it was drawn from: the objective's data terms in
-        the units of the current experience's mean loss (the loss of a step is the mean
-        over its batch of ``N_t`` examples' terms),
+        With ``replay_weight="auto"`` on a class-incremental stream each replayed point
+        weighs as the examples of its experience it stands for. Set ``s`` keeps ``M_s`` of
+        the ``N_s`` examples of its experience, so each of its points stands for ``N_s /
+        M_s`` of them. A step's loss is the mean over its ``B`` new examples (each weighing
+        ``1 / B``) plus ``sum_s b_s`` times the mean over the ``B / S`` points drawn from
+        each of the ``S`` sets (``memory_batch="auto"``: about ``B`` stored points per step,
+        as Replay draws ``B`` beside ``B`` new ones), each drawn point weighing ``b_s S /
+        B``. Giving a drawn point the weight of ``N_s / M_s`` new examples,
 
-            ``(1 / N_t) [sum_{i in D_t} l_i + sum_s (N_s / M_s) sum_{m in s} l_m]``
-            ``= mean_{D_t} l + sum_s (N_s / N_t) mean_{m in s} l_m``,
+            ``b_s S / B = (N_s / M_s) / B``,  so  ``b_s = N_s / (S M_s)``,
 
-        each of the set's ``M_s`` points standing for ``N_s / M_s`` of its experience's
-        ``N_s`` examples, so ``b_s = c N_s / N_t`` with ``c =`` :data:`CI_REPLAY_WEIGHT`
-        (``N_s`` counted at :meth:`learn_task`, ``N_t`` the ``ess`` given to
-        :meth:`begin_task`; without it the experiences count as of one size)."""
+        in the units of the new experience's mean loss: the stored memory as a whole weighs
+        ``N / M`` times the new data when the experiences have ``N`` examples and keep
+        ``M`` points each (on split MNIST's fifth experience, with 200 points per
+        experience, ``b_s = 3`` for 2,400 examples per experience, 15 for 12,000). ``N_s`` is counted at :meth:`learn_task`
+        and ``M_s`` is the set's size; a set of unknown ``N_s`` (a state saved without the
+        counts) is taken as of the current experience's size, the ``ess`` given to
+        :meth:`begin_task`, or, without it, as standing for its own points only."""
         if self._replay_weight != "auto" or not self.class_incremental:
             return None
         mem = self.regularizer.memories
         device = mem[0].targets.device
         key = (tuple(self.experiences), self._ess, device)
         if self._weights is None or self._weights[0] != key:
+            points = torch.tensor([float(len(m.inputs)) for m in mem], dtype=torch.float64)
             sizes = torch.tensor(
                 [float(self.examples.get(k, 0)) for k in self.experiences], dtype=torch.float64
             )
-            if bool((sizes <= 0).any()):
-                sizes = torch.ones_like(sizes)  # unknown sizes: one size for all
-            n_t = float(self._ess) if self._ess else float(sizes.mean())
-            b = (self.replay_weight * sizes / n_t).to(device)
+            unknown = float(self._ess) if self._ess else None
+            sizes = torch.where(
+                sizes > 0, sizes, points if unknown is None else torch.full_like(sizes, unknown)
+            )
+            b = (sizes / (len(mem) * points)).to(device)
             self._weights = (key, b)
         return self._weights[1]
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fromp import FROMPMethod
-from fromp.continual.methods import CI_REPLAY_WEIGHT, CI_TAU
+from fromp.continual.methods import CI_TAU
 from fromp.continual.regularizer import FROMPRegularizer
 from fromp.models import MultiHeadMLP
 from tests.cases import tiny_mlp
@@ -68,7 +68,7 @@ def _resolved(method: FROMPMethod) -> tuple:
 
 
 PAPER = (10.0, False, 1.0, 0.0, "descending", None)
-CI = (CI_TAU, True, CI_REPLAY_WEIGHT, 0.0, "random", 8)  # no context term
+CI = (CI_TAU, True, None, 0.0, "random", 8)  # per-set weights, no context term
 
 
 @pytest.mark.parametrize("tell", [True, False], ids=["classes-told", "plain-loop"])
@@ -178,8 +178,8 @@ def test_state_keeps_the_resolution_and_refuses_other_settings():
 
 # ---------------------------------------------------------------------- derived weights
 def test_coreset_weights_follow_the_experiences_sizes():
-    """``b_s = c N_s / N_t``: each set stands in for its experience's data term, in the units
-    of the current experience's mean loss."""
+    """``b_s = N_s / (S M_s)``: each replayed point weighs as the ``N_s / M_s`` examples of
+    its experience it stands for, in the units of the current experience's mean loss."""
     method = FROMPMethod(n_points=6)
     net = tiny_mlp(4, 5, 6, seed=0)
     sizes = [30, 18, 24]
@@ -188,12 +188,21 @@ def test_coreset_weights_follow_the_experiences_sizes():
         method.begin_task(net, experience=e, ess=n, classes=[2 * e, 2 * e + 1])
         method.learn_task(net, x, y, None, experience=e)
     method.begin_task(net, experience=3, ess=12, classes=[0, 1])
-    expected = torch.tensor([CI_REPLAY_WEIGHT * n / 12 for n in sizes], dtype=D)
+    assert [len(m.inputs) for m in method.regularizer.memories] == [6, 6, 6]
+    expected = torch.tensor([30 / 18, 18 / 18, 24 / 18], dtype=D)  # N_s / (3 sets x 6)
     torch.testing.assert_close(method.set_weights(), expected)
-    # without N_t the experiences count as of one size: the mean of the sets'
+    # the new experience's size does not enter: each set stands for its own experience
+    method.begin_task(net, experience=3, ess=500, classes=[0, 1])
+    torch.testing.assert_close(method.set_weights(), expected)
+    # sizes not counted (a state saved without them): as of the new experience's size,
+    # else each set standing for its own points (weight 1 / S per set)
+    counted, method.examples = dict(method.examples), {}
+    method.begin_task(net, experience=3, ess=12, classes=[0, 1])
+    torch.testing.assert_close(method.set_weights(), torch.full((3,), 12 / 18, dtype=D))
     method.begin_task(net, experience=3, classes=[0, 1])
-    expected = torch.tensor([CI_REPLAY_WEIGHT * n / 24 for n in sizes], dtype=D)
-    torch.testing.assert_close(method.set_weights(), expected)
+    torch.testing.assert_close(method.set_weights(), torch.full((3,), 1 / 3, dtype=D))
+    method.examples = counted
+    method.begin_task(net, experience=3, ess=12, classes=[0, 1])
     # the replay loss is their weighted sum of the sets' mean NLLs, exactly (all points)
     method._memory_batch = None
     with torch.no_grad():

@@ -255,9 +255,9 @@ def test_fromp_class_incremental_defaults_plain_loop_equals_the_strategy(float64
     classes) and the strategy resolve the same ``"auto"`` settings in ``begin_task`` (the
     coreset weighted by the experiences' sizes, its draws, the penalty on the first points
     of each set; no context term) and train to the same weights."""
-    from fromp.continual.methods import CI_REPLAY_WEIGHT, CI_TAU
+    from fromp.continual.methods import CI_TAU
 
-    sizes = (24, 16, 20)  # experiences of different sizes: b_s = c N_s / N_t differ
+    sizes = (24, 16, 20)  # experiences of different sizes: b_s = N_s / (S M_s) differ
     tasks = [(x[:n], y[:n], t) for (x, y, t), n in zip(_tasks(class_incremental=True), sizes)]
     method = _fromp_routes(
         tasks, False, lambda m: torch.optim.Adam(m.parameters(), lr=0.02), n_points=6
@@ -266,11 +266,11 @@ def test_fromp_class_incremental_defaults_plain_loop_equals_the_strategy(float64
     assert (method.tau, method.replay, method.replay_weight, method.context_tau) == (
         CI_TAU,
         True,
-        CI_REPLAY_WEIGHT,
+        None,  # per-set weights
         0.0,
     )
     assert method.memory_points() == BS
-    weights = [CI_REPLAY_WEIGHT * n / sizes[-1] for n in sizes]  # N_t: the last ess
+    weights = [n / (3 * 6) for n in sizes]  # 3 sets of n_points = 6 after the last task
     torch.testing.assert_close(method.set_weights().tolist(), weights)
     assert set(method.last_terms) == {"penalty", "replay"}
 
