@@ -152,7 +152,7 @@ def test_sigterm_shuts_ray_down_and_removes_the_trials_temporary_files(tmp_path)
         shutil.rmtree(tmp_root, ignore_errors=True)
     assert proc.returncode == 130, err
     assert "--resume" in err
-    time.sleep(2)
+    psutil.wait_procs(children, timeout=2)  # at most the 2 s it waited before, no longer
     alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     assert not alive, [c.cmdline()[:3] for c in alive]
     assert not leftover

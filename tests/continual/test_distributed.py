@@ -179,26 +179,38 @@ def test_ewc_over_two_ranks_equals_one_process(fisher, mode):
 
 # ----------------------------------------------------------------------- the runner
 def _bench(out, nproc: int | None, *extra: str) -> tuple[dict, str]:
-    """``fromp-bench`` on the built-in Split-Digits (2 tasks, tiny), plain (``nproc=None``)
-    or launched by ``torch.distributed.run`` with ``nproc`` gloo processes; the JSON of
-    every run file in ``out`` (by file name) and the command's standard error."""
+    """``fromp-bench`` on the built-in Split-Digits (2 tasks, tiny), plain (``nproc=None``:
+    its ``main`` in this process, single-threaded as every test, which saves a process
+    importing Avalanche) or launched by ``torch.distributed.run`` with ``nproc`` gloo
+    processes; the JSON of every run file in ``out`` (by file name) and the command's
+    standard error."""
+    import contextlib
+    import io
     import json
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    args = ["-m", "fromp_bench", "split-digits", "--strategies", "ewc,fromp", "--epochs", "1",
-            "--batch-size", "8", "--n-train", "80", "--n-test", "20", "--stop-after", "2",
-            "--out", str(out), "--no-progress", *extra]  # fmt: skip
-    if nproc is not None:
+    args = ["split-digits", "--strategies", "ewc,fromp", "--epochs", "1", "--batch-size", "8",
+            "--n-train", "80", "--n-test", "20", "--stop-after", "2", "--out", str(out),
+            "--no-progress", *extra]  # fmt: skip
+    if nproc is None:
+        from fromp_bench.__main__ import main
+
+        assert "RANK" not in os.environ and not torch.distributed.is_initialized()
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            rc = main(args)
+        done = subprocess.CompletedProcess(args, rc, "", err.getvalue())
+    else:
         args = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                *args]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path.cwd())}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    done = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
+                "-m", "fromp_bench", *args]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path.cwd())}
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(k, None)
+        done = subprocess.run([sys.executable, *args], env=env, capture_output=True,
+                              text=True, timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     base = Path(out) / "split-digits"
     assert (base / "results.json").exists()
