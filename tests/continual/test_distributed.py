@@ -249,6 +249,16 @@ def test_runner_under_torchrun_rank_zero_writes_and_one_process_is_unchanged(tmp
     assert {k: after[k] for k in before} == before and len(after) == 2 * len(before)
     assert len(json.loads((base / "results.json").read_text())["runs"]) == 4
     assert len({group_key(r) for r in both.values()}) == 4  # never seeds of one setting
+    # one process trains to the plain run's weights, bit for bit (its checkpoints)
+    from fromp_avalanche.checkpoint import read_checked
+
+    ones = sorted((tmp_path / "one" / "split-digits" / "checkpoints").glob("*.pt"))
+    assert sorted(f.name for f in ones) == sorted(before) and len(ones) == 2
+    for f in ones:
+        got, ref = read_checked(f)["model"], read_checked(base / "checkpoints" / f.name)["model"]
+        assert got.keys() == ref.keys()
+        for k in ref:
+            assert torch.equal(got[k], ref[k]), (f.name, k)
     for name in ("ewc", "fromp"):
         assert one[name]["accuracy_matrix"] == plain[name]["accuracy_matrix"]
         assert one[name]["per_task"] == plain[name]["per_task"]
