@@ -3,7 +3,8 @@ rank's data equal one process on all the data."""
 
 from __future__ import annotations
 
-import os
+import atexit
+import datetime
 import sys
 import tempfile
 import traceback
@@ -23,36 +24,95 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _worker(rank: int, fn_name, init_file: str, out_dir: str) -> None:
-    """Runs ``fn_name(rank)`` (a function of this module by name, or a module-level function
-    of another test module) inside a gloo process group; writes its result (or the
-    traceback) to ``out_dir/rank.pt``."""
+def _serve(rank: int, init_file: str, jobs, results) -> None:
+    """A rank of the pool: joins the gloo group once, then runs each job ``fn_name`` it is
+    sent (a function of this module by name, or a module-level function of another test
+    module) as ``fn_name(rank)`` from the state of a fresh process (default dtype, seed,
+    grad mode, one thread) and sends back ``(rank, "ok" | "error", torch.save'd bytes)``."""
+    import io
+
     torch.set_num_threads(1)
+    seed = torch.initial_seed()  # what a fresh process draws from
     torch.distributed.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD
-    )
-    try:
-        fn = globals()[fn_name] if isinstance(fn_name, str) else fn_name
-        result = fn(rank)
-        torch.save({"ok": result}, os.path.join(out_dir, f"{rank}.pt"))
-    except BaseException:
-        torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt"))
-    finally:
-        torch.distributed.destroy_process_group()
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+        timeout=datetime.timedelta(seconds=120),
+    )  # fmt: skip
+    while (fn_name := jobs.get()) is not None:
+        torch.set_default_dtype(torch.float32)
+        torch.manual_seed(seed)
+        torch.set_grad_enabled(True)
+        buf = io.BytesIO()
+        try:
+            fn = globals()[fn_name] if isinstance(fn_name, str) else fn_name
+            torch.save(fn(rank), buf)
+            kind = "ok"
+        except BaseException:
+            buf = io.BytesIO(traceback.format_exc().encode())
+            kind = "error"
+        results.put((rank, kind, buf.getvalue()))
+    torch.distributed.destroy_process_group()
+
+
+class _Pool:
+    """``WORLD`` processes in one gloo group, started once per test process and reused by
+    every test that runs functions on the ranks (starting two interpreters that import
+    torch and fromp costs more than most of these tests' work). A failed or stuck job closes
+    the pool (the next job starts a new one): its ranks may be left inside a collective."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.tmp = tempfile.TemporaryDirectory()
+        init = str(Path(self.tmp.name) / "init")
+        self.jobs = [ctx.Queue() for _ in range(WORLD)]
+        self.results = ctx.Queue()
+        self.procs = [
+            ctx.Process(target=_serve, args=(r, init, self.jobs[r], self.results), daemon=True)
+            for r in range(WORLD)
+        ]
+        for proc in self.procs:
+            proc.start()
+
+    def run(self, fn_name, timeout: float = 600.0) -> list:
+        import io
+        import queue
+
+        for q in self.jobs:
+            q.put(fn_name)
+        got: dict[int, tuple[str, bytes]] = {}
+        try:
+            while len(got) < WORLD:
+                rank, kind, payload = self.results.get(timeout=timeout)
+                got[rank] = (kind, payload)
+                if kind == "error":
+                    raise AssertionError(f"rank {rank} failed:\n{payload.decode()}")
+        except queue.Empty:
+            self.close()
+            raise AssertionError(f"the ranks did not answer within {timeout:.0f} s") from None
+        except BaseException:
+            self.close()
+            raise
+        return [torch.load(io.BytesIO(got[r][1]), weights_only=False) for r in range(WORLD)]
+
+    def close(self) -> None:
+        global _POOL
+        for proc in self.procs:
+            proc.kill()
+            proc.join(10)
+        self.tmp.cleanup()
+        _POOL = None
+
+
+_POOL: _Pool | None = None
 
 
 def run_ranks(fn_name) -> list:
     """Each rank's return value of ``fn_name(rank)`` (a name in this module or a module-level
-    function)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        init = Path(tmp) / "init"
-        mp.spawn(_worker, args=(fn_name, str(init), tmp), nprocs=WORLD, join=True)
-        results = []
-        for r in range(WORLD):
-            got = torch.load(Path(tmp) / f"{r}.pt", weights_only=False)
-            assert "error" not in got, got.get("error")
-            results.append(got["ok"])
-    return results
+    function), run on the ``WORLD`` ranks of one gloo group."""
+    global _POOL
+    if _POOL is None:
+        _POOL = _Pool()
+        atexit.register(lambda: _POOL is not None and _POOL.close())
+    return _POOL.run(fn_name)
 
 
 # ----------------------------------------------------------------------- rank functions

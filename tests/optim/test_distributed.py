@@ -7,20 +7,16 @@ and the same update. Without torch.distributed nothing changes."""
 
 from __future__ import annotations
 
-import os
 import sys
-import tempfile
-import traceback
-from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 from fromp import IVON, VOGN, distributed
 from fromp.optim import per_example_grad_stats
+from tests.core.test_distributed import run_ranks
 
 WORLD = 2
 D = torch.float64
@@ -115,29 +111,9 @@ def _refusal(run) -> str:
     return ""
 
 
-def _worker(rank: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD
-    )
-    try:
-        torch.save({"ok": _everything(rank)}, os.path.join(out_dir, f"{rank}.pt"))
-    except BaseException:
-        torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt"))
-    finally:
-        torch.distributed.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(str(Path(tmp) / "init"), tmp), nprocs=WORLD, join=True)
-        out = []
-        for r in range(WORLD):
-            got = torch.load(Path(tmp) / f"{r}.pt", weights_only=False)
-            assert "error" not in got, got.get("error")
-            out.append(got["ok"])
-    return out
+    return run_ranks(_everything)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> None:
