@@ -268,8 +268,8 @@ class FROMPMethod(ContinualMethod):
             all, as in the paper and the runner's settings).
         replay: also use the memorable set as a labelled coreset: :meth:`terms` returns,
             summed over the earlier tasks, the weighted mean negative log-likelihood of each
-            task's memorable points under their labels (through their heads; each set
-            stands in for its task's data term, see :meth:`set_weights`), which
+            task's memorable points under their labels (through their heads; weighted as
+            :meth:`set_weights` says), which
             :meth:`loss_terms` adds to the loss (as S-FSVI and VCL use their coresets).
             Needed when one head sees classes one experience at a time (class-incremental
             streams), where a penalty on the function alone does not teach the head to tell
@@ -698,10 +698,11 @@ class FROMPMethod(ContinualMethod):
         in the units of the new experience's mean loss: the stored memory as a whole weighs
         ``N / M`` times the new data when the experiences have ``N`` examples and keep
         ``M`` points each (on split MNIST's fifth experience, with 200 points per
-        experience, ``b_s = 3`` for 2,400 examples per experience, 15 for 12,000). ``N_s`` is counted at :meth:`learn_task`
-        and ``M_s`` is the set's size; a set of unknown ``N_s`` (a state saved without the
-        counts) is taken as of the current experience's size, the ``ess`` given to
-        :meth:`begin_task`, or, without it, as standing for its own points only."""
+        experience, ``b_s = 3`` for 2,400 examples per experience, 15 for 12,000).
+        ``N_s`` is counted at :meth:`learn_task` and ``M_s`` is the set's size; a set of
+        unknown ``N_s`` (a state saved without the counts) is taken as of the current
+        experience's size, the ``ess`` given to :meth:`begin_task`, or, without it, as
+        standing for its own points only."""
         if self._replay_weight != "auto" or not self.class_incremental:
             return None
         mem = self.regularizer.memories
