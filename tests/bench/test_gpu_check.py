@@ -61,9 +61,34 @@ def test_refuses_an_out_that_is_a_file_in_one_line(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------- end to end
-def test_quick_cpu_run_of_the_runner_end_to_end(tmp_path):
+_run_command = gpu_check.run_command  # the real one (tests patch the module's)
+
+
+def _runner_in_process(cmd: list[str], timeout: float) -> dict:
+    """``run_command`` for ``python -m fromp_bench ...``: the runner's ``main`` with the same
+    arguments in this process (single-threaded, as every test), which saves a process importing
+    Avalanche; any other command (the synthetic-CIFAR study) still runs as its own process."""
+    import contextlib
+    import io
+
+    from fromp_bench.__main__ import main
+
+    if cmd[1:3] != ["-m", "fromp_bench"]:
+        return _run_command(cmd, timeout)
+    t0 = time.perf_counter()
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(cmd[3:])
+    return {"returncode": rc, "stdout": out.getvalue(), "stderr": err.getvalue(),
+            "timed_out": False, "wall_s": time.perf_counter() - t0}  # fmt: skip
+
+
+def test_quick_cpu_run_of_the_runner_end_to_end(tmp_path, monkeypatch):
     """The real runner, one strategy, split-digits at tiny sizes: per-task seconds from the
-    run's record, the command with its paths relative (OUT, DATA), the record and summary."""
+    run's record, the command with its paths relative (OUT, DATA), the record and summary.
+    Split-digits runs in this process, the synthetic-CIFAR study as the check runs it (its
+    own process)."""
+    monkeypatch.setattr(gpu_check, "run_command", _runner_in_process)
     t0 = time.monotonic()
     rc = gpu_check.main(["--device", "cpu", "--quick", "--out", str(tmp_path), "--cases",
                          "split-digits/naive,split-cifar-1/naive"])  # fmt: skip

@@ -16,8 +16,10 @@ ray = pytest.importorskip("ray", reason="Ray Tune is an optional extra: pip inst
 @pytest.fixture(scope="module")
 def local_ray():
     """One local Ray instance for the module's sweeps (a sweep uses a Ray already initialised
-    and leaves it running), so each test pays for its trials, not for starting Ray."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    and leaves it running), so each test pays for its trials, not for starting Ray. One CPU:
+    a sweep's trials run one after another in one reused actor (``reuse_actors``), so a sweep
+    starts one worker process importing torch and Avalanche, not one per concurrent trial."""
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
