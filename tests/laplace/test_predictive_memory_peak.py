@@ -14,43 +14,69 @@ import sys
 
 import pytest
 
+CASES = [("all", "diag", "probit"), ("all", "diag", "variance"), ("all", "kron", "probit"),
+         ("all", "diag", "mc"), ("last_layer", "kron", "probit")]  # fmt: skip
+
+# one interpreter imports torch and fromp once, then measures each case in a child of its own
+# (os.fork: a fresh peak resident set per case, without a second import)
 SCRIPT = r"""
-import resource, sys, torch, fromp
+import os, resource, sys, torch, fromp
 from torch import nn
 torch.set_num_threads(1)
-torch.manual_seed(0)
-subset, structure, call = sys.argv[1:4]
 BUDGET = 2**24
-cnn = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1),
-                    nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(128, 10)).eval()
-x = torch.randn(512, 3, 32, 32)
-la = fromp.Laplace(cnn, "classification", subset, structure).fit([(x[:8], torch.arange(8))])
-calls = {
-    "probit": lambda z: la(z, link_approx="probit", memory_budget=BUDGET),
-    "mc": lambda z: la(z, link_approx="mc", n_samples=4, memory_budget=BUDGET),
-    "nn": lambda z: la(z, pred_type="nn", n_samples=2, memory_budget=BUDGET),
-    "variance": lambda z: la.functional_variance_at(z, memory_budget=BUDGET),
-}
-peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
-calls[call](x[:128])
-small = peak()
-calls[call](x)
-print(peak() - small)
+
+def case(subset, structure, call):
+    torch.manual_seed(0)
+    cnn = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(),
+                        nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2),
+                        nn.Flatten(), nn.Linear(128, 10)).eval()
+    x = torch.randn(512, 3, 32, 32)
+    la = fromp.Laplace(cnn, "classification", subset, structure).fit([(x[:8], torch.arange(8))])
+    calls = {
+        "probit": lambda z: la(z, link_approx="probit", memory_budget=BUDGET),
+        "mc": lambda z: la(z, link_approx="mc", n_samples=4, memory_budget=BUDGET),
+        "nn": lambda z: la(z, pred_type="nn", n_samples=2, memory_budget=BUDGET),
+        "variance": lambda z: la.functional_variance_at(z, memory_budget=BUDGET),
+    }
+    peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    calls[call](x[:128])
+    small = peak()
+    calls[call](x)
+    return peak() - small
+
+for spec in sys.argv[1:]:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            os.write(write, str(case(*spec.split(","))).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    got = os.read(read, 64).decode()
+    os.close(read)
+    _, status = os.waitpid(pid, 0)
+    assert got and os.waitstatus_to_exitcode(status) == 0, (spec, status)
+    print(spec, got)
 """
 
 
-@pytest.mark.parametrize(
-    ("subset", "structure", "call"),
-    [("all", "diag", "probit"), ("all", "diag", "variance"), ("all", "kron", "probit"),
-     ("all", "diag", "mc"), ("last_layer", "kron", "probit")],
-)  # fmt: skip
-def test_peak_memory_does_not_grow_with_the_inputs(subset, structure, call):
+@pytest.fixture(scope="module")
+def growth() -> dict[tuple[str, str, str], int]:
+    """Each case's growth of the peak resident set (MB) from 128 to 512 inputs."""
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT, subset, structure, call],
-        capture_output=True, text=True, timeout=600, env={"OMP_NUM_THREADS": "1"},
+        [sys.executable, "-c", SCRIPT, *(",".join(c) for c in CASES)],
+        capture_output=True, text=True, timeout=900, env={"OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    growth_mb = int(out.stdout.split()[-1])
+    lines = [line.split() for line in out.stdout.splitlines()]
+    return {tuple(spec.split(",")): int(mb) for spec, mb in lines}
+
+
+@pytest.mark.parametrize(("subset", "structure", "call"), CASES)
+def test_peak_memory_does_not_grow_with_the_inputs(growth, subset, structure, call):
+    growth_mb = growth[subset, structure, call]
     # 384 more inputs: 50 MB of first-layer activations if they were kept, 150 MB to 2.5 GB
     # if the budget were ignored (one chunk of 512); their outputs and the inputs already
     # allocated are below 1 MB
