@@ -178,12 +178,23 @@ def test_ewc_over_two_ranks_equals_one_process(fisher, mode):
 
 
 # ----------------------------------------------------------------------- the runner
+#: what ``torchrun --standalone --nproc_per_node=1`` gives its one worker
+_TORCHRUN_ONE = {
+    "RANK": "0", "LOCAL_RANK": "0", "GROUP_RANK": "0", "ROLE_RANK": "0", "WORLD_SIZE": "1",
+    "LOCAL_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": "1", "ROLE_NAME": "default",
+    "MASTER_ADDR": "localhost", "MASTER_PORT": "29500", "TORCHELASTIC_RESTART_COUNT": "0",
+    "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": "none",
+    "TORCHELASTIC_USE_AGENT_STORE": "False",
+}  # fmt: skip
+
+
 def _bench(out, nproc: int | None, *extra: str) -> tuple[dict, str]:
     """``fromp-bench`` on the built-in Split-Digits (2 tasks, tiny), plain (``nproc=None``:
     its ``main`` in this process, single-threaded as every test, which saves a process
-    importing Avalanche) or launched by ``torch.distributed.run`` with ``nproc`` gloo
-    processes; the JSON of every run file in ``out`` (by file name) and the command's
-    standard error."""
+    importing Avalanche), as torchrun's one worker (``nproc=1``: the same ``main`` in this
+    process under the environment ``torchrun --nproc_per_node=1`` sets) or launched by
+    ``torch.distributed.run`` with ``nproc`` gloo processes; the JSON of every run file in
+    ``out`` (by file name) and the command's standard error."""
     import contextlib
     import io
     import json
@@ -195,13 +206,19 @@ def _bench(out, nproc: int | None, *extra: str) -> tuple[dict, str]:
     args = ["split-digits", "--strategies", "ewc,fromp", "--epochs", "1", "--batch-size", "8",
             "--n-train", "80", "--n-test", "20", "--stop-after", "2", "--out", str(out),
             "--no-progress", *extra]  # fmt: skip
-    if nproc is None:
+    if nproc is None or nproc == 1:
+        from unittest import mock
+
         from fromp_bench.__main__ import main
 
         assert "RANK" not in os.environ and not torch.distributed.is_initialized()
         err = io.StringIO()
-        with contextlib.redirect_stderr(err):
+        with (
+            contextlib.redirect_stderr(err),
+            mock.patch.dict(os.environ, _TORCHRUN_ONE if nproc else {}),
+        ):
             rc = main(args)
+        assert not torch.distributed.is_initialized()
         done = subprocess.CompletedProcess(args, rc, "", err.getvalue())
     else:
         args = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
