@@ -310,8 +310,8 @@ BUGS: tuple[Bug, ...] = (
        T + "continual/test_regularizer.py::test_jitter_warning_and_failure"),
     _b("memorable_order_reversed", "order reversed", "the smallest tr Λ kept, not the largest",
        "fromp/continual/memorable.py",
-       'descending=order != "ascending"',
-       'descending=order == "ascending"',
+       'descending = order != "ascending"',
+       'descending = order == "ascending"',
        T + "continual/test_memorable.py::test_selection_matches_brute_force_sort"),
     _b("bn_statistics_not_restored", "state not restored",
        "batch-norm buffers swapped in for the penalty are never swapped back",
@@ -329,6 +329,14 @@ BUGS: tuple[Bug, ...] = (
        T + "strategies/test_fromp_class_incremental.py::"
          "test_penalty_matches_dense_float64_after_tasks_2_and_3",
        T + "continual/test_protocol.py::test_fromp_loss_terms_are_the_weighted_closed_forms"),
+    _b("coreset_weight_sets_not_counted", "dropped factor",
+       "class-incremental coreset weight b_s = N_s / M_s, the 1 / S dropped",
+       "fromp/continual/methods.py",
+       "            b = (sizes / (len(mem) * points)).to(device)\n",
+       "            b = (sizes / points).to(device)\n",
+       T + "continual/test_fromp_ci_defaults.py::test_coreset_weights_follow_the_experiences_sizes",
+       T + "continual/test_protocol.py::"
+         "test_fromp_class_incremental_defaults_plain_loop_equals_the_strategy"),
     # ---------------------------------------------------------------- EWC
     _b("ewc_penalty_batch_dropped", "dropped factor",
        "EWC penalty (λ / B) Σ F (w − w*)² on Avalanche's scale, the 1/B dropped",
