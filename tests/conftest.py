@@ -15,6 +15,13 @@ matplotlib.use("Agg")
 collect_ignore_glob = ["*/data/*.py"]
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """The longer tests (``@pytest.mark.slow``) first, in their collection order: under
+    ``-n`` the workers start on them and the run ends on short tests, not waiting on one
+    long test that happened to come last."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def _has_mnist(root: Path) -> bool:
     raw = root / "MNIST" / "raw"
     return any((raw / f"train-images-idx3-ubyte{ext}").exists() for ext in ("", ".gz"))

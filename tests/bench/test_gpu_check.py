@@ -83,6 +83,7 @@ def _runner_in_process(cmd: list[str], timeout: float) -> dict:
             "timed_out": False, "wall_s": time.perf_counter() - t0}  # fmt: skip
 
 
+@pytest.mark.slow
 def test_quick_cpu_run_of_the_runner_end_to_end(tmp_path, monkeypatch):
     """The real runner, one strategy, split-digits at tiny sizes: per-task seconds from the
     run's record, the command with its paths relative (OUT, DATA), the record and summary.

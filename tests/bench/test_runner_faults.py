@@ -247,6 +247,7 @@ def test_unwritable_run_directories_and_a_full_disk_are_refused_before_training(
     assert trained == []  # nothing was trained
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_checkpoint_write_keeps_the_previous_checkpoint(tmp_path):
     """A process killed (SIGKILL) in the middle of writing a checkpoint: the previous
     checkpoint and its checksum are untouched and still load."""
@@ -286,6 +287,7 @@ p._write_checkpoint(Path({str(path)!r}), {{"version": 3, "config": {{}},
     assert torch.equal(state["model"]["w"], torch.ones(3))
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_results_write_keeps_the_previous_results_json(tmp_path):
     """``results.json`` killed (SIGKILL) half-written: the previous file is whole and loads,
     and the next write replaces the half-written temporary file."""

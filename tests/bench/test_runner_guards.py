@@ -251,6 +251,7 @@ def test_sweep_refuses_what_ray_would_hang_on_before_ray_starts(extra, needle, t
 
 
 # ----------------------------------------------------------------------- SIGTERM, lock
+@pytest.mark.slow
 def test_sigterm_says_how_to_resume_and_releases_the_lock(tmp_path):
     """Before: SIGTERM ended fromp-bench with status 143, no resume hint, the lock left."""
     script = textwrap.dedent(

@@ -240,6 +240,7 @@ def _by_strategy(runs: dict) -> dict:
     return {r["strategy"]: r for r in runs.values()}
 
 
+@pytest.mark.slow
 def test_runner_under_torchrun_rank_zero_writes_and_one_process_is_unchanged(tmp_path):
     """``torchrun --nproc_per_node=1`` gives the plain run's numbers exactly; with 2 gloo
     processes rank 0 writes the results (one file per run), which hold the same settings,

@@ -68,6 +68,7 @@ def test_installed_package_list_is_every_folder_under_its_import_name():
     assert not {"strategies", "benchmarks"} & {p.split(".")[0] for p in tool["packages"]}
 
 
+@pytest.mark.slow
 def test_a_users_own_strategies_and_benchmarks_modules_do_not_shadow_ours(tmp_path):
     """A user's ``strategies.py`` and ``benchmarks.py`` beside their script (first on
     ``sys.path``) leave fromp's Avalanche layer and runner importable: the installed names

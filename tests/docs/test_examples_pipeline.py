@@ -48,6 +48,7 @@ def test_example_is_short():
 
 
 @pytest.mark.parametrize("method", ["fromp", "ewc", "vcl"])
+@pytest.mark.slow
 def test_example_trains_and_resumes(method, tmp_path):
     ex = _load()
     bm = _benchmark(order=[5, 2, 0, 4, 3, 1])

@@ -75,6 +75,7 @@ def growth() -> dict[tuple[str, str, str], int]:
 
 
 @pytest.mark.parametrize(("subset", "structure", "call"), CASES)
+@pytest.mark.slow
 def test_peak_memory_does_not_grow_with_the_inputs(growth, subset, structure, call):
     growth_mb = growth[subset, structure, call]
     # 192 more inputs: 70 MB to 1.2 GB if the budget were ignored (one chunk of 256); their

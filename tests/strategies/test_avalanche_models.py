@@ -462,6 +462,7 @@ def test_global_labels_with_fixed_two_unit_heads_say_what_to_pass(method):
 
 
 @pytest.mark.parametrize("method", ["fromp", "ewc", "vcl"])
+@pytest.mark.slow
 def test_torchvision_resnet18_on_a_cifar_shaped_stream(method):
     """A torchvision ResNet-18 (batch norm, in eval mode for curvature) trains with each
     method on two CIFAR-shaped experiences; VCL makes every conv and linear parameter
