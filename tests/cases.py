@@ -601,3 +601,54 @@ def synthetic_split(
     groups = [list(range(s, s + classes_per_task)) for s in range(0, n_classes, classes_per_task)]
     tasks = split_tasks(xtr, ytr, xte, yte, groups)
     return TaskSequence("synthetic", tasks, multi_head, tuple(input_shape), classes_per_task)
+
+
+# ------------------------------------------------------------------ a process to kill or stop
+def forked(target: Callable[[], int | None], output: str | None = None) -> int:
+    """The pid of a fork of this process running ``target`` (torch, fromp and Avalanche
+    already imported, so no interpreter starts and imports them again); the child exits with
+    ``target``'s return value (0 for None, 1 on an exception), its stdout and stderr written
+    to the file ``output`` (or discarded), SIGTERM and SIGINT at their defaults until
+    ``target`` sets its own. Wait for it with :func:`exit_code`."""
+    import os
+    import signal
+    import sys
+    import traceback
+
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:  # the child: never returns into the test session
+        fd = os.open(output or os.devnull, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        sys.stdout = sys.stderr = open(fd, "w", buffering=1)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        try:
+            code = int(target() or 0)
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def exit_code(pid: int, timeout: float) -> int:
+    """The exit code of the child ``pid`` (minus the signal's number when one killed it), or
+    an ``AssertionError`` after ``timeout`` seconds (the child killed)."""
+    import os
+    import signal
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise AssertionError(f"the child {pid} did not end within {timeout} s")

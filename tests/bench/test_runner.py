@@ -254,20 +254,15 @@ def _cli_args(out):
     ]
 
 
-def _killed_in_task_2(argv: list[str]) -> None:
-    """A forked child's body: ``main(argv)`` with its output to /dev/null, killed (SIGKILL,
-    by itself) after training and evaluating task 2, before writing that task's checkpoint:
-    task 2's work is lost and the checkpoint holds task 1."""
+def _killed_in_task_2(argv: list[str]) -> int:
+    """A forked child's body: ``main(argv)``, killed (SIGKILL, by itself) after training and
+    evaluating task 2, before writing that task's checkpoint: task 2's work is lost and the
+    checkpoint holds task 1."""
     import os
     import signal
-    import sys
 
     import fromp_bench.runner as R
 
-    null = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 1)
-    os.dup2(null, 2)
-    sys.stdout = sys.stderr = open(os.devnull, "w")  # the process ends here
     write = R._write_checkpoint
 
     def write_or_die(path, state):
@@ -276,7 +271,7 @@ def _killed_in_task_2(argv: list[str]) -> None:
         write(path, state)
 
     R._write_checkpoint = write_or_die
-    os._exit(main(argv))
+    return main(argv)
 
 
 def test_killed_process_resumes_to_the_same_table(tmp_path):
@@ -285,18 +280,16 @@ def test_killed_process_resumes_to_the_same_table(tmp_path):
     (torch and Avalanche already imported, single-threaded), killed at the same point every
     time (before: it polled for ``naive-seed0.pt``, a name without the settings id that never
     appeared, so the run always finished and the test skipped)."""
-    import multiprocessing
     import signal
 
     import torch
 
+    from tests.cases import exit_code, forked
+
     ckpts = tmp_path / "killed" / "split-digits" / "checkpoints"
-    proc = multiprocessing.get_context("fork").Process(
-        target=_killed_in_task_2, args=(_cli_args(tmp_path / "killed"),)
-    )
-    proc.start()
-    proc.join(900)  # a loaded machine: two tasks may take minutes
-    assert proc.exitcode == -signal.SIGKILL, proc.exitcode
+    pid = forked(lambda: _killed_in_task_2(_cli_args(tmp_path / "killed")))
+    code = exit_code(pid, 900)  # a loaded machine: two tasks may take minutes
+    assert code == -signal.SIGKILL, code
     (ckpt,) = ckpts.glob("naive-*seed0.pt")  # naive-<settings id>-seed0.pt
     assert torch.load(ckpt, weights_only=True)["done"] == 1
     assert not (tmp_path / "killed" / "split-digits" / "results.json").exists()

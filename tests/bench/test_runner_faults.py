@@ -6,6 +6,8 @@ input validation."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -247,13 +249,27 @@ def test_unwritable_run_directories_and_a_full_disk_are_refused_before_training(
     assert trained == []  # nothing was trained
 
 
-@pytest.mark.slow
+def _killed_when_stalled(tmp_path, writer) -> None:
+    """Run ``writer`` in a fork of this process and kill it (SIGKILL) once it has written
+    ``tmp_path / "stalled"`` (in the middle of its write, where it then sleeps)."""
+    import signal
+    import time
+
+    from tests.cases import exit_code, forked
+
+    pid = forked(writer)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "stalled").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    stalled = (tmp_path / "stalled").exists()
+    os.kill(pid, signal.SIGKILL)
+    assert exit_code(pid, 10) == -signal.SIGKILL
+    assert stalled, "the writer never reached the write"
+
+
 def test_sigkill_during_a_checkpoint_write_keeps_the_previous_checkpoint(tmp_path):
     """A process killed (SIGKILL) in the middle of writing a checkpoint: the previous
     checkpoint and its checksum are untouched and still load."""
-    import signal
-    import subprocess
-    import sys
     import time
 
     from fromp_bench.plugins import _read_checkpoint, _write_checkpoint
@@ -261,71 +277,46 @@ def test_sigkill_during_a_checkpoint_write_keeps_the_previous_checkpoint(tmp_pat
     path = tmp_path / "c.pt"
     _write_checkpoint(path, {"version": 3, "config": {}, "model": {"w": torch.ones(3)}})
     before = path.read_bytes()
-    script = f"""
-import os, time, torch
-from pathlib import Path
-import fromp_bench.plugins as p
-def stall(fd):
-    Path({str(tmp_path)!r}, "stalled").write_text("1")
-    time.sleep(60)
-os.fsync = stall
-p._write_checkpoint(Path({str(path)!r}), {{"version": 3, "config": {{}},
-                    "model": {{"w": torch.zeros(1000)}}}})
-"""
-    proc = subprocess.Popen([sys.executable, "-c", script])
-    try:
-        deadline = time.time() + 60
-        while not (tmp_path / "stalled").exists() and time.time() < deadline:
-            time.sleep(0.05)
-        assert (tmp_path / "stalled").exists(), "the writer never reached the write"
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=10)
-    finally:
-        proc.kill()
+
+    def stall(fd):
+        (tmp_path / "stalled").write_text("1")
+        time.sleep(60)
+
+    def writer():
+        os.fsync = stall  # in the child only
+        _write_checkpoint(path, {"version": 3, "config": {}, "model": {"w": torch.zeros(1000)}})
+
+    _killed_when_stalled(tmp_path, writer)
     assert path.read_bytes() == before
     state = _read_checkpoint(path)
     assert torch.equal(state["model"]["w"], torch.ones(3))
 
 
-@pytest.mark.slow
 def test_sigkill_during_a_results_write_keeps_the_previous_results_json(tmp_path):
     """``results.json`` killed (SIGKILL) half-written: the previous file is whole and loads,
     and the next write replaces the half-written temporary file."""
     import json
-    import signal
-    import subprocess
-    import sys
     import time
+    from pathlib import Path
 
     from fromp_bench.report import save_json
 
     path = tmp_path / "results.json"
     save_json(path, {"runs": [{"seed": 0}]})
     before = path.read_text()
-    script = f"""
-import time
-from pathlib import Path
-import fromp_bench.report as report
-def half(self, data, *args, **kwargs):
-    with open(self, "w") as f:
-        f.write(data[: len(data) // 2])
-        f.flush()
-    with open({str(tmp_path / "stalled")!r}, "w") as f:
-        f.write("1")
-    time.sleep(60)
-Path.write_text = half
-report.save_json(Path({str(path)!r}), {{"runs": [{{"seed": s}} for s in range(1000)]}})
-"""
-    proc = subprocess.Popen([sys.executable, "-c", script])
-    try:
-        deadline = time.time() + 60
-        while not (tmp_path / "stalled").exists() and time.time() < deadline:
-            time.sleep(0.05)
-        assert (tmp_path / "stalled").exists(), "the writer never reached the write"
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=10)
-    finally:
-        proc.kill()
+
+    def half(self, data, *args, **kwargs):
+        with open(self, "w") as f:
+            f.write(data[: len(data) // 2])
+            f.flush()
+        (tmp_path / "stalled").write_bytes(b"1")
+        time.sleep(60)
+
+    def writer():
+        Path.write_text = half  # in the child only
+        save_json(path, {"runs": [{"seed": s} for s in range(1000)]})
+
+    _killed_when_stalled(tmp_path, writer)
     assert path.read_text() == before and json.loads(before) == {"runs": [{"seed": 0}]}
     assert (tmp_path / "results.json.tmp").exists()  # the half-written file, never renamed
     save_json(path, {"runs": [{"seed": 1}]})

@@ -22,7 +22,6 @@ from fromp_bench.command import settings_id
 from fromp_bench.report import aggregate
 
 QUICK = ["--n-test", "20", "--no-progress"]
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _one_line(capsys, *needles: str) -> str:
@@ -251,28 +250,27 @@ def test_sweep_refuses_what_ray_would_hang_on_before_ray_starts(extra, needle, t
 
 
 # ----------------------------------------------------------------------- SIGTERM, lock
-@pytest.mark.slow
 def test_sigterm_says_how_to_resume_and_releases_the_lock(tmp_path):
-    """Before: SIGTERM ended fromp-bench with status 143, no resume hint, the lock left."""
-    script = textwrap.dedent(
-        f"""
-        import os, signal, sys, time
-        from fromp_bench import command
-        from fromp_bench.__main__ import main
-        def run(cfg):
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(30)
-        command.run = run
-        sys.exit(main(["split-digits", "--strategies", "naive", "--epochs", "1",
-                       "--n-train", "40", "--n-test", "20", "--no-progress",
-                       "--out", {str(tmp_path)!r}]))
-        """
-    )
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 130, proc.stderr[-2000:]
-    assert "run the same command with --resume" in proc.stderr
+    """Before: SIGTERM ended fromp-bench with status 143, no resume hint, the lock left. The
+    run is this process forked (no second import), terminated once its lock is taken."""
+    import signal
+    import time
+
+    from tests.cases import exit_code, forked
+
+    def run(cfg):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+
+    def job():
+        bench_main.run = run  # in the child only
+        return main(["split-digits", "--strategies", "naive", "--epochs", "1", "--n-train",
+                     "40", "--n-test", "20", "--no-progress", "--out", str(tmp_path)])  # fmt: skip
+
+    log = tmp_path / "stderr.txt"
+    code = exit_code(forked(job, str(log)), 300)
+    assert code == 130, log.read_text()[-2000:]
+    assert "run the same command with --resume" in log.read_text()
     assert not (tmp_path / "split-digits" / ".lock").exists()
 
 
