@@ -21,9 +21,11 @@ demo: $(STAMP)
 	$(BIN)/python -m fromp_bench demo
 
 # the tests spread over the machine's cores (pytest-xdist): contiguous runs of tests per worker,
-# an idle worker takes over the rest of a busy one's (the Ray sweep tests are long)
+# an idle worker takes over the rest of a busy one's (the Ray sweep tests are long); bytecode
+# is cached even where PYTHONDONTWRITEBYTECODE is set (pytest's rewritten test modules, the
+# processes the tests start), so a second run or process does not compile it again
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n auto --dist worksteal
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n auto --dist worksteal
 
 # On a machine with a CUDA GPU (studies/gpu_step.sh): the CUDA tests and the runner's training
 # times of Naive, FROMP and EWC (split MNIST at 2 and 15 epochs per task, split CIFAR's network

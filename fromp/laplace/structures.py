@@ -51,9 +51,9 @@ class _AllWeightsGP:
         from fromp.gp.process import GP
 
         now = torch.cat([p.detach().reshape(-1) for _, p in self._named]).to(self._mu)
-        post = self.posterior
+        post = self.posterior.replace(mean=now)
         budget = self._budget(memory_budget)
-        return GP(self.model, type(post)(now, post.precision), self._lik,
+        return GP(self.model, post, self._lik,
                   chunk_size=self.chunk_size, memory_budget=budget)  # fmt: skip
 
     def _mean_and_variance(self, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -214,7 +214,17 @@ class FullLaplace(_AllWeightsGP, _FullMaths, ParametricLaplace):
 
     @property
     def posterior(self) -> FullGaussian:
-        return FullGaussian(self._mu.clone(), self.posterior_precision.detach().clone())
+        """:class:`~fromp.posterior.FullGaussian` ``N(theta*, precision^{-1})``; its
+        Cholesky factorisation is cached until the fit, ``delta`` or ``1 / (s^2 T)`` change
+        (each predictive call builds its GP from it: no ``P x P`` factorisation per call)."""
+        h, delta, factor = self._require_fit(), self._delta, float(self._factor())
+        key = (h._version, delta._version, factor)
+        cache = getattr(self, "_posterior_cache", None)
+        if cache is None or cache[0] is not h or cache[1] is not delta or cache[2] != key:
+            q = FullGaussian(self._mu, self.posterior_precision.detach())
+            cache = self._posterior_cache = (h, delta, key, q)
+        q = cache[3]
+        return q._around(self._mu.clone(), q.precision.clone(), q.precision_cholesky)
 
 
 @dataclass

@@ -73,19 +73,32 @@ def test_a_users_own_strategies_and_benchmarks_modules_do_not_shadow_ours(tmp_pa
     """A user's ``strategies.py`` and ``benchmarks.py`` beside their script (first on
     ``sys.path``) leave fromp's Avalanche layer and runner importable: the installed names
     are ``fromp_avalanche`` and ``fromp_bench``, and no module of ours imports the folder
-    names."""
+    names. Checked in a fork of this process that forgets our two packages and imports them
+    again with the user's folder first on ``sys.path`` (torch and Avalanche stay imported, so
+    no second interpreter imports them)."""
+    import importlib
+
+    from tests.cases import exit_code, forked
+
     for name in ("strategies", "benchmarks"):
         (tmp_path / f"{name}.py").write_text("raise ImportError('the user module was imported')\n")
-    code = (
-        "import fromp_avalanche, fromp_avalanche.fromp, fromp_bench.runner, fromp_bench.command;"
-        "import sys; assert 'strategies' not in sys.modules and 'benchmarks' not in sys.modules;"
-        "print('ok')"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "ok"
+    importlib.import_module("fromp_bench.command")  # Avalanche, once, in this process
+
+    def user_script() -> int:
+        ours = {"fromp_avalanche", "fromp_bench", "strategies", "benchmarks"}
+        for name in [n for n in sys.modules if n.split(".")[0] in ours]:
+            del sys.modules[name]
+        sys.path.insert(0, str(tmp_path))
+        importlib.invalidate_caches()
+        for name in ("fromp_avalanche", "fromp_avalanche.fromp", "fromp_bench.runner",
+                     "fromp_bench.command"):  # fmt: skip
+            importlib.import_module(name)
+        assert "strategies" not in sys.modules and "benchmarks" not in sys.modules
+        assert sys.modules["fromp_avalanche"].__file__.startswith(str(ROOT))
+        return 0
+
+    log = tmp_path / "out.txt"
+    assert exit_code(forked(user_script, str(log)), 300) == 0, log.read_text()[-2000:]
 
 
 def test_the_studies_are_not_installed_and_no_test_imports_one():

@@ -60,6 +60,39 @@ def test_full_replace_rebuilds_cholesky_and_covariance():
         q.replace(precision=-new_prec)
 
 
+def test_full_new_mean_or_detach_shares_the_factor_and_stays_exact():
+    """``replace(mean=)`` and ``detach()`` keep the precision's Cholesky factor (no
+    factorisation: a predictive at other weights) and give what a Gaussian built from
+    nothing gives: covariance, whitening and samples against dense float64 ones; a wrong
+    mean is refused as the constructor refuses it."""
+    p = 6
+    prec = _spd(p, 3).requires_grad_()
+    q = FullGaussian(torch.randn(p, dtype=F64), prec)
+    new_mean = torch.randn(p, dtype=F64)
+    calls = []
+    real = torch.linalg.cholesky_ex
+    torch.linalg.cholesky_ex = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        moved, detached = q.replace(mean=new_mean), q.detach()
+    finally:
+        torch.linalg.cholesky_ex = real
+    assert calls == []
+    assert moved.precision_cholesky is q.precision_cholesky and not detached.precision.requires_grad
+    fresh = FullGaussian(new_mean, prec.detach())
+    cov = torch.linalg.inv(prec.detach())
+    jac = torch.randn(4, p, dtype=F64)
+    for r in (moved, detached):
+        torch.testing.assert_close(r.covariance, cov)
+        torch.testing.assert_close(r.whiten(jac) @ r.whiten(jac).T, jac @ cov @ jac.T)
+    assert torch.equal(moved.mean, new_mean) and torch.equal(detached.mean, q.mean)
+    g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    torch.testing.assert_close(moved.sample(3, generator=g1), fresh.sample(3, generator=g2))
+    with pytest.raises(ValueError, match=r"mean must have shape \[P\]"):
+        q.replace(mean=torch.zeros(p + 1, dtype=F64))
+    with pytest.raises(ValueError, match="mean"):
+        q.replace(mean=torch.full((p,), float("nan"), dtype=F64))
+
+
 def test_diagonal_replace_and_whiten():
     p = 5
     q = DiagonalGaussian(torch.zeros(p, dtype=F64), torch.ones(p, dtype=F64))

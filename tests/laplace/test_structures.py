@@ -156,3 +156,41 @@ def test_a_factor_torch_cannot_decompose_goes_to_the_mrrr_solver(monkeypatch):
     assert calls == [torch.float32] and vals.dtype == vecs.dtype == torch.float32
     torch.testing.assert_close(vecs @ torch.diag(vals) @ vecs.T, m, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(vecs.T @ vecs, torch.eye(60), rtol=0, atol=1e-5)
+
+
+def test_full_posterior_factor_is_computed_once_and_follows_the_prior_and_the_fit(monkeypatch):
+    """The all-weights full Laplace factorises its ``P x P`` precision once for every
+    predictive call, kernel and posterior until the fit, the prior precision (also changed
+    in place) or the temperature change: the functional variance against the dense ``J
+    Sigma J^T`` after each change, and no Cholesky factorisation in a repeated call."""
+    net = _net()
+    x, y = _data(9)
+    xt, _ = _data(4, seed=3)
+    la = Laplace(net, "classification", "all", "full", prior_precision=0.5).fit([(x, y)])
+    calls = []
+    real = torch.linalg.cholesky_ex
+    monkeypatch.setattr(
+        torch.linalg, "cholesky_ex", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+
+    def check() -> None:
+        j = _dense_jacobian(net, xt)
+        cov = torch.linalg.inv(la.posterior_precision)
+        want = torch.einsum("ncp,pq,ndq->ncd", j, cov, j)
+        torch.testing.assert_close(la.functional_variance_at(xt), want, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(la.posterior.covariance, cov)
+
+    check()
+    assert len(calls) == 1
+    la(xt), la.gp().kernel(xt), la.posterior.mean.mul_(0)  # a returned copy: the cache stays
+    check()
+    assert len(calls) == 1
+    for change in (lambda: setattr(la, "prior_precision", 3.0),
+                   lambda: la.prior_precision.mul_(2),
+                   lambda: setattr(la, "temperature", 0.5),
+                   lambda: la.fit([(x[:4], y[:4])], override=False)):  # fmt: skip
+        change()
+        before = len(calls)
+        check()
+        check()
+        assert len(calls) == before + 1
