@@ -24,6 +24,7 @@ the network.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,7 +144,7 @@ class DiagLaplace(_AllWeightsGP, _DiagMaths, ParametricLaplace):
 
 class _FullMaths:
     """The posterior maths of a dense curvature ``G`` ``[P, P]`` (the fitted ``H``):
-    precision ``G / (s^2 T) + diag(delta)``, its covariance cached; every full structure (all
+    precision ``G / (s^2 T) + diag(delta)``, its factorisations cached; every full structure (all
     weights, last layer, subnetwork) takes it from here."""
 
     def _fitted(self):
@@ -172,18 +173,33 @@ class _FullMaths:
     def posterior_precision(self) -> Tensor:
         return self._require_fit() * self._factor() + torch.diag(self._delta_vector(self._delta))
 
-    def _covariance(self) -> Tensor:
-        """``Sigma`` ``[P, P]``, cached until the fit, ``delta`` or ``1 / (s^2 T)`` change (a
-        predictive in chunks inverts the ``P x P`` precision once, not once per chunk)."""
+    def _cached(self, name: str, build: Callable[[], Any]) -> Any:
+        """``build()``, kept under ``name`` until the fit, ``delta`` (also changed in place:
+        the tensors' ``_version``) or ``1 / (s^2 T)`` change: each ``P x P`` factorisation
+        is done once for every predictive call, chunk, kernel and sample."""
         h, delta, factor = self._require_fit(), self._delta, float(self._factor())
-        key = (h._version, delta._version, factor)  # _version: in-place changes
-        cache = getattr(self, "_cov_cache", None)
-        if cache is not None and cache[0] is h and cache[1] is delta and cache[2] == key:
-            return cache[3]
-        prec = self.posterior_precision
-        cov = torch.cholesky_inverse(torch.linalg.cholesky(prec.double())).to(prec.dtype)
-        self._cov_cache = (h, delta, key, cov)
-        return cov
+        stamp = (h._version, delta._version, factor)
+        held = getattr(self, "_full_cache", None)
+        if held is None or held[0] is not h or held[1] is not delta or held[2] != stamp:
+            held = self._full_cache = (h, delta, stamp, {})
+        if name not in held[3]:
+            held[3][name] = build()
+        return held[3][name]
+
+    def _cholesky64(self) -> Tensor:
+        """``L`` ``[P, P]`` (float64) with ``precision = L L^T``, cached (:meth:`_cached`)."""
+        return self._cached(
+            "cholesky64", lambda: torch.linalg.cholesky(self.posterior_precision.double())
+        )
+
+    def _covariance(self) -> Tensor:
+        """``Sigma`` ``[P, P]`` in the precision's dtype, cached (:meth:`_cached`)."""
+
+        def build() -> Tensor:
+            dtype = self.posterior_precision.dtype
+            return torch.cholesky_inverse(self._cholesky64()).to(dtype)
+
+        return self._cached("covariance", build)
 
     posterior_covariance = property(lambda self: self._covariance().clone())
     posterior_variance = property(lambda self: torch.diagonal(self._covariance()).clone())
@@ -196,8 +212,7 @@ class _FullMaths:
 
     def _sqrt_cov_times(self, z):
         # Sigma = (L L^T)^{-1} = L^{-T} L^{-1}: theta = L^{-T} z
-        prec = self.posterior_precision
-        chol = torch.linalg.cholesky(prec.double())
+        chol = self._cholesky64()
         return torch.linalg.solve_triangular(chol.T, z.double().T, upper=True).T.to(z.dtype)
 
 
@@ -217,13 +232,9 @@ class FullLaplace(_AllWeightsGP, _FullMaths, ParametricLaplace):
         """:class:`~fromp.posterior.FullGaussian` ``N(theta*, precision^{-1})``; its
         Cholesky factorisation is cached until the fit, ``delta`` or ``1 / (s^2 T)`` change
         (each predictive call builds its GP from it: no ``P x P`` factorisation per call)."""
-        h, delta, factor = self._require_fit(), self._delta, float(self._factor())
-        key = (h._version, delta._version, factor)
-        cache = getattr(self, "_posterior_cache", None)
-        if cache is None or cache[0] is not h or cache[1] is not delta or cache[2] != key:
-            q = FullGaussian(self._mu, self.posterior_precision.detach())
-            cache = self._posterior_cache = (h, delta, key, q)
-        q = cache[3]
+        q = self._cached(
+            "posterior", lambda: FullGaussian(self._mu, self.posterior_precision.detach())
+        )
         return q._around(self._mu.clone(), q.precision.clone(), q.precision_cholesky)
 
 
