@@ -337,6 +337,20 @@ BUGS: tuple[Bug, ...] = (
        T + "continual/test_fromp_ci_defaults.py::test_coreset_weights_follow_the_experiences_sizes",
        T + "continual/test_protocol.py::"
          "test_fromp_class_incremental_defaults_plain_loop_equals_the_strategy"),
+    _b("coreset_drawn_by_default", "wrong branch",
+       "the default class-incremental coreset loss drawn (ceil(B / S) per set), not exact",
+       "fromp/continual/methods.py",
+       "        if not isinstance(self._memory_batch, int) or not len(self.regularizer):\n"
+       "            return None\n"
+       "        return -(-self._memory_batch // len(self.regularizer))\n",
+       "        n = self.memory_points()\n"
+       "        if n is None or not len(self.regularizer):\n"
+       "            return None\n"
+       "        return -(-n // len(self.regularizer))\n",
+       T + "continual/test_fromp_ci_defaults.py::"
+         "test_the_default_replays_every_stored_point_exactly_and_an_int_draws",
+       T + "continual/test_protocol.py::"
+         "test_fromp_class_incremental_defaults_plain_loop_equals_the_strategy"),
     # ---------------------------------------------------------------- EWC
     _b("ewc_penalty_batch_dropped", "dropped factor",
        "EWC penalty (λ / B) Σ F (w − w*)² on Avalanche's scale, the 1/B dropped",

@@ -214,6 +214,42 @@ def test_coreset_weights_follow_the_experiences_sizes():
     torch.testing.assert_close(rep, want)
 
 
+def test_the_default_replays_every_stored_point_exactly_and_an_int_draws():
+    """``memory_batch="auto"`` on a class-incremental stream: a training step's coreset loss
+    is the weighted sum over every stored point, exactly (no draws: estimates from draws at
+    these weights are noisy enough to slow the newest classes down), and the penalty covers
+    the first ``ceil(B / S)`` points of each set; an int ``memory_batch = n`` draws
+    ``ceil(n / S)`` points per set."""
+
+    def no_draw(per_set: int) -> torch.Tensor:
+        raise AssertionError(f"drew {per_set} points per set")
+
+    for given, draws in (("auto", None), (6, 2)):
+        method = FROMPMethod(n_points=6, memory_batch=given)
+        net = tiny_mlp(4, 5, 6, seed=0)
+        _loop(method, net, _ci_stream())  # three experiences, steps of batch 8
+        memories = method.regularizer.memories
+        penalised = [3, 3, 3] if given == "auto" else [2, 2, 2]  # ceil(8 / 3), ceil(6 / 3)
+        assert [m.n_penalised for m in memories] == penalised
+        method.begin_task(net, experience=3, ess=24, classes=[0, 1])
+        assert method.replay_draws() == draws
+        st = method.regularizer._stack()
+        calls: list[int] = []
+        st.draw = no_draw if draws is None else (lambda k, c=calls: c.append(k) or torch.arange(6))
+        x, _ = _data([0, 1], n=8, seed=9)
+        method.loss_terms(net, x, net(x))
+        del st.draw
+        if draws is not None:
+            assert calls == [2]
+            continue
+        with torch.no_grad():
+            want = sum(
+                w * F.cross_entropy(net(m.inputs), m.labels)
+                for w, m in zip(method.set_weights().tolist(), memories)
+            )
+        torch.testing.assert_close(method.last_terms["replay"], want)
+
+
 # ---------------------------------------------------------------------- the estimator
 def _regularizer(sizes=(5, 3, 4), c: int = 6, points: int | None = None):
     torch.manual_seed(0)
