@@ -944,8 +944,9 @@ class FROMPMethod(ContinualMethod):
         parameters, the loss dtype, the settings the terms read."""
         params = self._params(net)
         stack = self.regularizer._stack()
+        weights = self.set_weights() if self.replay else None  # b_s per set: a cached tensor
         key = (Same(stack), Same(self.bn_buffers), param_key(params), dtype, penalised,
-               self.tau, self.replay, self.replay_weight, self.bn_statistics,
+               self.tau, self.replay, self.replay_weight, Same(weights), self.bn_statistics,
                self.regularizer.function)  # fmt: skip
 
         def fn() -> tuple[Tensor | None, ...]:

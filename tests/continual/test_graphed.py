@@ -163,6 +163,52 @@ def test_the_term_is_captured_again_exactly_when_what_it_reads_changes(name):
     assert method._captured["term"] is not fifth
 
 
+def test_class_incremental_defaults_are_captured_with_their_set_weights_in_the_key():
+    """On a class-incremental stream the default coreset is replayed whole (the same stored
+    points at every step), so its term is captured, equal to the plain one; the sets'
+    weights ``b_s`` are part of the key: new weights (sets of unknown size, another
+    experience size) give a new term, with the new weights."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 6)).to(D)
+    captured = FROMPMethod(n_points=4, jitter=1e-5, cuda_graph="on")
+    plain = FROMPMethod(n_points=4, jitter=1e-5, cuda_graph="off")
+
+    def data(t):
+        x, y = _data(t)
+        return x, y % 2 + 2 * t  # classes 0/1, then 2/3, then 4/5: one growing set
+
+    def step(method, ess):
+        method.begin_task(net, experience=2, ess=ess, classes=[4, 5])
+        x, y = data(2)
+        o = net(x[:8])
+        loss = F.cross_entropy(o, y[:8])
+        term = method.loss_terms(net, x[:8], o, loss=loss)
+        net.zero_grad()
+        (loss + term).backward()
+        return dict(method.last_terms), [p.grad.clone() for p in net.parameters()]
+
+    for t in range(2):
+        for method in (captured, plain):
+            method.begin_task(net, experience=t, ess=30, classes=[2 * t, 2 * t + 1])
+            method.learn_task(net, *data(t), None, experience=t)
+    assert captured.class_incremental and captured.replay_draws() is None
+    seen: list[StaticTerm] = []
+    for ess in (30, 30, 90):
+        if ess == 90:  # sets of unknown size stand for the new experience's size
+            captured.examples, plain.examples = {}, {}
+        terms, grads = step(captured, ess)
+        term = captured._captured["term"]
+        assert term is not None and (term in seen) == (len(seen) == 1)  # reused once
+        seen.append(term)
+        want, want_grads = step(plain, ess)
+        assert plain._captured.get("term") is None
+        for k in want:
+            torch.testing.assert_close(terms[k], want[k])
+        for g, w in zip(grads, want_grads):
+            torch.testing.assert_close(g, w)
+    torch.testing.assert_close(captured.set_weights(), torch.full((2,), 90 / 8, dtype=D))
+
+
 def test_a_parameter_changed_in_place_before_the_backward_is_refused():
     net = _net(True)
     method = _method("probs", "on")
