@@ -309,11 +309,12 @@ _VCL_CORESET: dict[str, Settings] = {
 CI_MEMORY = 200
 CI_EPOCHS = 2
 _CI: Settings = {"optimizer": "adam", "lr": 1e-3, "train_epochs": CI_EPOCHS, "train_mb_size": 128}
-# Explicit as selected: FROMP's "auto" would replay a coreset at its own weights on these streams
+# Explicit as selected: FROMP's "auto" would replay a coreset at its own weights with the
+# per-point kernel on these streams
 _FROMP_CI: Settings = _with(_CI, kwargs={
     "tau": 0.1, "function": "logits", "context_tau": 0.3, "n_points": CI_MEMORY,
     "prior_precision": 1e-3, "jitter": 1e-6, "curvature_examples": 1000,
-    "replay": False, "memory_batch": None,
+    "replay": False, "memory_batch": None, "kernel": "per_class",
 })  # fmt: skip
 _FROMP["split-mnist-ci"] = _FROMP_CI
 # Split-Digits (about 290 training images per experience): 20 memory points per experience

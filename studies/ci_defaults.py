@@ -241,6 +241,7 @@ class _Run:
                 "context_tau": method.context_tau,
                 "function": method.function,
                 "select": method.select,
+                "kernel": method.kernel,
                 "memory_points": method.memory_points(),
             }
         return out

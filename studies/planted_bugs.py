@@ -343,14 +343,30 @@ BUGS: tuple[Bug, ...] = (
        "        if not isinstance(self._memory_batch, int) or not len(self.regularizer):\n"
        "            return None\n"
        "        return -(-self._memory_batch // len(self.regularizer))\n",
-       "        n = self.memory_points()\n"
-       "        if n is None or not len(self.regularizer):\n"
+       "        n = self._batch or self.n_points  # memory_batch ignored: always drawn\n"
+       "        if not len(self.regularizer):\n"
        "            return None\n"
        "        return -(-n // len(self.regularizer))\n",
        T + "continual/test_fromp_ci_defaults.py::"
          "test_the_default_replays_every_stored_point_exactly_and_an_int_draws",
        T + "continual/test_protocol.py::"
          "test_fromp_class_incremental_defaults_plain_loop_equals_the_strategy"),
+    _b("per_point_kernel_diagonal_only", "dropped term",
+       "the per-point kernel keeps each point's output variances, not their covariances",
+       "fromp/continual/regularizer.py",
+       "            return gp.variance(x, method=method)\n",
+       "            v = gp.variance(x, method=method)\n"
+       "            return torch.diag_embed(torch.diagonal(v, 0, 1, 2))\n",
+       T + "continual/test_regularizer.py::test_stored_kernel_equals_dense",
+       T + "continual/test_fromp_ci_defaults.py::"
+         "test_penalty_on_the_first_points_of_each_set_matches_dense_float64"),
+    _b("per_point_kernel_by_default_on_probs", "wrong branch",
+       "kernel='auto' takes the per-point kernel with the probabilities (singular blocks)",
+       "fromp/continual/methods.py",
+       'per_point = self.class_incremental and self.regularizer.function == "logits"',
+       "per_point = self.class_incremental",
+       T + "continual/test_fromp_ci_defaults.py::"
+         "test_replay_turned_off_is_named_once_at_the_start_of_each_experience_with_new_classes"),
     _b("graph_key_misses_set_weights", "state not updated",
        "the captured FROMP term keeps stale coreset weights b_s (not in its key)",
        "fromp/continual/methods.py",

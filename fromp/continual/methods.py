@@ -53,7 +53,7 @@ from fromp.continual.named_state import (
     to_flat,
 )
 from fromp.continual.protocol import ContinualMethod, Optim, TaskLabels, TaskStart
-from fromp.continual.regularizer import _FUNCTIONS, FROMPRegularizer, FunctionKernel
+from fromp.continual.regularizer import _FUNCTIONS, _KERNELS, FROMPRegularizer, FunctionKernel
 from fromp.curvature.diagonal import diag_ggn, diag_ggn_linear
 from fromp.curvature.jacobian import default_memory_budget, flat_params
 from fromp.curvature.kron import KronCurvature, kron_curvature
@@ -167,18 +167,24 @@ class FROMPMethod(ContinualMethod):
       at random per class (``select``);
     * ``function`` -> ``"logits"`` (whose kernels keep their scale on a many-class head; the
       probabilities when the user turned the coreset off);
+    * ``kernel`` -> ``"per_point"`` with the logits: each memorable point's ``[C, C]``
+      covariance ``J(x_m) Sigma J(x_m)^T`` of its outputs (the DNN2GP kernel without the
+      terms between points), whose cost is linear in the points, so the penalty covers
+      every stored point (``"per_class"`` with the probabilities, whose covariance per
+      point is singular);
     * ``replay_weight`` -> each replayed point weighted as the ``N_s / M_s`` examples of its
       experience it stands for: ``b_s = N_s / (S M_s)`` (:meth:`set_weights`);
     * ``tau`` -> :data:`CI_TAU` (the context term stays off: on one head it holds the old
       classes' outputs on the new classes' inputs, which must fall for the new classes to
       win, and cost the newest experience 4-8 points);
-    * ``memory_batch`` -> the training batch's size ``B`` for the penalty: a step evaluates
-      it on the first ``ceil(B / S)`` points of each of the ``S`` sets (the kernels are taken
-      on those, so the work after an experience is ``C (B / S)^2 P`` multiply-adds per set),
-      and the coreset's loss exactly, on every stored point, in the same forward pass. Not
-      drawn: an estimate from ``ceil(B / S)`` draws per set, weighted ``b_s``, is unbiased
-      but so noisy that Adam's steps shrink and the newest classes are learnt less (split
-      MNIST at a fifth of the data: 89.6 % on the newest experience against 93.3 % exact).
+    * ``memory_batch`` -> every stored point at every step, the penalty and the coreset's
+      loss exactly, in one forward pass. Not drawn: an estimate of the coreset's loss from
+      ``ceil(B / S)`` draws per set, weighted ``b_s``, is unbiased but so noisy that Adam's
+      steps shrink and the newest classes are learnt less (split MNIST at a fifth of the
+      data: 89.6 % on the newest experience against 93.3 % exact). With a kernel whose cost
+      grows with the square of the points (``"per_class"``, ``"joint"``: ``C M^2 P``
+      multiply-adds per set after each experience) the penalty covers the first ``ceil(B /
+      S)`` points of each of the ``S`` sets instead, ``B`` the training batch's size.
 
     Elsewhere (a head per task, one head that every experience fills) they keep the paper's
     values: ``tau = 10``, no coreset, no context term, every point every step. A setting
@@ -216,7 +222,10 @@ class FROMPMethod(ContinualMethod):
             (the paper's), :data:`CI_TAU` on a class-incremental stream.
         n_points: memorable points per task (the paper's setting: 40 on split MNIST, 200 on
             permuted MNIST and split CIFAR), split evenly over the task's classes.
-        kernel: ``"per_class"`` (FROMP), ``"joint"`` or ``"identity"`` (FROMP-L2).
+        kernel: ``"per_class"`` (FROMP), ``"joint"``, ``"per_point"`` or ``"identity"``
+            (FROMP-L2), see :mod:`fromp.continual.regularizer`; ``"auto"`` (the default):
+            ``"per_class"``, ``"per_point"`` on a class-incremental stream whose penalty
+            keeps the logits (:meth:`resolve_kernel`, at the first :meth:`learn_task`).
         function: the function the penalty keeps on the memorable points: ``"probs"``
             (``p = softmax(f)``, FROMP's choice) or ``"logits"`` (the outputs ``f``, whose
             kernel does not vanish on confidently classified points; on one head shared by
@@ -324,9 +333,10 @@ class FROMPMethod(ContinualMethod):
             (torch's generator of the sets' device), an unbiased but noisy estimate of the
             sum over the sets (:meth:`FROMPRegularizer.terms`, ``replay_points``), both in
             one forward pass. None: every point every step (exact). ``"auto"`` (the
-            default): on a class-incremental stream the penalty as for ``n = B``, the
-            training batch's size (the largest of the experience, for the kernels), and the
-            coreset's loss exact on every stored point (:meth:`replay_draws`); else None.
+            default): None, except on a class-incremental stream with the ``"per_class"``
+            or ``"joint"`` kernel, where the penalty is as for ``n = B``, the training
+            batch's size (the largest of the experience, for the kernels), and the
+            coreset's loss exact on every stored point (:meth:`replay_draws`).
         chunk_size: examples per Jacobian chunk for the kernels and the memorable points
             (memory ``chunk_size * C * P`` numbers). The diagonal GGN takes its chunks from
             the device's memory budget instead
@@ -361,7 +371,7 @@ class FROMPMethod(ContinualMethod):
         tau: float | str = "auto",
         n_points: int = 40,
         *,
-        kernel: str = "per_class",
+        kernel: str = "auto",
         function: str = "auto",
         select: str | None = None,
         prior_precision: float = 1e-3,
@@ -453,8 +463,12 @@ class FROMPMethod(ContinualMethod):
             raise ValueError(f"function must be 'auto' or one of {_FUNCTIONS}, got {function!r}")
         #: function="auto" and no task learnt yet: the choice waits for the first learn_task
         self._function_pending = function == "auto"
+        if kernel != "auto" and kernel not in _KERNELS:
+            raise ValueError(f"kernel must be 'auto' or one of {_KERNELS}, got {kernel!r}")
+        #: kernel="auto" and no task learnt yet: resolved with the stream (resolve_kernel)
+        self._kernel_pending = kernel == "auto"
         self.regularizer = FROMPRegularizer(
-            kernel,
+            "per_class" if kernel == "auto" else kernel,
             likelihood,
             jitter=jitter,
             chunk_size=chunk_size,
@@ -544,12 +558,14 @@ class FROMPMethod(ContinualMethod):
     def memory_points(self, batch: int | None = None) -> int | None:
         """The stored points the penalty covers at a training step, about (``memory_batch``
         in force; the first ``ceil(n / S)`` of each of the ``S`` sets): None (every point)
-        unless ``memory_batch`` is an int, or ``"auto"`` on a class-incremental stream,
-        where it is the training batch's size (``batch``; the largest batch of the
-        experience when None, ``n_points`` before any step)."""
+        unless ``memory_batch`` is an int, or ``"auto"`` on a class-incremental stream with
+        a kernel whose cost grows with the square of the points (``"per_class"``,
+        ``"joint"``: ``C M^2 P`` per set after each experience), where it is the training
+        batch's size (``batch``; the largest batch of the experience when None,
+        ``n_points`` before any step)."""
         if self._memory_batch != "auto":
             return self._memory_batch  # type: ignore[return-value]
-        if not self.class_incremental:
+        if not self.class_incremental or self.kernel in ("per_point", "identity"):
             return None
         return batch or self._batch or self.n_points
 
@@ -563,7 +579,21 @@ class FROMPMethod(ContinualMethod):
 
     @property
     def kernel(self) -> str:
-        return self.regularizer.kernel
+        """The kernel of the penalty (:class:`FROMPRegularizer`'s ``kernel``); ``"auto"``
+        until the first :meth:`learn_task` or a class-incremental stream chooses (see
+        ``kernel``)."""
+        return "auto" if self._kernel_pending else self.regularizer.kernel
+
+    def resolve_kernel(self) -> None:
+        """Fix ``kernel="auto"`` (a no-op once chosen): ``"per_point"`` on a
+        class-incremental stream whose penalty keeps the logits, else ``"per_class"`` (the
+        paper's; the probabilities' ``[C, C]`` covariance of one point is singular, ``sum_c
+        p_c = 1``). Chosen with the function, before the first memorable set is stored, so
+        every set has the same kernel."""
+        if self._kernel_pending and not self._function_pending:
+            per_point = self.class_incremental and self.regularizer.function == "logits"
+            self.regularizer.kernel = "per_point" if per_point else "per_class"
+            self._kernel_pending = False
 
     @property
     def function(self) -> str:
@@ -876,6 +906,8 @@ class FROMPMethod(ContinualMethod):
         self.class_incremental = True
         if self._function_pending:
             self.resolve_function("logits" if self.replay else "probs")
+        if not len(self.regularizer):  # the kernel is chosen before the first set
+            self.resolve_kernel()
 
     def _loss_terms(
         self, net: nn.Module, x: Tensor, output: Tensor, task: TaskLabels, loss: Tensor | None
@@ -1106,6 +1138,7 @@ class FROMPMethod(ContinualMethod):
                 self._mark_class_incremental()
             if self._function_pending:  # function="auto": chosen from the first experience
                 self.resolve_function(self.auto_function(net, x, y))
+            self.resolve_kernel()
             sensitivity = self.select == "sensitivity"
             q = None
             if sensitivity:  # the points need this task's posterior: curvature first
@@ -1359,8 +1392,9 @@ class FROMPMethod(ContinualMethod):
             saved = state[key]
             if key == "curvature_combine":
                 same = _combine_exponent(saved) == _combine_exponent(value)
-            else:  # a function="auto" not chosen yet matches either
-                same = saved == value or (key == "function" and "auto" in (saved, value))
+            else:  # a function or kernel "auto" not chosen yet matches either
+                pending = key in ("function", "kernel") and "auto" in (saved, value)
+                same = saved == value or pending
             if not same:
                 raise ValueError(
                     f"state was saved with {key}={saved!r}, method has {value!r}: resume "
@@ -1381,12 +1415,16 @@ class FROMPMethod(ContinualMethod):
             mv(state["ggn_sum"]),
             mv(state["optimizer_variance"]),
         )
-        kept = self.regularizer.function
+        kept, kept_kernel = self.regularizer.function, self.regularizer.kernel
         self.regularizer.load_state_dict(state["regularizer"], device=device)
         if state["function"] == "auto":  # saved before its first task: nothing chosen
             self.regularizer.function = kept
         else:
             self._function_pending = False
+        if state["kernel"] == "auto":
+            self.regularizer.kernel = kept_kernel
+        else:
+            self._kernel_pending = False
         self.previous = None
         self._previous_state = mv(state["previous"])
         self.experiences = [int(k) for k in state["experiences"]]

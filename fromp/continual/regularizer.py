@@ -25,6 +25,14 @@ Kernels (``kernel=``):
   the ``c``-th column of ``dp/dw``, i.e. the block diagonal of the joint kernel.
 * ``"joint"``: the full ``[C M, C M]`` kernel (ordering class-major: ``(c, m)``); for
   softmax it is singular (``sum_c p_c = 1``), so it relies on the jitter.
+* ``"per_point"``: one ``[C, C]`` kernel per memorable point, ``K_m = (dp(x_m)/dw) Sigma
+  (dp(x_m)/dw)^T``, the GP's marginal covariance of the point's outputs: the blocks of the
+  joint kernel between each point and itself (the kernel between two points dropped),
+  ``R = 1/2 sum_m r_m^T K_m^{-1} r_m``. Its cost is linear in the points (``P + C^2 O``
+  multiply-adds per point for a layer of ``O`` outputs, structured; the per-class kernel's
+  Gram products cost ``M^2 P`` per set), so the penalty can cover every stored point of a
+  large memory. Meant for the logits: for softmax probabilities each block is singular
+  (``sum_c p_c = 1``) and relies on the jitter, as the joint kernel does.
 * ``"identity"``: ``K = I`` (FROMP-L2), ``R = 1/2 ||p(X; w) - m||^2``.
 
 ``K`` is the DNN2GP kernel (:class:`fromp.gp.GP`) of ``p = inverse_link(f)`` linearised
@@ -85,7 +93,7 @@ FunctionKernel = Callable[[nn.Module, Tensor, "int | None"], Tensor]
 """``(model, x [M, ...], task) -> J(x) Sigma J(x)^T`` ``[M, C, M, C]``: the DNN2GP kernel of
 the outputs ``f`` through head ``task`` under a posterior of any structure (e.g. a fitted
 Kronecker :func:`fromp.Laplace`); FROMP maps it to the probabilities' kernel."""
-_KERNELS = ("per_class", "joint", "identity")
+_KERNELS = ("per_class", "joint", "per_point", "identity")
 #: the functions FROMP can keep: the probabilities ``p = inverse_link(f)`` (the paper) or the
 #: outputs ``f`` themselves (the logits, the function space of DNN2GP and S-FSVI)
 _FUNCTIONS = ("probs", "logits")
@@ -151,24 +159,35 @@ def _prob_gp(
     return GP(fn, posterior, likelihood, chunk_size=chunk_size)
 
 
-def _gp_kernel(gp: GP, x: Tensor, diagonal_outputs: bool) -> Tensor:
-    """``gp.kernel(x)``; the per-example Jacobian way when the structured evaluator's
-    one-example layer capture fails on the model (a model that squeezes the batch
-    dimension of a single example, Avalanche's ``MTSimpleCNN``, feeds its last layer a
-    ``[D]`` input instead of ``[1, D]``)."""
+def _gp_kernel(gp: GP, x: Tensor, kernel: str) -> Tensor:
+    """The blocks of ``gp``'s kernel on ``x`` that ``kernel`` uses: ``[C, M, M]`` per class
+    (``gp.kernel(x, diagonal_outputs=True)``), ``[M, C, C]`` per point (``gp.variance(x)``)
+    or ``[M, C, M, C]`` (joint); the per-example Jacobian way when the structured
+    evaluator's one-example layer capture fails on the model (a model that squeezes the
+    batch dimension of a single example, Avalanche's ``MTSimpleCNN``, feeds its last layer
+    a ``[D]`` input instead of ``[1, D]``)."""
+
+    def blocks(method: str) -> Tensor:
+        if kernel == "per_point":
+            return gp.variance(x, method=method)
+        return gp.kernel(x, diagonal_outputs=kernel == "per_class", method=method)
+
     try:
-        return gp.kernel(x, diagonal_outputs=diagonal_outputs)
+        return blocks("auto")
     except RuntimeError as err:
         if isinstance(err, torch.OutOfMemoryError):
             raise
-        return gp.kernel(x, diagonal_outputs=diagonal_outputs, method="jacobian")
+        return blocks("jacobian")
 
 
 def _select_units(k: Tensor, units: Tensor, kernel: str, m: int) -> Tensor:
     """The kernel ``k`` of :meth:`FROMPRegularizer.kernel_matrix` on ``m`` points restricted
-    to the output units ``units``: ``[C, M, M] -> [C_s, M, M]`` (per class),
+    to the output units ``units``: ``[C, M, M] -> [C_s, M, M]`` (per class), ``[M, C, C] ->
+    [M, C_s, C_s]`` (per point),
     ``[1, C M, C M] -> [1, C_s M, C_s M]`` (joint, class-major)."""
     units = units.to(k.device)
+    if kernel == "per_point":
+        return k if len(units) == k.shape[1] else k[:, units][:, :, units]
     if kernel == "per_class":
         return k if len(units) == k.shape[0] else k[units]
     c = k.shape[-1] // m
@@ -187,7 +206,7 @@ class MemorableSet:
         task: the head (task id) whose outputs are regularised.
         targets: ``[M, C]`` float64 old predictions ``m``.
         chol: float64 lower Cholesky factors of ``K + jitter I``: ``[C, M, M]`` per class,
-            ``[1, C M, C M]`` joint, None for the identity kernel.
+            ``[1, C M, C M]`` joint, ``[M, C, C]`` per point, None for the identity kernel.
         jitter: the jitter that was added to the kernel diagonal.
         units: ``[C_s]`` long indices of the output units the set is regularised on: the
             head's units whose probability is not exactly 0 on every memorable point (units
@@ -238,15 +257,16 @@ class _Stack:
     """Every stored set's quadratic form as blocks of one batched one, and what the replay
     loss reads.
 
-    Block ``b`` (per set and class for ``"per_class"``, per set for ``"joint"`` and
-    ``"identity"``) holds ``L_b`` residual entries ``p[rows[b, i], cols[b, i]] -
-    targets[b, i]`` (``p`` ``[N_k, C]`` the kept function on the ``N_k = sum_s k_s``
-    penalised points, the first ``k_s`` of each set; class-major ``(c, m)`` within a joint
-    block), zero-padded to ``L = max_b L_b``, and ``whiten_t[b] = chol_b^{-T}`` (``chol_b
-    chol_b^T = K_b + jitter I``; zero rows and columns on the padding), so that ``r_b^T
-    (K_b + jitter I)^{-1} r_b = ||r_b^T whiten_t[b]||^2`` (the row-vector product is the
-    faster layout of the batched matmul). ``rows_all`` are the same entries' rows among all
-    ``N = sum_s M_s`` stored points (the layout of a step that evaluates every point).
+    Block ``b`` (per set and class for ``"per_class"``, per set and point for
+    ``"per_point"``, per set for ``"joint"`` and ``"identity"``) holds ``L_b`` residual
+    entries ``p[rows[b, i], cols[b, i]] - targets[b, i]`` (``p`` ``[N_k, C]`` the kept
+    function on the ``N_k = sum_s k_s`` penalised points, the first ``k_s`` of each set;
+    class-major ``(c, m)`` within a joint block), zero-padded to ``L = max_b L_b``, and
+    ``whiten_t[b] = chol_b^{-T}`` (``chol_b chol_b^T = K_b + jitter I``; zero rows and
+    columns on the padding), so that ``r_b^T (K_b + jitter I)^{-1} r_b = ||r_b^T
+    whiten_t[b]||^2`` (the row-vector product is the faster layout of the batched matmul).
+    ``rows_all`` are the same entries' rows among all ``N = sum_s M_s`` stored points (the
+    layout of a step that evaluates every point).
     """
 
     rows: Tensor  # [B, L] long: the point among the N_k penalised points
@@ -289,7 +309,11 @@ class _Stack:
             n, k, dev = len(m.inputs), m.n_penalised, m.targets.device
             units = _units_of(m).to(dev)
             points = torch.arange(k, device=dev)
-            if kernel == "per_class":
+            if kernel == "per_point":  # a block per point: its units
+                local = points[:, None].expand(k, len(units))
+                cols.append(units[None].expand(k, len(units)))
+                targets.append(m.targets)
+            elif kernel == "per_class":
                 local = points.expand(len(units), k)
                 cols.append(units[:, None].expand(len(units), k))
                 targets.append(m.targets.T)
@@ -362,7 +386,8 @@ class FROMPRegularizer:
     """Functional regulariser ``1/2 sum_s r_s^T K_s^{-1} r_s`` over finished tasks.
 
     Args:
-        kernel: ``"per_class"``, ``"joint"`` or ``"identity"`` (FROMP-L2).
+        kernel: ``"per_class"``, ``"joint"``, ``"per_point"`` or ``"identity"`` (FROMP-L2);
+            see the module docstring.
         likelihood: defines ``p = inverse_link(f)`` (``"categorical"``: softmax).
         jitter: added to every kernel's diagonal (FROMP uses 1e-6 on split MNIST, 1e-5 on
             permuted MNIST).
@@ -455,7 +480,9 @@ class FROMPRegularizer:
     ) -> Tensor:
         """The kernel of ``x`` through head ``task`` (float64, before jitter):
         ``[C, M, M]`` for ``"per_class"`` (``K_c = G_c Sigma G_c^T``, ``G_c = dp_c/dw``),
-        ``[1, C M, C M]`` for ``"joint"``, an identity ``[1, C M, C M]`` for ``"identity"``.
+        ``[1, C M, C M]`` for ``"joint"``, ``[M, C, C]`` for ``"per_point"`` (``K_m = G(x_m)
+        Sigma G(x_m)^T``, ``G(x_m) = dp(x_m)/dw`` ``[C, P]``: :meth:`fromp.gp.GP.variance`,
+        linear in ``M``), an identity ``[1, C M, C M]`` for ``"identity"``.
 
         ``K`` is the DNN2GP kernel of ``p = inverse_link(f)``. With a diagonal ``Sigma``
         (``posterior_variance`` ``[P]``): ``GP(p, N(w, Sigma)).kernel(x,
@@ -491,8 +518,10 @@ class FROMPRegularizer:
         up once, and ``Sigma = 0`` is tested once. What is left per set is the kernel's own
         arithmetic, the Gram products of the set's whitened Jacobians (``C M_s^2 P``
         multiply-adds per class-diagonal block, ``P_layer`` per pair and layer with the
-        structured way) and its ``[M_s, C, P]``-sized features."""
-        per_class = self.kernel == "per_class"
+        structured way) and its ``[M_s, C, P]``-sized features; per point (``"per_point"``)
+        only the ``[C, C]`` block of each point with itself, ``P + C^2 O`` per point and
+        layer. A :data:`FunctionKernel` (``posterior="kron"``) gives the whole ``[M, C, M,
+        C]`` kernel, whose blocks are kept."""
         if callable(variance):
             return [
                 self._arranged(self._prob_kernel(with_task(model, t), x, variance(model, x, t)))
@@ -506,17 +535,19 @@ class FROMPRegularizer:
                 gps[t] = _prob_gp(
                     with_task(model, t), self.likelihood, variance, self.chunk_size, self.function
                 )
-            k = _gp_kernel(gps[t], x, per_class).double()
+            k = _gp_kernel(gps[t], x, self.kernel).double()
             if zero:
                 k = torch.zeros_like(k)
-            out.append(k if per_class else self._arranged(k))
+            out.append(self._arranged(k) if self.kernel == "joint" else k)
         return out
 
     def _arranged(self, k: Tensor) -> Tensor:
-        """``[M, C, M, C]`` -> the class blocks ``[C, M, M]`` (per class) or the class-major
-        ``[1, C M, C M]`` (joint)."""
+        """``[M, C, M, C]`` -> the class blocks ``[C, M, M]`` (per class), the point blocks
+        ``[M, C, C]`` (per point) or the class-major ``[1, C M, C M]`` (joint)."""
         if self.kernel == "per_class":
             return torch.diagonal(k, dim1=1, dim2=3).permute(2, 0, 1).contiguous()
+        if self.kernel == "per_point":
+            return torch.diagonal(k, dim1=0, dim2=2).permute(2, 0, 1).contiguous()
         m, c = k.shape[:2]
         return k.permute(1, 0, 3, 2).reshape(1, c * m, c * m)
 
@@ -773,7 +804,8 @@ class FROMPRegularizer:
 
         Computed as ``1/2 ||W r||^2`` over all stored tasks at once: ``W`` ``[B, L, L]``
         stacks the inverse Cholesky factors ``L_b^{-1}`` of every kernel block ``b`` (one
-        per task and class for ``"per_class"``, one per task for ``"joint"``; zero-padded
+        per task and class for ``"per_class"``, per task and point for ``"per_point"``, one
+        per task for ``"joint"``; zero-padded
         to the largest block ``L``), built once per stored task (when the sets change),
         so ``r_b^T K_b^{-1} r_b = ||L_b^{-1} r_b||^2``; ``r`` ``[B, L]`` is gathered from
         the probabilities of all memorable points with one stored index. Since ``K`` is

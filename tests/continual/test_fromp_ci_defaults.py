@@ -1,10 +1,11 @@
 """FROMP's ``"auto"`` settings on class-incremental streams (issue 56): an experience that
 brings classes to a head trained before, or a head that grows with the classes, turns the
-coreset on (with the logits' penalty and the memory's estimators; the context term stays
-off), a coreset turned off by the user is named once at the start of each such experience, and
-task- and domain-incremental streams keep the paper's settings. The coreset's weights
-against their closed form, the replay loss's estimator against the full sum in expectation,
-and the penalty on the first ``k`` points of each set against a dense float64 one."""
+coreset on (with the logits' penalty under the per-point kernel on every stored point; the
+context term stays off), a coreset turned off by the user is named once at the start of
+each such experience, and task- and domain-incremental streams keep the paper's settings.
+The coreset's weights against their closed form, the replay loss's estimator against the
+full sum in expectation, and the penalty (per-class kernels on the first ``k`` points of each
+set, per-point kernels) against dense float64 ones."""
 
 from __future__ import annotations
 
@@ -64,11 +65,13 @@ def _ci_stream():
 
 def _resolved(method: FROMPMethod) -> tuple:
     return (method.tau, method.replay, method.replay_weight, method.context_tau,
-            method.select, method.memory_points(8))  # fmt: skip
+            method.select, method.memory_points(8), method.kernel)  # fmt: skip
 
 
-PAPER = (10.0, False, 1.0, 0.0, "descending", None)
-CI = (CI_TAU, True, None, 0.0, "random", 8)  # per-set weights, no context term
+PAPER = (10.0, False, 1.0, 0.0, "descending", None, "per_class")
+UNSET = (*PAPER[:-1], "auto")  # before the first experience: the kernel not chosen yet
+# per-set weights, no context term, every point under the per-point kernel
+CI = (CI_TAU, True, None, 0.0, "random", None, "per_point")
 
 
 @pytest.mark.parametrize("tell", [True, False], ids=["classes-told", "plain-loop"])
@@ -76,15 +79,16 @@ def test_new_global_labels_on_a_fixed_head_turn_the_coreset_on(tell):
     """A fixed 6-way head whose first experience brings 2 classes: class-incremental from
     the first learn_task (the labels do not fill the head), told or not."""
     method = FROMPMethod(n_points=6)
-    assert _resolved(method) == PAPER and method.function == "auto"
+    assert _resolved(method) == UNSET and method.function == "auto"
     caught, flags = _loop(method, tiny_mlp(4, 5, 6, seed=0), _ci_stream(), tell=tell)
     assert flags == [False, True, True] and method.class_incremental
     assert _resolved(method) == CI and method.function == "logits"
     assert caught == [[], [], []]  # the coreset is on: nothing to say
     assert method.previous is None  # no context term: no copy of the network kept
-    # the penalty covers ceil(batch / S) points of each set, the replay loss all of them
-    assert [m.n_penalised for m in method.regularizer.memories] == [3, 3, 3]
-    assert [len(m.inputs) for m in method.regularizer.memories] == [6, 6, 6]
+    # the penalty and the replay loss cover every point, each point its own [C, C] kernel
+    memories = method.regularizer.memories
+    assert [m.n_penalised for m in memories] == [6, 6, 6]
+    assert [tuple(m.chol.shape) for m in memories] == [(6, 6, 6)] * 3  # the 6 units seen
 
 
 def test_a_growing_head_turns_the_coreset_on_from_its_first_experience():
@@ -104,7 +108,8 @@ def test_new_classes_on_a_trained_head_turn_it_on_at_begin_task():
     method.begin_task(grown, experience=1, classes=[0, 1])  # classes trained before
     assert not method.class_incremental
     method.begin_task(grown, experience=1, classes=[4, 5])
-    assert method.class_incremental and _resolved(method) == CI
+    # the kernel was chosen with the first set (the paper's): the penalty's points bounded
+    assert method.class_incremental and _resolved(method) == (*CI[:5], 8, "per_class")
 
 
 def test_replay_turned_off_is_named_once_at_the_start_of_each_experience_with_new_classes():
@@ -116,6 +121,8 @@ def test_replay_turned_off_is_named_once_at_the_start_of_each_experience_with_ne
         assert "replay=False" in c[0] and "class-incremental" in c[0]
     assert not method.replay and method.function == "probs"  # no coreset: the probabilities
     assert method.tau == CI_TAU and method.context_tau == 0.0
+    # whose [C, C] covariance per point is singular: the per-class kernel, on B points a set
+    assert method.kernel == "per_class" and method.memory_points(8) == 8
 
 
 def test_explicit_settings_are_kept_on_a_class_incremental_stream():
@@ -123,7 +130,7 @@ def test_explicit_settings_are_kept_on_a_class_incremental_stream():
                          memory_batch=None, select="descending")  # fmt: skip
     _loop(method, tiny_mlp(4, 5, 6, seed=0), _ci_stream())
     assert method.class_incremental
-    assert _resolved(method) == (2.0, True, 7.0, 0.0, "descending", None)
+    assert _resolved(method) == (2.0, True, 7.0, 0.0, "descending", None, "per_point")
     assert method.set_weights() is None  # a given weight: the same on every set
     assert [m.n_penalised for m in method.regularizer.memories] == [6, 6, 6]
 
@@ -156,6 +163,7 @@ def test_task_and_domain_incremental_streams_keep_the_papers_settings(layout):
         ({"memory_batch": 0}, ValueError, "memory_batch must be a positive int or None"),
         ({"memory_batch": "all"}, ValueError, "memory_batch must be a positive int or None"),
         ({"select": "best"}, ValueError, "select must be None or one of"),
+        ({"kernel": "diagonal"}, ValueError, "kernel must be 'auto' or one of"),
     ],
 )
 def test_bad_settings_refused_naming_the_argument(kwargs, error, match):
@@ -174,6 +182,13 @@ def test_state_keeps_the_resolution_and_refuses_other_settings():
     assert fresh.examples == method.examples
     with pytest.raises(ValueError, match="memory_batch"):
         FROMPMethod(n_points=6, memory_batch=16).load_state_dict(state)
+    with pytest.raises(ValueError, match="kernel='per_point', method has 'per_class'"):
+        FROMPMethod(n_points=6, kernel="per_class").load_state_dict(state)
+    unset = FROMPMethod(n_points=6).state_dict()  # saved before the first experience
+    assert unset["kernel"] == "auto"
+    chosen = FROMPMethod(n_points=6, kernel="joint")
+    chosen.load_state_dict(unset)  # "auto" not chosen yet matches any kernel
+    assert chosen.kernel == "joint"
 
 
 # ---------------------------------------------------------------------- derived weights
@@ -218,8 +233,8 @@ def test_the_default_replays_every_stored_point_exactly_and_an_int_draws():
     """``memory_batch="auto"`` on a class-incremental stream: a training step's coreset loss
     is the weighted sum over every stored point, exactly (no draws: estimates from draws at
     these weights are noisy enough to slow the newest classes down), and the penalty covers
-    the first ``ceil(B / S)`` points of each set; an int ``memory_batch = n`` draws
-    ``ceil(n / S)`` points per set."""
+    every point (per-point kernels); an int ``memory_batch = n`` draws ``ceil(n / S)``
+    points per set and bounds the penalty to as many."""
 
     def no_draw(per_set: int) -> torch.Tensor:
         raise AssertionError(f"drew {per_set} points per set")
@@ -229,7 +244,7 @@ def test_the_default_replays_every_stored_point_exactly_and_an_int_draws():
         net = tiny_mlp(4, 5, 6, seed=0)
         _loop(method, net, _ci_stream())  # three experiences, steps of batch 8
         memories = method.regularizer.memories
-        penalised = [3, 3, 3] if given == "auto" else [2, 2, 2]  # ceil(8 / 3), ceil(6 / 3)
+        penalised = [6, 6, 6] if given == "auto" else [2, 2, 2]  # all, ceil(6 / 3)
         assert [m.n_penalised for m in memories] == penalised
         method.begin_task(net, experience=3, ess=24, classes=[0, 1])
         assert method.replay_draws() == draws
@@ -249,10 +264,18 @@ def test_the_default_replays_every_stored_point_exactly_and_an_int_draws():
 
 
 # ---------------------------------------------------------------------- the estimator
-def _regularizer(sizes=(5, 3, 4), c: int = 6, points: int | None = None):
+def _regularizer(
+    sizes=(5, 3, 4),
+    c: int = 6,
+    points: int | None = None,
+    kernel: str = "per_class",
+    seen: list[int] | None = None,
+):
     torch.manual_seed(0)
     net = tiny_mlp(4, 5, c, seed=0)
-    reg = FROMPRegularizer(function="logits")
+    reg = FROMPRegularizer(kernel, function="logits")
+    if seen is not None:  # the classes trained so far: the sets keep these units only
+        reg.classes_seen[None] = seen
     for s, m in enumerate(sizes):
         x, y = _data([(2 * s) % c, (2 * s + 1) % c], n=m, seed=s)
         var = torch.full((sum(p.numel() for p in net.parameters()),), 0.1, dtype=D)
@@ -292,7 +315,7 @@ def test_replay_estimator_is_unbiased_for_the_full_sum():
         grads.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(rep, params)]))
     reps_t, grads_t = torch.stack(reps), torch.stack(grads)
     se = reps_t.std() / math.sqrt(len(reps_t))
-    assert abs(float(reps_t.mean() - exact)) < 5 * float(se)
+    assert abs(float(reps_t.mean() - exact.detach())) < 5 * float(se)
     g_mean, g_se = grads_t.mean(0), grads_t.std(0) / math.sqrt(len(grads_t))
     g_want = torch.cat([g.reshape(-1) for g in g_exact])
     assert bool(((g_mean - g_want).abs() <= 5 * g_se + 1e-9).all())
@@ -310,11 +333,15 @@ def test_draws_cover_each_set_uniformly():
                                atol=0.02, rtol=0)  # fmt: skip
 
 
-def test_penalty_on_the_first_points_of_each_set_matches_dense_float64():
-    """``penalty_points=k``: targets and per-class kernels on each set's first ``k`` inputs
-    (``K_c = J_c Sigma J_c^T`` by dense float64 autograd), the replay loss on all."""
-    net, reg = _regularizer(points=2)
+@pytest.mark.parametrize("kernel", ["per_class", "per_point"])
+def test_penalty_on_the_first_points_of_each_set_matches_dense_float64(kernel):
+    """``penalty_points=k``: targets and kernels on each set's first ``k`` inputs, on the
+    units of the classes seen (5 of the head's 6), the replay loss on all: per class ``K_c
+    = J_c Sigma J_c^T`` ``[k, k]``, per point ``K_m = J(x_m) Sigma J(x_m)^T`` ``[C_s,
+    C_s]``, by dense float64 autograd."""
+    net, reg = _regularizer(points=2, kernel=kernel, seen=[0, 1, 2, 3, 4])
     assert [m.n_penalised for m in reg.memories] == [2, 2, 2]
+    assert all(m.units.tolist() == [0, 1, 2, 3, 4] for m in reg.memories)
     names = [n for n, _ in net.named_parameters()]
     base = {n: p.detach().clone() for n, p in net.named_parameters()}
     flat = torch.cat([base[n].reshape(-1) for n in names])
@@ -335,7 +362,13 @@ def test_penalty_on_the_first_points_of_each_set_matches_dense_float64():
         x = m.inputs[:2]
         jac = torch.autograd.functional.jacobian(lambda w, x=x: logits(w, x), flat)
         r = logits(now, x) - logits(flat, x)
-        for c in m.units.tolist():
+        u = m.units
+        if kernel == "per_point":
+            for i in range(2):
+                k = 0.1 * jac[i, u] @ jac[i, u].T + m.jitter * torch.eye(len(u), dtype=D)
+                want = want + 0.5 * r[i, u] @ torch.linalg.solve(k, r[i, u])
+            continue
+        for c in u.tolist():
             k = 0.1 * jac[:, c] @ jac[:, c].T + m.jitter * torch.eye(2, dtype=D)
             want = want + 0.5 * r[:, c] @ torch.linalg.solve(k, r[:, c])
     pen, rep = reg.terms(net, replay=True)
@@ -366,6 +399,6 @@ def test_the_runners_split_mnist_ci_recipe_keeps_its_exact_settings():
     method = FROMPMethod(n_points=6, **kw)
     _loop(method, tiny_mlp(4, 5, 6, seed=0), _ci_stream())
     assert method.class_incremental and method.function == "logits"
-    assert _resolved(method) == (0.1, True, 30, 0.3, "random", None)
+    assert _resolved(method) == (0.1, True, 30, 0.3, "random", None, "per_class")
     assert method.set_weights() is None
     assert all(m.penalised is None for m in method.regularizer.memories)

@@ -253,8 +253,8 @@ def test_fromp_coreset_and_context_plain_loop_equals_the_strategy(float64):
 def test_fromp_class_incremental_defaults_plain_loop_equals_the_strategy(float64):
     """Nothing but ``n_points`` on a class-incremental stream: the plain loop (told the
     classes) and the strategy resolve the same ``"auto"`` settings in ``begin_task`` (the
-    coreset weighted by the experiences' sizes and replayed whole, the penalty on the first points
-    of each set; no context term) and train to the same weights."""
+    coreset weighted by the experiences' sizes and replayed whole, the penalty on every point
+    under the per-point kernel; no context term) and train to the same weights."""
     from fromp.continual.methods import CI_TAU
 
     sizes = (24, 16, 20)  # experiences of different sizes: b_s = N_s / (S M_s) differ
@@ -269,7 +269,8 @@ def test_fromp_class_incremental_defaults_plain_loop_equals_the_strategy(float64
         None,  # per-set weights
         0.0,
     )
-    assert method.memory_points() == BS and method.replay_draws() is None  # exact coreset
+    assert method.kernel == "per_point" and method.memory_points() is None  # every point
+    assert method.replay_draws() is None  # exact coreset
     weights = [n / (3 * 6) for n in sizes]  # 3 sets of n_points = 6 after the last task
     torch.testing.assert_close(method.set_weights().tolist(), weights)
     assert set(method.last_terms) == {"penalty", "replay"}

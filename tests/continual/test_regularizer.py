@@ -43,11 +43,13 @@ def _dense_kernels(g: torch.Tensor, v: torch.Tensor, kernel: str) -> list[torch.
     m, c, _ = g.shape
     if kernel == "per_class":
         return [g[:, k] @ torch.diag(v) @ g[:, k].T for k in range(c)]
+    if kernel == "per_point":  # each point's [C, C] block with itself
+        return [g[i] @ torch.diag(v) @ g[i].T for i in range(m)]
     gj = g.permute(1, 0, 2).reshape(c * m, -1)  # class-major (c, m)
     return [gj @ torch.diag(v) @ gj.T]
 
 
-@pytest.mark.parametrize("kernel", ["per_class", "joint"])
+@pytest.mark.parametrize("kernel", ["per_class", "joint", "per_point"])
 def test_stored_kernel_equals_dense(kernel):
     net = _net()
     x = torch.randn(6, 4, dtype=torch.float64)
@@ -84,7 +86,7 @@ def test_per_class_kernel_is_lambda_j_sigma_jt_lambda():
         torch.testing.assert_close(k[c], full[:, c, :, c])
 
 
-@pytest.mark.parametrize("kernel", ["per_class", "joint"])
+@pytest.mark.parametrize("kernel", ["per_class", "joint", "per_point"])
 def test_penalty_gradient_equals_brute_force_multihead(kernel):
     net = _net(n_heads=3, head_size=3)
     reg = FROMPRegularizer(kernel, jitter=1e-4)
@@ -120,6 +122,11 @@ def test_penalty_gradient_equals_brute_force_multihead(kernel):
                 a = torch.linalg.solve(kc + 1e-4 * eye, r[:, c])
                 expected += g[:, c].T @ a
                 value += 0.5 * float(r[:, c] @ a)
+        elif kernel == "per_point":
+            for i, ki in enumerate(kernels):
+                a = torch.linalg.solve(ki + 1e-4 * eye, r[i])
+                expected += g[i].T @ a
+                value += 0.5 * float(r[i] @ a)
         else:
             rj = r.T.reshape(-1)
             gj = g.permute(1, 0, 2).reshape(-1, g.shape[-1])
@@ -266,7 +273,7 @@ def test_diag_ggn_linear_matches_per_example_jacobians():
         )
 
 
-@pytest.mark.parametrize("kernel", ["per_class", "joint", "identity"])
+@pytest.mark.parametrize("kernel", ["per_class", "joint", "per_point", "identity"])
 def test_batched_penalty_equals_per_task_loop(kernel):
     net = _net(n_heads=3, head_size=3)
     reg = FROMPRegularizer(kernel, jitter=1e-5)
@@ -305,9 +312,28 @@ def test_prob_gp_jacobians_and_conv_kernel_match_dense():
     xc = torch.randn(4, 1, 4, 4, dtype=torch.float64)
     v = _variance(conv)
     gc = _dense_prob_jac_plain(conv, xc)
-    for kernel in ("per_class", "joint"):
+    for kernel in ("per_class", "joint", "per_point"):
         k = FROMPRegularizer(kernel).kernel_matrix(conv, xc, None, v)
         torch.testing.assert_close(k, torch.stack(_dense_kernels(gc, v, kernel)))
+
+
+def test_per_point_kernel_from_a_function_kernel_keeps_the_point_blocks():
+    """A posterior of any structure hands the regulariser the outputs' kernel ``k_f`` ``[M,
+    C, M, C]`` (``posterior="kron"``): the per-point kernel of the probabilities is ``A_m
+    k_f[m, :, m, :] A_m^T``, here against ``dp(x_m)/dw Sigma dp(x_m)/dw^T`` by dense
+    autograd."""
+    net = _net(n_heads=2, head_size=3)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    v = _variance(net)
+    w0 = flat_params(net)
+    jf = torch.autograd.functional.jacobian(
+        lambda w: functional_call(net, unflatten(net, w), (x,), {"task": 1}), w0
+    )  # [M, C, P]
+    kf = torch.einsum("mcp,p,ndp->mcnd", jf, v, jf)
+    got = FROMPRegularizer("per_point").kernel_matrix(net, x, 1, lambda model, x, t: kf)
+    want = torch.stack(_dense_kernels(_dense_prob_jac(net, x, 1), v, "per_point"))
+    assert got.shape == (5, 3, 3)
+    torch.testing.assert_close(got, want)
 
 
 def test_the_former_name_is_gone():

@@ -113,7 +113,7 @@ def test_plugin_argument_errors():
         FROMPPlugin(tau=-1.0)
     with pytest.raises(ValueError, match="posterior must be one of"):
         FROMPPlugin(posterior="laplace")
-    with pytest.raises(ValueError, match="kernel must be one of"):
+    with pytest.raises(ValueError, match="kernel must be 'auto' or one of"):
         FROMPPlugin(kernel="rbf")
     assert set(SETTINGS["fromp"]) >= {
         "split-mnist",

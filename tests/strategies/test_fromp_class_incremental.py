@@ -92,8 +92,9 @@ def _train(
             replay=replay,
             replay_weight=replay_weight,
             function="probs",  # the exact maths of the probabilities' penalty and of the
-            context_tau=0.0,  # coreset: every point every step (the class-incremental
-            memory_batch=None,  # defaults and their estimators: test_fromp_ci_defaults.py)
+            kernel="per_class",  # coreset: every point every step (the class-incremental
+            context_tau=0.0,  # defaults, their kernel and estimators:
+            memory_batch=None,  # test_fromp_ci_defaults.py)
         )
         snapshots = []
         bm = _stream()
