@@ -25,6 +25,9 @@ included) and the warnings FROMP printed.
     OMP_NUM_THREADS=1 python -m studies.ci_defaults --data-root DATA --seeds 0 1 2 3 4 \\
         --fraction 0.2 --configs replay fromp --out benchmarks/results/ci_defaults/mnist-20.json
 
+``--norm batch`` / ``--norm layer`` put a ``BatchNorm1d`` / ``LayerNorm`` after each hidden
+layer of the MLP (a user's network with normalisation layers).
+
 ``--set NAME=JSON`` adds a FROMP configuration of keyword arguments (``--set
 w3='{"replay_weight": 3}'``) for screening; ``--quick`` runs 300 examples per experience and
 one epoch (what the tests run).
@@ -100,14 +103,27 @@ def _subset(bench, fraction: float, seed: int, cap: int | None):
     return with_classes_timeline(with_task_labels(benchmark_from_datasets(train=train, test=test)))
 
 
-def _model(inputs: int) -> nn.Module:
+#: ``--norm``: the normalisation layer after each hidden linear layer of the MLP
+NORMS = {"none": None, "batch": nn.BatchNorm1d, "layer": nn.LayerNorm}
+
+
+def _model(inputs: int, norm_name: str = "none") -> nn.Module:
+    """The MLP ``inputs``-256-256 with an ``IncrementalClassifier``, with ``NORMS[norm_name]``
+    after each hidden linear layer."""
     from avalanche.models import IncrementalClassifier
+
+    layer = NORMS[norm_name]
+
+    def norm() -> list[nn.Module]:
+        return [] if layer is None else [layer(256)]
 
     return nn.Sequential(
         nn.Flatten(),
         nn.Linear(inputs, 256),
+        *norm(),
         nn.ReLU(),
         nn.Linear(256, 256),
+        *norm(),
         nn.ReLU(),
         IncrementalClassifier(256),
     )
@@ -154,6 +170,7 @@ class _Run:
         fraction: float,
         data_root: str | None,
         quick: bool,
+        norm: str = "none",
     ) -> None:
         from fromp_avalanche.checkpoint import get_rng_state
         from fromp_bench.runner import _seed_everything
@@ -171,7 +188,7 @@ class _Run:
             _benchmark(dataset, seed, data_root), fraction, seed, 300 if quick else None
         )
         torch.manual_seed(seed)
-        model = _model(sizes["inputs"])
+        model = _model(sizes["inputs"], norm)
         epochs = 1 if quick else sizes["epochs"]
         common = dict(train_mb_size=sizes["batch"], train_epochs=epochs, eval_mb_size=1000,
                       device="cpu")  # fmt: skip
@@ -258,6 +275,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--set", action="append", default=[], metavar="NAME=JSON",
                         help="a FROMP configuration of keyword arguments")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="300 examples, 1 epoch")
+    parser.add_argument("--norm", choices=list(NORMS), default="none",
+                        help="a normalisation after each hidden layer of the MLP")  # fmt: skip
     args = parser.parse_args(argv)
     if not 0 < args.fraction <= 1:
         parser.error(f"--fraction must be in (0, 1], got {args.fraction}")
@@ -276,12 +295,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"--configs: unknown {unknown}; known: {sorted(configs)}")
     harness.prepare_out(args.out)
     protocol = {**DATASETS[args.dataset], "dataset": args.dataset, "fraction": args.fraction,
-                "seeds": args.seeds, "quick": args.quick}  # fmt: skip
+                "seeds": args.seeds, "quick": args.quick,
+                "norm": args.norm}  # fmt: skip
     record: dict[str, Any] = {"protocol": protocol, "runs": []}
     for seed in args.seeds:
         runs = [
             _Run(args.dataset, name, *configs[name], seed, args.fraction, args.data_root,
-                 args.quick)
+                 args.quick, args.norm)
             for name in args.configs
         ]  # fmt: skip
         for e in range(len(runs[0].bench.train_stream)):  # interleaved: the order alternates

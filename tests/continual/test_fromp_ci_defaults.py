@@ -125,6 +125,30 @@ def test_replay_turned_off_is_named_once_at_the_start_of_each_experience_with_ne
     assert method.kernel == "per_class" and method.memory_points(8) == 8
 
 
+@pytest.mark.parametrize("norm", [nn.BatchNorm1d, nn.LayerNorm, None])
+def test_running_statistics_on_a_class_incremental_stream_are_named_once(norm):
+    """Batch norm's running statistics with the coreset replayed in its own pass: a warning
+    once, at the first experience known to be class-incremental, naming the layer and the
+    normalisations without batch statistics; none for LayerNorm or no normalisation, and
+    none on a task-incremental stream."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 5), *([norm(5)] if norm else []), nn.Tanh(), nn.Linear(5, 6)]
+    method = FROMPMethod(n_points=6)
+    caught, _ = _loop(method, nn.Sequential(*layers).to(D), _ci_stream())
+    if norm is not nn.BatchNorm1d:
+        assert caught == [[], [], []]
+        return
+    assert [len(c) for c in caught] == [0, 1, 0]  # class-incremental from learn_task 0
+    assert "1 normalisation layers with running statistics (BatchNorm1d)" in caught[1][0]
+    assert "LayerNorm, GroupNorm" in caught[1][0]
+    heads = MultiHeadMLP(4, (5,), n_heads=3, head_size=2).to(D)
+    first = next(i for i, m in enumerate(heads.body) if isinstance(m, nn.Linear))
+    heads.body.insert(first + 1, nn.BatchNorm1d(5).to(D))
+    caught, _ = _loop(FROMPMethod(n_points=6), heads, [(*_data([0, 1], seed=t), t)
+                                                       for t in range(3)])  # fmt: skip
+    assert caught == [[], [], []]
+
+
 def test_explicit_settings_are_kept_on_a_class_incremental_stream():
     method = FROMPMethod(n_points=6, tau=2.0, replay_weight=7.0, context_tau=0.0,
                          memory_batch=None, select="descending")  # fmt: skip
