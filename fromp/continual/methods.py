@@ -908,8 +908,7 @@ class FROMPMethod(ContinualMethod):
                     "the newest classes and FROMP stays well below Replay (split MNIST, 20 %, "
                     "an MLP with BatchNorm1d: 70 % against 92 %); a normalisation without batch "
                     "statistics (LayerNorm, GroupNorm) keeps it above Replay (92.7 % against "
-                    "90.2 % with LayerNorm; "
-                    "docs/avalanche.md)",
+                    "90.2 % with LayerNorm; docs/avalanche.md)",
                     RuntimeWarning,
                     stacklevel=2,
                 )
